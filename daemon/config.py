@@ -1,0 +1,104 @@
+"""Engine settings. Names follow vLLM's so its users feel at home."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+
+class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str = ""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    block_size: int = 16
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 0  # 0: chunk only by the step budget
+    enable_prefix_caching: bool = True
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    num_gpu_blocks_override: int | None = None  # forces the KV pool size on any device
+    kv_cache_memory_bytes: int | None = None  # KV pool size in bytes (any device)
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory llmd may use
+    cpu_kv_cache_fraction: float = 0.25  # CPU: fraction of available RAM for KV when no bytes given
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    speculative_config: dict[str, Any] | None = None
+    seed: int = 0
+    max_logprobs: int = 20
+    tokenizer: str | None = None  # defaults to the model directory
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, field: str, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"{field} {msg}")
+
+        check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
+              f"must be a power of two in [1, 128], got {self.block_size}")
+        check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
+              f"must be >= 1, got {self.max_num_batched_tokens}")
+        check(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold",
+              f"must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.max_model_len is not None:
+            check(self.max_model_len >= 1, "max_model_len", f"must be >= 1, got {self.max_model_len}")
+        if self.num_gpu_blocks_override is not None:
+            check(self.num_gpu_blocks_override >= 1, "num_gpu_blocks_override",
+                  f"must be >= 1, got {self.num_gpu_blocks_override}")
+        if self.kv_cache_memory_bytes is not None:
+            check(self.kv_cache_memory_bytes >= 1, "kv_cache_memory_bytes", "must be >= 1")
+        check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+              f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        check(0.0 < self.cpu_kv_cache_fraction <= 0.9, "cpu_kv_cache_fraction",
+              f"must be in (0, 0.9], got {self.cpu_kv_cache_fraction}")
+        check(self.tensor_parallel_size == 1, "tensor_parallel_size",
+              "must be 1 (tensor parallelism arrives with the worker processes)")
+        check(self.speculative_config is None, "speculative_config", "is not supported yet")
+        check(1 <= self.max_logprobs <= 20, "max_logprobs", "must be in [1, 20]")
+
+
+def load_engine_config(**settings: Any) -> EngineConfig:
+    """Build an EngineConfig from keyword settings, with a readable error for unknown names."""
+    known = set(EngineConfig.__struct_fields__)
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ValueError(f"unknown engine setting(s): {', '.join(unknown)}")
+    return msgspec.convert(settings, EngineConfig)
+
+
+class ModelInfo(msgspec.Struct, kw_only=True):
+    """What the engine needs from a model directory's config.json."""
+
+    architecture: str
+    model_type: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    torch_dtype: str | None = None
+
+
+def read_model_info(model_dir: str | Path) -> ModelInfo:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json in model directory {model_dir}")
+    cfg = json.loads(path.read_text())
+    archs = cfg.get("architectures") or [""]
+    num_heads = cfg["num_attention_heads"]
+    return ModelInfo(
+        architecture=archs[0],
+        model_type=cfg.get("model_type", ""),
+        hidden_size=cfg["hidden_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+        vocab_size=cfg["vocab_size"],
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+    )

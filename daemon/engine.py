@@ -1,0 +1,213 @@
+"""The engine: requests in, one scheduler step + one model step at a time, outputs out.
+
+`add_request / abort_request / step` is the step-wise interface the daemon's scheduler
+actor drives; `LLM.generate` loops over it for offline use.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from llmd.config import EngineConfig
+from llmd.kv_cache_manager import KVCacheManager
+from llmd.output_processor import OutputProcessor
+from llmd.outputs import RequestOutput
+from llmd.request import Request, RequestStatus
+from llmd.scheduler import Scheduler
+from llmd_client.protocol import SamplingParams
+
+CPU_KV_DEFAULT_CAP = 4 << 30
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        import torch
+        from transformers import AutoTokenizer
+
+        from llmd.gpu.executor import InProcessExecutor
+        from llmd.gpu.loader import load_hf_config, resolve_dtype
+        from llmd.gpu.model_runner import RunnerSettings
+
+        self.config = config
+        model_dir = config.model or _demo_model()
+        self.model_dir = str(model_dir)
+        hf_config = load_hf_config(model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or self.model_dir, local_files_only=True)
+
+        device = config.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' was asked for but no CUDA device is available")
+        self.device = torch.device(device)
+        checkpoint_dtype = str(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", "") or "")
+        self.dtype = resolve_dtype(config.dtype, self.device, checkpoint_dtype.replace("torch.", ""))
+
+        max_pos = getattr(hf_config, "max_position_embeddings", 2048)
+        self.max_model_len = config.max_model_len or max_pos
+        if self.max_model_len > max_pos:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {max_pos}")
+        self.vocab_size = hf_config.vocab_size
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self.extra_stop_token_ids = _generation_eos_ids(self.model_dir) - {self.eos_token_id}
+
+        settings = RunnerSettings(block_size=config.block_size, max_model_len=self.max_model_len,
+                                  valid_vocab_size=min(len(self.tokenizer), self.vocab_size),
+                                  eos_token_id=self.eos_token_id, seed=config.seed)
+        self.executor = InProcessExecutor(self.model_dir, settings, self.device, self.dtype)
+        self.num_blocks = self._num_kv_blocks(self.executor.kv_cache_bytes_per_block())
+        self.executor.initialize_kv_cache(self.num_blocks)
+        self.kv_cache_manager = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv_cache_manager)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    # -- sizing ---------------------------------------------------------------------
+    def _num_kv_blocks(self, bytes_per_block: int) -> int:
+        cfg = self.config
+        bs = cfg.block_size
+        if cfg.num_gpu_blocks_override is not None:
+            num_blocks = cfg.num_gpu_blocks_override
+        else:
+            if cfg.kv_cache_memory_bytes is not None:
+                budget = cfg.kv_cache_memory_bytes
+            elif self.device.type == "cpu":
+                budget = min(CPU_KV_DEFAULT_CAP,
+                             int(psutil.virtual_memory().available * cfg.cpu_kv_cache_fraction))
+            else:
+                import torch
+                free, total = torch.cuda.mem_get_info(self.device)
+                budget = int(total * cfg.gpu_memory_utilization) - (total - free)
+            num_blocks = budget // bytes_per_block
+            if num_blocks < 1:
+                raise ValueError(f"not enough memory for one KV cache block ({bytes_per_block} bytes); "
+                                 "raise kv_cache_memory_bytes or gpu_memory_utilization")
+            # Never more than every sequence slot at full length could use.
+            num_blocks = min(num_blocks, cfg.max_num_seqs * (-(-self.max_model_len // bs)) + 1)
+        if num_blocks * bs < self.max_model_len:
+            raise ValueError(f"the KV cache holds {num_blocks * bs} tokens ({num_blocks} blocks of {bs}), "
+                             f"less than max_model_len {self.max_model_len}: lower max_model_len or give "
+                             "the cache more memory")
+        return num_blocks
+
+    # -- requests -------------------------------------------------------------------
+    def add_request(self, request_id: str | None, prompt: str | list[int],
+                    params: SamplingParams | None = None, *, priority: int = 0,
+                    cache_salt: str | None = None) -> str:
+        """Queue a prompt (text or token ids). Raises ValueError on bad input, with nothing queued."""
+        params = params or SamplingParams()
+        if request_id is None:
+            request_id = str(next(self._ids))
+        if request_id in self.output_processor.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            token_ids = self.tokenizer(prompt).input_ids
+        else:
+            text = None
+            token_ids = list(prompt)
+        self._validate(token_ids, params)
+        max_tokens = self.max_model_len - len(token_ids)
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        if self.extra_stop_token_ids and not params.ignore_eos:
+            extra = sorted(self.extra_stop_token_ids - set(params.stop_token_ids))
+            if extra:
+                params = _replace(params, stop_token_ids=params.stop_token_ids + extra)
+        child_ids = [request_id] if params.n == 1 else [f"{request_id}\x00{i}" for i in range(params.n)]
+        self.output_processor.add_request(request_id, text, token_ids, params, child_ids)
+        arrival = time.monotonic()
+        for i, child_id in enumerate(child_ids):
+            child_params = params
+            if params.n > 1:
+                # Each sample is its own sequence; seeded ones get distinct, reproducible seeds.
+                child_params = _replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            self.scheduler.add_request(Request(child_id, token_ids, child_params,
+                                               eos_token_id=self.eos_token_id, priority=priority,
+                                               arrival_time=arrival, cache_salt=cache_salt,
+                                               max_tokens=max_tokens))
+        return request_id
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
+                             "and at least one token must be generated")
+        if any(not 0 <= t < self.vocab_size for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.config.max_logprobs:
+                raise ValueError(f"{name} must be <= max_logprobs ({self.config.max_logprobs}), got {k}")
+
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        outputs = []
+        for request_id in request_ids:
+            children = self.output_processor.child_ids(request_id)
+            self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
+            out = self.output_processor.abort(request_id)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- one step -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            if self.scheduler.has_unfinished_requests():
+                raise RuntimeError("scheduler made no progress with requests pending")
+            return []
+        num_cached = {r.req_id: self.scheduler.requests[r.req_id].num_cached_tokens
+                      for r in scheduler_output.scheduled_new_reqs}
+        runner_output = self.executor.execute_model(scheduler_output)
+        updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs, stopped = self.output_processor.process(updates, num_cached)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+    def get_stats(self) -> dict[str, Any]:
+        kv = self.kv_cache_manager
+        stats = kv.prefix_cache_stats
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.stats.num_preemptions_total,
+            "kv_usage": kv.usage,
+            "num_blocks": self.num_blocks,
+            "prefix_cache_queries": stats.queries,
+            "prefix_cache_hits": stats.hits,
+            "prefix_cache_hit_rate": stats.hit_rate,
+        }
+
+
+def _replace(params: SamplingParams, **changes: Any) -> SamplingParams:
+    import msgspec
+    return msgspec.structs.replace(params, **changes)
+
+
+def _generation_eos_ids(model_dir: str) -> set[int]:
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return set()
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, list) else {eos}
+
+
+def _demo_model() -> Path:
+    from llmd_tools.make_model import demo_model_path
+    return demo_model_path()

@@ -1,0 +1,95 @@
+"""Attention over the paged KV cache.
+
+The step's tokens are one flattened "super-sequence": the runner orders requests so that
+all decode rows (one new token each) come first, then the prefill rows. The metadata
+says where each request's new tokens sit and which cache blocks hold its context.
+
+This is the PyTorch reference backend (CPU, and any device): new K/V are scattered into
+the cache through the slot mapping, decode rows attend in one batched SDPA over K/V
+gathered through their block tables, and each prefill row attends on its own (directly
+over the new K/V when it has no cached context).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
+    num_decodes: int  # rows [0, num_decodes) have exactly one new token
+    num_decode_tokens: int
+    # Decode rows (batched):
+    decode_block_table: torch.Tensor | None  # [num_decodes, max_blocks] int64
+    decode_seq_lens: torch.Tensor | None  # [num_decodes] int64, context incl. the new token
+    decode_max_seq_len: int
+    # Prefill rows, one entry each: (start in the flattened tokens, new tokens,
+    # tokens already in the cache, block ids tensor covering the whole context).
+    prefills: list[tuple[int, int, int, torch.Tensor]]
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, L] bool, built once per step
+
+
+def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One layer's cache: [2, num_blocks, block_size, kv_heads, head_dim] (K then V)."""
+    return torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+
+
+def build_decode_mask(md: AttentionMetadata, block_size: int) -> None:
+    if md.num_decodes == 0:
+        return
+    length = md.decode_block_table.shape[1] * block_size
+    positions = torch.arange(length, device=md.decode_seq_lens.device)
+    md.decode_mask = (positions[None, :] < md.decode_seq_lens[:, None]).view(md.num_decodes, 1, 1, length)
+
+
+class TorchAttention:
+    """Reference paged attention in PyTorch (SDPA)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 kv_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D]. Returns [T, H, D]."""
+        _, num_blocks, block_size, kvh, d = kv_cache.shape
+        k_flat = kv_cache[0].view(num_blocks * block_size, kvh, d)
+        v_flat = kv_cache[1].view(num_blocks * block_size, kvh, d)
+        k_flat.index_copy_(0, md.slot_mapping, k)
+        v_flat.index_copy_(0, md.slot_mapping, v)
+
+        out = torch.empty_like(q)
+        if md.num_decodes:
+            n = md.num_decodes
+            table = md.decode_block_table
+            # [B, blocks, bs, KVH, D] -> [B, KVH, L, D]
+            keys = kv_cache[0][table].view(n, -1, kvh, d).transpose(1, 2)
+            values = kv_cache[1][table].view(n, -1, kvh, d).transpose(1, 2)
+            query = q[:n].unsqueeze(2)  # [B, H, 1, D]
+            o = F.scaled_dot_product_attention(query, keys, values, attn_mask=md.decode_mask,
+                                               scale=self.scale, enable_gqa=kvh != self.num_heads)
+            out[:n] = o.squeeze(2)
+        for start, num_new, num_cached, block_ids in md.prefills:
+            query = q[start:start + num_new].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            if num_cached == 0:
+                keys = k[start:start + num_new].transpose(0, 1).unsqueeze(0)
+                values = v[start:start + num_new].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(query, keys, values, is_causal=True,
+                                                   scale=self.scale, enable_gqa=kvh != self.num_heads)
+            else:
+                total = num_cached + num_new
+                keys = kv_cache[0][block_ids].view(-1, kvh, d)[:total].transpose(0, 1).unsqueeze(0)
+                values = kv_cache[1][block_ids].view(-1, kvh, d)[:total].transpose(0, 1).unsqueeze(0)
+                q_pos = torch.arange(num_cached, total, device=q.device)
+                k_pos = torch.arange(total, device=q.device)
+                mask = (k_pos[None, :] <= q_pos[:, None]).view(1, 1, num_new, total)
+                o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
+                                                   scale=self.scale, enable_gqa=kvh != self.num_heads)
+            out[start:start + num_new] = o.squeeze(0).transpose(0, 1)
+        return out

@@ -1,0 +1,27 @@
+"""Executors run SchedulerOutputs on the model. The in-process one calls the runner
+directly (offline engine, tests, debugging); worker processes come later behind the same
+methods."""
+from __future__ import annotations
+
+import torch
+
+from llmd.gpu.model_runner import ModelRunner, RunnerSettings
+from llmd.messages import RunnerOutput, SchedulerOutput
+
+
+class InProcessExecutor:
+    def __init__(self, model_dir: str, settings: RunnerSettings, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.runner = ModelRunner(model_dir, settings, device, dtype)
+
+    def kv_cache_bytes_per_block(self) -> int:
+        return self.runner.kv_cache_bytes_per_block()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        return self.runner.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        self.runner.kv_caches = []

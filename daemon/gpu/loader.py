@@ -1,0 +1,67 @@
+"""Load a model from a local Hugging Face directory: config via transformers, weights from
+safetensors through our own name mapping. Nothing is fetched."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from llmd.gpu.models import get_model_class
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
+    """`auto`: bfloat16 on CUDA; on CPU the checkpoint's dtype, float32 for fp16 checkpoints
+    (CPU float16 matmuls are slow and lossy)."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16
+    if checkpoint_dtype == "bfloat16":
+        return torch.bfloat16
+    return torch.float32
+
+
+def load_hf_config(model_dir: str | Path):
+    from transformers import AutoConfig
+
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model directory {str(path)!r} has no config.json")
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        raise ValueError("models with sliding-window attention layers are not supported yet")
+    return config
+
+
+def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {str(model_dir)!r}")
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
+               max_positions: int) -> nn.Module:
+    config = load_hf_config(model_dir)
+    archs = getattr(config, "architectures", None) or [""]
+    cls = get_model_class(archs[0])
+    # Build on meta (no random init, no memory), then materialize and fill from disk.
+    with torch.device("meta"):
+        model = cls(config, max_positions)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.reset_rotary(device)
+    if model.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.load_weights(iter_safetensors(model_dir))
+    model.eval()
+    model.requires_grad_(False)
+    return model

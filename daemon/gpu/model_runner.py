@@ -1,0 +1,241 @@
+"""The model runner: keeps the worker's copy of every running request, turns a
+SchedulerOutput into one flattened forward pass over the paged KV cache, and samples.
+
+Rows are ordered decodes first (one new token each, attended in one batch), then
+prefill chunks. Logits are computed only for rows that sample (and for prompt
+positions of requests that asked for prompt logprobs).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from llmd.gpu.attention import AttentionMetadata, build_decode_mask, new_kv_cache
+from llmd.gpu.loader import load_model
+from llmd.gpu.sampler import Sampler, SamplingMetadata, gather_logprobs
+from llmd.messages import Logprobs, PromptLogprobs, RunnerOutput, SchedulerOutput
+from llmd_client.protocol import SamplingParams
+
+
+@dataclass
+class RunnerRequest:
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    block_ids_np: np.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+@dataclass
+class RunnerSettings:
+    block_size: int
+    max_model_len: int
+    valid_vocab_size: int  # tokenizer size; wider logits are padding and never sampled
+    eos_token_id: int | None
+    seed: int
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str, settings: RunnerSettings, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.settings = settings
+        self.block_size = settings.block_size
+        self.device = device
+        self.dtype = dtype
+        self.model = load_model(model_dir, dtype, device, settings.max_model_len)
+        cfg = self.model.config
+        self.num_layers = cfg.num_hidden_layers
+        attn = self.model.layers[0].self_attn
+        self.num_kv_heads = attn.num_kv_heads
+        self.head_dim = attn.head_dim
+        self.vocab_size = cfg.vocab_size
+        self.sampler = Sampler(seed=settings.seed)
+        self.requests: dict[str, RunnerRequest] = {}
+        self.kv_caches: list[torch.Tensor] = []
+
+    # -- KV cache -------------------------------------------------------------------
+    def kv_cache_bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = [new_kv_cache(num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
+                                       self.dtype, self.device) for _ in range(self.num_layers)]
+
+    # -- one step -------------------------------------------------------------------
+    def _apply_scheduler_output(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            self.requests[new.req_id] = RunnerRequest(
+                req_id=new.req_id,
+                token_ids=new.prompt_token_ids + new.output_token_ids,
+                num_prompt_tokens=len(new.prompt_token_ids),
+                sampling_params=new.sampling_params,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+            )
+        cached = so.scheduled_cached_reqs
+        for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids,
+                                                    cached.num_computed_tokens):
+            req = self.requests[req_id]
+            if new_blocks:
+                req.block_ids.extend(new_blocks)
+                req.block_ids_np = None
+            req.num_computed_tokens = num_computed
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> RunnerOutput:
+        self._apply_scheduler_output(so)
+        if not so.num_scheduled_tokens:
+            return RunnerOutput(req_ids=[], sampled_token_ids=[])
+        bs = self.block_size
+        decodes: list[RunnerRequest] = []
+        prefills: list[tuple[RunnerRequest, int]] = []
+        for req_id, n in so.num_scheduled_tokens.items():
+            req = self.requests[req_id]
+            if n == 1:
+                decodes.append(req)
+            else:
+                prefills.append((req, n))
+
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        for req in decodes:
+            pos = req.num_computed_tokens
+            input_ids.append(req.token_ids[pos])
+            positions.append(pos)
+            slots.append(req.block_ids[pos // bs] * bs + pos % bs)
+            seq_lens.append(pos + 1)
+            tables.append(req.block_ids[:(pos + bs) // bs])
+        num_decode_tokens = len(input_ids)
+
+        pieces_pos: list[np.ndarray] = []
+        pieces_slot: list[np.ndarray] = []
+        prefill_meta = []
+        start = num_decode_tokens
+        for req, n in prefills:
+            s = req.num_computed_tokens
+            input_ids.extend(req.token_ids[s:s + n])
+            pos = np.arange(s, s + n, dtype=np.int64)
+            if req.block_ids_np is None:
+                req.block_ids_np = np.asarray(req.block_ids, dtype=np.int64)
+            pieces_pos.append(pos)
+            pieces_slot.append(req.block_ids_np[pos // bs] * bs + pos % bs)
+            num_blocks = (s + n + bs - 1) // bs
+            block_tensor = torch.from_numpy(req.block_ids_np[:num_blocks]).to(self.device)
+            prefill_meta.append((start, n, s, block_tensor))
+            start += n
+
+        pos_np = np.concatenate([np.asarray(positions, dtype=np.int64)] + pieces_pos)
+        slot_np = np.concatenate([np.asarray(slots, dtype=np.int64)] + pieces_slot)
+        dev = self.device
+        ids_t = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        pos_t = torch.from_numpy(pos_np).to(dev)
+        slot_t = torch.from_numpy(slot_np).to(dev)
+        md = AttentionMetadata(
+            slot_mapping=slot_t,
+            num_decodes=len(decodes),
+            num_decode_tokens=num_decode_tokens,
+            decode_block_table=None,
+            decode_seq_lens=None,
+            decode_max_seq_len=max(seq_lens, default=0),
+            prefills=prefill_meta,
+        )
+        if decodes:
+            width = max(len(t) for t in tables)
+            table_np = np.zeros((len(tables), width), dtype=np.int64)
+            for i, t in enumerate(tables):
+                table_np[i, :len(t)] = t
+            md.decode_block_table = torch.from_numpy(table_np).to(dev)
+            md.decode_seq_lens = torch.tensor(seq_lens, dtype=torch.int64, device=dev)
+            build_decode_mask(md, bs)
+
+        hidden = self.model(ids_t, pos_t, self.kv_caches, md)
+
+        # Rows that sample: requests whose known tokens are all computed after this step.
+        sample_reqs: list[RunnerRequest] = []
+        sample_rows: list[int] = []
+        prompt_lp_jobs: list[tuple[RunnerRequest, int, int, int]] = []  # req, row0, first pos, count
+        row = 0
+        ordered = [(r, 1) for r in decodes] + prefills
+        for req, n in ordered:
+            s = req.num_computed_tokens
+            if req.sampling_params.prompt_logprobs is not None and s < req.num_prompt_tokens - 1:
+                count = min(s + n, req.num_prompt_tokens - 1) - s
+                prompt_lp_jobs.append((req, row, s, count))
+            req.num_computed_tokens = s + n
+            if s + n >= len(req.token_ids):
+                sample_reqs.append(req)
+                sample_rows.append(row + n - 1)
+            row += n
+
+        out = RunnerOutput(req_ids=[], sampled_token_ids=[], logprobs={}, prompt_logprobs={})
+        for req, row0, first, count in prompt_lp_jobs:
+            out.prompt_logprobs[req.req_id] = self._prompt_logprobs(hidden, req, row0, first, count)
+
+        sampled: list[int] = []
+        if sample_reqs:
+            idx = torch.tensor(sample_rows, dtype=torch.int64, device=dev)
+            logits = self.model.compute_logits(hidden.index_select(0, idx))
+            metadata = SamplingMetadata.build(
+                [r.sampling_params for r in sample_reqs],
+                [r.token_ids[:r.num_prompt_tokens] for r in sample_reqs],
+                [r.output_token_ids for r in sample_reqs],
+                valid_vocab_size=self.settings.valid_vocab_size,
+                eos_token_id=self.settings.eos_token_id,
+                device=dev,
+            )
+            result = self.sampler(logits, metadata)
+            sampled = result.sampled_token_ids.tolist()
+            if result.logprobs_token_ids is not None:
+                self._collect_logprobs(out, sample_reqs, result)
+        sampled_by_req = {r.req_id: t for r, t in zip(sample_reqs, sampled)}
+        for req, _ in ordered:
+            out.req_ids.append(req.req_id)
+            token = sampled_by_req.get(req.req_id)
+            if token is None:
+                out.sampled_token_ids.append([])
+            else:
+                req.token_ids.append(token)
+                out.sampled_token_ids.append([token])
+        return out
+
+    def _collect_logprobs(self, out: RunnerOutput, reqs: list[RunnerRequest], result) -> None:
+        ids = result.logprobs_token_ids.tolist()
+        lps = result.logprobs.tolist()
+        ranks = result.ranks.tolist()
+        for i, req in enumerate(reqs):
+            k = req.sampling_params.logprobs
+            if k is None:
+                continue
+            out.logprobs[req.req_id] = Logprobs(token_ids=[ids[i][:k + 1]], logprobs=[lps[i][:k + 1]],
+                                                ranks=[ranks[i]])
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, req: RunnerRequest, row0: int, first: int,
+                         count: int) -> PromptLogprobs:
+        k = req.sampling_params.prompt_logprobs
+        logits = self.model.compute_logits(hidden[row0:row0 + count])
+        logprobs = torch.log_softmax(self._mask_padded_vocab(logits), dim=-1)
+        targets = torch.tensor(req.token_ids[first + 1:first + 1 + count], dtype=torch.int64,
+                               device=logits.device)
+        ids, lps, ranks = gather_logprobs(logprobs, targets, k)
+        return PromptLogprobs(start=first, logprobs=Logprobs(
+            token_ids=ids.tolist(), logprobs=lps.tolist(), ranks=ranks.tolist()))
+
+    def _mask_padded_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        valid = self.settings.valid_vocab_size
+        if valid < logits.shape[-1]:
+            logits[:, valid:] = float("-inf")
+        return logits

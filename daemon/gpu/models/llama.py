@@ -1,0 +1,194 @@
+"""Llama-family decoder (Llama, Mistral-style, Qwen2 with qkv bias, Qwen3 with q/k norm).
+
+Our own modules over the paged KV cache; weights come from an HF checkpoint through
+`load_weights`, which fuses q/k/v and gate/up projections as it reads them.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmd.gpu.attention import AttentionMetadata, TorchAttention
+from llmd.gpu.layers import RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        # Qwen2 has q/k/v bias but none on o_proj; Llama/Qwen3 follow attention_bias.
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size,
+                                bias=bool(getattr(config, "attention_bias", False)))
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.attn = TorchAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        t = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        out = self.attn(q, k, v, kv_cache, md)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r} (only silu)")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DecoderAttention(config, qkv_bias, qk_norm)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = DecoderMLP(config)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.forward_add(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, kv_cache, md)
+        hidden, residual = self.post_attention_layernorm.forward_add(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Also serves Qwen2 (qkv_bias=True) and Qwen3 (qk_norm=True)."""
+
+    qkv_bias = False
+    qk_norm = False
+
+    def __init__(self, config: Any, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self.rotary = RotaryEmbedding(config, head_dim, max_positions)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, qkv_bias, self.qk_norm) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], md: AttentionMetadata) -> torch.Tensor:
+        """Hidden states (after the final norm) of every token of the step."""
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, md)
+        hidden, _ = self.norm.forward_add(hidden, residual)
+        return hidden
+
+    def reset_rotary(self, device: torch.device) -> None:
+        """Rebuild the cos/sin cache on `device` (after the model was built on meta)."""
+        self.rotary = RotaryEmbedding(self.config, self.head_dim, self.max_positions).to(device)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors in, fusing q/k/v and gate/up; raise on missing or
+        unexpected names so a wrong checkpoint fails loudly."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        fused = {  # checkpoint suffix -> (our suffix, shard index)
+            ".q_proj.": (".qkv_proj.", 0), ".k_proj.": (".qkv_proj.", 1), ".v_proj.": (".qkv_proj.", 2),
+            ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1),
+        }
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            name = name.removeprefix("model.")
+            if name.startswith("lm_head.") and self.tie_word_embeddings:
+                continue
+            for src, (dst, shard) in fused.items():
+                if src in name:
+                    target_name = name.replace(src, dst)
+                    target = params.get(target_name)
+                    if target is None:
+                        raise ValueError(f"unexpected weight {name!r} in checkpoint")
+                    offset, size = self._shard_range(target_name, shard)
+                    if tensor.shape[0] != size:
+                        raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {size} rows")
+                    with torch.no_grad():
+                        target.data[offset:offset + size].copy_(tensor)
+                    loaded.add(f"{target_name}#{shard}")
+                    break
+            else:
+                target = params.get(name)
+                if target is None:
+                    raise ValueError(f"unexpected weight {name!r} in checkpoint")
+                if target.shape != tensor.shape:
+                    raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                                     f"expected {tuple(target.shape)}")
+                with torch.no_grad():
+                    target.data.copy_(tensor)
+                loaded.add(name)
+        missing = []
+        for name in params:
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            if ".qkv_proj." in name:
+                need = [f"{name}#{i}" for i in range(3)]
+            elif ".gate_up_proj." in name:
+                need = [f"{name}#{i}" for i in range(2)]
+            else:
+                need = [name]
+            missing += [n for n in need if n not in loaded]
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {missing[0]!r}")
+
+    def _shard_range(self, fused_name: str, shard: int) -> tuple[int, int]:
+        if ".qkv_proj." in fused_name:
+            attn = self.layers[0].self_attn
+            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+        else:
+            inter = self.config.intermediate_size
+            sizes = [inter, inter]
+        return sum(sizes[:shard]), sizes[shard]
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

@@ -1,0 +1,64 @@
+"""Messages between the scheduler and the workers that run the model.
+
+Only differences cross the boundary: a request's tokens and sampling parameters are
+sent once (when it is scheduled for the first time, or again after preemption); after
+that a step names it with its new block ids and how many tokens to compute. The worker
+keeps its own copy of each request's tokens and appends what it samples.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from llmd_client.protocol import SamplingParams
+
+
+class NewRequestData(msgspec.Struct, array_like=True):
+    req_id: str
+    prompt_token_ids: list[int]
+    # Tokens generated before a preemption (resumed requests recompute them as context).
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class CachedRequestData(msgspec.Struct, array_like=True):
+    req_ids: list[str]
+    new_block_ids: list[list[int]]
+    num_computed_tokens: list[int]
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True):
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests the worker must forget: finished, aborted or preempted since the last step.
+    finished_req_ids: list[str]
+
+
+class Logprobs(msgspec.Struct, array_like=True):
+    """Per position: the chosen token first, then the top-k, with logprobs, and the
+    chosen token's rank (1 = most likely)."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs of prompt tokens start+1 .. start+len computed in one step (a prefill
+    chunk); position 0 never has one. A recomputed prompt (after preemption) resends."""
+
+    start: int
+    logprobs: Logprobs
+
+
+class RunnerOutput(msgspec.Struct, array_like=True):
+    req_ids: list[str]
+    # One list per request in req_ids; empty for a request still in (chunked) prefill.
+    sampled_token_ids: list[list[int]]
+    # Sampled-token logprobs, by request id, for requests that asked for them.
+    logprobs: dict[str, Logprobs] = {}
+    # Prompt logprobs computed in this step (one chunk), by request id.
+    prompt_logprobs: dict[str, PromptLogprobs] = {}

@@ -1,0 +1,172 @@
+"""Turns per-step token updates into RequestOutputs: incremental text, stop strings,
+logprobs, and the `n` samples of one request gathered under its id."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmd.detokenizer import IncrementalDetokenizer
+from llmd.messages import Logprobs, PromptLogprobs
+from llmd.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from llmd.scheduler import RequestUpdate
+from llmd_client.protocol import SamplingParams
+
+
+@dataclass
+class _Sample:
+    output: CompletionOutput
+    detokenizer: IncrementalDetokenizer
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: dict[str, _Sample]  # child id -> sample
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+    touched: bool = False
+    outputs_order: list[str] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.output.finished for s in self.samples.values())
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, _RequestState] = {}
+        self.parent_of: dict[str, str] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, child_ids: list[str]) -> None:
+        samples = {}
+        for index, child_id in enumerate(child_ids):
+            detok = IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=list(params.stop),
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+            out = CompletionOutput(index=index, logprobs=[] if params.logprobs is not None else None,
+                                   cumulative_logprob=0.0 if params.logprobs is not None else None)
+            samples[child_id] = _Sample(out, detok)
+            self.parent_of[child_id] = request_id
+        self.requests[request_id] = _RequestState(
+            request_id, prompt, prompt_token_ids, params, samples,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            outputs_order=list(child_ids))
+
+    def child_ids(self, request_id: str) -> list[str]:
+        state = self.requests.get(request_id)
+        return list(state.samples) if state else []
+
+    def process(self, updates: list[RequestUpdate], num_cached: dict[str, int]
+                ) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the outputs of requests touched by this step, and the child ids that
+        hit a stop string (the caller must finish them in the scheduler)."""
+        stopped_by_string: list[str] = []
+        touched: list[_RequestState] = []
+        for state in self.requests.values():
+            for sample in state.samples.values():
+                sample.output.new_text = ""
+                sample.output.new_token_ids = []
+        for update in updates:
+            parent = self.parent_of.get(update.req_id)
+            if parent is None:
+                continue
+            state = self.requests[parent]
+            sample = state.samples[update.req_id]
+            if not state.touched:
+                state.touched = True
+                touched.append(state)
+            state.num_cached_tokens = max(state.num_cached_tokens, num_cached.get(update.req_id, 0))
+            if update.prompt_logprobs is not None and state.prompt_logprobs is not None and sample.output.index == 0:
+                self._add_prompt_logprobs(state, update.prompt_logprobs)
+            if sample.output.finished:
+                continue
+            out = sample.output
+            if update.new_token_ids:
+                out.token_ids.extend(update.new_token_ids)
+                out.new_token_ids = list(update.new_token_ids)
+                if update.logprobs is not None and out.logprobs is not None:
+                    self._add_logprobs(out, update.logprobs)
+                stop_str = sample.detokenizer.update(update.new_token_ids)
+                if stop_str is not None:
+                    out.finish_reason = "stop"
+                    out.stop_reason = stop_str
+                    stopped_by_string.append(update.req_id)
+            if update.finish_reason is not None and out.finish_reason is None:
+                out.finish_reason = update.finish_reason
+                out.stop_reason = update.stop_reason
+            delta = sample.detokenizer.get_delta()
+            if out.finished:
+                delta += sample.detokenizer.finish()
+            out.new_text = delta
+            out.text += delta
+        results = [self._make_output(s) for s in touched]
+        for state in touched:
+            state.touched = False
+            if state.finished:
+                self._forget(state)
+        return results, stopped_by_string
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        state = self.requests.get(request_id)
+        if state is None:
+            return None
+        for sample in state.samples.values():
+            out = sample.output
+            out.new_text = ""
+            out.new_token_ids = []
+            if not out.finished:
+                out.finish_reason = "abort"
+                tail = sample.detokenizer.get_delta() + sample.detokenizer.finish()
+                out.new_text = tail
+                out.text += tail
+        self._forget(state)
+        return self._make_output(state)
+
+    def _forget(self, state: _RequestState) -> None:
+        self.requests.pop(state.request_id, None)
+        for child_id in state.samples:
+            self.parent_of.pop(child_id, None)
+
+    def _make_output(self, state: _RequestState) -> RequestOutput:
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=[state.samples[c].output for c in state.outputs_order],
+            prompt_logprobs=state.prompt_logprobs,
+            num_cached_tokens=state.num_cached_tokens,
+            finished=state.finished,
+        )
+
+    def _position(self, ids: list[int], lps: list[float], rank: int) -> PositionLogprobs:
+        decode = self.tokenizer.decode
+        pos: PositionLogprobs = {ids[0]: Logprob(lps[0], rank, decode([ids[0]]))}
+        for r, (tid, lp) in enumerate(zip(ids[1:], lps[1:]), start=1):
+            if tid not in pos:
+                pos[tid] = Logprob(lp, r, decode([tid]))
+        return pos
+
+    def _add_logprobs(self, out: CompletionOutput, lp: Logprobs) -> None:
+        for ids, lps, rank in zip(lp.token_ids, lp.logprobs, lp.ranks):
+            out.logprobs.append(self._position(ids, lps, rank))
+            out.cumulative_logprob += lps[0]
+
+    def _add_prompt_logprobs(self, state: _RequestState, chunk: PromptLogprobs) -> None:
+        entries = state.prompt_logprobs
+        # Position i+1 of the prompt is predicted at position i; a recomputed prompt
+        # (after preemption) overwrites what it sent before.
+        for offset, (ids, lps, rank) in enumerate(zip(chunk.logprobs.token_ids, chunk.logprobs.logprobs,
+                                                      chunk.logprobs.ranks)):
+            index = chunk.start + 1 + offset
+            entry = self._position(ids, lps, rank)
+            if index < len(entries):
+                entries[index] = entry
+            else:
+                entries.append(entry)

@@ -1,0 +1,98 @@
+"""A request's state as the scheduler and KV cache manager see it. No torch."""
+from __future__ import annotations
+
+import enum
+import time
+
+from llmd_client.protocol import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything past this point is finished.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """One sequence being generated: prompt, output so far, and how much is in KV."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        eos_token_id: int | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        max_tokens: int,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.cache_salt = cache_salt
+        # Resolved limit on output tokens (max_tokens or what max_model_len leaves).
+        self.max_tokens = max_tokens
+
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        # Tokens whose K/V are in the cache (or are being computed in the current step).
+        self.num_computed_tokens = 0
+        # Prompt tokens served from the prefix cache at the last admission.
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        # Chained hashes of this request's full blocks, filled by the KV cache manager.
+        self.block_hashes: list[int] = []
+        self.stop_reason: int | str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def sort_key(self) -> tuple[int, float]:
+        """Lower runs first (priority policy): lower priority value, then earlier arrival."""
+        return (self.priority, self.arrival_time)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+                f"out={self.num_output_tokens}, computed={self.num_computed_tokens})")

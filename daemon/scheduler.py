@@ -1,0 +1,254 @@
+"""The scheduler: which requests run this step, and how many tokens each.
+
+Every step is `{request_id: num_tokens}` under one token budget. Running requests go
+first (so a long prompt never starves decodes), then waiting ones are admitted while
+budget, sequence slots and KV blocks last. Prefill and decode share a step; a prompt
+longer than the budget (or `long_prefill_token_threshold`) is computed in chunks. When
+KV blocks run out, the lowest-priority (FCFS: latest-arrived) running request is
+preempted: its blocks are freed and it is recomputed later from its tokens.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from llmd.config import EngineConfig
+from llmd.kv_cache_manager import KVCacheManager
+from llmd.messages import (CachedRequestData, Logprobs, NewRequestData, PromptLogprobs,
+                           RunnerOutput, SchedulerOutput)
+from llmd.request import Request, RequestStatus
+from llmd.request_queue import make_queue
+
+
+class RequestUpdate(msgspec.Struct):
+    """What one step did to one request, for the detokenizer and the caller."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: Logprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+class SchedulerStats(msgspec.Struct):
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preemptions_total: int = 0
+    last_step_num_reqs: int = 0
+    last_step_num_tokens: int = 0
+    last_step_num_prefill_tokens: int = 0
+    last_step_num_decode_reqs: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.long_prefill_token_threshold = config.long_prefill_token_threshold
+        self.policy = config.scheduling_policy
+        self.enable_prefix_caching = config.enable_prefix_caching
+        self.kv = kv_cache_manager
+        self.waiting = make_queue(self.policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        # Ids the worker must forget at the next step (finished, aborted, preempted).
+        self._worker_forget: set[str] = set()
+        self.stats = SchedulerStats()
+
+    # -- requests in and out --------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, req_ids: list[str], status: RequestStatus) -> list[Request]:
+        """Finish requests from outside a step (abort, stop string). Unknown ids are ignored."""
+        done = []
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._release(request)
+            done.append(request)
+        return done
+
+    def _release(self, request: Request) -> None:
+        self.kv.free(request)
+        self._worker_forget.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step -------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        cached_ids: list[str] = []
+        cached_new_blocks: list[list[int]] = []
+        cached_computed: list[int] = []
+        new_reqs: list[NewRequestData] = []
+        preempted_any = False
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = self._num_tokens_to_schedule(request, budget)
+            if num_new == 0:
+                index += 1
+                continue
+            while True:
+                new_blocks = self.kv.allocate_slots(request, num_new)
+                if new_blocks is not None:
+                    break
+                victim = self._pick_victim()
+                preempted_any = True
+                if self.running.index(victim) < index:
+                    index -= 1
+                self.running.remove(victim)
+                if victim.request_id in num_scheduled:
+                    # Only the priority policy can pick one already scheduled this step.
+                    budget += num_scheduled.pop(victim.request_id)
+                    pos = cached_ids.index(victim.request_id)
+                    del cached_ids[pos], cached_new_blocks[pos], cached_computed[pos]
+                self._preempt(victim)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                continue  # `request` itself was preempted; the list shifted under index
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            cached_ids.append(request.request_id)
+            cached_new_blocks.append([b.block_id for b in new_blocks])
+            cached_computed.append(request.num_computed_tokens)
+            index += 1
+
+        # Admit waiting requests, unless this step had to preempt (no room to grow).
+        while (not preempted_any and self.waiting and budget > 0
+               and len(self.running) < self.max_num_seqs):
+            request = self.waiting.peek()
+            if self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None:
+                hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            else:
+                hit_blocks, num_hit = [], 0
+            num_new = min(request.num_tokens - num_hit, budget)
+            if self.long_prefill_token_threshold:
+                num_new = min(num_new, self.long_prefill_token_threshold)
+            if self.kv.allocate_slots(request, num_new, hit_blocks, num_hit) is None:
+                break
+            self.waiting.pop()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            request.num_cached_tokens = num_hit
+            self.running.append(request)
+            new_reqs.append(NewRequestData(
+                req_id=request.request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=list(request.output_token_ids),
+                sampling_params=request.sampling_params,
+                block_ids=self.kv.get_block_ids(request.request_id),
+                num_computed_tokens=num_hit,
+            ))
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        # The tokens are computed by the step this output describes; count them now so
+        # the next schedule() sees them (they are in the cache before anyone reads them).
+        num_prefill_tokens = 0
+        num_decode_reqs = 0
+        for req_id, n in num_scheduled.items():
+            request = self.requests[req_id]
+            if request.num_computed_tokens + n == request.num_tokens and n == 1 and request.num_output_tokens:
+                num_decode_reqs += 1
+            else:
+                num_prefill_tokens += n
+            request.num_computed_tokens += n
+
+        forget = sorted(self._worker_forget)
+        self._worker_forget.clear()
+        total = sum(num_scheduled.values())
+        self.stats.num_running = len(self.running)
+        self.stats.num_waiting = len(self.waiting)
+        self.stats.last_step_num_reqs = len(num_scheduled)
+        self.stats.last_step_num_tokens = total
+        self.stats.last_step_num_prefill_tokens = num_prefill_tokens
+        self.stats.last_step_num_decode_reqs = num_decode_reqs
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=CachedRequestData(cached_ids, cached_new_blocks, cached_computed),
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=total,
+            finished_req_ids=forget,
+        )
+
+    def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
+        num_new = request.num_tokens - request.num_computed_tokens
+        if self.long_prefill_token_threshold:
+            num_new = min(num_new, self.long_prefill_token_threshold)
+        return min(num_new, budget)
+
+    def _pick_victim(self) -> Request:
+        """The request to preempt: the lowest priority (latest arrival on ties), or under
+        FCFS the latest admitted."""
+        if self.policy == "priority":
+            return max(self.running, key=Request.sort_key)
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        self._worker_forget.add(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.stats.num_preemptions_total += 1
+        self.waiting.add_preempted(request)
+
+    # -- results --------------------------------------------------------------------
+    def update_from_output(self, output: SchedulerOutput, runner_output: RunnerOutput) -> list[RequestUpdate]:
+        updates: list[RequestUpdate] = []
+        logprobs = runner_output.logprobs
+        prompt_logprobs = runner_output.prompt_logprobs
+        for req_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # finished or preempted while the step ran
+            if not token_ids and req_id not in prompt_logprobs:
+                continue  # a prefill chunk that produced nothing to report
+            new_tokens: list[int] = []
+            status = None
+            for token in token_ids:
+                request.append_output_token(token)
+                new_tokens.append(token)
+                status = self._check_stop(request, token)
+                if status is not None:
+                    break
+            update = RequestUpdate(req_id, new_tokens,
+                                   logprobs=logprobs.get(req_id),
+                                   prompt_logprobs=prompt_logprobs.get(req_id))
+            if status is not None:
+                request.status = status
+                self.running.remove(request)
+                self._release(request)
+                update.finish_reason = status.finish_reason
+                update.stop_reason = request.stop_reason
+            updates.append(update)
+        return updates
+
+    @staticmethod
+    def _check_stop(request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token == request.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

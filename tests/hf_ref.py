@@ -1,0 +1,82 @@
+"""Hugging Face transformers as the independent reference: a plain greedy loop over
+HF's own forward (so EOS handling and padded-vocab masking are explicit), and vLLM's
+`check_logprobs_close` way of comparing two greedy runs."""
+from __future__ import annotations
+
+import functools
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+
+@functools.lru_cache(maxsize=8)
+def hf_model(path: str, dtype: torch.dtype = torch.float32):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer
+
+
+@torch.inference_mode()
+def hf_greedy(path: str, prompt_ids: list[int], max_tokens: int, k: int = 5,
+              dtype: torch.dtype = torch.float32) -> tuple[list[int], list[dict[int, float]]]:
+    """Greedy tokens and, per position, the top-k logprobs {id: logprob} (chosen included)."""
+    model, tokenizer = hf_model(path, dtype)
+    valid = len(tokenizer)
+    ids = torch.tensor([prompt_ids])
+    out = model(ids, use_cache=True)
+    past = out.past_key_values
+    tokens: list[int] = []
+    tops: list[dict[int, float]] = []
+    logits = out.logits[0, -1].float()
+    for _ in range(max_tokens):
+        logits[valid:] = float("-inf")
+        logprobs = torch.log_softmax(logits, dim=-1)
+        token = int(torch.argmax(logprobs))
+        values, indices = logprobs.topk(k)
+        top = {int(i): float(v) for i, v in zip(indices, values)}
+        top[token] = float(logprobs[token])
+        tokens.append(token)
+        tops.append(top)
+        out = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        logits = out.logits[0, -1].float()
+    return tokens, tops
+
+
+@torch.inference_mode()
+def hf_prompt_logprobs(path: str, prompt_ids: list[int]) -> torch.Tensor:
+    """[len-1, V] logprobs: row i predicts prompt token i+1."""
+    model, tokenizer = hf_model(path)
+    logits = model(torch.tensor([prompt_ids])).logits[0, :-1].float()
+    logits[:, len(tokenizer):] = float("-inf")
+    return torch.log_softmax(logits, dim=-1)
+
+
+def check_logprobs_close(ref: tuple[list[int], list[dict[int, float]]],
+                         got: tuple[list[int], list[dict[int, float]]],
+                         name: str, atol: float = 2e-3, top_atol: float | None = None) -> int:
+    """Tokens identical, or at the first divergence each side's choice is in the other's
+    top-k (then the runs are no longer comparable). Logprobs of matching positions agree
+    within atol (the other top-k entries within top_atol, default atol). Returns the
+    number of positions compared before a divergence."""
+    top_atol = atol if top_atol is None else top_atol
+    ref_tokens, ref_top = ref
+    got_tokens, got_top = got
+    assert len(ref_tokens) == len(got_tokens), f"{name}: lengths {len(ref_tokens)} != {len(got_tokens)}"
+    for i, (a, b) in enumerate(zip(ref_tokens, got_tokens)):
+        if a != b:
+            assert b in ref_top[i] and a in got_top[i], (
+                f"{name}: position {i}: reference chose {a}, we chose {b}, and neither is in the "
+                f"other's top-k ({ref_top[i]} vs {got_top[i]})")
+            return i
+        assert abs(ref_top[i][a] - got_top[i][b]) <= atol, (
+            f"{name}: position {i}: logprob {got_top[i][b]} vs reference {ref_top[i][a]}")
+        for tok, lp in got_top[i].items():
+            if tok in ref_top[i]:
+                assert abs(lp - ref_top[i][tok]) <= top_atol, f"{name}: position {i}, token {tok}: {lp} vs {ref_top[i][tok]}"
+    return len(ref_tokens)
+
+
+def engine_result(output) -> tuple[list[int], list[dict[int, float]]]:
+    completion = output.outputs[0]
+    return completion.token_ids, [{t: lp.logprob for t, lp in pos.items()} for pos in completion.logprobs]

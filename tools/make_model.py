@@ -1,0 +1,723 @@
+"""Build Hugging Face-format model directories for tests, benchmarks and the demo.
+
+No weights can be downloaded here, so llmd builds its own models:
+
+* a **byte-level BPE tokenizer** trained (deterministically, in well under a second)
+  with the ``tokenizers`` library on Python's stdlib sources plus a short
+  multilingual snippet, saved through transformers with a ChatML chat template;
+* **random-weight models** built from transformers' own config / ``*ForCausalLM``
+  classes (Llama, Qwen2, Qwen3), saved as float32 safetensors next to the tokenizer.
+
+Public API::
+
+    build_tokenizer(out_dir, vocab_size) -> Path
+    build_model(out_dir, arch, preset, *, tie_word_embeddings=False, seed=0, **overrides) -> Path
+    fixture_path(name, cache_dir=None) -> Path      # named, cached, built once
+    demo_model_path() -> Path                       # what the daemon serves by default
+    param_count(arch, preset, **overrides) -> int   # exact, without building (meta device)
+    greedy_stats(model_dir, prompts=..., steps=64)  # peakedness / diversity check
+
+CLI::
+
+    python -m llmd_tools.make_model --name tiny-llama [--out DIR]
+    python -m llmd_tools.make_model --arch qwen3 --preset small [--tied] --out DIR
+    python -m llmd_tools.make_model --list
+    python -m llmd_tools.make_model --name tiny-qwen2 --check   # print peakedness stats
+
+Facts the engine must know (all fixtures):
+
+* special tokens (every vocab size): ``<|bos|>``=0, ``<|eos|>``=1, ``<|pad|>``=2,
+  ``<|im_start|>``=3, ``<|im_end|>``=4. The tokenizer prepends BOS on encode, and the
+  chat template starts with ``{{ bos_token }}``: encode rendered chat text with
+  ``add_special_tokens=False``.
+* ``config.json`` has ``eos_token_id`` = ``<|eos|>``; ``generation_config.json`` has
+  ``eos_token_id`` = ``[<|eos|>, <|im_end|>]`` (a list, as real chat models do).
+* padded vocab (default for ``qwen2``): ``config.vocab_size`` = ceil(V/64)*64 + 64 for a
+  tokenizer of V tokens (1024 -> 1088). The padded ``lm_head`` / embedding rows are
+  zero, so their logit is exactly 0 (never the greedy argmax here, but a sampler must
+  still mask them: they are not valid output).
+* llama fixtures use llama3 RoPE scaling (``config.rope_parameters`` with
+  ``rope_type="llama3"``), with a small ``original_max_position_embeddings`` so the
+  scaling changes results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+# Bump when the build recipe changes in a way the hashed fields below would not notice.
+RECIPE_VERSION = 1
+
+BOS, EOS, PAD, IM_START, IM_END = "<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = [BOS, EOS, PAD, IM_START, IM_END]  # ids 0..4, in this order
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Training corpus: stdlib *.py (sorted) up to this many characters, plus the snippet.
+CORPUS_CHAR_CAP = 3_000_000
+
+# Repeated a few times so some merges form for these scripts; anything else is still
+# covered byte by byte (byte-level BPE with the full 256-byte alphabet).
+MULTILINGUAL_SNIPPET = """\
+Héllo wörld! Ça va? Façade, naïve, crème brûlée, jalapeño, Ångström, Øresund, Łódź.
+¿Dónde está la biblioteca? Größe, Straße, schön, über. Été, hiver, àèìòù, âêîôû.
+你好，世界！今天天气很好。我们一起学习机器学习和自然语言处理。中文文本测试。
+こんにちは、世界。日本語のテキストです。ありがとうございます。東京は晴れです。
+안녕하세요, 세계! 한국어 텍스트입니다. 감사합니다.
+Привет, мир! Это тест на русском языке. Спасибо.
+Γειά σου Κόσμε! مرحبا بالعالم! שלום עולם! नमस्ते दुनिया!
+Emoji: 😀 😂 🚀 🎉 👍 ❤️ 🔥 ✨ 🤖 🐍 🌍 👩‍💻 🇯🇵 ⭐ ✅ ❌ →  ← ∑ ∞ ≈ ≠ ≤ ≥ µ °C €100 £5 ¥300
+"""
+
+# ---------------------------------------------------------------------------------------
+# presets
+# ---------------------------------------------------------------------------------------
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # unit tests: builds in ~1 s, a forward step takes well under a millisecond
+    "tiny": dict(
+        tokenizer_vocab=1024,
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=172,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        llama3_original_max_position_embeddings=64,
+    ),
+    # CPU benchmarks / demo: ~44M parameters (untied llama), fp32 ~175 MB
+    "small": dict(
+        tokenizer_vocab=8192,
+        hidden_size=512,
+        num_hidden_layers=12,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        intermediate_size=1408,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+        llama3_original_max_position_embeddings=256,
+    ),
+}
+
+ARCHS = ("llama", "qwen2", "qwen3")
+
+# Weight init ("peaked"). transformers' default init (std 0.02 everywhere, norm weights
+# 1, zero biases) gives a model whose logits have std ~0.02*sqrt(hidden) (0.16 at hidden
+# 64): near uniform, so greedy decoding is decided by gaps of ~0.01 that any change in
+# accumulation order can flip; attention is near uniform (scores ~0.03) so outputs
+# collapse into short loops; and with tied embeddings the residual stream is dominated
+# by the current token's embedding, so the model repeats its input token forever. Zero
+# biases and unit norm weights would also let an engine that ignores them pass tests.
+# So build_model re-initialises:
+#   * every projection with std 1/sqrt(fan_in) (activations stay O(1) in every layer);
+#     q/k additionally scaled so attention scores have std ~sqrt(ATTN_SCORE_VAR) = 2
+#     (peaky, RoPE-position-dependent attention; for qwen3 via the q/k norm weights);
+#   * embeddings with std EMBED_STD = 0.1, i.e. small next to the O(1) layer outputs,
+#     so the next token depends on context, not just on the current token (this is what
+#     keeps the tied variant from repeating one token);
+#   * qwen2 q/k/v biases with std BIAS_STD, RMSNorm weights uniform in [0.75, 1.25];
+#   * the final norm weight times a factor so that the logits have std ~TARGET_LOGIT_STD.
+#     A common positive factor on all logits leaves the greedy path unchanged and widens
+#     every top1-top2 gap: in units of the logit std, ~2% of greedy steps have a gap
+#     below 0.007 and ~5% below 0.015 (measured for all archs/presets, tied and untied),
+#     so std 8 puts the gap above 0.05 at ~98% of steps.
+# Measured with greedy_stats() (4 prompts x 64 greedy steps, fp32, HF): gap > 0.05 at
+# 97-99% of steps, 45-64 distinct tokens per 64-step sequence, for every arch and preset,
+# tied and untied (the numbers are checked by tests/test_fixtures.py).
+TARGET_LOGIT_STD = 8.0
+ATTN_SCORE_VAR = 4.0
+EMBED_STD = 0.1
+BIAS_STD = 0.2
+NORM_JITTER = 0.25
+
+DEFAULT_PROMPTS = (
+    "Hello, world! This is a test of the inference engine.",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "The quick brown fox jumps over the lazy dog. 你好，世界！",
+    "import os\nimport sys\n\nclass Config:",
+)
+
+# name -> build recipe (arch, preset, tie_word_embeddings, seed, overrides)
+FIXTURES: dict[str, dict[str, Any]] = {
+    "tiny-llama": dict(arch="llama", preset="tiny"),
+    "tiny-llama-tied": dict(arch="llama", preset="tiny", tie_word_embeddings=True),
+    "tiny-qwen2": dict(arch="qwen2", preset="tiny"),
+    "tiny-qwen3": dict(arch="qwen3", preset="tiny"),
+    "small-llama": dict(arch="llama", preset="small"),
+    "small-qwen2": dict(arch="qwen2", preset="small"),
+    "small-qwen3": dict(arch="qwen3", preset="small"),
+}
+DEMO_FIXTURE = "small-llama"
+
+
+# ---------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------
+
+
+def _repo_root() -> Path | None:
+    root = Path(__file__).resolve().parent.parent
+    if (root / "pyproject.toml").is_file() and (root / "tools").is_dir() and (root / "daemon").is_dir():
+        return root
+    return None
+
+
+def default_cache_dir() -> Path:
+    """``$LLMD_FIXTURE_CACHE``, else ``<repo>/.cache/fixtures``, else ``~/.cache/llmd/fixtures``."""
+    env = os.environ.get("LLMD_FIXTURE_CACHE")
+    if env:
+        return Path(env).expanduser()
+    root = _repo_root()
+    if root is not None:
+        return root / ".cache" / "fixtures"
+    return Path.home() / ".cache" / "llmd" / "fixtures"
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def _build_atomically(final: Path, build_fn) -> Path:
+    """Run ``build_fn(tmp_dir)`` and rename tmp_dir to ``final``; under a file lock, so
+    concurrent processes build once and never see a half-written directory."""
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(final.parent / f".{final.name}.lock"):
+        if final.is_dir():
+            return final
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+        try:
+            build_fn(tmp)
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return final
+
+
+def _hash(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+_CORPUS: list[str] | None = None
+
+
+def _corpus() -> list[str]:
+    global _CORPUS
+    if _CORPUS is None:
+        texts: list[str] = []
+        total = 0
+        for f in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+            t = f.read_text(encoding="utf-8", errors="replace")
+            if total + len(t) > CORPUS_CHAR_CAP:
+                break
+            texts.append(t)
+            total += len(t)
+        texts.extend([MULTILINGUAL_SNIPPET] * 20)
+        _CORPUS = texts
+    return _CORPUS
+
+
+def _corpus_hash() -> str:
+    return _hash([hashlib.sha256(t.encode()).hexdigest() for t in _corpus()])
+
+
+def _versions() -> dict[str, str]:
+    import tokenizers
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
+
+
+# ---------------------------------------------------------------------------------------
+# tokenizer
+# ---------------------------------------------------------------------------------------
+
+_TOKENIZER_JSON: dict[int, str] = {}
+
+
+def _train_tokenizer_json(vocab_size: int) -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer)
+    bos_id = tok.token_to_id(BOS)
+    tok.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single=f"{BOS} $A",
+                pair=f"{BOS} $A {BOS}:1 $B:1",
+                special_tokens=[(BOS, bos_id)],
+            ),
+        ]
+    )
+    for i, t in enumerate(SPECIAL_TOKENS):
+        assert tok.token_to_id(t) == i, (t, tok.token_to_id(t))
+    return tok.to_str()
+
+
+def _tokenizer_json(vocab_size: int, cache_dir: Path | None = None) -> str:
+    """Trained tokenizer.json text for ``vocab_size``; cached in memory and on disk."""
+    if vocab_size in _TOKENIZER_JSON:
+        return _TOKENIZER_JSON[vocab_size]
+    key = _hash({"v": RECIPE_VERSION, "vocab": vocab_size, "corpus": _corpus_hash(), **_versions()})[:12]
+    final = (cache_dir or default_cache_dir()) / "_tokenizers" / f"bpe{vocab_size}-{key}"
+
+    def build(tmp: Path) -> None:
+        (tmp / "tokenizer.json").write_text(_train_tokenizer_json(vocab_size), encoding="utf-8")
+
+    text = (_build_atomically(final, build) / "tokenizer.json").read_text(encoding="utf-8")
+    _TOKENIZER_JSON[vocab_size] = text
+    return text
+
+
+def build_tokenizer(
+    out_dir: Path, vocab_size: int, *, model_max_length: int | None = None, cache_dir: Path | None = None
+) -> Path:
+    """Write a byte-level BPE tokenizer of ``vocab_size`` tokens (HF format) to ``out_dir``.
+
+    Special tokens ``<|bos|>`` ``<|eos|>`` ``<|pad|>`` ``<|im_start|>`` ``<|im_end|>`` get
+    ids 0..4; encoding prepends BOS; the chat template is ChatML, starting with BOS.
+    The trained tokenizer is cached per vocab_size (memory and ``cache_dir``)."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok_obj = Tokenizer.from_str(_tokenizer_json(vocab_size, cache_dir))
+    kwargs: dict[str, Any] = {}
+    if model_max_length is not None:
+        kwargs["model_max_length"] = model_max_length
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok_obj,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        additional_special_tokens=[IM_START, IM_END],
+        clean_up_tokenization_spaces=False,
+        chat_template=CHAT_TEMPLATE,
+        **kwargs,
+    )
+    hf_tok.save_pretrained(str(out_dir))
+    return out_dir
+
+
+def special_token_ids() -> dict[str, int]:
+    return {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+
+
+# ---------------------------------------------------------------------------------------
+# models
+# ---------------------------------------------------------------------------------------
+
+
+def padded_vocab_size(tokenizer_vocab: int) -> int:
+    """Round up to a multiple of 64, plus 64 (real Qwen2 checkpoints pad like this)."""
+    return int(math.ceil(tokenizer_vocab / 64) * 64 + 64)
+
+
+_BUILD_ONLY_KEYS = ("init", "logit_std")
+
+
+def resolve_config(arch: str, preset: str, *, tie_word_embeddings: bool = False, **overrides: Any):
+    """``(config, tokenizer_vocab)`` for (arch, preset, overrides).
+
+    Override keys besides any config field (``num_hidden_layers=...`` etc.):
+      ``tokenizer_vocab``: int, tokenizer vocab size (default: the preset's);
+      ``pad_vocab``: bool, model vocab = padded_vocab_size(tokenizer vocab) (default:
+      True for qwen2, False otherwise); ``vocab_size``: int, set it outright (>= tokenizer);
+      ``llama3_rope``: bool, or a dict updating the llama3 rope params (default: True
+      for llama; llama only); ``rope_parameters``: dict, set outright; ``rope_theta``;
+      build_model only: ``init`` ("peaked" (default) or "hf": transformers' own init),
+      ``logit_std`` (default TARGET_LOGIT_STD)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; expected one of {tuple(PRESETS)}")
+    p = dict(PRESETS[preset])
+    ov = {k: v for k, v in overrides.items() if k not in _BUILD_ONLY_KEYS}
+    tok_vocab = int(ov.pop("tokenizer_vocab", p.pop("tokenizer_vocab")))
+    p.pop("tokenizer_vocab", None)
+    pad_vocab = bool(ov.pop("pad_vocab", arch == "qwen2"))
+    llama3 = ov.pop("llama3_rope", arch == "llama")
+    orig_max = p.pop("llama3_original_max_position_embeddings")
+    rope_theta = float(ov.pop("rope_theta", p.pop("rope_theta")))
+    vocab = int(ov.pop("vocab_size", padded_vocab_size(tok_vocab) if pad_vocab else tok_vocab))
+    if vocab < tok_vocab:
+        raise ValueError(f"model vocab_size {vocab} < tokenizer vocab {tok_vocab}")
+
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": rope_theta}
+    if llama3:
+        if arch != "llama":
+            raise ValueError("llama3_rope is only supported for arch='llama'")
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": rope_theta,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": orig_max,
+        }
+        if isinstance(llama3, dict):
+            rope.update(llama3)
+    if "rope_parameters" in ov:
+        rope = dict(ov.pop("rope_parameters"))
+
+    ids = special_token_ids()
+    fields: dict[str, Any] = dict(
+        vocab_size=vocab,
+        tie_word_embeddings=tie_word_embeddings,
+        rope_parameters=rope,
+        bos_token_id=ids[BOS],
+        eos_token_id=ids[EOS],
+        pad_token_id=ids[PAD],
+        rms_norm_eps=1e-6,
+        initializer_range=0.02,
+        **p,
+    )
+    fields.update(ov)
+    if arch == "qwen2":
+        # Qwen2Config has no head_dim: it is hidden_size // num_attention_heads.
+        hd = fields.pop("head_dim", None)
+        if hd is not None and hd != fields["hidden_size"] // fields["num_attention_heads"]:
+            raise ValueError("qwen2 requires head_dim == hidden_size // num_attention_heads")
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
+    cfg = cls(**fields)
+    cfg.dtype = "float32"
+    return cfg, tok_vocab
+
+
+def param_count(arch: str, preset: str, *, tie_word_embeddings: bool = False, **overrides: Any) -> int:
+    """Exact parameter count (tied weights counted once), without allocating weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg, _ = resolve_config(arch, preset, tie_word_embeddings=tie_word_embeddings, **overrides)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    return sum(p.numel() for p in model.parameters())  # parameters() dedups tied tensors
+
+
+def _peaked_init_(model, cfg, *, logit_std: float) -> float:
+    """Re-initialise ``model`` in place as described at TARGET_LOGIT_STD (uses the torch
+    RNG; the caller seeds it). Returns the factor applied to the final norm weight."""
+    import torch
+
+    inner = model.model
+    tied = bool(cfg.tie_word_embeddings)
+    qk_norm = hasattr(inner.layers[0].self_attn, "q_norm")
+    qk_gain = 1.0 if qk_norm else math.sqrt(math.sqrt(ATTN_SCORE_VAR))  # on q and on k
+
+    def norm_(w: torch.Tensor, mul: float = 1.0) -> None:
+        w.uniform_(1.0 - NORM_JITTER, 1.0 + NORM_JITTER).mul_(mul)
+
+    emb = model.get_input_embeddings().weight
+    emb.normal_(0.0, EMBED_STD)
+    head = model.get_output_embeddings().weight
+    if not tied:
+        head.normal_(0.0, 1.0 / math.sqrt(cfg.hidden_size))
+    for layer in inner.layers:
+        at, mlp = layer.self_attn, layer.mlp
+        for lin, gain in (
+            (at.q_proj, qk_gain),
+            (at.k_proj, qk_gain),
+            (at.v_proj, 1.0),
+            (at.o_proj, 1.0),
+            (mlp.gate_proj, 1.0),
+            (mlp.up_proj, 1.0),
+            (mlp.down_proj, 1.0),
+        ):
+            lin.weight.normal_(0.0, gain / math.sqrt(lin.in_features))
+            if lin.bias is not None:
+                lin.bias.normal_(0.0, BIAS_STD * gain)
+        norm_(layer.input_layernorm.weight)
+        norm_(layer.post_attention_layernorm.weight)
+        if qk_norm:
+            # q/k are RMS-normalised per head, so scores have std ~ w_q * w_k
+            norm_(at.q_norm.weight, math.sqrt(math.sqrt(ATTN_SCORE_VAR)))
+            norm_(at.k_norm.weight, math.sqrt(math.sqrt(ATTN_SCORE_VAR)))
+    # normed final hidden state has RMS ~1, so logits have std ~ row_std * sqrt(hidden)
+    row_std = EMBED_STD if tied else 1.0 / math.sqrt(cfg.hidden_size)
+    scale = logit_std / (row_std * math.sqrt(cfg.hidden_size))
+    norm_(inner.norm.weight, scale)
+    return scale
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
+def build_model(
+    out_dir: Path,
+    arch: str,
+    preset: str,
+    *,
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+    cache_dir: Path | None = None,
+    verbose: bool = False,
+    **overrides: Any,
+) -> Path:
+    """Build a random-weight ``arch`` model of ``preset`` size into ``out_dir``: float32
+    ``model.safetensors``, ``config.json``, ``generation_config.json``, tokenizer files
+    and ``llmd_fixture.json`` (recipe, ``param_count``, vocab sizes, build time).
+
+    ``overrides``: see resolve_config. Returns ``out_dir``."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    t0 = time.time()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg, tok_vocab = resolve_config(arch, preset, tie_word_embeddings=tie_word_embeddings, **overrides)
+    init = overrides.get("init", "peaked")
+    if init not in ("peaked", "hf"):
+        raise ValueError(f"init must be 'peaked' or 'hf', not {init!r}")
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.eval()
+    scale = 1.0
+    with torch.no_grad():
+        if init == "peaked":
+            scale = _peaked_init_(model, cfg, logit_std=float(overrides.get("logit_std", TARGET_LOGIT_STD)))
+        if cfg.vocab_size > tok_vocab:
+            # padded rows: never produced by the tokenizer; zero embedding, logit exactly 0
+            model.get_input_embeddings().weight[tok_vocab:].zero_()
+            model.get_output_embeddings().weight[tok_vocab:].zero_()
+    n_params = sum(p.numel() for p in model.parameters())
+
+    ids = special_token_ids()
+    model.generation_config = GenerationConfig(
+        bos_token_id=ids[BOS],
+        eos_token_id=[ids[EOS], ids[IM_END]],
+        pad_token_id=ids[PAD],
+    )
+    with _quiet_transformers():
+        model.save_pretrained(str(out_dir), safe_serialization=True)
+    build_tokenizer(out_dir, tok_vocab, model_max_length=cfg.max_position_embeddings, cache_dir=cache_dir)
+    meta = {
+        "arch": arch,
+        "preset": preset,
+        "tie_word_embeddings": tie_word_embeddings,
+        "seed": seed,
+        "overrides": overrides,
+        "param_count": n_params,
+        "tokenizer_vocab_size": tok_vocab,
+        "model_vocab_size": cfg.vocab_size,
+        "final_norm_scale": scale,
+        "special_token_ids": ids,
+        "build_seconds": round(time.time() - t0, 3),
+    }
+    (out_dir / "llmd_fixture.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
+    if verbose:
+        print(
+            f"built {arch}/{preset} tied={tie_word_embeddings}: {n_params:,} params, "
+            f"vocab {cfg.vocab_size} (tokenizer {tok_vocab}), {time.time() - t0:.2f}s -> {out_dir}",
+            file=sys.stderr,
+        )
+    return out_dir
+
+
+# ---------------------------------------------------------------------------------------
+# named, cached fixtures
+# ---------------------------------------------------------------------------------------
+
+
+def _module_source_hash() -> str:
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+
+
+def recipe_key(name: str) -> str:
+    """Hash of everything that determines fixture ``name``'s files."""
+    if name not in FIXTURES:
+        raise KeyError(f"unknown fixture {name!r}; known: {sorted(FIXTURES)}")
+    return _hash(
+        {
+            "v": RECIPE_VERSION,
+            "recipe": FIXTURES[name],
+            "source": _module_source_hash(),
+            "corpus": _corpus_hash(),
+            **_versions(),
+        }
+    )[:12]
+
+
+def fixture_path(name: str, cache_dir: Path | None = None) -> Path:
+    """Directory of the named fixture, built on first use and cached (keyed by a hash of
+    the recipe, this module's source, the corpus and library versions)."""
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    final = cache / f"{name}-{recipe_key(name)}"
+    if final.is_dir():
+        return final
+    r = dict(FIXTURES[name])
+
+    def build(tmp: Path) -> None:
+        build_model(
+            tmp,
+            r.pop("arch"),
+            r.pop("preset"),
+            tie_word_embeddings=r.pop("tie_word_embeddings", False),
+            seed=r.pop("seed", 0),
+            cache_dir=cache,
+            **r.pop("overrides", {}),
+        )
+
+    return _build_atomically(final, build)
+
+
+def demo_model_path() -> Path:
+    """The model the daemon serves when started without ``--model`` (built on first use)."""
+    return fixture_path(DEMO_FIXTURE)
+
+
+# ---------------------------------------------------------------------------------------
+# peakedness check (HF reference greedy decoding, fp32)
+# ---------------------------------------------------------------------------------------
+
+
+def greedy_stats(model_dir: Path, prompts: Sequence[str] = DEFAULT_PROMPTS, steps: int = 64) -> dict[str, Any]:
+    """Greedy-decode ``steps`` tokens per prompt with HF transformers (fp32, KV cache, no
+    stopping) and report top1-top2 logprob gaps and output diversity."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    with _quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.eval()
+    gaps: list[float] = []
+    p_top1: list[float] = []
+    seqs: list[list[int]] = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([tok(prompt).input_ids])
+            out = model(ids, use_cache=True)
+            past = out.past_key_values
+            logits = out.logits[0, -1]
+            seq: list[int] = []
+            for _ in range(steps):
+                lp = torch.log_softmax(logits.float(), dim=-1)
+                top = torch.topk(lp, 2)
+                gaps.append(float(top.values[0] - top.values[1]))
+                p_top1.append(float(top.values[0].exp()))
+                nxt = int(top.indices[0])
+                seq.append(nxt)
+                out = model(torch.tensor([[nxt]]), past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                logits = out.logits[0, -1]
+            seqs.append(seq)
+    g = torch.tensor(gaps)
+    return {
+        "frac_gap_gt_0.05": float((g > 0.05).float().mean()),
+        "min_gap": float(g.min()),
+        "median_gap": float(g.median()),
+        "median_p_top1": float(torch.tensor(p_top1).median()),
+        "distinct_per_seq": [len(set(s)) for s in seqs],
+        "max_id": max(max(s) for s in seqs),
+        "sequences": seqs,
+        "texts": [tok.decode(s) for s in seqs],
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m llmd_tools.make_model", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--name", help=f"named fixture: {', '.join(FIXTURES)} (cached)")
+    ap.add_argument("--demo", action="store_true", help="the demo model (cached)")
+    ap.add_argument("--arch", choices=ARCHS, help="custom build: architecture")
+    ap.add_argument("--preset", choices=tuple(PRESETS), default="tiny", help="custom build: size preset")
+    ap.add_argument("--tied", action="store_true", help="custom build: tie word embeddings")
+    ap.add_argument("--pad-vocab", choices=("yes", "no"), help="custom build: pad model vocab (default: qwen2 only)")
+    ap.add_argument("--no-llama3-rope", action="store_true", help="custom build: plain RoPE for llama")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, help="output dir (custom build: required; --name: cache dir)")
+    ap.add_argument("--check", action="store_true", help="print greedy peakedness/diversity stats")
+    ap.add_argument("--list", action="store_true", help="list named fixtures")
+    a = ap.parse_args(argv)
+
+    if a.list:
+        for n, r in FIXTURES.items():
+            print(n, json.dumps(r))
+        return 0
+    if a.name or a.demo:
+        name = DEMO_FIXTURE if a.demo else a.name
+        if name not in FIXTURES:
+            ap.error(f"unknown fixture {name!r}; known: {', '.join(FIXTURES)}")
+        path = fixture_path(name, a.out)
+    elif a.arch:
+        if a.out is None:
+            ap.error("--out is required for a custom build")
+        ov: dict[str, Any] = {}
+        if a.pad_vocab:
+            ov["pad_vocab"] = a.pad_vocab == "yes"
+        if a.no_llama3_rope:
+            ov["llama3_rope"] = False
+        path = build_model(a.out, a.arch, a.preset, tie_word_embeddings=a.tied, seed=a.seed, verbose=True, **ov)
+    else:
+        ap.error("give --name, --demo, --arch or --list")
+    if a.check:
+        st = greedy_stats(path)
+        st.pop("sequences")
+        print(json.dumps(st, indent=2, ensure_ascii=False), file=sys.stderr)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
