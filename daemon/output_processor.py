@@ -104,6 +104,10 @@ class OutputProcessor:
             delta = sample.detokenizer.get_delta()
             if out.finished:
                 delta += sample.detokenizer.finish()
+                # Text that became final only at the end may still hold a stop string.
+                stop_str = sample.detokenizer.stop_string
+                if stop_str is not None and out.stop_reason != stop_str:
+                    out.finish_reason, out.stop_reason = "stop", stop_str
             out.new_text = delta
             out.text += delta
         results = [self._make_output(s) for s in touched]

@@ -229,7 +229,7 @@ def test_penalties_steer_sampling():
     # token 0 in the output 3 times: 5 - 3 * 1.5 = 0.5 < 4
     tokens = sample(logits, [SamplingParams(temperature=0.0, frequency_penalty=1.5)], outputs=[[0, 0, 0]])
     assert tokens.tolist() == [1]
-    # repetition over the prompt: 5 / 2 = 2.5 < 4 / 1 ... token 1 not seen
+    # repetition covers the prompt: token 0 falls to 5 / 2 = 2.5 < 4 (token 1 is unseen)
     tokens = sample(logits, [SamplingParams(temperature=0.0, repetition_penalty=2.0)], prompts=[[0]])
     assert tokens.tolist() == [1]
     # presence/frequency ignore the prompt

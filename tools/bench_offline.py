@@ -1,0 +1,132 @@
+"""Offline throughput: llmd's engine vs HF transformers `generate`, same process, same
+workload (issue 2's: N prompts of 96-160 random tokens, 128 new tokens, greedy,
+ignore_eos), at batch 1 and batch 32, fp32 and bf16.
+
+    python -m llmd_tools.bench_offline [--model small-llama] [--dtype float32 bfloat16]
+        [--batch 1 32] [--json]
+
+Prints output tokens/s of both and the ratio, plus llmd's step breakdown (model forward
+vs everything else: scheduling, input prep, sampling, detokenization).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+
+import psutil
+import torch
+
+from llmd import LLM, SamplingParams
+from llmd_tools.make_model import fixture_path
+
+
+def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+class StepTimer:
+    """Wraps the engine's executor and model to split step time into model vs rest."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.forward_s = 0.0
+        self.steps = 0
+        model = llm.engine.executor.runner.model
+        inner = model.forward
+
+        def timed_forward(*args, **kwargs):
+            t = time.perf_counter()
+            out = inner(*args, **kwargs)
+            self.forward_s += time.perf_counter() - t
+            self.steps += 1
+            return out
+
+        model.forward = timed_forward
+
+
+def run_llmd(model: str, dtype: str, prompts: list[list[int]], batch: int, new_tokens: int) -> dict:
+    llm = LLM(model=model, dtype=dtype, max_num_seqs=batch, max_num_batched_tokens=max(2048, 160 * batch),
+              max_model_len=512, kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    timer = StepTimer(llm)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert generated == len(prompts) * new_tokens
+    return {"tokens": generated, "seconds": elapsed, "tok_s": generated / elapsed,
+            "steps": timer.steps, "forward_s": timer.forward_s,
+            "overhead_frac": 1 - timer.forward_s / elapsed}
+
+
+def run_hf(model: str, dtype: str, prompts: list[list[int]], batch: int, new_tokens: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).eval()
+    pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
+
+    def generate(chunk: list[list[int]]) -> int:
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        with torch.inference_mode():
+            out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
+        return (out.shape[1] - width) * len(chunk)
+
+    generate(prompts[:1])  # warm-up
+    start = time.perf_counter()
+    generated = sum(generate(prompts[i:i + batch]) for i in range(0, len(prompts), batch))
+    elapsed = time.perf_counter() - start
+    return {"tokens": generated, "seconds": elapsed, "tok_s": generated / elapsed}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="small-llama", help="fixture name or model directory")
+    ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--batch", nargs="+", type=int, default=[1, 32])
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--batch1-prompts", type=int, default=4, help="prompts for batch 1 (HF is slow there)")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+
+    model = args.model if os.path.isdir(args.model) else str(fixture_path(args.model))
+    from transformers import AutoConfig
+    vocab = AutoConfig.from_pretrained(model).vocab_size
+    prompts = make_prompts(args.num_prompts, 96, 160, min(vocab, 1000), seed=0)
+    load = os.getloadavg()[0]
+    rows = []
+    for dtype in args.dtype:
+        for batch in args.batch:
+            subset = prompts[:args.batch1_prompts] if batch == 1 else prompts
+            ours = run_llmd(model, dtype, subset, batch, args.new_tokens)
+            ref = None if args.no_hf else run_hf(model, dtype, subset, batch, args.new_tokens)
+            rows.append({"dtype": dtype, "batch": batch, "prompts": len(subset), "llmd": ours, "hf": ref,
+                         "ratio": None if ref is None else ours["tok_s"] / ref["tok_s"]})
+    meta = {"model": model, "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+            "loadavg_before": load, "cpu_percent_other": psutil.cpu_percent(interval=0.5)}
+    if args.json:
+        print(json.dumps({"meta": meta, "rows": rows}, indent=2))
+        return 0
+    print(f"model {model}; torch threads {meta['torch_threads']}; load avg before {load:.2f}")
+    print(f"{'dtype':9} {'batch':>5} {'prompts':>7} {'llmd tok/s':>11} {'HF tok/s':>9} {'ratio':>6} "
+          f"{'steps':>6} {'fwd ms/step':>11} {'overhead':>8}")
+    for r in rows:
+        o = r["llmd"]
+        hf = f"{r['hf']['tok_s']:9.1f}" if r["hf"] else f"{'-':>9}"
+        ratio = f"{r['ratio']:6.2f}" if r["ratio"] else f"{'-':>6}"
+        print(f"{r['dtype']:9} {r['batch']:>5} {r['prompts']:>7} {o['tok_s']:11.1f} {hf} {ratio} "
+              f"{o['steps']:>6} {1000 * o['forward_s'] / max(o['steps'], 1):11.2f} {o['overhead_frac']:8.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
