@@ -167,6 +167,10 @@ class BlockPool:
             block.ref_cnt = 1
         return blocks
 
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Make a block unfindable by prefix lookups (its contents are not valid)."""
+        self._evict(block)
+
     def _evict(self, block: KVCacheBlock) -> None:
         if self.cached_block_map.get(block.block_hash) is block:
             del self.cached_block_map[block.block_hash]

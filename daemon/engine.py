@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from llmd.scheduler import Scheduler
 from llmd_client.protocol import SamplingParams
 
 CPU_KV_DEFAULT_CAP = 4 << 30
+logger = logging.getLogger("llmd.engine")
 
 
 class LLMEngine:
@@ -63,6 +65,10 @@ class LLMEngine:
         self.executor = InProcessExecutor(self.model_dir, settings, self.device, self.dtype)
         self.num_blocks = self._num_kv_blocks(self.executor.kv_cache_bytes_per_block())
         self.executor.initialize_kv_cache(self.num_blocks)
+        bytes_per_block = self.executor.kv_cache_bytes_per_block()
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, %s); max_model_len %d",
+                    self.num_blocks, config.block_size, self.num_blocks * config.block_size,
+                    self.num_blocks * bytes_per_block / 2**20, self.dtype, self.max_model_len)
         self.kv_cache_manager = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache_manager)
         self.output_processor = OutputProcessor(self.tokenizer)

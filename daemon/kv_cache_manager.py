@@ -184,12 +184,22 @@ class KVCacheManager:
         )
         held.num_cached_blocks = num_full_blocks
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Request, num_valid_tokens: int | None = None) -> None:
         """Release the request's blocks, tail first: the head of a sequence is the part
-        most likely shared, so it should be evicted last. Unknown ids are ignored."""
+        most likely shared, so it should be evicted last. Unknown ids are ignored.
+
+        `num_valid_tokens`: only this many leading tokens hold computed K/V (a request
+        preempted after being scheduled, before its step ran). Blocks past them were
+        cached at allocation and must not stay findable: nobody else can hold them yet,
+        since hits are taken only at admission and a preempting step admits no one."""
         held = self._held.pop(request.request_id, None)
-        if held is not None:
-            self.block_pool.free_blocks(reversed(held.blocks))
+        if held is None:
+            return
+        if num_valid_tokens is not None:
+            for block in held.blocks[num_valid_tokens // self.block_size:]:
+                if block.block_hash is not None and block.ref_cnt == 1:
+                    self.block_pool.uncache(block)
+        self.block_pool.free_blocks(reversed(held.blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         held = self._held.get(request_id)

@@ -197,11 +197,13 @@ class Scheduler:
         """The request to preempt: the lowest priority (latest arrival on ties), or under
         FCFS the latest admitted."""
         if self.policy == "priority":
-            return max(self.running, key=Request.sort_key)
+            # Among equals, the latest admitted (max returns the first maximum it meets).
+            return max(reversed(self.running), key=Request.sort_key)
         return self.running[-1]
 
     def _preempt(self, request: Request) -> None:
-        self.kv.free(request)
+        # num_computed_tokens still counts only what earlier steps computed.
+        self.kv.free(request, num_valid_tokens=request.num_computed_tokens)
         self._worker_forget.add(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0

@@ -30,6 +30,12 @@ Facts the engine must know (all fixtures):
   ``<|im_start|>``=3, ``<|im_end|>``=4. The tokenizer prepends BOS on encode, and the
   chat template starts with ``{{ bos_token }}``: encode rendered chat text with
   ``add_special_tokens=False``.
+* tokenizers: llama/qwen3 fixtures use a plain byte-level BPE (no normalizer); qwen2
+  fixtures use the pipeline transformers' Qwen2Tokenizer imposes (NFC normalizer, Qwen2
+  split regex), because AutoTokenizer swaps that in for model_type qwen2 whatever
+  tokenizer.json says. Either way AutoTokenizer and tokenizer.json give the same ids;
+  decode(encode(x)) == x exactly (qwen2: for NFC text). Tokenizer vocab: tiny 1024,
+  small 8192.
 * ``config.json`` has ``eos_token_id`` = ``<|eos|>``; ``generation_config.json`` has
   ``eos_token_id`` = ``[<|eos|>, <|im_end|>]`` (a list, as real chat models do).
 * padded vocab (default for ``qwen2``): ``config.vocab_size`` = ceil(V/64)*64 + 64 for a
@@ -50,6 +56,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import sysconfig
@@ -74,9 +81,11 @@ CHAT_TEMPLATE = (
 
 # Training corpus: stdlib *.py (sorted) up to this many characters, plus the snippet.
 CORPUS_CHAR_CAP = 3_000_000
+SNIPPET_REPEATS = 300
 
-# Repeated a few times so some merges form for these scripts; anything else is still
-# covered byte by byte (byte-level BPE with the full 256-byte alphabet).
+# Repeated SNIPPET_REPEATS times (~10% of the corpus) so that even the 1024-token vocab
+# gets some merges for these scripts (with 20 repeats it got none for CJK); any other
+# text is still covered byte by byte (byte-level BPE with the full 256-byte alphabet).
 MULTILINGUAL_SNIPPET = """\
 Héllo wörld! Ça va? Façade, naïve, crème brûlée, jalapeño, Ångström, Øresund, Łódź.
 ¿Dónde está la biblioteca? Größe, Straße, schön, über. Été, hiver, àèìòù, âêîôû.
@@ -124,30 +133,35 @@ PRESETS: dict[str, dict[str, Any]] = {
 ARCHS = ("llama", "qwen2", "qwen3")
 
 # Weight init ("peaked"). transformers' default init (std 0.02 everywhere, norm weights
-# 1, zero biases) gives a model whose logits have std ~0.02*sqrt(hidden) (0.16 at hidden
-# 64): near uniform, so greedy decoding is decided by gaps of ~0.01 that any change in
-# accumulation order can flip; attention is near uniform (scores ~0.03) so outputs
-# collapse into short loops; and with tied embeddings the residual stream is dominated
-# by the current token's embedding, so the model repeats its input token forever. Zero
-# biases and unit norm weights would also let an engine that ignores them pass tests.
-# So build_model re-initialises:
-#   * every projection with std 1/sqrt(fan_in) (activations stay O(1) in every layer);
-#     q/k additionally scaled so attention scores have std ~sqrt(ATTN_SCORE_VAR) = 2
-#     (peaky, RoPE-position-dependent attention; for qwen3 via the q/k norm weights);
-#   * embeddings with std EMBED_STD = 0.1, i.e. small next to the O(1) layer outputs,
-#     so the next token depends on context, not just on the current token (this is what
+# 1, zero biases) gives logits with std ~0.02*sqrt(hidden) (0.16 at hidden 64): near
+# uniform, so greedy decoding is decided by gaps of ~0.01 that any change in accumulation
+# order can flip. Attention is near uniform too (scores ~0.03), so outputs collapse into
+# short loops; with tied embeddings the residual stream is dominated by the current
+# token's embedding and the model repeats its input token forever (measured: 1-3
+# distinct tokens in 64 steps). Zero biases and unit norm weights would also let an
+# engine that ignores them pass its tests. So build_model re-initialises (seeded):
+#   * every projection with std 1/sqrt(fan_in), so activations stay O(1) in every layer;
+#     q/k scaled so attention scores have std ~sqrt(ATTN_SCORE_VAR) = 4: peaky,
+#     position-dependent attention that keeps outputs from looping (for qwen3, whose q/k
+#     are RMS-normalised per head, through the q_norm/k_norm weights instead);
+#   * embeddings with std EMBED_STD = 0.1, small next to the O(1) layer outputs, so the
+#     next token depends on the context, not only on the current token (this is what
 #     keeps the tied variant from repeating one token);
-#   * qwen2 q/k/v biases with std BIAS_STD, RMSNorm weights uniform in [0.75, 1.25];
-#   * the final norm weight times a factor so that the logits have std ~TARGET_LOGIT_STD.
-#     A common positive factor on all logits leaves the greedy path unchanged and widens
-#     every top1-top2 gap: in units of the logit std, ~2% of greedy steps have a gap
-#     below 0.007 and ~5% below 0.015 (measured for all archs/presets, tied and untied),
-#     so std 8 puts the gap above 0.05 at ~98% of steps.
-# Measured with greedy_stats() (4 prompts x 64 greedy steps, fp32, HF): gap > 0.05 at
-# 97-99% of steps, 45-64 distinct tokens per 64-step sequence, for every arch and preset,
-# tied and untied (the numbers are checked by tests/test_fixtures.py).
+#   * qwen2 q/k/v biases with std BIAS_STD (x the q/k gain); RMSNorm weights uniform in
+#     [1 - NORM_JITTER, 1 + NORM_JITTER];
+#   * the final norm weight times a factor giving logits of std ~TARGET_LOGIT_STD. A
+#     common positive factor on all logits leaves the greedy path unchanged and widens
+#     every top1-top2 gap; in units of the logit std ~2% of greedy steps have a gap
+#     below ~0.007 (measured over archs, presets, tied/untied, several seeds), so std 8
+#     puts the gap above 0.05 at ~98% of steps, while sampling stays non-trivial (median
+#     top-1 probability ~0.7).
+# Measured with greedy_stats() (4 prompts x 64 greedy steps, fp32, HF), every arch and
+# preset, tied and untied: gap > 0.05 at 96-99% of steps, ~40-60 distinct tokens per
+# 64-step sequence (tiny, 6 seeds x 6 variants: min 38, median 53; small, 2 seeds x 6
+# variants: min 36, median 59).
+# tests/test_fixtures.py checks this for the tiny fixtures.
 TARGET_LOGIT_STD = 8.0
-ATTN_SCORE_VAR = 4.0
+ATTN_SCORE_VAR = 16.0
 EMBED_STD = 0.1
 BIAS_STD = 0.2
 NORM_JITTER = 0.25
@@ -159,7 +173,9 @@ DEFAULT_PROMPTS = (
     "import os\nimport sys\n\nclass Config:",
 )
 
-# name -> build recipe (arch, preset, tie_word_embeddings, seed, overrides)
+# name -> build recipe: arch, preset, and optionally tie_word_embeddings, seed, and any
+# build_model override (see resolve_config), e.g. dict(arch="qwen2", preset="tiny",
+# pad_vocab=False). Changing a recipe (or this module) changes the cache key.
 FIXTURES: dict[str, dict[str, Any]] = {
     "tiny-llama": dict(arch="llama", preset="tiny"),
     "tiny-llama-tied": dict(arch="llama", preset="tiny", tie_word_embeddings=True),
@@ -218,6 +234,7 @@ def _build_atomically(final: Path, build_fn) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
         try:
             build_fn(tmp)
+            os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -243,13 +260,19 @@ def _corpus() -> list[str]:
                 break
             texts.append(t)
             total += len(t)
-        texts.extend([MULTILINGUAL_SNIPPET] * 20)
+        texts.extend([MULTILINGUAL_SNIPPET] * SNIPPET_REPEATS)
         _CORPUS = texts
     return _CORPUS
 
 
+_CORPUS_HASH: str | None = None
+
+
 def _corpus_hash() -> str:
-    return _hash([hashlib.sha256(t.encode()).hexdigest() for t in _corpus()])
+    global _CORPUS_HASH
+    if _CORPUS_HASH is None:
+        _CORPUS_HASH = _hash([hashlib.sha256(t.encode()).hexdigest() for t in _corpus()])
+    return _CORPUS_HASH
 
 
 def _versions() -> dict[str, str]:
@@ -264,14 +287,48 @@ def _versions() -> dict[str, str]:
 # tokenizer
 # ---------------------------------------------------------------------------------------
 
-_TOKENIZER_JSON: dict[int, str] = {}
+# Tokenizer flavours. "bytelevel": GPT-2/Llama-3 style (ByteLevel pre-tokenizer with its
+# own regex, no normalizer). "qwen2": exactly the pipeline transformers' Qwen2Tokenizer
+# builds (NFC normalizer, Qwen2 split regex, ByteLevel without regex). transformers 5's
+# AutoTokenizer loads any model_type "qwen2" directory as Qwen2Tokenizer, which *replaces*
+# the normalizer and pre-tokenizer from tokenizer.json with its own (and adds an
+# "<|endoftext|>" unk token unless tokenizer_config.json sets "unk_token": null). So the
+# qwen2 fixtures use that pipeline: tokenizer.json and AutoTokenizer then agree.
+TOKENIZER_FLAVOURS = ("bytelevel", "qwen2")
+ARCH_TOKENIZER_FLAVOUR = {"llama": "bytelevel", "qwen2": "qwen2", "qwen3": "bytelevel"}
+_QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 
 
-def _train_tokenizer_json(vocab_size: int) -> str:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+def _qwen2_regex() -> str:
+    try:
+        from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+        return PRETOKENIZE_REGEX
+    except ImportError:  # pragma: no cover
+        return _QWEN2_PRETOKENIZE_REGEX
+
+
+_TOKENIZER_JSON: dict[tuple[int, str], str] = {}
+
+
+def _train_tokenizer_json(vocab_size: int, flavour: str) -> str:
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if flavour == "qwen2":
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_qwen2_regex()), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    elif flavour == "bytelevel":
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        raise ValueError(f"unknown tokenizer flavour {flavour!r}; expected one of {TOKENIZER_FLAVOURS}")
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -293,38 +350,47 @@ def _train_tokenizer_json(vocab_size: int) -> str:
     )
     for i, t in enumerate(SPECIAL_TOKENS):
         assert tok.token_to_id(t) == i, (t, tok.token_to_id(t))
+    assert tok.get_vocab_size() == vocab_size, (tok.get_vocab_size(), vocab_size)
     return tok.to_str()
 
 
-def _tokenizer_json(vocab_size: int, cache_dir: Path | None = None) -> str:
-    """Trained tokenizer.json text for ``vocab_size``; cached in memory and on disk."""
-    if vocab_size in _TOKENIZER_JSON:
-        return _TOKENIZER_JSON[vocab_size]
-    key = _hash({"v": RECIPE_VERSION, "vocab": vocab_size, "corpus": _corpus_hash(), **_versions()})[:12]
-    final = (cache_dir or default_cache_dir()) / "_tokenizers" / f"bpe{vocab_size}-{key}"
+def _tokenizer_json(vocab_size: int, flavour: str = "bytelevel", cache_dir: Path | None = None) -> str:
+    """Trained tokenizer.json text; cached per (vocab_size, flavour) in memory and on disk."""
+    if (vocab_size, flavour) in _TOKENIZER_JSON:
+        return _TOKENIZER_JSON[(vocab_size, flavour)]
+    key = _hash(
+        {"v": RECIPE_VERSION, "vocab": vocab_size, "flavour": flavour, "corpus": _corpus_hash(), **_versions()}
+    )[:12]
+    final = (cache_dir or default_cache_dir()) / "_tokenizers" / f"bpe{vocab_size}-{flavour}-{key}"
 
     def build(tmp: Path) -> None:
-        (tmp / "tokenizer.json").write_text(_train_tokenizer_json(vocab_size), encoding="utf-8")
+        (tmp / "tokenizer.json").write_text(_train_tokenizer_json(vocab_size, flavour), encoding="utf-8")
 
     text = (_build_atomically(final, build) / "tokenizer.json").read_text(encoding="utf-8")
-    _TOKENIZER_JSON[vocab_size] = text
+    _TOKENIZER_JSON[(vocab_size, flavour)] = text
     return text
 
 
 def build_tokenizer(
-    out_dir: Path, vocab_size: int, *, model_max_length: int | None = None, cache_dir: Path | None = None
+    out_dir: Path,
+    vocab_size: int,
+    *,
+    flavour: str = "bytelevel",
+    model_max_length: int | None = None,
+    cache_dir: Path | None = None,
 ) -> Path:
     """Write a byte-level BPE tokenizer of ``vocab_size`` tokens (HF format) to ``out_dir``.
 
     Special tokens ``<|bos|>`` ``<|eos|>`` ``<|pad|>`` ``<|im_start|>`` ``<|im_end|>`` get
     ids 0..4; encoding prepends BOS; the chat template is ChatML, starting with BOS.
-    The trained tokenizer is cached per vocab_size (memory and ``cache_dir``)."""
+    ``flavour``: see TOKENIZER_FLAVOURS. The trained tokenizer is cached per
+    (vocab_size, flavour), in memory and under ``cache_dir``."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tok_obj = Tokenizer.from_str(_tokenizer_json(vocab_size, cache_dir))
+    tok_obj = Tokenizer.from_str(_tokenizer_json(vocab_size, flavour, cache_dir))
     kwargs: dict[str, Any] = {}
     if model_max_length is not None:
         kwargs["model_max_length"] = model_max_length
@@ -339,6 +405,12 @@ def build_tokenizer(
         **kwargs,
     )
     hf_tok.save_pretrained(str(out_dir))
+    # An explicit null unk token: model-specific tokenizer classes (Qwen2Tokenizer, picked
+    # by AutoTokenizer for model_type qwen2) otherwise add a default unk token.
+    cfg_path = out_dir / "tokenizer_config.json"
+    tcfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    tcfg["unk_token"] = None
+    cfg_path.write_text(json.dumps(tcfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     return out_dir
 
 
@@ -356,7 +428,7 @@ def padded_vocab_size(tokenizer_vocab: int) -> int:
     return int(math.ceil(tokenizer_vocab / 64) * 64 + 64)
 
 
-_BUILD_ONLY_KEYS = ("init", "logit_std")
+_BUILD_ONLY_KEYS = ("init", "logit_std", "tokenizer_flavour")
 
 
 def resolve_config(arch: str, preset: str, *, tie_word_embeddings: bool = False, **overrides: Any):
@@ -369,7 +441,8 @@ def resolve_config(arch: str, preset: str, *, tie_word_embeddings: bool = False,
       ``llama3_rope``: bool, or a dict updating the llama3 rope params (default: True
       for llama; llama only); ``rope_parameters``: dict, set outright; ``rope_theta``;
       build_model only: ``init`` ("peaked" (default) or "hf": transformers' own init),
-      ``logit_std`` (default TARGET_LOGIT_STD)."""
+      ``logit_std`` (default TARGET_LOGIT_STD), ``tokenizer_flavour`` (default
+      ARCH_TOKENIZER_FLAVOUR[arch])."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     if arch not in ARCHS:
@@ -546,7 +619,10 @@ def build_model(
     )
     with _quiet_transformers():
         model.save_pretrained(str(out_dir), safe_serialization=True)
-    build_tokenizer(out_dir, tok_vocab, model_max_length=cfg.max_position_embeddings, cache_dir=cache_dir)
+    flavour = overrides.get("tokenizer_flavour", ARCH_TOKENIZER_FLAVOUR[arch])
+    build_tokenizer(
+        out_dir, tok_vocab, flavour=flavour, model_max_length=cfg.max_position_embeddings, cache_dir=cache_dir
+    )
     meta = {
         "arch": arch,
         "preset": preset,
@@ -555,6 +631,7 @@ def build_model(
         "overrides": overrides,
         "param_count": n_params,
         "tokenizer_vocab_size": tok_vocab,
+        "tokenizer_flavour": flavour,
         "model_vocab_size": cfg.vocab_size,
         "final_norm_scale": scale,
         "special_token_ids": ids,
@@ -612,9 +689,29 @@ def fixture_path(name: str, cache_dir: Path | None = None) -> Path:
             seed=r.pop("seed", 0),
             cache_dir=cache,
             **r.pop("overrides", {}),
+            **r,  # any other key is an override too
         )
 
-    return _build_atomically(final, build)
+    path = _build_atomically(final, build)
+    _prune_stale(cache, name, keep=final)
+    return path
+
+
+STALE_AFTER_S = 3600.0
+
+
+def _prune_stale(cache: Path, name: str, keep: Path) -> None:
+    """Remove builds of ``name`` from older recipes (untouched for STALE_AFTER_S, so a
+    process still running older code is not pulled from under)."""
+    pat = re.compile(re.escape(name) + r"-[0-9a-f]{12}")
+    now = time.time()
+    for d in cache.iterdir():
+        if d != keep and pat.fullmatch(d.name) and d.is_dir():
+            try:
+                if now - d.stat().st_mtime > STALE_AFTER_S:
+                    shutil.rmtree(d, ignore_errors=True)
+            except OSError:
+                pass
 
 
 def demo_model_path() -> Path:
@@ -711,6 +808,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         path = build_model(a.out, a.arch, a.preset, tie_word_embeddings=a.tied, seed=a.seed, verbose=True, **ov)
     else:
         ap.error("give --name, --demo, --arch or --list")
+    meta_path = path / "llmd_fixture.json"
+    if meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        print(
+            f"{meta['arch']}/{meta['preset']}: {meta['param_count']:,} params, vocab "
+            f"{meta['model_vocab_size']} (tokenizer {meta['tokenizer_vocab_size']})",
+            file=sys.stderr,
+        )
     if a.check:
         st = greedy_stats(path)
         st.pop("sequences")

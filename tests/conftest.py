@@ -1,0 +1,83 @@
+"""Shared pytest fixtures.
+
+Model fixtures are Hugging Face-format directories built by ``llmd_tools.make_model``
+(random weights, a BPE tokenizer trained on local text) and cached on disk across runs
+and processes: ``$LLMD_FIXTURE_CACHE`` if set, else ``<repo>/.cache/fixtures``.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from llmd_tools.make_model import FIXTURES, fixture_path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# Named tiny fixtures (fast: build in ~1 s once, then cached).
+TINY_MODELS = ("tiny-llama", "tiny-llama-tied", "tiny-qwen2", "tiny-qwen3")
+
+
+def fixture_cache_root() -> Path:
+    env = os.environ.get("LLMD_FIXTURE_CACHE")
+    return Path(env).expanduser() if env else REPO_ROOT / ".cache" / "fixtures"
+
+
+class ModelDirs:
+    """``model_dirs("tiny-qwen3")`` or ``model_dirs["tiny-qwen3"]`` -> the model dir,
+    built on first use; ``model_dirs.names`` lists the known fixture names."""
+
+    def __init__(self, cache_dir: Path) -> None:
+        self.cache_dir = cache_dir
+        self.names = tuple(FIXTURES)
+        self._paths: dict[str, Path] = {}
+
+    def __call__(self, name: str) -> Path:
+        if name not in self._paths:
+            self._paths[name] = fixture_path(name, self.cache_dir)
+        return self._paths[name]
+
+    __getitem__ = __call__
+
+
+@pytest.fixture(scope="session")
+def fixture_cache_dir() -> Path:
+    path = fixture_cache_root()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def model_dirs(fixture_cache_dir: Path) -> ModelDirs:
+    return ModelDirs(fixture_cache_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(model_dirs: ModelDirs) -> Path:
+    """Llama, untied, llama3 RoPE scaling (original_max_position_embeddings=64)."""
+    return model_dirs("tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_tied(model_dirs: ModelDirs) -> Path:
+    """Llama with tie_word_embeddings=True (no lm_head.weight in the checkpoint)."""
+    return model_dirs("tiny-llama-tied")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(model_dirs: ModelDirs) -> Path:
+    """Qwen2 (q/k/v bias), padded vocab: config.vocab_size 1088 > tokenizer 1024."""
+    return model_dirs("tiny-qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(model_dirs: ModelDirs) -> Path:
+    """Qwen3 (per-head q/k RMSNorm)."""
+    return model_dirs("tiny-qwen3")
+
+
+@pytest.fixture(scope="session", params=TINY_MODELS)
+def tiny_model(request: pytest.FixtureRequest, model_dirs: ModelDirs) -> Path:
+    """Parametrised over every tiny fixture."""
+    return model_dirs(request.param)
