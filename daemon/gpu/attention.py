@@ -30,6 +30,24 @@ class AttentionMetadata:
     # tokens already in the cache, block ids tensor covering the whole context).
     prefills: list[tuple[int, int, int, torch.Tensor]]
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, L] bool, built once per step
+    workspace: GatherWorkspace | None = None
+
+
+class GatherWorkspace:
+    """Grow-only buffers the decode path gathers K/V into. Layers run one after another,
+    so one pair serves them all; reusing it avoids page-faulting fresh memory for every
+    gather (measured 1.2 ms -> 0.36 ms per 15 MB gather on CPU)."""
+
+    def __init__(self) -> None:
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+
+    def buffers(self, rows: int, width: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        need = rows * width
+        if self._k is None or self._k.numel() < need or self._k.dtype != like.dtype or self._k.device != like.device:
+            self._k = torch.empty(need, dtype=like.dtype, device=like.device)
+            self._v = torch.empty(need, dtype=like.dtype, device=like.device)
+        return self._k[:need].view(rows, width), self._v[:need].view(rows, width)
 
 
 def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -67,10 +85,15 @@ class TorchAttention:
         out = torch.empty_like(q)
         if md.num_decodes:
             n = md.num_decodes
-            table = md.decode_block_table
-            # [B, blocks, bs, KVH, D] -> [B, KVH, L, D]
-            keys = kv_cache[0][table].view(n, -1, kvh, d).transpose(1, 2)
-            values = kv_cache[1][table].view(n, -1, kvh, d).transpose(1, 2)
+            table = md.decode_block_table.view(-1)
+            width = block_size * kvh * d
+            workspace = md.workspace or GatherWorkspace()
+            k_buf, v_buf = workspace.buffers(table.numel(), width, kv_cache)
+            # [B * blocks, bs * KVH * D] -> [B, KVH, L, D]
+            keys = torch.index_select(kv_cache[0].view(num_blocks, width), 0, table, out=k_buf)
+            values = torch.index_select(kv_cache[1].view(num_blocks, width), 0, table, out=v_buf)
+            keys = keys.view(n, -1, kvh, d).transpose(1, 2)
+            values = values.view(n, -1, kvh, d).transpose(1, 2)
             query = q[:n].unsqueeze(2)  # [B, H, 1, D]
             o = F.scaled_dot_product_attention(query, keys, values, attn_mask=md.decode_mask,
                                                scale=self.scale, enable_gqa=kvh != self.num_heads)

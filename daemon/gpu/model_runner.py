@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from llmd.gpu.attention import AttentionMetadata, build_decode_mask, new_kv_cache
+from llmd.gpu.attention import AttentionMetadata, GatherWorkspace, build_decode_mask, new_kv_cache
 from llmd.gpu.loader import load_model
 from llmd.gpu.sampler import Sampler, SamplingMetadata, gather_logprobs
 from llmd.messages import Logprobs, PromptLogprobs, RunnerOutput, SchedulerOutput
@@ -60,6 +60,7 @@ class ModelRunner:
         self.sampler = Sampler(seed=settings.seed)
         self.requests: dict[str, RunnerRequest] = {}
         self.kv_caches: list[torch.Tensor] = []
+        self.workspace = GatherWorkspace()
 
     # -- KV cache -------------------------------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
@@ -152,6 +153,7 @@ class ModelRunner:
             decode_seq_lens=None,
             decode_max_seq_len=max(seq_lens, default=0),
             prefills=prefill_meta,
+            workspace=self.workspace,
         )
         if decodes:
             width = max(len(t) for t in tables)
