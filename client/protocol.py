@@ -81,3 +81,139 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, o
 def _check(ok: bool, field: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{field} {message}")
+
+
+# -- wire messages ----------------------------------------------------------------------
+# Every frame is a 4-byte big-endian length + msgpack of one tagged Struct below (see
+# llmd_client.framing); a connection whose first byte is `{` speaks newline-delimited
+# JSON of the same Structs instead.
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 8 << 20
+
+
+class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True, kw_only=True):
+    protocol_version: int = PROTOCOL_VERSION
+    client: str = ""
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+    role: str
+    content: str
+
+
+class Submit(msgspec.Struct, tag="submit", forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    """Exactly one of prompt, messages (chat, rendered with the model's template) or
+    token_ids. `id` names the request within this connection (outputs carry it); the
+    server assigns one when it is missing."""
+
+    id: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    token_ids: list[int] | None = None
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    stream: bool = True
+    priority: int = 0
+
+
+class Abort(msgspec.Struct, tag="abort", forbid_unknown_fields=True):
+    """Abort by this connection's id, or by a server request id (llmctl abort)."""
+
+    id: str
+
+
+class Status(msgspec.Struct, tag="status", forbid_unknown_fields=True):
+    pass
+
+
+class Metrics(msgspec.Struct, tag="metrics", forbid_unknown_fields=True):
+    pass
+
+
+ClientMessage = Hello | Submit | Abort | Status | Metrics
+
+
+class Welcome(msgspec.Struct, tag="welcome", kw_only=True):
+    protocol_version: int
+    server_version: str
+    model: str
+
+
+class Accepted(msgspec.Struct, tag="accepted", kw_only=True):
+    id: str  # the connection's id for the request
+    request_id: str  # the server-wide id (what `llmctl abort` takes)
+    prompt_tokens: int
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+    rank: int | None = None
+
+
+class Output(msgspec.Struct, tag="output", kw_only=True, omit_defaults=True):
+    """A streamed delta (or, with stream=false, the whole result). The last one for a
+    sample has finish_reason set; the last one for the request also carries usage."""
+
+    id: str
+    index: int = 0  # which of the n samples
+    text: str = ""
+    token_ids: list[int] = []
+    # Per new token: the chosen token first, then the top-k.
+    logprobs: list[list[TokenLogprob]] | None = None
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    stop_reason: int | str | None = None
+    usage: Usage | None = None
+
+
+class Error(msgspec.Struct, tag="error", kw_only=True, omit_defaults=True):
+    """`code` is stable for programs (bad_frame, bad_request, invalid_params, unknown_id,
+    forbidden, too_long, unsupported_version, overloaded, shutting_down, internal);
+    `message` is for people. `id` names the request it concerns, if any."""
+
+    code: str
+    message: str
+    id: str | None = None
+
+
+class RequestInfo(msgspec.Struct, kw_only=True):
+    request_id: str
+    uid: int
+    state: str  # waiting, running
+    age_s: float
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class StatusReply(msgspec.Struct, tag="status_reply", kw_only=True):
+    model: str
+    server_version: str
+    uptime_s: float
+    device: str
+    dtype: str
+    num_running: int
+    num_waiting: int
+    requests: list[RequestInfo]
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_usage: float
+    prefix_cache_hit_rate: float
+    generation_tokens_per_s: float
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    requests_finished_total: int
+    rss_bytes: int
+    cpu_percent: float
+
+
+class MetricsReply(msgspec.Struct, tag="metrics_reply"):
+    text: str  # Prometheus text exposition format
+
+
+ServerMessage = Welcome | Accepted | Output | Error | StatusReply | MetricsReply

@@ -8,17 +8,17 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
 import psutil
 
 from llmd.config import EngineConfig
+from llmd.input_processor import InputProcessor
 from llmd.kv_cache_manager import KVCacheManager
 from llmd.output_processor import OutputProcessor
 from llmd.outputs import RequestOutput
-from llmd.request import Request, RequestStatus
+from llmd.request import RequestStatus
 from llmd.scheduler import Scheduler
 from llmd_client.protocol import SamplingParams
 
@@ -72,6 +72,10 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.input_processor = InputProcessor(
+            self.tokenizer, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+            max_logprobs=config.max_logprobs, eos_token_id=self.eos_token_id,
+            extra_stop_token_ids=self.extra_stop_token_ids)
         self._ids = itertools.count()
 
     # -- sizing ---------------------------------------------------------------------
@@ -107,51 +111,17 @@ class LLMEngine:
                     params: SamplingParams | None = None, *, priority: int = 0,
                     cache_salt: str | None = None) -> str:
         """Queue a prompt (text or token ids). Raises ValueError on bad input, with nothing queued."""
-        params = params or SamplingParams()
         if request_id is None:
             request_id = str(next(self._ids))
         if request_id in self.output_processor.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if isinstance(prompt, str):
-            text: str | None = prompt
-            token_ids = self.tokenizer(prompt).input_ids
-        else:
-            text = None
-            token_ids = list(prompt)
-        self._validate(token_ids, params)
-        max_tokens = self.max_model_len - len(token_ids)
-        if params.max_tokens is not None:
-            max_tokens = min(max_tokens, params.max_tokens)
-        if self.extra_stop_token_ids and not params.ignore_eos:
-            extra = sorted(self.extra_stop_token_ids - set(params.stop_token_ids))
-            if extra:
-                params = _replace(params, stop_token_ids=params.stop_token_ids + extra)
-        child_ids = [request_id] if params.n == 1 else [f"{request_id}\x00{i}" for i in range(params.n)]
-        self.output_processor.add_request(request_id, text, token_ids, params, child_ids)
-        arrival = time.monotonic()
-        for i, child_id in enumerate(child_ids):
-            child_params = params
-            if params.n > 1:
-                # Each sample is its own sequence; seeded ones get distinct, reproducible seeds.
-                child_params = _replace(params, n=1, seed=None if params.seed is None else params.seed + i)
-            self.scheduler.add_request(Request(child_id, token_ids, child_params,
-                                               eos_token_id=self.eos_token_id, priority=priority,
-                                               arrival_time=arrival, cache_salt=cache_salt,
-                                               max_tokens=max_tokens))
+        prepared = self.input_processor.prepare(request_id, prompt, params or SamplingParams(),
+                                                priority=priority, cache_salt=cache_salt)
+        self.output_processor.add_request(request_id, prepared.prompt, prepared.token_ids,
+                                          prepared.params, prepared.child_ids)
+        for child in prepared.children:
+            self.scheduler.add_request(child)
         return request_id
-
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not token_ids:
-            raise ValueError("prompt is empty")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
-                             "and at least one token must be generated")
-        if any(not 0 <= t < self.vocab_size for t in token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(params, name)
-            if k is not None and k > self.config.max_logprobs:
-                raise ValueError(f"{name} must be <= max_logprobs ({self.config.max_logprobs}), got {k}")
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         if isinstance(request_ids, str):
@@ -197,11 +167,6 @@ class LLMEngine:
             "prefix_cache_hits": stats.hits,
             "prefix_cache_hit_rate": stats.hit_rate,
         }
-
-
-def _replace(params: SamplingParams, **changes: Any) -> SamplingParams:
-    import msgspec
-    return msgspec.structs.replace(params, **changes)
 
 
 def _generation_eos_ids(model_dir: str) -> set[int]:

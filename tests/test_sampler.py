@@ -2,7 +2,6 @@
 (chi-square), plain-Python filters and penalties, log_softmax and sorts."""
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest

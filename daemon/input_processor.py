@@ -1,0 +1,96 @@
+"""Turns a prompt (text, chat messages or token ids) and sampling params into validated
+scheduler Requests: one per sample for n > 1. Raises ValueError with a message naming
+the field and the limit; never echoes user input."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import msgspec
+
+from llmd.request import Request
+from llmd_client.protocol import SamplingParams
+
+
+@dataclass
+class PreparedRequest:
+    request_id: str
+    prompt: str | None
+    token_ids: list[int]
+    params: SamplingParams
+    children: list[Request]
+
+    @property
+    def child_ids(self) -> list[str]:
+        return [c.request_id for c in self.children]
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, *, max_model_len: int, vocab_size: int, max_logprobs: int,
+                 eos_token_id: int | None, extra_stop_token_ids: set[int]) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.max_logprobs = max_logprobs
+        self.eos_token_id = eos_token_id
+        self.extra_stop_token_ids = extra_stop_token_ids
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer(prompt).input_ids
+
+    def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Chat messages through the model's template, ending with the assistant turn."""
+        if not messages:
+            raise ValueError("messages must not be empty")
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("this model has no chat template; send a prompt instead")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        # The template writes BOS itself; don't let the tokenizer add a second one.
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def prepare(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+                priority: int = 0, cache_salt: str | None = None,
+                arrival_time: float | None = None) -> PreparedRequest:
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            token_ids = self.tokenize(prompt) if prompt else []
+        else:
+            text = None
+            token_ids = list(prompt)
+        self.validate(token_ids, params)
+        max_tokens = self.max_model_len - len(token_ids)
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        if self.extra_stop_token_ids and not params.ignore_eos:
+            extra = sorted(self.extra_stop_token_ids - set(params.stop_token_ids))
+            if extra:
+                params = msgspec.structs.replace(params, stop_token_ids=params.stop_token_ids + extra)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        if params.n == 1:
+            child_ids = [request_id]
+        else:
+            child_ids = [f"{request_id}\x00{i}" for i in range(params.n)]
+        children = []
+        for i, child_id in enumerate(child_ids):
+            child_params = params
+            if params.n > 1:
+                # Each sample is its own sequence; seeded ones get distinct, reproducible seeds.
+                child_params = msgspec.structs.replace(
+                    params, n=1, seed=None if params.seed is None else params.seed + i)
+            children.append(Request(child_id, token_ids, child_params, eos_token_id=self.eos_token_id,
+                                    priority=priority, arrival_time=arrival, cache_salt=cache_salt,
+                                    max_tokens=max_tokens))
+        return PreparedRequest(request_id, text, token_ids, params, children)
+
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
+                             "and at least one token must be generated")
+        if any(not 0 <= t < self.vocab_size for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.max_logprobs:
+                raise ValueError(f"{name} must be <= max_logprobs ({self.max_logprobs}), got {k}")
