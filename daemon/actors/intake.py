@@ -1,0 +1,303 @@
+"""The intake actor: accepts connections on the Unix socket, decodes frames, validates,
+tokenizes off the event loop, assigns request ids, records the peer's uid
+(SO_PEERCRED) and forwards requests. A closed connection aborts all its requests.
+
+Bad input gets an `Error` (a stable code and a message that names the field and limit,
+never a traceback, never the raw input) and the connection stays usable where the
+frame boundaries are still known."""
+from __future__ import annotations
+
+import asyncio
+import grp
+import itertools
+import logging
+import os
+import pwd
+import re
+import socket
+import struct
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import msgspec
+
+from llmd.actors.messages import AbortRequest, AddRequest, Query, RegisterRequest, RequestEvent
+from llmd.actors.runtime import Actor
+from llmd.input_processor import InputProcessor
+from llmd_client.framing import FrameError, JsonLinesCodec, MsgpackCodec
+from llmd_client.protocol import (PROTOCOL_VERSION, Abort, Accepted, ClientMessage, Error, Hello,
+                                  Metrics, MetricsReply, Status, Submit, Welcome)
+
+logger = logging.getLogger("llmd.intake")
+_PEERCRED = struct.Struct("3i")
+_QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"|`[^`]*`")
+
+
+def safe_message(exc: BaseException, limit: int = 300) -> str:
+    """An error's text without any quoted (possibly user-supplied) values, bounded.
+    msgspec paths like `$.sampling.top_p` are kept: they name the field, not the value."""
+    text = str(exc)
+    text = _QUOTED.sub(lambda m: m.group(0) if m.group(0).startswith("`$") else "<value>", text)
+    return text[:limit]
+
+
+class RequestSink:
+    """Where the detokenizer sends one request's outputs: its connection, under the
+    connection's id for it."""
+
+    __slots__ = ("conn", "client_id", "request_id", "stream", "finished_samples")
+
+    def __init__(self, conn: Connection, client_id: str, request_id: str, stream: bool) -> None:
+        self.conn = conn
+        self.client_id = client_id
+        self.request_id = request_id
+        self.stream = stream
+        self.finished_samples: set[int] = set()
+
+    def send(self, message: object) -> None:
+        self.conn.send(message)
+
+    def finished(self) -> None:
+        self.conn.requests.pop(self.client_id, None)
+        self.conn.intake.registry.pop(self.request_id, None)
+
+
+class Connection:
+    def __init__(self, intake: IntakeActor, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.intake = intake
+        self.reader = reader
+        self.writer = writer
+        self.codec: MsgpackCodec | JsonLinesCodec | None = None
+        self.requests: dict[str, RequestSink] = {}
+        self.closed = False
+        self.uid, self.gid = _peer_ids(writer)
+        self.admin = intake.is_admin(self.uid, self.gid)
+        self._local_ids = itertools.count(1)
+
+    def send(self, message: object) -> None:
+        if self.closed or self.codec is None:
+            return
+        self.writer.write(self.codec.encode(message))
+
+    async def serve(self) -> None:
+        try:
+            first = await self.reader.read(1)
+            if not first:
+                return
+            self.codec = (JsonLinesCodec if first == b"{" else MsgpackCodec)(ClientMessage)
+            data = first
+            while data:
+                try:
+                    frames = self.codec.feed(data)
+                except FrameError as exc:
+                    self.send(Error(code="bad_frame", message=safe_message(exc)))
+                    return  # the stream cannot be resynchronised
+                for body in frames:
+                    await self._dispatch_frame(body)
+                    if self.closed:
+                        return
+                await self.writer.drain()
+                data = await self.reader.read(1 << 16)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        except Exception:
+            logger.exception("connection handler failed")
+        finally:
+            await self._close()
+
+    async def _dispatch_frame(self, body: bytes) -> None:
+        try:
+            message = self.codec.decode(body)
+        except msgspec.ValidationError as exc:
+            text = safe_message(exc)
+            if text.endswith("at `$.type`") or "missing required field `type`" in text:
+                self.send(Error(code="bad_request", message="unknown or missing message type"))
+            elif "`$.sampling" in text:
+                self.send(Error(code="invalid_params", message=text))
+            else:
+                self.send(Error(code="bad_request", message=text))
+            return
+        except (msgspec.DecodeError, UnicodeDecodeError):
+            what = "UTF-8 JSON" if self.codec.json else "msgpack (strings must be UTF-8)"
+            self.send(Error(code="bad_frame", message=f"frame is not valid {what}"))
+            return
+        try:
+            await self._dispatch(message)
+        except Exception:  # a bug must not take the connection's peer down with a traceback
+            logger.exception("internal error handling a %s message", type(message).__name__)
+            self.send(Error(code="internal", message="internal error; see the daemon log"))
+
+    async def _dispatch(self, message: object) -> None:
+        match message:
+            case Hello(protocol_version=version):
+                if version != PROTOCOL_VERSION:
+                    self.send(Error(code="unsupported_version",
+                                    message=f"protocol version {version} is not supported (this daemon speaks "
+                                            f"{PROTOCOL_VERSION})"))
+                    self.closed = True
+                    return
+                self.send(Welcome(protocol_version=PROTOCOL_VERSION, server_version=self.intake.server_version,
+                                  model=self.intake.model_name))
+            case Submit():
+                await self._submit(message)
+            case Abort(id=ident):
+                self._abort(ident)
+            case Status():
+                self.send(await self.intake.query("status", self.uid, self.admin))
+            case Metrics():
+                self.send(MetricsReply(await self.intake.query("metrics", self.uid, self.admin)))
+
+    async def _submit(self, submit: Submit) -> None:
+        intake = self.intake
+        client_id = submit.id if submit.id is not None else f"c{next(self._local_ids)}"
+        sources = sum(x is not None for x in (submit.prompt, submit.messages, submit.token_ids))
+        if sources != 1:
+            self.send(Error(code="bad_request", id=client_id,
+                            message="exactly one of prompt, messages or token_ids is required"))
+            return
+        if len(client_id) > 128:
+            self.send(Error(code="bad_request", message="id must have at most 128 characters"))
+            return
+        if client_id in self.requests:
+            self.send(Error(code="bad_request", id=client_id, message="id is already in use on this connection"))
+            return
+        if intake.draining:
+            self.send(Error(code="shutting_down", id=client_id, message="the daemon is shutting down"))
+            return
+        if len(intake.registry) >= intake.max_pending_requests:
+            self.send(Error(code="overloaded", id=client_id,
+                            message=f"too many requests in flight (limit {intake.max_pending_requests})"))
+            return
+        request_id = f"r{next(intake.request_counter)}"
+        arrival = time.monotonic()
+        try:
+            prepared = await asyncio.get_running_loop().run_in_executor(
+                intake.pool, intake.prepare, request_id, submit, arrival)
+        except ValueError as exc:
+            self.send(Error(code="invalid_params", id=client_id, message=safe_message(exc)))
+            return
+        if self.closed:
+            return
+        sink = RequestSink(self, client_id, request_id, submit.stream)
+        self.requests[client_id] = sink
+        intake.registry[request_id] = (sink, self.uid)
+        intake.metrics.send(RequestEvent(request_id, "queued", arrival, uid=self.uid,
+                                         prompt_tokens=len(prepared.token_ids)))
+        # The detokenizer must know the request before any of its tokens can arrive.
+        intake.detokenizer.send(RegisterRequest(request_id, prepared.token_ids, prepared.params,
+                                                prepared.child_ids, sink))
+        intake.scheduler.send(AddRequest(request_id, prepared.children))
+        self.send(Accepted(id=client_id, request_id=request_id, prompt_tokens=len(prepared.token_ids)))
+
+    def _abort(self, ident: str) -> None:
+        sink = self.requests.get(ident)
+        if sink is None:
+            entry = self.intake.registry.get(ident)
+            if entry is None:
+                self.send(Error(code="unknown_id", id=ident[:128], message="no such request in flight"))
+                return
+            sink, owner = entry
+            if owner != self.uid and not self.admin:
+                self.send(Error(code="forbidden", id=ident[:128],
+                                message="the request belongs to another user"))
+                return
+        self.intake.scheduler.send(AbortRequest([sink.request_id]))
+
+    async def _close(self) -> None:
+        self.closed = True
+        if self.requests:
+            self.intake.scheduler.send(AbortRequest([s.request_id for s in self.requests.values()]))
+        self.intake.connections.discard(self)
+        try:
+            self.writer.close()
+            await self.writer.wait_closed()
+        except (ConnectionError, OSError):
+            pass
+
+
+class IntakeActor(Actor):
+    name = "intake"
+
+    def __init__(self, sock: socket.socket, input_processor: InputProcessor, *, scheduler: Actor,
+                 detokenizer: Actor, metrics: Actor, model_name: str, server_version: str,
+                 admin_group: str | None = "llmd-admin", max_pending_requests: int = 4096) -> None:
+        super().__init__()
+        self.sock = sock
+        self.input_processor = input_processor
+        self.scheduler = scheduler
+        self.detokenizer = detokenizer
+        self.metrics = metrics
+        self.model_name = model_name
+        self.server_version = server_version
+        self.admin_group = admin_group
+        self.max_pending_requests = max_pending_requests
+        self.registry: dict[str, tuple[RequestSink, int]] = {}
+        self.connections: set[Connection] = set()
+        self.request_counter = itertools.count(1)
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="llmd-tokenize")
+        self.draining = False
+        self._server: asyncio.base_events.Server | None = None
+
+    async def run(self) -> None:
+        self._server = await asyncio.start_unix_server(self._on_connection, sock=self.sock, limit=1 << 16)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            self._server.close()
+            self.pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = Connection(self, reader, writer)
+        self.connections.add(conn)
+        await conn.serve()
+
+    def prepare(self, request_id: str, submit: Submit, arrival: float):
+        """Runs in the tokenizer pool."""
+        processor = self.input_processor
+        if submit.messages is not None:
+            prompt: str | list[int] = processor.render_chat([{"role": m.role, "content": m.content}
+                                                              for m in submit.messages])
+        elif submit.token_ids is not None:
+            prompt = submit.token_ids
+        else:
+            prompt = submit.prompt
+        return processor.prepare(request_id, prompt, submit.sampling, priority=submit.priority,
+                                 arrival_time=arrival)
+
+    async def query(self, kind: str, uid: int, admin: bool):
+        reply = asyncio.get_running_loop().create_future()
+        self.metrics.send(Query(kind, uid, admin, reply))
+        return await reply
+
+    def is_admin(self, uid: int, gid: int) -> bool:
+        if uid in (0, os.getuid()):
+            return True
+        if not self.admin_group:
+            return False
+        try:
+            group = grp.getgrnam(self.admin_group)
+        except KeyError:
+            return False
+        if gid == group.gr_gid:
+            return True
+        try:
+            return pwd.getpwuid(uid).pw_name in group.gr_mem
+        except KeyError:
+            return False
+
+    def stop_accepting(self) -> None:
+        self.draining = True
+        if self._server is not None:
+            self._server.close()
+
+    def live_request_ids(self) -> list[str]:
+        return list(self.registry)
+
+
+def _peer_ids(writer: asyncio.StreamWriter) -> tuple[int, int]:
+    sock = writer.get_extra_info("socket")
+    try:
+        _pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        return uid, gid
+    except (OSError, AttributeError):
+        return -1, -1

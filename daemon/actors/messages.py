@@ -1,0 +1,92 @@
+"""Messages between the daemon's actors. In-process only (never encoded), so fields may
+hold live objects such as a connection or a reply future."""
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from llmd.scheduler import RequestUpdate
+
+
+class AddRequest(msgspec.Struct):
+    """intake -> scheduler: a validated request and its samples."""
+
+    request_id: str
+    children: list[Any]  # llmd.request.Request, one per sample
+
+
+class AbortRequest(msgspec.Struct):
+    """intake -> scheduler (abort, closed connection, drain timeout)."""
+
+    request_ids: list[str]
+
+
+class StopSamples(msgspec.Struct):
+    """detokenizer -> scheduler: samples that hit a stop string."""
+
+    child_ids: list[str]
+
+
+class RegisterRequest(msgspec.Struct):
+    """intake -> detokenizer, before the scheduler sees the request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: Any  # SamplingParams
+    child_ids: list[str]
+    sink: Any  # the connection's per-request sink: sink.send(message), sink.closed
+
+
+class StepTokens(msgspec.Struct):
+    """scheduler -> detokenizer: what one step produced."""
+
+    updates: list[RequestUpdate]
+    num_cached: dict[str, int]
+
+
+class RequestsAborted(msgspec.Struct):
+    """scheduler -> detokenizer: requests finished by abort."""
+
+    request_ids: list[str]
+
+
+class RequestEvent(msgspec.Struct):
+    """-> metrics: lifecycle timestamps (time.monotonic())."""
+
+    request_id: str
+    kind: str  # "queued", "first_token", "finished"
+    time: float
+    uid: int = -1
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reason: str | None = None
+
+
+class StepStats(msgspec.Struct):
+    """scheduler -> metrics, once per step."""
+
+    time: float
+    duration_s: float
+    num_reqs: int
+    num_tokens: int
+    num_prefill_tokens: int
+    num_decode_reqs: int
+    num_generated: int
+    running_ids: list[str]
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefix_queries: int
+    prefix_hits: int
+    num_preemptions_total: int
+
+
+class Query(msgspec.Struct):
+    """intake -> metrics: a Status or Metrics request; the answer goes into `reply`."""
+
+    kind: str  # "status" or "metrics"
+    uid: int
+    admin: bool
+    reply: Any  # asyncio.Future

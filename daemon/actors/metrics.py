@@ -1,0 +1,196 @@
+"""The metrics actor: per-request latencies and per-step figures, served as `Status`
+replies and as Prometheus text (names after vLLM's `vllm:` metrics, prefix `llmd:`)."""
+from __future__ import annotations
+
+import bisect
+import collections
+import time
+from dataclasses import dataclass, field
+
+import psutil
+
+from llmd.actors.messages import Query, RequestEvent, StepStats
+from llmd.actors.runtime import Actor
+from llmd_client.protocol import RequestInfo, StatusReply
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                   7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+
+
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def lines(self, name: str) -> list[str]:
+        out, cumulative = [], 0
+        for bound, n in zip(self.buckets, self.counts):
+            cumulative += n
+            out.append(f'{name}_bucket{{le="{bound}"}} {cumulative}')
+        out.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
+        out.append(f"{name}_sum {self.sum}")
+        out.append(f"{name}_count {self.count}")
+        return out
+
+
+@dataclass
+class _Tracked:
+    uid: int
+    queued: float
+    prompt_tokens: int
+    first_token: float | None = None
+
+
+@dataclass
+class _Totals:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: collections.Counter = field(default_factory=collections.Counter)
+
+
+class MetricsActor(Actor):
+    name = "metrics"
+
+    def __init__(self, *, model: str, server_version: str, device: str, dtype: str, kv_blocks_total: int) -> None:
+        super().__init__()
+        self.model = model
+        self.server_version = server_version
+        self.device = device
+        self.dtype = dtype
+        self.started = time.monotonic()
+        self.requests: dict[str, _Tracked] = {}
+        self.totals = _Totals()
+        self.last_step: StepStats | None = None
+        self.kv_blocks_total = kv_blocks_total
+        self.recent_tokens: collections.deque[tuple[float, int]] = collections.deque()
+        self.ttft = Histogram()
+        self.e2e = Histogram()
+        self.queue_time = Histogram()
+        self.tpot = Histogram()
+        self.step_time = Histogram()
+        self.process = psutil.Process()
+        self.process.cpu_percent(None)
+
+    async def handle(self, message: object) -> None:
+        match message:
+            case RequestEvent(kind="queued"):
+                self.requests[message.request_id] = _Tracked(message.uid, message.time, message.prompt_tokens)
+            case RequestEvent(kind="first_token"):
+                tracked = self.requests.get(message.request_id)
+                if tracked is not None and tracked.first_token is None:
+                    tracked.first_token = message.time
+                    self.ttft.observe(message.time - tracked.queued)
+            case RequestEvent(kind="finished"):
+                tracked = self.requests.pop(message.request_id, None)
+                self.totals.prompt_tokens += message.prompt_tokens
+                self.totals.generation_tokens += message.completion_tokens
+                self.totals.finished[message.finish_reason or "unknown"] += 1
+                if tracked is not None:
+                    self.e2e.observe(message.time - tracked.queued)
+                    if tracked.first_token is not None and message.completion_tokens > 1:
+                        self.tpot.observe((message.time - tracked.first_token) / (message.completion_tokens - 1))
+            case StepStats():
+                self.last_step = message
+                if message.num_reqs:
+                    self.step_time.observe(message.duration_s)
+                if message.num_generated:
+                    self.recent_tokens.append((message.time, message.num_generated))
+            case Query(kind=kind, uid=uid, admin=admin, reply=reply):
+                if not reply.done():
+                    reply.set_result(self.status(uid, admin) if kind == "status" else self.prometheus())
+            case _:
+                raise TypeError(f"metrics actor got {type(message).__name__}")
+
+    def _tokens_per_s(self, window: float = 10.0) -> float:
+        now = time.monotonic()
+        while self.recent_tokens and self.recent_tokens[0][0] < now - window:
+            self.recent_tokens.popleft()
+        if not self.recent_tokens:
+            return 0.0
+        span = max(now - self.recent_tokens[0][0], 1.0)
+        return sum(n for _, n in self.recent_tokens) / span
+
+    def _running_parents(self) -> set[str]:
+        if self.last_step is None:
+            return set()
+        return {rid.split("\x00", 1)[0] for rid in self.last_step.running_ids}
+
+    def status(self, uid: int, admin: bool) -> StatusReply:
+        now = time.monotonic()
+        running = self._running_parents()
+        step = self.last_step
+        used = step.kv_blocks_used if step else 0
+        hits = step.prefix_hits if step else 0
+        queries = step.prefix_queries if step else 0
+        infos = [RequestInfo(request_id=rid, uid=t.uid, state="running" if rid in running else "waiting",
+                             age_s=now - t.queued, prompt_tokens=t.prompt_tokens, completion_tokens=0)
+                 for rid, t in self.requests.items() if admin or t.uid == uid]
+        num_running = sum(1 for rid in self.requests if rid in running)
+        return StatusReply(
+            model=self.model, server_version=self.server_version, uptime_s=now - self.started,
+            device=self.device, dtype=self.dtype,
+            num_running=num_running, num_waiting=len(self.requests) - num_running, requests=infos,
+            kv_blocks_total=self.kv_blocks_total, kv_blocks_used=used,
+            kv_usage=used / self.kv_blocks_total if self.kv_blocks_total else 0.0,
+            prefix_cache_hit_rate=hits / queries if queries else 0.0,
+            generation_tokens_per_s=self._tokens_per_s(),
+            prompt_tokens_total=self.totals.prompt_tokens,
+            generation_tokens_total=self.totals.generation_tokens,
+            requests_finished_total=sum(self.totals.finished.values()),
+            rss_bytes=self.process.memory_info().rss,
+            cpu_percent=self.process.cpu_percent(None),
+        )
+
+    def prometheus(self) -> str:
+        s = self.status(0, True)
+        step = self.last_step
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help_text: str, samples: list[str]) -> None:
+            lines.append(f"# HELP llmd:{name} {help_text}")
+            lines.append(f"# TYPE llmd:{name} {kind}")
+            lines.extend(samples)
+
+        m = f'model_name="{self.model}"'
+        metric("num_requests_running", "gauge", "Requests in the running batch.", [f"llmd:num_requests_running{{{m}}} {s.num_running}"])
+        metric("num_requests_waiting", "gauge", "Requests waiting to be scheduled.", [f"llmd:num_requests_waiting{{{m}}} {s.num_waiting}"])
+        metric("kv_cache_usage_perc", "gauge", "Fraction of KV cache blocks in use.", [f"llmd:kv_cache_usage_perc{{{m}}} {s.kv_usage}"])
+        metric("prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache.",
+               [f"llmd:prefix_cache_queries_total{{{m}}} {step.prefix_queries if step else 0}"])
+        metric("prefix_cache_hits", "counter", "Prompt tokens served from the prefix cache.",
+               [f"llmd:prefix_cache_hits_total{{{m}}} {step.prefix_hits if step else 0}"])
+        metric("num_preemptions", "counter", "Requests preempted for lack of KV blocks.",
+               [f"llmd:num_preemptions_total{{{m}}} {step.num_preemptions_total if step else 0}"])
+        metric("prompt_tokens", "counter", "Prompt tokens of finished requests.", [f"llmd:prompt_tokens_total{{{m}}} {s.prompt_tokens_total}"])
+        metric("generation_tokens", "counter", "Generated tokens of finished requests.",
+               [f"llmd:generation_tokens_total{{{m}}} {s.generation_tokens_total}"])
+        metric("request_success", "counter", "Finished requests by finish reason.",
+               [f'llmd:request_success_total{{{m},finished_reason="{r}"}} {n}' for r, n in sorted(self.totals.finished.items())]
+               or [f'llmd:request_success_total{{{m},finished_reason="stop"}} 0'])
+        for name, hist, text in (("time_to_first_token_seconds", self.ttft, "Time to first token."),
+                                 ("e2e_request_latency_seconds", self.e2e, "End-to-end request latency."),
+                                 ("time_per_output_token_seconds", self.tpot, "Mean time per output token after the first."),
+                                 ("step_duration_seconds", self.step_time, "Engine step duration.")):
+            metric(name, "histogram", text, _labelled(hist.lines(f"llmd:{name}"), m))
+        metric("process_resident_memory_bytes", "gauge", "Resident memory of the daemon.",
+               [f"llmd:process_resident_memory_bytes {s.rss_bytes}"])
+        return "\n".join(lines) + "\n"
+
+
+def _labelled(lines: list[str], label: str) -> list[str]:
+    out = []
+    for line in lines:
+        name, value = line.rsplit(" ", 1)
+        if "{" in name:
+            name = name.replace("{", "{" + label + ",", 1)
+        else:
+            name = f"{name}{{{label}}}"
+        out.append(f"{name} {value}")
+    return out

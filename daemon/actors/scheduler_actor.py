@@ -1,0 +1,107 @@
+"""The scheduler actor: owns the scheduler, KV cache manager and executor, and drives
+one step at a time. The model step runs in a worker thread (torch releases the GIL), so
+the event loop keeps answering clients while a long prefill runs; scheduler state is
+only touched on the loop."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from llmd.actors.messages import (AbortRequest, AddRequest, RequestsAborted, StepStats, StepTokens,
+                                  StopSamples)
+from llmd.actors.runtime import Actor
+from llmd.request import RequestStatus
+
+logger = logging.getLogger("llmd.scheduler")
+
+
+class SchedulerActor(Actor):
+    name = "scheduler"
+
+    def __init__(self, engine, detokenizer: Actor, metrics: Actor) -> None:
+        super().__init__()
+        self.engine = engine
+        self.scheduler = engine.scheduler
+        self.kv = engine.kv_cache_manager
+        self.executor = engine.executor
+        self.detokenizer = detokenizer
+        self.metrics = metrics
+        self.children: dict[str, list[str]] = {}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmd-step")
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                if not self.scheduler.has_unfinished_requests():
+                    self._handle(await self.inbox.get())
+                while not self.inbox.empty():
+                    self._handle(self.inbox.get_nowait())
+                if self.scheduler.has_unfinished_requests():
+                    await self._step(loop)
+                else:
+                    self._publish(time.monotonic(), None, 0)  # e.g. after aborts: blocks are free
+        finally:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _handle(self, message: object) -> None:
+        match message:
+            case AddRequest(request_id=rid, children=children):
+                self.children[rid] = [c.request_id for c in children]
+                for child in children:
+                    self.scheduler.add_request(child)
+            case AbortRequest(request_ids=ids):
+                aborted = []
+                for rid in ids:
+                    children = self.children.pop(rid, None)
+                    if children is not None:
+                        self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
+                        aborted.append(rid)
+                if aborted:
+                    self.detokenizer.send(RequestsAborted(aborted))
+            case StopSamples(child_ids=ids):
+                self.scheduler.finish_requests(ids, RequestStatus.FINISHED_STOPPED)
+                self._forget_finished()
+            case _:
+                raise TypeError(f"scheduler actor got {type(message).__name__}")
+
+    async def _step(self, loop: asyncio.AbstractEventLoop) -> None:
+        start = time.monotonic()
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            raise RuntimeError("scheduler made no progress with requests pending")
+        num_cached = {r.req_id: self.scheduler.requests[r.req_id].num_cached_tokens
+                      for r in scheduler_output.scheduled_new_reqs}
+        runner_output = await loop.run_in_executor(self._pool, self.executor.execute_model, scheduler_output)
+        updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.detokenizer.send(StepTokens(updates, num_cached))
+        self._forget_finished()
+        self._publish(start, scheduler_output, sum(len(u.new_token_ids) for u in updates))
+
+    def _publish(self, start: float, scheduler_output, num_generated: int) -> None:
+        """Step figures and the current queue/KV state for the metrics actor."""
+        stats = self.kv.prefix_cache_stats
+        now = time.monotonic()
+        stepped = scheduler_output is not None
+        self.metrics.send(StepStats(
+            time=now, duration_s=now - start if stepped else 0.0,
+            num_reqs=len(scheduler_output.num_scheduled_tokens) if stepped else 0,
+            num_tokens=scheduler_output.total_num_scheduled_tokens if stepped else 0,
+            num_prefill_tokens=self.scheduler.stats.last_step_num_prefill_tokens if stepped else 0,
+            num_decode_reqs=self.scheduler.stats.last_step_num_decode_reqs if stepped else 0,
+            num_generated=num_generated,
+            running_ids=[r.request_id for r in self.scheduler.running],
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_used=self.kv.num_blocks - self.kv.num_free_blocks,
+            kv_blocks_total=self.kv.num_blocks,
+            prefix_queries=stats.queries, prefix_hits=stats.hits,
+            num_preemptions_total=self.scheduler.stats.num_preemptions_total,
+        ))
+
+    def _forget_finished(self) -> None:
+        live = self.scheduler.requests
+        done = [rid for rid, kids in self.children.items() if not any(k in live for k in kids)]
+        for rid in done:
+            del self.children[rid]

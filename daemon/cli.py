@@ -1,0 +1,72 @@
+"""The `llmd` command: `llmd serve` runs the daemon."""
+from __future__ import annotations
+
+import logging
+import sys
+import types
+import typing
+
+import click
+
+from llmd.config import EngineConfig
+
+# Engine settings that get dedicated spellings below; the rest are generated from
+# EngineConfig so the command line and the TOML file share every name.
+_EXPLICIT = {"model", "device", "tensor_parallel_size", "speculative_config"}
+
+
+def _engine_options(func):
+    hints = typing.get_type_hints(EngineConfig)
+    for name in reversed(EngineConfig.__struct_fields__):
+        if name in _EXPLICIT:
+            continue
+        hint = hints[name]
+        flag = "--" + name.replace("_", "-")
+        args = typing.get_args(hint)
+        if hint is bool:
+            option = click.option(f"{flag}/--no-{name.replace('_', '-')}", name, default=None)
+        elif typing.get_origin(hint) is typing.Literal:
+            option = click.option(flag, name, type=click.Choice(args), default=None)
+        else:
+            base = next((a for a in args if a is not type(None)), hint) if isinstance(hint, types.UnionType) else hint
+            option = click.option(flag, name, type=base, default=None)
+        func = option(func)
+    return func
+
+
+@click.group()
+def main() -> None:
+    """llmd: a local LLM inference daemon."""
+
+
+@main.command()
+@click.option("--model", default=None, help="Local Hugging Face model directory (default: built-in demo model).")
+@click.option("--socket", "socket_path", default=None, help="Unix socket path.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default=None)
+@click.option("--tp", "tensor_parallel_size", type=int, default=None, help="Tensor parallel size.")
+@click.option("--config", "config_file", default=None, help="TOML settings file.")
+@click.option("--drain-timeout-s", type=float, default=None, help="On SIGTERM, let requests finish this long.")
+@click.option("--admin-group", default=None, help="Group whose members may see and abort all requests.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None)
+@_engine_options
+def serve(socket_path, config_file, **settings) -> None:
+    """Load a model and serve it on a Unix socket."""
+    from llmd.server import load_settings, serve as run
+
+    settings["socket"] = socket_path
+    try:
+        daemon, engine = load_settings(config_file, settings)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    logging.basicConfig(level=daemon.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        code = run(daemon, engine)
+    except (ValueError, FileNotFoundError) as exc:
+        click.echo(f"llmd: {exc}", err=True)
+        sys.exit(1)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

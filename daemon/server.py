@@ -1,0 +1,213 @@
+"""`llmd serve`: bind (or adopt) the socket, load the model, run the actors, drain on
+SIGTERM. Connections that arrive while the model loads wait in the listen backlog."""
+from __future__ import annotations
+
+import asyncio
+import errno
+import grp
+import logging
+import os
+import signal
+import socket
+import stat
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import uvloop
+
+from llmd import sd_notify
+from llmd.config import EngineConfig
+
+logger = logging.getLogger("llmd.server")
+SERVER_VERSION = "0.1.0"
+
+
+class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    socket: str | None = None
+    socket_group: str = "llmd"
+    admin_group: str | None = "llmd-admin"
+    drain_timeout_s: float = 30.0
+    max_pending_requests: int = 4096
+    log_level: str = "info"
+
+
+def default_socket_path() -> str:
+    """$LLMD_SOCKET, else /run/llmd/llmd.sock for the system service (root or the llmd
+    user), else $XDG_RUNTIME_DIR/llmd.sock."""
+    if os.environ.get("LLMD_SOCKET"):
+        return os.environ["LLMD_SOCKET"]
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if os.getuid() == 0 or not runtime or os.path.isdir("/run/llmd") and os.access("/run/llmd", os.W_OK):
+        return "/run/llmd/llmd.sock"
+    return os.path.join(runtime, "llmd.sock")
+
+
+def load_settings(config_file: str | None, overrides: dict[str, Any]) -> tuple[DaemonConfig, EngineConfig]:
+    """TOML file (flat keys: engine settings by their vLLM names, daemon settings beside
+    them), then command-line overrides. Unknown keys are errors."""
+    values: dict[str, Any] = {}
+    if config_file:
+        try:
+            values.update(tomllib.loads(Path(config_file).read_text()))
+        except OSError as exc:
+            raise ValueError(f"cannot read config file {config_file}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"config file {config_file} is not valid TOML: {exc}") from None
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    daemon_keys = set(DaemonConfig.__struct_fields__)
+    engine_keys = set(EngineConfig.__struct_fields__)
+    unknown = sorted(set(values) - daemon_keys - engine_keys)
+    if unknown:
+        raise ValueError(f"unknown setting(s): {', '.join(unknown)}")
+    try:
+        daemon = msgspec.convert({k: v for k, v in values.items() if k in daemon_keys}, DaemonConfig)
+        engine = msgspec.convert({k: v for k, v in values.items() if k in engine_keys}, EngineConfig)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"invalid setting: {exc}") from None
+    return daemon, engine
+
+
+def bind_socket(path: str, group: str | None) -> socket.socket:
+    """A listening Unix socket at `path`, mode 0660. Refuses to steal a live daemon's
+    socket; removes a stale one."""
+    p = Path(path)
+    if p.exists() or p.is_symlink():
+        if not stat.S_ISSOCK(p.lstat().st_mode):
+            raise ValueError(f"{path} exists and is not a socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+            raise ValueError(f"another daemon is already listening on {path}")
+        except (ConnectionRefusedError, FileNotFoundError):
+            p.unlink(missing_ok=True)
+        finally:
+            probe.close()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o117)
+    try:
+        sock.bind(path)
+    finally:
+        os.umask(old_umask)
+    os.chmod(path, 0o660)
+    if group:
+        try:
+            os.chown(path, -1, grp.getgrnam(group).gr_gid)
+        except (KeyError, PermissionError):
+            pass  # no such group here, or not ours to give: mode 0660 with our own group
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
+async def _serve(daemon: DaemonConfig, engine_config: EngineConfig) -> int:
+    from llmd.actors.detokenizer_actor import DetokenizerActor
+    from llmd.actors.intake import IntakeActor
+    from llmd.actors.messages import AbortRequest
+    from llmd.actors.metrics import MetricsActor
+    from llmd.actors.runtime import Supervisor
+    from llmd.actors.scheduler_actor import SchedulerActor
+    from llmd.engine import LLMEngine
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    adopted = sd_notify.listen_fds()
+    created_path = None
+    if adopted:
+        sock = adopted[0]
+        sock.setblocking(False)
+        logger.info("adopted socket from the service manager")
+    else:
+        created_path = daemon.socket or default_socket_path()
+        sock = bind_socket(created_path, daemon.socket_group)
+        logger.info("listening on %s", created_path)
+
+    sd_notify.status("loading model")
+    load = loop.run_in_executor(None, LLMEngine, engine_config)
+    done, _ = await asyncio.wait([load, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    if load not in done:
+        logger.info("stopped while loading the model")
+        _close_socket(sock, created_path)
+        return 0
+    engine = load.result()
+    model_name = Path(engine.model_dir).name
+
+    metrics = MetricsActor(model=model_name, server_version=SERVER_VERSION, device=str(engine.device),
+                           dtype=str(engine.dtype).removeprefix("torch."), kv_blocks_total=engine.num_blocks)
+    detokenizer = DetokenizerActor(engine.tokenizer, metrics)
+    scheduler = SchedulerActor(engine, detokenizer, metrics)
+    detokenizer.scheduler = scheduler
+    intake = IntakeActor(sock, engine.input_processor, scheduler=scheduler, detokenizer=detokenizer,
+                         metrics=metrics, model_name=model_name, server_version=SERVER_VERSION,
+                         admin_group=daemon.admin_group, max_pending_requests=daemon.max_pending_requests)
+    supervisor = Supervisor()
+    for actor in (metrics, detokenizer, scheduler, intake):
+        supervisor.start(actor)
+    watchdog = asyncio.ensure_future(_watchdog())
+    sd_notify.ready(f"serving {model_name}")
+    logger.info("serving %s on %s (%s, %s)", model_name, created_path or "the adopted socket",
+                engine.device, engine.dtype)
+
+    failed = asyncio.ensure_future(supervisor.failed.wait())
+    await asyncio.wait([asyncio.ensure_future(stop.wait()), failed], return_when=asyncio.FIRST_COMPLETED)
+    code = 1 if supervisor.failed.is_set() else 0
+    if code:
+        logger.error("stopping: %s", supervisor.failure)
+    else:
+        # Drain: stop accepting, let running requests finish up to the timeout, then
+        # abort the rest; every request gets its final message.
+        sd_notify.stopping()
+        intake.stop_accepting()
+        logger.info("draining %d request(s) for up to %.0f s", len(intake.registry), daemon.drain_timeout_s)
+        await _wait_until(lambda: not intake.registry, daemon.drain_timeout_s, supervisor)
+        if intake.registry:
+            scheduler.send(AbortRequest(intake.live_request_ids()))
+            await _wait_until(lambda: not intake.registry, 5.0, supervisor)
+        for conn in list(intake.connections):
+            try:
+                await asyncio.wait_for(conn.writer.drain(), 2.0)
+            except (asyncio.TimeoutError, ConnectionError):
+                pass
+    watchdog.cancel()
+    await supervisor.stop(["intake", "scheduler", "detokenizer", "metrics"])
+    for conn in list(intake.connections):
+        conn.writer.close()
+    _close_socket(sock, created_path)
+    engine.executor.shutdown()
+    return code
+
+
+async def _wait_until(done, timeout: float, supervisor) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not done() and not supervisor.failed.is_set():
+        if asyncio.get_running_loop().time() >= deadline:
+            return
+        await asyncio.sleep(0.02)
+
+
+async def _watchdog() -> None:
+    interval = sd_notify.watchdog_interval()
+    if not interval:
+        return
+    while True:
+        sd_notify.watchdog()
+        await asyncio.sleep(interval / 2)
+
+
+def _close_socket(sock: socket.socket, path: str | None) -> None:
+    sock.close()
+    if path:
+        try:
+            os.unlink(path)
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:
+                logger.warning("could not remove %s: %s", path, exc.strerror)
+
+
+def serve(daemon: DaemonConfig, engine_config: EngineConfig) -> int:
+    return uvloop.run(_serve(daemon, engine_config))

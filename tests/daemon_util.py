@@ -1,0 +1,117 @@
+"""Start the real `llmd serve` as a subprocess on a temporary socket, and talk to it with
+raw frames (independent of llmd_client's Client, which is tested against it too)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+
+from llmd_client.protocol import ServerMessage
+
+LLMD = [sys.executable, "-m", "llmd.cli"]
+
+
+class Daemon:
+    def __init__(self, model: str, sock: Path, *args: str, env: dict | None = None) -> None:
+        self.sock = str(sock)
+        self.log = Path(str(sock) + ".log")
+        cmd = LLMD + ["serve", "--model", model, "--socket", self.sock, "--max-model-len", "256",
+                      "--num-gpu-blocks-override", "128", *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log.open("wb"),
+                                     env={**os.environ, **(env or {})}, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 60.0) -> Daemon:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log.read_text()}")
+            try:
+                with RawConn(self.sock) as conn:
+                    conn.send({"type": "status"})
+                    if conn.recv()["type"] == "status_reply":
+                        return self
+            except OSError:
+                time.sleep(0.1)
+        raise TimeoutError(f"daemon not ready:\n{self.log.read_text()}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def stderr(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+class RawConn:
+    """Length-prefixed msgpack (or JSON lines) over the socket, messages as plain dicts."""
+
+    def __init__(self, path: str, json_mode: bool = False, timeout: float = 30.0) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        self.sock.connect(path)
+        self.json = json_mode
+        self.buf = b""
+
+    def __enter__(self) -> RawConn:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def send(self, message: dict) -> None:
+        if self.json:
+            self.sock.sendall(msgspec.json.encode(message) + b"\n")
+        else:
+            body = msgspec.msgpack.encode(message)
+            self.sock.sendall(struct.pack(">I", len(body)) + body)
+
+    def send_raw(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def _fill(self, n: int) -> None:
+        while len(self.buf) < n:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise ConnectionError("daemon closed the connection")
+            self.buf += chunk
+
+    def recv(self) -> dict:
+        if self.json:
+            while b"\n" not in self.buf:
+                self._fill(len(self.buf) + 1)
+            line, self.buf = self.buf.split(b"\n", 1)
+            message = msgspec.json.decode(line)
+        else:
+            self._fill(4)
+            (size,) = struct.unpack(">I", self.buf[:4])
+            self._fill(4 + size)
+            body, self.buf = self.buf[4:4 + size], self.buf[4 + size:]
+            message = msgspec.msgpack.decode(body)
+        msgspec.convert(message, ServerMessage)  # every reply must match the schema
+        return message
+
+    def until_final(self, ident: str) -> list[dict]:
+        """Messages for `ident` up to and including the one carrying usage."""
+        out = []
+        while True:
+            message = self.recv()
+            if message.get("id") == ident:
+                out.append(message)
+                if message["type"] == "error" or message.get("usage") is not None:
+                    return out
