@@ -271,3 +271,28 @@ def test_second_daemon_refuses_live_socket(model, daemon):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     assert "already listening" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_status_answers_while_a_long_prefill_runs(tmp_path):
+    """Ordering, not timing: a status asked after a long prompt was accepted comes back
+    before that prompt's first token (the step runs off the event loop)."""
+    d = Daemon(str(fixture_path("small-llama")), tmp_path / "s.sock", "--max-model-len", "2048",
+               "--max-num-batched-tokens", "2048").wait_ready()
+    try:
+        with RawConn(d.sock) as long_conn, RawConn(d.sock) as status_conn:
+            long_conn.send({"type": "submit", "id": "big", "token_ids": [7] * 1900,
+                            "sampling": {"max_tokens": 1}})
+            assert long_conn.recv()["type"] == "accepted"
+            status_conn.send({"type": "status"})
+            reply = status_conn.recv()
+            assert reply["type"] == "status_reply"
+            long_conn.sock.setblocking(False)
+            try:
+                pending = long_conn.sock.recv(1)
+            except BlockingIOError:
+                pending = b""
+            assert pending == b"", "the prefill finished before status was answered"
+            long_conn.sock.setblocking(True)
+            assert long_conn.until_final("big")[-1]["usage"]["completion_tokens"] == 1
+    finally:
+        assert d.stop() == 0, d.stderr()

@@ -1,0 +1,71 @@
+"""Requests are owned by the peer's uid (SO_PEERCRED): another user can neither see nor
+abort them; root (an admin) can. The second user is a real process under uid 65534
+(`setpriv`), so this runs only as root."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from daemon_util import Daemon, RawConn
+from llmd_tools.make_model import fixture_path
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv") or
+                                not os.path.exists("/usr/bin/python3"),
+                                reason="needs root, setpriv and /usr/bin/python3")
+
+# Runs as the other user with the system Python and only the standard library (JSON lines).
+OTHER_USER = r"""
+import json, socket, sys
+path, victim = sys.argv[1], sys.argv[2]
+s = socket.socket(socket.AF_UNIX); s.connect(path); f = s.makefile("rwb")
+def send(m): f.write(json.dumps(m).encode() + b"\n"); f.flush()
+def recv(): return json.loads(f.readline())
+out = {}
+send({"type": "abort", "id": victim}); out["abort_other"] = recv()
+send({"type": "status"}); out["status"] = recv()
+send({"type": "submit", "id": "mine", "prompt": "hi", "sampling": {"max_tokens": 200, "ignore_eos": True}})
+accepted = recv(); out["accepted"] = accepted
+send({"type": "abort", "id": accepted["request_id"]})
+while True:
+    m = recv()
+    if m.get("usage"): out["own_final"] = m; break
+print(json.dumps(out))
+"""
+
+
+def test_users_cannot_see_or_abort_each_others_requests():
+    base = Path(tempfile.mkdtemp(prefix="llmd-own-"))
+    base.chmod(0o755)
+    d = Daemon(str(fixture_path("tiny-llama")), base / "llmd.sock", "--max-model-len", "1024").wait_ready()
+    try:
+        os.chmod(d.sock, 0o666)  # let the other user connect; ownership is what is tested
+        with RawConn(d.sock) as conn:
+            conn.send({"type": "submit", "id": "root-req", "prompt": "hi",
+                       "sampling": {"max_tokens": 1000, "ignore_eos": True}})
+            accepted = conn.recv()
+            victim = accepted["request_id"]
+            proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                                   "/usr/bin/python3", "-c", OTHER_USER, d.sock, victim],
+                                  capture_output=True, text=True, timeout=60, cwd="/")
+            assert proc.returncode == 0, proc.stderr
+            other = json.loads(proc.stdout)
+            assert other["abort_other"]["code"] == "forbidden"
+            assert victim not in {r["request_id"] for r in other["status"]["requests"]}
+            assert other["own_final"]["finish_reason"] == "abort"  # one's own: allowed
+            # Root is an admin: sees and may abort anyone's; its own request is still running.
+            conn.send({"type": "status"})
+            while (reply := conn.recv())["type"] != "status_reply":
+                pass
+            assert victim in {r["request_id"] for r in reply["requests"]}
+            conn.send({"type": "abort", "id": "root-req"})
+            final = conn.until_final("root-req")[-1]
+            assert final["finish_reason"] == "abort"
+    finally:
+        assert d.stop() == 0, d.stderr()
+        shutil.rmtree(base, ignore_errors=True)
