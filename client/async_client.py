@@ -1,0 +1,356 @@
+"""The asyncio client: one connection, one reader task that hands each frame to the
+request (by its connection-local id) or the reply waiting for it, so any number of
+generate/stream calls may run concurrently on one AsyncClient.
+
+    async with AsyncClient() as llm:
+        results = await asyncio.gather(*(llm.generate(p, max_tokens=32) for p in prompts))
+        async for delta in llm.stream("Once upon a time", max_tokens=64):
+            print(delta.text, end="", flush=True)
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from llmd_client.errors import ConnectionLost, LlmdError, ProtocolError, RequestError
+from llmd_client.framing import FrameError, MsgpackCodec
+from llmd_client.protocol import (Abort, Accepted, ChatMessage, Error, Hello, Metrics, MetricsReply, Output,
+                                  SamplingParams, ServerMessage, Status, StatusReply, Submit, Welcome)
+from llmd_client.results import Delta, Result, ResultBuilder, build_submit, delta_from, is_last, sampling_params
+from llmd_client.socket_path import connect_error, default_socket_path
+
+_RECV_BYTES = 1 << 16
+_Item = Accepted | Output | Error | LlmdError
+
+
+class AsyncClient:
+    """asyncio client; `socket` as for Client. Connects on first use (or `await
+    connect()`, or `async with`), and again after the connection was lost. Use
+    asyncio.timeout() around a call to bound it; cancelling a call aborts its request."""
+
+    def __init__(self, socket: str | None = None) -> None:
+        self.socket_path = default_socket_path(socket)
+        self.welcome: Welcome | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._codec = MsgpackCodec(ServerMessage)
+        self._reader_task: asyncio.Task[None] | None = None
+        self._connect_lock = asyncio.Lock()
+        self._queues: dict[str, asyncio.Queue[_Item]] = {}
+        self._local_ids: dict[str, str] = {}  # server request id -> local id, for our own requests
+        self._pending: deque[tuple[type, asyncio.Future[Any]]] = deque()
+        self._abort_errors: dict[str, Error | None] = {}
+        self._ids = itertools.count(1)
+
+    # -- connection ---------------------------------------------------------------------
+
+    async def connect(self) -> Welcome:
+        async with self._connect_lock:
+            if self._writer is not None and self.welcome is not None:
+                return self.welcome
+            try:
+                reader, writer = await asyncio.open_unix_connection(self.socket_path)
+            except OSError as exc:
+                raise connect_error(self.socket_path, exc) from None
+            self._writer = writer
+            self._codec = MsgpackCodec(ServerMessage)
+            self._reader_task = asyncio.create_task(self._read_loop(reader, writer), name="llmd-client-reader")
+            try:
+                reply = await self._control(Hello(client="llmd_client"), Welcome)
+            except RequestError as exc:
+                await self.close()
+                if exc.code == "unsupported_version":
+                    raise ProtocolError(exc.message, exc.code) from None
+                raise
+            except BaseException:
+                await self.close()
+                raise
+            self.welcome = reply
+            return reply
+
+    async def close(self) -> None:
+        """Close the connection; the daemon aborts every request still running on it."""
+        writer, task = self._writer, self._reader_task
+        self._reader_task = None
+        if writer is not None:
+            self._drop_connection(writer, lambda: ConnectionLost("the client was closed"))
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+            await asyncio.wait([task])  # unlike awaiting it, never swallows our own cancellation
+        if writer is not None:
+            try:
+                await writer.wait_closed()
+            except OSError:
+                pass
+
+    async def __aenter__(self) -> AsyncClient:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- requests -----------------------------------------------------------------------
+
+    async def generate(self, prompt: str | None = None, *,
+                       messages: Iterable[ChatMessage | Mapping[str, Any]] | None = None,
+                       token_ids: Iterable[int] | None = None, max_tokens: int | None = None,
+                       temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                       seed: int | None = None, stop: str | list[str] | None = None, n: int | None = None,
+                       logprobs: int | None = None, priority: int = 0, sampling: SamplingParams | None = None,
+                       **sampling_kwargs: Any) -> Result:
+        """Run one request to the end; arguments and errors as for Client.generate."""
+        params = sampling_params(sampling, dict(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+            stop=stop, n=n, logprobs=logprobs, **sampling_kwargs))
+        submit = build_submit(self._new_id(), prompt, messages, token_ids, params, False, priority)
+        accepted = await self._submit(submit)
+        builder = ResultBuilder(accepted, params.n)
+        try:
+            while True:
+                output = await self._next_output(submit.id)
+                builder.add(output)
+                if is_last(output):
+                    return builder.result()
+        except BaseException:
+            self._abandon(submit.id)
+            raise
+
+    def stream(self, prompt: str | None = None, *, messages: Iterable[ChatMessage | Mapping[str, Any]] | None = None,
+               token_ids: Iterable[int] | None = None, max_tokens: int | None = None,
+               temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+               seed: int | None = None, stop: str | list[str] | None = None, n: int | None = None,
+               logprobs: int | None = None, priority: int = 0, sampling: SamplingParams | None = None,
+               **sampling_kwargs: Any) -> AsyncStream:
+        """`async for delta in llm.stream(...)`. The request is submitted on the first
+        iteration (or `await stream.start()`); leaving the loop early, cancelling the
+        task, or `await stream.aclose()` aborts it. Settings are checked right here."""
+        params = sampling_params(sampling, dict(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+            stop=stop, n=n, logprobs=logprobs, **sampling_kwargs))
+        return AsyncStream(self, build_submit(self._new_id(), prompt, messages, token_ids, params, True, priority))
+
+    async def chat(self, messages: Iterable[ChatMessage | Mapping[str, Any]], **kwargs: Any) -> Result:
+        return await self.generate(messages=messages, **kwargs)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request by its server id; errors as for Client.abort."""
+        await self._ensure_connected()
+        local_id = self._local_ids.get(request_id)
+        if local_id is not None:
+            self._send(Abort(id=local_id))
+            return
+        # Only a failed Abort is answered; the Status round trip after it is the barrier.
+        self._abort_errors[request_id] = None
+        try:
+            self._send(Abort(id=request_id))
+            await self._control(Status(), StatusReply)
+            error = self._abort_errors[request_id]
+        finally:
+            del self._abort_errors[request_id]
+        if error is not None:
+            raise RequestError(error.code, error.message, request_id)
+
+    async def status(self) -> StatusReply:
+        await self._ensure_connected()
+        return await self._control(Status(), StatusReply)
+
+    async def metrics(self) -> str:
+        await self._ensure_connected()
+        return (await self._control(Metrics(), MetricsReply)).text
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _new_id(self) -> str:
+        return f"c{next(self._ids)}"
+
+    async def _ensure_connected(self) -> None:
+        if self._writer is None or self.welcome is None:
+            await self.connect()
+
+    async def _submit(self, submit: Submit) -> Accepted:
+        await self._ensure_connected()
+        assert submit.id is not None
+        self._queues[submit.id] = asyncio.Queue()
+        try:
+            self._send(submit)
+            reply = await self._next_message(submit.id)
+        except BaseException:
+            self._abandon(submit.id)
+            raise
+        if isinstance(reply, Accepted):
+            self._local_ids[reply.request_id] = submit.id
+            return reply
+        self._forget(submit.id)
+        if isinstance(reply, Error):
+            raise RequestError(reply.code, reply.message, submit.id)
+        raise ProtocolError(f"expected Accepted for request {submit.id}, got {type(reply).__name__}")
+
+    async def _next_output(self, id: str) -> Output:
+        message = await self._next_message(id)
+        if isinstance(message, Output):
+            if is_last(message):
+                self._forget(id)
+            return message
+        self._forget(id)
+        if isinstance(message, Error):
+            raise RequestError(message.code, message.message, id)
+        raise ProtocolError(f"unexpected {type(message).__name__} for request {id}")
+
+    async def _next_message(self, id: str) -> Accepted | Output | Error:
+        queue = self._queues.get(id)
+        if queue is None:
+            raise ConnectionLost(f"the connection to llmd at {self.socket_path} was lost")
+        item = await queue.get()
+        if isinstance(item, LlmdError):
+            self._queues.pop(id, None)
+            raise item
+        return item
+
+    def _forget(self, id: str) -> None:
+        self._queues.pop(id, None)
+        for request_id, local_id in list(self._local_ids.items()):
+            if local_id == id:
+                del self._local_ids[request_id]
+
+    def _abandon(self, id: str) -> None:
+        """Stop following a request and abort it, unless it already ended. Synchronous
+        (a buffered write), so it may run from __del__ and from cancellation."""
+        if id not in self._queues:
+            return
+        self._forget(id)
+        try:
+            self._send(Abort(id=id))
+        except LlmdError:
+            pass
+
+    async def _control(self, message: Hello | Status | Metrics, expect: type) -> Any:
+        self._send(message)  # first: a send that fails leaves no future behind
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending.append((expect, future))
+        reply = await future  # a cancelled future's reply is dropped by _route_reply
+        if isinstance(reply, Error):
+            raise RequestError(reply.code, reply.message)
+        return reply
+
+    def _send(self, message: Any) -> None:
+        if self._writer is None or self._writer.is_closing():
+            raise ConnectionLost(f"not connected to llmd at {self.socket_path}")
+        self._writer.write(self._codec.encode(message))
+
+    async def _read_loop(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        codec = self._codec
+        error: Callable[[], LlmdError] = lambda: ConnectionLost(
+            f"llmd closed the connection ({self.socket_path})")
+        try:
+            while data := await reader.read(_RECV_BYTES):
+                for body in codec.feed(data):
+                    self._route(codec.decode(body))
+        except (FrameError, ValueError) as exc:  # msgspec.DecodeError is a ValueError
+            message = f"llmd sent a frame this client cannot read: {exc}"
+            error = lambda: ProtocolError(message)
+        except OSError as exc:
+            message = f"lost the connection to llmd at {self.socket_path}: {exc}"
+            error = lambda: ConnectionLost(message)
+        self._drop_connection(writer, error)
+
+    def _drop_connection(self, writer: asyncio.StreamWriter, error: Callable[[], LlmdError]) -> None:
+        """Fail everything waiting on this connection with a fresh `error()` each."""
+        if self._writer is not writer:
+            return
+        self._writer = None
+        self.welcome = None
+        writer.close()
+        for queue in self._queues.values():
+            queue.put_nowait(error())
+        self._queues.clear()
+        self._local_ids.clear()
+        for _, future in self._pending:
+            if not future.done():
+                future.set_exception(error())
+        self._pending.clear()
+
+    def _route(self, message: Any) -> None:
+        match message:
+            case Accepted(id=id) | Output(id=id) | Error(id=str() as id) if id in self._queues:
+                self._queues[id].put_nowait(message)
+            case Error(id=str() as id) if id in self._abort_errors:
+                self._abort_errors[id] = message
+            case Welcome() | StatusReply() | MetricsReply() | Error(id=None):
+                self._route_reply(message)
+            case _:
+                pass  # a late message about a request this client stopped following
+
+    def _route_reply(self, reply: Any) -> None:
+        for entry in self._pending:
+            expect, future = entry
+            if isinstance(reply, expect) or isinstance(reply, Error):
+                self._pending.remove(entry)
+                if not future.done():
+                    future.set_result(reply)
+                return
+        if isinstance(reply, Error):  # about the connection itself: every request fails with it
+            for queue in self._queues.values():
+                queue.put_nowait(reply)
+
+
+class AsyncStream:
+    """Async iterator of one request's Deltas; also an async context manager that
+    aborts the request on exit if it is still running."""
+
+    def __init__(self, client: AsyncClient, submit: Submit) -> None:
+        self.request_id: str | None = None
+        self.prompt_tokens: int | None = None
+        self._client = client
+        self._submit = submit
+        self._started = False
+        self._done = False
+
+    async def start(self) -> AsyncStream:
+        """Submit the request and wait until the daemon accepted it."""
+        if not self._started:
+            self._started = True
+            accepted = await self._client._submit(self._submit)
+            self.request_id = accepted.request_id
+            self.prompt_tokens = accepted.prompt_tokens
+        return self
+
+    def __aiter__(self) -> AsyncStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            await self.start()
+            output = await self._client._next_output(self._submit.id or "")
+        except BaseException:
+            self.close()
+            raise
+        if is_last(output):
+            self._done = True
+        return delta_from(output)
+
+    def close(self) -> None:
+        """Abort the request if it is still running (no await needed)."""
+        if not self._done:
+            self._done = True
+            if self._started:
+                self._client._abandon(self._submit.id or "")
+
+    async def aclose(self) -> None:
+        self.close()
+
+    async def __aenter__(self) -> AsyncStream:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,217 @@
+"""`llmctl`: talk to a running llmd from the shell.
+
+Exit codes: 0 ok, 1 the daemon refused or failed the request, 2 usage error,
+3 the daemon is not running, 130 interrupted (the request is aborted).
+"""
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import IO, Any
+
+import click
+import msgspec
+
+from llmd_client.client import Client
+from llmd_client.errors import DaemonNotRunning, LlmdError
+from llmd_client.protocol import SamplingParams, StatusReply
+from llmd_client.results import Result
+
+EXIT_REQUEST_ERROR = 1
+EXIT_NOT_RUNNING = 3
+EXIT_INTERRUPTED = 130
+
+
+@contextmanager
+def _exit_codes(interrupted_line: list[bool] | None = None) -> Iterator[None]:
+    """Turn expected failures into one line on stderr and an exit code, never a traceback.
+    `interrupted_line[0]` says a streamed line is open on stdout (it gets its newline)."""
+    ctx = click.get_current_context()
+    try:
+        yield
+    except (LlmdError, KeyboardInterrupt) as exc:
+        if interrupted_line and interrupted_line[0]:
+            click.echo()
+        if isinstance(exc, KeyboardInterrupt):
+            ctx.exit(EXIT_INTERRUPTED)
+        if isinstance(exc, DaemonNotRunning):
+            click.echo(f"llmctl: {exc.message}", err=True)
+            ctx.exit(EXIT_NOT_RUNNING)
+        click.echo(f"llmctl: {exc.code}: {exc.message}", err=True)
+        ctx.exit(EXIT_REQUEST_ERROR)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--socket", "socket_path", metavar="PATH",
+              help="The daemon's socket [default: $LLMD_SOCKET, /run/llmd/llmd.sock if present, "
+                   "else $XDG_RUNTIME_DIR/llmd.sock].")
+@click.pass_context
+def cli(ctx: click.Context, socket_path: str | None) -> None:
+    """Talk to the llmd inference daemon."""
+    ctx.obj = socket_path
+
+
+def _read_prompt(prompt: str | None, file: IO[str] | None) -> str:
+    if prompt is not None and file is not None:
+        raise click.UsageError("give the prompt either as an argument or with --file, not both")
+    if file is not None:
+        return file.read()
+    if prompt == "-":
+        return sys.stdin.read()
+    if prompt is not None:
+        return prompt
+    stdin = sys.stdin
+    if stdin.isatty():
+        raise click.UsageError("no prompt: give PROMPT, --file F, or pipe it on stdin")
+    return stdin.read()
+
+
+@cli.command()
+@click.argument("prompt", required=False)
+@click.option("--file", "-f", type=click.File("r"), help="Read the prompt from a file (- for stdin).")
+@click.option("--max-tokens", type=int, help="Most tokens to generate [default: 16].")
+@click.option("--temperature", type=float, help="0 for greedy [default: 1.0].")
+@click.option("--top-p", type=float)
+@click.option("--top-k", type=int)
+@click.option("--seed", type=int)
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--n", "n", type=int, help="Number of samples.")
+@click.option("--stream/--no-stream", default=None,
+              help="Print text as it is generated [default: when stdout is a terminal].")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object when done.")
+@click.pass_context
+def submit(ctx: click.Context, prompt: str | None, file: IO[str] | None, max_tokens: int | None,
+           temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
+           stop: tuple[str, ...], n: int | None, stream: bool | None, as_json: bool) -> None:
+    """Generate a completion of PROMPT (or of --file, or of stdin)."""
+    text = _read_prompt(prompt, file)
+    given = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                 stop=list(stop) or None, n=n)
+    try:
+        params = SamplingParams(**{k: v for k, v in given.items() if v is not None})
+    except ValueError as exc:  # names the field and its limit
+        field = str(exc).split(" ", 1)[0]
+        raise click.BadParameter(str(exc), param_hint=f"--{field.replace('_', '-')}") from None
+    if stream is None:
+        stream = sys.stdout.isatty()
+    line_open = [False]
+    with _exit_codes(line_open), Client(ctx.obj) as client:
+        if stream and not as_json and params.n == 1:
+            out = sys.stdout
+            for delta in client.stream(text, sampling=params):
+                if delta.text:
+                    out.write(delta.text)
+                    out.flush()
+                    line_open[0] = True
+            click.echo()
+            return
+        result = client.generate(text, sampling=params)
+        if as_json:
+            click.echo(msgspec.json.encode(_result_json(result)).decode())
+        elif len(result.outputs) == 1:
+            click.echo(result.text)
+        else:
+            for completion in result.outputs:
+                click.echo(f"--- sample {completion.index} ({completion.finish_reason}) ---")
+                click.echo(completion.text)
+
+
+def _result_json(result: Result) -> dict[str, Any]:
+    return {
+        "request_id": result.request_id,
+        "text": result.text,
+        "token_ids": result.token_ids,
+        "finish_reason": result.finish_reason,
+        "stop_reason": result.stop_reason,
+        "usage": msgspec.to_builtins(result.usage),
+        "outputs": [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
+                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                    for c in result.outputs],
+    }
+
+
+@cli.command()
+@click.argument("request_id")
+@click.pass_context
+def abort(ctx: click.Context, request_id: str) -> None:
+    """Abort the request REQUEST_ID (as listed by `llmctl status`)."""
+    with _exit_codes(), Client(ctx.obj) as client:
+        client.abort(request_id)
+        click.echo(f"aborted {request_id}")
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the raw status as JSON.")
+@click.pass_context
+def status(ctx: click.Context, as_json: bool) -> None:
+    """Show the model, queues, running requests, KV cache and memory."""
+    with _exit_codes(), Client(ctx.obj) as client:
+        reply = client.status()
+    if as_json:
+        data = msgspec.to_builtins(reply)
+        data.pop("type", None)
+        click.echo(msgspec.json.encode(data).decode())
+    else:
+        click.echo(format_status(reply))
+
+
+@cli.command()
+@click.pass_context
+def metrics(ctx: click.Context) -> None:
+    """Print the daemon's metrics in Prometheus text format."""
+    with _exit_codes(), Client(ctx.obj) as client:
+        text = client.metrics()
+    click.echo(text, nl=not text.endswith("\n"))
+
+
+def format_status(s: StatusReply) -> str:
+    lines = [
+        f"model        {s.model}  (llmd {s.server_version})",
+        f"uptime       {_duration(s.uptime_s)}",
+        f"device       {s.device} / {s.dtype}",
+        f"requests     {s.num_running} running, {s.num_waiting} waiting, {s.requests_finished_total} finished",
+        f"kv cache     {s.kv_blocks_used} / {s.kv_blocks_total} blocks ({s.kv_usage:.1%})",
+        f"prefix hits  {s.prefix_cache_hit_rate:.1%}",
+        f"throughput   {s.generation_tokens_per_s:.1f} tokens/s; {s.prompt_tokens_total} prompt and "
+        f"{s.generation_tokens_total} generated tokens in total",
+        f"memory       {_bytes(s.rss_bytes)} RSS, CPU {s.cpu_percent:.0f}%",
+    ]
+    if s.requests:
+        rows = [("REQUEST", "UID", "STATE", "AGE", "PROMPT", "GENERATED")]
+        rows += [(r.request_id, str(r.uid), r.state, _duration(r.age_s), str(r.prompt_tokens),
+                  str(r.completion_tokens)) for r in s.requests]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        lines.append("")
+        lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    days, hours = divmod(hours, 24)
+    if days:
+        return f"{days}d {hours}h {minutes:02d}m"
+    if hours:
+        return f"{hours}h {minutes:02d}m {secs:02d}s"
+    return f"{minutes}m {secs:02d}s"
+
+
+def _bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
+
+
+def main() -> None:
+    cli(prog_name="llmctl")
+
+
+if __name__ == "__main__":
+    main()

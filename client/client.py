@@ -1,0 +1,372 @@
+"""The blocking Python client: one Unix-socket connection to llmd, many requests on it.
+
+    from llmd_client import Client
+    with Client() as llm:
+        print(llm.generate("The capital of France is", max_tokens=8).text)
+        for delta in llm.stream("Once upon a time", max_tokens=64):
+            print(delta.text, end="", flush=True)
+
+A Client is meant for one thread (several of its streams may be interleaved there);
+use AsyncClient, or one Client per thread, for concurrency.
+"""
+from __future__ import annotations
+
+import itertools
+import socket as socketlib
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+from llmd_client.async_client import AsyncClient, AsyncStream
+from llmd_client.errors import ClientTimeout, ConnectionLost, LlmdError, ProtocolError, RequestError
+from llmd_client.framing import FrameError, MsgpackCodec
+from llmd_client.protocol import (Abort, Accepted, ChatMessage, Error, Hello, Metrics, MetricsReply, Output,
+                                  SamplingParams, ServerMessage, Status, StatusReply, Submit, Welcome)
+from llmd_client.results import Delta, Result, ResultBuilder, build_submit, delta_from, is_last, sampling_params
+from llmd_client.socket_path import connect_error, default_socket_path
+
+__all__ = ["AsyncClient", "AsyncStream", "Client", "Stream", "default_socket_path"]
+
+CLIENT_NAME = "llmd_client"
+_RECV_BYTES = 1 << 16
+
+
+def hello_error(error: Error) -> LlmdError:
+    if error.code == "unsupported_version":
+        return ProtocolError(error.message, error.code)
+    return RequestError(error.code, error.message)
+
+
+class _PendingReply:
+    """A control message (Hello, Status, Metrics) waiting for its reply; replies are
+    matched by type, oldest first, and an Error without an id goes to the oldest."""
+
+    __slots__ = ("expect", "reply", "wanted")
+
+    def __init__(self, expect: type) -> None:
+        self.expect = expect
+        self.reply: Any = None
+        self.wanted = True
+
+
+class Client:
+    """Blocking client. `socket`: the daemon's socket (default: see default_socket_path);
+    `timeout`: seconds to wait for connecting and for each message from the daemon
+    (None: wait forever); on a timeout the request is aborted and ClientTimeout raised.
+    Connects on first use, and again after the connection was lost."""
+
+    def __init__(self, socket: str | None = None, timeout: float | None = None) -> None:
+        self.socket_path = default_socket_path(socket)
+        self.timeout = timeout
+        self.welcome: Welcome | None = None
+        self._sock: socketlib.socket | None = None
+        self._codec = MsgpackCodec(ServerMessage)
+        self._inboxes: dict[str, deque[Accepted | Output | Error]] = {}
+        self._local_ids: dict[str, str] = {}  # server request id -> local id, for our own requests
+        self._pending: deque[_PendingReply] = deque()
+        self._abort_errors: dict[str, Error | None] = {}
+        self._ids = itertools.count(1)
+
+    # -- connection ---------------------------------------------------------------------
+
+    def connect(self) -> Welcome:
+        """Connect (if not connected) and return the daemon's Welcome."""
+        if self._sock is not None and self.welcome is not None:
+            return self.welcome
+        sock = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.socket_path)
+        except TimeoutError:
+            sock.close()
+            raise ClientTimeout(f"timed out connecting to {self.socket_path}") from None
+        except OSError as exc:
+            sock.close()
+            raise connect_error(self.socket_path, exc) from None
+        self._sock = sock
+        self._codec = MsgpackCodec(ServerMessage)
+        try:
+            reply = self._control(Hello(client=CLIENT_NAME), Welcome, error=hello_error)
+        except BaseException:
+            self.close()
+            raise
+        self.welcome = reply
+        return reply
+
+    def close(self) -> None:
+        """Close the connection; the daemon aborts every request still running on it."""
+        sock, self._sock = self._sock, None
+        self.welcome = None
+        self._inboxes.clear()
+        self._local_ids.clear()
+        self._pending.clear()
+        if sock is not None:
+            sock.close()
+
+    def __enter__(self) -> Client:
+        self.connect()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # -- requests -----------------------------------------------------------------------
+
+    def generate(self, prompt: str | None = None, *, messages: Iterable[ChatMessage | Mapping[str, Any]] | None = None,
+                 token_ids: Iterable[int] | None = None, max_tokens: int | None = None,
+                 temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                 seed: int | None = None, stop: str | list[str] | None = None, n: int | None = None,
+                 logprobs: int | None = None, priority: int = 0, sampling: SamplingParams | None = None,
+                 **sampling_kwargs: Any) -> Result:
+        """Run one request to the end. Exactly one of prompt, messages or token_ids.
+        Sampling settings not given (None) come from `sampling`, else SamplingParams'
+        defaults; `sampling_kwargs` takes any other SamplingParams field (min_p, ...).
+        Raises ValueError for a setting out of range (before sending anything) and
+        RequestError when the daemon refuses or fails the request."""
+        params = sampling_params(sampling, dict(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+            stop=stop, n=n, logprobs=logprobs, **sampling_kwargs))
+        submit = build_submit(self._new_id(), prompt, messages, token_ids, params, False, priority)
+        accepted = self._submit(submit)
+        builder = ResultBuilder(accepted, params.n)
+        try:
+            while True:
+                output = self._next_output(submit.id)
+                builder.add(output)
+                if is_last(output):
+                    return builder.result()
+        except BaseException:
+            self._abandon(submit.id)
+            raise
+
+    def stream(self, prompt: str | None = None, *, messages: Iterable[ChatMessage | Mapping[str, Any]] | None = None,
+               token_ids: Iterable[int] | None = None, max_tokens: int | None = None,
+               temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+               seed: int | None = None, stop: str | list[str] | None = None, n: int | None = None,
+               logprobs: int | None = None, priority: int = 0, sampling: SamplingParams | None = None,
+               **sampling_kwargs: Any) -> Stream:
+        """Submit a request and return an iterator of its Deltas (arguments as for
+        generate). Returns once the daemon accepted it (`.request_id` is set); leaving
+        the iteration early (break, close(), an exception, Ctrl-C) aborts the request."""
+        params = sampling_params(sampling, dict(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+            stop=stop, n=n, logprobs=logprobs, **sampling_kwargs))
+        submit = build_submit(self._new_id(), prompt, messages, token_ids, params, True, priority)
+        return Stream(self, submit.id, self._submit(submit))
+
+    def chat(self, messages: Iterable[ChatMessage | Mapping[str, Any]], **kwargs: Any) -> Result:
+        """generate() for a conversation: [{"role": "user", "content": "..."}, ...]."""
+        return self.generate(messages=messages, **kwargs)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request by its server id (Result.request_id, Stream.request_id, or
+        one listed by status()). Raises RequestError "unknown_id" when there is no such
+        request, "forbidden" when another user owns it."""
+        self.connect()
+        local_id = self._local_ids.get(request_id)
+        if local_id is not None:  # ours: its stream sees finish_reason "abort"
+            self._send(Abort(id=local_id))
+            return
+        # The daemon acknowledges only a failed Abort, so a Status round trip after it
+        # tells "no error" from "error not here yet".
+        self._abort_errors[request_id] = None
+        try:
+            self._send(Abort(id=request_id))
+            self._control(Status(), StatusReply)
+            error = self._abort_errors[request_id]
+        finally:
+            del self._abort_errors[request_id]
+        if error is not None:
+            raise RequestError(error.code, error.message, request_id)
+
+    def status(self) -> StatusReply:
+        self.connect()
+        return self._control(Status(), StatusReply)
+
+    def metrics(self) -> str:
+        """The daemon's metrics in Prometheus text format."""
+        self.connect()
+        return self._control(Metrics(), MetricsReply).text
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _new_id(self) -> str:
+        return f"c{next(self._ids)}"
+
+    def _submit(self, submit: Submit) -> Accepted:
+        self.connect()
+        assert submit.id is not None
+        self._inboxes[submit.id] = deque()
+        try:
+            self._send(submit)
+            reply = self._next_message(submit.id)
+        except BaseException:
+            self._abandon(submit.id)
+            raise
+        if isinstance(reply, Accepted):
+            self._local_ids[reply.request_id] = submit.id
+            return reply
+        self._forget(submit.id)
+        if isinstance(reply, Error):
+            raise RequestError(reply.code, reply.message, submit.id)
+        raise ProtocolError(f"expected Accepted for request {submit.id}, got {type(reply).__name__}")
+
+    def _next_output(self, id: str) -> Output:
+        """The request's next Output; raises RequestError for an Error about it."""
+        message = self._next_message(id)
+        if isinstance(message, Output):
+            if is_last(message):
+                self._forget(id)
+            return message
+        self._forget(id)
+        if isinstance(message, Error):
+            raise RequestError(message.code, message.message, id)
+        raise ProtocolError(f"unexpected {type(message).__name__} for request {id}")
+
+    def _next_message(self, id: str) -> Accepted | Output | Error:
+        while True:
+            inbox = self._inboxes.get(id)
+            if inbox is None:
+                raise ConnectionLost(f"the connection to llmd at {self.socket_path} was lost")
+            if inbox:
+                return inbox.popleft()
+            self._receive()
+
+    def _forget(self, id: str) -> None:
+        self._inboxes.pop(id, None)
+        for request_id, local_id in list(self._local_ids.items()):
+            if local_id == id:
+                del self._local_ids[request_id]
+
+    def _abandon(self, id: str) -> None:
+        """Stop following a request and abort it, unless it already ended (ids are never
+        reused, and close() forgets every request, so a stale id is simply unknown)."""
+        if id not in self._inboxes:
+            return
+        self._forget(id)
+        try:
+            self._send(Abort(id=id))
+        except LlmdError:
+            pass
+
+    def _control(self, message: Hello | Status | Metrics, expect: type, error: Any = None) -> Any:
+        pending = _PendingReply(expect)
+        self._pending.append(pending)
+        try:
+            self._send(message)
+            while pending.reply is None:
+                self._receive()
+        except BaseException:
+            pending.wanted = False  # its reply, when it comes, is dropped
+            raise
+        reply = pending.reply
+        if isinstance(reply, Error):
+            raise (error or (lambda e: RequestError(e.code, e.message)))(reply)
+        return reply
+
+    def _send(self, message: Any) -> None:
+        if self._sock is None:
+            raise ConnectionLost(f"not connected to llmd at {self.socket_path}")
+        try:
+            self._sock.sendall(self._codec.encode(message))
+        except OSError as exc:  # a timed-out sendall may have sent part of a frame
+            self.close()
+            raise ConnectionLost(f"lost the connection to llmd at {self.socket_path}: {exc}") from None
+        except BaseException:  # Ctrl-C in the middle of a frame: the stream is unusable
+            self.close()
+            raise
+
+    def _receive(self) -> None:
+        """Read what the socket has and route every complete message."""
+        if self._sock is None:
+            raise ConnectionLost(f"not connected to llmd at {self.socket_path}")
+        try:
+            data = self._sock.recv(_RECV_BYTES)
+        except TimeoutError:
+            raise ClientTimeout(f"no reply from llmd within {self.timeout} s") from None
+        except OSError as exc:
+            self.close()
+            raise ConnectionLost(f"lost the connection to llmd at {self.socket_path}: {exc}") from None
+        if not data:
+            self.close()
+            raise ConnectionLost(f"llmd closed the connection ({self.socket_path})")
+        try:
+            messages = [self._codec.decode(body) for body in self._codec.feed(data)]
+        except (FrameError, ValueError) as exc:  # msgspec.DecodeError is a ValueError
+            self.close()
+            raise ProtocolError(f"llmd sent a frame this client cannot read: {exc}") from None
+        for message in messages:
+            self._route(message)
+
+    def _route(self, message: Any) -> None:
+        match message:
+            case Accepted(id=id) | Output(id=id) | Error(id=str() as id) if id in self._inboxes:
+                self._inboxes[id].append(message)
+            case Error(id=str() as id) if id in self._abort_errors:
+                self._abort_errors[id] = message
+            case Welcome() | StatusReply() | MetricsReply() | Error(id=None):
+                self._route_reply(message)
+            case _:
+                pass  # a late message about a request this client stopped following
+
+    def _route_reply(self, reply: Any) -> None:
+        for pending in self._pending:
+            if isinstance(reply, pending.expect) or isinstance(reply, Error):
+                self._pending.remove(pending)
+                if pending.wanted:
+                    pending.reply = reply
+                return
+        if isinstance(reply, Error):  # about the connection itself: every request fails with it
+            for inbox in self._inboxes.values():
+                inbox.append(reply)
+
+
+class Stream:
+    """Iterator of one request's Deltas. Leaving it early aborts the request; it is
+    also a context manager that does so on exit."""
+
+    def __init__(self, client: Client, id: str, accepted: Accepted) -> None:
+        self.request_id = accepted.request_id
+        self.prompt_tokens = accepted.prompt_tokens
+        self._client = client
+        self._id = id
+        self._done = False
+
+    def __iter__(self) -> Iterator[Delta]:
+        return self
+
+    def __next__(self) -> Delta:
+        if self._done:
+            raise StopIteration
+        try:
+            output = self._client._next_output(self._id)
+        except BaseException:
+            self.close()
+            raise
+        if is_last(output):
+            self._done = True
+        return delta_from(output)
+
+    def close(self) -> None:
+        """Abort the request if it is still running."""
+        if not self._done:
+            self._done = True
+            self._client._abandon(self._id)
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,116 @@
+"""llmd_client's Client, AsyncClient and the llmctl command against the real daemon:
+the same greedy text as the offline engine, through every path."""
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import time
+
+import pytest
+
+from daemon_util import Daemon
+from llmd import LLM, SamplingParams
+from llmd_client import AsyncClient, Client, DaemonNotRunning, RequestError
+from llmd_tools.make_model import fixture_path
+
+PROMPT = "def parse(path):\n    with open(path) as f:"
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return str(fixture_path("tiny-qwen3"))
+
+
+@pytest.fixture(scope="module")
+def daemon(model, tmp_path_factory):
+    d = Daemon(model, tmp_path_factory.mktemp("sock") / "llmd.sock").wait_ready()
+    yield d
+    assert d.stop() == 0, d.stderr()
+
+
+@pytest.fixture(scope="module")
+def offline(model) -> str:
+    llm = LLM(model=model, max_model_len=256, num_gpu_blocks_override=128)
+    return llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0].text
+
+
+def test_client_generate_and_stream_match_offline(daemon, offline):
+    with Client(socket=daemon.sock) as client:
+        result = client.generate(PROMPT, max_tokens=20, temperature=0, ignore_eos=True)
+        assert result.text == offline and result.finish_reason == "length"
+        assert result.usage.completion_tokens == 20
+        deltas = list(client.stream(PROMPT, max_tokens=20, temperature=0, ignore_eos=True))
+        assert "".join(d.text for d in deltas) == offline
+        assert deltas[-1].usage is not None
+        status = client.status()
+        assert status.num_running == 0
+
+
+def test_async_client_concurrent(daemon, offline):
+    async def main():
+        async with AsyncClient(socket=daemon.sock) as client:
+            results = await asyncio.gather(*[client.generate(PROMPT, max_tokens=20, temperature=0,
+                                                             ignore_eos=True) for _ in range(8)])
+            return [r.text for r in results]
+    assert asyncio.run(main()) == [offline] * 8
+
+
+def test_client_errors_are_exceptions(daemon, tmp_path):
+    with Client(socket=daemon.sock) as client:
+        with pytest.raises(RequestError) as err:
+            client.generate(token_ids=[1, 10**9], max_tokens=2)
+        assert err.value.code == "invalid_params"
+        assert client.generate("still fine", max_tokens=2).usage.completion_tokens == 2
+    with pytest.raises(DaemonNotRunning):
+        Client(socket=str(tmp_path / "missing.sock")).status()
+
+
+def test_breaking_a_stream_aborts_the_request(daemon):
+    with Client(socket=daemon.sock) as client:
+        for i, _ in enumerate(client.stream("hi", max_tokens=240, ignore_eos=True)):
+            if i == 2:
+                break
+        deadline = time.monotonic() + 10
+        while (status := client.status()).num_running and time.monotonic() < deadline:
+            time.sleep(0.02)
+        before = client.metrics()
+    assert status.num_running == 0 and status.num_waiting == 0 and status.kv_blocks_used == 0
+    assert 'finished_reason="abort"' in before
+
+
+def llmctl(daemon, *args, **kwargs):
+    return subprocess.run(["llmctl", "--socket", daemon.sock, *args], capture_output=True, text=True,
+                          timeout=60, **kwargs)
+
+
+def test_llmctl_submit_status_metrics(daemon, offline):
+    out = llmctl(daemon, "submit", PROMPT, "--max-tokens", "20", "--temperature", "0", "--json")
+    assert out.returncode == 0, out.stderr
+    # ignore_eos is not a CLI flag: equal up to where the model may have emitted EOS.
+    text = json.loads(out.stdout)["text"]
+    assert offline.startswith(text)
+    piped = llmctl(daemon, "submit", "--max-tokens", "20", "--temperature", "0", "--no-stream", input=PROMPT)
+    assert piped.returncode == 0 and piped.stdout.rstrip("\n") == text
+    status = llmctl(daemon, "status", "--json")
+    assert status.returncode == 0 and json.loads(status.stdout)["kv_blocks_total"] == 128
+    metrics = llmctl(daemon, "metrics")
+    assert metrics.returncode == 0 and "llmd:generation_tokens_total" in metrics.stdout
+    bad = llmctl(daemon, "abort", "r999999")
+    assert bad.returncode == 1 and "unknown_id" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_llmctl_without_daemon_says_so(tmp_path):
+    out = subprocess.run(["llmctl", "--socket", str(tmp_path / "none.sock"), "status"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 3
+    assert len(out.stderr.strip().splitlines()) == 1 and "llmd serve" in out.stderr
+
+
+def test_prometheus_text_parses(daemon):
+    prometheus = pytest.importorskip("prometheus_client.parser")
+    with Client(socket=daemon.sock) as client:
+        client.generate("x", max_tokens=3)
+        text = client.metrics()
+    families = {f.name: f for f in prometheus.text_string_to_metric_families(text)}
+    assert "llmd:time_to_first_token_seconds" in families
