@@ -11,6 +11,7 @@ import signal
 import socket
 import stat
 import tomllib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -85,19 +86,28 @@ def bind_socket(path: str, group: str | None) -> socket.socket:
         finally:
             probe.close()
     p.parent.mkdir(parents=True, exist_ok=True)
+    # Bind under a temporary name and rename once listening: a client never finds a
+    # socket file that refuses connections (or has the wrong mode).
+    staging = str(p.with_name(f".{p.name}.{os.getpid()}"))
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old_umask = os.umask(0o117)
     try:
-        sock.bind(path)
+        sock.bind(staging)
     finally:
         os.umask(old_umask)
-    os.chmod(path, 0o660)
-    if group:
-        try:
-            os.chown(path, -1, grp.getgrnam(group).gr_gid)
-        except (KeyError, PermissionError):
-            pass  # no such group here, or not ours to give: mode 0660 with our own group
-    sock.listen(1024)
+    try:
+        os.chmod(staging, 0o660)
+        if group:
+            try:
+                os.chown(staging, -1, grp.getgrnam(group).gr_gid)
+            except (KeyError, PermissionError):
+                pass  # no such group here, or not ours to give: mode 0660 with our own group
+        sock.listen(1024)
+        os.rename(staging, path)
+    except BaseException:
+        sock.close()
+        Path(staging).unlink(missing_ok=True)
+        raise
     sock.setblocking(False)
     return sock
 
@@ -128,10 +138,12 @@ async def _serve(daemon: DaemonConfig, engine_config: EngineConfig) -> int:
         logger.info("listening on %s", created_path)
 
     sd_notify.status("loading model")
-    load = loop.run_in_executor(None, LLMEngine, engine_config)
+    model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmd-model")
+    load = loop.run_in_executor(model_thread, LLMEngine, engine_config)
     done, _ = await asyncio.wait([load, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     if load not in done:
         logger.info("stopped while loading the model")
+        model_thread.shutdown(wait=False, cancel_futures=True)
         _close_socket(sock, created_path)
         return 0
     engine = load.result()
@@ -140,7 +152,7 @@ async def _serve(daemon: DaemonConfig, engine_config: EngineConfig) -> int:
     metrics = MetricsActor(model=model_name, server_version=SERVER_VERSION, device=str(engine.device),
                            dtype=str(engine.dtype).removeprefix("torch."), kv_blocks_total=engine.num_blocks)
     detokenizer = DetokenizerActor(engine.tokenizer, metrics)
-    scheduler = SchedulerActor(engine, detokenizer, metrics)
+    scheduler = SchedulerActor(engine, detokenizer, metrics, model_thread)
     detokenizer.scheduler = scheduler
     intake = IntakeActor(sock, engine.input_processor, scheduler=scheduler, detokenizer=detokenizer,
                          metrics=metrics, model_name=model_name, server_version=SERVER_VERSION,

@@ -9,6 +9,7 @@ import signal
 import socket
 import struct
 import subprocess
+import sys
 import threading
 import time
 
@@ -267,7 +268,7 @@ def test_requests_during_model_load_wait_not_refused(model, tmp_path):
 
 
 def test_second_daemon_refuses_live_socket(model, daemon):
-    proc = subprocess.run(["python", "-m", "llmd.cli", "serve", "--model", model, "--socket", daemon.sock],
+    proc = subprocess.run([sys.executable, "-m", "llmd.cli", "serve", "--model", model, "--socket", daemon.sock],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     assert "already listening" in proc.stderr and "Traceback" not in proc.stderr

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +16,7 @@ from llmd import LLM, SamplingParams
 from llmd_client import AsyncClient, Client, DaemonNotRunning, RequestError
 from llmd_tools.make_model import fixture_path
 
+LLMCTL = str(Path(sys.executable).parent / "llmctl")  # CI does not activate the venv
 PROMPT = "def parse(path):\n    with open(path) as f:"
 
 
@@ -80,7 +83,7 @@ def test_breaking_a_stream_aborts_the_request(daemon):
 
 
 def llmctl(daemon, *args, **kwargs):
-    return subprocess.run(["llmctl", "--socket", daemon.sock, *args], capture_output=True, text=True,
+    return subprocess.run([LLMCTL, "--socket", daemon.sock, *args], capture_output=True, text=True,
                           timeout=60, **kwargs)
 
 
@@ -101,7 +104,7 @@ def test_llmctl_submit_status_metrics(daemon, offline):
 
 
 def test_llmctl_without_daemon_says_so(tmp_path):
-    out = subprocess.run(["llmctl", "--socket", str(tmp_path / "none.sock"), "status"],
+    out = subprocess.run([LLMCTL, "--socket", str(tmp_path / "none.sock"), "status"],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 3
     assert len(out.stderr.strip().splitlines()) == 1 and "llmd serve" in out.stderr

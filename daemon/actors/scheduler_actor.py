@@ -20,7 +20,8 @@ logger = logging.getLogger("llmd.scheduler")
 class SchedulerActor(Actor):
     name = "scheduler"
 
-    def __init__(self, engine, detokenizer: Actor, metrics: Actor) -> None:
+    def __init__(self, engine, detokenizer: Actor, metrics: Actor,
+                 model_thread: ThreadPoolExecutor | None = None) -> None:
         super().__init__()
         self.engine = engine
         self.scheduler = engine.scheduler
@@ -29,7 +30,9 @@ class SchedulerActor(Actor):
         self.detokenizer = detokenizer
         self.metrics = metrics
         self.children: dict[str, list[str]] = {}
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmd-step")
+        # All torch work stays on one thread (the one that loaded the model): a second
+        # thread would start a second OpenMP team competing for the same cores.
+        self._pool = model_thread or ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmd-model")
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
