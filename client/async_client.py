@@ -10,8 +10,6 @@ generate/stream calls may run concurrently on one AsyncClient.
 from __future__ import annotations
 
 import asyncio
-import itertools
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -20,29 +18,40 @@ from llmd_client.framing import FrameError, MsgpackCodec
 from llmd_client.protocol import (Abort, Accepted, ChatMessage, Error, Hello, Metrics, MetricsReply, Output,
                                   SamplingParams, ServerMessage, Status, StatusReply, Submit, Welcome)
 from llmd_client.results import Delta, Result, ResultBuilder, build_submit, delta_from, is_last, sampling_params
+from llmd_client.routing import PendingReply, Router
 from llmd_client.socket_path import connect_error, default_socket_path
 
 _RECV_BYTES = 1 << 16
 _Item = Accepted | Output | Error | LlmdError
 
 
-class AsyncClient:
+class _PendingFuture(PendingReply):
+    """Resolved through a future; a cancelled caller's reply is dropped."""
+
+    __slots__ = ("future",)
+
+    def __init__(self, expect: type, future: asyncio.Future[Any]) -> None:
+        super().__init__(expect)
+        self.future = future
+
+    def resolve(self, reply: Any) -> None:
+        if not self.future.done():
+            self.future.set_result(reply)
+
+
+class AsyncClient(Router[asyncio.Queue[_Item], _PendingFuture]):
     """asyncio client; `socket` as for Client. Connects on first use (or `await
     connect()`, or `async with`), and again after the connection was lost. Use
     asyncio.timeout() around a call to bound it; cancelling a call aborts its request."""
 
     def __init__(self, socket: str | None = None) -> None:
+        super().__init__()
         self.socket_path = default_socket_path(socket)
         self.welcome: Welcome | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._codec = MsgpackCodec(ServerMessage)
         self._reader_task: asyncio.Task[None] | None = None
         self._connect_lock = asyncio.Lock()
-        self._queues: dict[str, asyncio.Queue[_Item]] = {}
-        self._local_ids: dict[str, str] = {}  # server request id -> local id, for our own requests
-        self._pending: deque[tuple[type, asyncio.Future[Any]]] = deque()
-        self._abort_errors: dict[str, Error | None] = {}
-        self._ids = itertools.count(1)
 
     # -- connection ---------------------------------------------------------------------
 
@@ -163,9 +172,6 @@ class AsyncClient:
 
     # -- internals ----------------------------------------------------------------------
 
-    def _new_id(self) -> str:
-        return f"c{next(self._ids)}"
-
     async def _ensure_connected(self) -> None:
         if self._writer is None or self.welcome is None:
             await self.connect()
@@ -173,7 +179,7 @@ class AsyncClient:
     async def _submit(self, submit: Submit) -> Accepted:
         await self._ensure_connected()
         assert submit.id is not None
-        self._queues[submit.id] = asyncio.Queue()
+        self._inboxes[submit.id] = asyncio.Queue()
         try:
             self._send(submit)
             reply = await self._next_message(submit.id)
@@ -200,37 +206,20 @@ class AsyncClient:
         raise ProtocolError(f"unexpected {type(message).__name__} for request {id}")
 
     async def _next_message(self, id: str) -> Accepted | Output | Error:
-        queue = self._queues.get(id)
+        queue = self._inboxes.get(id)
         if queue is None:
             raise ConnectionLost(f"the connection to llmd at {self.socket_path} was lost")
         item = await queue.get()
         if isinstance(item, LlmdError):
-            self._queues.pop(id, None)
+            self._inboxes.pop(id, None)
             raise item
         return item
-
-    def _forget(self, id: str) -> None:
-        self._queues.pop(id, None)
-        for request_id, local_id in list(self._local_ids.items()):
-            if local_id == id:
-                del self._local_ids[request_id]
-
-    def _abandon(self, id: str) -> None:
-        """Stop following a request and abort it, unless it already ended. Synchronous
-        (a buffered write), so it may run from __del__ and from cancellation."""
-        if id not in self._queues:
-            return
-        self._forget(id)
-        try:
-            self._send(Abort(id=id))
-        except LlmdError:
-            pass
 
     async def _control(self, message: Hello | Status | Metrics, expect: type) -> Any:
         self._send(message)  # first: a send that fails leaves no future behind
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._pending.append((expect, future))
-        reply = await future  # a cancelled future's reply is dropped by _route_reply
+        self._pending.append(_PendingFuture(expect, future))
+        reply = await future  # a cancelled future's reply is dropped by its resolve()
         if isinstance(reply, Error):
             raise RequestError(reply.code, reply.message)
         return reply
@@ -263,37 +252,17 @@ class AsyncClient:
         self._writer = None
         self.welcome = None
         writer.close()
-        for queue in self._queues.values():
+        for queue in self._inboxes.values():
             queue.put_nowait(error())
-        self._queues.clear()
+        self._inboxes.clear()
         self._local_ids.clear()
-        for _, future in self._pending:
-            if not future.done():
-                future.set_exception(error())
+        for pending in self._pending:
+            if not pending.future.done():
+                pending.future.set_exception(error())
         self._pending.clear()
 
-    def _route(self, message: Any) -> None:
-        match message:
-            case Accepted(id=id) | Output(id=id) | Error(id=str() as id) if id in self._queues:
-                self._queues[id].put_nowait(message)
-            case Error(id=str() as id) if id in self._abort_errors:
-                self._abort_errors[id] = message
-            case Welcome() | StatusReply() | MetricsReply() | Error(id=None):
-                self._route_reply(message)
-            case _:
-                pass  # a late message about a request this client stopped following
-
-    def _route_reply(self, reply: Any) -> None:
-        for entry in self._pending:
-            expect, future = entry
-            if isinstance(reply, expect) or isinstance(reply, Error):
-                self._pending.remove(entry)
-                if not future.done():
-                    future.set_result(reply)
-                return
-        if isinstance(reply, Error):  # about the connection itself: every request fails with it
-            for queue in self._queues.values():
-                queue.put_nowait(reply)
+    def _deliver(self, inbox: asyncio.Queue[_Item], message: Accepted | Output | Error) -> None:
+        inbox.put_nowait(message)
 
 
 class AsyncStream:

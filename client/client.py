@@ -11,7 +11,6 @@ use AsyncClient, or one Client per thread, for concurrency.
 """
 from __future__ import annotations
 
-import itertools
 import socket as socketlib
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
@@ -23,6 +22,7 @@ from llmd_client.framing import FrameError, MsgpackCodec
 from llmd_client.protocol import (Abort, Accepted, ChatMessage, Error, Hello, Metrics, MetricsReply, Output,
                                   SamplingParams, ServerMessage, Status, StatusReply, Submit, Welcome)
 from llmd_client.results import Delta, Result, ResultBuilder, build_submit, delta_from, is_last, sampling_params
+from llmd_client.routing import PendingReply, Router
 from llmd_client.socket_path import connect_error, default_socket_path
 
 __all__ = ["AsyncClient", "AsyncStream", "Client", "Stream", "default_socket_path"]
@@ -37,35 +37,35 @@ def hello_error(error: Error) -> LlmdError:
     return RequestError(error.code, error.message)
 
 
-class _PendingReply:
-    """A control message (Hello, Status, Metrics) waiting for its reply; replies are
-    matched by type, oldest first, and an Error without an id goes to the oldest."""
+class _PendingReply(PendingReply):
+    """Filled in by the routing as the blocking client reads; a reply that comes after
+    its caller gave up waiting (wanted False) is dropped."""
 
-    __slots__ = ("expect", "reply", "wanted")
+    __slots__ = ("reply", "wanted")
 
     def __init__(self, expect: type) -> None:
-        self.expect = expect
+        super().__init__(expect)
         self.reply: Any = None
         self.wanted = True
 
+    def resolve(self, reply: Any) -> None:
+        if self.wanted:
+            self.reply = reply
 
-class Client:
+
+class Client(Router[deque[Accepted | Output | Error], _PendingReply]):
     """Blocking client. `socket`: the daemon's socket (default: see default_socket_path);
     `timeout`: seconds to wait for connecting and for each message from the daemon
     (None: wait forever); on a timeout the request is aborted and ClientTimeout raised.
     Connects on first use, and again after the connection was lost."""
 
     def __init__(self, socket: str | None = None, timeout: float | None = None) -> None:
+        super().__init__()
         self.socket_path = default_socket_path(socket)
         self.timeout = timeout
         self.welcome: Welcome | None = None
         self._sock: socketlib.socket | None = None
         self._codec = MsgpackCodec(ServerMessage)
-        self._inboxes: dict[str, deque[Accepted | Output | Error]] = {}
-        self._local_ids: dict[str, str] = {}  # server request id -> local id, for our own requests
-        self._pending: deque[_PendingReply] = deque()
-        self._abort_errors: dict[str, Error | None] = {}
-        self._ids = itertools.count(1)
 
     # -- connection ---------------------------------------------------------------------
 
@@ -196,9 +196,6 @@ class Client:
 
     # -- internals ----------------------------------------------------------------------
 
-    def _new_id(self) -> str:
-        return f"c{next(self._ids)}"
-
     def _submit(self, submit: Submit) -> Accepted:
         self.connect()
         assert submit.id is not None
@@ -237,23 +234,6 @@ class Client:
             if inbox:
                 return inbox.popleft()
             self._receive()
-
-    def _forget(self, id: str) -> None:
-        self._inboxes.pop(id, None)
-        for request_id, local_id in list(self._local_ids.items()):
-            if local_id == id:
-                del self._local_ids[request_id]
-
-    def _abandon(self, id: str) -> None:
-        """Stop following a request and abort it, unless it already ended (ids are never
-        reused, and close() forgets every request, so a stale id is simply unknown)."""
-        if id not in self._inboxes:
-            return
-        self._forget(id)
-        try:
-            self._send(Abort(id=id))
-        except LlmdError:
-            pass
 
     def _control(self, message: Hello | Status | Metrics, expect: type, error: Any = None) -> Any:
         pending = _PendingReply(expect)
@@ -304,27 +284,8 @@ class Client:
         for message in messages:
             self._route(message)
 
-    def _route(self, message: Any) -> None:
-        match message:
-            case Accepted(id=id) | Output(id=id) | Error(id=str() as id) if id in self._inboxes:
-                self._inboxes[id].append(message)
-            case Error(id=str() as id) if id in self._abort_errors:
-                self._abort_errors[id] = message
-            case Welcome() | StatusReply() | MetricsReply() | Error(id=None):
-                self._route_reply(message)
-            case _:
-                pass  # a late message about a request this client stopped following
-
-    def _route_reply(self, reply: Any) -> None:
-        for pending in self._pending:
-            if isinstance(reply, pending.expect) or isinstance(reply, Error):
-                self._pending.remove(pending)
-                if pending.wanted:
-                    pending.reply = reply
-                return
-        if isinstance(reply, Error):  # about the connection itself: every request fails with it
-            for inbox in self._inboxes.values():
-                inbox.append(reply)
+    def _deliver(self, inbox: deque[Accepted | Output | Error], message: Accepted | Output | Error) -> None:
+        inbox.append(message)
 
 
 class Stream:

@@ -24,6 +24,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory llmd may use
     cpu_kv_cache_fraction: float = 0.25  # CPU: fraction of available RAM for KV when no bytes given
     tensor_parallel_size: int = 1
+    # "uni": the model runs in this process; "mp": one spawned worker process per device.
+    distributed_executor_backend: Literal["uni", "mp"] = "uni"
     enforce_eager: bool = False
     speculative_config: dict[str, Any] | None = None
     seed: int = 0

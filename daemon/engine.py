@@ -14,6 +14,7 @@ from typing import Any
 import psutil
 
 from llmd.config import EngineConfig
+from llmd.executor_error import ExecutorError
 from llmd.input_processor import InputProcessor
 from llmd.kv_cache_manager import KVCacheManager
 from llmd.output_processor import OutputProcessor
@@ -31,7 +32,6 @@ class LLMEngine:
         import torch
         from transformers import AutoTokenizer
 
-        from llmd.gpu.executor import InProcessExecutor
         from llmd.gpu.loader import load_hf_config, resolve_dtype
         from llmd.gpu.model_runner import RunnerSettings
 
@@ -62,7 +62,8 @@ class LLMEngine:
         settings = RunnerSettings(block_size=config.block_size, max_model_len=self.max_model_len,
                                   valid_vocab_size=min(len(self.tokenizer), self.vocab_size),
                                   eos_token_id=self.eos_token_id, seed=config.seed)
-        self.executor = InProcessExecutor(self.model_dir, settings, self.device, self.dtype)
+        self._runner_settings = settings
+        self.executor = self._make_executor()
         self.num_blocks = self._num_kv_blocks(self.executor.kv_cache_bytes_per_block())
         self.executor.initialize_kv_cache(self.num_blocks)
         bytes_per_block = self.executor.kv_cache_bytes_per_block()
@@ -77,6 +78,32 @@ class LLMEngine:
             max_logprobs=config.max_logprobs, eos_token_id=self.eos_token_id,
             extra_stop_token_ids=self.extra_stop_token_ids)
         self._ids = itertools.count()
+
+    def _make_executor(self):
+        from llmd.gpu.executor import InProcessExecutor
+
+        if self.config.distributed_executor_backend == "mp":
+            from llmd.gpu.mp_executor import MultiprocExecutor
+            return MultiprocExecutor(self.model_dir, self._runner_settings, self.device, self.dtype,
+                                     world_size=self.config.tensor_parallel_size)
+        return InProcessExecutor(self.model_dir, self._runner_settings, self.device, self.dtype)
+
+    def recover_from_executor_failure(self, cause: str) -> list[str]:
+        """After the executor failed (a worker died): finish every request with
+        finish_reason "error", forget the prefix cache (the new workers' KV is empty),
+        start a fresh executor. Returns the scheduler ids of the failed requests."""
+        logger.error("executor failed: %s; failing %d request(s) and restarting it",
+                     cause, len(self.scheduler.requests))
+        failed = list(self.scheduler.requests)
+        self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ERROR)
+        self.kv_cache_manager.reset_prefix_cache()
+        try:
+            self.executor.shutdown()
+        except Exception:  # the old one is broken; what matters is the new one
+            logger.exception("shutting down the failed executor")
+        self.executor = self._make_executor()
+        self.executor.initialize_kv_cache(self.num_blocks)
+        return failed
 
     # -- sizing ---------------------------------------------------------------------
     def _num_kv_blocks(self, bytes_per_block: int) -> int:
@@ -147,12 +174,21 @@ class LLMEngine:
             return []
         num_cached = {r.req_id: self.scheduler.requests[r.req_id].num_cached_tokens
                       for r in scheduler_output.scheduled_new_reqs}
-        runner_output = self.executor.execute_model(scheduler_output)
+        try:
+            runner_output = self.executor.execute_model(scheduler_output)
+        except ExecutorError as exc:
+            self.recover_from_executor_failure(str(exc))
+            parents = list(self.output_processor.requests)
+            return [out for rid in parents if (out := self.output_processor.abort(rid, "error"))]
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs, stopped = self.output_processor.process(updates, num_cached)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
+
+    def shutdown(self) -> None:
+        """Stop the executor (worker processes exit) and drop the KV cache."""
+        self.executor.shutdown()
 
     def get_stats(self) -> dict[str, Any]:
         kv = self.kv_cache_manager

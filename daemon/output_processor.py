@@ -117,7 +117,7 @@ class OutputProcessor:
                 self._forget(state)
         return results, stopped_by_string
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
         state = self.requests.get(request_id)
         if state is None:
             return None
@@ -126,7 +126,7 @@ class OutputProcessor:
             out.new_text = ""
             out.new_token_ids = []
             if not out.finished:
-                out.finish_reason = "abort"
+                out.finish_reason = reason
                 tail = sample.detokenizer.get_delta() + sample.detokenizer.finish()
                 out.new_text = tail
                 out.text += tail

@@ -34,10 +34,10 @@ class DetokenizerActor(Actor):
                 now = time.monotonic()
                 for out in outputs:
                     self._emit(out, now)
-            case RequestsAborted(request_ids=ids):
+            case RequestsAborted(request_ids=ids, reason=reason):
                 now = time.monotonic()
                 for rid in ids:
-                    out = self.processor.abort(rid)
+                    out = self.processor.abort(rid, reason)
                     if out is not None:
                         self._emit(out, now)
             case _:

@@ -46,9 +46,11 @@ class StepTokens(msgspec.Struct):
 
 
 class RequestsAborted(msgspec.Struct):
-    """scheduler -> detokenizer: requests finished by abort."""
+    """scheduler -> detokenizer: requests finished by abort (or by an executor failure:
+    reason "error")."""
 
     request_ids: list[str]
+    reason: str = "abort"
 
 
 class RequestEvent(msgspec.Struct):

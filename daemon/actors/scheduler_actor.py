@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from llmd.actors.messages import (AbortRequest, AddRequest, RequestsAborted, StepStats, StepTokens,
                                   StopSamples)
 from llmd.actors.runtime import Actor
+from llmd.executor_error import ExecutorError
 from llmd.request import RequestStatus
 
 logger = logging.getLogger("llmd.scheduler")
@@ -26,7 +27,6 @@ class SchedulerActor(Actor):
         self.engine = engine
         self.scheduler = engine.scheduler
         self.kv = engine.kv_cache_manager
-        self.executor = engine.executor
         self.detokenizer = detokenizer
         self.metrics = metrics
         self.children: dict[str, list[str]] = {}
@@ -77,7 +77,17 @@ class SchedulerActor(Actor):
             raise RuntimeError("scheduler made no progress with requests pending")
         num_cached = {r.req_id: self.scheduler.requests[r.req_id].num_cached_tokens
                       for r in scheduler_output.scheduled_new_reqs}
-        runner_output = await loop.run_in_executor(self._pool, self.executor.execute_model, scheduler_output)
+        try:
+            runner_output = await loop.run_in_executor(self._pool, self.engine.executor.execute_model,
+                                                       scheduler_output)
+        except ExecutorError as exc:
+            # Every in-flight request ends with an error naming the cause; then serve on.
+            await loop.run_in_executor(self._pool, self.engine.recover_from_executor_failure, str(exc))
+            failed = list(self.children)
+            self.children.clear()
+            self.detokenizer.send(RequestsAborted(failed, reason="error"))
+            self._publish(start, None, 0)
+            return
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.detokenizer.send(StepTokens(updates, num_cached))
         self._forget_finished()

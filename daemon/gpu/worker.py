@@ -1,0 +1,126 @@
+"""A worker process: one per device (rank = TP rank). It loads the model, sizes its KV
+cache when told, then runs SchedulerOutputs as they arrive on its pipe and (rank 0)
+replies with RunnerOutputs. Messages are msgspec-encoded bytes, never pickles.
+
+The worker dies with its parent: PR_SET_PDEATHSIG on Linux, and an EOF on the pipe
+everywhere (the parent's end closes when the parent exits)."""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import traceback
+from typing import Any
+
+import msgspec
+
+from llmd.messages import RunnerOutput, SchedulerOutput
+
+
+class WorkerInit(msgspec.Struct):
+    rank: int
+    world_size: int
+    model_dir: str
+    device: str
+    dtype: str
+    settings: dict[str, Any]  # RunnerSettings fields
+    torch_threads: int | None = None
+
+
+class WorkerReady(msgspec.Struct, tag="ready"):
+    bytes_per_block: int
+    pid: int
+
+
+class WorkerFailed(msgspec.Struct, tag="failed"):
+    message: str
+
+
+class InitKVCache(msgspec.Struct, tag="init_kv"):
+    num_blocks: int
+
+
+class Execute(msgspec.Struct, tag="execute"):
+    scheduler_output: SchedulerOutput
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+class KVReady(msgspec.Struct, tag="kv_ready"):
+    pass
+
+
+class StepResult(msgspec.Struct, tag="result"):
+    output: RunnerOutput
+
+
+ToWorker = InitKVCache | Execute | Shutdown
+FromWorker = WorkerReady | WorkerFailed | KVReady | StepResult
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def worker_main(conn) -> None:
+    """Serve one parent over `conn` (a multiprocessing Connection): the first message is
+    the WorkerInit, then ToWorker messages until Shutdown or EOF."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    encoder = msgspec.msgpack.Encoder()
+    decoder = msgspec.msgpack.Decoder(ToWorker)
+    try:
+        init = msgspec.msgpack.decode(conn.recv_bytes(), type=WorkerInit)
+    except (EOFError, OSError):
+        return
+    try:
+        import torch
+
+        from llmd.gpu.model_runner import ModelRunner, RunnerSettings
+
+        if init.torch_threads:
+            torch.set_num_threads(init.torch_threads)
+        dtype = getattr(torch, init.dtype)
+        runner = ModelRunner(init.model_dir, RunnerSettings(**init.settings), torch.device(init.device), dtype)
+        conn.send_bytes(encoder.encode(WorkerReady(runner.kv_cache_bytes_per_block(), os.getpid())))
+    except Exception as exc:  # start-up errors go back as a message, not a child traceback
+        conn.send_bytes(encoder.encode(WorkerFailed(f"{type(exc).__name__}: {exc}")))
+        return
+    while True:
+        try:
+            message = decoder.decode(conn.recv_bytes())
+        except (EOFError, OSError):
+            return  # the parent is gone
+        match message:
+            case InitKVCache(num_blocks=n):
+                try:
+                    runner.initialize_kv_cache(n)
+                except Exception as exc:
+                    conn.send_bytes(encoder.encode(WorkerFailed(f"{type(exc).__name__}: {exc}")))
+                    return
+                conn.send_bytes(encoder.encode(KVReady()))
+            case Execute(scheduler_output=so):
+                try:
+                    output = runner.execute_model(so)
+                except Exception as exc:
+                    traceback.print_exc()
+                    conn.send_bytes(encoder.encode(WorkerFailed(f"{type(exc).__name__}: {exc}")))
+                    return
+                if init.rank == 0:
+                    conn.send_bytes(encoder.encode(StepResult(output)))
+            case Shutdown():
+                return
+
+
+if __name__ == "__main__":
+    # python -m llmd.gpu.worker FD: FD is this process's end of a socketpair.
+    from multiprocessing.connection import Connection
+
+    worker_main(Connection(int(sys.argv[1])))

@@ -1,0 +1,151 @@
+"""The multiprocess executor gives the same tokens and logprobs as the in-process one,
+and failures are errors, never hangs or orphans: a killed worker fails the in-flight
+requests within seconds and a fresh worker serves the next ones; a bad model directory
+is a clear start-up message; workers exit with their parent."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from daemon_util import Daemon, RawConn
+from llmd import LLM, SamplingParams
+from llmd_tools.make_model import fixture_path
+
+TEXTS = ["def fibonacci(n):", "import os\nimport sys\n\nclass Config:\n    pass\n" * 2, "x", "for i in range(3):"]
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it holds no memory and is not running.
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split(") ", 1)[1][0] != "Z"
+
+
+def wait_gone(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.mark.parametrize("name, settings", [
+    ("tiny-llama", {}),
+    ("tiny-qwen2", {"max_num_batched_tokens": 16}),  # chunked prefill
+    ("tiny-qwen3", {"num_gpu_blocks_override": 6, "max_model_len": 96}),  # preemption
+])
+def test_multiprocess_equals_in_process(name, settings):
+    path = str(fixture_path(name))
+    settings = {"num_gpu_blocks_override": 128, "max_model_len": 256, **settings}
+    uni = LLM(model=path, **settings)
+    mp = LLM(model=path, distributed_executor_backend="mp", **settings)
+    try:
+        ref = uni.generate(TEXTS, GREEDY)
+        got = mp.generate(TEXTS, GREEDY)
+        for a, b in zip(ref, got):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            for pa, pb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+                assert pa.keys() == pb.keys()
+                assert all(abs(pa[t].logprob - pb[t].logprob) < 1e-5 for t in pa)
+        mp.engine.kv_cache_manager.assert_all_free()
+        if settings["num_gpu_blocks_override"] == 6:
+            assert mp.engine.get_stats()["num_preemptions"] > 0
+        # Decode steps ship diffs only: a few dozen bytes per request, not its history.
+        assert mp.engine.executor.bytes_sent_last_step < 64 * len(TEXTS)
+    finally:
+        mp.engine.shutdown()
+
+
+def test_killed_worker_fails_requests_then_a_new_worker_serves():
+    path = str(fixture_path("tiny-llama"))
+    llm = LLM(model=path, distributed_executor_backend="mp", num_gpu_blocks_override=128, max_model_len=256)
+    engine = llm.engine
+    old_pid = engine.executor.pids[0]
+    try:
+        for i, text in enumerate(TEXTS):
+            engine.add_request(f"r{i}", text, SamplingParams(max_tokens=200, ignore_eos=True))
+        for _ in range(3):
+            engine.step()
+        os.kill(old_pid, signal.SIGKILL)
+        start = time.monotonic()
+        finished = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        assert time.monotonic() - start < 10
+        assert set(finished) == {f"r{i}" for i in range(len(TEXTS))}
+        assert all(o.outputs[0].finish_reason == "error" for o in finished.values())
+        assert wait_gone(old_pid)
+        new_pid = engine.executor.pids[0]
+        assert new_pid != old_pid and alive(new_pid)
+        engine.kv_cache_manager.assert_all_free()
+        out = llm.generate(["after the crash"], SamplingParams(temperature=0, max_tokens=5))[0]
+        assert len(out.outputs[0].token_ids) == 5
+    finally:
+        engine.shutdown()
+    assert wait_gone(engine.executor.pids[0])
+
+
+def test_worker_start_up_error_is_a_clear_message(tmp_path):
+    from llmd.gpu.mp_executor import MultiprocExecutor, WorkerError
+    from llmd.gpu.model_runner import RunnerSettings
+
+    bad = tmp_path / "model"
+    bad.mkdir()
+    src = fixture_path("tiny-llama")
+    (bad / "config.json").write_text((src / "config.json").read_text())  # config but no weights
+    settings = RunnerSettings(block_size=16, max_model_len=256, valid_vocab_size=1024, eos_token_id=1, seed=0)
+    with pytest.raises(WorkerError, match=r"worker 0 failed: FileNotFoundError: no \*\.safetensors"):
+        MultiprocExecutor(str(bad), settings, "cpu", "float32")
+
+
+PARENT = """
+import sys, time
+from llmd import LLM
+llm = LLM(model=sys.argv[1], distributed_executor_backend="mp", num_gpu_blocks_override=32, max_model_len=128)
+print(llm.engine.executor.pids[0], flush=True)
+time.sleep(600)
+"""
+
+
+def test_workers_exit_when_the_parent_dies():
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(fixture_path("tiny-llama"))],
+                              stdout=subprocess.PIPE, text=True)
+    worker_pid = int(parent.stdout.readline())
+    assert alive(worker_pid)
+    parent.kill()
+    parent.wait()
+    assert wait_gone(worker_pid), "worker outlived its parent"
+
+
+def test_daemon_survives_a_worker_crash():
+    base = Path(tempfile.mkdtemp(prefix="llmd-mp-"))
+    d = Daemon(str(fixture_path("tiny-llama")), base / "s.sock", "--distributed-executor-backend", "mp").wait_ready()
+    try:
+        workers = subprocess.run(["pgrep", "-f", "llmd.gpu.worker", "-P", str(d.proc.pid)],
+                                 capture_output=True, text=True).stdout.split()
+        assert len(workers) == 1
+        with RawConn(d.sock) as conn:
+            conn.send({"type": "submit", "id": "a", "prompt": "hi", "sampling": {"max_tokens": 200, "ignore_eos": True}})
+            assert conn.recv()["type"] == "accepted"
+            conn.recv()
+            os.kill(int(workers[0]), signal.SIGKILL)
+            final = conn.until_final("a")[-1]
+            assert final["finish_reason"] == "error"
+            conn.send({"type": "submit", "id": "b", "prompt": "hi", "sampling": {"max_tokens": 4}})
+            assert conn.until_final("b")[-1]["usage"]["completion_tokens"] == 4
+    finally:
+        assert d.stop() == 0, d.stderr()
