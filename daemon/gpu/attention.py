@@ -26,11 +26,9 @@ import torch.nn.functional as F
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
     num_decodes: int  # rows [0, num_decodes) have exactly one new token
-    num_decode_tokens: int
     # Decode rows (batched):
     decode_block_table: torch.Tensor | None  # [num_decodes, max_blocks] int64
     decode_seq_lens: torch.Tensor | None  # [num_decodes] int64, context incl. the new token
-    decode_max_seq_len: int
     # Prefill rows, one entry each: (start in the flattened tokens, new tokens,
     # tokens already in the cache, block ids tensor covering the whole context).
     prefills: list[tuple[int, int, int, torch.Tensor]]

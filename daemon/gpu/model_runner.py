@@ -45,12 +45,18 @@ class RunnerSettings:
 
 class ModelRunner:
     def __init__(self, model_dir: str, settings: RunnerSettings, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, rank: int = 0, world_size: int = 1) -> None:
+        """With world_size > 1 (tensor parallelism, process group already initialised)
+        this runner holds rank `rank`'s shard: its own q/kv heads, so its KV cache holds
+        only its kv heads. Every rank runs every step; rank 0 samples and the sampled
+        tokens are broadcast to the others."""
         self.settings = settings
         self.block_size = settings.block_size
         self.device = device
         self.dtype = dtype
-        self.model = load_model(model_dir, dtype, device, settings.max_model_len)
+        self.rank = rank
+        self.world_size = world_size
+        self.model = load_model(model_dir, dtype, device, settings.max_model_len, rank, world_size)
         cfg = self.model.config
         self.num_layers = cfg.num_hidden_layers
         attn = self.model.layers[0].self_attn
@@ -148,10 +154,8 @@ class ModelRunner:
         md = AttentionMetadata(
             slot_mapping=slot_t,
             num_decodes=len(decodes),
-            num_decode_tokens=num_decode_tokens,
             decode_block_table=None,
             decode_seq_lens=None,
-            decode_max_seq_len=max(seq_lens, default=0),
             prefills=prefill_meta,
             workspace=self.workspace,
         )
@@ -191,18 +195,25 @@ class ModelRunner:
         if sample_reqs:
             idx = torch.tensor(sample_rows, dtype=torch.int64, device=dev)
             logits = self.model.compute_logits(hidden.index_select(0, idx))
-            metadata = SamplingMetadata.build(
-                [r.sampling_params for r in sample_reqs],
-                [r.token_ids[:r.num_prompt_tokens] for r in sample_reqs],
-                [r.output_token_ids for r in sample_reqs],
-                valid_vocab_size=self.settings.valid_vocab_size,
-                eos_token_id=self.settings.eos_token_id,
-                device=dev,
-            )
-            result = self.sampler(logits, metadata)
-            sampled = result.sampled_token_ids.tolist()
-            if result.logprobs_token_ids is not None:
-                self._collect_logprobs(out, sample_reqs, result)
+            if self.rank == 0:
+                metadata = SamplingMetadata.build(
+                    [r.sampling_params for r in sample_reqs],
+                    [r.token_ids[:r.num_prompt_tokens] for r in sample_reqs],
+                    [r.output_token_ids for r in sample_reqs],
+                    valid_vocab_size=self.settings.valid_vocab_size,
+                    eos_token_id=self.settings.eos_token_id,
+                    device=dev,
+                )
+                result = self.sampler(logits, metadata)
+                if self.world_size > 1:
+                    _broadcast_tokens(result.sampled_token_ids)
+                sampled = result.sampled_token_ids.tolist()
+                if result.logprobs_token_ids is not None:
+                    self._collect_logprobs(out, sample_reqs, result)
+            else:  # tensor-parallel rank > 0: take rank 0's tokens
+                tokens = torch.empty(len(sample_reqs), dtype=torch.int64, device=dev)
+                _broadcast_tokens(tokens)
+                sampled = tokens.tolist()
         sampled_by_req = {r.req_id: t for r, t in zip(sample_reqs, sampled)}
         for req, _ in ordered:
             out.req_ids.append(req.req_id)
@@ -241,3 +252,15 @@ class ModelRunner:
         if valid < logits.shape[-1]:
             logits[:, valid:] = float("-inf")
         return logits
+
+
+def _broadcast_tokens(tokens: torch.Tensor) -> None:
+    """Rank 0's sampled tokens to every tensor-parallel rank (in place on the others)."""
+    import torch.distributed as dist
+
+    if tokens.dtype != torch.int64 or not tokens.is_contiguous():
+        buf = tokens.to(torch.int64).contiguous()
+        dist.broadcast(buf, src=0)
+        tokens.copy_(buf)
+    else:
+        dist.broadcast(tokens, src=0)
