@@ -23,7 +23,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     kv_cache_memory_bytes: int | None = None  # KV pool size in bytes (any device)
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory llmd may use
     cpu_kv_cache_fraction: float = 0.25  # CPU: fraction of available RAM for KV when no bytes given
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # > 1: must divide the model's attention heads; implies "mp"
     # "uni": the model runs in this process; "mp": one spawned worker process per device.
     distributed_executor_backend: Literal["uni", "mp"] = "uni"
     enforce_eager: bool = False
@@ -55,8 +55,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
               f"must be in (0, 1], got {self.gpu_memory_utilization}")
         check(0.0 < self.cpu_kv_cache_fraction <= 0.9, "cpu_kv_cache_fraction",
               f"must be in (0, 0.9], got {self.cpu_kv_cache_fraction}")
-        check(self.tensor_parallel_size == 1, "tensor_parallel_size",
-              "must be 1 (tensor parallelism arrives with the worker processes)")
+        check(self.tensor_parallel_size >= 1, "tensor_parallel_size",
+              f"must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "uni":
+            # One worker process per rank: tensor parallelism always runs on "mp".
+            self.distributed_executor_backend = "mp"
         check(self.speculative_config is None, "speculative_config", "is not supported yet")
         check(1 <= self.max_logprobs <= 20, "max_logprobs", "must be in [1, 20]")
 

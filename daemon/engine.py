@@ -39,6 +39,9 @@ class LLMEngine:
         model_dir = config.model or _demo_model()
         self.model_dir = str(model_dir)
         hf_config = load_hf_config(model_dir)
+        if config.tensor_parallel_size > 1:
+            from llmd.gpu.tp import check_tp_config
+            check_tp_config(hf_config, config.tensor_parallel_size)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or self.model_dir, local_files_only=True)
 
         device = config.device

@@ -13,7 +13,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import pytest
 
 from daemon_util import RawConn
 from llmd.actors.runtime import Actor, Supervisor

@@ -2,8 +2,9 @@
 safetensors through our own name mapping. Nothing is fetched."""
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -39,29 +40,39 @@ def load_hf_config(model_dir: str | Path):
     return config
 
 
-def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(model_dir: str | Path,
+                     shard: Callable[[str, Any], torch.Tensor] | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every checkpoint tensor. With `shard(name, slice)` (tensor
+    parallelism) each tensor is read through safetensors' get_slice and only the piece
+    `shard` picks is materialised."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {str(model_dir)!r}")
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if shard is None:
+                    yield name, f.get_tensor(name)
+                else:
+                    yield name, shard(name, f.get_slice(name))
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
-               max_positions: int) -> nn.Module:
+               max_positions: int, tp_rank: int = 0, tp_size: int = 1) -> nn.Module:
+    """The model, or with tp_size > 1 this rank's tensor-parallel shard of it."""
     config = load_hf_config(model_dir)
     archs = getattr(config, "architectures", None) or [""]
     cls = get_model_class(archs[0])
     # Build on meta (no random init, no memory), then materialize and fill from disk.
     with torch.device("meta"):
-        model = cls(config, max_positions)
+        model = cls(config, max_positions) if tp_size == 1 else cls(config, max_positions, tp_rank, tp_size)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.reset_rotary(device)
     if model.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.load_weights(iter_safetensors(model_dir))
+    shard = model.shard_checkpoint_tensor if tp_size > 1 else None
+    model.load_weights(iter_safetensors(model_dir, shard))
     model.eval()
     model.requires_grad_(False)
     return model

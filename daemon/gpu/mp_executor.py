@@ -1,7 +1,9 @@
 """The multiprocess executor: one worker process per device (`python -m
 llmd.gpu.worker`, started fresh: nothing is pickled and the parent's __main__ is never
 re-imported), SchedulerOutputs broadcast as msgpack bytes over socketpairs,
-RunnerOutputs from rank 0. A worker that dies closes its end of the pair, so the parent
+RunnerOutputs from rank 0. With world_size > 1 (tensor parallelism, CPU) the workers
+also form a gloo process group (rendezvous on a free 127.0.0.1 port picked here) and
+every rank runs every step. A worker that dies closes its end of the pair, so the parent
 sees EOF at once and raises WorkerError naming the exit code: never a hang."""
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from multiprocessing.connection import Connection, wait
 
 import msgspec
@@ -28,14 +31,21 @@ class WorkerError(ExecutorError):
 class MultiprocExecutor:
     def __init__(self, model_dir: str, settings: RunnerSettings, device, dtype, world_size: int = 1,
                  start_timeout: float = 600.0) -> None:
-        if world_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet")
+        if world_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {world_size}")
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(FromWorker)
         self.bytes_sent_last_step = 0
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
         dtype_name = str(dtype).removeprefix("torch.")
+        dist_port = torch_threads = None
+        if world_size > 1:
+            if str(device) != "cpu":
+                raise ValueError("tensor_parallel_size > 1 runs on CPU only so far (gloo); "
+                                 f"got device {str(device)!r}")
+            dist_port = _free_port()
+            torch_threads = max(1, (os.cpu_count() or 1) // world_size)  # ranks share the cores
         try:
             for rank in range(world_size):
                 parent_sock, child_sock = socket.socketpair()
@@ -47,9 +57,13 @@ class MultiprocExecutor:
                 self.procs.append(proc)
                 self.conns.append(conn)
                 init = WorkerInit(rank=rank, world_size=world_size, model_dir=str(model_dir),
-                                  device=str(device), dtype=dtype_name, settings=dataclasses.asdict(settings))
+                                  device=str(device), dtype=dtype_name, settings=dataclasses.asdict(settings),
+                                  torch_threads=torch_threads, dist_port=dist_port)
                 conn.send_bytes(msgspec.msgpack.encode(init))
-            ready = [self._recv(rank, start_timeout) for rank in range(world_size)]
+            if world_size == 1:
+                ready = [self._recv(0, start_timeout)]
+            else:
+                ready = self._recv_all(start_timeout)
             for rank, message in enumerate(ready):
                 if not isinstance(message, WorkerReady):
                     raise WorkerError(f"worker {rank} did not start: unexpected {type(message).__name__}")
@@ -75,6 +89,23 @@ class MultiprocExecutor:
             raise WorkerError(f"worker {rank} failed: {message.message}")
         return message
 
+    def _recv_all(self, timeout: float) -> list[object]:
+        """One message from every rank, in whatever order they come: a rank that fails
+        is reported at once (the others may be blocked waiting for it in a collective)."""
+        messages: dict[int, object] = {}
+        deadline = time.monotonic() + timeout
+        while len(messages) < len(self.conns):
+            pending = [c for r, c in enumerate(self.conns) if r not in messages]
+            left = deadline - time.monotonic()
+            ready = wait(pending, max(left, 0.0))
+            if not ready:
+                rank = next(r for r in range(len(self.conns)) if r not in messages)
+                raise WorkerError(f"worker {rank} did not answer within {timeout:.0f} s")
+            for conn in ready:
+                rank = self.conns.index(conn)
+                messages[rank] = self._recv(rank, 0)
+        return [messages[r] for r in range(len(self.conns))]
+
     def _broadcast(self, message: object) -> None:
         data = self._encoder.encode(message)
         self.bytes_sent_last_step = len(data)
@@ -90,12 +121,21 @@ class MultiprocExecutor:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self._broadcast(InitKVCache(num_blocks))
-        for rank in range(len(self.conns)):
-            if not isinstance(self._recv(rank, 600.0), KVReady):
+        replies = [self._recv(0, 600.0)] if len(self.conns) == 1 else self._recv_all(600.0)
+        for rank, reply in enumerate(replies):
+            if not isinstance(reply, KVReady):
                 raise WorkerError(f"worker {rank} did not confirm its KV cache")
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         self._broadcast(Execute(scheduler_output))
+        if len(self.conns) > 1:
+            # Only rank 0 replies; anything readable from another rank is its failure
+            # (a message or EOF), which _recv raises as a WorkerError.
+            ready = wait(self.conns, None)
+            if self.conns[0] not in ready:
+                rank = self.conns.index(ready[0])
+                self._recv(rank, 0)
+                raise WorkerError(f"worker {rank} sent an unexpected message")
         message = self._recv(0, None)
         if not isinstance(message, StepResult):
             raise WorkerError(f"worker 0 sent {type(message).__name__} instead of a step result")
@@ -116,3 +156,10 @@ class MultiprocExecutor:
         for conn in self.conns:
             conn.close()
         self.conns = []
+
+
+def _free_port() -> int:
+    """A free TCP port on 127.0.0.1 for the workers' torch.distributed rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -26,6 +26,8 @@ class WorkerInit(msgspec.Struct):
     dtype: str
     settings: dict[str, Any]  # RunnerSettings fields
     torch_threads: int | None = None
+    # world_size > 1: the tcp://127.0.0.1 port of the torch.distributed rendezvous.
+    dist_port: int | None = None
 
 
 class WorkerReady(msgspec.Struct, tag="ready"):
@@ -88,11 +90,31 @@ def worker_main(conn) -> None:
         if init.torch_threads:
             torch.set_num_threads(init.torch_threads)
         dtype = getattr(torch, init.dtype)
-        runner = ModelRunner(init.model_dir, RunnerSettings(**init.settings), torch.device(init.device), dtype)
+        if init.world_size > 1:
+            import datetime
+
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{init.dist_port}",
+                                    rank=init.rank, world_size=init.world_size,
+                                    timeout=datetime.timedelta(seconds=600))
+        runner = ModelRunner(init.model_dir, RunnerSettings(**init.settings), torch.device(init.device), dtype,
+                             init.rank, init.world_size)
         conn.send_bytes(encoder.encode(WorkerReady(runner.kv_cache_bytes_per_block(), os.getpid())))
     except Exception as exc:  # start-up errors go back as a message, not a child traceback
         conn.send_bytes(encoder.encode(WorkerFailed(f"{type(exc).__name__}: {exc}")))
         return
+    try:
+        _serve(conn, init, runner, encoder, decoder)
+    finally:
+        if init.world_size > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _serve(conn, init: WorkerInit, runner, encoder, decoder) -> None:
     while True:
         try:
             message = decoder.decode(conn.recv_bytes())

@@ -13,20 +13,28 @@ from torch import nn
 
 from llmd.gpu.attention import AttentionMetadata, TorchAttention
 from llmd.gpu.layers import RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul
+from llmd.gpu.tp import (ParallelLMHead, RowParallelLinear, TPShape, VocabParallelEmbedding,
+                         shard_checkpoint_tensor, tp_shape)
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, tp: TPShape | None = None) -> None:
         super().__init__()
+        # With tensor parallelism (tp given) every size here is this rank's share.
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        if tp is not None:
+            self.num_heads, self.num_kv_heads = tp.num_heads, tp.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         # Qwen2 has q/k/v bias but none on o_proj; Llama/Qwen3 follow attention_bias.
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size,
-                                bias=bool(getattr(config, "attention_bias", False)))
+        o_bias = bool(getattr(config, "attention_bias", False))
+        if tp is None:
+            self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        else:
+            self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.attn = TorchAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
@@ -49,11 +57,15 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, tp: TPShape | None = None) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        inter = config.intermediate_size if tp is None else tp.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=bias)
+        if tp is None:
+            self.down_proj = nn.Linear(inter, config.hidden_size, bias=bias)
+        else:
+            self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias)
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported hidden_act {act!r} (only silu)")
@@ -63,12 +75,12 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, tp: TPShape | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DecoderAttention(config, qkv_bias, qk_norm)
+        self.self_attn = DecoderAttention(config, qkv_bias, qk_norm, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = DecoderMLP(config)
+        self.mlp = DecoderMLP(config, tp)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata
@@ -89,20 +101,29 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
 
-    def __init__(self, config: Any, max_positions: int) -> None:
+    def __init__(self, config: Any, max_positions: int, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
         self.config = config
+        # tp is None on a single rank: plain layers, no distributed calls.
+        tp = tp_shape(config, tp_rank, tp_size) if tp_size > 1 else None
+        self.tp = tp
         qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.head_dim = head_dim
         self.max_positions = max_positions
         self.rotary = RotaryEmbedding(config, head_dim, max_positions)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        if tp is None:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(tp, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, qkv_bias, self.qk_norm) for _ in range(config.num_hidden_layers))
+            DecoderLayer(config, qkv_bias, self.qk_norm, tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if tp is None:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        else:
+            self.lm_head = ParallelLMHead(tp, config.hidden_size, config.vocab_size)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -122,7 +143,14 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(self.config, self.head_dim, self.max_positions).to(device)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocab logits (with tensor parallelism a collective: every rank must call it)."""
         return self.lm_head(hidden).float()
+
+    def shard_checkpoint_tensor(self, name: str, sl: Any) -> torch.Tensor:
+        """This rank's piece of checkpoint tensor `name` from a safetensors slice."""
+        if self.tp is None:
+            return sl[:]
+        return shard_checkpoint_tensor(name, sl, self.tp, self.head_dim)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors in, fusing q/k/v and gate/up; raise on missing or
@@ -156,6 +184,14 @@ class LlamaForCausalLM(nn.Module):
                 target = params.get(name)
                 if target is None:
                     raise ValueError(f"unexpected weight {name!r} in checkpoint")
+                if (self.tp is not None and name in ("embed_tokens.weight", "lm_head.weight")
+                        and tensor.shape[0] < target.shape[0] and tensor.shape[1:] == target.shape[1:]):
+                    # The last rank's vocab slice is padded to the common size with zeros.
+                    with torch.no_grad():
+                        target.data[:tensor.shape[0]].copy_(tensor)
+                        target.data[tensor.shape[0]:].zero_()
+                    loaded.add(name)
+                    continue
                 if target.shape != tensor.shape:
                     raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
                                      f"expected {tuple(target.shape)}")
@@ -181,7 +217,7 @@ class LlamaForCausalLM(nn.Module):
             attn = self.layers[0].self_attn
             sizes = [attn.q_size, attn.kv_size, attn.kv_size]
         else:
-            inter = self.config.intermediate_size
+            inter = self.config.intermediate_size if self.tp is None else self.tp.intermediate_size
             sizes = [inter, inter]
         return sum(sizes[:shard]), sizes[shard]
 
