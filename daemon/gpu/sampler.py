@@ -6,7 +6,8 @@ taken from the raw logits (only the padded vocab removed), as vLLM does by defau
 
 `SamplingMetadata` holds the per-row parameters as tensors, built once per batch
 composition; `append_sampled` keeps it current from step to step without a rebuild.
-Nothing here reads a tensor back to the host: the runner copies the result once.
+Nothing here reads a tensor back to the host, but for top-p: one small vector per window
+round (one in the common case, see apply_top_k_top_p). The runner copies the result once.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from llmd.gpu.sampling_filters import apply_min_p, apply_top_k_top_p
 from llmd_client.protocol import SamplingParams
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS).
@@ -331,33 +333,3 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     if md.presence_penalty is not None:
         logits = logits - md.presence_penalty * (counts > 0)
     return logits
-
-
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, max_top_k: int,
-                      top_p: torch.Tensor | None) -> torch.Tensor:
-    """Masks (to -inf) all but each row's top_k largest logits and then all but the
-    smallest set of the most likely tokens whose mass reaches top_p. Ties at the k-th
-    value are kept. Without top-p, a partial topk replaces the full sort."""
-    neg_inf = float("-inf")
-    vocab = logits.shape[-1]
-    if top_p is None:
-        top_values = logits.topk(max_top_k, dim=-1).values
-        kth = top_values.gather(1, (top_k.clamp(max=max_top_k) - 1))
-        kth = kth.masked_fill(top_k >= vocab, neg_inf)
-        return logits.masked_fill(logits < kth, neg_inf)
-    sorted_logits, order = logits.sort(dim=-1)  # ascending
-    if top_k is not None:
-        kth = sorted_logits.gather(1, vocab - top_k)
-        sorted_logits.masked_fill_(sorted_logits < kth, neg_inf)
-    # Drop the least likely tokens while the mass dropped stays within 1 - top_p.
-    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    drop = cumulative <= 1 - top_p
-    drop[:, -1] = False
-    sorted_logits.masked_fill_(drop, neg_inf)
-    return sorted_logits.scatter(-1, order, sorted_logits)
-
-
-def apply_min_p(logits: torch.Tensor, log_min_p: torch.Tensor) -> torch.Tensor:
-    """Keeps tokens with p >= min_p * p_max, i.e. logit >= max logit + log(min_p)."""
-    threshold = logits.amax(dim=-1, keepdim=True) + log_min_p
-    return logits.masked_fill(logits < threshold, float("-inf"))
