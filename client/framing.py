@@ -16,14 +16,29 @@ class FrameError(Exception):
     """The byte stream cannot be framed (oversized frame); the connection must close."""
 
 
-class MsgpackCodec:
-    json = False
+class _Codec:
+    """Encoder, typed decoder and receive buffer; subclasses define the framing."""
+
+    json: bool
+    _format: Any  # msgspec.msgpack or msgspec.json
 
     def __init__(self, decode_type: Any, max_frame: int = MAX_FRAME_BYTES) -> None:
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(decode_type)
+        self._encoder = self._format.Encoder()
+        self._decoder = self._format.Decoder(decode_type)
         self._buffer = bytearray()
         self.max_frame = max_frame
+
+    def decode(self, body: bytes) -> Any:
+        return self._decoder.decode(body)
+
+    @property
+    def pending(self) -> int:
+        return len(self._buffer)
+
+
+class MsgpackCodec(_Codec):
+    json = False
+    _format = msgspec.msgpack
 
     def encode(self, message: Any) -> bytes:
         body = self._encoder.encode(message)
@@ -44,22 +59,10 @@ class MsgpackCodec:
             del self._buffer[:4 + size]
         return frames
 
-    def decode(self, body: bytes) -> Any:
-        return self._decoder.decode(body)
 
-    @property
-    def pending(self) -> int:
-        return len(self._buffer)
-
-
-class JsonLinesCodec:
+class JsonLinesCodec(_Codec):
     json = True
-
-    def __init__(self, decode_type: Any, max_frame: int = MAX_FRAME_BYTES) -> None:
-        self._encoder = msgspec.json.Encoder()
-        self._decoder = msgspec.json.Decoder(decode_type)
-        self._buffer = bytearray()
-        self.max_frame = max_frame
+    _format = msgspec.json
 
     def encode(self, message: Any) -> bytes:
         return self._encoder.encode(message) + b"\n"
@@ -78,10 +81,3 @@ class JsonLinesCodec:
             if line.strip():
                 frames.append(line)
         return frames
-
-    def decode(self, body: bytes) -> Any:
-        return self._decoder.decode(body)
-
-    @property
-    def pending(self) -> int:
-        return len(self._buffer)
