@@ -27,6 +27,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # "uni": the model runs in this process; "mp": one spawned worker process per device.
     distributed_executor_backend: Literal["uni", "mp"] = "uni"
     enforce_eager: bool = False
+    # CPU: torch intra-op threads for the model (per TP rank). None: all cores (split
+    # between ranks). Fewer than the cores leaves room for other work: with OpenMP,
+    # threads competing with other busy processes make every op wait a time slice.
+    cpu_threads: int | None = None
     speculative_config: dict[str, Any] | None = None
     seed: int = 0
     max_logprobs: int = 20
@@ -60,6 +64,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "uni":
             # One worker process per rank: tensor parallelism always runs on "mp".
             self.distributed_executor_backend = "mp"
+        if self.cpu_threads is not None:
+            check(self.cpu_threads >= 1, "cpu_threads", f"must be >= 1, got {self.cpu_threads}")
         check(self.speculative_config is None, "speculative_config", "is not supported yet")
         check(1 <= self.max_logprobs <= 20, "max_logprobs", "must be in [1, 20]")
 

@@ -64,7 +64,10 @@ class LLMEngine:
 
         settings = RunnerSettings(block_size=config.block_size, max_model_len=self.max_model_len,
                                   valid_vocab_size=min(len(self.tokenizer), self.vocab_size),
-                                  eos_token_id=self.eos_token_id, seed=config.seed)
+                                  eos_token_id=self.eos_token_id, seed=config.seed,
+                                  cpu_threads=config.cpu_threads)
+        if config.cpu_threads and self.device.type == "cpu" and config.distributed_executor_backend == "uni":
+            torch.set_num_threads(config.cpu_threads)
         self._runner_settings = settings
         self.executor = self._make_executor()
         self.num_blocks = self._num_kv_blocks(self.executor.kv_cache_bytes_per_block())

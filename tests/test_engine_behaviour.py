@@ -224,3 +224,19 @@ def test_logprobs_over_engine_limit_rejected():
         small.generate(["x"], SamplingParams(prompt_logprobs=6))
     assert small.generate(["x"], SamplingParams(logprobs=5, max_tokens=2))[0].outputs[0].logprobs
     assert_clean(small)
+
+
+def test_cpu_threads_setting_limits_torch_threads():
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom llmd import LLM, SamplingParams\n"
+            f"llm = LLM(model={str(fixture_path('tiny-llama'))!r}, num_gpu_blocks_override=32, max_model_len=128,"
+            " cpu_threads=1)\n"
+            "assert torch.get_num_threads() == 1, torch.get_num_threads()\n"
+            "print(len(llm.generate(['x'], SamplingParams(max_tokens=3))[0].outputs[0].token_ids))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "3"
+    with pytest.raises(ValueError, match="cpu_threads"):
+        LLM(model=str(fixture_path("tiny-llama")), cpu_threads=0)

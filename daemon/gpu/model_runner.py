@@ -41,6 +41,7 @@ class RunnerSettings:
     valid_vocab_size: int  # tokenizer size; wider logits are padding and never sampled
     eos_token_id: int | None
     seed: int
+    cpu_threads: int | None = None  # torch intra-op threads when running on CPU
 
 
 class ModelRunner:
