@@ -5,7 +5,9 @@ Exit codes: 0 ok, 1 the daemon refused or failed the request, 2 usage error,
 """
 from __future__ import annotations
 
+import itertools
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import IO, Any
@@ -163,6 +165,28 @@ def metrics(ctx: click.Context) -> None:
     with _exit_codes(), Client(ctx.obj) as client:
         text = client.metrics()
     click.echo(text, nl=not text.endswith("\n"))
+
+
+@cli.command()
+@click.option("--interval", type=float, default=1.0, show_default=True, help="Seconds between refreshes.")
+@click.option("--iterations", "-n", type=int, default=0, help="Stop after N refreshes [default: until Ctrl-C].")
+@click.pass_context
+def top(ctx: click.Context, interval: float, iterations: int) -> None:
+    """A live view: queues, running requests, tokens/s, KV usage, prefix hits."""
+    clear = sys.stdout.isatty()
+    with _exit_codes(), Client(ctx.obj) as client:
+        try:
+            for count in itertools.count(1):
+                view = format_status(client.status())
+                if clear:
+                    click.echo("\x1b[H\x1b[2J" + view)
+                else:
+                    click.echo(view + "\n")
+                if iterations and count >= iterations:
+                    break
+                time.sleep(interval)
+        except KeyboardInterrupt:
+            return  # leaving top is not an error
 
 
 def format_status(s: StatusReply) -> str:

@@ -117,3 +117,18 @@ def test_prometheus_text_parses(daemon):
         text = client.metrics()
     families = {f.name: f for f in prometheus.text_string_to_metric_families(text)}
     assert "llmd:time_to_first_token_seconds" in families
+
+
+def test_status_counts_generated_tokens_and_top_refreshes(daemon):
+    with Client(socket=daemon.sock) as client:
+        client_stream = client.stream("hello", max_tokens=240, ignore_eos=True)
+        it = iter(client_stream)
+        for _ in range(6):
+            next(it)
+        running = [r for r in client.status().requests if r.request_id == client_stream.request_id]
+        assert running and running[0].completion_tokens >= 5
+        top = subprocess.run([LLMCTL, "--socket", daemon.sock, "top", "-n", "2", "--interval", "0.05"],
+                             capture_output=True, text=True, timeout=60)
+        client_stream.close()
+    assert top.returncode == 0, top.stderr
+    assert top.stdout.count("throughput") == 2 and client_stream.request_id in top.stdout

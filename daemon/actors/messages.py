@@ -76,6 +76,7 @@ class StepStats(msgspec.Struct):
     num_prefill_tokens: int
     num_decode_reqs: int
     num_generated: int
+    generated: dict[str, int]  # scheduler (child) id -> tokens it gained this step
     running_ids: list[str]
     num_waiting: int
     kv_blocks_used: int

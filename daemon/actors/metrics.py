@@ -46,6 +46,7 @@ class _Tracked:
     queued: float
     prompt_tokens: int
     first_token: float | None = None
+    generated: int = 0
 
 
 @dataclass
@@ -98,6 +99,10 @@ class MetricsActor(Actor):
                         self.tpot.observe((message.time - tracked.first_token) / (message.completion_tokens - 1))
             case StepStats():
                 self.last_step = message
+                for child_id, n in message.generated.items():
+                    tracked = self.requests.get(child_id.split("\x00", 1)[0])
+                    if tracked is not None:
+                        tracked.generated += n
                 if message.num_reqs:
                     self.step_time.observe(message.duration_s)
                 if message.num_generated:
@@ -130,7 +135,7 @@ class MetricsActor(Actor):
         hits = step.prefix_hits if step else 0
         queries = step.prefix_queries if step else 0
         infos = [RequestInfo(request_id=rid, uid=t.uid, state="running" if rid in running else "waiting",
-                             age_s=now - t.queued, prompt_tokens=t.prompt_tokens, completion_tokens=0)
+                             age_s=now - t.queued, prompt_tokens=t.prompt_tokens, completion_tokens=t.generated)
                  for rid, t in self.requests.items() if admin or t.uid == uid]
         num_running = sum(1 for rid in self.requests if rid in running)
         return StatusReply(

@@ -45,7 +45,7 @@ class SchedulerActor(Actor):
                 if self.scheduler.has_unfinished_requests():
                     await self._step(loop)
                 else:
-                    self._publish(time.monotonic(), None, 0)  # e.g. after aborts: blocks are free
+                    self._publish(time.monotonic(), None)  # e.g. after aborts: blocks are free
         finally:
             self._pool.shutdown(wait=True, cancel_futures=True)
 
@@ -86,14 +86,14 @@ class SchedulerActor(Actor):
             failed = list(self.children)
             self.children.clear()
             self.detokenizer.send(RequestsAborted(failed, reason="error"))
-            self._publish(start, None, 0)
+            self._publish(start, None)
             return
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.detokenizer.send(StepTokens(updates, num_cached))
         self._forget_finished()
-        self._publish(start, scheduler_output, sum(len(u.new_token_ids) for u in updates))
+        self._publish(start, scheduler_output, {u.req_id: len(u.new_token_ids) for u in updates if u.new_token_ids})
 
-    def _publish(self, start: float, scheduler_output, num_generated: int) -> None:
+    def _publish(self, start: float, scheduler_output, generated: dict[str, int] | None = None) -> None:
         """Step figures and the current queue/KV state for the metrics actor."""
         stats = self.kv.prefix_cache_stats
         now = time.monotonic()
@@ -104,7 +104,8 @@ class SchedulerActor(Actor):
             num_tokens=scheduler_output.total_num_scheduled_tokens if stepped else 0,
             num_prefill_tokens=self.scheduler.stats.last_step_num_prefill_tokens if stepped else 0,
             num_decode_reqs=self.scheduler.stats.last_step_num_decode_reqs if stepped else 0,
-            num_generated=num_generated,
+            num_generated=sum(generated.values()) if generated else 0,
+            generated=generated or {},
             running_ids=[r.request_id for r in self.scheduler.running],
             num_waiting=len(self.scheduler.waiting),
             kv_blocks_used=self.kv.num_blocks - self.kv.num_free_blocks,
