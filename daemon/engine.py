@@ -66,13 +66,11 @@ class LLMEngine:
                                   valid_vocab_size=min(len(self.tokenizer), self.vocab_size),
                                   eos_token_id=self.eos_token_id, seed=config.seed,
                                   cpu_threads=config.cpu_threads)
-        if config.cpu_threads and self.device.type == "cpu" and config.distributed_executor_backend == "uni":
-            torch.set_num_threads(config.cpu_threads)
         self._runner_settings = settings
         self.executor = self._make_executor()
-        self.num_blocks = self._num_kv_blocks(self.executor.kv_cache_bytes_per_block())
-        self.executor.initialize_kv_cache(self.num_blocks)
         bytes_per_block = self.executor.kv_cache_bytes_per_block()
+        self.num_blocks = self._num_kv_blocks(bytes_per_block)
+        self.executor.initialize_kv_cache(self.num_blocks)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, %s); max_model_len %d",
                     self.num_blocks, config.block_size, self.num_blocks * config.block_size,
                     self.num_blocks * bytes_per_block / 2**20, self.dtype, self.max_model_len)

@@ -69,10 +69,6 @@ class OutputProcessor:
         hit a stop string (the caller must finish them in the scheduler)."""
         stopped_by_string: list[str] = []
         touched: list[_RequestState] = []
-        for state in self.requests.values():
-            for sample in state.samples.values():
-                sample.output.new_text = ""
-                sample.output.new_token_ids = []
         for update in updates:
             parent = self.parent_of.get(update.req_id)
             if parent is None:
@@ -80,8 +76,12 @@ class OutputProcessor:
             state = self.requests[parent]
             sample = state.samples[update.req_id]
             if not state.touched:
+                # Only outputs touched this step are returned: clear their last deltas.
                 state.touched = True
                 touched.append(state)
+                for other in state.samples.values():
+                    other.output.new_text = ""
+                    other.output.new_token_ids = []
             state.num_cached_tokens = max(state.num_cached_tokens, num_cached.get(update.req_id, 0))
             if update.prompt_logprobs is not None and state.prompt_logprobs is not None and sample.output.index == 0:
                 self._add_prompt_logprobs(state, update.prompt_logprobs)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from daemon_util import Daemon, RawConn
+from engine_util import drain
 from llmd import LLM, SamplingParams
 from llmd_tools.make_model import fixture_path
 
@@ -80,11 +81,7 @@ def test_killed_worker_fails_requests_then_a_new_worker_serves():
             engine.step()
         os.kill(old_pid, signal.SIGKILL)
         start = time.monotonic()
-        finished = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
+        finished = drain(engine)
         assert time.monotonic() - start < 10
         assert set(finished) == {f"r{i}" for i in range(len(TEXTS))}
         assert all(o.outputs[0].finish_reason == "error" for o in finished.values())

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from engine_util import drain
 from hf_ref import check_logprobs_close, engine_result, hf_model
 from llmd import LLM, SamplingParams
 from llmd_tools.make_model import build_model, fixture_path
@@ -101,11 +102,7 @@ def test_killed_rank_fails_requests_then_new_workers_serve(engines):
         engine.step()
     os.kill(old[1], signal.SIGKILL)  # rank 1: rank 0 is the one that replies
     start = time.monotonic()
-    finished = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
+    finished = drain(engine)
     assert time.monotonic() - start < 15
     assert {o.outputs[0].finish_reason for o in finished.values()} == {"error"}
     assert set(engine.executor.pids).isdisjoint(old)

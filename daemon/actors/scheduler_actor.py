@@ -90,7 +90,8 @@ class SchedulerActor(Actor):
             return
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.detokenizer.send(StepTokens(updates, num_cached))
-        self._forget_finished()
+        if any(u.finish_reason is not None for u in updates):
+            self._forget_finished()
         self._publish(start, scheduler_output, {u.req_id: len(u.new_token_ids) for u in updates if u.new_token_ids})
 
     def _publish(self, start: float, scheduler_output, generated: dict[str, int] | None = None) -> None:

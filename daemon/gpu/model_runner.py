@@ -57,6 +57,8 @@ class ModelRunner:
         self.dtype = dtype
         self.rank = rank
         self.world_size = world_size
+        if settings.cpu_threads and device.type == "cpu":
+            torch.set_num_threads(settings.cpu_threads)
         self.model = load_model(model_dir, dtype, device, settings.max_model_len, rank, world_size)
         cfg = self.model.config
         self.num_layers = cfg.num_hidden_layers

@@ -46,8 +46,6 @@ class MultiprocExecutor:
                                  f"got device {str(device)!r}")
             dist_port = _free_port()
             torch_threads = max(1, (os.cpu_count() or 1) // world_size)  # ranks share the cores
-        if settings.cpu_threads:
-            torch_threads = settings.cpu_threads
         try:
             for rank in range(world_size):
                 parent_sock, child_sock = socket.socketpair()
