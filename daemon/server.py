@@ -20,6 +20,7 @@ import uvloop
 
 from llmd import sd_notify
 from llmd.config import EngineConfig
+from llmd_client.socket_path import SYSTEM_SOCKET, USER_SOCKET_NAME
 
 logger = logging.getLogger("llmd.server")
 SERVER_VERSION = "0.1.0"
@@ -34,15 +35,17 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     log_level: str = "info"
 
 
-def default_socket_path() -> str:
-    """$LLMD_SOCKET, else /run/llmd/llmd.sock for the system service (root or the llmd
-    user), else $XDG_RUNTIME_DIR/llmd.sock."""
+def bind_path() -> str:
+    """Where to bind when no path is given: $LLMD_SOCKET, else the system socket when we
+    may create it (root, or the llmd user with /run/llmd writable), else
+    $XDG_RUNTIME_DIR/llmd.sock. Clients look in the same places (llmd_client.socket_path)."""
     if os.environ.get("LLMD_SOCKET"):
         return os.environ["LLMD_SOCKET"]
     runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if os.getuid() == 0 or not runtime or os.path.isdir("/run/llmd") and os.access("/run/llmd", os.W_OK):
-        return "/run/llmd/llmd.sock"
-    return os.path.join(runtime, "llmd.sock")
+    system_dir = os.path.dirname(SYSTEM_SOCKET)
+    if os.getuid() == 0 or not runtime or os.path.isdir(system_dir) and os.access(system_dir, os.W_OK):
+        return SYSTEM_SOCKET
+    return os.path.join(runtime, USER_SOCKET_NAME)
 
 
 def load_settings(config_file: str | None, overrides: dict[str, Any]) -> tuple[DaemonConfig, EngineConfig]:
@@ -133,7 +136,7 @@ async def _serve(daemon: DaemonConfig, engine_config: EngineConfig) -> int:
         sock.setblocking(False)
         logger.info("adopted socket from the service manager")
     else:
-        created_path = daemon.socket or default_socket_path()
+        created_path = daemon.socket or bind_path()
         sock = bind_socket(created_path, daemon.socket_group)
         logger.info("listening on %s", created_path)
 
