@@ -17,7 +17,7 @@ import msgspec
 
 from llmd_client.client import Client
 from llmd_client.errors import DaemonNotRunning, LlmdError
-from llmd_client.protocol import SamplingParams, StatusReply
+from llmd_client.protocol import GuidedDecodingParams, SamplingParams, StatusReply
 from llmd_client.results import Result
 
 EXIT_REQUEST_ERROR = 1
@@ -79,17 +79,29 @@ def _read_prompt(prompt: str | None, file: IO[str] | None) -> str:
 @click.option("--seed", type=int)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--n", "n", type=int, help="Number of samples.")
+@click.option("--json-schema", "json_schema", type=click.File("r"), metavar="FILE",
+              help="Guided decoding: the output is JSON valid under the schema in FILE.")
+@click.option("--json-object", is_flag=True, help="Guided decoding: the output is a JSON object.")
+@click.option("--regex", help="Guided decoding: the output matches this regular expression.")
+@click.option("--choice", help="Guided decoding: the output is one of these comma-separated strings.")
+@click.option("--grammar", type=click.File("r"), metavar="FILE",
+              help="Guided decoding: the output follows the EBNF grammar in FILE (rule root).")
+@click.option("--whitespace", type=click.Choice(["compact", "pretty", "any"]),
+              help="JSON layout under --json-schema/--json-object [default: compact].")
 @click.option("--stream/--no-stream", default=None,
               help="Print text as it is generated [default: when stdout is a terminal].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object when done.")
 @click.pass_context
 def submit(ctx: click.Context, prompt: str | None, file: IO[str] | None, max_tokens: int | None,
            temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
-           stop: tuple[str, ...], n: int | None, stream: bool | None, as_json: bool) -> None:
+           stop: tuple[str, ...], n: int | None, json_schema: IO[str] | None, json_object: bool,
+           regex: str | None, choice: str | None, grammar: IO[str] | None, whitespace: str | None,
+           stream: bool | None, as_json: bool) -> None:
     """Generate a completion of PROMPT (or of --file, or of stdin)."""
+    guided = _guided_params(json_schema, json_object, regex, choice, grammar, whitespace)
     text = _read_prompt(prompt, file)
     given = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                 stop=list(stop) or None, n=n)
+                 stop=list(stop) or None, n=n, guided=guided)
     try:
         params = SamplingParams(**{k: v for k, v in given.items() if v is not None})
     except ValueError as exc:  # names the field and its limit
@@ -98,6 +110,7 @@ def submit(ctx: click.Context, prompt: str | None, file: IO[str] | None, max_tok
     if stream is None:
         stream = sys.stdout.isatty()
     line_open = [False]
+    error = None
     with _exit_codes(line_open), Client(ctx.obj) as client:
         if stream and not as_json and params.n == 1:
             out = sys.stdout
@@ -106,7 +119,9 @@ def submit(ctx: click.Context, prompt: str | None, file: IO[str] | None, max_tok
                     out.write(delta.text)
                     out.flush()
                     line_open[0] = True
+                error = delta.error or error
             click.echo()
+            _fail_on_error(ctx, error)
             return
         result = client.generate(text, sampling=params)
         if as_json:
@@ -117,6 +132,33 @@ def submit(ctx: click.Context, prompt: str | None, file: IO[str] | None, max_tok
             for completion in result.outputs:
                 click.echo(f"--- sample {completion.index} ({completion.finish_reason}) ---")
                 click.echo(completion.text)
+        _fail_on_error(ctx, next((c.error for c in result.outputs if c.error), None))
+
+
+def _guided_params(json_schema: IO[str] | None, json_object: bool, regex: str | None, choice: str | None,
+                   grammar: IO[str] | None, whitespace: str | None) -> GuidedDecodingParams | None:
+    given = {"json_schema": json_schema.read() if json_schema is not None else None,
+             "json_object": json_object or None, "regex": regex,
+             "choice": [c.strip() for c in choice.split(",")] if choice is not None else None,
+             "grammar": grammar.read() if grammar is not None else None}
+    given = {k: v for k, v in given.items() if v is not None}
+    if not given:
+        if whitespace is not None:
+            raise click.UsageError("--whitespace needs --json-schema or --json-object")
+        return None
+    if len(given) > 1:
+        raise click.UsageError("give at most one of --json-schema, --json-object, --regex, --choice, --grammar")
+    try:
+        return GuidedDecodingParams(**given, whitespace=whitespace or "compact")
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint=f"--{next(iter(given)).replace('_', '-')}") from None
+
+
+def _fail_on_error(ctx: click.Context, error: str | None) -> None:
+    """A request the daemon accepted but then failed (e.g. its grammar did not compile)."""
+    if error is not None:
+        click.echo(f"llmctl: error: {error}", err=True)
+        ctx.exit(EXIT_REQUEST_ERROR)
 
 
 def _result_json(result: Result) -> dict[str, Any]:
@@ -128,7 +170,7 @@ def _result_json(result: Result) -> dict[str, Any]:
         "stop_reason": result.stop_reason,
         "usage": msgspec.to_builtins(result.usage),
         "outputs": [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
-                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason, "error": c.error}
                     for c in result.outputs],
     }
 

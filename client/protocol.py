@@ -5,6 +5,57 @@ import msgspec
 
 # Largest number of top logprobs a request may ask for; the engine may lower it.
 MAX_LOGPROBS = 20
+# Guided decoding: the largest spec (schema, regex or grammar text) and choice list.
+MAX_GUIDED_SPEC_BYTES = 64 << 10
+MAX_GUIDED_CHOICES = 256
+GUIDED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+WHITESPACE_MODES = ("compact", "pretty", "any")
+
+
+class GuidedDecodingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Constrain the output to a language. Exactly one of:
+
+    - json_schema: a JSON schema (object, or its JSON text); the output is one JSON
+      value that validates against it;
+    - json_object: true; the output is any JSON object;
+    - regex: the output matches the regular expression as a whole;
+    - choice: the output is exactly one of these strings;
+    - grammar: EBNF in xgrammar's dialect (GBNF-like), starting from rule `root`.
+
+    whitespace (JSON only): "compact" (one line, `{"a": 1, "b": [2, 3]}`), "pretty"
+    (two-space indentation) or "any" (the model chooses; runs of whitespace are bounded).
+    The structure is checked here; the daemon checks the spec itself (syntax, limits,
+    whether it can ever complete) before accepting the request.
+    """
+
+    json_schema: dict[str, object] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    whitespace: str = "compact"
+
+    def __post_init__(self) -> None:
+        given = [k for k in GUIDED_KINDS if getattr(self, k) not in (None, False)]
+        _check(len(given) == 1, "guided", "needs exactly one of json_schema, json_object, regex, choice, "
+               f"grammar; got {len(given)}")
+        _check(self.whitespace in WHITESPACE_MODES, "guided.whitespace",
+               "must be one of compact, pretty, any")
+        for name in ("regex", "grammar") + (("json_schema",) if isinstance(self.json_schema, str) else ()):
+            value = getattr(self, name)
+            if value is not None:
+                _check(0 < len(value.encode("utf-8", "surrogatepass")) <= MAX_GUIDED_SPEC_BYTES,
+                       f"guided.{name}", f"must have 1 to {MAX_GUIDED_SPEC_BYTES} bytes")
+        if self.choice is not None:
+            _check(0 < len(self.choice) <= MAX_GUIDED_CHOICES, "guided.choice",
+                   f"must list 1 to {MAX_GUIDED_CHOICES} strings, got {len(self.choice)}")
+            _check(all(self.choice), "guided.choice", "strings must not be empty")
+            _check(sum(len(c.encode("utf-8", "surrogatepass")) for c in self.choice) <= MAX_GUIDED_SPEC_BYTES,
+                   "guided.choice", f"must have at most {MAX_GUIDED_SPEC_BYTES} bytes in all")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in GUIDED_KINDS if getattr(self, k) not in (None, False))
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -32,6 +83,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, o
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    guided: GuidedDecodingParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -169,6 +221,7 @@ class Output(msgspec.Struct, tag="output", kw_only=True, omit_defaults=True):
     logprobs: list[list[TokenLogprob]] | None = None
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     stop_reason: int | str | None = None
+    error: str | None = None  # with finish_reason "error": what went wrong
     usage: Usage | None = None
 
 

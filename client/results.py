@@ -7,7 +7,8 @@ from typing import Any
 
 import msgspec
 
-from llmd_client.protocol import Accepted, ChatMessage, Output, SamplingParams, Submit, TokenLogprob, Usage
+from llmd_client.protocol import (Accepted, ChatMessage, GuidedDecodingParams, Output, SamplingParams, Submit,
+                                  TokenLogprob, Usage)
 
 Logprobs = list[list[TokenLogprob]]
 
@@ -22,6 +23,7 @@ class Delta(msgspec.Struct, kw_only=True):
     logprobs: Logprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None  # with finish_reason "error": what went wrong
     usage: Usage | None = None
 
 
@@ -34,6 +36,7 @@ class Completion(msgspec.Struct, kw_only=True):
     finish_reason: str | None
     stop_reason: int | str | None = None
     logprobs: Logprobs | None = None
+    error: str | None = None  # with finish_reason "error": what went wrong
 
 
 class Result(msgspec.Struct, kw_only=True):
@@ -65,11 +68,15 @@ class Result(msgspec.Struct, kw_only=True):
     def logprobs(self) -> Logprobs | None:
         return self.outputs[0].logprobs
 
+    @property
+    def error(self) -> str | None:
+        return self.outputs[0].error
+
 
 def delta_from(output: Output) -> Delta:
     return Delta(index=output.index, text=output.text, token_ids=list(output.token_ids),
                  logprobs=output.logprobs, finish_reason=output.finish_reason,
-                 stop_reason=output.stop_reason, usage=output.usage)
+                 stop_reason=output.stop_reason, error=output.error, usage=output.usage)
 
 
 def is_last(output: Output) -> bool:
@@ -87,6 +94,7 @@ class ResultBuilder:
         self._logprobs: list[Logprobs | None] = [None] * n
         self._finish: list[str | None] = [None] * n
         self._stop: list[int | str | None] = [None] * n
+        self._error: list[str | None] = [None] * n
         self.usage: Usage | None = None
 
     def add(self, output: Output) -> None:
@@ -98,6 +106,7 @@ class ResultBuilder:
             self._logprobs += [None] * grow
             self._finish += [None] * grow
             self._stop += [None] * grow
+            self._error += [None] * grow
         self._texts[i].append(output.text)
         self._token_ids[i] += output.token_ids
         if output.logprobs is not None:
@@ -105,13 +114,14 @@ class ResultBuilder:
         if output.finish_reason is not None:
             self._finish[i] = output.finish_reason
             self._stop[i] = output.stop_reason
+            self._error[i] = output.error
         if output.usage is not None:
             self.usage = output.usage
 
     def result(self) -> Result:
         outputs = [Completion(index=i, text="".join(self._texts[i]), token_ids=self._token_ids[i],
                               finish_reason=self._finish[i], stop_reason=self._stop[i],
-                              logprobs=self._logprobs[i])
+                              logprobs=self._logprobs[i], error=self._error[i])
                    for i in range(len(self._texts))]
         return Result(request_id=self.accepted.request_id, prompt_tokens=self.accepted.prompt_tokens,
                       outputs=outputs, usage=self.usage)
@@ -138,6 +148,12 @@ def sampling_params(sampling: SamplingParams | None, overrides: dict[str, Any]) 
     Raises ValueError naming the field for a value out of range, TypeError for an
     unknown field."""
     given = {k: v for k, v in overrides.items() if v is not None}
+    if isinstance(given.get("guided"), Mapping):
+        # guided={"json_schema": {...}} as a plain dict; checked like any decoded message.
+        try:
+            given["guided"] = msgspec.convert(given["guided"], GuidedDecodingParams)
+        except msgspec.ValidationError as exc:
+            raise ValueError(str(exc)) from None
     if sampling is None:
         return SamplingParams(**given)
     if not given:

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from llmd_client.protocol import SamplingParams
+from llmd_client.protocol import GuidedDecodingParams, SamplingParams
 
 if TYPE_CHECKING:
     from llmd.llm import LLM
     from llmd.outputs import CompletionOutput, RequestOutput
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "GuidedDecodingParams", "RequestOutput", "CompletionOutput"]
 
 
 def __getattr__(name: str) -> Any:

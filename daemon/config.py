@@ -35,6 +35,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     seed: int = 0
     max_logprobs: int = 20
     tokenizer: str | None = None  # defaults to the model directory
+    # Guided decoding: a grammar compile running longer than this fails its requests.
+    guided_decoding_compile_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         def check(ok: bool, field: str, msg: str) -> None:
@@ -68,6 +70,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             check(self.cpu_threads >= 1, "cpu_threads", f"must be >= 1, got {self.cpu_threads}")
         check(self.speculative_config is None, "speculative_config", "is not supported yet")
         check(1 <= self.max_logprobs <= 20, "max_logprobs", "must be in [1, 20]")
+        check(self.guided_decoding_compile_timeout_s > 0, "guided_decoding_compile_timeout_s",
+              f"must be > 0, got {self.guided_decoding_compile_timeout_s}")
 
 
 def load_engine_config(**settings: Any) -> EngineConfig:

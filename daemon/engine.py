@@ -21,6 +21,7 @@ from llmd.output_processor import OutputProcessor
 from llmd.outputs import RequestOutput
 from llmd.request import RequestStatus
 from llmd.scheduler import Scheduler
+from llmd.structured_output import GrammarCompilerService, StructuredOutputManager
 from llmd_client.protocol import SamplingParams
 
 CPU_KV_DEFAULT_CAP = 4 << 30
@@ -75,7 +76,10 @@ class LLMEngine:
                     self.num_blocks, config.block_size, self.num_blocks * config.block_size,
                     self.num_blocks * bytes_per_block / 2**20, self.dtype, self.max_model_len)
         self.kv_cache_manager = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv_cache_manager)
+        self.structured = StructuredOutputManager(GrammarCompilerService(
+            self.tokenizer, self.vocab_size, sorted({self.eos_token_id} - {None} | self.extra_stop_token_ids),
+            timeout_s=config.guided_decoding_compile_timeout_s), max_rows=config.max_num_seqs)
+        self.scheduler = Scheduler(config, self.kv_cache_manager, self.structured)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.input_processor = InputProcessor(
             self.tokenizer, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
@@ -173,8 +177,14 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.total_num_scheduled_tokens == 0:
-            if self.scheduler.has_unfinished_requests():
+            failed = self.scheduler.take_pending_updates()
+            if failed:
+                return self.output_processor.process(failed, {})[0]
+            if self.scheduler.has_schedulable_requests():
                 raise RuntimeError("scheduler made no progress with requests pending")
+            if self.scheduler.waiting_for_grammar:
+                self.structured.wait([r.grammar for r in self.scheduler.waiting_for_grammar],
+                                     self.scheduler.grammar_deadline())
             return []
         num_cached = {r.req_id: self.scheduler.requests[r.req_id].num_cached_tokens
                       for r in scheduler_output.scheduled_new_reqs}
@@ -193,6 +203,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the executor (worker processes exit) and drop the KV cache."""
         self.executor.shutdown()
+        self.structured.shutdown()
 
     def get_stats(self) -> dict[str, Any]:
         kv = self.kv_cache_manager

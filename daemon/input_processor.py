@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import msgspec
 
 from llmd.request import Request
+from llmd.structured_output import RequestGrammar, parse_guided
 from llmd_client.protocol import SamplingParams
 
 
@@ -58,6 +59,7 @@ class InputProcessor:
             text = None
             token_ids = list(prompt)
         self.validate(token_ids, params)
+        spec = parse_guided(params.guided) if params.guided is not None else None
         max_tokens = self.max_model_len - len(token_ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
@@ -79,7 +81,8 @@ class InputProcessor:
                     params, n=1, seed=None if params.seed is None else params.seed + i)
             children.append(Request(child_id, token_ids, child_params, eos_token_id=self.eos_token_id,
                                     priority=priority, arrival_time=arrival, cache_salt=cache_salt,
-                                    max_tokens=max_tokens))
+                                    max_tokens=max_tokens,
+                                    grammar=RequestGrammar(spec) if spec is not None else None))
         return PreparedRequest(request_id, text, token_ids, params, children)
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:

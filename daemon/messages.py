@@ -35,6 +35,10 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     total_num_scheduled_tokens: int
     # Requests the worker must forget: finished, aborted or preempted since the last step.
     finished_req_ids: list[str]
+    # Guided decoding: the requests that sample under a grammar this step, and their
+    # allowed-token bitmask rows in that order (int32 words over the logit width).
+    grammar_req_ids: list[str] = []
+    grammar_bitmask: bytes = b""
 
 
 class Logprobs(msgspec.Struct, array_like=True):

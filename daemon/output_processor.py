@@ -101,6 +101,7 @@ class OutputProcessor:
             if update.finish_reason is not None and out.finish_reason is None:
                 out.finish_reason = update.finish_reason
                 out.stop_reason = update.stop_reason
+                out.error = update.error
             delta = sample.detokenizer.get_delta()
             if out.finished:
                 delta += sample.detokenizer.finish()

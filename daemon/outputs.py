@@ -24,6 +24,7 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    error: str | None = None  # with finish_reason "error": what went wrong
     # What the latest step added (for streaming consumers).
     new_text: str = ""
     new_token_ids: list[int] = field(default_factory=list)

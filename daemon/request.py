@@ -11,11 +11,12 @@ class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
+    WAITING_FOR_GRAMMAR = 3  # guided decoding: its grammar is compiling
     # Everything past this point is finished.
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6  # the executor failed under it (e.g. a worker died)
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7  # the executor failed under it, or its grammar did not compile
 
     @property
     def finished(self) -> bool:
@@ -48,6 +49,7 @@ class Request:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         max_tokens: int,
+        grammar=None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -70,6 +72,8 @@ class Request:
         # Chained hashes of this request's full blocks, filled by the KV cache manager.
         self.block_hashes: list[int] = []
         self.stop_reason: int | str | None = None
+        # Guided decoding: a llmd.structured_output.RequestGrammar (spec, then matcher).
+        self.grammar = grammar
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -90,6 +94,15 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    @property
+    def matcher_stop_token_ids(self) -> list[int] | None:
+        """Tokens that end the output once the grammar is complete (EOS even under
+        ignore_eos: a guided request ends where its grammar ends)."""
+        ids = set(self.sampling_params.stop_token_ids)
+        if self.eos_token_id is not None:
+            ids.add(self.eos_token_id)
+        return sorted(ids) or None
 
     def sort_key(self) -> tuple[int, float]:
         """Lower runs first (priority policy): lower priority value, then earlier arrival."""

@@ -6,8 +6,14 @@ budget, sequence slots and KV blocks last. Prefill and decode share a step; a pr
 longer than the budget (or `long_prefill_token_threshold`) is computed in chunks. When
 KV blocks run out, the lowest-priority (FCFS: latest-arrived) running request is
 preempted: its blocks are freed and it is recomputed later from its tokens.
+
+Guided requests wait in WAITING_FOR_GRAMMAR while their grammar compiles (other
+requests run meanwhile); each step fills one bitmask row for every guided request that
+samples, and each sampled token advances that request's matcher.
 """
 from __future__ import annotations
+
+import time
 
 import msgspec
 
@@ -26,6 +32,7 @@ class RequestUpdate(msgspec.Struct):
     new_token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None  # with finish_reason "error": what went wrong, for people
     logprobs: Logprobs | None = None
     prompt_logprobs: PromptLogprobs | None = None
 
@@ -41,7 +48,8 @@ class SchedulerStats(msgspec.Struct):
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager,
+                 structured=None) -> None:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
         self.long_prefill_token_threshold = config.long_prefill_token_threshold
@@ -49,6 +57,11 @@ class Scheduler:
         self.enable_prefix_caching = config.enable_prefix_caching
         self.kv = kv_cache_manager
         self.waiting = make_queue(self.policy)
+        # Guided decoding (a llmd.structured_output.StructuredOutputManager, or None).
+        self.structured = structured
+        self.waiting_for_grammar: list[Request] = []
+        # Results decided outside a model step (a grammar that failed), for the next caller.
+        self._pending_updates: list[RequestUpdate] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         # Ids the worker must forget at the next step (finished, aborted, preempted).
@@ -59,6 +72,14 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.grammar is not None:
+            if self.structured is None:
+                raise ValueError("guided decoding is not available in this engine")
+            self.structured.start(request.grammar)
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self.requests[request.request_id] = request
+            self.waiting_for_grammar.append(request)
+            return
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -71,6 +92,8 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                self.waiting_for_grammar.remove(request)
             else:
                 self.waiting.remove(request)
             request.status = status
@@ -86,8 +109,46 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_schedulable_requests(self) -> bool:
+        """Whether a step can run now (not everything is waiting for a grammar)."""
+        return bool(self.running) or bool(self.waiting)
+
+    def take_pending_updates(self) -> list[RequestUpdate]:
+        """Requests finished outside a step (a grammar that failed to compile)."""
+        updates, self._pending_updates = self._pending_updates, []
+        return updates
+
+    def grammar_deadline(self) -> float | None:
+        """When the earliest running compile hits its time limit (monotonic), if any."""
+        if not self.waiting_for_grammar:
+            return None
+        return self.structured.next_deadline([r.grammar for r in self.waiting_for_grammar])
+
+    def _poll_grammars(self) -> None:
+        """Move requests whose grammar compiled to the waiting queue; fail those whose
+        compile failed or ran past its time limit."""
+        now = time.monotonic()
+        still: list[Request] = []
+        for request in self.waiting_for_grammar:
+            try:
+                ready = self.structured.poll(request.grammar, request.matcher_stop_token_ids, now)
+            except ValueError as exc:
+                request.status = RequestStatus.FINISHED_ERROR
+                self._release(request)
+                self._pending_updates.append(RequestUpdate(request.request_id, [], finish_reason="error",
+                                                           error=str(exc)))
+                continue
+            if ready:
+                request.status = RequestStatus.WAITING
+                self.waiting.add(request)
+            else:
+                still.append(request)
+        self.waiting_for_grammar = still
+
     # -- one step -------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self.waiting_for_grammar:
+            self._poll_grammars()
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         cached_ids: list[str] = []
@@ -162,6 +223,7 @@ class Scheduler:
         # the next schedule() sees them (they are in the cache before anyone reads them).
         num_prefill_tokens = 0
         num_decode_reqs = 0
+        guided: list[Request] = []
         for req_id, n in num_scheduled.items():
             request = self.requests[req_id]
             if request.num_computed_tokens + n == request.num_tokens and n == 1 and request.num_output_tokens:
@@ -169,10 +231,15 @@ class Scheduler:
             else:
                 num_prefill_tokens += n
             request.num_computed_tokens += n
+            if request.grammar is not None and request.num_computed_tokens == request.num_tokens:
+                guided.append(request)  # samples in this step: its row of the grammar bitmask
+        bitmask = self.structured.fill_bitmask([r.grammar for r in guided]) if guided else b""
 
-        forget = sorted(self._worker_forget)
-        self._worker_forget.clear()
         total = sum(num_scheduled.values())
+        forget = []
+        if total:  # an empty step is not sent to the workers: they hear of these next time
+            forget = sorted(self._worker_forget)
+            self._worker_forget.clear()
         self.stats.num_running = len(self.running)
         self.stats.num_waiting = len(self.waiting)
         self.stats.last_step_num_reqs = len(num_scheduled)
@@ -185,6 +252,8 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=total,
             finished_req_ids=forget,
+            grammar_req_ids=[r.request_id for r in guided],
+            grammar_bitmask=bitmask,
         )
 
     def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
@@ -213,7 +282,7 @@ class Scheduler:
 
     # -- results --------------------------------------------------------------------
     def update_from_output(self, output: SchedulerOutput, runner_output: RunnerOutput) -> list[RequestUpdate]:
-        updates: list[RequestUpdate] = []
+        updates = self.take_pending_updates()
         logprobs = runner_output.logprobs
         prompt_logprobs = runner_output.prompt_logprobs
         for req_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
@@ -224,13 +293,18 @@ class Scheduler:
                 continue  # a prefill chunk that produced nothing to report
             new_tokens: list[int] = []
             status = None
+            error = None
             for token in token_ids:
                 request.append_output_token(token)
                 new_tokens.append(token)
+                if request.grammar is not None:
+                    status, error = self._advance_grammar(request, token)
+                    if status is not None:
+                        break
                 status = self._check_stop(request, token)
                 if status is not None:
                     break
-            update = RequestUpdate(req_id, new_tokens,
+            update = RequestUpdate(req_id, new_tokens, error=error,
                                    logprobs=logprobs.get(req_id),
                                    prompt_logprobs=prompt_logprobs.get(req_id))
             if status is not None:
@@ -241,6 +315,18 @@ class Scheduler:
                 update.stop_reason = request.stop_reason
             updates.append(update)
         return updates
+
+    def _advance_grammar(self, request: Request, token: int) -> tuple[RequestStatus | None, str | None]:
+        """Feed the sampled token to the request's matcher. The output ends when the
+        grammar does (its stop token accepted)."""
+        if not self.structured.accept(request.grammar, token):
+            # The mask allowed only what the grammar accepts; this is a bug, not bad input.
+            return RequestStatus.FINISHED_ERROR, "internal error: the sampled token broke the grammar"
+        if self.structured.is_terminated(request.grammar):
+            if token in request.sampling_params.stop_token_ids:
+                request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED, None
+        return None, None
 
     @staticmethod
     def _check_stop(request: Request, token: int) -> RequestStatus | None:

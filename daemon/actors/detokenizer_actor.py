@@ -98,4 +98,5 @@ class DetokenizerActor(Actor):
         return Output(id=sink.client_id, index=completion.index, text=text, token_ids=list(token_ids),
                       logprobs=logprobs,
                       finish_reason=completion.finish_reason if newly_finished else None,
-                      stop_reason=completion.stop_reason if newly_finished else None)
+                      stop_reason=completion.stop_reason if newly_finished else None,
+                      error=completion.error if newly_finished else None)

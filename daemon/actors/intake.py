@@ -75,7 +75,9 @@ class Connection:
         self._local_ids = itertools.count(1)
 
     def send(self, message: object) -> None:
-        if self.closed or self.codec is None:
+        # The peer may have gone before this connection's reader noticed: drop, don't raise
+        # (the reader's end-of-stream aborts the connection's requests).
+        if self.closed or self.codec is None or self.writer.is_closing():
             return
         self.writer.write(self.codec.encode(message))
 

@@ -28,6 +28,10 @@ class StopSamples(msgspec.Struct):
     child_ids: list[str]
 
 
+class GrammarCompiled(msgspec.Struct):
+    """A grammar compile finished (sent from the compiler's thread): wake the scheduler."""
+
+
 class RegisterRequest(msgspec.Struct):
     """intake -> detokenizer, before the scheduler sees the request."""
 

@@ -9,8 +9,8 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from llmd.actors.messages import (AbortRequest, AddRequest, RequestsAborted, StepStats, StepTokens,
-                                  StopSamples)
+from llmd.actors.messages import (AbortRequest, AddRequest, GrammarCompiled, RequestsAborted, StepStats,
+                                  StepTokens, StopSamples)
 from llmd.actors.runtime import Actor
 from llmd.executor_error import ExecutorError
 from llmd.request import RequestStatus
@@ -36,6 +36,8 @@ class SchedulerActor(Actor):
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
+        self.engine.structured.service.on_done = \
+            lambda: loop.call_soon_threadsafe(self.inbox.put_nowait, GrammarCompiled())
         try:
             while True:
                 if not self.scheduler.has_unfinished_requests():
@@ -67,6 +69,8 @@ class SchedulerActor(Actor):
             case StopSamples(child_ids=ids):
                 self.scheduler.finish_requests(ids, RequestStatus.FINISHED_STOPPED)
                 self._forget_finished()
+            case GrammarCompiled():
+                pass  # the next step admits (or fails) the requests that waited for it
             case _:
                 raise TypeError(f"scheduler actor got {type(message).__name__}")
 
@@ -74,7 +78,8 @@ class SchedulerActor(Actor):
         start = time.monotonic()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.total_num_scheduled_tokens == 0:
-            raise RuntimeError("scheduler made no progress with requests pending")
+            await self._idle_step(start)
+            return
         num_cached = {r.req_id: self.scheduler.requests[r.req_id].num_cached_tokens
                       for r in scheduler_output.scheduled_new_reqs}
         try:
@@ -93,6 +98,25 @@ class SchedulerActor(Actor):
         if any(u.finish_reason is not None for u in updates):
             self._forget_finished()
         self._publish(start, scheduler_output, {u.req_id: len(u.new_token_ids) for u in updates if u.new_token_ids})
+
+    async def _idle_step(self, start: float) -> None:
+        """Nothing could run: report grammars that failed, then (if every request is
+        waiting for its grammar) sleep until a compile ends, a message arrives, or the
+        first waiting request's time limit."""
+        failed = self.scheduler.take_pending_updates()
+        if failed:
+            self.detokenizer.send(StepTokens(failed, {}))
+            self._forget_finished()
+            self._publish(start, None)
+            return
+        if self.scheduler.has_schedulable_requests():
+            raise RuntimeError("scheduler made no progress with requests pending")
+        deadline = self.scheduler.grammar_deadline()
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic()) + 0.001
+        try:
+            self._handle(await asyncio.wait_for(self.inbox.get(), timeout))
+        except TimeoutError:
+            pass
 
     def _publish(self, start: float, scheduler_output, generated: dict[str, int] | None = None) -> None:
         """Step figures and the current queue/KV state for the metrics actor."""

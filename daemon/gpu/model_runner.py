@@ -207,6 +207,10 @@ class ModelRunner:
                     eos_token_id=self.settings.eos_token_id,
                     device=dev,
                 )
+                if so.grammar_req_ids:
+                    row_of = {r.req_id: i for i, r in enumerate(sample_reqs)}
+                    metadata.set_grammar_bitmask([row_of[rid] for rid in so.grammar_req_ids],
+                                                 so.grammar_bitmask, dev)
                 result = self.sampler(logits, metadata)
                 if self.world_size > 1:
                     _broadcast_tokens(result.sampled_token_ids)

@@ -1,8 +1,10 @@
 """Batched sampling: one token per row from the logits of the rows that sample.
 
-Order (vLLM's): padded vocab is cut off → min_tokens masks EOS/stop ids → penalties →
-greedy argmax or temperature → top-k → top-p → min-p → exponential race. Logprobs are
-taken from the raw logits (only the padded vocab removed), as vLLM does by default.
+Order (vLLM's): padded vocab is cut off → grammar bitmask (guided decoding) → min_tokens
+masks EOS/stop ids → penalties → greedy argmax or temperature → top-k → top-p → min-p →
+exponential race. Logprobs are taken from the logits with only the padded vocab and the
+grammar removed (the distribution the request samples from before its own filters), as
+vLLM does by default for the raw logits.
 
 `SamplingMetadata` holds the per-row parameters as tensors, built once per batch
 composition; `append_sampled` keeps it current from step to step without a rebuild.
@@ -72,6 +74,9 @@ class SamplingMetadata:
     num_output_tokens_t: torch.Tensor | None  # [N] int64 device copy, only for min_tokens
     seeded_rows: list[tuple[int, int]]  # (row, seed) of random rows that carry a seed
     max_num_logprobs: int | None  # k of the top logprobs to return; None: no logprobs
+    # Guided decoding: [N, vocab_limit] bool, True where the row's grammar allows the
+    # token (all True on unguided rows); None when no row is guided. See set_grammar_bitmask.
+    grammar_mask: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -179,6 +184,14 @@ class SamplingMetadata:
             max_num_logprobs=max(requested) if requested else None,
         )
 
+    def set_grammar_bitmask(self, rows: Sequence[int], bitmask: bytes, device: torch.device) -> None:
+        """Rows `rows` sample under a grammar; `bitmask` holds their allowed-token bits
+        (xgrammar's layout: int32 words, bit b of word w = token 32*w + b)."""
+        words = torch.frombuffer(bytearray(bitmask), dtype=torch.int32).view(len(rows), -1).to(device)
+        mask = torch.ones(self.num_rows, self.vocab_limit, dtype=torch.bool, device=device)
+        mask[torch.tensor(rows, dtype=torch.int64, device=device)] = unpack_bitmask(words, self.vocab_limit)
+        self.grammar_mask = mask
+
     @property
     def has_penalties(self) -> bool:
         return self.output_counts is not None
@@ -196,6 +209,15 @@ class SamplingMetadata:
             ones = torch.ones(self.num_rows, 1, dtype=self.output_counts.dtype,
                               device=self.output_counts.device)
             self.output_counts.scatter_add_(1, sampled_token_ids.view(-1, 1).long(), ones)
+
+
+def unpack_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R, W] int32 bitmask words -> [R, vocab] bool (bit b of word w is token 32*w + b)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    bits = (words.unsqueeze(-1) >> shifts) & 1
+    if bits.shape[1] * 32 < vocab:
+        raise ValueError(f"grammar bitmask covers {bits.shape[1] * 32} tokens, fewer than {vocab}")
+    return bits.view(words.shape[0], -1)[:, :vocab].bool()
 
 
 def _token_table(token_lists: list[Sequence[int]], rows: list[int], num_rows: int, vocab: int,
@@ -254,6 +276,8 @@ class Sampler:
         logits = logits[:, :md.vocab_limit].float()
         if md.pad_mask is not None:
             logits = logits.masked_fill(md.pad_mask, float("-inf"))
+        if md.grammar_mask is not None:
+            logits = logits.masked_fill(~md.grammar_mask, float("-inf"))
         if md.all_greedy and md.max_num_logprobs is None and not md.has_penalties \
                 and not md.min_tokens_pending:
             return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1))
@@ -262,7 +286,13 @@ class Sampler:
         if md.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         if md.min_tokens_pending:
-            logits = apply_min_tokens(logits, md)
+            masked = apply_min_tokens(logits, md)
+            if md.grammar_mask is not None:
+                # A grammar that allows only its end (EOS) outranks min_tokens: a row the
+                # two would leave without any token keeps the grammar's choice.
+                empty = torch.isneginf(masked).all(dim=-1, keepdim=True)
+                masked = torch.where(empty, logits, masked)
+            logits = masked
         if md.has_penalties:
             logits = apply_penalties(logits, md)
 
