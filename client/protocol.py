@@ -84,6 +84,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, o
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     guided: GuidedDecodingParams | None = None
+    # False: never speculate for this request (when the engine has speculative decoding).
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

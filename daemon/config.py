@@ -8,6 +8,27 @@ from typing import Any, Literal
 import msgspec
 
 
+class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Speculative decoding (vLLM's names). "ngram": drafts are the tokens that followed
+    the most recent earlier occurrence of the last n tokens (prompt_lookup_max down to
+    prompt_lookup_min) in the request's own prompt and output."""
+
+    method: Literal["ngram", "draft_model"] = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    draft_model: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("speculative_config.num_speculative_tokens must be in [1, 16], "
+                             f"got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 64:
+            raise ValueError("speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max <= 64")
+        if self.method == "draft_model":
+            raise ValueError("speculative_config.method \"draft_model\" is not supported yet; use \"ngram\"")
+
+
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str = ""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -27,11 +48,13 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # "uni": the model runs in this process; "mp": one spawned worker process per device.
     distributed_executor_backend: Literal["uni", "mp"] = "uni"
     enforce_eager: bool = False
+    # Paged attention kernels: "auto" (triton on CUDA when it imports, else torch).
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
     # CPU: torch intra-op threads for the model (per TP rank). None: all cores (split
     # between ranks). Fewer than the cores leaves room for other work: with OpenMP,
     # threads competing with other busy processes make every op wait a time slice.
     cpu_threads: int | None = None
-    speculative_config: dict[str, Any] | None = None
+    speculative_config: SpeculativeConfig | None = None
     seed: int = 0
     max_logprobs: int = 20
     tokenizer: str | None = None  # defaults to the model directory
@@ -68,7 +91,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             self.distributed_executor_backend = "mp"
         if self.cpu_threads is not None:
             check(self.cpu_threads >= 1, "cpu_threads", f"must be >= 1, got {self.cpu_threads}")
-        check(self.speculative_config is None, "speculative_config", "is not supported yet")
+        check(self.attention_backend in ("auto", "torch", "triton"), "attention_backend",
+              f"must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
         check(1 <= self.max_logprobs <= 20, "max_logprobs", "must be in [1, 20]")
         check(self.guided_decoding_compile_timeout_s > 0, "guided_decoding_compile_timeout_s",
               f"must be > 0, got {self.guided_decoding_compile_timeout_s}")

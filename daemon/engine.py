@@ -66,7 +66,7 @@ class LLMEngine:
         settings = RunnerSettings(block_size=config.block_size, max_model_len=self.max_model_len,
                                   valid_vocab_size=min(len(self.tokenizer), self.vocab_size),
                                   eos_token_id=self.eos_token_id, seed=config.seed,
-                                  cpu_threads=config.cpu_threads)
+                                  cpu_threads=config.cpu_threads, attention_backend=config.attention_backend)
         self._runner_settings = settings
         self.executor = self._make_executor()
         bytes_per_block = self.executor.kv_cache_bytes_per_block()

@@ -39,6 +39,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     # allowed-token bitmask rows in that order (int32 words over the logit width).
     grammar_req_ids: list[str] = []
     grammar_bitmask: bytes = b""
+    # Speculative decoding: draft tokens to verify, by request. Such a request's
+    # scheduled tokens are its last sampled token followed by these drafts.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
 
 
 class Logprobs(msgspec.Struct, array_like=True):

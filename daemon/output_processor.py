@@ -89,11 +89,11 @@ class OutputProcessor:
                 continue
             out = sample.output
             if update.new_token_ids:
-                out.token_ids.extend(update.new_token_ids)
-                out.new_token_ids = list(update.new_token_ids)
+                new_ids, stop_str = self._consume(sample.detokenizer, update.new_token_ids)
+                out.token_ids.extend(new_ids)
+                out.new_token_ids = new_ids
                 if update.logprobs is not None and out.logprobs is not None:
-                    self._add_logprobs(out, update.logprobs)
-                stop_str = sample.detokenizer.update(update.new_token_ids)
+                    self._add_logprobs(out, update.logprobs, len(new_ids))
                 if stop_str is not None:
                     out.finish_reason = "stop"
                     out.stop_reason = stop_str
@@ -117,6 +117,18 @@ class OutputProcessor:
             if state.finished:
                 self._forget(state)
         return results, stopped_by_string
+
+    @staticmethod
+    def _consume(detokenizer, token_ids: list[int]) -> tuple[list[int], str | None]:
+        """Feed a step's tokens; with several (accepted speculative drafts), stop at the
+        token that completes a stop string: nothing after a stop is emitted."""
+        if len(token_ids) == 1:
+            return list(token_ids), detokenizer.update(token_ids)
+        for i, token in enumerate(token_ids):
+            stop_str = detokenizer.update([token])
+            if stop_str is not None:
+                return list(token_ids[:i + 1]), stop_str
+        return list(token_ids), None
 
     def abort(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
         state = self.requests.get(request_id)
@@ -158,8 +170,9 @@ class OutputProcessor:
                 pos[tid] = Logprob(lp, r, decode([tid]))
         return pos
 
-    def _add_logprobs(self, out: CompletionOutput, lp: Logprobs) -> None:
-        for ids, lps, rank in zip(lp.token_ids, lp.logprobs, lp.ranks):
+    def _add_logprobs(self, out: CompletionOutput, lp: Logprobs, count: int) -> None:
+        """The first `count` positions of `lp` (tokens past a stop string are dropped)."""
+        for ids, lps, rank in zip(lp.token_ids[:count], lp.logprobs[:count], lp.ranks[:count]):
             out.logprobs.append(self._position(ids, lps, rank))
             out.cumulative_logprob += lps[0]
 

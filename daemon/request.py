@@ -74,6 +74,8 @@ class Request:
         self.stop_reason: int | str | None = None
         # Guided decoding: a llmd.structured_output.RequestGrammar (spec, then matcher).
         self.grammar = grammar
+        # Speculative decoding: draft tokens proposed for the next step.
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -23,6 +23,7 @@ from llmd.messages import (CachedRequestData, Logprobs, NewRequestData, PromptLo
                            RunnerOutput, SchedulerOutput)
 from llmd.request import Request, RequestStatus
 from llmd.request_queue import make_queue
+from llmd.spec_decode import NgramProposer, SpecDecodeStats
 
 
 class RequestUpdate(msgspec.Struct):
@@ -62,6 +63,10 @@ class Scheduler:
         self.waiting_for_grammar: list[Request] = []
         # Results decided outside a model step (a grammar that failed), for the next caller.
         self._pending_updates: list[RequestUpdate] = []
+        spec = config.speculative_config
+        self.proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                       spec.prompt_lookup_max) if spec is not None else None)
+        self.spec_stats = SpecDecodeStats()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         # Ids the worker must forget at the next step (finished, aborted, preempted).
@@ -155,6 +160,7 @@ class Scheduler:
         cached_new_blocks: list[list[int]] = []
         cached_computed: list[int] = []
         new_reqs: list[NewRequestData] = []
+        spec_tokens: dict[str, list[int]] = {}
         preempted_any = False
 
         index = 0
@@ -164,10 +170,16 @@ class Scheduler:
             if num_new == 0:
                 index += 1
                 continue
+            drafts = self._drafts_to_verify(request, num_new, budget)
+            num_new += len(drafts)
             while True:
                 new_blocks = self.kv.allocate_slots(request, num_new)
                 if new_blocks is not None:
                     break
+                if drafts:  # drop the drafts before preempting anyone for them
+                    num_new -= len(drafts)
+                    drafts = []
+                    continue
                 victim = self._pick_victim()
                 preempted_any = True
                 if self.running.index(victim) < index:
@@ -176,6 +188,7 @@ class Scheduler:
                 if victim.request_id in num_scheduled:
                     # Only the priority policy can pick one already scheduled this step.
                     budget += num_scheduled.pop(victim.request_id)
+                    spec_tokens.pop(victim.request_id, None)
                     pos = cached_ids.index(victim.request_id)
                     del cached_ids[pos], cached_new_blocks[pos], cached_computed[pos]
                 self._preempt(victim)
@@ -185,6 +198,8 @@ class Scheduler:
                 continue  # `request` itself was preempted; the list shifted under index
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+            if drafts:
+                spec_tokens[request.request_id] = drafts
             cached_ids.append(request.request_id)
             cached_new_blocks.append([b.block_id for b in new_blocks])
             cached_computed.append(request.num_computed_tokens)
@@ -226,7 +241,9 @@ class Scheduler:
         guided: list[Request] = []
         for req_id, n in num_scheduled.items():
             request = self.requests[req_id]
-            if request.num_computed_tokens + n == request.num_tokens and n == 1 and request.num_output_tokens:
+            num_drafts = len(spec_tokens.get(req_id, ()))
+            if request.num_computed_tokens + n == request.num_tokens + num_drafts and n == 1 + num_drafts \
+                    and request.num_output_tokens:
                 num_decode_reqs += 1
             else:
                 num_prefill_tokens += n
@@ -254,7 +271,18 @@ class Scheduler:
             finished_req_ids=forget,
             grammar_req_ids=[r.request_id for r in guided],
             grammar_bitmask=bitmask,
+            scheduled_spec_decode_tokens=spec_tokens,
         )
+
+    def _drafts_to_verify(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The request's proposed drafts that fit this step: only in decode (one known
+        token to compute), within the token budget, and never more than the request may
+        still emit (all accepted drafts plus the token sampled after them)."""
+        drafts, request.spec_token_ids = request.spec_token_ids, []
+        if not drafts or num_new != 1 or request.num_computed_tokens + 1 != request.num_tokens:
+            return []
+        room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1)
+        return drafts[:max(room, 0)]
 
     def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
         num_new = request.num_tokens - request.num_computed_tokens
@@ -276,6 +304,7 @@ class Scheduler:
         self._worker_forget.add(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.stats.num_preemptions_total += 1
         self.waiting.add_preempted(request)
@@ -289,6 +318,12 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished or preempted while the step ran
+            num_drafts = len(output.scheduled_spec_decode_tokens.get(req_id, ()))
+            if num_drafts:
+                # Rejected drafts' KV slots are overwritten later: computed no more.
+                num_accepted = len(token_ids) - 1
+                request.num_computed_tokens -= num_drafts - num_accepted
+                self.spec_stats.record(num_drafts, num_accepted)
             if not token_ids and req_id not in prompt_logprobs:
                 continue  # a prefill chunk that produced nothing to report
             new_tokens: list[int] = []
@@ -313,6 +348,9 @@ class Scheduler:
                 self._release(request)
                 update.finish_reason = status.finish_reason
                 update.stop_reason = request.stop_reason
+            elif self.proposer is not None and new_tokens and request.grammar is None \
+                    and request.sampling_params.speculative:
+                request.spec_token_ids = self.proposer.propose(request.all_token_ids)
             updates.append(update)
         return updates
 

@@ -34,6 +34,8 @@ class AttentionMetadata:
     prefills: list[tuple[int, int, int, torch.Tensor]]
     decode_mask: torch.Tensor | None = None  # [1, num_decodes, 1, L] float additive, once per step
     workspace: GatherWorkspace | None = None
+    # Kernel backends' device copy of `prefills`, built by the step's first layer.
+    prefill_rows: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
 
 class GatherWorkspace:

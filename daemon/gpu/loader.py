@@ -59,14 +59,16 @@ def iter_safetensors(model_dir: str | Path,
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
-               max_positions: int, tp_rank: int = 0, tp_size: int = 1) -> nn.Module:
-    """The model, or with tp_size > 1 this rank's tensor-parallel shard of it."""
+               max_positions: int, tp_rank: int = 0, tp_size: int = 1,
+               attention_backend: str = "torch") -> nn.Module:
+    """The model, or with tp_size > 1 this rank's tensor-parallel shard of it; its layers
+    attend with `attention_backend` (a name resolve_attention_backend returned)."""
     config = load_hf_config(model_dir)
     archs = getattr(config, "architectures", None) or [""]
     cls = get_model_class(archs[0])
     # Build on meta (no random init, no memory), then materialize and fill from disk.
     with torch.device("meta"):
-        model = cls(config, max_positions) if tp_size == 1 else cls(config, max_positions, tp_rank, tp_size)
+        model = cls(config, max_positions, tp_rank, tp_size, attention_backend=attention_backend)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.reset_rotary(device)
     if model.tie_word_embeddings:

@@ -13,7 +13,9 @@ import numpy as np
 import torch
 
 from llmd.gpu.attention import AttentionMetadata, GatherWorkspace, build_decode_mask, new_kv_cache
+from llmd.gpu.attention_backends import resolve_attention_backend
 from llmd.gpu.loader import load_model
+from llmd.gpu.rejection_sampler import verify
 from llmd.gpu.sampler import Sampler, SamplingMetadata, gather_logprobs
 from llmd.messages import Logprobs, PromptLogprobs, RunnerOutput, SchedulerOutput
 from llmd_client.protocol import SamplingParams
@@ -42,6 +44,7 @@ class RunnerSettings:
     eos_token_id: int | None
     seed: int
     cpu_threads: int | None = None  # torch intra-op threads when running on CPU
+    attention_backend: str = "auto"  # "auto", "torch" or "triton" (see attention_backends)
 
 
 class ModelRunner:
@@ -59,7 +62,9 @@ class ModelRunner:
         self.world_size = world_size
         if settings.cpu_threads and device.type == "cpu":
             torch.set_num_threads(settings.cpu_threads)
-        self.model = load_model(model_dir, dtype, device, settings.max_model_len, rank, world_size)
+        self.attention_backend = resolve_attention_backend(settings.attention_backend, device)
+        self.model = load_model(model_dir, dtype, device, settings.max_model_len, rank, world_size,
+                                self.attention_backend)
         cfg = self.model.config
         self.num_layers = cfg.num_hidden_layers
         attn = self.model.layers[0].self_attn
@@ -135,9 +140,11 @@ class ModelRunner:
         pieces_slot: list[np.ndarray] = []
         prefill_meta = []
         start = num_decode_tokens
+        spec = so.scheduled_spec_decode_tokens
         for req, n in prefills:
             s = req.num_computed_tokens
-            input_ids.extend(req.token_ids[s:s + n])
+            # A request verifying drafts computes its last token followed by the drafts.
+            input_ids.extend(req.token_ids[s:s + n] if req.req_id not in spec else req.token_ids[s:] + spec[req.req_id])
             pos = np.arange(s, s + n, dtype=np.int64)
             if req.block_ids_np is None:
                 req.block_ids_np = np.asarray(req.block_ids, dtype=np.int64)
@@ -173,9 +180,11 @@ class ModelRunner:
 
         hidden = self.model(ids_t, pos_t, self.kv_caches, md)
 
-        # Rows that sample: requests whose known tokens are all computed after this step.
+        # Rows that sample: requests whose known tokens are all computed after this step
+        # (all 1 + k rows of a request verifying k drafts).
         sample_reqs: list[RunnerRequest] = []
         sample_rows: list[int] = []
+        sample_drafts: list[list[int]] = []
         prompt_lp_jobs: list[tuple[RunnerRequest, int, int, int]] = []  # req, row0, first pos, count
         row = 0
         ordered = [(r, 1) for r in decodes] + prefills
@@ -186,62 +195,90 @@ class ModelRunner:
                 prompt_lp_jobs.append((req, row, s, count))
             req.num_computed_tokens = s + n
             if s + n >= len(req.token_ids):
+                drafts = spec.get(req.req_id, [])
                 sample_reqs.append(req)
-                sample_rows.append(row + n - 1)
+                sample_drafts.append(drafts)
+                sample_rows.extend(range(row + n - 1 - len(drafts), row + n))
             row += n
 
         out = RunnerOutput(req_ids=[], sampled_token_ids=[], logprobs={}, prompt_logprobs={})
         for req, row0, first, count in prompt_lp_jobs:
             out.prompt_logprobs[req.req_id] = self._prompt_logprobs(hidden, req, row0, first, count)
 
-        sampled: list[int] = []
+        sampled: list[list[int]] = []
         if sample_reqs:
             idx = torch.tensor(sample_rows, dtype=torch.int64, device=dev)
             logits = self.model.compute_logits(hidden.index_select(0, idx))
             if self.rank == 0:
-                metadata = SamplingMetadata.build(
-                    [r.sampling_params for r in sample_reqs],
-                    [r.token_ids[:r.num_prompt_tokens] for r in sample_reqs],
-                    [r.output_token_ids for r in sample_reqs],
-                    valid_vocab_size=self.settings.valid_vocab_size,
-                    eos_token_id=self.settings.eos_token_id,
-                    device=dev,
-                )
-                if so.grammar_req_ids:
-                    row_of = {r.req_id: i for i, r in enumerate(sample_reqs)}
-                    metadata.set_grammar_bitmask([row_of[rid] for rid in so.grammar_req_ids],
-                                                 so.grammar_bitmask, dev)
-                result = self.sampler(logits, metadata)
+                sampled = self._sample(so, logits, sample_reqs, sample_drafts, out)
                 if self.world_size > 1:
-                    _broadcast_tokens(result.sampled_token_ids)
-                sampled = result.sampled_token_ids.tolist()
-                if result.logprobs_token_ids is not None:
-                    self._collect_logprobs(out, sample_reqs, result)
+                    _broadcast_tokens(_pad_rows(sampled, len(sample_reqs), sample_drafts, dev))
             else:  # tensor-parallel rank > 0: take rank 0's tokens
-                tokens = torch.empty(len(sample_reqs), dtype=torch.int64, device=dev)
+                tokens = _pad_rows([], len(sample_reqs), sample_drafts, dev)
                 _broadcast_tokens(tokens)
-                sampled = tokens.tolist()
+                sampled = [[t for t in row if t >= 0] for row in tokens.tolist()]
         sampled_by_req = {r.req_id: t for r, t in zip(sample_reqs, sampled)}
         for req, _ in ordered:
             out.req_ids.append(req.req_id)
-            token = sampled_by_req.get(req.req_id)
-            if token is None:
-                out.sampled_token_ids.append([])
-            else:
-                req.token_ids.append(token)
-                out.sampled_token_ids.append([token])
+            tokens = sampled_by_req.get(req.req_id, [])
+            req.token_ids.extend(tokens)
+            out.sampled_token_ids.append(tokens)
         return out
 
-    def _collect_logprobs(self, out: RunnerOutput, reqs: list[RunnerRequest], result) -> None:
+    def _sample(self, so: SchedulerOutput, logits: torch.Tensor, reqs: list[RunnerRequest],
+                drafts: list[list[int]], out: RunnerOutput) -> list[list[int]]:
+        """The tokens each request emits: one sampled token, or (verifying drafts) the
+        accepted drafts and one more. Logprobs go into `out`."""
+        dev = logits.device
+        settings = self.settings
+        if not so.scheduled_spec_decode_tokens:
+            md = SamplingMetadata.build(
+                [r.sampling_params for r in reqs], [r.token_ids[:r.num_prompt_tokens] for r in reqs],
+                [r.output_token_ids for r in reqs], valid_vocab_size=settings.valid_vocab_size,
+                eos_token_id=settings.eos_token_id, device=dev)
+            if so.grammar_req_ids:
+                row_of = {r.req_id: i for i, r in enumerate(reqs)}
+                md.set_grammar_bitmask([row_of[rid] for rid in so.grammar_req_ids], so.grammar_bitmask, dev)
+            result = self.sampler(logits, md)
+            tokens = [[t] for t in result.sampled_token_ids.tolist()]
+            if result.logprobs_token_ids is not None:
+                rows = [[i] for i in range(len(reqs))]
+                self._collect_logprobs(out, reqs, rows, result)
+            return tokens
+        # One row per verified position: row i of a request sees drafts[:i] as output.
+        params, prompts, outputs, row_of = [], [], [], {}
+        for req, d in zip(reqs, drafts):
+            row_of[req.req_id] = len(params) + len(d)
+            for i in range(len(d) + 1):
+                params.append(req.sampling_params)
+                prompts.append(req.token_ids[:req.num_prompt_tokens])
+                outputs.append(req.output_token_ids + d[:i])
+        md = SamplingMetadata.build(params, prompts, outputs, valid_vocab_size=settings.valid_vocab_size,
+                                    eos_token_id=settings.eos_token_id, device=dev)
+        if so.grammar_req_ids:  # guided requests carry no drafts: one row each
+            md.set_grammar_bitmask([row_of[rid] for rid in so.grammar_req_ids], so.grammar_bitmask, dev)
+        result = verify(self.sampler, logits, md, drafts)
+        if result.logprobs_token_ids is not None:
+            flat, rows = 0, []
+            for ts in result.token_ids:
+                rows.append(list(range(flat, flat + len(ts))))
+                flat += len(ts)
+            self._collect_logprobs(out, reqs, rows, result)
+        return result.token_ids
+
+    @staticmethod
+    def _collect_logprobs(out: RunnerOutput, reqs: list[RunnerRequest], rows: list[list[int]], result) -> None:
+        """rows[i]: the result rows of request i's emitted tokens, in order."""
         ids = result.logprobs_token_ids.tolist()
         lps = result.logprobs.tolist()
         ranks = result.ranks.tolist()
-        for i, req in enumerate(reqs):
+        for req, req_rows in zip(reqs, rows):
             k = req.sampling_params.logprobs
             if k is None:
                 continue
-            out.logprobs[req.req_id] = Logprobs(token_ids=[ids[i][:k + 1]], logprobs=[lps[i][:k + 1]],
-                                                ranks=[ranks[i]])
+            out.logprobs[req.req_id] = Logprobs(token_ids=[ids[r][:k + 1] for r in req_rows],
+                                                logprobs=[lps[r][:k + 1] for r in req_rows],
+                                                ranks=[ranks[r] for r in req_rows])
 
     def _prompt_logprobs(self, hidden: torch.Tensor, req: RunnerRequest, row0: int, first: int,
                          count: int) -> PromptLogprobs:
@@ -259,6 +296,16 @@ class ModelRunner:
         if valid < logits.shape[-1]:
             logits[:, valid:] = float("-inf")
         return logits
+
+
+def _pad_rows(tokens: list[list[int]], num_reqs: int, drafts: list[list[int]],
+              device: torch.device) -> torch.Tensor:
+    """[num_reqs, 1 + most drafts] int64, -1 padded: the same shape on every TP rank."""
+    width = 1 + max((len(d) for d in drafts), default=0)
+    padded = torch.full((num_reqs, width), -1, dtype=torch.int64)
+    for i, row in enumerate(tokens):
+        padded[i, :len(row)] = torch.tensor(row, dtype=torch.int64)
+    return padded.to(device)
 
 
 def _broadcast_tokens(tokens: torch.Tensor) -> None:

@@ -270,6 +270,28 @@ class Sampler:
         self._row_generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        logits = self.mask(logits, md)
+        if md.all_greedy and md.max_num_logprobs is None and not md.has_penalties \
+                and not md.min_tokens_pending:
+            return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1))
+        logits, raw_logprobs = self.prepare(logits, md)
+        if md.all_greedy:
+            sampled = logits.argmax(dim=-1)
+        else:
+            greedy = None if md.all_random else logits.argmax(dim=-1)
+            probs = self.filter(logits, md).softmax(dim=-1)
+            sampled = self.race(probs, md)
+            if greedy is not None:
+                sampled = torch.where(md.is_greedy, greedy, sampled)
+        if raw_logprobs is None:
+            return SamplerOutput(sampled_token_ids=sampled)
+        ids, lps, ranks = gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs_token_ids=ids, logprobs=lps, ranks=ranks)
+
+    # The stages, also used by the rejection sampler (speculative decoding) -------------
+    @staticmethod
+    def mask(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """float32 logits cut to the vocab, padded ids and grammar-forbidden ids at -inf."""
         if logits.shape[0] != md.num_rows or logits.shape[1] < md.vocab_limit:
             raise ValueError(f"logits {tuple(logits.shape)} do not fit sampling metadata of "
                              f"{md.num_rows} rows and vocab {md.vocab_limit}")
@@ -278,10 +300,12 @@ class Sampler:
             logits = logits.masked_fill(md.pad_mask, float("-inf"))
         if md.grammar_mask is not None:
             logits = logits.masked_fill(~md.grammar_mask, float("-inf"))
-        if md.all_greedy and md.max_num_logprobs is None and not md.has_penalties \
-                and not md.min_tokens_pending:
-            return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1))
+        return logits
 
+    @staticmethod
+    def prepare(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Masked logits -> (logits after min_tokens and penalties, the logprobs to report
+        or None). Greedy rows take the argmax of the former."""
         raw_logprobs = None
         if md.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -295,44 +319,43 @@ class Sampler:
             logits = masked
         if md.has_penalties:
             logits = apply_penalties(logits, md)
+        return logits, raw_logprobs
 
-        if md.all_greedy:
-            sampled = logits.argmax(dim=-1)
-        else:
-            greedy = None if md.all_random else logits.argmax(dim=-1)
-            if md.temperature is not None:
-                logits = logits / md.temperature
-            if md.top_k is not None or md.top_p is not None:
-                logits = apply_top_k_top_p(logits, md.top_k, md.max_top_k, md.top_p)
-            if md.log_min_p is not None:
-                logits = apply_min_p(logits, md.log_min_p)
-            sampled = self._sample(logits, md)
-            if greedy is not None:
-                sampled = torch.where(md.is_greedy, greedy, sampled)
+    @staticmethod
+    def filter(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """Temperature, top-k, top-p and min-p: the logits random rows sample from."""
+        if md.temperature is not None:
+            logits = logits / md.temperature
+        if md.top_k is not None or md.top_p is not None:
+            logits = apply_top_k_top_p(logits, md.top_k, md.max_top_k, md.top_p)
+        if md.log_min_p is not None:
+            logits = apply_min_p(logits, md.log_min_p)
+        return logits
 
-        if raw_logprobs is None:
-            return SamplerOutput(sampled_token_ids=sampled)
-        ids, lps, ranks = gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs)
-        return SamplerOutput(sampled_token_ids=sampled, logprobs_token_ids=ids, logprobs=lps, ranks=ranks)
+    def race(self, probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """Exponential race: argmax(p / E) with E ~ Exp(1) picks token i with probability p_i
+        (p need not be normalised). E = -log(U) is several times faster than exponential_
+        on CPU. U is kept inside (0, 1) so that E is finite and positive: every token with
+        p > 0 then beats every masked one (an E of 0 or inf would give NaN or an all-zero
+        row). Overwrites probs."""
+        noise = self.uniform(probs, md)
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny, max=1.0 - torch.finfo(noise.dtype).eps / 2)
+        noise.log_().neg_()
+        return probs.div_(noise).argmax(dim=-1)
 
-    def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """Exponential race: argmax(p / E) with E ~ Exp(1) picks token i with probability p_i.
-        E = -log(U) is several times faster than exponential_ on CPU. U is kept inside
-        (0, 1) so that E is finite and positive: every token with p > 0 then beats every
-        masked one (an E of 0 or inf would give NaN or an all-zero row)."""
-        probs = logits.softmax(dim=-1)
-        noise = torch.empty_like(probs)
-        device = probs.device
+    def uniform(self, like: torch.Tensor, md: SamplingMetadata, salt: int = 0) -> torch.Tensor:
+        """U(0, 1) draws shaped like `like` ([N, ...]); a seeded row's draws depend only on
+        (its seed, its position, salt), so they survive batching and restarts."""
+        noise = torch.empty_like(like, dtype=torch.float32)
+        device = like.device
         if len(md.seeded_rows) < md.num_rows:
             noise.uniform_(generator=self._generator(self._batch_generators, device, self.seed))
         if md.seeded_rows:
             gen = self._generator(self._row_generators, device, 0)
             for row, seed in md.seeded_rows:
-                gen.manual_seed(step_seed(seed, md.num_output_tokens[row]))
+                gen.manual_seed(step_seed(seed ^ salt, md.num_output_tokens[row]))
                 noise[row].uniform_(generator=gen)
-        noise.clamp_(min=torch.finfo(noise.dtype).tiny, max=1.0 - torch.finfo(noise.dtype).eps / 2)
-        noise.log_().neg_()
-        return probs.div_(noise).argmax(dim=-1)
+        return noise
 
     @staticmethod
     def _generator(table: dict[torch.device, torch.Generator], device: torch.device,

@@ -11,14 +11,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmd.gpu.attention import AttentionMetadata, TorchAttention
+from llmd.gpu.attention import AttentionMetadata
+from llmd.gpu.attention_backends import make_attention
 from llmd.gpu.layers import RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul
 from llmd.gpu.tp import (ParallelLMHead, RowParallelLinear, TPShape, VocabParallelEmbedding,
                          shard_checkpoint_tensor, tp_shape)
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, tp: TPShape | None = None) -> None:
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, tp: TPShape | None = None,
+                 attention_backend: str = "torch") -> None:
         super().__init__()
         # With tensor parallelism (tp given) every size here is this rank's share.
         self.num_heads = config.num_attention_heads
@@ -37,7 +39,8 @@ class DecoderAttention(nn.Module):
             self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.attn = TorchAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+        self.attn = make_attention(attention_backend, self.num_heads, self.num_kv_heads, self.head_dim,
+                                   self.head_dim ** -0.5)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
@@ -75,10 +78,11 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, tp: TPShape | None = None) -> None:
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, tp: TPShape | None = None,
+                 attention_backend: str = "torch") -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DecoderAttention(config, qkv_bias, qk_norm, tp)
+        self.self_attn = DecoderAttention(config, qkv_bias, qk_norm, tp, attention_backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DecoderMLP(config, tp)
 
@@ -101,7 +105,8 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
 
-    def __init__(self, config: Any, max_positions: int, tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(self, config: Any, max_positions: int, tp_rank: int = 0, tp_size: int = 1,
+                 attention_backend: str = "torch") -> None:
         super().__init__()
         self.config = config
         # tp is None on a single rank: plain layers, no distributed calls.
@@ -117,7 +122,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.embed_tokens = VocabParallelEmbedding(tp, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, qkv_bias, self.qk_norm, tp) for _ in range(config.num_hidden_layers))
+            DecoderLayer(config, qkv_bias, self.qk_norm, tp, attention_backend)
+            for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if tp is None:

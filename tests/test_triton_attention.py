@@ -1,0 +1,111 @@
+"""The Triton paged-attention backend (llmd.gpu.triton_attention) against the PyTorch
+reference, and the choice of attention backend at start-up.
+
+With no GPU here the kernels run in Triton's interpreter, which is chosen when triton is
+first imported; this process may have imported triton already (xgrammar does), so the
+kernel checks run once, in a fresh process with TRITON_INTERPRET=1 (the cases and their
+runner are in triton_attention_cases.py), and each case's result becomes one test here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+from triton_attention_cases import CASES
+
+from llmd.config import EngineConfig, load_engine_config
+from llmd.gpu.attention import TorchAttention
+from llmd.gpu.attention_backends import resolve_attention_backend
+from llmd.gpu.model_runner import ModelRunner, RunnerSettings
+
+CASES_SCRIPT = Path(__file__).with_name("triton_attention_cases.py")
+CPU = torch.device("cpu")
+
+
+def runner_settings(**kw) -> RunnerSettings:
+    return RunnerSettings(block_size=16, max_model_len=256, valid_vocab_size=1024, eos_token_id=None, seed=0, **kw)
+
+
+@pytest.fixture(scope="module")
+def interpreted(tiny_llama: Path) -> dict[str, dict]:
+    """case name -> result of that case in Triton's interpreter (the cases split between
+    two processes running side by side)."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    names = list(CASES)
+    halves = [["--model", str(tiny_llama), *names[:len(names) // 3]], names[len(names) // 3:]]
+    procs = [subprocess.Popen([sys.executable, str(CASES_SCRIPT), *args], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for args in halves]
+    results = {}
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-4000:]
+        for line in stdout.splitlines():
+            if line.startswith("{"):
+                result = json.loads(line)
+                results[result["case"]] = result
+    return results
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernels_match_the_torch_reference(interpreted: dict[str, dict], name: str) -> None:
+    """One layer call from the same cache: the same output (to the case's tolerance)
+    and, after the cache write, bit for bit the same whole cache."""
+    result = interpreted[name]
+    assert "error" not in result, result["error"]
+    assert result["cache_err"] == 0.0, result
+    assert result["out_err"] <= result["tol"], result
+
+
+def test_model_runner_with_the_triton_backend_matches_torch(interpreted: dict[str, dict]) -> None:
+    """attention_backend="triton" in RunnerSettings reaches every layer, and one mixed
+    step (decodes, a prefill, chunks over cached prefixes) of tiny-llama gives the torch
+    backend's hidden states and caches."""
+    result = interpreted["model"]
+    assert "error" not in result, result["error"]
+    assert result["out_err"] <= result["tol"], result
+    assert result["cache_err"] <= result["tol"], result
+
+
+def test_auto_picks_torch_on_cpu(tiny_llama: Path) -> None:
+    assert resolve_attention_backend("auto", CPU) == "torch"
+    assert resolve_attention_backend("torch", CPU) == "torch"
+    runner = ModelRunner(str(tiny_llama), runner_settings(), CPU, torch.float32)
+    assert runner.attention_backend == "torch"
+    assert all(isinstance(layer.self_attn.attn, TorchAttention) for layer in runner.model.layers)
+
+
+def test_triton_on_cpu_without_the_interpreter_fails_at_start_up(tiny_llama: Path) -> None:
+    if os.environ.get("TRITON_INTERPRET"):
+        pytest.skip("this test process runs with TRITON_INTERPRET set")
+    pytest.importorskip("triton")
+    with pytest.raises(ValueError, match=r"attention_backend 'triton' runs on CUDA devices; .*TRITON_INTERPRET=1"):
+        ModelRunner(str(tiny_llama), runner_settings(attention_backend="triton"), CPU, torch.float32)
+
+
+def test_unknown_backends_are_refused() -> None:
+    with pytest.raises(ValueError, match="attention_backend must be one of auto, torch, triton"):
+        resolve_attention_backend("flash_attn", CPU)
+    with pytest.raises(ValueError, match="attention_backend must be 'auto', 'torch' or 'triton'"):
+        EngineConfig(attention_backend="flash_attn")
+    with pytest.raises(msgspec.ValidationError, match="attention_backend"):
+        load_engine_config(attention_backend="flash_attn")
+    assert load_engine_config(attention_backend="triton").attention_backend == "triton"
+
+
+def test_the_torch_path_never_imports_the_triton_module() -> None:
+    """Only selecting triton loads llmd.gpu.triton_attention (and so triton itself)."""
+    code = ("import sys, torch\n"
+            "from llmd.gpu.attention_backends import make_attention, resolve_attention_backend\n"
+            "import llmd.gpu.model_runner, llmd.gpu.models.llama\n"
+            "make_attention(resolve_attention_backend('auto', torch.device('cpu')), 4, 2, 16, 0.25)\n"
+            "assert 'llmd.gpu.triton_attention' not in sys.modules\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -1,0 +1,174 @@
+"""The cases tests/test_triton_attention.py checks: TritonAttention against TorchAttention
+on one layer call, both from the same KV cache, over scattered (permuted) cache blocks.
+
+Triton's interpreter is chosen when triton is first imported, and the pytest process may
+already have imported triton (xgrammar does), so the test runs this file as a script in
+a fresh process with TRITON_INTERPRET=1:
+
+    TRITON_INTERPRET=1 python tests/triton_attention_cases.py [--model DIR] [CASE ...]
+
+prints one JSON line per case: {"case", "out_err", "cache_err", "tol"} or {"case",
+"error"}. Importing this module (for the case names) does not import triton.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from llmd.gpu.attention import AttentionMetadata, TorchAttention, build_decode_mask
+
+
+@dataclass(frozen=True)
+class Case:
+    heads: int
+    kv_heads: int
+    decodes: tuple[int, ...] = ()  # context length of each decode row, its new token included
+    prefills: tuple[tuple[int, int], ...] = ()  # (tokens already cached, new tokens) per prefill row
+    block_size: int = 16
+    head_dim: int = 32
+    dtype: str = "float32"
+    decode_splits: int | None = None  # None: the backend's own choice (1 on CPU)
+
+
+MIXED_DECODES = (1, 17, 45, 5)
+MIXED_PREFILLS = ((0, 11), (20, 6), (33, 3))
+CASES: dict[str, Case] = {
+    "decode": Case(4, 4, decodes=(1, 16, 17, 40, 9)),
+    "decode-split3": Case(4, 1, decodes=(70, 5, 33, 64), decode_splits=3),
+    "prefill-no-cache": Case(4, 2, prefills=((0, 23), (0, 5), (0, 1))),
+    "chunked-prefill": Case(4, 2, prefills=((32, 20), (17, 9))),
+    "multi-token-after-prefix": Case(8, 2, prefills=((40, 4), (15, 3), (1, 2), (16, 5))),
+    "head-dim-24-group-3": Case(6, 2, decodes=(13, 30), prefills=((9, 7),), head_dim=24),
+    "block-size-8": Case(4, 2, decodes=(3, 26), prefills=((19, 6),), block_size=8),
+    "bf16-mixed": Case(8, 2, decodes=MIXED_DECODES, prefills=MIXED_PREFILLS, dtype="bfloat16"),
+    "fp16-mixed": Case(8, 2, decodes=MIXED_DECODES, prefills=MIXED_PREFILLS, dtype="float16"),
+}
+for _group in (1, 4, 8):
+    for _bs in (16, 32):
+        CASES[f"mixed-gqa{_group}-bs{_bs}"] = Case(8, 8 // _group, decodes=MIXED_DECODES,
+                                                   prefills=MIXED_PREFILLS, block_size=_bs)
+
+# fp32: both sides round differently only in summation order. bf16 and fp16: both round
+# the probabilities and the output to the type; outputs reach |2|, where a bf16 ulp is 1/64.
+TOLERANCE = {"float32": 1e-5, "bfloat16": 4e-2, "float16": 4e-3}
+
+
+def step_metadata(decodes: tuple[int, ...], prefills: tuple[tuple[int, int], ...], block_size: int,
+                  gen: torch.Generator) -> tuple[AttentionMetadata, int, torch.Tensor]:
+    """(md, blocks in the pool, positions of the new tokens) of one step laid out as the
+    model runner lays it out: decode rows first, then prefill rows, each request on
+    blocks drawn at random from the pool (which has a few spare blocks)."""
+    bs = block_size
+    rows = [(length - 1, 1) for length in decodes] + list(prefills)
+    blocks_needed = [-(-(cached + new) // bs) for cached, new in rows]
+    num_blocks = sum(blocks_needed) + 3
+    pool = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = []
+    for n in blocks_needed:
+        tables.append(pool[:n])
+        pool = pool[n:]
+    positions = [pos for cached, new in rows for pos in range(cached, cached + new)]
+    slots = [tables[i][pos // bs] * bs + pos % bs
+             for i, (cached, new) in enumerate(rows) for pos in range(cached, cached + new)]
+    num_decodes = len(decodes)
+    md = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.int64), num_decodes=num_decodes,
+                           decode_block_table=None, decode_seq_lens=None, prefills=[])
+    if num_decodes:
+        width = max(len(t) for t in tables[:num_decodes])
+        md.decode_block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables[:num_decodes]])
+        md.decode_seq_lens = torch.tensor(decodes, dtype=torch.int64)
+        build_decode_mask(md, bs)
+    start = num_decodes
+    for (cached, new), table in zip(prefills, tables[num_decodes:]):
+        md.prefills.append((start, new, cached, torch.tensor(table, dtype=torch.int64)))
+        start += new
+    return md, num_blocks, torch.tensor(positions, dtype=torch.int64)
+
+
+def build(case: Case, seed: int = 0):
+    """(q, k, v, kv_cache, md) of one step. The cache holds random values everywhere:
+    the requests' context, and stale data the kernels must not read."""
+    gen = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, case.dtype)
+    md, num_blocks, positions = step_metadata(case.decodes, case.prefills, case.block_size, gen)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    tokens = positions.numel()
+    q = randn(tokens, case.heads, case.head_dim)
+    k = randn(tokens, case.kv_heads, case.head_dim)
+    v = randn(tokens, case.kv_heads, case.head_dim)
+    kv_cache = randn(2, case.kv_heads, num_blocks, case.block_size, case.head_dim)
+    return q, k, v, kv_cache, md
+
+
+def run_case(case: Case) -> dict[str, float]:
+    from llmd.gpu.triton_attention import TritonAttention
+
+    q, k, v, kv_cache, md = build(case)
+    args = (case.heads, case.kv_heads, case.head_dim, case.head_dim ** -0.5)
+    ref_cache = kv_cache.clone()
+    ref = TorchAttention(*args)(q, k, v, ref_cache, md)
+    out = TritonAttention(*args, decode_splits=case.decode_splits)(q, k, v, kv_cache, md)
+    return {"out_err": (out.float() - ref.float()).abs().max().item(),
+            "cache_err": (kv_cache.float() - ref_cache.float()).abs().max().item(),
+            "tol": TOLERANCE[case.dtype]}
+
+
+def run_model(model_dir: str) -> dict[str, float]:
+    """Two model runners on the same checkpoint, RunnerSettings attention_backend "torch"
+    and "triton": one mixed step over the same random cache gives the same hidden states
+    and leaves the same cache in every layer."""
+    from llmd.gpu.model_runner import ModelRunner, RunnerSettings
+    from llmd.gpu.triton_attention import TritonAttention
+
+    gen = torch.Generator().manual_seed(1)
+    md, num_blocks, positions = step_metadata(MIXED_DECODES, MIXED_PREFILLS, 16, gen)
+    hidden, caches = {}, {}
+    for backend in ("torch", "triton"):
+        settings = RunnerSettings(block_size=16, max_model_len=256, valid_vocab_size=1024, eos_token_id=None,
+                                  seed=0, attention_backend=backend)
+        runner = ModelRunner(model_dir, settings, torch.device("cpu"), torch.float32)
+        attn = runner.model.layers[0].self_attn.attn
+        assert isinstance(attn, TritonAttention) == (backend == "triton"), type(attn)
+        runner.initialize_kv_cache(num_blocks)
+        fill = torch.Generator().manual_seed(2)
+        for cache in runner.kv_caches:
+            cache.copy_(torch.randn(cache.shape, generator=fill))
+        ids = torch.randint(runner.vocab_size, positions.shape, generator=torch.Generator().manual_seed(3))
+        with torch.inference_mode():
+            hidden[backend] = runner.model(ids, positions, runner.kv_caches, md)
+        caches[backend] = torch.stack(runner.kv_caches)
+    return {"out_err": (hidden["triton"] - hidden["torch"]).abs().max().item(),
+            "cache_err": (caches["triton"] - caches["torch"]).abs().max().item(),
+            "tol": 1e-4}
+
+
+def main(args: list[str]) -> None:
+    """Args: case names (default: all), and `--model DIR` to add the "model" check."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("run with TRITON_INTERPRET=1 (the kernels need Triton's interpreter on CPU)")
+    jobs = {}
+    if "--model" in args:
+        i = args.index("--model")
+        model_dir = args[i + 1]
+        del args[i:i + 2]
+        jobs["model"] = lambda: run_model(model_dir)
+    for name in args or list(CASES):
+        jobs[name] = lambda case=CASES[name]: run_case(case)
+    for name, job in jobs.items():
+        try:
+            result = {"case": name, **job()}
+        except Exception:
+            result = {"case": name, "error": traceback.format_exc()}
+        print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
