@@ -248,9 +248,12 @@ class Scheduler:
             else:
                 num_prefill_tokens += n
             request.num_computed_tokens += n
-            if request.grammar is not None and request.num_computed_tokens == request.num_tokens:
-                guided.append(request)  # samples in this step: its row of the grammar bitmask
-        bitmask = self.structured.fill_bitmask([r.grammar for r in guided]) if guided else b""
+            if request.grammar is not None and request.num_computed_tokens == request.num_tokens + num_drafts:
+                guided.append(request)  # samples in this step: its rows of the grammar bitmask
+        bitmask = b""
+        if guided:
+            bitmask = self.structured.fill_bitmask([r.grammar for r in guided],
+                                                   [spec_tokens.get(r.request_id, []) for r in guided])
 
         total = sum(num_scheduled.values())
         forget = []
@@ -348,9 +351,11 @@ class Scheduler:
                 self._release(request)
                 update.finish_reason = status.finish_reason
                 update.stop_reason = request.stop_reason
-            elif self.proposer is not None and new_tokens and request.grammar is None \
-                    and request.sampling_params.speculative:
-                request.spec_token_ids = self.proposer.propose(request.all_token_ids)
+            elif self.proposer is not None and new_tokens and request.sampling_params.speculative:
+                drafts = self.proposer.propose(request.all_token_ids)
+                if drafts and request.grammar is not None:
+                    drafts = self.structured.validate_drafts(request.grammar, drafts)
+                request.spec_token_ids = drafts
             updates.append(update)
         return updates
 

@@ -253,9 +253,10 @@ class Utf8Guard:
             self._masks.popitem(last=False)
         return mask
 
-    def advance(self, tail: bytes, token_id: int) -> bytes:
+    def advance(self, tail: bytes, token_id: int) -> bytes | None:
+        """The tail after `token_id`, or None if the token would break UTF-8."""
         data = self.token_bytes[token_id] if token_id < len(self.token_bytes) else b""
-        return _utf8_tail(tail + data) or b""
+        return _utf8_tail(tail + data)
 
 
 def _utf8_tail(data: bytes) -> bytes | None:
@@ -417,27 +418,56 @@ class StructuredOutputManager:
         """When the first of these requests runs out of time to wait for its grammar."""
         return min((g.submitted_at + self.service.timeout_s for g in grammars), default=None)
 
-    def fill_bitmask(self, grammars: list[RequestGrammar]) -> bytes:
-        """Rows of allowed-token bits (int32 words, bit i of word j = token 32*j + i), one
-        per grammar, in order."""
+    def fill_bitmask(self, grammars: list[RequestGrammar], drafts: list[list[int]]) -> bytes:
+        """Rows of allowed-token bits (int32 words, bit i of word j = token 32*j + i): per
+        grammar, in order, one row for each position it samples at: 1 + its drafts (the
+        row after drafts[:i] is filled with drafts[:i] accepted, then rolled back)."""
         start = time.perf_counter()
-        n = len(grammars)
+        n = sum(1 + len(d) for d in drafts)
         if self._bitmask is None or n > self._bitmask.shape[0]:
             import xgrammar as xgr
             self._bitmask = xgr.allocate_token_bitmask(max(n, self.max_rows), self.vocab_size)
         rows = self._bitmask.numpy()
         guard = self.service.utf8_guard
-        for row, grammar in enumerate(grammars):
-            grammar.matcher.fill_next_token_bitmask(self._bitmask, row)
-            guarded = rows[row] & guard.mask(grammar.utf8_tail)
-            if guarded.any():  # never leave a row empty: the grammar has the last word
-                rows[row] = guarded
+        row = 0
+        for grammar, request_drafts in zip(grammars, drafts):
+            matcher, tail = grammar.matcher, grammar.utf8_tail
+            for i in range(len(request_drafts) + 1):
+                if i:
+                    matcher.accept_token(request_drafts[i - 1])  # validated when proposed
+                    tail = guard.advance(tail, request_drafts[i - 1]) or b""
+                matcher.fill_next_token_bitmask(self._bitmask, row)
+                guarded = rows[row] & guard.mask(tail)
+                if guarded.any():  # never leave a row empty: the grammar has the last word
+                    rows[row] = guarded
+                row += 1
+            if request_drafts:
+                matcher.rollback(len(request_drafts))
         data = rows[:n].tobytes()
         self.fill_seconds += time.perf_counter() - start
         return data
 
+    def validate_drafts(self, grammar: RequestGrammar, drafts: list[int]) -> list[int]:
+        """The longest prefix of `drafts` the grammar (and UTF-8) allows from here, short
+        of a token that would end the grammar (that one is left to be sampled: a row after
+        it could not be masked); the matcher ends where it started."""
+        guard = self.service.utf8_guard
+        matcher = grammar.matcher
+        tail, valid = grammar.utf8_tail, []
+        for token in drafts:
+            tail = guard.advance(tail, token)
+            if tail is None or not matcher.accept_token(token):
+                break
+            if matcher.is_terminated():
+                matcher.rollback(1)
+                break
+            valid.append(token)
+        if valid:
+            grammar.matcher.rollback(len(valid))
+        return valid
+
     def accept(self, grammar: RequestGrammar, token_id: int) -> bool:
-        grammar.utf8_tail = self.service.utf8_guard.advance(grammar.utf8_tail, token_id)
+        grammar.utf8_tail = self.service.utf8_guard.advance(grammar.utf8_tail, token_id) or b""
         return grammar.matcher.accept_token(token_id)
 
     @staticmethod

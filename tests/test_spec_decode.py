@@ -159,13 +159,30 @@ def test_logprobs_of_accepted_tokens_match(model, plain):
                 assert abs(pa[t].logprob - pb[t].logprob) < 1e-4 and pa[t].rank == pb[t].rank
 
 
-def test_opt_out_and_guided_requests_get_no_drafts(model):
+def test_opt_out_gets_no_drafts(model):
     llm = LLM(model=model, dtype="float32", max_model_len=512, speculative_config=spec_config(3))
     llm.generate(PROMPTS, greedy(speculative=False))
-    choice = llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=8,
-                                                      guided=GuidedDecodingParams(choice=["abc", "abd"])))
-    assert choice[0].outputs[0].text in ("abc", "abd")
     assert llm.engine.scheduler.spec_stats.num_drafts == 0
+
+
+def test_guided_requests_verify_grammar_checked_drafts(model, plain):
+    """Drafts are cut at the first token the grammar refuses, every verified position has
+    its own grammar mask, and the matcher rolls back: greedy guided output is unchanged,
+    sampled guided output stays valid."""
+    from test_guided import PERSON, json_valid
+
+    guided = GuidedDecodingParams(json_schema=PERSON)
+    params = SamplingParams(temperature=0.0, max_tokens=192, guided=guided)
+    ref = outputs(plain, PROMPTS, params)
+    llm = with_oracle(LLM(model=model, dtype="float32", max_model_len=512, speculative_config=spec_config(4)),
+                      PROMPTS, ref, 4, corrupt=6)
+    assert outputs(llm, PROMPTS, params) == ref
+    assert llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
+    sampled = [SamplingParams(temperature=1.0, seed=s, max_tokens=192, guided=guided) for s in range(8)]
+    with_oracle(llm, PROMPTS, ref, 4, corrupt=6)
+    for out in llm.generate(PROMPTS * 2, sampled):
+        sample = out.outputs[0]
+        assert sample.finish_reason == "length" or json_valid(sample.text, PERSON), sample.text
 
 
 def test_sampling_with_drafts_runs_and_respects_seeds(model):

@@ -246,17 +246,17 @@ class ModelRunner:
                 self._collect_logprobs(out, reqs, rows, result)
             return tokens
         # One row per verified position: row i of a request sees drafts[:i] as output.
-        params, prompts, outputs, row_of = [], [], [], {}
+        params, prompts, outputs, rows_of = [], [], [], {}
         for req, d in zip(reqs, drafts):
-            row_of[req.req_id] = len(params) + len(d)
+            rows_of[req.req_id] = range(len(params), len(params) + len(d) + 1)
             for i in range(len(d) + 1):
                 params.append(req.sampling_params)
                 prompts.append(req.token_ids[:req.num_prompt_tokens])
                 outputs.append(req.output_token_ids + d[:i])
         md = SamplingMetadata.build(params, prompts, outputs, valid_vocab_size=settings.valid_vocab_size,
                                     eos_token_id=settings.eos_token_id, device=dev)
-        if so.grammar_req_ids:  # guided requests carry no drafts: one row each
-            md.set_grammar_bitmask([row_of[rid] for rid in so.grammar_req_ids], so.grammar_bitmask, dev)
+        if so.grammar_req_ids:  # a guided request's bitmask has a row for each of its positions
+            md.set_grammar_bitmask([r for rid in so.grammar_req_ids for r in rows_of[rid]], so.grammar_bitmask, dev)
         result = verify(self.sampler, logits, md, drafts)
         if result.logprobs_token_ids is not None:
             flat, rows = 0, []
