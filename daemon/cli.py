@@ -1,4 +1,4 @@
-"""The `llmd` command: `llmd serve` runs the daemon."""
+"""The `llmd` command: `llmd serve` runs the daemon; `llmd bench` runs the benchmarks."""
 from __future__ import annotations
 
 import logging
@@ -15,7 +15,7 @@ from llmd.config import EngineConfig
 _EXPLICIT = {"model", "device", "tensor_parallel_size", "speculative_config"}
 
 
-def _engine_options(func):
+def engine_options(func):
     hints = typing.get_type_hints(EngineConfig)
     for name in reversed(EngineConfig.__struct_fields__):
         if name in _EXPLICIT:
@@ -34,7 +34,20 @@ def _engine_options(func):
     return func
 
 
-@click.group()
+class _Commands(click.Group):
+    """`bench` is imported only when asked for: `llmd serve` never loads benchmark code."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), "bench"})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name == "bench":
+            from llmd_tools.bench.cli import bench
+            return bench
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=_Commands)
 def main() -> None:
     """llmd: a local LLM inference daemon."""
 
@@ -47,8 +60,10 @@ def main() -> None:
 @click.option("--config", "config_file", default=None, help="TOML settings file.")
 @click.option("--drain-timeout-s", type=float, default=None, help="On SIGTERM, let requests finish this long.")
 @click.option("--admin-group", default=None, help="Group whose members may see and abort all requests.")
+@click.option("--metrics-port", type=click.IntRange(1, 65535), default=None,
+              help="Serve Prometheus text at http://127.0.0.1:PORT/metrics.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None)
-@_engine_options
+@engine_options
 def serve(socket_path, config_file, **settings) -> None:
     """Load a model and serve it on a Unix socket."""
     from llmd.server import load_settings, serve as run

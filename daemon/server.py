@@ -13,7 +13,7 @@ import stat
 import tomllib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import uvloop
@@ -33,6 +33,8 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     drain_timeout_s: float = 30.0
     max_pending_requests: int = 4096
     log_level: str = "info"
+    # Prometheus text over HTTP at http://127.0.0.1:PORT/metrics; None: no listener.
+    metrics_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None
 
 
 def bind_path() -> str:
@@ -129,6 +131,10 @@ async def _serve(daemon: DaemonConfig, engine_config: EngineConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
+    metrics_sock = None
+    if daemon.metrics_port is not None:
+        from llmd.actors.metrics_http import bind_metrics_socket
+        metrics_sock = bind_metrics_socket(daemon.metrics_port)
     adopted = sd_notify.listen_fds()
     created_path = None
     if adopted:
@@ -137,7 +143,12 @@ async def _serve(daemon: DaemonConfig, engine_config: EngineConfig) -> int:
         logger.info("adopted socket from the service manager")
     else:
         created_path = daemon.socket or bind_path()
-        sock = bind_socket(created_path, daemon.socket_group)
+        try:
+            sock = bind_socket(created_path, daemon.socket_group)
+        except BaseException:
+            if metrics_sock is not None:
+                metrics_sock.close()
+            raise
         logger.info("listening on %s", created_path)
 
     sd_notify.status("loading model")
@@ -148,6 +159,8 @@ async def _serve(daemon: DaemonConfig, engine_config: EngineConfig) -> int:
         logger.info("stopped while loading the model")
         model_thread.shutdown(wait=False, cancel_futures=True)
         _close_socket(sock, created_path)
+        if metrics_sock is not None:
+            metrics_sock.close()
         return 0
     engine = load.result()
     model_name = Path(engine.model_dir).name
@@ -163,6 +176,11 @@ async def _serve(daemon: DaemonConfig, engine_config: EngineConfig) -> int:
     supervisor = Supervisor()
     for actor in (metrics, detokenizer, scheduler, intake):
         supervisor.start(actor)
+    metrics_server = None
+    if metrics_sock is not None:
+        from llmd.actors.metrics_http import serve_metrics
+        metrics_server = await serve_metrics(metrics_sock, metrics)
+        logger.info("Prometheus metrics on http://127.0.0.1:%d/metrics", daemon.metrics_port)
     watchdog = asyncio.ensure_future(_watchdog())
     sd_notify.ready(f"serving {model_name}")
     logger.info("serving %s on %s (%s, %s)", model_name, created_path or "the adopted socket",
@@ -192,6 +210,8 @@ async def _serve(daemon: DaemonConfig, engine_config: EngineConfig) -> int:
             for task in done:
                 task.exception()  # a peer that went away is not an error here
     watchdog.cancel()
+    if metrics_server is not None:
+        metrics_server.close()
     await supervisor.stop(["intake", "scheduler", "detokenizer", "metrics"])
     for conn in list(intake.connections):
         conn.writer.close()

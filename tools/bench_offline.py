@@ -13,19 +13,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import time
 
 import psutil
 import torch
 
 from llmd import LLM, SamplingParams
+from llmd_tools.bench.hf import run_hf
+from llmd_tools.bench.workloads import make_prompts
 from llmd_tools.make_model import fixture_path
 
-
-def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(5, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class StepTimer:
@@ -63,29 +61,6 @@ def run_llmd(model: str, dtype: str, prompts: list[list[int]], batch: int, new_t
             "overhead_frac": 1 - timer.forward_s / elapsed}
 
 
-def run_hf(model: str, dtype: str, prompts: list[list[int]], batch: int, new_tokens: int) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).eval()
-    pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
-
-    def generate(chunk: list[list[int]]) -> int:
-        width = max(len(p) for p in chunk)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
-        with torch.inference_mode():
-            out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
-        return (out.shape[1] - width) * len(chunk)
-
-    generate(prompts[:1])  # warm-up
-    start = time.perf_counter()
-    generated = sum(generate(prompts[i:i + batch]) for i in range(0, len(prompts), batch))
-    elapsed = time.perf_counter() - start
-    return {"tokens": generated, "seconds": elapsed, "tok_s": generated / elapsed}
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="small-llama", help="fixture name or model directory")
@@ -108,7 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         for batch in args.batch:
             subset = prompts[:args.batch1_prompts] if batch == 1 else prompts
             ours = run_llmd(model, dtype, subset, batch, args.new_tokens)
-            ref = None if args.no_hf else run_hf(model, dtype, subset, batch, args.new_tokens)
+            ref = None
+            if not args.no_hf:
+                hf = run_hf(model, DTYPES[dtype], "cpu", subset, [args.new_tokens] * len(subset), batch)
+                ref = {"tokens": hf.output_tokens, "seconds": hf.seconds, "tok_s": hf.tok_s}
             rows.append({"dtype": dtype, "batch": batch, "prompts": len(subset), "llmd": ours, "hf": ref,
                          "ratio": None if ref is None else ours["tok_s"] / ref["tok_s"]})
     meta = {"model": model, "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),

@@ -186,6 +186,9 @@ class MetricsActor(Actor):
             metric(name, "histogram", text, _labelled(hist.lines(f"llmd:{name}"), m))
         metric("process_resident_memory_bytes", "gauge", "Resident memory of the daemon.",
                [f"llmd:process_resident_memory_bytes {s.rss_bytes}"])
+        cpu = self.process.cpu_times()
+        metric("process_cpu_seconds", "counter", "CPU time of the daemon process (user + system).",
+               [f"llmd:process_cpu_seconds_total {cpu.user + cpu.system}"])
         return "\n".join(lines) + "\n"
 
 
