@@ -11,7 +11,9 @@ import msgspec
 class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Speculative decoding (vLLM's names). "ngram": drafts are the tokens that followed
     the most recent earlier occurrence of the last n tokens (prompt_lookup_max down to
-    prompt_lookup_min) in the request's own prompt and output."""
+    prompt_lookup_min) in the request's own prompt and output. "draft_model": a small
+    model (`draft_model`, a local directory) sharing the target's tokenizer and
+    vocabulary drafts num_speculative_tokens tokens per step in the worker."""
 
     method: Literal["ngram", "draft_model"] = "ngram"
     num_speculative_tokens: int = 3
@@ -25,8 +27,11 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
                              f"got {self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 64:
             raise ValueError("speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max <= 64")
-        if self.method == "draft_model":
-            raise ValueError("speculative_config.method \"draft_model\" is not supported yet; use \"ngram\"")
+        if self.method == "draft_model" and not self.draft_model:
+            raise ValueError("speculative_config.method \"draft_model\" needs draft_model: "
+                             "the path of the draft model's directory")
+        if self.method == "ngram" and self.draft_model is not None:
+            raise ValueError("speculative_config.draft_model is only used with method \"draft_model\"")
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -89,6 +94,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "uni":
             # One worker process per rank: tensor parallelism always runs on "mp".
             self.distributed_executor_backend = "mp"
+        spec = self.speculative_config
+        check(spec is None or spec.method != "draft_model" or self.tensor_parallel_size == 1,
+              "speculative_config", "method \"draft_model\" does not run with tensor_parallel_size > 1 yet")
         if self.cpu_threads is not None:
             check(self.cpu_threads >= 1, "cpu_threads", f"must be >= 1, got {self.cpu_threads}")
         check(self.attention_backend in ("auto", "torch", "triton"), "attention_backend",

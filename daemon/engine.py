@@ -63,10 +63,16 @@ class LLMEngine:
         self.eos_token_id = self.tokenizer.eos_token_id
         self.extra_stop_token_ids = _generation_eos_ids(self.model_dir) - {self.eos_token_id}
 
+        spec = config.speculative_config
+        draft_model = spec.draft_model if spec is not None and spec.method == "draft_model" else None
+        if draft_model is not None:
+            _check_draft_model(draft_model, hf_config, self.tokenizer, self.max_model_len)
         settings = RunnerSettings(block_size=config.block_size, max_model_len=self.max_model_len,
                                   valid_vocab_size=min(len(self.tokenizer), self.vocab_size),
                                   eos_token_id=self.eos_token_id, seed=config.seed,
-                                  cpu_threads=config.cpu_threads, attention_backend=config.attention_backend)
+                                  cpu_threads=config.cpu_threads, attention_backend=config.attention_backend,
+                                  draft_model=draft_model,
+                                  num_speculative_tokens=spec.num_speculative_tokens if draft_model else 0)
         self._runner_settings = settings
         self.executor = self._make_executor()
         bytes_per_block = self.executor.kv_cache_bytes_per_block()
@@ -218,6 +224,41 @@ class LLMEngine:
             "prefix_cache_hits": stats.hits,
             "prefix_cache_hit_rate": stats.hit_rate,
         }
+
+
+def _check_draft_model(draft_dir: str, target_config, target_tokenizer, max_model_len: int) -> None:
+    """A draft model must share the target's vocabulary (the same logit width, the same
+    tokens under the same ids, the same EOS) and reach max_model_len."""
+    from transformers import AutoTokenizer
+
+    from llmd.gpu.loader import load_hf_config
+
+    what = f"speculative_config.draft_model {draft_dir!r}"
+    if not Path(draft_dir).is_dir():
+        raise ValueError(f"{what} is not a directory")
+    try:
+        draft_config = load_hf_config(draft_dir)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{what}: {exc}") from None
+    if draft_config.vocab_size != target_config.vocab_size:
+        raise ValueError(f"{what} has vocab size {draft_config.vocab_size}, the target model "
+                         f"{target_config.vocab_size}: a draft model must share the target's vocabulary")
+    draft_max_pos = getattr(draft_config, "max_position_embeddings", 2048)
+    if draft_max_pos < max_model_len:
+        raise ValueError(f"{what} has max_position_embeddings {draft_max_pos}, less than max_model_len "
+                         f"{max_model_len}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(draft_dir, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{what}: cannot load its tokenizer ({exc})") from None
+    for name, draft_value, target_value in (("tokenizer size", len(tokenizer), len(target_tokenizer)),
+                                            ("eos token id", tokenizer.eos_token_id, target_tokenizer.eos_token_id)):
+        if draft_value != target_value:
+            raise ValueError(f"{what} has {name} {draft_value}, the target model {target_value}: "
+                             "a draft model must share the target's tokenizer")
+    if tokenizer.get_vocab() != target_tokenizer.get_vocab():
+        raise ValueError(f"{what}: its tokenizer maps tokens to other ids than the target's: "
+                         "a draft model must share the target's tokenizer")
 
 
 def _generation_eos_ids(model_dir: str) -> set[int]:

@@ -42,6 +42,16 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     # Speculative decoding: draft tokens to verify, by request. Such a request's
     # scheduled tokens are its last sampled token followed by these drafts.
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+    # Draft-model speculation, guided requests: the proposed draft right after the ones
+    # being verified, which the grammar refused or which ends the grammar. It is tested
+    # (at the request's last row) rather than dropped, since dropping a draft because of
+    # its value would bias sampling; if accepted it is the request's last token this step.
+    scheduled_spec_tail_tokens: dict[str, int] = {}
+    # Draft-model speculation: the requests the worker drafts for after this step's
+    # sampling, each with the most tokens (known + drafts) its drafts may reach. The
+    # scheduler reserved KV slots for every position those drafts write, and the limit
+    # keeps them within what the request may still emit (and max_model_len).
+    draft_max_num_tokens: dict[str, int] = {}
 
 
 class Logprobs(msgspec.Struct, array_like=True):
@@ -69,3 +79,5 @@ class RunnerOutput(msgspec.Struct, array_like=True):
     logprobs: dict[str, Logprobs] = {}
     # Prompt logprobs computed in this step (one chunk), by request id.
     prompt_logprobs: dict[str, PromptLogprobs] = {}
+    # Draft-model speculation: the drafts proposed for the next step, by request id.
+    draft_token_ids: dict[str, list[int]] = {}

@@ -74,8 +74,11 @@ class Request:
         self.stop_reason: int | str | None = None
         # Guided decoding: a llmd.structured_output.RequestGrammar (spec, then matcher).
         self.grammar = grammar
-        # Speculative decoding: draft tokens proposed for the next step.
+        # Speculative decoding: draft tokens proposed for the next step, and (draft model,
+        # guided) the proposed draft after them that the grammar cut off (see
+        # SchedulerOutput.scheduled_spec_tail_tokens).
         self.spec_token_ids: list[int] = []
+        self.spec_tail_token: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -64,8 +64,14 @@ class Scheduler:
         # Results decided outside a model step (a grammar that failed), for the next caller.
         self._pending_updates: list[RequestUpdate] = []
         spec = config.speculative_config
-        self.proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
-                                       spec.prompt_lookup_max) if spec is not None else None)
+        self.proposer = None
+        # Draft-model speculation: drafts per step, proposed by the worker after sampling.
+        self.num_draft_model_tokens = 0
+        if spec is not None and spec.method == "ngram":
+            self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                          spec.prompt_lookup_max)
+        elif spec is not None:
+            self.num_draft_model_tokens = spec.num_speculative_tokens
         self.spec_stats = SpecDecodeStats()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -161,6 +167,8 @@ class Scheduler:
         cached_computed: list[int] = []
         new_reqs: list[NewRequestData] = []
         spec_tokens: dict[str, list[int]] = {}
+        spec_tails: dict[str, int] = {}
+        draft_limits: dict[str, int] = {}
         preempted_any = False
 
         index = 0
@@ -170,15 +178,18 @@ class Scheduler:
             if num_new == 0:
                 index += 1
                 continue
-            drafts = self._drafts_to_verify(request, num_new, budget)
+            drafts, tail = self._drafts_to_verify(request, num_new, budget)
+            drafting = self._drafts_for(request, request.num_computed_tokens + num_new)
             num_new += len(drafts)
+            lookahead = self._draft_lookahead(request, request.num_computed_tokens + num_new) if drafting else 0
             while True:
-                new_blocks = self.kv.allocate_slots(request, num_new)
+                new_blocks = self.kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
                 if new_blocks is not None:
                     break
-                if drafts:  # drop the drafts before preempting anyone for them
+                if drafts or tail is not None or drafting:
+                    # Drop the speculation before preempting anyone for it.
                     num_new -= len(drafts)
-                    drafts = []
+                    drafts, tail, drafting, lookahead = [], None, False, 0
                     continue
                 victim = self._pick_victim()
                 preempted_any = True
@@ -189,6 +200,8 @@ class Scheduler:
                     # Only the priority policy can pick one already scheduled this step.
                     budget += num_scheduled.pop(victim.request_id)
                     spec_tokens.pop(victim.request_id, None)
+                    spec_tails.pop(victim.request_id, None)
+                    draft_limits.pop(victim.request_id, None)
                     pos = cached_ids.index(victim.request_id)
                     del cached_ids[pos], cached_new_blocks[pos], cached_computed[pos]
                 self._preempt(victim)
@@ -200,6 +213,10 @@ class Scheduler:
             budget -= num_new
             if drafts:
                 spec_tokens[request.request_id] = drafts
+            if tail is not None:
+                spec_tails[request.request_id] = tail
+            if drafting:
+                draft_limits[request.request_id] = request.num_computed_tokens + num_new + lookahead + 1
             cached_ids.append(request.request_id)
             cached_new_blocks.append([b.block_id for b in new_blocks])
             cached_computed.append(request.num_computed_tokens)
@@ -216,8 +233,12 @@ class Scheduler:
             num_new = min(request.num_tokens - num_hit, budget)
             if self.long_prefill_token_threshold:
                 num_new = min(num_new, self.long_prefill_token_threshold)
-            if self.kv.allocate_slots(request, num_new, hit_blocks, num_hit) is None:
-                break
+            drafting = self._drafts_for(request, num_hit + num_new)
+            lookahead = self._draft_lookahead(request, num_hit + num_new) if drafting else 0
+            if self.kv.allocate_slots(request, num_new, hit_blocks, num_hit, num_lookahead_tokens=lookahead) is None:
+                if not drafting or self.kv.allocate_slots(request, num_new, hit_blocks, num_hit) is None:
+                    break
+                drafting, lookahead = False, 0  # admitted without speculation
             self.waiting.pop()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
@@ -233,6 +254,8 @@ class Scheduler:
             ))
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+            if drafting:
+                draft_limits[request.request_id] = num_hit + num_new + lookahead + 1
 
         # The tokens are computed by the step this output describes; count them now so
         # the next schedule() sees them (they are in the cache before anyone reads them).
@@ -275,17 +298,39 @@ class Scheduler:
             grammar_req_ids=[r.request_id for r in guided],
             grammar_bitmask=bitmask,
             scheduled_spec_decode_tokens=spec_tokens,
+            scheduled_spec_tail_tokens=spec_tails,
+            draft_max_num_tokens=draft_limits,
         )
 
-    def _drafts_to_verify(self, request: Request, num_new: int, budget: int) -> list[int]:
+    def _drafts_to_verify(self, request: Request, num_new: int, budget: int) -> tuple[list[int], int | None]:
         """The request's proposed drafts that fit this step: only in decode (one known
         token to compute), within the token budget, and never more than the request may
-        still emit (all accepted drafts plus the token sampled after them)."""
+        still emit (all accepted drafts plus the token sampled after them). Also its
+        tail draft (see SchedulerOutput.scheduled_spec_tail_tokens), unless the drafts
+        before it were cut short."""
         drafts, request.spec_token_ids = request.spec_token_ids, []
-        if not drafts or num_new != 1 or request.num_computed_tokens + 1 != request.num_tokens:
-            return []
+        tail, request.spec_tail_token = request.spec_tail_token, None
+        if (not drafts and tail is None) or num_new != 1 or request.num_computed_tokens + 1 != request.num_tokens:
+            return [], None
         room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1)
-        return drafts[:max(room, 0)]
+        kept = drafts[:max(room, 0)]
+        return kept, tail if len(kept) == len(drafts) else None
+
+    def _drafts_for(self, request: Request, num_computed_after: int) -> bool:
+        """Whether the worker drafts for the request after this step (draft model): it
+        samples in this step (all its known tokens computed) and speculates."""
+        return bool(self.num_draft_model_tokens) and num_computed_after == request.num_tokens \
+            and request.sampling_params.speculative
+
+    def _draft_lookahead(self, request: Request, end: int) -> int:
+        """KV slots to reserve past the `end` tokens this step computes (drafts included)
+        for the drafts the worker writes after it: num_draft_model_tokens, but none past
+        what the request may still emit. With them the worker may draft up to `end +
+        lookahead + 1` tokens: its draft steps write K/V at every drafted position but the
+        last, so within the reserved slots (the most is when every draft is accepted and
+        drafting starts at position `end`)."""
+        last_useful = request.num_prompt_tokens + request.max_tokens - 2
+        return min(self.num_draft_model_tokens, max(0, last_useful - end))
 
     def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
         num_new = request.num_tokens - request.num_computed_tokens
@@ -308,6 +353,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        request.spec_tail_token = None
         request.num_preemptions += 1
         self.stats.num_preemptions_total += 1
         self.waiting.add_preempted(request)
@@ -351,13 +397,25 @@ class Scheduler:
                 self._release(request)
                 update.finish_reason = status.finish_reason
                 update.stop_reason = request.stop_reason
-            elif self.proposer is not None and new_tokens and request.sampling_params.speculative:
-                drafts = self.proposer.propose(request.all_token_ids)
-                if drafts and request.grammar is not None:
-                    drafts = self.structured.validate_drafts(request.grammar, drafts)
-                request.spec_token_ids = drafts
+            elif new_tokens and request.sampling_params.speculative:
+                self._take_drafts(request, runner_output.draft_token_ids.get(req_id, []))
             updates.append(update)
         return updates
+
+    def _take_drafts(self, request: Request, model_drafts: list[int]) -> None:
+        """The drafts to verify at the request's next step: the n-gram proposer's, or
+        those the draft model made in the worker. A guided request's are cut at the first
+        token its grammar refuses or that ends it. A draft-model draft is sampled, so
+        dropping it for its value would bias what is emitted: the cut-off one becomes the
+        tail, tested at the last verified position."""
+        drafts = self.proposer.propose(request.all_token_ids) if self.proposer is not None else model_drafts
+        tail = None
+        if drafts and request.grammar is not None:
+            valid = self.structured.validate_drafts(request.grammar, drafts)
+            if self.proposer is None and len(valid) < len(drafts):
+                tail = drafts[len(valid)]
+            drafts = valid
+        request.spec_token_ids, request.spec_tail_token = drafts, tail
 
     def _advance_grammar(self, request: Request, token: int) -> tuple[RequestStatus | None, str | None]:
         """Feed the sampled token to the request's matcher. The output ends when the

@@ -10,17 +10,25 @@ plain run's own output with every 8th draft token wrong (87% correct, as an edit
 rewrite might be), through the same verification path. Greedy outputs of all three
 runs are checked equal before any figure is printed.
 
-    python -m llmd_tools.bench_spec [--model small-llama] [--dtype float32] [--k 4] [--tokens 96]
+The "draft" row runs draft-model speculation. With a fixture target and no --draft, the
+draft is a tiny model of the target's architecture built with the target's tokenizer:
+random weights again, so its drafts are (almost) never accepted and the row measures
+what running a small draft model costs per step.
+
+    python -m llmd_tools.bench_spec [--model small-llama] [--draft DIR] [--dtype float32] [--k 4] [--tokens 96]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import tempfile
 import time
+from pathlib import Path
 
 from llmd import LLM, SamplingParams
 from llmd.spec_decode import SpecDecodeStats
-from llmd_tools.make_model import fixture_path
+from llmd_tools.make_model import build_model, fixture_path
 
 SNIPPET = '''def load_rows(path, sep=","):
     rows = []
@@ -57,6 +65,16 @@ class OracleDrafts:
         return []
 
 
+def tiny_draft_for(model: str, out_dir: str) -> str:
+    """A tiny model with the fixture `model`'s architecture, tokenizer and vocab size."""
+    meta_path = Path(model) / "llmd_fixture.json"
+    if not meta_path.is_file():
+        raise SystemExit(f"{model} is not a llmd fixture: give the draft model with --draft")
+    meta = json.loads(meta_path.read_text())
+    return str(build_model(Path(out_dir), meta["arch"], "tiny", tokenizer_vocab=meta["tokenizer_vocab_size"],
+                           vocab_size=meta["model_vocab_size"], tokenizer_flavour=meta["tokenizer_flavour"]))
+
+
 def timed(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[float, list[list[int]]]:
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -68,6 +86,7 @@ def timed(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[float, 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="small-llama")
+    ap.add_argument("--draft", default=None, help="draft model directory (default: a tiny fixture-built one)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--tokens", type=int, default=96, help="tokens generated per request")
@@ -79,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     spec = LLM(**common, speculative_config={"method": "ngram", "num_speculative_tokens": args.k,
                                              "prompt_lookup_min": 2, "prompt_lookup_max": 4})
     ngram = spec.engine.scheduler.proposer
+    with tempfile.TemporaryDirectory() as tmp:
+        draft = args.draft or tiny_draft_for(model, tmp)
+        drafted = LLM(**common, speculative_config={"method": "draft_model", "draft_model": draft,
+                                                    "num_speculative_tokens": args.k})
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     print(f"model {model}, {args.dtype}, k={args.k}, {args.tokens} tokens per request; "
           f"load avg {os.getloadavg()[0]:.2f}")
@@ -88,13 +111,16 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [edit_prompt(i) for i in range(batch)]
         plain.generate(prompts, SamplingParams(max_tokens=4))  # warm-up
         base, ref = timed(plain, prompts, params)
-        for name, proposer in (("ngram", ngram), ("oracle", OracleDrafts(spec, prompts, ref, args.k))):
-            spec.engine.scheduler.proposer = proposer
-            spec.engine.scheduler.spec_stats = SpecDecodeStats()
-            rate, tokens = timed(spec, prompts, params)
+        runs = (("ngram", spec, ngram), ("oracle", spec, OracleDrafts(spec, prompts, ref, args.k)),
+                ("draft", drafted, None))
+        for name, llm, proposer in runs:
+            if proposer is not None:
+                llm.engine.scheduler.proposer = proposer
+            llm.engine.scheduler.spec_stats = SpecDecodeStats()
+            rate, tokens = timed(llm, prompts, params)
             if tokens != ref:
                 raise SystemExit(f"speculative output differs from plain decoding ({name}, batch {batch})")
-            stats = spec.engine.scheduler.spec_stats
+            stats = llm.engine.scheduler.spec_stats
             print(f"{batch:>5} {name:>7} {base:12.1f} {rate:11.1f} {rate / base:8.2f}x "
                   f"{stats.acceptance_rate:9.1%} {stats.mean_accepted_length:9.2f}")
     return 0

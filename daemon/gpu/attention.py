@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -59,6 +60,32 @@ def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: 
                  dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """One layer's cache: [2, kv_heads, num_blocks, block_size, head_dim] (K then V)."""
     return torch.zeros(2, num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype, device=device)
+
+
+def model_kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one KV block takes across all of `model`'s layers (its own kv heads)."""
+    attn = model.layers[0].self_attn
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * len(model.layers) * block_size * attn.num_kv_heads * attn.head_dim * elem
+
+
+def new_model_kv_caches(model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
+                        device: torch.device) -> list[torch.Tensor]:
+    """One cache per layer of `model` (see new_kv_cache)."""
+    attn = model.layers[0].self_attn
+    return [new_kv_cache(num_blocks, block_size, attn.num_kv_heads, attn.head_dim, dtype, device)
+            for _ in model.layers]
+
+
+def set_decode_rows(md: AttentionMetadata, tables: list[list[int]], seq_lens: list[int], block_size: int,
+                    device: torch.device) -> None:
+    """The decode rows' block tables (padded to the longest), context lengths and mask."""
+    table_np = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int64)
+    for i, t in enumerate(tables):
+        table_np[i, :len(t)] = t
+    md.decode_block_table = torch.from_numpy(table_np).to(device)
+    md.decode_seq_lens = torch.tensor(seq_lens, dtype=torch.int64, device=device)
+    build_decode_mask(md, block_size)
 
 
 def build_decode_mask(md: AttentionMetadata, block_size: int) -> None:

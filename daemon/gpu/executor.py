@@ -24,4 +24,4 @@ class InProcessExecutor:
         return self.runner.execute_model(scheduler_output)
 
     def shutdown(self) -> None:
-        self.runner.kv_caches = []
+        self.runner.release_kv_cache()

@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from llmd.gpu.attention import AttentionMetadata, GatherWorkspace, build_decode_mask, new_kv_cache
+from llmd.gpu.attention import (AttentionMetadata, GatherWorkspace, model_kv_bytes_per_block,
+                                new_model_kv_caches, set_decode_rows)
 from llmd.gpu.attention_backends import resolve_attention_backend
+from llmd.gpu.draft_model import DraftModel
 from llmd.gpu.loader import load_model
 from llmd.gpu.rejection_sampler import verify
 from llmd.gpu.sampler import Sampler, SamplingMetadata, gather_logprobs
@@ -45,6 +47,9 @@ class RunnerSettings:
     seed: int
     cpu_threads: int | None = None  # torch intra-op threads when running on CPU
     attention_backend: str = "auto"  # "auto", "torch" or "triton" (see attention_backends)
+    # Draft-model speculation: the draft's directory and the drafts it makes per step.
+    draft_model: str | None = None
+    num_speculative_tokens: int = 0
 
 
 class ModelRunner:
@@ -65,30 +70,42 @@ class ModelRunner:
         self.attention_backend = resolve_attention_backend(settings.attention_backend, device)
         self.model = load_model(model_dir, dtype, device, settings.max_model_len, rank, world_size,
                                 self.attention_backend)
-        cfg = self.model.config
-        self.num_layers = cfg.num_hidden_layers
-        attn = self.model.layers[0].self_attn
-        self.num_kv_heads = attn.num_kv_heads
-        self.head_dim = attn.head_dim
-        self.vocab_size = cfg.vocab_size
+        self.vocab_size = self.model.config.vocab_size
         self.sampler = Sampler(seed=settings.seed)
         self.requests: dict[str, RunnerRequest] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.workspace = GatherWorkspace()
+        self.drafter: DraftModel | None = None
+        if settings.draft_model:
+            if world_size > 1:
+                raise ValueError("a draft model does not run with tensor parallelism yet")
+            self.drafter = DraftModel(settings, device, dtype, self.attention_backend, self.sampler,
+                                      self.workspace)
 
     # -- KV cache -------------------------------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        """Both models' bytes when there is a draft model: its cache has as many blocks."""
+        total = model_kv_bytes_per_block(self.model, self.block_size, self.dtype)
+        if self.drafter is not None:
+            total += self.drafter.kv_cache_bytes_per_block()
+        return total
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = [new_kv_cache(num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
-                                       self.dtype, self.device) for _ in range(self.num_layers)]
+        self.kv_caches = new_model_kv_caches(self.model, num_blocks, self.block_size, self.dtype, self.device)
+        if self.drafter is not None:
+            self.drafter.initialize_kv_cache(num_blocks)
+
+    def release_kv_cache(self) -> None:
+        self.kv_caches = []
+        if self.drafter is not None:
+            self.drafter.kv_caches = []
 
     # -- one step -------------------------------------------------------------------
     def _apply_scheduler_output(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
+        if self.drafter is not None:
+            self.drafter.forget(so.finished_req_ids)
         for new in so.scheduled_new_reqs:
             self.requests[new.req_id] = RunnerRequest(
                 req_id=new.req_id,
@@ -170,15 +187,11 @@ class ModelRunner:
             workspace=self.workspace,
         )
         if decodes:
-            width = max(len(t) for t in tables)
-            table_np = np.zeros((len(tables), width), dtype=np.int64)
-            for i, t in enumerate(tables):
-                table_np[i, :len(t)] = t
-            md.decode_block_table = torch.from_numpy(table_np).to(dev)
-            md.decode_seq_lens = torch.tensor(seq_lens, dtype=torch.int64, device=dev)
-            build_decode_mask(md, bs)
+            set_decode_rows(md, tables, seq_lens, bs, dev)
 
         hidden = self.model(ids_t, pos_t, self.kv_caches, md)
+        if self.drafter is not None:
+            self.drafter.forward(ids_t, pos_t, md)
 
         # Rows that sample: requests whose known tokens are all computed after this step
         # (all 1 + k rows of a request verifying k drafts).
@@ -223,6 +236,11 @@ class ModelRunner:
             tokens = sampled_by_req.get(req.req_id, [])
             req.token_ids.extend(tokens)
             out.sampled_token_ids.append(tokens)
+        if self.drafter is not None:
+            # A request that sampled has used (or dropped) its proposal: only new ones count.
+            self.drafter.forget([r.req_id for r in sample_reqs])
+            if so.draft_max_num_tokens:
+                out.draft_token_ids = self.drafter.propose(sample_reqs, so.draft_max_num_tokens)
         return out
 
     def _sample(self, so: SchedulerOutput, logits: torch.Tensor, reqs: list[RunnerRequest],
@@ -231,7 +249,7 @@ class ModelRunner:
         accepted drafts and one more. Logprobs go into `out`."""
         dev = logits.device
         settings = self.settings
-        if not so.scheduled_spec_decode_tokens:
+        if not so.scheduled_spec_decode_tokens and not so.scheduled_spec_tail_tokens:
             md = SamplingMetadata.build(
                 [r.sampling_params for r in reqs], [r.token_ids[:r.num_prompt_tokens] for r in reqs],
                 [r.output_token_ids for r in reqs], valid_vocab_size=settings.valid_vocab_size,
@@ -257,7 +275,12 @@ class ModelRunner:
                                     eos_token_id=settings.eos_token_id, device=dev)
         if so.grammar_req_ids:  # a guided request's bitmask has a row for each of its positions
             md.set_grammar_bitmask([r for rid in so.grammar_req_ids for r in rows_of[rid]], so.grammar_bitmask, dev)
-        result = verify(self.sampler, logits, md, drafts)
+        tails = [so.scheduled_spec_tail_tokens.get(r.req_id) for r in reqs]
+        draft_probs = None  # n-gram drafts: point masses (and greedy rows need no q)
+        if self.drafter is not None and not md.all_greedy:
+            draft_probs = self.drafter.take_probs([r.req_id for r in reqs], drafts, tails, md.num_rows,
+                                                  md.vocab_limit)
+        result = verify(self.sampler, logits, md, drafts, draft_probs, tails)
         if result.logprobs_token_ids is not None:
             flat, rows = 0, []
             for ts in result.token_ids:

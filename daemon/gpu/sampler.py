@@ -275,18 +275,26 @@ class Sampler:
                 and not md.min_tokens_pending:
             return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1))
         logits, raw_logprobs = self.prepare(logits, md)
-        if md.all_greedy:
-            sampled = logits.argmax(dim=-1)
-        else:
-            greedy = None if md.all_random else logits.argmax(dim=-1)
-            probs = self.filter(logits, md).softmax(dim=-1)
-            sampled = self.race(probs, md)
-            if greedy is not None:
-                sampled = torch.where(md.is_greedy, greedy, sampled)
+        sampled, _ = self.sample(logits, md)
         if raw_logprobs is None:
             return SamplerOutput(sampled_token_ids=sampled)
         ids, lps, ranks = gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs_token_ids=ids, logprobs=lps, ranks=ranks)
+
+    def sample(self, logits: torch.Tensor, md: SamplingMetadata, *, keep_probs: bool = False,
+               salt: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Prepared logits -> (one token per row: the argmax on greedy rows, a draw from
+        the filtered distribution on random rows; with keep_probs, that distribution
+        [N, vocab_limit] (rows of greedy requests too), else None). `salt` separates
+        seeded rows' draws from other streams at the same position (see uniform)."""
+        if md.all_greedy:
+            return logits.argmax(dim=-1), None
+        greedy = None if md.all_random else logits.argmax(dim=-1)
+        probs = self.filter(logits, md).softmax(dim=-1)
+        sampled = self.race(probs.clone() if keep_probs else probs, md, salt)
+        if greedy is not None:
+            sampled = torch.where(md.is_greedy, greedy, sampled)
+        return sampled, probs if keep_probs else None
 
     # The stages, also used by the rejection sampler (speculative decoding) -------------
     @staticmethod
@@ -332,13 +340,13 @@ class Sampler:
             logits = apply_min_p(logits, md.log_min_p)
         return logits
 
-    def race(self, probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    def race(self, probs: torch.Tensor, md: SamplingMetadata, salt: int = 0) -> torch.Tensor:
         """Exponential race: argmax(p / E) with E ~ Exp(1) picks token i with probability p_i
         (p need not be normalised). E = -log(U) is several times faster than exponential_
         on CPU. U is kept inside (0, 1) so that E is finite and positive: every token with
         p > 0 then beats every masked one (an E of 0 or inf would give NaN or an all-zero
         row). Overwrites probs."""
-        noise = self.uniform(probs, md)
+        noise = self.uniform(probs, md, salt)
         noise.clamp_(min=torch.finfo(noise.dtype).tiny, max=1.0 - torch.finfo(noise.dtype).eps / 2)
         noise.log_().neg_()
         return probs.div_(noise).argmax(dim=-1)
