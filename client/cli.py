@@ -241,8 +241,20 @@ def format_status(s: StatusReply) -> str:
         f"prefix hits  {s.prefix_cache_hit_rate:.1%}",
         f"throughput   {s.generation_tokens_per_s:.1f} tokens/s; {s.prompt_tokens_total} prompt and "
         f"{s.generation_tokens_total} generated tokens in total",
-        f"memory       {_bytes(s.rss_bytes)} RSS, CPU {s.cpu_percent:.0f}%",
+        f"memory       {_bytes(s.rss_bytes)} RSS, CPU {s.cpu_percent:.0f}%"
+        + (f"; device {_bytes(s.device_memory_bytes)}" if s.device_memory_bytes is not None else ""),
     ]
+    if s.num_preemptions_total:
+        lines.append(f"preemptions  {s.num_preemptions_total}")
+    if s.grammar_compiles_total:
+        lines.append(f"grammars     {s.grammar_compiles_total} compiled, "
+                     f"{1e3 * s.grammar_compile_seconds_total / s.grammar_compiles_total:.1f} ms each on average")
+    if s.spec_decode is not None:
+        sd = s.spec_decode
+        per_pos = ", ".join(str(n) for n in sd.accepted_per_position) or "-"
+        lines.append(f"speculation  {sd.num_accepted_tokens} / {sd.num_draft_tokens} drafts accepted "
+                     f"({sd.acceptance_rate:.1%}), {sd.mean_accepted_length:.2f} tokens per verifying step; "
+                     f"accepted by position: {per_pos}")
     if s.requests:
         rows = [("REQUEST", "UID", "STATE", "AGE", "PROMPT", "GENERATED")]
         rows += [(r.request_id, str(r.uid), r.state, _duration(r.age_s), str(r.prompt_tokens),

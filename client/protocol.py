@@ -246,6 +246,18 @@ class RequestInfo(msgspec.Struct, kw_only=True):
     completion_tokens: int
 
 
+class SpecDecodeInfo(msgspec.Struct, kw_only=True):
+    """Speculative decoding since start: steps that verified drafts, drafted and
+    accepted tokens, and how often the draft at each position was accepted."""
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: list[int]
+    acceptance_rate: float  # accepted / drafted tokens
+    mean_accepted_length: float  # tokens emitted per verifying step (accepted + 1)
+
+
 class StatusReply(msgspec.Struct, tag="status_reply", kw_only=True):
     model: str
     server_version: str
@@ -265,6 +277,12 @@ class StatusReply(msgspec.Struct, tag="status_reply", kw_only=True):
     requests_finished_total: int
     rss_bytes: int
     cpu_percent: float
+    num_preemptions_total: int = 0
+    grammar_compiles_total: int = 0
+    grammar_compile_seconds_total: float = 0.0
+    # Memory the model's device holds (rank 0's torch allocator, reserved); None on CPU.
+    device_memory_bytes: int | None = None
+    spec_decode: SpecDecodeInfo | None = None  # None: speculative decoding is off
 
 
 class MetricsReply(msgspec.Struct, tag="metrics_reply"):

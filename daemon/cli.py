@@ -1,6 +1,7 @@
 """The `llmd` command: `llmd serve` runs the daemon; `llmd bench` runs the benchmarks."""
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import types
@@ -47,6 +48,18 @@ class _Commands(click.Group):
         return super().get_command(ctx, name)
 
 
+def _json_object(ctx: click.Context, param: click.Parameter, value: str | None) -> dict | None:
+    if value is None:
+        return None
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"not valid JSON ({exc.msg} at character {exc.pos})") from None
+    if not isinstance(parsed, dict):
+        raise click.BadParameter("must be a JSON object")
+    return parsed
+
+
 @click.group(cls=_Commands)
 def main() -> None:
     """llmd: a local LLM inference daemon."""
@@ -63,6 +76,8 @@ def main() -> None:
 @click.option("--metrics-port", type=click.IntRange(1, 65535), default=None,
               help="Serve Prometheus text at http://127.0.0.1:PORT/metrics.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None)
+@click.option("--speculative-config", "speculative_config", callback=_json_object, default=None,
+              help='Speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'.')
 @engine_options
 def serve(socket_path, config_file, **settings) -> None:
     """Load a model and serve it on a Unix socket."""

@@ -81,3 +81,6 @@ class RunnerOutput(msgspec.Struct, array_like=True):
     prompt_logprobs: dict[str, PromptLogprobs] = {}
     # Draft-model speculation: the drafts proposed for the next step, by request id.
     draft_token_ids: dict[str, list[int]] = {}
+    # CUDA: bytes the device's torch allocator holds after the step (a host-side counter,
+    # no sync); None on CPU. For status and metrics.
+    device_memory_bytes: int | None = None

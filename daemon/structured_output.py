@@ -19,6 +19,7 @@ Three stages, each with its own failure mode:
 from __future__ import annotations
 
 import codecs
+import collections
 import json
 import logging
 import re
@@ -297,7 +298,9 @@ class GrammarCompilerService:
         self.utf8_guard: Utf8Guard | None = None  # made with the compiler
         self._compiler_lock = threading.Lock()
         self.on_done: Callable[[], None] | None = None  # called (from a pool thread) after each job
-        self.compile_times: list[float] = []  # seconds, for metrics (drained by the reader)
+        # Seconds of each finished compile, for metrics. Bounded: the offline engine never
+        # reads it. deque's append and popleft are safe across threads.
+        self.compile_times: collections.deque[float] = collections.deque(maxlen=1024)
 
     def submit(self, spec: GrammarSpec) -> CompileJob:
         with self._lock:
@@ -308,6 +311,15 @@ class GrammarCompilerService:
             job = self._jobs[spec.key] = CompileJob()
         self._pool.submit(self._run, job, spec)
         return job
+
+    def drain_compile_times(self) -> list[float]:
+        """The compile times recorded since the last call."""
+        times = []
+        while True:
+            try:
+                times.append(self.compile_times.popleft())
+            except IndexError:
+                return times
 
     def _run(self, job: CompileJob, spec: GrammarSpec) -> None:
         job.started_at = time.monotonic()

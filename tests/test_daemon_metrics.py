@@ -37,6 +37,8 @@ def test_counters_equal_the_workload():
                 m = conn.recv()
                 if m.get("usage"):
                     finals[m["id"]] = m
+            conn.send({"type": "metrics"})
+            early = samples(conn.recv()["text"])
             # One aborted request: its tokens count too, under finished_reason="abort".
             conn.send({"type": "submit", "id": "ab", "token_ids": [9] * 12,
                        "sampling": {"max_tokens": 200, "ignore_eos": True}})
@@ -59,5 +61,84 @@ def test_counters_equal_the_workload():
                          if k[0] == "llmd:e2e_request_latency_seconds_bucket")
         assert [v for _, v in buckets] == sorted(v for _, v in buckets)  # cumulative
         assert buckets[-1][1] == 7
+
+        # Before the abort, every figure is exact: each prompt token is computed once and
+        # each generated token but the last is fed back once (no preemption, no cache hits).
+        prompt_total, decoded = sum(map(len, prompts)), sum(n - 1 for n in max_tokens)
+        assert early[("llmd:request_prompt_tokens_count", ())] == 6
+        assert early[("llmd:request_prompt_tokens_sum", ())] == prompt_total
+        assert early[("llmd:request_generation_tokens_sum", ())] == sum(max_tokens)
+        assert early[("llmd:scheduled_prefill_tokens_total", ())] == prompt_total
+        assert early[("llmd:scheduled_decode_tokens_total", ())] == decoded
+        assert early[("llmd:iteration_tokens_total_sum", ())] == prompt_total + decoded
+        assert early[("llmd:batch_size_count", ())] == early[("llmd:step_duration_seconds_count", ())]
+        # One gap per request per step after its first token; one queue time per request.
+        assert early[("llmd:inter_token_latency_seconds_count", ())] == decoded
+        assert early[("llmd:request_queue_time_seconds_count", ())] == 6
+        assert early[("llmd:grammar_compile_seconds_count", ())] == 0
+        assert not any(name.startswith("llmd:spec_decode") for name, _ in early)  # speculation is off
+        assert got[("llmd:request_queue_time_seconds_count", ())] in (6, 7)  # the abort may beat scheduling
     finally:
         assert d.stop() == 0, d.stderr()
+
+
+def test_grammar_compiles_are_counted_once_per_spec():
+    d = Daemon(str(fixture_path("tiny-llama")), Path(tempfile.mkdtemp(prefix="llmd-m-")) / "s.sock").wait_ready()
+    try:
+        with RawConn(d.sock) as conn:
+            for i, choice in enumerate((["red", "green"], ["red", "green"], ["a", "b", "c"])):
+                conn.send({"type": "submit", "id": f"g{i}", "prompt": "pick",
+                           "sampling": {"max_tokens": 8, "guided": {"choice": choice}}})
+                conn.until_final(f"g{i}")
+            conn.send({"type": "metrics"})
+            got = samples(conn.recv()["text"])
+            conn.send({"type": "status"})
+            status = conn.recv()
+        assert got[("llmd:grammar_compile_seconds_count", ())] == 2  # the repeated spec is cached
+        assert status["grammar_compiles_total"] == 2
+        assert status["grammar_compile_seconds_total"] == pytest.approx(got[("llmd:grammar_compile_seconds_sum", ())])
+    finally:
+        assert d.stop() == 0, d.stderr()
+
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def test_speculative_decoding_counters_equal_the_offline_engine():
+    """One greedy request at a time schedules exactly as the offline engine does, so the
+    daemon's draft and acceptance counters must equal the engine's own."""
+    import json
+
+    from llmd import LLM, SamplingParams
+
+    model = str(fixture_path("tiny-llama"))
+    prompts = [[11, 12, 13] * 10, [5, 6, 7, 8] * 8]
+    llm = LLM(model=model, max_model_len=256, num_gpu_blocks_override=128, speculative_config=SPEC)
+    for prompt in prompts:
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=80, ignore_eos=True))
+    ref = llm.engine.scheduler.spec_stats
+    llm.engine.shutdown()
+    assert ref.num_draft_tokens > 0  # the workload does speculate
+
+    d = Daemon(model, Path(tempfile.mkdtemp(prefix="llmd-m-")) / "s.sock",
+               "--speculative-config", json.dumps(SPEC)).wait_ready()
+    try:
+        with RawConn(d.sock) as conn:
+            for i, prompt in enumerate(prompts):
+                conn.send({"type": "submit", "id": f"s{i}", "token_ids": prompt,
+                           "sampling": {"max_tokens": 80, "ignore_eos": True, "temperature": 0}})
+                conn.until_final(f"s{i}")
+            conn.send({"type": "metrics"})
+            got = samples(conn.recv()["text"])
+            conn.send({"type": "status"})
+            spec = conn.recv()["spec_decode"]
+    finally:
+        assert d.stop() == 0, d.stderr()
+    assert got[("llmd:spec_decode_num_drafts_total", ())] == ref.num_drafts == spec["num_drafts"]
+    assert got[("llmd:spec_decode_num_draft_tokens_total", ())] == ref.num_draft_tokens == spec["num_draft_tokens"]
+    assert got[("llmd:spec_decode_num_accepted_tokens_total", ())] == ref.num_accepted_tokens \
+        == spec["num_accepted_tokens"]
+    per_pos = [got[("llmd:spec_decode_num_accepted_tokens_per_pos_total", (("position", str(i)),))]
+               for i in range(len(ref.accepted_per_position))]
+    assert per_pos == ref.accepted_per_position == spec["accepted_per_position"]
+    assert spec["mean_accepted_length"] == pytest.approx(ref.mean_accepted_length)

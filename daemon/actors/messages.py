@@ -7,6 +7,7 @@ from typing import Any
 import msgspec
 
 from llmd.scheduler import RequestUpdate
+from llmd.spec_decode import SpecDecodeStats
 
 
 class AddRequest(msgspec.Struct):
@@ -88,6 +89,11 @@ class StepStats(msgspec.Struct):
     prefix_queries: int
     prefix_hits: int
     num_preemptions_total: int
+    # Grammar compiles that ended since the last StepStats, in seconds.
+    grammar_compile_times: list[float] = []
+    # Speculative decoding totals since start (a copy); None when it is off.
+    spec: SpecDecodeStats | None = None
+    device_memory_bytes: int | None = None  # see RunnerOutput.device_memory_bytes
 
 
 class Query(msgspec.Struct):

@@ -11,10 +11,16 @@ import psutil
 
 from llmd.actors.messages import Query, RequestEvent, StepStats
 from llmd.actors.runtime import Actor
-from llmd_client.protocol import RequestInfo, StatusReply
+from llmd.spec_decode import SpecDecodeStats
+from llmd_client.protocol import RequestInfo, SpecDecodeInfo, StatusReply
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+# Token counts per request (vLLM's 1-2-5 series) and per step (vLLM's iteration buckets).
+TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
+STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class Histogram:
@@ -46,6 +52,8 @@ class _Tracked:
     queued: float
     prompt_tokens: int
     first_token: float | None = None
+    scheduled: float | None = None
+    last_step: float | None = None  # when a step last gave this request tokens
     generated: int = 0
 
 
@@ -54,6 +62,10 @@ class _Totals:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     finished: collections.Counter = field(default_factory=collections.Counter)
+    prefill_tokens: int = 0  # tokens computed in prefill rows (recomputation after preemption too)
+    decode_tokens: int = 0  # tokens computed in decode rows (drafts included)
+    grammar_compiles: int = 0
+    grammar_compile_seconds: float = 0.0
 
 
 class MetricsActor(Actor):
@@ -75,7 +87,15 @@ class MetricsActor(Actor):
         self.e2e = Histogram()
         self.queue_time = Histogram()
         self.tpot = Histogram()
+        self.itl = Histogram()
         self.step_time = Histogram()
+        self.prompt_tokens = Histogram(TOKEN_BUCKETS)
+        self.generation_tokens = Histogram(TOKEN_BUCKETS)
+        self.step_tokens = Histogram(STEP_TOKEN_BUCKETS)
+        self.batch_size = Histogram(BATCH_BUCKETS)
+        self.grammar_compile = Histogram(COMPILE_BUCKETS)
+        self.spec: SpecDecodeStats | None = None
+        self.device_memory_bytes: int | None = None
         self.process = psutil.Process()
         self.process.cpu_percent(None)
 
@@ -83,6 +103,11 @@ class MetricsActor(Actor):
         match message:
             case RequestEvent(kind="queued"):
                 self.requests[message.request_id] = _Tracked(message.uid, message.time, message.prompt_tokens)
+            case RequestEvent(kind="scheduled"):
+                tracked = self.requests.get(message.request_id)
+                if tracked is not None and tracked.scheduled is None:
+                    tracked.scheduled = message.time
+                    self.queue_time.observe(message.time - tracked.queued)
             case RequestEvent(kind="first_token"):
                 tracked = self.requests.get(message.request_id)
                 if tracked is not None and tracked.first_token is None:
@@ -93,25 +118,48 @@ class MetricsActor(Actor):
                 self.totals.prompt_tokens += message.prompt_tokens
                 self.totals.generation_tokens += message.completion_tokens
                 self.totals.finished[message.finish_reason or "unknown"] += 1
+                self.prompt_tokens.observe(message.prompt_tokens)
+                self.generation_tokens.observe(message.completion_tokens)
                 if tracked is not None:
                     self.e2e.observe(message.time - tracked.queued)
                     if tracked.first_token is not None and message.completion_tokens > 1:
                         self.tpot.observe((message.time - tracked.first_token) / (message.completion_tokens - 1))
             case StepStats():
-                self.last_step = message
-                for child_id, n in message.generated.items():
-                    tracked = self.requests.get(child_id.split("\x00", 1)[0])
-                    if tracked is not None:
-                        tracked.generated += n
-                if message.num_reqs:
-                    self.step_time.observe(message.duration_s)
-                if message.num_generated:
-                    self.recent_tokens.append((message.time, message.num_generated))
+                self._step(message)
             case Query(kind=kind, uid=uid, admin=admin, reply=reply):
                 if not reply.done():
                     reply.set_result(self.status(uid, admin) if kind == "status" else self.prometheus())
             case _:
                 raise TypeError(f"metrics actor got {type(message).__name__}")
+
+    def _step(self, message: StepStats) -> None:
+        self.last_step = message
+        gained = set()
+        for child_id, n in message.generated.items():
+            parent = child_id.split("\x00", 1)[0]
+            tracked = self.requests.get(parent)
+            if tracked is not None:
+                tracked.generated += n
+                gained.add(parent)
+        for parent in gained:  # one inter-token gap per request per step (n samples share it)
+            tracked = self.requests[parent]
+            if tracked.last_step is not None:
+                self.itl.observe(message.time - tracked.last_step)
+            tracked.last_step = message.time
+        if message.num_reqs:
+            self.step_time.observe(message.duration_s)
+            self.step_tokens.observe(message.num_tokens)
+            self.batch_size.observe(message.num_reqs)
+            self.totals.prefill_tokens += message.num_prefill_tokens
+            self.totals.decode_tokens += message.num_tokens - message.num_prefill_tokens
+        if message.num_generated:
+            self.recent_tokens.append((message.time, message.num_generated))
+        for seconds in message.grammar_compile_times:
+            self.grammar_compile.observe(seconds)
+        if message.spec is not None:
+            self.spec = message.spec
+        if message.device_memory_bytes is not None:
+            self.device_memory_bytes = message.device_memory_bytes
 
     def _tokens_per_s(self, window: float = 10.0) -> float:
         now = time.monotonic()
@@ -151,6 +199,11 @@ class MetricsActor(Actor):
             requests_finished_total=sum(self.totals.finished.values()),
             rss_bytes=self.process.memory_info().rss,
             cpu_percent=self.process.cpu_percent(None),
+            num_preemptions_total=step.num_preemptions_total if step else 0,
+            grammar_compiles_total=self.grammar_compile.count,
+            grammar_compile_seconds_total=self.grammar_compile.sum,
+            device_memory_bytes=self.device_memory_bytes,
+            spec_decode=_spec_info(self.spec),
         )
 
     def prometheus(self) -> str:
@@ -179,17 +232,49 @@ class MetricsActor(Actor):
         metric("request_success", "counter", "Finished requests by finish reason.",
                [f'llmd:request_success_total{{{m},finished_reason="{r}"}} {n}' for r, n in sorted(self.totals.finished.items())]
                or [f'llmd:request_success_total{{{m},finished_reason="stop"}} 0'])
+        metric("scheduled_prefill_tokens", "counter", "Tokens computed in prefill rows (prompt chunks; recomputation after preemption too).",
+               [f"llmd:scheduled_prefill_tokens_total{{{m}}} {self.totals.prefill_tokens}"])
+        metric("scheduled_decode_tokens", "counter", "Tokens computed in decode rows (the new token, plus drafts being verified).",
+               [f"llmd:scheduled_decode_tokens_total{{{m}}} {self.totals.decode_tokens}"])
         for name, hist, text in (("time_to_first_token_seconds", self.ttft, "Time to first token."),
                                  ("e2e_request_latency_seconds", self.e2e, "End-to-end request latency."),
+                                 ("request_queue_time_seconds", self.queue_time, "Time from arrival to first scheduled."),
                                  ("time_per_output_token_seconds", self.tpot, "Mean time per output token after the first."),
-                                 ("step_duration_seconds", self.step_time, "Engine step duration.")):
+                                 ("inter_token_latency_seconds", self.itl, "Time between steps that gave a request tokens."),
+                                 ("request_prompt_tokens", self.prompt_tokens, "Prompt tokens per finished request."),
+                                 ("request_generation_tokens", self.generation_tokens, "Generated tokens per finished request."),
+                                 ("iteration_tokens_total", self.step_tokens, "Tokens scheduled per engine step."),
+                                 ("batch_size", self.batch_size, "Requests per engine step."),
+                                 ("step_duration_seconds", self.step_time, "Engine step duration."),
+                                 ("grammar_compile_seconds", self.grammar_compile, "Guided decoding grammar compile time.")):
             metric(name, "histogram", text, _labelled(hist.lines(f"llmd:{name}"), m))
+        if self.spec is not None:
+            spec = self.spec
+            for name, value, text in (("spec_decode_num_drafts", spec.num_drafts, "Steps that verified drafts."),
+                                      ("spec_decode_num_draft_tokens", spec.num_draft_tokens, "Draft tokens verified."),
+                                      ("spec_decode_num_accepted_tokens", spec.num_accepted_tokens, "Draft tokens accepted.")):
+                metric(name, "counter", text, [f"llmd:{name}_total{{{m}}} {value}"])
+            metric("spec_decode_num_accepted_tokens_per_pos", "counter", "Accepted drafts by position (0 = first).",
+                   [f'llmd:spec_decode_num_accepted_tokens_per_pos_total{{{m},position="{i}"}} {n}'
+                    for i, n in enumerate(spec.accepted_per_position)])
+        if self.device_memory_bytes is not None:
+            metric("gpu_memory_reserved_bytes", "gauge", "Device memory held by the model's torch allocator (rank 0).",
+                   [f'llmd:gpu_memory_reserved_bytes{{{m},device="{self.device}"}} {self.device_memory_bytes}'])
         metric("process_resident_memory_bytes", "gauge", "Resident memory of the daemon.",
                [f"llmd:process_resident_memory_bytes {s.rss_bytes}"])
         cpu = self.process.cpu_times()
         metric("process_cpu_seconds", "counter", "CPU time of the daemon process (user + system).",
                [f"llmd:process_cpu_seconds_total {cpu.user + cpu.system}"])
         return "\n".join(lines) + "\n"
+
+
+def _spec_info(spec: SpecDecodeStats | None) -> SpecDecodeInfo | None:
+    if spec is None:
+        return None
+    return SpecDecodeInfo(num_drafts=spec.num_drafts, num_draft_tokens=spec.num_draft_tokens,
+                          num_accepted_tokens=spec.num_accepted_tokens,
+                          accepted_per_position=list(spec.accepted_per_position),
+                          acceptance_rate=spec.acceptance_rate, mean_accepted_length=spec.mean_accepted_length)
 
 
 def _labelled(lines: list[str], label: str) -> list[str]:

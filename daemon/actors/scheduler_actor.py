@@ -9,8 +9,10 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from llmd.actors.messages import (AbortRequest, AddRequest, GrammarCompiled, RequestsAborted, StepStats,
-                                  StepTokens, StopSamples)
+import msgspec
+
+from llmd.actors.messages import (AbortRequest, AddRequest, GrammarCompiled, RequestEvent, RequestsAborted,
+                                  StepStats, StepTokens, StopSamples)
 from llmd.actors.runtime import Actor
 from llmd.executor_error import ExecutorError
 from llmd.request import RequestStatus
@@ -82,6 +84,9 @@ class SchedulerActor(Actor):
             return
         num_cached = {r.req_id: self.scheduler.requests[r.req_id].num_cached_tokens
                       for r in scheduler_output.scheduled_new_reqs}
+        for parent in {r.req_id.split("\x00", 1)[0] for r in scheduler_output.scheduled_new_reqs}:
+            # Its queue time ends here (the metrics actor keeps only the first, not a resume).
+            self.metrics.send(RequestEvent(parent, "scheduled", start))
         try:
             runner_output = await loop.run_in_executor(self._pool, self.engine.executor.execute_model,
                                                        scheduler_output)
@@ -97,7 +102,8 @@ class SchedulerActor(Actor):
         self.detokenizer.send(StepTokens(updates, num_cached))
         if any(u.finish_reason is not None for u in updates):
             self._forget_finished()
-        self._publish(start, scheduler_output, {u.req_id: len(u.new_token_ids) for u in updates if u.new_token_ids})
+        self._publish(start, scheduler_output, {u.req_id: len(u.new_token_ids) for u in updates if u.new_token_ids},
+                      runner_output.device_memory_bytes)
 
     async def _idle_step(self, start: float) -> None:
         """Nothing could run: report grammars that failed, then (if every request is
@@ -118,9 +124,14 @@ class SchedulerActor(Actor):
         except TimeoutError:
             pass
 
-    def _publish(self, start: float, scheduler_output, generated: dict[str, int] | None = None) -> None:
+    def _publish(self, start: float, scheduler_output, generated: dict[str, int] | None = None,
+                 device_memory_bytes: int | None = None) -> None:
         """Step figures and the current queue/KV state for the metrics actor."""
         stats = self.kv.prefix_cache_stats
+        spec = None
+        if self.engine.config.speculative_config is not None:
+            spec = msgspec.structs.replace(self.scheduler.spec_stats, accepted_per_position=list(
+                self.scheduler.spec_stats.accepted_per_position))
         now = time.monotonic()
         stepped = scheduler_output is not None
         self.metrics.send(StepStats(
@@ -137,6 +148,8 @@ class SchedulerActor(Actor):
             kv_blocks_total=self.kv.num_blocks,
             prefix_queries=stats.queries, prefix_hits=stats.hits,
             num_preemptions_total=self.scheduler.stats.num_preemptions_total,
+            grammar_compile_times=self.engine.structured.service.drain_compile_times(),
+            spec=spec, device_memory_bytes=device_memory_bytes,
         ))
 
     def _forget_finished(self) -> None:

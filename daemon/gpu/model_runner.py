@@ -215,6 +215,8 @@ class ModelRunner:
             row += n
 
         out = RunnerOutput(req_ids=[], sampled_token_ids=[], logprobs={}, prompt_logprobs={})
+        if dev.type == "cuda":
+            out.device_memory_bytes = torch.cuda.memory_reserved(dev)
         for req, row0, first, count in prompt_lp_jobs:
             out.prompt_logprobs[req.req_id] = self._prompt_logprobs(hidden, req, row0, first, count)
 
