@@ -53,6 +53,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # "uni": the model runs in this process; "mp": one spawned worker process per device.
     distributed_executor_backend: Literal["uni", "mp"] = "uni"
     enforce_eager: bool = False
+    # Schedule step N+1 while step N runs (its sampled tokens are placeholders until they
+    # arrive): hides scheduling and output processing behind the model's work.
+    async_scheduling: bool = False
     # Paged attention kernels: "auto" (triton on CUDA when it imports, else torch).
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     # CPU: torch intra-op threads for the model (per TP rank). None: all cores (split
@@ -97,6 +100,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         spec = self.speculative_config
         check(spec is None or spec.method != "draft_model" or self.tensor_parallel_size == 1,
               "speculative_config", "method \"draft_model\" does not run with tensor_parallel_size > 1 yet")
+        check(spec is None or not self.async_scheduling, "async_scheduling",
+              "does not run with speculative_config yet (drafts need the previous step's tokens)")
         if self.cpu_threads is not None:
             check(self.cpu_threads >= 1, "cpu_threads", f"must be >= 1, got {self.cpu_threads}")
         check(self.attention_backend in ("auto", "torch", "triton"), "attention_backend",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from llmd.output_processor import OutputProcessor
 from llmd.outputs import RequestOutput
 from llmd.request import RequestStatus
 from llmd.scheduler import Scheduler
+from llmd.step_pipeline import StepPipeline, run_now
 from llmd.structured_output import GrammarCompilerService, StructuredOutputManager
 from llmd_client.protocol import SamplingParams
 
@@ -92,6 +94,10 @@ class LLMEngine:
             max_logprobs=config.max_logprobs, eos_token_id=self.eos_token_id,
             extra_stop_token_ids=self.extra_stop_token_ids)
         self._ids = itertools.count()
+        self._model_thread: ThreadPoolExecutor | None = None
+        submit = self._submit_step if config.async_scheduling else run_now(
+            lambda so: self.executor.execute_model(so))
+        self.pipeline = StepPipeline(self.scheduler, submit, overlap=config.async_scheduling)
 
     def _make_executor(self):
         from llmd.gpu.executor import InProcessExecutor
@@ -108,6 +114,7 @@ class LLMEngine:
         start a fresh executor. Returns the scheduler ids of the failed requests."""
         logger.error("executor failed: %s; failing %d request(s) and restarting it",
                      cause, len(self.scheduler.requests))
+        self.pipeline.reset()
         failed = list(self.scheduler.requests)
         self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ERROR)
         self.kv_cache_manager.reset_prefix_cache()
@@ -181,8 +188,8 @@ class LLMEngine:
 
     # -- one step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        scheduler_output = self.scheduler.schedule()
-        if scheduler_output.total_num_scheduled_tokens == 0:
+        step = self.pipeline.start()
+        if step is None:
             failed = self.scheduler.take_pending_updates()
             if failed:
                 return self.output_processor.process(failed, {})[0]
@@ -192,22 +199,37 @@ class LLMEngine:
                 self.structured.wait([r.grammar for r in self.scheduler.waiting_for_grammar],
                                      self.scheduler.grammar_deadline())
             return []
-        num_cached = {r.req_id: self.scheduler.requests[r.req_id].num_cached_tokens
-                      for r in scheduler_output.scheduled_new_reqs}
         try:
-            runner_output = self.executor.execute_model(scheduler_output)
+            runner_output = step.future.result()
         except ExecutorError as exc:
             self.recover_from_executor_failure(str(exc))
             parents = list(self.output_processor.requests)
             return [out for rid in parents if (out := self.output_processor.abort(rid, "error"))]
-        updates = self.scheduler.update_from_output(scheduler_output, runner_output)
-        outputs, stopped = self.output_processor.process(updates, num_cached)
+        step, updates = self.pipeline.finish(runner_output)
+        outputs, stopped = self.output_processor.process(updates, step.num_cached)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
 
+    def _submit_step(self, scheduler_output):
+        """Async scheduling: run the step on the model thread (the executor may be
+        replaced after a failure, so it is looked up when the step starts)."""
+        if self._model_thread is None:
+            self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmd-model")
+        return self._model_thread.submit(lambda: self.executor.execute_model(scheduler_output))
+
     def shutdown(self) -> None:
         """Stop the executor (worker processes exit) and drop the KV cache."""
+        in_flight = self.pipeline.in_flight
+        if in_flight is not None and in_flight.future is not None:
+            try:  # a step whose requests all finished may still run: let it end first
+                in_flight.future.result()
+            except ExecutorError:
+                pass
+        self.pipeline.reset()
+        if self._model_thread is not None:
+            self._model_thread.shutdown(wait=True)
+            self._model_thread = None
         self.executor.shutdown()
         self.structured.shutdown()
 

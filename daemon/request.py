@@ -79,6 +79,9 @@ class Request:
         # SchedulerOutput.scheduled_spec_tail_tokens).
         self.spec_token_ids: list[int] = []
         self.spec_tail_token: int | None = None
+        # Async scheduling: tokens being sampled by a step in flight, not yet known here.
+        # The next step is scheduled as if they were (the worker has them by then).
+        self.num_output_placeholders = 0
 
     @property
     def num_prompt_tokens(self) -> int:

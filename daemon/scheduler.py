@@ -10,6 +10,14 @@ preempted: its blocks are freed and it is recomputed later from its tokens.
 Guided requests wait in WAITING_FOR_GRAMMAR while their grammar compiles (other
 requests run meanwhile); each step fills one bitmask row for every guided request that
 samples, and each sampled token advances that request's matcher.
+
+Async scheduling (`async_scheduling`): step N+1 is scheduled while step N runs. A request
+sampling in step N then has a placeholder for that token: step N+1 computes it (the
+worker appended it when step N ended), and the scheduler learns its value in
+update_from_output(N). A request whose placeholder will be its last token (max_tokens)
+is not scheduled past it; one that step N finishes by EOS or a stop has run one step
+for nothing, whose token is dropped. Grammar rows of step N+1 need N's tokens in the
+matchers: they are filled after update_from_output(N) (fill_deferred_bitmask).
 """
 from __future__ import annotations
 
@@ -48,6 +56,15 @@ class SchedulerStats(msgspec.Struct):
     last_step_num_decode_reqs: int = 0
 
 
+class StepShape(msgspec.Struct, frozen=True):
+    """The make-up of one scheduled step, for metrics."""
+
+    num_reqs: int
+    num_tokens: int
+    num_prefill_tokens: int
+    num_decode_reqs: int
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager,
                  structured=None) -> None:
@@ -73,6 +90,10 @@ class Scheduler:
         elif spec is not None:
             self.num_draft_model_tokens = spec.num_speculative_tokens
         self.spec_stats = SpecDecodeStats()
+        self.async_scheduling = config.async_scheduling
+        # The step whose grammar rows wait for the tokens of the step in flight.
+        self._deferred_bitmask: tuple[SchedulerOutput, list[Request]] | None = None
+        self.last_shape = StepShape(0, 0, 0, 0)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         # Ids the worker must forget at the next step (finished, aborted, preempted).
@@ -262,21 +283,32 @@ class Scheduler:
         num_prefill_tokens = 0
         num_decode_reqs = 0
         guided: list[Request] = []
+        sampling: list[Request] = []
         for req_id, n in num_scheduled.items():
             request = self.requests[req_id]
             num_drafts = len(spec_tokens.get(req_id, ()))
-            if request.num_computed_tokens + n == request.num_tokens + num_drafts and n == 1 + num_drafts \
-                    and request.num_output_tokens:
+            known = request.num_tokens + request.num_output_placeholders
+            if request.num_computed_tokens + n == known + num_drafts and n == 1 + num_drafts \
+                    and (request.num_output_tokens or request.num_output_placeholders):
                 num_decode_reqs += 1
             else:
                 num_prefill_tokens += n
             request.num_computed_tokens += n
-            if request.grammar is not None and request.num_computed_tokens == request.num_tokens + num_drafts:
-                guided.append(request)  # samples in this step: its rows of the grammar bitmask
+            if request.num_computed_tokens == known + num_drafts:  # it samples in this step
+                sampling.append(request)
+                if request.grammar is not None:
+                    guided.append(request)  # its rows of the grammar bitmask
         bitmask = b""
+        deferred = False
         if guided:
-            bitmask = self.structured.fill_bitmask([r.grammar for r in guided],
-                                                   [spec_tokens.get(r.request_id, []) for r in guided])
+            if any(r.num_output_placeholders for r in guided):
+                deferred = True  # a matcher lacks a token still being sampled
+            else:
+                bitmask = self.structured.fill_bitmask([r.grammar for r in guided],
+                                                       [spec_tokens.get(r.request_id, []) for r in guided])
+        if self.async_scheduling:
+            for request in sampling:
+                request.num_output_placeholders += 1
 
         total = sum(num_scheduled.values())
         forget = []
@@ -289,7 +321,8 @@ class Scheduler:
         self.stats.last_step_num_tokens = total
         self.stats.last_step_num_prefill_tokens = num_prefill_tokens
         self.stats.last_step_num_decode_reqs = num_decode_reqs
-        return SchedulerOutput(
+        self.last_shape = StepShape(len(num_scheduled), total, num_prefill_tokens, num_decode_reqs)
+        output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=CachedRequestData(cached_ids, cached_new_blocks, cached_computed),
             num_scheduled_tokens=num_scheduled,
@@ -301,6 +334,25 @@ class Scheduler:
             scheduled_spec_tail_tokens=spec_tails,
             draft_max_num_tokens=draft_limits,
         )
+        if deferred:
+            self._deferred_bitmask = (output, guided)
+        return output
+
+    def bitmask_deferred(self, output: SchedulerOutput) -> bool:
+        """Whether `output`'s grammar rows wait for update_from_output of the step in flight."""
+        return self._deferred_bitmask is not None and self._deferred_bitmask[0] is output
+
+    def drop_deferred_bitmask(self) -> None:
+        self._deferred_bitmask = None
+
+    def fill_deferred_bitmask(self, output: SchedulerOutput) -> None:
+        """Fill `output`'s grammar rows now that the matchers have every sampled token.
+        A request finished meanwhile keeps its row (its token will be dropped)."""
+        deferred, self._deferred_bitmask = self._deferred_bitmask, None
+        assert deferred is not None and deferred[0] is output, "no deferred bitmask for this step"
+        guided = deferred[1]
+        output.grammar_bitmask = self.structured.fill_bitmask(
+            [None if r.is_finished else r.grammar for r in guided], [[] for _ in guided])
 
     def _drafts_to_verify(self, request: Request, num_new: int, budget: int) -> tuple[list[int], int | None]:
         """The request's proposed drafts that fit this step: only in decode (one known
@@ -333,7 +385,10 @@ class Scheduler:
         return min(self.num_draft_model_tokens, max(0, last_useful - end))
 
     def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
-        num_new = request.num_tokens - request.num_computed_tokens
+        if request.num_output_placeholders and \
+                request.num_output_tokens + request.num_output_placeholders >= request.max_tokens:
+            return 0  # the token in flight is its last
+        num_new = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
         if self.long_prefill_token_threshold:
             num_new = min(num_new, self.long_prefill_token_threshold)
         return min(num_new, budget)
@@ -352,6 +407,7 @@ class Scheduler:
         self._worker_forget.add(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0  # a token in flight is dropped and recomputed
         request.spec_token_ids = []
         request.spec_tail_token = None
         request.num_preemptions += 1
@@ -367,6 +423,8 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished or preempted while the step ran
+            if token_ids and request.num_output_placeholders:
+                request.num_output_placeholders -= 1
             num_drafts = len(output.scheduled_spec_decode_tokens.get(req_id, ()))
             if num_drafts:
                 # Rejected drafts' KV slots are overwritten later: computed no more.

@@ -430,10 +430,11 @@ class StructuredOutputManager:
         """When the first of these requests runs out of time to wait for its grammar."""
         return min((g.submitted_at + self.service.timeout_s for g in grammars), default=None)
 
-    def fill_bitmask(self, grammars: list[RequestGrammar], drafts: list[list[int]]) -> bytes:
+    def fill_bitmask(self, grammars: list[RequestGrammar | None], drafts: list[list[int]]) -> bytes:
         """Rows of allowed-token bits (int32 words, bit i of word j = token 32*j + i): per
         grammar, in order, one row for each position it samples at: 1 + its drafts (the
-        row after drafts[:i] is filled with drafts[:i] accepted, then rolled back)."""
+        row after drafts[:i] is filled with drafts[:i] accepted, then rolled back). A
+        None grammar gets rows that allow every token."""
         start = time.perf_counter()
         n = sum(1 + len(d) for d in drafts)
         if self._bitmask is None or n > self._bitmask.shape[0]:
@@ -443,6 +444,10 @@ class StructuredOutputManager:
         guard = self.service.utf8_guard
         row = 0
         for grammar, request_drafts in zip(grammars, drafts):
+            if grammar is None:  # a finished request's row (its token is dropped): anything
+                rows[row:row + 1 + len(request_drafts)] = -1
+                row += 1 + len(request_drafts)
+                continue
             matcher, tail = grammar.matcher, grammar.utf8_tail
             for i in range(len(request_drafts) + 1):
                 if i:

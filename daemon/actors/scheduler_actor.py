@@ -16,6 +16,8 @@ from llmd.actors.messages import (AbortRequest, AddRequest, GrammarCompiled, Req
 from llmd.actors.runtime import Actor
 from llmd.executor_error import ExecutorError
 from llmd.request import RequestStatus
+from llmd.scheduler import StepShape
+from llmd.step_pipeline import Step
 
 logger = logging.getLogger("llmd.scheduler")
 
@@ -35,6 +37,10 @@ class SchedulerActor(Actor):
         # All torch work stays on one thread (the one that loaded the model): a second
         # thread would start a second OpenMP team competing for the same cores.
         self._pool = model_thread or ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmd-model")
+        # Steps run on the model thread; the executor is looked up when a step starts
+        # (a failed one is replaced).
+        self.pipeline = engine.pipeline
+        self.pipeline.submit = lambda output: self._pool.submit(lambda: engine.executor.execute_model(output))
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -78,18 +84,12 @@ class SchedulerActor(Actor):
 
     async def _step(self, loop: asyncio.AbstractEventLoop) -> None:
         start = time.monotonic()
-        scheduler_output = self.scheduler.schedule()
-        if scheduler_output.total_num_scheduled_tokens == 0:
+        step = self.pipeline.start()
+        if step is None:
             await self._idle_step(start)
             return
-        num_cached = {r.req_id: self.scheduler.requests[r.req_id].num_cached_tokens
-                      for r in scheduler_output.scheduled_new_reqs}
-        for parent in {r.req_id.split("\x00", 1)[0] for r in scheduler_output.scheduled_new_reqs}:
-            # Its queue time ends here (the metrics actor keeps only the first, not a resume).
-            self.metrics.send(RequestEvent(parent, "scheduled", start))
         try:
-            runner_output = await loop.run_in_executor(self._pool, self.engine.executor.execute_model,
-                                                       scheduler_output)
+            runner_output = await asyncio.wrap_future(step.future)
         except ExecutorError as exc:
             # Every in-flight request ends with an error naming the cause; then serve on.
             await loop.run_in_executor(self._pool, self.engine.recover_from_executor_failure, str(exc))
@@ -98,11 +98,14 @@ class SchedulerActor(Actor):
             self.detokenizer.send(RequestsAborted(failed, reason="error"))
             self._publish(start, None)
             return
-        updates = self.scheduler.update_from_output(scheduler_output, runner_output)
-        self.detokenizer.send(StepTokens(updates, num_cached))
+        step, updates = self.pipeline.finish(runner_output)
+        for parent in {r.req_id.split("\x00", 1)[0] for r in step.output.scheduled_new_reqs}:
+            # Its queue time ends here (the metrics actor keeps only the first, not a resume).
+            self.metrics.send(RequestEvent(parent, "scheduled", step.scheduled_at))
+        self.detokenizer.send(StepTokens(updates, step.num_cached))
         if any(u.finish_reason is not None for u in updates):
             self._forget_finished()
-        self._publish(start, scheduler_output, {u.req_id: len(u.new_token_ids) for u in updates if u.new_token_ids},
+        self._publish(step.launched_at, step, {u.req_id: len(u.new_token_ids) for u in updates if u.new_token_ids},
                       runner_output.device_memory_bytes)
 
     async def _idle_step(self, start: float) -> None:
@@ -124,7 +127,7 @@ class SchedulerActor(Actor):
         except TimeoutError:
             pass
 
-    def _publish(self, start: float, scheduler_output, generated: dict[str, int] | None = None,
+    def _publish(self, start: float, step: Step | None, generated: dict[str, int] | None = None,
                  device_memory_bytes: int | None = None) -> None:
         """Step figures and the current queue/KV state for the metrics actor."""
         stats = self.kv.prefix_cache_stats
@@ -133,13 +136,11 @@ class SchedulerActor(Actor):
             spec = msgspec.structs.replace(self.scheduler.spec_stats, accepted_per_position=list(
                 self.scheduler.spec_stats.accepted_per_position))
         now = time.monotonic()
-        stepped = scheduler_output is not None
+        shape = step.shape if step is not None else StepShape(0, 0, 0, 0)
         self.metrics.send(StepStats(
-            time=now, duration_s=now - start if stepped else 0.0,
-            num_reqs=len(scheduler_output.num_scheduled_tokens) if stepped else 0,
-            num_tokens=scheduler_output.total_num_scheduled_tokens if stepped else 0,
-            num_prefill_tokens=self.scheduler.stats.last_step_num_prefill_tokens if stepped else 0,
-            num_decode_reqs=self.scheduler.stats.last_step_num_decode_reqs if stepped else 0,
+            time=now, duration_s=now - start if step is not None else 0.0,
+            num_reqs=shape.num_reqs, num_tokens=shape.num_tokens,
+            num_prefill_tokens=shape.num_prefill_tokens, num_decode_reqs=shape.num_decode_reqs,
             num_generated=sum(generated.values()) if generated else 0,
             generated=generated or {},
             running_ids=[r.request_id for r in self.scheduler.running],
