@@ -74,12 +74,18 @@ class LLMEngine:
                                   eos_token_id=self.eos_token_id, seed=config.seed,
                                   cpu_threads=config.cpu_threads, attention_backend=config.attention_backend,
                                   draft_model=draft_model,
-                                  num_speculative_tokens=spec.num_speculative_tokens if draft_model else 0)
+                                  num_speculative_tokens=spec.num_speculative_tokens if draft_model else 0,
+                                  max_num_batched_tokens=config.max_num_batched_tokens,
+                                  max_num_seqs=config.max_num_seqs)
         self._runner_settings = settings
         self.executor = self._make_executor()
-        bytes_per_block = self.executor.kv_cache_bytes_per_block()
-        self.num_blocks = self._num_kv_blocks(bytes_per_block)
-        self.executor.initialize_kv_cache(self.num_blocks)
+        try:
+            bytes_per_block = self.executor.kv_cache_bytes_per_block()
+            self.num_blocks = self._num_kv_blocks(bytes_per_block)
+            self.executor.initialize_kv_cache(self.num_blocks)
+        except BaseException:  # no worker outlives a start that failed
+            self.executor.shutdown()
+            raise
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, %s); max_model_len %d",
                     self.num_blocks, config.block_size, self.num_blocks * config.block_size,
                     self.num_blocks * bytes_per_block / 2**20, self.dtype, self.max_model_len)
@@ -128,21 +134,21 @@ class LLMEngine:
 
     # -- sizing ---------------------------------------------------------------------
     def _num_kv_blocks(self, bytes_per_block: int) -> int:
+        """num_gpu_blocks_override, else kv_cache_memory_bytes, else on CUDA what the
+        workers' memory profile leaves (the tightest rank), on CPU a share of free RAM."""
         cfg = self.config
         bs = cfg.block_size
         if cfg.num_gpu_blocks_override is not None:
             num_blocks = cfg.num_gpu_blocks_override
         else:
             if cfg.kv_cache_memory_bytes is not None:
-                budget = cfg.kv_cache_memory_bytes
+                num_blocks = cfg.kv_cache_memory_bytes // bytes_per_block
             elif self.device.type == "cpu":
                 budget = min(CPU_KV_DEFAULT_CAP,
                              int(psutil.virtual_memory().available * cfg.cpu_kv_cache_fraction))
+                num_blocks = budget // bytes_per_block
             else:
-                import torch
-                free, total = torch.cuda.mem_get_info(self.device)
-                budget = int(total * cfg.gpu_memory_utilization) - (total - free)
-            num_blocks = budget // bytes_per_block
+                num_blocks = self._profiled_cuda_blocks()
             if num_blocks < 1:
                 raise ValueError(f"not enough memory for one KV cache block ({bytes_per_block} bytes); "
                                  "raise kv_cache_memory_bytes or gpu_memory_utilization")
@@ -153,6 +159,16 @@ class LLMEngine:
                              f"less than max_model_len {self.max_model_len}: lower max_model_len or give "
                              "the cache more memory")
         return num_blocks
+
+    def _profiled_cuda_blocks(self) -> int:
+        """Every rank profiles the largest step on its own device (in the worker: this
+        process makes no CUDA context for it in mp mode); the engine takes the rank with
+        the fewest blocks, since all ranks' caches hold the same block ids."""
+        breakdowns = self.executor.profile_kv_budget(self.config.gpu_memory_utilization)
+        rank = min(range(len(breakdowns)), key=lambda r: breakdowns[r].num_blocks)
+        where = f"rank {rank} of {len(breakdowns)}, the tightest" if len(breakdowns) > 1 else "profiled"
+        logger.info("CUDA memory (%s): %s", where, breakdowns[rank].describe())
+        return breakdowns[rank].num_blocks
 
     # -- requests -------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int],

@@ -109,6 +109,64 @@ def test_worker_start_up_error_is_a_clear_message(tmp_path):
         MultiprocExecutor(str(bad), settings, "cpu", "float32")
 
 
+def _settings():
+    from llmd.gpu.model_runner import RunnerSettings
+
+    return RunnerSettings(block_size=16, max_model_len=256, valid_vocab_size=1024, eos_token_id=1, seed=0)
+
+
+def test_tp_rendezvous_is_a_private_file_removed_at_shutdown(tmp_path, monkeypatch):
+    """No TCP port to race for: the ranks meet through a file in a 0700 directory the
+    executor makes, and it is gone after shutdown."""
+    from llmd.gpu.mp_executor import MultiprocExecutor
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    executor = MultiprocExecutor(str(fixture_path("tiny-llama")), _settings(), "cpu", "float32", world_size=2)
+    try:
+        made = [p for p in tmp_path.iterdir() if p.name.startswith("llmd-dist-")]
+        assert len(made) == 1 and made[0].is_dir()
+        assert made[0].stat().st_mode & 0o777 == 0o700
+        executor.initialize_kv_cache(8)
+    finally:
+        executor.shutdown()
+    assert not list(tmp_path.iterdir())
+
+
+def test_tp_rendezvous_is_removed_when_start_fails(tmp_path, monkeypatch):
+    from llmd.gpu.mp_executor import MultiprocExecutor, WorkerError
+
+    bad = tmp_path / "model"
+    bad.mkdir()
+    (bad / "config.json").write_text((fixture_path("tiny-llama") / "config.json").read_text())
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    with pytest.raises(WorkerError, match=r"failed: FileNotFoundError: no \*\.safetensors"):
+        MultiprocExecutor(str(bad), _settings(), "cpu", "float32", world_size=2)
+    assert not list(tmp.iterdir())
+
+
+def test_more_ranks_than_cuda_devices_is_refused_before_spawning(monkeypatch):
+    import subprocess as sp
+
+    import torch
+
+    from llmd.gpu import mp_executor
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(sp, "Popen", lambda *a, **k: pytest.fail("a worker was spawned"))
+    with pytest.raises(ValueError, match=r"^tensor_parallel_size 2 needs 2 CUDA devices but only 1 CUDA "
+                                         r"device is visible$"):
+        mp_executor.MultiprocExecutor("unused", _settings(), "cuda", "bfloat16", world_size=2)
+    with pytest.raises(ValueError, match=r"^device 'cuda:1' is not available: only 1 CUDA device is visible$"):
+        mp_executor.MultiprocExecutor("unused", _settings(), "cuda:1", "bfloat16")
+    assert mp_executor.worker_devices("cuda", 1) == ["cuda:0"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert mp_executor.worker_devices("cuda", 2) == ["cuda:0", "cuda:1"]
+    assert mp_executor.worker_devices("cuda:2", 2) == ["cuda:2", "cuda:3"]
+    assert mp_executor.worker_devices("cpu", 2) == ["cpu", "cpu"]
+
+
 PARENT = """
 import sys, time
 from llmd import LLM

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from llmd.gpu.memory import MemoryBreakdown
 from llmd.gpu.model_runner import ModelRunner, RunnerSettings
 from llmd.messages import RunnerOutput, SchedulerOutput
 
@@ -16,6 +17,11 @@ class InProcessExecutor:
 
     def kv_cache_bytes_per_block(self) -> int:
         return self.runner.kv_cache_bytes_per_block()
+
+    def profile_kv_budget(self, gpu_memory_utilization: float,
+                          extra_reserved_bytes: int = 0) -> list[MemoryBreakdown]:
+        """CUDA: one breakdown (one rank), as MultiprocExecutor gives one per rank."""
+        return [self.runner.profile_kv_budget(gpu_memory_utilization, extra_reserved_bytes)]
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)

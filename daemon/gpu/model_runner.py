@@ -17,6 +17,7 @@ from llmd.gpu.attention import (AttentionMetadata, GatherWorkspace, model_kv_byt
 from llmd.gpu.attention_backends import resolve_attention_backend
 from llmd.gpu.draft_model import DraftModel
 from llmd.gpu.loader import load_model
+from llmd.gpu.memory import MemoryBreakdown, kv_cache_budget
 from llmd.gpu.rejection_sampler import verify
 from llmd.gpu.sampler import Sampler, SamplingMetadata, gather_logprobs
 from llmd.messages import Logprobs, PromptLogprobs, RunnerOutput, SchedulerOutput
@@ -50,6 +51,10 @@ class RunnerSettings:
     # Draft-model speculation: the draft's directory and the drafts it makes per step.
     draft_model: str | None = None
     num_speculative_tokens: int = 0
+    # The scheduler's step limits: the shape of the largest step, which the CUDA memory
+    # profile runs (profile_kv_budget).
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
 
 
 class ModelRunner:
@@ -68,6 +73,11 @@ class ModelRunner:
         if settings.cpu_threads and device.type == "cpu":
             torch.set_num_threads(settings.cpu_threads)
         self.attention_backend = resolve_attention_backend(settings.attention_backend, device)
+        # CUDA: what the device held before our weights (profile_kv_budget's baseline).
+        self._cuda_before_load: tuple[int, int, int] | None = None  # free, allocated, reserved
+        if device.type == "cuda":
+            self._cuda_before_load = (torch.cuda.mem_get_info(device)[0], torch.cuda.memory_allocated(device),
+                                      torch.cuda.memory_reserved(device))
         self.model = load_model(model_dir, dtype, device, settings.max_model_len, rank, world_size,
                                 self.attention_backend)
         self.vocab_size = self.model.config.vocab_size
@@ -89,6 +99,70 @@ class ModelRunner:
         if self.drafter is not None:
             total += self.drafter.kv_cache_bytes_per_block()
         return total
+
+    @torch.inference_mode()
+    def profile_kv_budget(self, gpu_memory_utilization: float, extra_reserved_bytes: int = 0) -> MemoryBreakdown:
+        """CUDA: run the largest step the scheduler can send (max_num_batched_tokens of
+        prefill over up to max_num_seqs requests, the LM head and a sampler call on the
+        rows that sample) on a throwaway KV cache just big enough for it, measure its
+        peak, and size the KV cache from what is left (memory.kv_cache_budget).
+        Call before initialize_kv_cache. With tensor parallelism every rank calls it
+        together (the forward has collectives). A draft model's forward is not profiled:
+        it runs after the target's and its activations are smaller."""
+        if self._cuda_before_load is None:
+            raise ValueError(f"the KV cache budget is profiled on CUDA devices only, not {self.device}")
+        dev, bs, settings = self.device, self.block_size, self.settings
+        free_before, allocated_before, reserved_before = self._cuda_before_load
+        weights = torch.cuda.memory_allocated(dev) - allocated_before
+        total = min(settings.max_num_batched_tokens, settings.max_num_seqs * settings.max_model_len)
+        num_seqs = min(settings.max_num_seqs, total)
+        seq_lens = [total // num_seqs + (i < total % num_seqs) for i in range(num_seqs)]
+        block_counts = [-(-n // bs) for n in seq_lens]
+        first_block = np.cumsum([0] + block_counts)
+        slots, prefills, start = [], [], 0
+        for i, n in enumerate(seq_lens):
+            blocks = torch.arange(first_block[i], first_block[i + 1], dtype=torch.int64, device=dev)
+            slots.append(np.arange(n, dtype=np.int64) + first_block[i] * bs)  # its blocks are consecutive
+            prefills.append((start, n, 0, blocks))
+            start += n
+        num_rows = min(total, settings.max_num_seqs * (1 + settings.num_speculative_tokens))
+        last_rows = np.cumsum(seq_lens) - 1
+        rows = torch.from_numpy(np.resize(last_rows, num_rows)).to(dev)
+        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, logprobs=20)
+        try:
+            kv_caches = new_model_kv_caches(self.model, int(first_block[-1]), bs, self.dtype, dev)
+            md = AttentionMetadata(slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev), num_decodes=0,
+                                   decode_block_table=None, decode_seq_lens=None, prefills=prefills,
+                                   workspace=GatherWorkspace())
+            ids = torch.zeros(total, dtype=torch.int64, device=dev)
+            positions = torch.from_numpy(np.concatenate([np.arange(n, dtype=np.int64) for n in seq_lens])).to(dev)
+            torch.cuda.synchronize(dev)
+            baseline = torch.cuda.memory_allocated(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            hidden = self.model(ids, positions, kv_caches, md)
+            logits = self.model.compute_logits(hidden.index_select(0, rows))
+            del hidden
+            sampling = SamplingMetadata.build([params] * num_rows, [[0]] * num_rows, [[]] * num_rows,
+                                              valid_vocab_size=settings.valid_vocab_size,
+                                              eos_token_id=settings.eos_token_id, device=dev)
+            Sampler(seed=settings.seed)(logits, sampling)  # its own: the real one's RNG stays untouched
+            torch.cuda.synchronize(dev)
+            activations = torch.cuda.max_memory_allocated(dev) - baseline
+        except torch.cuda.OutOfMemoryError:
+            raise ValueError(f"a step of {total} tokens over {num_seqs} requests does not fit in GPU memory "
+                             f"beside the weights: lower max_num_batched_tokens or max_num_seqs") from None
+        finally:
+            kv_caches = md = hidden = logits = sampling = None
+            torch.cuda.empty_cache()
+        free_now, device_total = torch.cuda.mem_get_info(dev)
+        # Grown outside torch's allocator since before the load: NCCL, cuBLAS/cuDNN handles.
+        non_torch = (device_total - free_now) - (device_total - free_before) \
+            - (torch.cuda.memory_reserved(dev) - reserved_before)
+        return kv_cache_budget(total_bytes=device_total, free_bytes_before_load=free_before,
+                               weights_bytes=weights, peak_activation_bytes=activations,
+                               non_torch_bytes=max(0, non_torch), gpu_memory_utilization=gpu_memory_utilization,
+                               bytes_per_block=self.kv_cache_bytes_per_block(),
+                               extra_reserved_bytes=extra_reserved_bytes)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = new_model_kv_caches(self.model, num_blocks, self.block_size, self.dtype, self.device)
@@ -334,11 +408,17 @@ def _pad_rows(tokens: list[list[int]], num_reqs: int, drafts: list[list[int]],
 
 
 def _broadcast_tokens(tokens: torch.Tensor) -> None:
-    """Rank 0's sampled tokens to every tensor-parallel rank (in place on the others)."""
+    """Rank 0's sampled tokens to every tensor-parallel rank (in place on the others).
+    NCCL moves only tensors on this rank's CUDA device and gloo here only CPU ones, so a
+    tensor elsewhere travels through a copy on the right device."""
     import torch.distributed as dist
 
-    if tokens.dtype != torch.int64 or not tokens.is_contiguous():
-        buf = tokens.to(torch.int64).contiguous()
+    if dist.get_backend() == "nccl":
+        home = torch.device("cuda", torch.cuda.current_device())
+    else:
+        home = torch.device("cpu")
+    if tokens.dtype != torch.int64 or not tokens.is_contiguous() or tokens.device != home:
+        buf = tokens.to(device=home, dtype=torch.int64).contiguous()
         dist.broadcast(buf, src=0)
         tokens.copy_(buf)
     else:

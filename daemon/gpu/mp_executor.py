@@ -1,17 +1,25 @@
 """The multiprocess executor: one worker process per device (`python -m
 llmd.gpu.worker`, started fresh: nothing is pickled and the parent's __main__ is never
 re-imported), SchedulerOutputs broadcast as msgpack bytes over socketpairs,
-RunnerOutputs from rank 0. With world_size > 1 (tensor parallelism, CPU) the workers
-also form a gloo process group (rendezvous on a free 127.0.0.1 port picked here) and
-every rank runs every step. A worker that dies closes its end of the pair, so the parent
-sees EOF at once and raises WorkerError naming the exit code: never a hang."""
+RunnerOutputs from rank 0. Rank r runs on cuda:r on CUDA (cuda:(i + r) when given
+cuda:i), on the CPU otherwise. With world_size > 1 (tensor parallelism) the workers also
+form a process group, NCCL on CUDA and gloo on CPU, that meets through a file in a
+private (0700) temporary directory made here: no TCP port, so nothing to race for, and
+nobody else on the machine can join. Every rank runs every step. A worker that dies
+closes its end of the pair, so the parent sees EOF at once and raises WorkerError naming
+the exit code: never a hang.
+
+The parent never touches CUDA beyond counting devices: the model, its memory profile
+and the KV cache live in the workers only."""
 from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from multiprocessing.connection import Connection, wait
 
@@ -19,8 +27,9 @@ import msgspec
 
 from llmd.executor_error import ExecutorError
 from llmd.gpu.model_runner import RunnerSettings
-from llmd.gpu.worker import (Execute, FromWorker, InitKVCache, KVReady, Shutdown, StepResult,
-                             WorkerFailed, WorkerInit, WorkerReady)
+from llmd.gpu.memory import MemoryBreakdown
+from llmd.gpu.worker import (Execute, FromWorker, InitKVCache, KVBudget, KVReady, ProfileKV, Shutdown,
+                             StepResult, WorkerFailed, WorkerInit, WorkerReady)
 from llmd.messages import RunnerOutput, SchedulerOutput
 
 
@@ -38,15 +47,18 @@ class MultiprocExecutor:
         self.bytes_sent_last_step = 0
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
+        self._rendezvous_dir: str | None = None
         dtype_name = str(dtype).removeprefix("torch.")
-        dist_port = torch_threads = None
-        if world_size > 1:
-            if str(device) != "cpu":
-                raise ValueError("tensor_parallel_size > 1 runs on CPU only so far (gloo); "
-                                 f"got device {str(device)!r}")
-            dist_port = _free_port()
+        devices = worker_devices(device, world_size)  # refuses before anything is spawned
+        backend = "nccl" if devices[0].startswith("cuda") else "gloo"
+        torch_threads = None
+        if world_size > 1 and backend == "gloo":
             torch_threads = max(1, (os.cpu_count() or 1) // world_size)  # ranks share the cores
         try:
+            init_method = None
+            if world_size > 1:
+                self._rendezvous_dir = tempfile.mkdtemp(prefix="llmd-dist-")  # mode 0700
+                init_method = "file://" + os.path.join(self._rendezvous_dir, "rendezvous")
             for rank in range(world_size):
                 parent_sock, child_sock = socket.socketpair()
                 proc = subprocess.Popen([sys.executable, "-m", "llmd.gpu.worker", str(child_sock.fileno())],
@@ -57,8 +69,9 @@ class MultiprocExecutor:
                 self.procs.append(proc)
                 self.conns.append(conn)
                 init = WorkerInit(rank=rank, world_size=world_size, model_dir=str(model_dir),
-                                  device=str(device), dtype=dtype_name, settings=dataclasses.asdict(settings),
-                                  torch_threads=torch_threads, dist_port=dist_port)
+                                  device=devices[rank], dtype=dtype_name, settings=dataclasses.asdict(settings),
+                                  torch_threads=torch_threads, dist_backend=backend,
+                                  dist_init_method=init_method)
                 conn.send_bytes(msgspec.msgpack.encode(init))
             if world_size == 1:
                 ready = [self._recv(0, start_timeout)]
@@ -89,9 +102,10 @@ class MultiprocExecutor:
             raise WorkerError(f"worker {rank} failed: {message.message}")
         return message
 
-    def _recv_all(self, timeout: float) -> list[object]:
+    def _recv_all(self, timeout: float, check=None) -> list[object]:
         """One message from every rank, in whatever order they come: a rank that fails
-        is reported at once (the others may be blocked waiting for it in a collective)."""
+        is reported at once (the others may be blocked waiting for it in a collective).
+        `check(rank, message)`, when given, sees each message as it comes and may raise."""
         messages: dict[int, object] = {}
         deadline = time.monotonic() + timeout
         while len(messages) < len(self.conns):
@@ -104,6 +118,8 @@ class MultiprocExecutor:
             for conn in ready:
                 rank = self.conns.index(conn)
                 messages[rank] = self._recv(rank, 0)
+                if check is not None:
+                    check(rank, messages[rank])
         return [messages[r] for r in range(len(self.conns))]
 
     def _broadcast(self, message: object) -> None:
@@ -118,6 +134,28 @@ class MultiprocExecutor:
 
     def kv_cache_bytes_per_block(self) -> int:
         return self._bytes_per_block
+
+    def profile_kv_budget(self, gpu_memory_utilization: float,
+                          extra_reserved_bytes: int = 0) -> list[MemoryBreakdown]:
+        """Every rank profiles its own device (they run the forward together: it has
+        collectives); one breakdown per rank. A budget too small is a ValueError."""
+        self._broadcast(ProfileKV(gpu_memory_utilization, extra_reserved_bytes))
+        many = len(self.conns) > 1
+
+        def check(rank: int, reply: object) -> None:
+            # At once: a rank whose profile step ran out of memory leaves the others
+            # waiting in a collective.
+            if not isinstance(reply, KVBudget):
+                raise WorkerError(f"worker {rank} sent {type(reply).__name__} instead of its KV budget")
+            if reply.error is not None:
+                raise ValueError(f"tensor-parallel rank {rank}: {reply.error}" if many else reply.error)
+
+        if not many:
+            replies = [self._recv(0, 600.0)]
+            check(0, replies[0])
+        else:
+            replies = self._recv_all(600.0, check)
+        return [reply.breakdown for reply in replies]
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self._broadcast(InitKVCache(num_blocks))
@@ -156,10 +194,31 @@ class MultiprocExecutor:
         for conn in self.conns:
             conn.close()
         self.conns = []
+        if self._rendezvous_dir is not None:
+            shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
+            self._rendezvous_dir = None
 
 
-def _free_port() -> int:
-    """A free TCP port on 127.0.0.1 for the workers' torch.distributed rendezvous."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def worker_devices(device, world_size: int) -> list[str]:
+    """Each rank's device: "cpu" for all on CPU; on CUDA cuda:(i + r) for rank r, where
+    cuda:i is the device given (i = 0 for plain "cuda"). Raises ValueError when there
+    are not that many devices. Counting devices creates no CUDA context here."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cpu":
+        return ["cpu"] * world_size
+    if device.type != "cuda":
+        raise ValueError(f"worker processes run on cpu or cuda devices, got {str(device)!r}")
+    first = device.index or 0
+    count = torch.cuda.device_count()
+    if first + world_size > count:
+        if count == 0:
+            visible = "no CUDA device is visible"
+        else:
+            visible = f"only {count} CUDA device{'' if count == 1 else 's'} {'is' if count == 1 else 'are'} visible"
+        if world_size == 1:
+            raise ValueError(f"device {str(device)!r} is not available: {visible}")
+        start = f" from cuda:{first}" if first else ""
+        raise ValueError(f"tensor_parallel_size {world_size} needs {world_size} CUDA devices{start} but {visible}")
+    return [f"cuda:{first + r}" for r in range(world_size)]

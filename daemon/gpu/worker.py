@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from llmd.gpu.memory import MemoryBreakdown
 from llmd.messages import RunnerOutput, SchedulerOutput
 
 
@@ -22,12 +23,14 @@ class WorkerInit(msgspec.Struct):
     rank: int
     world_size: int
     model_dir: str
-    device: str
+    device: str  # this rank's own: "cpu" or "cuda:N"
     dtype: str
     settings: dict[str, Any]  # RunnerSettings fields
     torch_threads: int | None = None
-    # world_size > 1: the tcp://127.0.0.1 port of the torch.distributed rendezvous.
-    dist_port: int | None = None
+    # world_size > 1: the process group's backend ("nccl" on CUDA, "gloo" on CPU) and
+    # its file:// rendezvous (in a private directory the parent owns).
+    dist_backend: str = "gloo"
+    dist_init_method: str | None = None
 
 
 class WorkerReady(msgspec.Struct, tag="ready"):
@@ -37,6 +40,18 @@ class WorkerReady(msgspec.Struct, tag="ready"):
 
 class WorkerFailed(msgspec.Struct, tag="failed"):
     message: str
+
+
+class ProfileKV(msgspec.Struct, tag="profile_kv"):
+    gpu_memory_utilization: float
+    extra_reserved_bytes: int = 0
+
+
+class KVBudget(msgspec.Struct, tag="kv_budget"):
+    """The profile's breakdown, or (a budget that does not fit) the reason."""
+
+    breakdown: MemoryBreakdown | None = None
+    error: str | None = None
 
 
 class InitKVCache(msgspec.Struct, tag="init_kv"):
@@ -59,8 +74,8 @@ class StepResult(msgspec.Struct, tag="result"):
     output: RunnerOutput
 
 
-ToWorker = InitKVCache | Execute | Shutdown
-FromWorker = WorkerReady | WorkerFailed | KVReady | StepResult
+ToWorker = ProfileKV | InitKVCache | Execute | Shutdown
+FromWorker = WorkerReady | WorkerFailed | KVBudget | KVReady | StepResult
 
 
 def _die_with_parent() -> None:
@@ -90,15 +105,20 @@ def worker_main(conn) -> None:
         if init.torch_threads:
             torch.set_num_threads(init.torch_threads)
         dtype = getattr(torch, init.dtype)
+        device = torch.device(init.device)
+        if device.type == "cuda":
+            # Before anything allocates: the CUDA context, the caching allocator and
+            # NCCL's communicator all bind to the current device.
+            torch.cuda.set_device(device)
         if init.world_size > 1:
             import datetime
 
             import torch.distributed as dist
 
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{init.dist_port}",
+            dist.init_process_group(init.dist_backend, init_method=init.dist_init_method,
                                     rank=init.rank, world_size=init.world_size,
                                     timeout=datetime.timedelta(seconds=600))
-        runner = ModelRunner(init.model_dir, RunnerSettings(**init.settings), torch.device(init.device), dtype,
+        runner = ModelRunner(init.model_dir, RunnerSettings(**init.settings), device, dtype,
                              init.rank, init.world_size)
         conn.send_bytes(encoder.encode(WorkerReady(runner.kv_cache_bytes_per_block(), os.getpid())))
     except Exception as exc:  # start-up errors go back as a message, not a child traceback
@@ -121,6 +141,16 @@ def _serve(conn, init: WorkerInit, runner, encoder, decoder) -> None:
         except (EOFError, OSError):
             return  # the parent is gone
         match message:
+            case ProfileKV(gpu_memory_utilization=util, extra_reserved_bytes=extra):
+                try:
+                    reply = KVBudget(breakdown=runner.profile_kv_budget(util, extra))
+                except ValueError as exc:  # the budget does not fit: the parent reports it
+                    reply = KVBudget(error=str(exc))
+                except Exception as exc:
+                    traceback.print_exc()
+                    conn.send_bytes(encoder.encode(WorkerFailed(f"{type(exc).__name__}: {exc}")))
+                    return
+                conn.send_bytes(encoder.encode(reply))
             case InitKVCache(num_blocks=n):
                 try:
                     runner.initialize_kv_cache(n)

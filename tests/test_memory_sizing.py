@@ -1,0 +1,270 @@
+"""KV cache sizing on CUDA. The arithmetic and its refusals are pure (no torch, no GPU)
+and checked against hand-computed numbers; the profile itself and TP over NCCL need a
+CUDA device and skip cleanly without one."""
+from __future__ import annotations
+
+import pytest
+
+from llmd.gpu.memory import GiB, MiB, MemoryBreakdown, fmt_bytes, kv_cache_budget
+
+
+def budget(**kw) -> MemoryBreakdown:
+    args = dict(total_bytes=80 * GiB, free_bytes_before_load=79 * GiB, weights_bytes=16 * GiB,
+                peak_activation_bytes=2 * GiB, non_torch_bytes=512 * MiB, gpu_memory_utilization=0.9,
+                bytes_per_block=2 * MiB)
+    args.update(kw)
+    return kv_cache_budget(**args)
+
+
+def test_breakdown_arithmetic():
+    b = budget()
+    # 0.9 * 80 GiB = 72 GiB allowed; 72 - 1 (others) - 16 - 2 - 0.5 = 52.5 GiB.
+    assert b.total == 80 * GiB
+    assert b.allowed == 72 * GiB
+    assert b.other_processes == 1 * GiB
+    assert (b.weights, b.activations, b.non_torch, b.reserved) == (16 * GiB, 2 * GiB, 512 * MiB, 0)
+    assert b.kv_budget == 52 * GiB + 512 * MiB
+    assert b.num_blocks == (52 * GiB + 512 * MiB) // (2 * MiB) == 26880
+    assert b.bytes_per_block == 2 * MiB
+
+
+def test_extra_reserved_and_rounding_down():
+    b = budget(extra_reserved_bytes=3 * GiB, bytes_per_block=3 * MiB)
+    assert b.reserved == 3 * GiB
+    assert b.kv_budget == 49 * GiB + 512 * MiB
+    assert b.num_blocks == (49 * GiB + 512 * MiB) // (3 * MiB) == 16896  # 16896.0 exactly
+    b = budget(bytes_per_block=3 * MiB + 1)
+    assert b.num_blocks == (52 * GiB + 512 * MiB) // (3 * MiB + 1)
+    assert b.num_blocks * (3 * MiB + 1) <= b.kv_budget < (b.num_blocks + 1) * (3 * MiB + 1)
+
+
+def test_allowed_is_truncated_to_whole_bytes():
+    b = budget(total_bytes=1000 * MiB + 1, free_bytes_before_load=1000 * MiB + 1, weights_bytes=0,
+               peak_activation_bytes=0, non_torch_bytes=0, gpu_memory_utilization=0.5, bytes_per_block=1)
+    assert b.allowed == 500 * MiB  # int(524288000.5)
+    assert b.other_processes == 0 and b.num_blocks == 500 * MiB
+
+
+def test_other_processes_over_the_limit_is_refused():
+    with pytest.raises(ValueError) as err:
+        budget(total_bytes=78 * GiB, free_bytes_before_load=3 * GiB)
+    # 0.9 * 78 GiB = 70.2 GiB; others use 75 GiB.
+    assert str(err.value).startswith("gpu_memory_utilization 0.9 allows 70.2 GiB but other processes "
+                                     "already use 75.0 GiB")
+
+
+def test_weights_and_activations_leave_no_room():
+    # 0.5 * 8 GiB = 4 GiB allowed, 0.5 GiB others, 2.1 GiB weights, 1.4 GiB activations:
+    # 0 bytes left, less than one block.
+    with pytest.raises(ValueError) as err:
+        budget(total_bytes=8 * GiB, free_bytes_before_load=int(7.5 * GiB), weights_bytes=int(2.1 * GiB),
+               peak_activation_bytes=int(1.4 * GiB), non_torch_bytes=0, gpu_memory_utilization=0.5)
+    msg = str(err.value)
+    assert msg.startswith("weights (2.1 GiB) + activations (1.4 GiB) leave no room for the KV cache "
+                          "(one block needs 2.0 MiB)"), msg
+    assert "gpu_memory_utilization 0.5 allows 4.0 GiB and other processes use 512.0 MiB" in msg
+
+
+def test_non_torch_and_reserved_are_named_when_they_tip_it():
+    with pytest.raises(ValueError) as err:
+        budget(total_bytes=10 * GiB, free_bytes_before_load=10 * GiB, weights_bytes=5 * GiB,
+               peak_activation_bytes=2 * GiB, non_torch_bytes=768 * MiB, extra_reserved_bytes=256 * MiB,
+               gpu_memory_utilization=0.8)
+    # 8 GiB allowed - 5 - 2 - 0.75 - 0.25 = 0: not one block.
+    assert str(err.value).startswith("weights (5.0 GiB) + activations (2.0 GiB) + non-torch memory "
+                                     "(768.0 MiB) + reserved (256.0 MiB) leave no room for the KV cache")
+
+
+def test_exactly_one_block_fits():
+    b = budget(total_bytes=10 * GiB, free_bytes_before_load=10 * GiB, weights_bytes=6 * GiB,
+               peak_activation_bytes=2 * GiB - 2 * MiB, non_torch_bytes=0, gpu_memory_utilization=0.8)
+    assert (b.kv_budget, b.num_blocks) == (2 * MiB, 1)
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
+        budget(gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match="bytes_per_block must be >= 1"):
+        budget(bytes_per_block=0)
+    with pytest.raises(ValueError, match="weights_bytes must be >= 0"):
+        budget(weights_bytes=-1)
+
+
+def test_fmt_and_describe():
+    assert fmt_bytes(1536 * MiB) == "1.5 GiB"
+    assert fmt_bytes(1023 * MiB) == "1023.0 MiB"
+    line = budget().describe()
+    assert "weights 16.0 GiB" in line and "26880 blocks of 2.0 MiB" in line
+
+
+def test_breakdown_round_trips_as_msgpack():
+    import msgspec
+
+    b = budget()
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(b), type=MemoryBreakdown) == b
+
+
+def test_pure_module_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, llmd.gpu.memory; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"
+
+
+# -- the profile run ----------------------------------------------------------------------
+
+def _runner_settings(**kw):
+    from llmd.gpu.model_runner import RunnerSettings
+
+    args = dict(block_size=16, max_model_len=256, valid_vocab_size=1024, eos_token_id=1, seed=0)
+    args.update(kw)
+    return RunnerSettings(**args)
+
+
+@pytest.mark.parametrize("batched, seqs, max_len, want_tokens, want_rows", [
+    (100, 8, 256, 100, 8),  # 8 requests of 12-13 tokens; the LM head on 8 rows
+    (5, 8, 256, 5, 5),  # fewer tokens than requests: 5 one-token requests
+    (100, 2, 32, 64, 2),  # every request at max_model_len is less than the step budget
+])
+def test_profile_step_shape_and_arithmetic_with_fake_cuda_counters(monkeypatch, batched, seqs, max_len,
+                                                                    want_tokens, want_rows):
+    """The profile's forward, LM head and sampler run for real (on the CPU); only the
+    torch.cuda memory counters are faked, so the numbers reaching the pure function are
+    known exactly."""
+    import torch
+
+    from llmd.gpu.model_runner import ModelRunner
+    from llmd_tools.make_model import fixture_path
+
+    runner = ModelRunner(str(fixture_path("tiny-llama")),
+                         _runner_settings(max_model_len=max_len, max_num_batched_tokens=batched, max_num_seqs=seqs),
+                         torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="profiled on CUDA devices only"):
+        runner.profile_kv_budget(0.9)
+    total = 10 * GiB
+    runner._cuda_before_load = (total - GiB, 0, 0)  # as a CUDA runner records before the load
+    counters = {"memory_allocated": 100 * MiB, "max_memory_allocated": 130 * MiB, "memory_reserved": 120 * MiB}
+    for name, value in counters.items():
+        monkeypatch.setattr(torch.cuda, name, lambda device=None, value=value: value)
+    for name in ("reset_peak_memory_stats", "synchronize", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total - GiB - 120 * MiB - 50 * MiB, total))
+    tokens, rows = [], []
+    runner.model.register_forward_hook(lambda module, args, out: tokens.append(args[0].shape[0]))
+    compute_logits = runner.model.compute_logits
+    runner.model.compute_logits = lambda hidden: (rows.append(hidden.shape[0]), compute_logits(hidden))[1]
+
+    b = runner.profile_kv_budget(0.9, extra_reserved_bytes=10 * MiB)
+    assert (tokens, rows) == ([want_tokens], [want_rows])
+    assert (b.weights, b.activations, b.non_torch, b.reserved) == (100 * MiB, 30 * MiB, 50 * MiB, 10 * MiB)
+    assert b.other_processes == GiB and b.allowed == 9 * GiB
+    assert b.kv_budget == 8 * GiB - 190 * MiB
+    assert b.bytes_per_block == runner.kv_cache_bytes_per_block()
+    assert b.num_blocks == b.kv_budget // b.bytes_per_block
+    assert not runner.sampler._batch_generators  # the profile drew from a sampler of its own
+    assert runner.kv_caches == []
+
+
+def test_engine_on_cpu_does_not_profile(monkeypatch):
+    from llmd import LLM
+    from llmd.gpu.model_runner import ModelRunner
+    from llmd_tools.make_model import fixture_path
+
+    monkeypatch.setattr(ModelRunner, "profile_kv_budget", lambda *a, **k: pytest.fail("profiled on CPU"))
+    llm = LLM(model=str(fixture_path("tiny-llama")), kv_cache_memory_bytes=1 << 20, max_model_len=64)
+    assert llm.engine.num_blocks == (1 << 20) // llm.engine.executor.kv_cache_bytes_per_block()
+
+
+# -- on a real GPU ------------------------------------------------------------------------
+
+def _cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+needs_cuda = pytest.mark.skipif(_cuda_devices() < 1, reason="needs a CUDA device")
+needs_two_gpus = pytest.mark.skipif(_cuda_devices() < 2, reason="needs two CUDA devices")
+
+
+@needs_cuda
+def test_cuda_profile_gives_a_sane_breakdown():
+    import torch
+
+    from llmd.gpu.model_runner import ModelRunner
+    from llmd_tools.make_model import fixture_path
+
+    dev = torch.device("cuda:0")
+    runner = ModelRunner(str(fixture_path("tiny-llama")), _runner_settings(max_num_batched_tokens=512, max_num_seqs=16),
+                         dev, torch.bfloat16)
+    params = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    b = runner.profile_kv_budget(0.5)
+    free, total = torch.cuda.mem_get_info(dev)
+    assert b.total == total and b.allowed == int(total * 0.5)
+    assert params <= b.weights <= params + 64 * MiB  # plus rotary tables, allocator rounding
+    assert 0 < b.activations < 2 * GiB
+    assert b.kv_budget == b.allowed - b.other_processes - b.weights - b.activations - b.non_torch
+    assert b.num_blocks == b.kv_budget // runner.kv_cache_bytes_per_block() > 0
+    # The throwaway cache and activations are freed: only the weights stay allocated.
+    assert torch.cuda.memory_allocated(dev) - runner._cuda_before_load[1] - b.weights < 16 * MiB
+    runner.initialize_kv_cache(min(b.num_blocks, 64))
+
+
+@needs_cuda
+def test_cuda_engine_sizes_from_the_profile_and_overrides_win():
+    from llmd import LLM, SamplingParams
+    from llmd_tools.make_model import fixture_path
+
+    path = str(fixture_path("tiny-llama"))
+    llm = LLM(model=path, device="cuda", max_model_len=256, max_num_seqs=4, gpu_memory_utilization=0.3)
+    # Capped at what max_num_seqs full-length sequences can use.
+    assert llm.engine.num_blocks == 4 * 16 + 1
+    out = llm.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 8
+    llm.engine.shutdown()
+    llm = LLM(model=path, device="cuda", max_model_len=256, num_gpu_blocks_override=20)
+    assert llm.engine.num_blocks == 20
+    llm.engine.shutdown()
+
+
+@needs_cuda
+def test_cuda_mp_worker_profiles_and_the_parent_makes_no_cuda_context():
+    import subprocess
+    import sys
+
+    from llmd_tools.make_model import fixture_path
+
+    code = """
+import sys, torch
+from llmd import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], device="cuda", distributed_executor_backend="mp", max_model_len=256, max_num_seqs=4)
+out = llm.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+print(len(out[0].outputs[0].token_ids), llm.engine.num_blocks, torch.cuda.is_initialized())
+llm.engine.shutdown()
+"""
+    result = subprocess.run([sys.executable, "-c", code, str(fixture_path("tiny-llama"))], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["8", str(4 * 16 + 1), "False"]
+
+
+@needs_two_gpus
+def test_tp2_over_nccl_gives_the_tp1_greedy_tokens():
+    from llmd import LLM, SamplingParams
+    from llmd_tools.make_model import fixture_path
+
+    path = str(fixture_path("tiny-qwen3"))
+    prompts = ["def fibonacci(n):", "import os\nimport sys\n" * 8, "x"]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    settings = dict(device="cuda", dtype="float32", max_model_len=256, max_num_batched_tokens=48)
+    one = LLM(model=path, **settings)
+    two = LLM(model=path, tensor_parallel_size=2, **settings)
+    try:
+        assert len(two.engine.executor.pids) == 2
+        for a, b in zip(one.generate(prompts, greedy), two.generate(prompts, greedy)):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    finally:
+        two.engine.shutdown()
+        one.engine.shutdown()
