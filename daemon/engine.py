@@ -72,7 +72,8 @@ class LLMEngine:
                                   eos_token_id=self.eos_token_id, seed=config.seed,
                                   cpu_threads=config.cpu_threads, attention_backend=config.attention_backend,
                                   draft_model=draft_model,
-                                  num_speculative_tokens=spec.num_speculative_tokens if draft_model else 0)
+                                  num_speculative_tokens=spec.num_speculative_tokens if draft_model else 0,
+                                  max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager)
         self._runner_settings = settings
         self.executor = self._make_executor()
         bytes_per_block = self.executor.kv_cache_bytes_per_block()
