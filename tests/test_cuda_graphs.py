@@ -202,3 +202,33 @@ def test_torch_backend_on_cuda_runs_eagerly(caplog) -> None:
     assert "CUDA graphs off" in caplog.text
     out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=4))[0]
     assert len(out.outputs[0].token_ids) == 4
+
+
+def test_failed_capture_frees_and_runs_eagerly(monkeypatch, caplog) -> None:
+    """A capture that raises (out of memory, say) is released, logged with its cause,
+    and the runner keeps decode_graphs None. The CUDA calls around it are stubbed so
+    the handling runs on CPU."""
+    from llmd.gpu import cuda_graphs
+
+    for name in ("synchronize", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a, **k: 0)
+    released = []
+
+    def capture(self):
+        self.graphs[1] = object()  # something made before the failure
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(cuda_graphs.DecodeGraphs, "capture", capture)
+    real_release = cuda_graphs.DecodeGraphs.release
+    monkeypatch.setattr(cuda_graphs.DecodeGraphs, "release", lambda self: (released.append(dict(self.graphs)),
+                                                                          real_release(self)))
+    llm = make_llm(False, num_gpu_blocks_override=32)
+    runner = llm.engine.executor.runner
+    with caplog.at_level("WARNING", logger="llmd.cuda_graphs"):
+        runner.init_decode_graphs()
+    assert runner.decode_graphs is None
+    assert released and 1 in released[0]
+    assert "CUDA graph capture failed (OutOfMemoryError: CUDA out of memory" in caplog.text
+    out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 4

@@ -30,6 +30,7 @@ forward instead of replaying a graph: that is how CPU tests check it.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -79,6 +80,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
+        self._copied: torch.cuda.Event | None = None  # the last step's copy out of staging
         self.num_replays = 0
         self.padded_sizes: dict[int, int] = {}  # padded size -> steps run at it (tests, stats)
 
@@ -99,6 +101,10 @@ class DecodeGraphs:
         """Write size b's inputs into the pinned buffer (real rows, then padded rows);
         returns how many elements the step copies."""
         n = len(input_ids)
+        if self._copied is not None:
+            # The last copy out of the pinned buffer must be done before it is rewritten
+            # (a step that samples nothing never waited on the device).
+            self._copied.synchronize()
         buf = self._staging_np
         scratch_slot = self.scratch_block * self.block_size
         for i, (values, pad) in enumerate(((input_ids, 0), (positions, 0), (slots, scratch_slot), (seq_lens, 1))):
@@ -111,10 +117,12 @@ class DecodeGraphs:
         return 4 * b + b * self.width
 
     def _copy_in(self, count: int) -> None:
-        # Non-blocking from pinned memory. The staging buffer is rewritten only in the
-        # next step, after this step's sampled tokens were read back (a sync), so the
-        # copy has finished by then.
+        """One non-blocking copy from pinned memory (asynchronous to the host on CUDA)."""
         self.static[:count].copy_(self.staging[:count], non_blocking=True)
+        if self.device.type == "cuda":
+            if self._copied is None:
+                self._copied = torch.cuda.Event()
+            self._copied.record()
 
     def _forward(self, b: int) -> torch.Tensor:
         ids, positions, slots, seq_lens, table = self._views(b)
@@ -184,15 +192,19 @@ def build_decode_graphs(make: Callable[[], DecodeGraphs], device: torch.device) 
         graphs = make()
         graphs.capture()
     except Exception as exc:
+        cause = f"{type(exc).__name__}: {exc}"
         if graphs is not None:
             graphs.release()
-        del graphs
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        logger.warning("CUDA graph capture failed (%s: %s); decode steps run eagerly", type(exc).__name__, exc)
-        return None
-    after = torch.cuda.memory_reserved(device)
-    logger.info("CUDA graphs: captured %d decode graphs (batch sizes %d..%d) in %.2f s; graph pool %.1f MiB",
-                len(graphs.graphs), graphs.sizes[0], graphs.max_batch, time.perf_counter() - start,
-                (after - before) / 2**20)
-    return graphs
+    else:
+        logger.info("CUDA graphs: captured %d decode graphs (batch sizes %d..%d) in %.2f s; graph pool %.1f MiB",
+                    len(graphs.graphs), graphs.sizes[0], graphs.max_batch, time.perf_counter() - start,
+                    (torch.cuda.memory_reserved(device) - before) / 2**20)
+        return graphs
+    # Out of the except block: the traceback no longer holds the capture's frames (and
+    # through them the buffers and the pool), so their memory can go back.
+    graphs = None
+    gc.collect()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    logger.warning("CUDA graph capture failed (%s); decode steps run eagerly", cause)
+    return None

@@ -294,8 +294,11 @@ class ModelRunner:
 
         sampled: list[list[int]] = []
         if sample_reqs:
-            idx = torch.tensor(sample_rows, dtype=torch.int64, device=dev)
-            logits = self.model.compute_logits(hidden.index_select(0, idx))
+            if len(sample_rows) == hidden.shape[0]:  # every row samples (rows are distinct, ascending)
+                logits = self.model.compute_logits(hidden)
+            else:
+                idx = torch.tensor(sample_rows, dtype=torch.int64, device=dev)
+                logits = self.model.compute_logits(hidden.index_select(0, idx))
             if self.rank == 0:
                 sampled = self._sample(so, logits, sample_reqs, sample_drafts, out)
                 if self.world_size > 1:
