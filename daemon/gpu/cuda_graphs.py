@@ -150,6 +150,7 @@ class DecodeGraphs:
                 self._forward(b)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # the warm-up's activations are not the pool's
         self.pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.sizes):
             graph = torch.cuda.CUDAGraph()
@@ -185,6 +186,7 @@ def build_decode_graphs(make: Callable[[], DecodeGraphs], device: torch.device) 
     """Capture (timing it and measuring the pool); on any failure free what capture made,
     log a warning naming the cause and return None: the runner then runs eagerly."""
     torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()  # so the difference below is the buffers and the pool
     before = torch.cuda.memory_reserved(device)
     start = time.perf_counter()
     graphs = None
