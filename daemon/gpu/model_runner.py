@@ -105,8 +105,8 @@ class ModelRunner:
         that padded rows of a graph step write and read (the pool never hands it out)."""
         self.release_decode_graphs()
         self.kv_caches = new_model_kv_caches(self.model, num_blocks + 1, self.block_size, self.dtype, self.device)
-        if self.drafter is not None:
-            self.drafter.initialize_kv_cache(num_blocks)
+        if self.drafter is not None:  # the same blocks as the target's, scratch included
+            self.drafter.initialize_kv_cache(num_blocks + 1)
         if self._decode_graphs_wanted():
             self.init_decode_graphs()
 
