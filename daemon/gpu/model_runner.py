@@ -115,7 +115,10 @@ class ModelRunner:
         return self.kv_caches[0].shape[2] - 1
 
     def _decode_graphs_wanted(self) -> bool:
-        if self.settings.enforce_eager or self.device.type != "cuda":
+        if self.device.type != "cuda":
+            return False
+        if self.settings.enforce_eager:
+            logger.info("CUDA graphs off: enforce_eager is set")
             return False
         reason = None
         if self.attention_backend != "triton":
