@@ -35,7 +35,6 @@ import logging
 import time
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
 from llmd.gpu.attention import AttentionMetadata, GatherWorkspace, build_decode_mask
