@@ -76,7 +76,7 @@ class LLMEngine:
                                   draft_model=draft_model,
                                   num_speculative_tokens=spec.num_speculative_tokens if draft_model else 0,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
-                                  max_num_seqs=config.max_num_seqs)
+                                  max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager)
         self._runner_settings = settings
         self.executor = self._make_executor()
         try:

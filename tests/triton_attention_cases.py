@@ -33,6 +33,10 @@ class Case:
     head_dim: int = 32
     dtype: str = "float32"
     decode_splits: int | None = None  # None: the backend's own choice (1 on CPU)
+    # A padded graph step: this many decode rows after the real ones, each with seq_len
+    # 1 and its slot and whole table in a scratch block; every table table_blocks wide.
+    pad_rows: int = 0
+    table_blocks: int | None = None
 
 
 MIXED_DECODES = (1, 17, 45, 5)
@@ -45,6 +49,9 @@ CASES: dict[str, Case] = {
     "multi-token-after-prefix": Case(8, 2, prefills=((40, 4), (15, 3), (1, 2), (16, 5))),
     "head-dim-24-group-3": Case(6, 2, decodes=(13, 30), prefills=((9, 7),), head_dim=24),
     "block-size-8": Case(4, 2, decodes=(3, 26), prefills=((19, 6),), block_size=8),
+    "decode-padded-graph": Case(4, 2, decodes=(1, 17, 45, 5, 30), pad_rows=3, table_blocks=8),
+    "decode-padded-graph-split4": Case(8, 2, decodes=(70, 5, 33), pad_rows=5, table_blocks=10, decode_splits=4),
+    "decode-padded-graph-bf16": Case(8, 1, decodes=(9, 40), pad_rows=2, table_blocks=4, dtype="bfloat16"),
     "bf16-mixed": Case(8, 2, decodes=MIXED_DECODES, prefills=MIXED_PREFILLS, dtype="bfloat16"),
     "fp16-mixed": Case(8, 2, decodes=MIXED_DECODES, prefills=MIXED_PREFILLS, dtype="float16"),
 }
@@ -59,15 +66,22 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 4e-2, "float16": 4e-3}
 
 
 def step_metadata(decodes: tuple[int, ...], prefills: tuple[tuple[int, int], ...], block_size: int,
-                  gen: torch.Generator) -> tuple[AttentionMetadata, int, torch.Tensor]:
+                  gen: torch.Generator, pad_rows: int = 0, table_blocks: int | None = None
+                  ) -> tuple[AttentionMetadata, int, torch.Tensor]:
     """(md, blocks in the pool, positions of the new tokens) of one step laid out as the
     model runner lays it out: decode rows first, then prefill rows, each request on
-    blocks drawn at random from the pool (which has a few spare blocks)."""
+    blocks drawn at random from the pool (which has a few spare blocks). With pad_rows,
+    as a graph step pads it: that many decode rows follow the real ones, token position
+    0, seq_len 1, slot and table in the pool's last block (the scratch block), and
+    every table is table_blocks wide, filled with the scratch block."""
     bs = block_size
     rows = [(length - 1, 1) for length in decodes] + list(prefills)
     blocks_needed = [-(-(cached + new) // bs) for cached, new in rows]
     num_blocks = sum(blocks_needed) + 3
     pool = torch.randperm(num_blocks, generator=gen).tolist()
+    scratch = num_blocks
+    if pad_rows:
+        num_blocks += 1
     tables = []
     for n in blocks_needed:
         tables.append(pool[:n])
@@ -75,16 +89,21 @@ def step_metadata(decodes: tuple[int, ...], prefills: tuple[tuple[int, int], ...
     positions = [pos for cached, new in rows for pos in range(cached, cached + new)]
     slots = [tables[i][pos // bs] * bs + pos % bs
              for i, (cached, new) in enumerate(rows) for pos in range(cached, cached + new)]
-    num_decodes = len(decodes)
+    num_real = len(decodes)
+    positions[num_real:num_real] = [0] * pad_rows
+    slots[num_real:num_real] = [scratch * bs] * pad_rows
+    num_decodes = num_real + pad_rows
     md = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.int64), num_decodes=num_decodes,
                            decode_block_table=None, decode_seq_lens=None, prefills=[])
     if num_decodes:
-        width = max(len(t) for t in tables[:num_decodes])
-        md.decode_block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables[:num_decodes]])
-        md.decode_seq_lens = torch.tensor(decodes, dtype=torch.int64)
+        width = table_blocks or max(len(t) for t in tables[:num_real])
+        fill = scratch if pad_rows else 0
+        decode_tables = [t + [fill] * (width - len(t)) for t in tables[:num_real]] + [[scratch] * width] * pad_rows
+        md.decode_block_table = torch.tensor(decode_tables)
+        md.decode_seq_lens = torch.tensor(list(decodes) + [1] * pad_rows, dtype=torch.int64)
         build_decode_mask(md, bs)
     start = num_decodes
-    for (cached, new), table in zip(prefills, tables[num_decodes:]):
+    for (cached, new), table in zip(prefills, tables[num_real:]):
         md.prefills.append((start, new, cached, torch.tensor(table, dtype=torch.int64)))
         start += new
     return md, num_blocks, torch.tensor(positions, dtype=torch.int64)
@@ -95,7 +114,8 @@ def build(case: Case, seed: int = 0):
     the requests' context, and stale data the kernels must not read."""
     gen = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, case.dtype)
-    md, num_blocks, positions = step_metadata(case.decodes, case.prefills, case.block_size, gen)
+    md, num_blocks, positions = step_metadata(case.decodes, case.prefills, case.block_size, gen, case.pad_rows,
+                                              case.table_blocks)
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen).to(dtype)
@@ -105,6 +125,11 @@ def build(case: Case, seed: int = 0):
     k = randn(tokens, case.kv_heads, case.head_dim)
     v = randn(tokens, case.kv_heads, case.head_dim)
     kv_cache = randn(2, case.kv_heads, num_blocks, case.block_size, case.head_dim)
+    # Padded rows have the same token and position, so the same K/V for their one slot.
+    if case.pad_rows:
+        real = len(case.decodes)
+        k[real:real + case.pad_rows] = k[real]
+        v[real:real + case.pad_rows] = v[real]
     return q, k, v, kv_cache, md
 
 
@@ -150,8 +175,45 @@ def run_model(model_dir: str) -> dict[str, float]:
             "tol": 1e-4}
 
 
+def run_model_graph(model_dir: str) -> dict[str, float]:
+    """A decode step of tiny-llama through the runner's graph path (emulated: the same
+    static buffers, padding and scratch block, the forward called) with the Triton
+    backend, against the torch backend's eager forward over the same rows: the same
+    hidden states, and the same cache outside the scratch block."""
+    from llmd.gpu.model_runner import ModelRunner, RunnerSettings
+
+    decodes = (1, 17, 45)  # three rows, padded to four
+    gen = torch.Generator().manual_seed(4)
+    md, num_blocks, positions = step_metadata(decodes, (), 16, gen)
+    tables = [row[:-(-length // 16)] for row, length in zip(md.decode_block_table.tolist(), decodes)]
+    ids = torch.randint(1000, (len(decodes),), generator=gen)
+    hidden, caches = {}, {}
+    for backend in ("torch", "triton"):
+        settings = RunnerSettings(block_size=16, max_model_len=256, valid_vocab_size=1024, eos_token_id=None,
+                                  seed=0, attention_backend=backend, max_num_seqs=8)
+        runner = ModelRunner(model_dir, settings, torch.device("cpu"), torch.float32)
+        runner.initialize_kv_cache(num_blocks)
+        fill = torch.Generator().manual_seed(2)
+        for cache in runner.kv_caches:
+            cache.copy_(torch.randn(cache.shape, generator=fill))
+        with torch.inference_mode():
+            if backend == "torch":
+                hidden[backend] = runner.model(ids, positions, runner.kv_caches, md)
+            else:
+                runner.init_decode_graphs(emulate=True)
+                graphs = runner.decode_graphs
+                hidden[backend] = graphs.run(ids.tolist(), positions.tolist(), md.slot_mapping.tolist(),
+                                             list(decodes), tables)
+                assert graphs.padded_sizes == {4: 1}, graphs.padded_sizes
+        caches[backend] = torch.stack(runner.kv_caches)[:, :, :, :num_blocks]
+    return {"out_err": (hidden["triton"] - hidden["torch"]).abs().max().item(),
+            "cache_err": (caches["triton"] - caches["torch"]).abs().max().item(),
+            "tol": 1e-4}
+
+
 def main(args: list[str]) -> None:
-    """Args: case names (default: all), and `--model DIR` to add the "model" check."""
+    """Args: case names (default: all), and `--model DIR` to add the "model" and
+    "model-graph" checks."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("run with TRITON_INTERPRET=1 (the kernels need Triton's interpreter on CPU)")
     jobs = {}
@@ -160,6 +222,7 @@ def main(args: list[str]) -> None:
         model_dir = args[i + 1]
         del args[i:i + 2]
         jobs["model"] = lambda: run_model(model_dir)
+        jobs["model-graph"] = lambda: run_model_graph(model_dir)
     for name in args or list(CASES):
         jobs[name] = lambda case=CASES[name]: run_case(case)
     for name, job in jobs.items():

@@ -7,6 +7,7 @@ positions of requests that asked for prompt logprobs).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -15,6 +16,7 @@ import torch
 from llmd.gpu.attention import (AttentionMetadata, GatherWorkspace, model_kv_bytes_per_block,
                                 new_model_kv_caches, set_decode_rows)
 from llmd.gpu.attention_backends import resolve_attention_backend
+from llmd.gpu.cuda_graphs import DecodeGraphs, build_decode_graphs, capture_sizes
 from llmd.gpu.draft_model import DraftModel
 from llmd.gpu.loader import load_model
 from llmd.gpu.memory import MemoryBreakdown, kv_cache_budget
@@ -22,6 +24,8 @@ from llmd.gpu.rejection_sampler import verify
 from llmd.gpu.sampler import Sampler, SamplingMetadata, gather_logprobs
 from llmd.messages import Logprobs, PromptLogprobs, RunnerOutput, SchedulerOutput
 from llmd_client.protocol import SamplingParams
+
+logger = logging.getLogger("llmd.model_runner")
 
 
 @dataclass
@@ -52,12 +56,16 @@ class RunnerSettings:
     draft_model: str | None = None
     num_speculative_tokens: int = 0
     # The scheduler's step limits: the shape of the largest step, which the CUDA memory
-    # profile runs (profile_kv_budget).
+    # profile runs (profile_kv_budget); CUDA graphs for decode steps (see cuda_graphs) are
+    # captured for batch sizes up to min(max_num_seqs, 512) unless enforce_eager.
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
+    enforce_eager: bool = False
 
 
 class ModelRunner:
+    decode_graphs: DecodeGraphs | None = None  # set by initialize_kv_cache when graphs are on
+
     def __init__(self, model_dir: str, settings: RunnerSettings, device: torch.device,
                  dtype: torch.dtype, rank: int = 0, world_size: int = 1) -> None:
         """With world_size > 1 (tensor parallelism, process group already initialised)
@@ -165,11 +173,58 @@ class ModelRunner:
                                extra_reserved_bytes=extra_reserved_bytes)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = new_model_kv_caches(self.model, num_blocks, self.block_size, self.dtype, self.device)
-        if self.drafter is not None:
-            self.drafter.initialize_kv_cache(num_blocks)
+        """num_blocks are the block pool's; the cache has one more, the scratch block
+        that padded rows of a graph step write and read (the pool never hands it out)."""
+        self.release_decode_graphs()
+        self.kv_caches = new_model_kv_caches(self.model, num_blocks + 1, self.block_size, self.dtype, self.device)
+        if self.drafter is not None:  # the same blocks as the target's, scratch included
+            self.drafter.initialize_kv_cache(num_blocks + 1)
+        if self._decode_graphs_wanted():
+            self.init_decode_graphs()
+
+    @property
+    def scratch_block(self) -> int:
+        return self.kv_caches[0].shape[2] - 1
+
+    def _decode_graphs_wanted(self) -> bool:
+        if self.device.type != "cuda":
+            return False
+        if self.settings.enforce_eager:
+            logger.info("CUDA graphs off: enforce_eager is set")
+            return False
+        reason = None
+        if self.attention_backend != "triton":
+            reason = (f"the {self.attention_backend!r} attention backend builds its shapes on the host "
+                      "each step (graphs need 'triton')")
+        elif self.drafter is not None:
+            reason = "the draft model runs its own forward every step"
+        elif self.world_size > 1:
+            reason = "tensor parallelism is not captured"
+        if reason is not None:
+            logger.warning("CUDA graphs off: %s; decode steps run eagerly", reason)
+            return False
+        return True
+
+    def init_decode_graphs(self, emulate: bool = False) -> None:
+        """Capture the decode graphs over the current KV cache (a failure leaves
+        decode_graphs None: eager steps). emulate=True (tests, any device) builds the
+        same static buffers, padding and scratch-block rows but calls the forward."""
+        self.release_decode_graphs()
+
+        def make() -> DecodeGraphs:
+            return DecodeGraphs(self.model, self.kv_caches, capture_sizes(self.settings.max_num_seqs),
+                                self.block_size, self.settings.max_model_len, self.scratch_block,
+                                self.attention_backend, self.device, self.workspace, emulate=emulate)
+
+        self.decode_graphs = make() if emulate else build_decode_graphs(make, self.device)
+
+    def release_decode_graphs(self) -> None:
+        if self.decode_graphs is not None:
+            self.decode_graphs.release()
+            self.decode_graphs = None
 
     def release_kv_cache(self) -> None:
+        self.release_decode_graphs()
         self.kv_caches = []
         if self.drafter is not None:
             self.drafter.kv_caches = []
@@ -226,6 +281,9 @@ class ModelRunner:
             seq_lens.append(pos + 1)
             tables.append(req.block_ids[:(pos + bs) // bs])
         num_decode_tokens = len(input_ids)
+        if self._is_graph_step(so, decodes, prefills):
+            hidden = self.decode_graphs.run(input_ids, positions, slots, seq_lens, tables)
+            return self._finish_step(so, hidden, decodes, prefills)
 
         pieces_pos: list[np.ndarray] = []
         pieces_slot: list[np.ndarray] = []
@@ -266,7 +324,24 @@ class ModelRunner:
         hidden = self.model(ids_t, pos_t, self.kv_caches, md)
         if self.drafter is not None:
             self.drafter.forward(ids_t, pos_t, md)
+        return self._finish_step(so, hidden, decodes, prefills)
 
+    def _is_graph_step(self, so: SchedulerOutput, decodes: list[RunnerRequest],
+                       prefills: list[tuple[RunnerRequest, int]]) -> bool:
+        """A step replays a graph when every row is a plain decode (one new token, no
+        drafts, no prompt logprobs to compute) and the batch fits a captured size."""
+        graphs = self.decode_graphs
+        if (graphs is None or prefills or not decodes or len(decodes) > graphs.max_batch
+                or so.scheduled_spec_decode_tokens or so.scheduled_spec_tail_tokens):
+            return False
+        return not any(r.sampling_params.prompt_logprobs is not None
+                       and r.num_computed_tokens < r.num_prompt_tokens - 1 for r in decodes)
+
+    def _finish_step(self, so: SchedulerOutput, hidden: torch.Tensor, decodes: list[RunnerRequest],
+                     prefills: list[tuple[RunnerRequest, int]]) -> RunnerOutput:
+        """Logits of the rows that sample (and prompt logprobs), sampling, bookkeeping."""
+        dev = self.device
+        spec = so.scheduled_spec_decode_tokens
         # Rows that sample: requests whose known tokens are all computed after this step
         # (all 1 + k rows of a request verifying k drafts).
         sample_reqs: list[RunnerRequest] = []
@@ -296,8 +371,11 @@ class ModelRunner:
 
         sampled: list[list[int]] = []
         if sample_reqs:
-            idx = torch.tensor(sample_rows, dtype=torch.int64, device=dev)
-            logits = self.model.compute_logits(hidden.index_select(0, idx))
+            if len(sample_rows) == hidden.shape[0]:  # every row samples (rows are distinct, ascending)
+                logits = self.model.compute_logits(hidden)
+            else:
+                idx = torch.tensor(sample_rows, dtype=torch.int64, device=dev)
+                logits = self.model.compute_logits(hidden.index_select(0, idx))
             if self.rank == 0:
                 sampled = self._sample(so, logits, sample_reqs, sample_drafts, out)
                 if self.world_size > 1:

@@ -280,6 +280,9 @@ class TritonAttention:
 
     def _decode(self, q: torch.Tensor, out: torch.Tensor, cache_args: tuple, strides: tuple,
                 scale_log2: float, md: AttentionMetadata, shared: dict) -> None:
+        # Everything decided here (splits, keys per split, the grid) comes from shapes and
+        # the GPU, never from tensor values: a captured decode graph (cuda_graphs) has a
+        # fixed batch and a table as wide as max_model_len, so its split count is fixed.
         n = md.num_decodes
         table = md.decode_block_table
         max_keys = table.shape[1] * shared["BLOCK_SIZE"]
