@@ -168,7 +168,9 @@ class LLMEngine:
         rank = min(range(len(breakdowns)), key=lambda r: breakdowns[r].num_blocks)
         where = f"rank {rank} of {len(breakdowns)}, the tightest" if len(breakdowns) > 1 else "profiled"
         logger.info("CUDA memory (%s): %s", where, breakdowns[rank].describe())
-        return breakdowns[rank].num_blocks
+        # The runner allocates one block more than the pool's: the scratch block that
+        # padded rows of CUDA-graph steps use (cuda_graphs). It comes out of the budget.
+        return breakdowns[rank].num_blocks - 1
 
     # -- requests -------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int],
