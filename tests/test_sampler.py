@@ -580,3 +580,26 @@ def test_all_masked_but_one():
 def test_empty_batch():
     out = Sampler()(torch.zeros(0, 10), metadata([], 10))
     assert out.sampled_token_ids.shape == (0,)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_sampling_makes_no_host_sync():
+    """On a GPU the sampler never waits for the device: every filter (top-p sorts), the
+    penalties, seeds and the race stay on the device until the runner's one copy."""
+    dev = torch.device("cuda")
+    vocab = 4096
+    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=40, min_p=0.02, seed=3, repetition_penalty=1.1),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.2, top_p=0.5, presence_penalty=0.5)]
+    md = SamplingMetadata.build(params, [[1, 2, 3]] * 3, [[4, 5]] * 3, valid_vocab_size=vocab,
+                                eos_token_id=0, device=dev)
+    logits = torch.randn(3, vocab, device=dev) * 4
+    sampler = Sampler(seed=0)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        result = sampler(logits, md)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert result.sampled_token_ids.shape == (3,)
+    assert result.sampled_token_ids[1].item() == logits[1].argmax().item()

@@ -8,8 +8,9 @@ vLLM does by default for the raw logits.
 
 `SamplingMetadata` holds the per-row parameters as tensors, built once per batch
 composition; `append_sampled` keeps it current from step to step without a rebuild.
-Nothing here reads a tensor back to the host, but for top-p: one small vector per window
-round (one in the common case, see apply_top_k_top_p). The runner copies the result once.
+Nothing here reads a tensor back to the host, but for top-p on CPU: one small vector per
+window round (one in the common case, see apply_top_k_top_p; on CUDA top-p sorts and
+never syncs). The runner copies the result once.
 """
 from __future__ import annotations
 
