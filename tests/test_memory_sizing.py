@@ -166,6 +166,17 @@ def test_profile_step_shape_and_arithmetic_with_fake_cuda_counters(monkeypatch, 
     assert not runner.sampler._batch_generators  # the profile drew from a sampler of its own
     assert runner.kv_caches == []
 
+    # With decode graphs to capture after the KV cache, room for their pool stays free:
+    # the activation peak scaled to the largest graph batch, plus the static buffers.
+    from llmd.gpu.cuda_graphs import capture_sizes
+
+    monkeypatch.setattr(runner, "_graphs_off_reason", lambda: None)
+    largest = capture_sizes(seqs)[-1]
+    graphs = int(30 * MiB * min(1.0, largest / want_tokens) + largest * (4 + -(-max_len // 16)) * 8)
+    g = runner.profile_kv_budget(0.9, extra_reserved_bytes=10 * MiB)
+    assert g.reserved == 10 * MiB + graphs
+    assert g.kv_budget == b.kv_budget - graphs
+
 
 def test_engine_on_cpu_does_not_profile(monkeypatch):
     from llmd import LLM

@@ -170,7 +170,8 @@ class ModelRunner:
                                weights_bytes=weights, peak_activation_bytes=activations,
                                non_torch_bytes=max(0, non_torch), gpu_memory_utilization=gpu_memory_utilization,
                                bytes_per_block=self.kv_cache_bytes_per_block(),
-                               extra_reserved_bytes=extra_reserved_bytes)
+                               extra_reserved_bytes=extra_reserved_bytes
+                               + int(self._graph_pool_estimate(activations, total)))
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """num_blocks are the block pool's; the cache has one more, the scratch block
@@ -186,24 +187,41 @@ class ModelRunner:
     def scratch_block(self) -> int:
         return self.kv_caches[0].shape[2] - 1
 
-    def _decode_graphs_wanted(self) -> bool:
+    def _graphs_off_reason(self) -> str | None:
+        """Why decode steps will not use CUDA graphs on this runner (None: they will)."""
         if self.device.type != "cuda":
-            return False
+            return "not a CUDA device"
         if self.settings.enforce_eager:
-            logger.info("CUDA graphs off: enforce_eager is set")
-            return False
-        reason = None
+            return "enforce_eager is set"
         if self.attention_backend != "triton":
-            reason = (f"the {self.attention_backend!r} attention backend builds its shapes on the host "
-                      "each step (graphs need 'triton')")
-        elif self.drafter is not None:
-            reason = "the draft model runs its own forward every step"
-        elif self.world_size > 1:
-            reason = "tensor parallelism is not captured"
-        if reason is not None:
-            logger.warning("CUDA graphs off: %s; decode steps run eagerly", reason)
-            return False
-        return True
+            return (f"the {self.attention_backend!r} attention backend builds its shapes on the host "
+                    "each step (graphs need 'triton')")
+        if self.drafter is not None:
+            return "the draft model runs its own forward every step"
+        if self.world_size > 1:
+            return "tensor parallelism is not captured"
+        return None
+
+    def _decode_graphs_wanted(self) -> bool:
+        reason = self._graphs_off_reason()
+        if reason is None:
+            return True
+        if self.device.type == "cuda":
+            log = logger.info if self.settings.enforce_eager else logger.warning
+            log("CUDA graphs off: %s; decode steps run eagerly", reason)
+        return False
+
+    def _graph_pool_estimate(self, activations: int, profiled_tokens: int) -> int:
+        """Bytes to keep free for the decode graphs, which are captured after the KV cache
+        takes its budget: the profiled activation peak scaled to the largest captured
+        batch (an over-estimate: the profile also held the LM head's and the sampler's
+        buffers), plus the graphs' static input buffers."""
+        if self._graphs_off_reason() is not None:
+            return 0
+        s = self.settings
+        largest = capture_sizes(s.max_num_seqs)[-1]
+        width = -(-s.max_model_len // self.block_size)
+        return activations * min(1.0, largest / max(1, profiled_tokens)) + largest * (4 + width) * 8
 
     def init_decode_graphs(self, emulate: bool = False) -> None:
         """Capture the decode graphs over the current KV cache (a failure leaves
