@@ -10,19 +10,19 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 @functools.lru_cache(maxsize=8)
-def hf_model(path: str, dtype: torch.dtype = torch.float32):
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+def hf_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
 
 
 @torch.inference_mode()
 def hf_greedy(path: str, prompt_ids: list[int], max_tokens: int, k: int = 5,
-              dtype: torch.dtype = torch.float32) -> tuple[list[int], list[dict[int, float]]]:
+              dtype: torch.dtype = torch.float32, device: str = "cpu") -> tuple[list[int], list[dict[int, float]]]:
     """Greedy tokens and, per position, the top-k logprobs {id: logprob} (chosen included)."""
-    model, tokenizer = hf_model(path, dtype)
+    model, tokenizer = hf_model(path, dtype, device)
     valid = len(tokenizer)
-    ids = torch.tensor([prompt_ids])
+    ids = torch.tensor([prompt_ids], device=device)
     out = model(ids, use_cache=True)
     past = out.past_key_values
     tokens: list[int] = []
@@ -37,7 +37,7 @@ def hf_greedy(path: str, prompt_ids: list[int], max_tokens: int, k: int = 5,
         top[token] = float(logprobs[token])
         tokens.append(token)
         tops.append(top)
-        out = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
+        out = model(torch.tensor([[token]], device=device), past_key_values=past, use_cache=True)
         past = out.past_key_values
         logits = out.logits[0, -1].float()
     return tokens, tops

@@ -128,6 +128,23 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_theta=10000.0,
         llama3_original_max_position_embeddings=256,
     ),
+    # GPU benchmarks: TinyLlama-1.1B's shape (22 layers, hidden 2048, 32 heads, 4 KV heads,
+    # intermediate 5632, vocab 32000: the tokenizer's 8192 tokens, the rest padding), so
+    # the weights read per decode step match the real model's. Not a named fixture (4.4 GB
+    # in fp32): `python -m llmd_tools.make_model --arch llama --preset tinyllama --out DIR`.
+    "tinyllama": dict(
+        tokenizer_vocab=8192,
+        vocab_size=32000,
+        hidden_size=2048,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=64,
+        intermediate_size=5632,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+        llama3_original_max_position_embeddings=2048,
+    ),
 }
 
 ARCHS = ("llama", "qwen2", "qwen3")
@@ -457,7 +474,10 @@ def resolve_config(arch: str, preset: str, *, tie_word_embeddings: bool = False,
     llama3 = ov.pop("llama3_rope", arch == "llama")
     orig_max = p.pop("llama3_original_max_position_embeddings")
     rope_theta = float(ov.pop("rope_theta", p.pop("rope_theta")))
-    vocab = int(ov.pop("vocab_size", padded_vocab_size(tok_vocab) if pad_vocab else tok_vocab))
+    preset_vocab = p.pop("vocab_size", None)  # a preset may fix the model vocab outright
+    if preset_vocab is None:
+        preset_vocab = padded_vocab_size(tok_vocab) if pad_vocab else tok_vocab
+    vocab = int(ov.pop("vocab_size", preset_vocab))
     if vocab < tok_vocab:
         raise ValueError(f"model vocab_size {vocab} < tokenizer vocab {tok_vocab}")
 

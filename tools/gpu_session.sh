@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The GPU checks and figures in as few device calls as possible, for a session that is
+# lent a GPU machine (it has Python 3.12, torch, triton, transformers, tokenizers,
+# safetensors, uvloop, psutil, click, numpy, pytest; no internet). Each phase fits one
+# 10-minute call; logs and JSON reports go to $OUT (or ./gpu-out).
+#
+# Here, once, fetch the packages that machine lacks (cp312 wheels) into .whl/ (ignored):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#     msgspec==0.22.0 xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 pydantic==2.14.3 \
+#     pydantic-core==2.50.4 annotated-types typing-inspection typing-extensions==4.16.0 \
+#     jsonschema==4.26.0 jsonschema-specifications referencing rpds-py
+# Then run with the device tool, carrying .whl:
+#   bash tools/gpu_session.sh tests     # GPU tests (graphs, kernels, bf16 vs HF, sizing, sampler)
+#   bash tools/gpu_session.sh latency   # batch-1 decode: graphs vs eager, roofline
+#   bash tools/gpu_session.sh throughput  # nano-vllm workload vs HF generate
+#   bash tools/gpu_session.sh async     # async scheduling on vs off
+set -uo pipefail
+phase=${1:-tests}
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
+
+# The project and the carried wheels into /tmp/site (the machine's torch stays).
+if [ ! -d /tmp/site/llmd ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir \
+        --target /tmp/site . || exit 1
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/device.txt"
+
+MODEL=/tmp/tinyllama
+if [ "$phase" != tests ] && [ ! -f $MODEL/model.safetensors ]; then
+    python3 -m llmd_tools.make_model --arch llama --preset tinyllama --no-llama3-rope --out $MODEL || exit 1
+fi
+llmd() { python3 -m llmd.cli "$@"; }
+
+case "$phase" in
+tests)
+    python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda_graphs.py tests/test_memory_sizing.py \
+        tests/test_sampler.py tests/test_engine_vs_hf.py -k "cuda or bfloat16" 2>&1 | tee "$OUT/tests.log"
+    python3 -m pytest -q -rs -p no:cacheprovider tests/test_async_scheduling.py tests/test_triton_attention.py \
+        2>&1 | tee -a "$OUT/tests.log"
+    ;;
+latency)
+    for mode in "" "--enforce-eager"; do
+        llmd bench latency --model $MODEL --device cuda --dtype bfloat16 --batch-size 1 --input-len 32 \
+            --output-len 256 --num-iters 5 --max-model-len 2048 $mode --json \
+            | tee "$OUT/latency${mode:+-eager}.json"
+    done
+    ;;
+throughput)
+    llmd bench throughput --model $MODEL --device cuda --dtype bfloat16 --dataset nano --num-prompts 256 \
+        --max-len 1024 --max-model-len 2048 --max-num-seqs 256 --hf-baseline --hf-batch-size 64 --json \
+        | tee "$OUT/throughput.json"
+    ;;
+async)
+    python3 -m llmd_tools.bench_async --model $MODEL --dtype bfloat16 --tokens 128 --repeats 2 \
+        | tee "$OUT/async.txt"
+    ;;
+*)
+    echo "unknown phase $phase (tests, latency, throughput, async)" >&2
+    exit 2
+    ;;
+esac
