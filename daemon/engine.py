@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,16 @@ class LLMEngine:
         submit = self._submit_step if config.async_scheduling else run_now(
             lambda so: self.executor.execute_model(so))
         self.pipeline = StepPipeline(self.scheduler, submit, overlap=config.async_scheduling)
+        if config.async_scheduling and self.device.type == "cpu":
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            per_rank = config.cpu_threads or cores // max(1, config.tensor_parallel_size)
+            if per_rank * config.tensor_parallel_size >= cores:
+                # Measured (docs/benchmarks.md): with every core in the model's OpenMP
+                # teams, the overlapped scheduler work stalls their barriers.
+                logger.warning("async_scheduling on CPU while the model uses all %d cores: the scheduler's "
+                               "overlapped work competes with the model's threads and usually slows steps "
+                               "down; set cpu_threads below the core count (or turn async_scheduling off)",
+                               cores)
 
     def _make_executor(self):
         from llmd.gpu.executor import InProcessExecutor

@@ -7,7 +7,7 @@ With async scheduling the scheduler, output processing and (offline) detokenizat
 step N run while step N+1 computes; what it can hide is that non-model time, so the
 gain is largest where steps are short (small batches, a GPU).
 
-    python -m llmd_tools.bench_async [--model small-llama] [--dtype float32] [--tokens 64]
+    python -m llmd_tools.bench_async [--model small-llama] [--dtype float32] [--tokens 64] [--cpu-threads N]
 """
 from __future__ import annotations
 
@@ -38,17 +38,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per setting (the best is shown)")
+    ap.add_argument("--cpu-threads", type=int, default=None, help="torch threads of the model (CPU)")
     args = ap.parse_args(argv)
     model = args.model if os.path.isdir(args.model) else str(fixture_path(args.model))
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
-    print(f"model {model}, {args.dtype}, {args.tokens} tokens per request; load avg {os.getloadavg()[0]:.2f}")
+    print(f"model {model}, {args.dtype}, {args.tokens} tokens per request, cpu_threads {args.cpu_threads}; "
+          f"load avg {os.getloadavg()[0]:.2f}")
     print(f"{'executor':>8} {'batch':>5} {'sync tok/s':>11} {'async tok/s':>12} {'speed-up':>9} "
           f"{'sync ms/step':>13} {'async ms/step':>14}")
     for backend in ("uni", "mp"):
         engines = {mode: LLM(model=model, dtype=args.dtype, max_model_len=512, max_num_seqs=32,
                              kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False,
-                             distributed_executor_backend=backend, async_scheduling=mode)
+                             distributed_executor_backend=backend, async_scheduling=mode,
+                             cpu_threads=args.cpu_threads)
                    for mode in (False, True)}
         for batch in (1, 32):
             prompts = [[rng.randrange(5, 1000) for _ in range(32)] for _ in range(batch)]
