@@ -191,9 +191,13 @@ def test_user_input_never_echoed(daemon):
     assert marker not in daemon.stderr()
 
 
-def test_closing_connection_aborts_prefill_and_decode(model, tmp_path):
+ASYNC = pytest.mark.parametrize("extra", [(), ("--async-scheduling",)], ids=["sync", "async"])
+
+
+@ASYNC
+def test_closing_connection_aborts_prefill_and_decode(model, tmp_path, extra):
     # A tiny step budget turns a long prompt into many prefill chunks.
-    d = Daemon(model, tmp_path / "s.sock", "--max-num-batched-tokens", "8").wait_ready()
+    d = Daemon(model, tmp_path / "s.sock", "--max-num-batched-tokens", "8", *extra).wait_ready()
     try:
         with RawConn(d.sock) as conn:  # closed right after acceptance: during prefill
             conn.send({"type": "submit", "id": "p", "token_ids": [5] * 200,
@@ -227,8 +231,9 @@ def test_abort_by_id_gets_final_message(daemon):
     assert wait_idle(daemon.sock)["kv_blocks_used"] == 0
 
 
-def test_sigterm_drains_running_requests(model, tmp_path):
-    d = Daemon(model, tmp_path / "s.sock").wait_ready()
+@ASYNC
+def test_sigterm_drains_running_requests(model, tmp_path, extra):
+    d = Daemon(model, tmp_path / "s.sock", *extra).wait_ready()
     with RawConn(d.sock) as conn:
         conn.send({"type": "submit", "id": "a", "prompt": "hi", "sampling": {"max_tokens": 60, "ignore_eos": True}})
         assert conn.recv()["type"] == "accepted"
@@ -239,8 +244,9 @@ def test_sigterm_drains_running_requests(model, tmp_path):
     assert not os.path.exists(d.sock)
 
 
-def test_sigterm_aborts_what_outlasts_the_drain_timeout(model, tmp_path):
-    d = Daemon(model, tmp_path / "s.sock", "--drain-timeout-s", "0.5", "--max-model-len", "1024").wait_ready()
+@ASYNC
+def test_sigterm_aborts_what_outlasts_the_drain_timeout(model, tmp_path, extra):
+    d = Daemon(model, tmp_path / "s.sock", "--drain-timeout-s", "0.5", "--max-model-len", "1024", *extra).wait_ready()
     with RawConn(d.sock) as conn:
         conn.send({"type": "submit", "id": "a", "prompt": "hi",
                    "sampling": {"max_tokens": 1000, "ignore_eos": True}})

@@ -69,9 +69,11 @@ def test_multiprocess_equals_in_process(name, settings):
         mp.engine.shutdown()
 
 
-def test_killed_worker_fails_requests_then_a_new_worker_serves():
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_killed_worker_fails_requests_then_a_new_worker_serves(async_scheduling):
     path = str(fixture_path("tiny-llama"))
-    llm = LLM(model=path, distributed_executor_backend="mp", num_gpu_blocks_override=128, max_model_len=256)
+    llm = LLM(model=path, distributed_executor_backend="mp", num_gpu_blocks_override=128, max_model_len=256,
+              async_scheduling=async_scheduling)
     engine = llm.engine
     old_pid = engine.executor.pids[0]
     try:
@@ -186,9 +188,11 @@ def test_workers_exit_when_the_parent_dies():
     assert wait_gone(worker_pid), "worker outlived its parent"
 
 
-def test_daemon_survives_a_worker_crash():
+@pytest.mark.parametrize("extra", [(), ("--async-scheduling",)], ids=["sync", "async"])
+def test_daemon_survives_a_worker_crash(extra):
     base = Path(tempfile.mkdtemp(prefix="llmd-mp-"))
-    d = Daemon(str(fixture_path("tiny-llama")), base / "s.sock", "--distributed-executor-backend", "mp").wait_ready()
+    d = Daemon(str(fixture_path("tiny-llama")), base / "s.sock", "--distributed-executor-backend", "mp",
+               *extra).wait_ready()
     try:
         workers = subprocess.run(["pgrep", "-f", "llmd.gpu.worker", "-P", str(d.proc.pid)],
                                  capture_output=True, text=True).stdout.split()
