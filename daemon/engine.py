@@ -131,6 +131,13 @@ class LLMEngine:
         start a fresh executor. Returns the scheduler ids of the failed requests."""
         logger.error("executor failed: %s; failing %d request(s) and restarting it",
                      cause, len(self.scheduler.requests))
+        for future in self.pipeline.futures():
+            # A step launched behind the failed one runs (and fails) on the old executor
+            # before the new one exists: no step may reach the new workers mid-start.
+            try:
+                future.result()
+            except Exception:
+                pass
         self.pipeline.reset()
         failed = list(self.scheduler.requests)
         self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ERROR)
@@ -249,10 +256,9 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the executor (worker processes exit) and drop the KV cache."""
-        in_flight = self.pipeline.in_flight
-        if in_flight is not None and in_flight.future is not None:
+        for future in self.pipeline.futures():
             try:  # a step whose requests all finished may still run: let it end first
-                in_flight.future.result()
+                future.result()
             except ExecutorError:
                 pass
         self.pipeline.reset()

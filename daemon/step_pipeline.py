@@ -1,14 +1,17 @@
 """Steps in flight: schedule, launch on the executor, apply the result.
 
 Without async scheduling a step is scheduled, run and applied before the next is
-scheduled. With it, the pipeline holds one step in flight and schedules the next while
-it runs; when the step ends, the next is launched first and the finished one's tokens
-are applied while it runs (see the scheduler's docstring for the placeholder rules).
+scheduled. With it, while step N runs the pipeline schedules step N+1 and submits it at
+once (the executor runs steps in order, so it starts N+1 as soon as N ends, without a
+round trip through this side); N's tokens are applied while N+1 runs (see the
+scheduler's docstring for the placeholder rules). A step whose grammar rows need N's
+tokens is held back until they are applied.
 The offline engine waits on the futures; the daemon's scheduler actor awaits them.
 No torch here.
 """
 from __future__ import annotations
 
+import collections
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -42,47 +45,60 @@ class StepPipeline:
     def __init__(self, scheduler: Scheduler, submit: Callable[[SchedulerOutput], Future],
                  overlap: bool) -> None:
         """`submit(output)` starts the step on the executor and returns its future (it
-        may run the step before returning)."""
+        may run the step before returning). Steps run in the order submitted."""
         self.scheduler = scheduler
         self.submit = submit
         self.overlap = overlap
-        self.in_flight: Step | None = None
-        self.next: Step | None = None
+        self.launched: collections.deque[Step] = collections.deque()  # oldest first, at most 2
+        self.deferred: Step | None = None  # scheduled; its grammar rows wait for the oldest's tokens
         self.stats = PipelineStats()
+
+    @property
+    def in_flight(self) -> Step | None:
+        """The oldest launched step: the one whose tokens are applied next."""
+        return self.launched[0] if self.launched else None
 
     def start(self) -> Step | None:
         """Make sure a step is in flight (schedule and launch one if none is) and, with
-        overlap, schedule the one after it. Returns the step in flight, or None when
-        nothing could be scheduled."""
-        if self.in_flight is None:
+        overlap, schedule the one after it and launch it at once, so the executor goes
+        from one step to the next without waiting for this side to apply the first one's
+        tokens (unless the next one's grammar rows need them). Returns the oldest step in
+        flight, or None when nothing could be scheduled."""
+        if not self.launched:
             step = self._schedule()
             if step is None:
                 return None
             self._launch(step)
-        if self.overlap and self.next is None:
-            self.next = self._schedule()
-        return self.in_flight
+        if self.overlap and len(self.launched) == 1 and self.deferred is None:
+            upcoming = self._schedule()
+            if upcoming is not None:
+                if self.scheduler.bitmask_deferred(upcoming.output):
+                    self.deferred = upcoming
+                else:
+                    self._launch(upcoming)
+                    self.stats.overlapped += 1
+        return self.launched[0]
 
     def finish(self, runner_output: RunnerOutput) -> tuple[Step, list[RequestUpdate]]:
-        """The step in flight ended with `runner_output`: launch the next one (before
-        applying these tokens, unless its grammar rows need them), then apply them."""
-        done, self.in_flight = self.in_flight, None
-        assert done is not None, "no step in flight"
-        upcoming, self.next = self.next, None
-        if upcoming is not None and not self.scheduler.bitmask_deferred(upcoming.output):
-            self._launch(upcoming)
-            self.stats.overlapped += 1
-            upcoming = None
+        """The oldest step ended with `runner_output`: apply its tokens, then launch a
+        step that was waiting for them."""
+        assert self.launched, "no step in flight"
+        done = self.launched.popleft()
         updates = self.scheduler.update_from_output(done.output, runner_output)
-        if upcoming is not None:
+        if self.deferred is not None:
+            upcoming, self.deferred = self.deferred, None
             self.scheduler.fill_deferred_bitmask(upcoming.output)
             self.stats.deferred += 1
             self._launch(upcoming)
         return done, updates
 
+    def futures(self) -> list[Future]:
+        return [step.future for step in self.launched if step.future is not None]
+
     def reset(self) -> None:
         """Forget every step (after the executor failed: its requests are failed)."""
-        self.in_flight = self.next = None
+        self.launched.clear()
+        self.deferred = None
         self.scheduler.drop_deferred_bitmask()
 
     def _schedule(self) -> Step | None:
@@ -97,7 +113,7 @@ class StepPipeline:
     def _launch(self, step: Step) -> None:
         step.launched_at = time.monotonic()
         step.future = self.submit(step.output)
-        self.in_flight = step
+        self.launched.append(step)
         self.stats.steps += 1
         self.stats.tokens += step.shape.num_tokens
 

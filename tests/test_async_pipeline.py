@@ -80,7 +80,7 @@ def run_workload(seed: int, overlap: bool) -> tuple[dict, set[str], StepPipeline
             assert request.num_output_tokens + request.num_output_placeholders <= request.max_tokens
     else:
         raise AssertionError("the workload did not finish")
-    if pipeline.in_flight is not None:  # a step whose requests all finished: let it end
+    while pipeline.in_flight is not None:  # steps whose requests all finished: let them end
         pipeline.finish(pipeline.in_flight.future.result())
     kv.assert_all_free()
     for req_id, request in added.items():
