@@ -40,10 +40,13 @@ llmd() { python3 -m llmd.cli "$@"; }
 
 case "$phase" in
 tests)
+    # Most of the suite is written for the CPU (fp32, exact equality with HF): on this
+    # machine "auto" picks CUDA and bf16, so only these files run here.
     python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda_graphs.py tests/test_memory_sizing.py \
-        tests/test_sampler.py tests/test_engine_vs_hf.py -k "cuda or bfloat16" 2>&1 | tee "$OUT/tests.log"
-    python3 -m pytest -q -rs -p no:cacheprovider tests/test_async_scheduling.py tests/test_triton_attention.py \
-        2>&1 | tee -a "$OUT/tests.log"
+        2>&1 | tee "$OUT/tests.log"
+    python3 -m pytest -q -rs -p no:cacheprovider tests/test_sampler.py tests/test_engine_vs_hf.py \
+        -k "cuda or bfloat16" 2>&1 | tee -a "$OUT/tests.log"
+    python3 -m pytest -q -rs -p no:cacheprovider tests/test_async_scheduling.py 2>&1 | tee -a "$OUT/tests.log"
     ;;
 latency)
     for mode in "" "--enforce-eager"; do
