@@ -6,6 +6,7 @@ worker-process executor and the daemon."""
 from __future__ import annotations
 
 import json
+import random
 import re
 import tempfile
 from pathlib import Path
@@ -204,3 +205,69 @@ def test_daemon_with_async_scheduling(reference):
         assert status["kv_blocks_used"] == 0 and status["num_running"] == 0
     finally:
         assert d.stop() == 0, d.stderr()
+
+
+def random_workload(seed: int):
+    rng = random.Random(seed)
+    items = []
+    for i in range(14):
+        prompt = TEXT * rng.randint(0, 3) + rng.choice(["x", "import os", "class A:", "for i in range(10):"])
+        kind = rng.random()
+        kw = dict(max_tokens=rng.randint(1, 40), ignore_eos=rng.random() < 0.7)
+        if kind < 0.2:
+            kw.update(temperature=0.8, seed=rng.randrange(1000), n=rng.randint(1, 3), top_p=0.9)
+        elif kind < 0.35:
+            kw.update(temperature=0.0, stop=[rng.choice(["e", "(", ":"])])
+        elif kind < 0.5:
+            kw.update(temperature=0.0, guided=GuidedDecodingParams(regex=r"[a-z]{1,5}(,[0-9]{1,2}){0,4}"))
+        elif kind < 0.6:
+            kw.update(temperature=0.0, prompt_logprobs=2, logprobs=1)
+        elif kind < 0.7:
+            kw.update(temperature=1.0, seed=rng.randrange(1000), repetition_penalty=1.2,
+                      min_tokens=min(3, kw["max_tokens"]))
+        else:
+            kw.update(temperature=0.0)
+        items.append((rng.randint(0, 25), f"q{i}", prompt, SamplingParams(**kw)))
+    aborts = {rng.randint(1, 40): f"q{rng.randrange(14)}" for _ in range(2)}
+    return sorted(items, key=lambda item: item[0]), aborts
+
+
+def run_random(llm: LLM, seed: int) -> dict:
+    """Arrivals and aborts by step number; the finished outputs of requests not aborted."""
+    engine = llm.engine
+    pending, aborts = random_workload(seed)
+    finished, aborted, step = {}, set(), 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][0] <= step:
+            _, rid, prompt, params = pending.pop(0)
+            engine.add_request(f"{seed}-{rid}", prompt, params)
+        victim = f"{seed}-{aborts.get(step)}"
+        if victim in engine.output_processor.requests:
+            engine.abort_request(victim)
+            aborted.add(victim)
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        step += 1
+    assert_clean(llm)
+    return {rid: ([(tuple(c.token_ids), c.text, c.finish_reason) for c in out.outputs], out.prompt_logprobs)
+            for rid, out in finished.items() if rid not in aborted}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_workloads_match_plain_scheduling(seed):
+    """Penalties with min_tokens, prompt logprobs, n > 1, stop strings, guided requests,
+    arrivals mid-run and aborts, under preemption: whatever both runs finish, they
+    finish alike (aborts hit different states, so aborted requests are left out)."""
+    plain = make(max_num_batched_tokens=48, long_prefill_token_threshold=24, num_gpu_blocks_override=24)
+    overlapped_tight = make(max_num_batched_tokens=48, long_prefill_token_threshold=24, num_gpu_blocks_override=24,
+                            async_scheduling=True)
+    try:
+        want, got = run_random(plain, seed), run_random(overlapped_tight, seed)
+    finally:
+        plain.engine.shutdown()
+        overlapped_tight.engine.shutdown()
+    assert len(set(want) & set(got)) >= 10
+    for rid in set(want) & set(got):
+        assert got[rid][0] == want[rid][0], rid
+        assert (got[rid][1] is None) == (want[rid][1] is None)
