@@ -104,7 +104,10 @@ class LLMEngine:
         self._model_thread: ThreadPoolExecutor | None = None
         submit = self._submit_step if config.async_scheduling else run_now(
             lambda so: self.executor.execute_model(so))
-        self.pipeline = StepPipeline(self.scheduler, submit, overlap=config.async_scheduling)
+        # Chained steps: the executor launches step N+1 before reading N's tokens back.
+        self._chained = config.async_scheduling and getattr(self.executor, "supports_chaining", False)
+        self.pipeline = StepPipeline(self.scheduler, submit, overlap=config.async_scheduling,
+                                     flush=self._submit_flush if self._chained else None)
         if config.async_scheduling and self.device.type == "cpu":
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
             per_rank = config.cpu_threads or cores // max(1, config.tensor_parallel_size)
@@ -252,7 +255,14 @@ class LLMEngine:
         replaced after a failure, so it is looked up when the step starts)."""
         if self._model_thread is None:
             self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmd-model")
+        if self._chained:
+            return self._model_thread.submit(lambda: self.executor.execute_model_chained(scheduler_output))
         return self._model_thread.submit(lambda: self.executor.execute_model(scheduler_output))
+
+    def _submit_flush(self):
+        if self._model_thread is None:
+            self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmd-model")
+        return self._model_thread.submit(lambda: self.executor.flush())
 
     def shutdown(self) -> None:
         """Stop the executor (worker processes exit) and drop the KV cache."""

@@ -5,7 +5,9 @@ scheduled. With it, while step N runs the pipeline schedules step N+1 and submit
 once (the executor runs steps in order, so it starts N+1 as soon as N ends, without a
 round trip through this side); N's tokens are applied while N+1 runs (see the
 scheduler's docstring for the placeholder rules). A step whose grammar rows need N's
-tokens is held back until they are applied.
+tokens is held back until they are applied. With a chained executor the worker even
+launches N+1 before reading N's tokens back: N+1's decode rows take them on the device
+(ModelRunner.execute_model_chained), so the device never waits for the host in between.
 The offline engine waits on the futures; the daemon's scheduler actor awaits them.
 No torch here.
 """
@@ -43,12 +45,19 @@ class PipelineStats:
 
 class StepPipeline:
     def __init__(self, scheduler: Scheduler, submit: Callable[[SchedulerOutput], Future],
-                 overlap: bool) -> None:
+                 overlap: bool, flush: Callable[[], Future] | None = None) -> None:
         """`submit(output)` starts the step on the executor and returns its future (it
-        may run the step before returning). Steps run in the order submitted."""
+        may run the step before returning). Steps run in the order submitted.
+
+        Chained executors (`flush` given; with overlap only): the future of submit(N+1)
+        holds step N's output (None for the first step), since the executor reads N's
+        tokens back only after launching N+1; `flush()` returns a future of the last
+        step's output when nothing follows it."""
         self.scheduler = scheduler
         self.submit = submit
+        self.flush = flush
         self.overlap = overlap
+        self._tasks: list[Future] = []  # every submit and flush not known to be done
         self.launched: collections.deque[Step] = collections.deque()  # oldest first, at most 2
         self.deferred: Step | None = None  # scheduled; its grammar rows wait for the oldest's tokens
         self.stats = PipelineStats()
@@ -77,7 +86,10 @@ class StepPipeline:
                 else:
                     self._launch(upcoming)
                     self.stats.overlapped += 1
-        return self.launched[0]
+        head = self.launched[0]
+        if head.future is None:  # chained, and nothing launched after it
+            head.future = self._track(self.flush())
+        return head
 
     def finish(self, runner_output: RunnerOutput) -> tuple[Step, list[RequestUpdate]]:
         """The oldest step ended with `runner_output`: apply its tokens, then launch a
@@ -92,8 +104,19 @@ class StepPipeline:
             self._launch(upcoming)
         return done, updates
 
+    @property
+    def chained(self) -> bool:
+        return self.overlap and self.flush is not None
+
     def futures(self) -> list[Future]:
-        return [step.future for step in self.launched if step.future is not None]
+        """Every task given to the executor that may not have ended."""
+        self._tasks = [task for task in self._tasks if not task.done()]
+        return list(self._tasks)
+
+    def _track(self, future: Future) -> Future:
+        self._tasks = [task for task in self._tasks if not task.done()]
+        self._tasks.append(future)
+        return future
 
     def reset(self) -> None:
         """Forget every step (after the executor failed: its requests are failed)."""
@@ -112,7 +135,12 @@ class StepPipeline:
 
     def _launch(self, step: Step) -> None:
         step.launched_at = time.monotonic()
-        step.future = self.submit(step.output)
+        future = self._track(self.submit(step.output))
+        if self.chained:
+            if self.launched and self.launched[-1].future is None:
+                self.launched[-1].future = future  # the step before's output
+        else:
+            step.future = future
         self.launched.append(step)
         self.stats.steps += 1
         self.stats.tokens += step.shape.num_tokens

@@ -51,14 +51,17 @@ class KVWatch:
         self.graphs.run = self.run
         self.scratch = self.runner.scratch_block
         self.padded_steps = 0
+        self.fixed_steps = 0  # steps whose input ids came from the chained step before
         assert self.scratch == llm.engine.kv_cache_manager.num_blocks  # the pool's ids end below it
 
-    def run(self, input_ids, positions, slots, seq_lens, tables):
+    def run(self, input_ids, positions, slots, seq_lens, tables, fix=None):
         bs = self.runner.block_size
         assert all(b < self.scratch for t in tables for b in t)
         assert all(s // bs < self.scratch for s in slots)
         before = [c.clone() for c in self.runner.kv_caches]
-        hidden = self.inner(input_ids, positions, slots, seq_lens, tables)
+        hidden = self.inner(input_ids, positions, slots, seq_lens, tables, fix=fix)
+        if fix is not None:
+            self.fixed_steps += 1
         changed = set()
         for old, new in zip(before, self.runner.kv_caches):
             diff = (old != new).any(dim=4).any(dim=1).any(dim=0).flatten()  # [blocks * block_size]
@@ -97,9 +100,9 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=3, **kw)
 
 
-def compare(waves, **settings) -> tuple[LLM, KVWatch]:
+def compare(waves, graph_settings: dict | None = None, **settings) -> tuple[LLM, KVWatch]:
     ref = run_waves(make_llm(False, **settings), waves)
-    llm = make_llm(True, **settings)
+    llm = make_llm(True, **settings, **(graph_settings or {}))
     watch = KVWatch(llm)
     got = run_waves(llm, waves)
     assert got.keys() == ref.keys()
@@ -167,6 +170,16 @@ def test_emulated_graphs_with_ngram_speculation(batch_invariant_linear) -> None:
     waves = {0: [(f"n{i}", TEXT * 2 if i % 2 else PROMPTS[i], greedy(24)) for i in range(5)]}
     llm, _ = compare(waves, speculative_config=spec)
     assert llm.engine.executor.runner.decode_graphs.num_replays > 0
+
+
+def test_emulated_graphs_with_chained_async_steps(batch_invariant_linear) -> None:
+    """Async scheduling chains steps: a graph step's input ids for rows whose token the
+    step before sampled are written on the device after the copy in."""
+    waves = {0: [(f"c{i}", PROMPTS[i], greedy(10 + 2 * i)) for i in range(5)],
+             6: [("late", TEXT, greedy(7))]}
+    llm, watch = compare(waves, graph_settings={"async_scheduling": True})
+    assert watch.fixed_steps > 0 and watch.padded_steps > 0
+    llm.engine.shutdown()
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

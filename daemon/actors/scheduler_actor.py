@@ -40,7 +40,12 @@ class SchedulerActor(Actor):
         # Steps run on the model thread; the executor is looked up when a step starts
         # (a failed one is replaced).
         self.pipeline = engine.pipeline
-        self.pipeline.submit = lambda output: self._pool.submit(lambda: engine.executor.execute_model(output))
+        if self.pipeline.chained:
+            self.pipeline.submit = lambda output: self._pool.submit(
+                lambda: engine.executor.execute_model_chained(output))
+            self.pipeline.flush = lambda: self._pool.submit(lambda: engine.executor.flush())
+        else:
+            self.pipeline.submit = lambda output: self._pool.submit(lambda: engine.executor.execute_model(output))
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()

@@ -165,14 +165,18 @@ class DecodeGraphs:
 
     # -- one step -----------------------------------------------------------------------------
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
-            tables: list[list[int]]) -> torch.Tensor:
+            tables: list[list[int]], fix: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Hidden states [n, hidden] of the n real decode rows (n <= max_batch). With real
-        graphs the result is a view of the graph's output: valid until the next run."""
+        graphs the result is a view of the graph's output: valid until the next run.
+        `fix` (rows, ids on the device) overwrites those rows' input ids after the copy
+        in: tokens a chained step before this one sampled and the host does not have yet."""
         n = len(input_ids)
         b = self.padded_size(n)
         if b is None:
             raise ValueError(f"{n} decode rows exceed the largest captured batch {self.max_batch}")
         self._copy_in(self._stage(b, input_ids, positions, slots, seq_lens, tables))
+        if fix is not None:
+            self._views(b)[0].index_copy_(0, *fix)
         self.num_replays += 1
         self.padded_sizes[b] = self.padded_sizes.get(b, 0) + 1
         if self.emulate:

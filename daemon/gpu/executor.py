@@ -29,5 +29,16 @@ class InProcessExecutor:
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         return self.runner.execute_model(scheduler_output)
 
+    @property
+    def supports_chaining(self) -> bool:
+        return self.runner.supports_chaining
+
+    def execute_model_chained(self, scheduler_output: SchedulerOutput) -> RunnerOutput | None:
+        """Launch this step; the output of the one before (see ModelRunner)."""
+        return self.runner.execute_model_chained(scheduler_output)
+
+    def flush(self) -> RunnerOutput | None:
+        return self.runner.flush()
+
     def shutdown(self) -> None:
         self.runner.release_kv_cache()

@@ -63,6 +63,21 @@ class RunnerSettings:
     enforce_eager: bool = False
 
 
+@dataclass
+class _Pending:
+    """A step whose sampled tokens are still on their way to the host (async scheduling
+    with chained steps): the next step takes its decode inputs from `sampled` on the
+    device, and the output is completed by _collect once the copy is done."""
+
+    out: RunnerOutput
+    ordered: list[RunnerRequest]  # the step's rows' requests, in row order
+    sample_reqs: list[RunnerRequest]
+    sampled: torch.Tensor | None  # [len(sample_reqs)] int64 on the device; None: out is complete
+    host: tuple[torch.Tensor, ...] = ()  # sampled ids (+ logprob ids, logprobs, ranks) on the host
+    ready: object | None = None  # torch.cuda.Event recorded after the copies
+    row_of: dict[str, int] = field(default_factory=dict)  # req_id -> index in sampled
+
+
 class ModelRunner:
     decode_graphs: DecodeGraphs | None = None  # set by initialize_kv_cache when graphs are on
 
@@ -91,6 +106,7 @@ class ModelRunner:
         self.vocab_size = self.model.config.vocab_size
         self.sampler = Sampler(seed=settings.seed)
         self.requests: dict[str, RunnerRequest] = {}
+        self._pending: _Pending | None = None  # chained steps: the last step, not yet collected
         self.kv_caches: list[torch.Tensor] = []
         self.workspace = GatherWorkspace()
         self.drafter: DraftModel | None = None
@@ -242,6 +258,7 @@ class ModelRunner:
             self.decode_graphs = None
 
     def release_kv_cache(self) -> None:
+        self._pending = None
         self.release_decode_graphs()
         self.kv_caches = []
         if self.drafter is not None:
@@ -273,6 +290,75 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> RunnerOutput:
+        if self._pending is not None:  # a chained step before this one: its tokens first
+            self._collect(self._pending)
+            self._pending = None
+        return self._execute(so, None, defer=False)
+
+    @property
+    def supports_chaining(self) -> bool:
+        """Whether execute_model_chained can leave a step's tokens on the device: one rank
+        (no token broadcast), no draft model (it drafts from the host tokens)."""
+        return self.world_size == 1 and self.drafter is None
+
+    @torch.inference_mode()
+    def execute_model_chained(self, so: SchedulerOutput) -> RunnerOutput | None:
+        """Async scheduling: launch `so` without waiting for its sampled tokens, then
+        return the output of the step before it (None if there was none). Decode rows
+        whose last token that earlier step sampled read it on the device, so the device
+        goes from one step to the next while the host reads the earlier one's tokens.
+        A step that cannot go that way (drafts to verify, penalties that count the
+        token in flight) has the earlier step's tokens collected first."""
+        prev, self._pending = self._pending, None
+        earlier = None
+        defer = self._can_defer(so)
+        if prev is not None and not (defer and self._can_chain(so, prev)):
+            earlier, prev = self._collect(prev), None
+        result = self._execute(so, prev, defer=defer)
+        self._pending = result if isinstance(result, _Pending) else _Pending(result, [], [], None)
+        if prev is not None:
+            earlier = self._collect(prev)
+        return earlier
+
+    def flush(self) -> RunnerOutput | None:
+        """The output of the last chained step (None if it was already returned)."""
+        prev, self._pending = self._pending, None
+        return self._collect(prev) if prev is not None else None
+
+    def _can_defer(self, so: SchedulerOutput) -> bool:
+        return (self.supports_chaining and self.rank == 0 and not so.scheduled_spec_decode_tokens
+                and not so.scheduled_spec_tail_tokens)
+
+    def _can_chain(self, so: SchedulerOutput, prev: _Pending) -> bool:
+        """Penalties count the output tokens on the host: a row whose token is in flight
+        and that has one needs that token collected first."""
+        for req_id in so.num_scheduled_tokens:
+            if req_id in prev.row_of:
+                p = self.requests[req_id].sampling_params if req_id in self.requests else None
+                if p is not None and (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+                                      or p.frequency_penalty != 0.0):
+                    return False
+        return True
+
+    def _collect(self, p: _Pending) -> RunnerOutput:
+        """Wait for a deferred step's tokens, append them, and complete its output."""
+        if p.sampled is None:
+            return p.out
+        if p.ready is not None:
+            p.ready.synchronize()
+        tokens = p.host[0].tolist()
+        if len(p.host) > 1:
+            result = _HostLogprobs(*p.host[1:])
+            self._collect_logprobs(p.out, p.sample_reqs, [[i] for i in range(len(p.sample_reqs))], result)
+        sampled_by_req = {r.req_id: [t] for r, t in zip(p.sample_reqs, tokens)}
+        for req in p.ordered:
+            new = sampled_by_req.get(req.req_id, [])
+            req.token_ids.extend(new)
+            p.out.req_ids.append(req.req_id)
+            p.out.sampled_token_ids.append(new)
+        return p.out
+
+    def _execute(self, so: SchedulerOutput, chain: _Pending | None, defer: bool) -> RunnerOutput | _Pending:
         self._apply_scheduler_output(so)
         if not so.num_scheduled_tokens:
             return RunnerOutput(req_ids=[], sampled_token_ids=[])
@@ -291,17 +377,28 @@ class ModelRunner:
         slots: list[int] = []
         seq_lens: list[int] = []
         tables: list[list[int]] = []
+        fix_rows: list[int] = []  # decode rows whose token the chained step before sampled
+        fix_src: list[int] = []
         for req in decodes:
             pos = req.num_computed_tokens
-            input_ids.append(req.token_ids[pos])
+            if pos < len(req.token_ids):
+                input_ids.append(req.token_ids[pos])
+            else:  # still on the device: taken from the earlier step's sampled tokens
+                fix_rows.append(len(input_ids))
+                fix_src.append(chain.row_of[req.req_id])
+                input_ids.append(0)
             positions.append(pos)
             slots.append(req.block_ids[pos // bs] * bs + pos % bs)
             seq_lens.append(pos + 1)
             tables.append(req.block_ids[:(pos + bs) // bs])
         num_decode_tokens = len(input_ids)
+        fix = None
+        if fix_rows:
+            index = torch.tensor(fix_src, dtype=torch.int64, device=self.device)
+            fix = (torch.tensor(fix_rows, dtype=torch.int64, device=self.device), chain.sampled.index_select(0, index))
         if self._is_graph_step(so, decodes, prefills):
-            hidden = self.decode_graphs.run(input_ids, positions, slots, seq_lens, tables)
-            return self._finish_step(so, hidden, decodes, prefills)
+            hidden = self.decode_graphs.run(input_ids, positions, slots, seq_lens, tables, fix=fix)
+            return self._finish_step(so, hidden, decodes, prefills, chain, defer)
 
         pieces_pos: list[np.ndarray] = []
         pieces_slot: list[np.ndarray] = []
@@ -326,6 +423,8 @@ class ModelRunner:
         slot_np = np.concatenate([np.asarray(slots, dtype=np.int64)] + pieces_slot)
         dev = self.device
         ids_t = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        if fix is not None:
+            ids_t.index_copy_(0, *fix)
         pos_t = torch.from_numpy(pos_np).to(dev)
         slot_t = torch.from_numpy(slot_np).to(dev)
         md = AttentionMetadata(
@@ -342,7 +441,7 @@ class ModelRunner:
         hidden = self.model(ids_t, pos_t, self.kv_caches, md)
         if self.drafter is not None:
             self.drafter.forward(ids_t, pos_t, md)
-        return self._finish_step(so, hidden, decodes, prefills)
+        return self._finish_step(so, hidden, decodes, prefills, chain, defer)
 
     def _is_graph_step(self, so: SchedulerOutput, decodes: list[RunnerRequest],
                        prefills: list[tuple[RunnerRequest, int]]) -> bool:
@@ -356,8 +455,10 @@ class ModelRunner:
                        and r.num_computed_tokens < r.num_prompt_tokens - 1 for r in decodes)
 
     def _finish_step(self, so: SchedulerOutput, hidden: torch.Tensor, decodes: list[RunnerRequest],
-                     prefills: list[tuple[RunnerRequest, int]]) -> RunnerOutput:
-        """Logits of the rows that sample (and prompt logprobs), sampling, bookkeeping."""
+                     prefills: list[tuple[RunnerRequest, int]], chain: _Pending | None = None,
+                     defer: bool = False) -> RunnerOutput | _Pending:
+        """Logits of the rows that sample (and prompt logprobs), sampling, bookkeeping.
+        With `defer`, the sampled tokens stay on the device (see _Pending)."""
         dev = self.device
         spec = so.scheduled_spec_decode_tokens
         # Rows that sample: requests whose known tokens are all computed after this step
@@ -394,6 +495,8 @@ class ModelRunner:
             else:
                 idx = torch.tensor(sample_rows, dtype=torch.int64, device=dev)
                 logits = self.model.compute_logits(hidden.index_select(0, idx))
+            if defer:
+                return self._sample_deferred(so, logits, sample_reqs, [r for r, _ in ordered], out, chain)
             if self.rank == 0:
                 sampled = self._sample(so, logits, sample_reqs, sample_drafts, out)
                 if self.world_size > 1:
@@ -414,6 +517,37 @@ class ModelRunner:
             if so.draft_max_num_tokens:
                 out.draft_token_ids = self.drafter.propose(sample_reqs, so.draft_max_num_tokens)
         return out
+
+    def _sample_deferred(self, so: SchedulerOutput, logits: torch.Tensor, reqs: list[RunnerRequest],
+                         ordered: list[RunnerRequest], out: RunnerOutput, chain: _Pending | None) -> _Pending:
+        """Sample without reading the tokens back: start their copy to the host and
+        return the step as pending. A request whose previous token is still in flight
+        counts it as output (its content matters only to penalties, which chain refuses)."""
+        dev = logits.device
+        settings = self.settings
+        in_flight = chain.row_of if chain is not None else {}
+        md = SamplingMetadata.build(
+            [r.sampling_params for r in reqs], [r.token_ids[:r.num_prompt_tokens] for r in reqs],
+            [r.output_token_ids + [0] if r.req_id in in_flight else r.output_token_ids for r in reqs],
+            valid_vocab_size=settings.valid_vocab_size, eos_token_id=settings.eos_token_id, device=dev)
+        if so.grammar_req_ids:
+            row_of = {r.req_id: i for i, r in enumerate(reqs)}
+            md.set_grammar_bitmask([row_of[rid] for rid in so.grammar_req_ids], so.grammar_bitmask, dev)
+        result = self.sampler(logits, md)
+        tensors = [result.sampled_token_ids]
+        if result.logprobs_token_ids is not None:
+            tensors += [result.logprobs_token_ids, result.logprobs, result.ranks]
+        ready = None
+        if dev.type == "cuda":
+            # Into pinned memory, behind this step's kernels only: the next step's work,
+            # queued after, is not waited for.
+            host = tuple(t.to("cpu", non_blocking=True) for t in tensors)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host = tuple(tensors)
+        return _Pending(out, ordered, reqs, result.sampled_token_ids, host, ready,
+                        {r.req_id: i for i, r in enumerate(reqs)})
 
     def _sample(self, so: SchedulerOutput, logits: torch.Tensor, reqs: list[RunnerRequest],
                 drafts: list[list[int]], out: RunnerOutput) -> list[list[int]]:
@@ -491,6 +625,15 @@ class ModelRunner:
         if valid < logits.shape[-1]:
             logits[:, valid:] = float("-inf")
         return logits
+
+
+@dataclass
+class _HostLogprobs:
+    """A deferred step's logprob tensors, read back (the fields _collect_logprobs reads)."""
+
+    logprobs_token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    ranks: torch.Tensor
 
 
 def _pad_rows(tokens: list[list[int]], num_reqs: int, drafts: list[list[int]],

@@ -28,8 +28,8 @@ import msgspec
 from llmd.executor_error import ExecutorError
 from llmd.gpu.model_runner import RunnerSettings
 from llmd.gpu.memory import MemoryBreakdown
-from llmd.gpu.worker import (Execute, FromWorker, InitKVCache, KVBudget, KVReady, ProfileKV, Shutdown,
-                             StepResult, WorkerFailed, WorkerInit, WorkerReady)
+from llmd.gpu.worker import (ChainedResult, Execute, ExecuteChained, Flush, FromWorker, InitKVCache, KVBudget,
+                             KVReady, ProfileKV, Shutdown, StepResult, WorkerFailed, WorkerInit, WorkerReady)
 from llmd.messages import RunnerOutput, SchedulerOutput
 
 
@@ -84,6 +84,7 @@ class MultiprocExecutor:
             self.shutdown()
             raise
         self._bytes_per_block = min(m.bytes_per_block for m in ready)
+        self._draft_model = settings.draft_model
         self.pids = [p.pid for p in self.procs]
 
     def _recv(self, rank: int, timeout: float | None) -> object:
@@ -163,6 +164,25 @@ class MultiprocExecutor:
         for rank, reply in enumerate(replies):
             if not isinstance(reply, KVReady):
                 raise WorkerError(f"worker {rank} did not confirm its KV cache")
+
+    @property
+    def supports_chaining(self) -> bool:
+        """Chained steps (async scheduling) on one worker without a draft model."""
+        return len(self.conns) == 1 and not self._draft_model
+
+    def execute_model_chained(self, scheduler_output: SchedulerOutput) -> RunnerOutput | None:
+        """Launch this step in the worker; the output of the step before (ModelRunner)."""
+        return self._chained(ExecuteChained(scheduler_output))
+
+    def flush(self) -> RunnerOutput | None:
+        return self._chained(Flush())
+
+    def _chained(self, message: object) -> RunnerOutput | None:
+        self._broadcast(message)
+        reply = self._recv(0, None)
+        if not isinstance(reply, ChainedResult):
+            raise WorkerError(f"worker 0 sent {type(reply).__name__} instead of a step result")
+        return reply.output
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         self._broadcast(Execute(scheduler_output))

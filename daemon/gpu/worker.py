@@ -66,6 +66,16 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
+class ExecuteChained(msgspec.Struct, tag="execute_chained"):
+    """Async scheduling: launch this step, reply with the step before's output."""
+
+    scheduler_output: SchedulerOutput
+
+
+class Flush(msgspec.Struct, tag="flush"):
+    """Reply with the last chained step's output."""
+
+
 class KVReady(msgspec.Struct, tag="kv_ready"):
     pass
 
@@ -74,8 +84,12 @@ class StepResult(msgspec.Struct, tag="result"):
     output: RunnerOutput
 
 
-ToWorker = ProfileKV | InitKVCache | Execute | Shutdown
-FromWorker = WorkerReady | WorkerFailed | KVBudget | KVReady | StepResult
+class ChainedResult(msgspec.Struct, tag="chained_result"):
+    output: RunnerOutput | None  # None: no step was waiting for its tokens
+
+
+ToWorker = ProfileKV | InitKVCache | Execute | ExecuteChained | Flush | Shutdown
+FromWorker = WorkerReady | WorkerFailed | KVBudget | KVReady | StepResult | ChainedResult
 
 
 def _die_with_parent() -> None:
@@ -167,6 +181,14 @@ def _serve(conn, init: WorkerInit, runner, encoder, decoder) -> None:
                     return
                 if init.rank == 0:
                     conn.send_bytes(encoder.encode(StepResult(output)))
+            case ExecuteChained(scheduler_output=so) | (Flush() as so):
+                try:
+                    output = runner.flush() if isinstance(so, Flush) else runner.execute_model_chained(so)
+                except Exception as exc:
+                    traceback.print_exc()
+                    conn.send_bytes(encoder.encode(WorkerFailed(f"{type(exc).__name__}: {exc}")))
+                    return
+                conn.send_bytes(encoder.encode(ChainedResult(output)))  # chaining runs on one rank only
             case Shutdown():
                 return
 
