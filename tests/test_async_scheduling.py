@@ -271,3 +271,22 @@ def test_random_workloads_match_plain_scheduling(seed):
     for rid in set(want) & set(got):
         assert got[rid][0] == want[rid][0], rid
         assert (got[rid][1] is None) == (want[rid][1] is None)
+
+
+def test_penalties_count_the_token_in_flight(overlapped):
+    """A chained step samples before the host has the token sampled just before it: its
+    penalty counts must have that token all the same. The fixtures loop on prompts like
+    these, so the strongest penalties change the greedy path; plain scheduling is the
+    reference."""
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, presence_penalty=2.0,
+                            frequency_penalty=2.0, repetition_penalty=2.0)
+    prompts = [[11, 12, 13] * 10, [5, 6, 7, 8] * 8, TEXT]
+    plain = make()
+    ref = plain.generate(prompts, params)
+    plain.engine.shutdown()
+    got = overlapped.generate(prompts, params)
+    assert results(got) == results(ref)
+    unpenalized = [o.outputs[0].token_ids for o in overlapped.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))]
+    assert unpenalized != [o.outputs[0].token_ids for o in ref]  # the penalties do bite
+    assert_clean(overlapped)

@@ -307,12 +307,12 @@ class ModelRunner:
         return the output of the step before it (None if there was none). Decode rows
         whose last token that earlier step sampled read it on the device, so the device
         goes from one step to the next while the host reads the earlier one's tokens.
-        A step that cannot go that way (drafts to verify, penalties that count the
-        token in flight) has the earlier step's tokens collected first."""
+        A step that cannot go that way (drafts to verify) has the earlier step's tokens
+        collected first."""
         prev, self._pending = self._pending, None
         earlier = None
         defer = self._can_defer(so)
-        if prev is not None and not (defer and self._can_chain(so, prev)):
+        if prev is not None and not defer:
             earlier, prev = self._collect(prev), None
         result = self._execute(so, prev, defer=defer)
         self._pending = result if isinstance(result, _Pending) else _Pending(result, [], [], None)
@@ -328,17 +328,6 @@ class ModelRunner:
     def _can_defer(self, so: SchedulerOutput) -> bool:
         return (self.supports_chaining and self.rank == 0 and not so.scheduled_spec_decode_tokens
                 and not so.scheduled_spec_tail_tokens)
-
-    def _can_chain(self, so: SchedulerOutput, prev: _Pending) -> bool:
-        """Penalties count the output tokens on the host: a row whose token is in flight
-        and that has one needs that token collected first."""
-        for req_id in so.num_scheduled_tokens:
-            if req_id in prev.row_of:
-                p = self.requests[req_id].sampling_params if req_id in self.requests else None
-                if p is not None and (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
-                                      or p.frequency_penalty != 0.0):
-                    return False
-        return True
 
     def _collect(self, p: _Pending) -> RunnerOutput:
         """Wait for a deferred step's tokens, append them, and complete its output."""
@@ -522,14 +511,23 @@ class ModelRunner:
                          ordered: list[RunnerRequest], out: RunnerOutput, chain: _Pending | None) -> _Pending:
         """Sample without reading the tokens back: start their copy to the host and
         return the step as pending. A request whose previous token is still in flight
-        counts it as output (its content matters only to penalties, which chain refuses)."""
+        counts it as output: its length through a -1 stand-in (positions for seeds and
+        min_tokens), its value added to the penalty counts on the device."""
         dev = logits.device
         settings = self.settings
         in_flight = chain.row_of if chain is not None else {}
         md = SamplingMetadata.build(
             [r.sampling_params for r in reqs], [r.token_ids[:r.num_prompt_tokens] for r in reqs],
-            [r.output_token_ids + [0] if r.req_id in in_flight else r.output_token_ids for r in reqs],
+            [r.output_token_ids + [-1] if r.req_id in in_flight else r.output_token_ids for r in reqs],
             valid_vocab_size=settings.valid_vocab_size, eos_token_id=settings.eos_token_id, device=dev)
+        if md.output_counts is not None and in_flight:
+            rows = [i for i, r in enumerate(reqs) if r.req_id in in_flight]
+            if rows:
+                src = torch.tensor([in_flight[reqs[i].req_id] for i in rows], dtype=torch.int64, device=dev)
+                md.output_counts.index_put_((torch.tensor(rows, dtype=torch.int64, device=dev),
+                                             chain.sampled.index_select(0, src)),
+                                            torch.ones(len(rows), dtype=md.output_counts.dtype, device=dev),
+                                            accumulate=True)
         if so.grammar_req_ids:
             row_of = {r.req_id: i for i, r in enumerate(reqs)}
             md.set_grammar_bitmask([row_of[rid] for rid in so.grammar_req_ids], so.grammar_bitmask, dev)
