@@ -49,10 +49,12 @@ tests)
     python3 -m pytest -q -rs -p no:cacheprovider tests/test_async_scheduling.py 2>&1 | tee -a "$OUT/tests.log"
     ;;
 latency)
-    for mode in "" "--enforce-eager"; do
+    # Graphs (default), eager, and graphs with chained async steps in a worker process.
+    for mode in default "--enforce-eager" "--async-scheduling --distributed-executor-backend mp"; do
+        name=$(echo "$mode" | tr -c 'a-z\n' '-' | cut -c1-40)
         llmd bench latency --model $MODEL --device cuda --dtype bfloat16 --batch-size 1 --input-len 32 \
-            --output-len 256 --num-iters 5 --max-model-len 2048 $mode --json \
-            | tee "$OUT/latency${mode:+-eager}.json"
+            --output-len 256 --num-iters 5 --max-model-len 2048 ${mode#default} --json \
+            | tee "$OUT/latency-$name.json"
     done
     ;;
 throughput)
