@@ -50,10 +50,6 @@ class SchedulerStats(msgspec.Struct):
     num_running: int = 0
     num_waiting: int = 0
     num_preemptions_total: int = 0
-    last_step_num_reqs: int = 0
-    last_step_num_tokens: int = 0
-    last_step_num_prefill_tokens: int = 0
-    last_step_num_decode_reqs: int = 0
 
 
 class StepShape(msgspec.Struct, frozen=True):
@@ -317,10 +313,6 @@ class Scheduler:
             self._worker_forget.clear()
         self.stats.num_running = len(self.running)
         self.stats.num_waiting = len(self.waiting)
-        self.stats.last_step_num_reqs = len(num_scheduled)
-        self.stats.last_step_num_tokens = total
-        self.stats.last_step_num_prefill_tokens = num_prefill_tokens
-        self.stats.last_step_num_decode_reqs = num_decode_reqs
         self.last_shape = StepShape(len(num_scheduled), total, num_prefill_tokens, num_decode_reqs)
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,

@@ -64,8 +64,6 @@ class _Totals:
     finished: collections.Counter = field(default_factory=collections.Counter)
     prefill_tokens: int = 0  # tokens computed in prefill rows (recomputation after preemption too)
     decode_tokens: int = 0  # tokens computed in decode rows (drafts included)
-    grammar_compiles: int = 0
-    grammar_compile_seconds: float = 0.0
 
 
 class MetricsActor(Actor):
