@@ -19,7 +19,7 @@ from llmd.gpu.attention_backends import resolve_attention_backend
 from llmd.gpu.cuda_graphs import DecodeGraphs, build_decode_graphs, capture_sizes
 from llmd.gpu.draft_model import DraftModel
 from llmd.gpu.loader import load_model
-from llmd.gpu.memory import MemoryBreakdown, kv_cache_budget
+from llmd.gpu.memory import MemoryBreakdown
 from llmd.gpu.rejection_sampler import verify
 from llmd.gpu.sampler import Sampler, SamplingMetadata, gather_logprobs
 from llmd.messages import Logprobs, PromptLogprobs, RunnerOutput, SchedulerOutput
@@ -124,70 +124,11 @@ class ModelRunner:
             total += self.drafter.kv_cache_bytes_per_block()
         return total
 
-    @torch.inference_mode()
     def profile_kv_budget(self, gpu_memory_utilization: float, extra_reserved_bytes: int = 0) -> MemoryBreakdown:
-        """CUDA: run the largest step the scheduler can send (max_num_batched_tokens of
-        prefill over up to max_num_seqs requests, the LM head and a sampler call on the
-        rows that sample) on a throwaway KV cache just big enough for it, measure its
-        peak, and size the KV cache from what is left (memory.kv_cache_budget).
-        Call before initialize_kv_cache. With tensor parallelism every rank calls it
-        together (the forward has collectives). A draft model's forward is not profiled:
-        it runs after the target's and its activations are smaller."""
-        if self._cuda_before_load is None:
-            raise ValueError(f"the KV cache budget is profiled on CUDA devices only, not {self.device}")
-        dev, bs, settings = self.device, self.block_size, self.settings
-        free_before, allocated_before, reserved_before = self._cuda_before_load
-        weights = torch.cuda.memory_allocated(dev) - allocated_before
-        total = min(settings.max_num_batched_tokens, settings.max_num_seqs * settings.max_model_len)
-        num_seqs = min(settings.max_num_seqs, total)
-        seq_lens = [total // num_seqs + (i < total % num_seqs) for i in range(num_seqs)]
-        block_counts = [-(-n // bs) for n in seq_lens]
-        first_block = np.cumsum([0] + block_counts)
-        slots, prefills, start = [], [], 0
-        for i, n in enumerate(seq_lens):
-            blocks = torch.arange(first_block[i], first_block[i + 1], dtype=torch.int64, device=dev)
-            slots.append(np.arange(n, dtype=np.int64) + first_block[i] * bs)  # its blocks are consecutive
-            prefills.append((start, n, 0, blocks))
-            start += n
-        num_rows = min(total, settings.max_num_seqs * (1 + settings.num_speculative_tokens))
-        last_rows = np.cumsum(seq_lens) - 1
-        rows = torch.from_numpy(np.resize(last_rows, num_rows)).to(dev)
-        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, logprobs=20)
-        try:
-            kv_caches = new_model_kv_caches(self.model, int(first_block[-1]), bs, self.dtype, dev)
-            md = AttentionMetadata(slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev), num_decodes=0,
-                                   decode_block_table=None, decode_seq_lens=None, prefills=prefills,
-                                   workspace=GatherWorkspace())
-            ids = torch.zeros(total, dtype=torch.int64, device=dev)
-            positions = torch.from_numpy(np.concatenate([np.arange(n, dtype=np.int64) for n in seq_lens])).to(dev)
-            torch.cuda.synchronize(dev)
-            baseline = torch.cuda.memory_allocated(dev)
-            torch.cuda.reset_peak_memory_stats(dev)
-            hidden = self.model(ids, positions, kv_caches, md)
-            logits = self.model.compute_logits(hidden.index_select(0, rows))
-            del hidden
-            sampling = SamplingMetadata.build([params] * num_rows, [[0]] * num_rows, [[]] * num_rows,
-                                              valid_vocab_size=settings.valid_vocab_size,
-                                              eos_token_id=settings.eos_token_id, device=dev)
-            Sampler(seed=settings.seed)(logits, sampling)  # its own: the real one's RNG stays untouched
-            torch.cuda.synchronize(dev)
-            activations = torch.cuda.max_memory_allocated(dev) - baseline
-        except torch.cuda.OutOfMemoryError:
-            raise ValueError(f"a step of {total} tokens over {num_seqs} requests does not fit in GPU memory "
-                             f"beside the weights: lower max_num_batched_tokens or max_num_seqs") from None
-        finally:
-            kv_caches = md = hidden = logits = sampling = None
-            torch.cuda.empty_cache()
-        free_now, device_total = torch.cuda.mem_get_info(dev)
-        # Grown outside torch's allocator since before the load: NCCL, cuBLAS/cuDNN handles.
-        non_torch = (device_total - free_now) - (device_total - free_before) \
-            - (torch.cuda.memory_reserved(dev) - reserved_before)
-        return kv_cache_budget(total_bytes=device_total, free_bytes_before_load=free_before,
-                               weights_bytes=weights, peak_activation_bytes=activations,
-                               non_torch_bytes=max(0, non_torch), gpu_memory_utilization=gpu_memory_utilization,
-                               bytes_per_block=self.kv_cache_bytes_per_block(),
-                               extra_reserved_bytes=extra_reserved_bytes
-                               + int(self._graph_pool_estimate(activations, total)))
+        """CUDA: the KV cache budget from a profile of the largest step (memory_profile)."""
+        from llmd.gpu.memory_profile import profile_kv_budget
+
+        return profile_kv_budget(self, gpu_memory_utilization, extra_reserved_bytes)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """num_blocks are the block pool's; the cache has one more, the scratch block
@@ -226,18 +167,6 @@ class ModelRunner:
             log = logger.info if self.settings.enforce_eager else logger.warning
             log("CUDA graphs off: %s; decode steps run eagerly", reason)
         return False
-
-    def _graph_pool_estimate(self, activations: int, profiled_tokens: int) -> int:
-        """Bytes to keep free for the decode graphs, which are captured after the KV cache
-        takes its budget: the profiled activation peak scaled to the largest captured
-        batch (an over-estimate: the profile also held the LM head's and the sampler's
-        buffers), plus the graphs' static input buffers."""
-        if self._graphs_off_reason() is not None:
-            return 0
-        s = self.settings
-        largest = capture_sizes(s.max_num_seqs)[-1]
-        width = -(-s.max_model_len // self.block_size)
-        return activations * min(1.0, largest / max(1, profiled_tokens)) + largest * (4 + width) * 8
 
     def init_decode_graphs(self, emulate: bool = False) -> None:
         """Capture the decode graphs over the current KV cache (a failure leaves
@@ -507,31 +436,36 @@ class ModelRunner:
                 out.draft_token_ids = self.drafter.propose(sample_reqs, so.draft_max_num_tokens)
         return out
 
-    def _sample_deferred(self, so: SchedulerOutput, logits: torch.Tensor, reqs: list[RunnerRequest],
-                         ordered: list[RunnerRequest], out: RunnerOutput, chain: _Pending | None) -> _Pending:
-        """Sample without reading the tokens back: start their copy to the host and
-        return the step as pending. A request whose previous token is still in flight
-        counts it as output: its length through a -1 stand-in (positions for seeds and
-        min_tokens), its value added to the penalty counts on the device."""
-        dev = logits.device
+    def _sampling_metadata(self, so: SchedulerOutput, reqs: list[RunnerRequest], dev: torch.device,
+                           chain: _Pending | None = None) -> SamplingMetadata:
+        """One sampling row per request (no drafts), grammar rows included. A request
+        whose previous token a chained step still holds counts it as output: its length
+        through a -1 stand-in (positions for seeds and min_tokens), its value added to the
+        penalty counts on the device."""
         settings = self.settings
         in_flight = chain.row_of if chain is not None else {}
         md = SamplingMetadata.build(
             [r.sampling_params for r in reqs], [r.token_ids[:r.num_prompt_tokens] for r in reqs],
             [r.output_token_ids + [-1] if r.req_id in in_flight else r.output_token_ids for r in reqs],
             valid_vocab_size=settings.valid_vocab_size, eos_token_id=settings.eos_token_id, device=dev)
-        if md.output_counts is not None and in_flight:
-            rows = [i for i, r in enumerate(reqs) if r.req_id in in_flight]
-            if rows:
-                src = torch.tensor([in_flight[reqs[i].req_id] for i in rows], dtype=torch.int64, device=dev)
-                md.output_counts.index_put_((torch.tensor(rows, dtype=torch.int64, device=dev),
-                                             chain.sampled.index_select(0, src)),
-                                            torch.ones(len(rows), dtype=md.output_counts.dtype, device=dev),
-                                            accumulate=True)
+        rows = [i for i, r in enumerate(reqs) if r.req_id in in_flight]
+        if md.output_counts is not None and rows:
+            src = torch.tensor([in_flight[reqs[i].req_id] for i in rows], dtype=torch.int64, device=dev)
+            md.output_counts.index_put_((torch.tensor(rows, dtype=torch.int64, device=dev),
+                                         chain.sampled.index_select(0, src)),
+                                        torch.ones(len(rows), dtype=md.output_counts.dtype, device=dev),
+                                        accumulate=True)
         if so.grammar_req_ids:
             row_of = {r.req_id: i for i, r in enumerate(reqs)}
             md.set_grammar_bitmask([row_of[rid] for rid in so.grammar_req_ids], so.grammar_bitmask, dev)
-        result = self.sampler(logits, md)
+        return md
+
+    def _sample_deferred(self, so: SchedulerOutput, logits: torch.Tensor, reqs: list[RunnerRequest],
+                         ordered: list[RunnerRequest], out: RunnerOutput, chain: _Pending | None) -> _Pending:
+        """Sample without reading the tokens back: start their copy to the host and
+        return the step as pending."""
+        dev = logits.device
+        result = self.sampler(logits, self._sampling_metadata(so, reqs, dev, chain))
         tensors = [result.sampled_token_ids]
         if result.logprobs_token_ids is not None:
             tensors += [result.logprobs_token_ids, result.logprobs, result.ranks]
@@ -554,14 +488,7 @@ class ModelRunner:
         dev = logits.device
         settings = self.settings
         if not so.scheduled_spec_decode_tokens and not so.scheduled_spec_tail_tokens:
-            md = SamplingMetadata.build(
-                [r.sampling_params for r in reqs], [r.token_ids[:r.num_prompt_tokens] for r in reqs],
-                [r.output_token_ids for r in reqs], valid_vocab_size=settings.valid_vocab_size,
-                eos_token_id=settings.eos_token_id, device=dev)
-            if so.grammar_req_ids:
-                row_of = {r.req_id: i for i, r in enumerate(reqs)}
-                md.set_grammar_bitmask([row_of[rid] for rid in so.grammar_req_ids], so.grammar_bitmask, dev)
-            result = self.sampler(logits, md)
+            result = self.sampler(logits, self._sampling_metadata(so, reqs, dev))
             tokens = [[t] for t in result.sampled_token_ids.tolist()]
             if result.logprobs_token_ids is not None:
                 rows = [[i] for i in range(len(reqs))]
