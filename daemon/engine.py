@@ -102,6 +102,7 @@ class LLMEngine:
             extra_stop_token_ids=self.extra_stop_token_ids)
         self._ids = itertools.count()
         self._model_thread: ThreadPoolExecutor | None = None
+        self._owns_model_thread = False
         submit = self._submit_step if config.async_scheduling else run_now(
             lambda so: self.executor.execute_model(so))
         # Chained steps: the executor launches step N+1 before reading N's tokens back.
@@ -250,19 +251,27 @@ class LLMEngine:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
 
-    def _submit_step(self, scheduler_output):
-        """Async scheduling: run the step on the model thread (the executor may be
-        replaced after a failure, so it is looked up when the step starts)."""
+    def use_model_thread(self, pool: ThreadPoolExecutor) -> None:
+        """Run every step on `pool`, whatever the scheduling (the daemon's model thread,
+        which loaded the model: one OpenMP team for all torch work)."""
+        self._model_thread, self._owns_model_thread = pool, False
+        self.pipeline.submit = self._submit_step
+
+    def _on_model_thread(self, fn):
         if self._model_thread is None:
             self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmd-model")
+            self._owns_model_thread = True
+        return self._model_thread.submit(fn)
+
+    def _submit_step(self, scheduler_output):
+        """Run the step on the model thread. The executor is looked up when the step
+        starts: a failed one is replaced."""
         if self._chained:
-            return self._model_thread.submit(lambda: self.executor.execute_model_chained(scheduler_output))
-        return self._model_thread.submit(lambda: self.executor.execute_model(scheduler_output))
+            return self._on_model_thread(lambda: self.executor.execute_model_chained(scheduler_output))
+        return self._on_model_thread(lambda: self.executor.execute_model(scheduler_output))
 
     def _submit_flush(self):
-        if self._model_thread is None:
-            self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmd-model")
-        return self._model_thread.submit(lambda: self.executor.flush())
+        return self._on_model_thread(lambda: self.executor.flush())
 
     def shutdown(self) -> None:
         """Stop the executor (worker processes exit) and drop the KV cache."""
@@ -272,9 +281,9 @@ class LLMEngine:
             except ExecutorError:
                 pass
         self.pipeline.reset()
-        if self._model_thread is not None:
+        if self._model_thread is not None and self._owns_model_thread:
             self._model_thread.shutdown(wait=True)
-            self._model_thread = None
+        self._model_thread = None
         self.executor.shutdown()
         self.structured.shutdown()
 

@@ -114,7 +114,7 @@ class StepPipeline:
         return list(self._tasks)
 
     def _track(self, future: Future) -> Future:
-        self._tasks = [task for task in self._tasks if not task.done()]
+        self._tasks = self.futures()
         self._tasks.append(future)
         return future
 

@@ -37,15 +37,8 @@ class SchedulerActor(Actor):
         # All torch work stays on one thread (the one that loaded the model): a second
         # thread would start a second OpenMP team competing for the same cores.
         self._pool = model_thread or ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmd-model")
-        # Steps run on the model thread; the executor is looked up when a step starts
-        # (a failed one is replaced).
+        engine.use_model_thread(self._pool)
         self.pipeline = engine.pipeline
-        if self.pipeline.chained:
-            self.pipeline.submit = lambda output: self._pool.submit(
-                lambda: engine.executor.execute_model_chained(output))
-            self.pipeline.flush = lambda: self._pool.submit(lambda: engine.executor.flush())
-        else:
-            self.pipeline.submit = lambda output: self._pool.submit(lambda: engine.executor.execute_model(output))
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
