@@ -154,44 +154,37 @@ def _serve(conn, init: WorkerInit, runner, encoder, decoder) -> None:
             message = decoder.decode(conn.recv_bytes())
         except (EOFError, OSError):
             return  # the parent is gone
-        match message:
-            case ProfileKV(gpu_memory_utilization=util, extra_reserved_bytes=extra):
-                try:
-                    reply = KVBudget(breakdown=runner.profile_kv_budget(util, extra))
-                except ValueError as exc:  # the budget does not fit: the parent reports it
-                    reply = KVBudget(error=str(exc))
-                except Exception as exc:
-                    traceback.print_exc()
-                    conn.send_bytes(encoder.encode(WorkerFailed(f"{type(exc).__name__}: {exc}")))
-                    return
-                conn.send_bytes(encoder.encode(reply))
-            case InitKVCache(num_blocks=n):
-                try:
-                    runner.initialize_kv_cache(n)
-                except Exception as exc:
-                    conn.send_bytes(encoder.encode(WorkerFailed(f"{type(exc).__name__}: {exc}")))
-                    return
-                conn.send_bytes(encoder.encode(KVReady()))
-            case Execute(scheduler_output=so):
-                try:
-                    output = runner.execute_model(so)
-                except Exception as exc:
-                    traceback.print_exc()
-                    conn.send_bytes(encoder.encode(WorkerFailed(f"{type(exc).__name__}: {exc}")))
-                    return
-                if init.rank == 0:
-                    conn.send_bytes(encoder.encode(StepResult(output)))
-            case ExecuteChained(scheduler_output=so) | (Flush() as so):
-                try:
-                    output = runner.flush() if isinstance(so, Flush) else runner.execute_model_chained(so)
-                except Exception as exc:
-                    traceback.print_exc()
-                    conn.send_bytes(encoder.encode(WorkerFailed(f"{type(exc).__name__}: {exc}")))
-                    return
-                conn.send_bytes(encoder.encode(ChainedResult(output)))  # chaining runs on one rank only
-            case Shutdown():
-                return
+        if isinstance(message, Shutdown):
+            return
+        try:
+            reply = _handle(message, runner, init.rank)
+        except Exception as exc:  # the worker is done: the parent fails what it had in flight
+            traceback.print_exc()
+            conn.send_bytes(encoder.encode(WorkerFailed(f"{type(exc).__name__}: {exc}")))
+            return
+        if reply is not None:
+            conn.send_bytes(encoder.encode(reply))
 
+
+def _handle(message: ToWorker, runner, rank: int) -> FromWorker | None:
+    """The reply to one message (None: this rank sends none)."""
+    match message:
+        case ProfileKV(gpu_memory_utilization=util, extra_reserved_bytes=extra):
+            try:
+                return KVBudget(breakdown=runner.profile_kv_budget(util, extra))
+            except ValueError as exc:  # the budget does not fit: the parent reports it
+                return KVBudget(error=str(exc))
+        case InitKVCache(num_blocks=n):
+            runner.initialize_kv_cache(n)
+            return KVReady()
+        case Execute(scheduler_output=so):
+            output = runner.execute_model(so)
+            return StepResult(output) if rank == 0 else None
+        case ExecuteChained(scheduler_output=so):  # chaining runs on one rank only
+            return ChainedResult(runner.execute_model_chained(so))
+        case Flush():
+            return ChainedResult(runner.flush())
+    raise TypeError(f"worker got {type(message).__name__}")
 
 if __name__ == "__main__":
     # python -m llmd.gpu.worker FD: FD is this process's end of a socketpair.
