@@ -6,6 +6,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -120,15 +121,33 @@ def test_prometheus_text_parses(daemon):
 
 
 def test_status_counts_generated_tokens_and_top_refreshes(daemon):
-    with Client(socket=daemon.sock) as client:
-        client_stream = client.stream("hello", max_tokens=240, ignore_eos=True)
-        it = iter(client_stream)
-        for _ in range(6):
-            next(it)
-        running = [r for r in client.status().requests if r.request_id == client_stream.request_id]
-        assert running and running[0].completion_tokens >= 5
+    # A fast machine finishes one 240-token request before llmctl has even started, so
+    # a thread keeps requests streaming until `top` has drawn its frames.
+    stop, ids = threading.Event(), []
+
+    def keep_streaming():
+        with Client(socket=daemon.sock) as c:
+            while not stop.is_set():
+                s = c.stream("hello", max_tokens=240, ignore_eos=True)
+                ids.append(s.request_id)
+                for _ in s:
+                    if stop.is_set():
+                        s.close()
+                        break
+
+    thread = threading.Thread(target=keep_streaming, daemon=True)
+    thread.start()
+    try:
+        deadline, running = time.monotonic() + 30, []
+        with Client(socket=daemon.sock) as client:
+            while not running and time.monotonic() < deadline:
+                running = [r for r in client.status().requests
+                           if r.request_id in ids and r.completion_tokens >= 5]
+        assert running, "status never showed a running request with its generated tokens"
         top = subprocess.run([LLMCTL, "--socket", daemon.sock, "top", "-n", "2", "--interval", "0.05"],
                              capture_output=True, text=True, timeout=60)
-        client_stream.close()
+    finally:
+        stop.set()
+        thread.join(30)
     assert top.returncode == 0, top.stderr
-    assert top.stdout.count("throughput") == 2 and client_stream.request_id in top.stdout
+    assert top.stdout.count("throughput") == 2 and any(i in top.stdout for i in ids)
