@@ -56,8 +56,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Schedule step N+1 while step N runs (its sampled tokens are placeholders until they
     # arrive): hides scheduling and output processing behind the model's work.
     async_scheduling: bool = False
-    # Paged attention kernels: "auto" (triton on CUDA when it imports, else torch).
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    # Paged attention kernels: "auto" (triton on CUDA when it imports, else flash_attn
+    # when installed and block_size fits it, else torch).
+    attention_backend: Literal["auto", "torch", "triton", "flash_attn"] = "auto"
     # CPU: torch intra-op threads for the model (per TP rank). None: all cores (split
     # between ranks). Fewer than the cores leaves room for other work: with OpenMP,
     # threads competing with other busy processes make every op wait a time slice.
@@ -74,8 +75,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             if not ok:
                 raise ValueError(f"{field} {msg}")
 
-        check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
-              f"must be a power of two in [1, 128], got {self.block_size}")
+        check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512), "block_size",
+              f"must be a power of two in [1, 512], got {self.block_size}")
         check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
               f"must be >= 1, got {self.max_num_batched_tokens}")
@@ -104,8 +105,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
               "does not run with speculative_config yet (drafts need the previous step's tokens)")
         if self.cpu_threads is not None:
             check(self.cpu_threads >= 1, "cpu_threads", f"must be >= 1, got {self.cpu_threads}")
-        check(self.attention_backend in ("auto", "torch", "triton"), "attention_backend",
-              f"must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
+        check(self.attention_backend in ("auto", "torch", "triton", "flash_attn"), "attention_backend",
+              f"must be 'auto', 'torch', 'triton' or 'flash_attn', got {self.attention_backend!r}")
         check(1 <= self.max_logprobs <= 20, "max_logprobs", "must be in [1, 20]")
         check(self.guided_decoding_compile_timeout_s > 0, "guided_decoding_compile_timeout_s",
               f"must be > 0, got {self.guided_decoding_compile_timeout_s}")

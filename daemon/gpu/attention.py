@@ -37,6 +37,8 @@ class AttentionMetadata:
     workspace: GatherWorkspace | None = None
     # Kernel backends' device copy of `prefills`, built by the step's first layer.
     prefill_rows: tuple[torch.Tensor, torch.Tensor, int] | None = None
+    # The flash-attn backend's arguments for the whole step, built by its first layer.
+    flash_rows: tuple | None = None
 
 
 class GatherWorkspace:
@@ -98,6 +100,13 @@ def build_decode_mask(md: AttentionMetadata, block_size: int) -> None:
     md.decode_mask = mask.masked_fill_(masked, float("-inf")).view(1, md.num_decodes, 1, length)
 
 
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter the step's new K/V rows ([T, kv_heads, D]) into their cache slots."""
+    _, kvh, num_blocks, block_size, d = kv_cache.shape
+    kv_cache[0].view(kvh, num_blocks * block_size, d).index_copy_(1, slot_mapping, k.transpose(0, 1))
+    kv_cache[1].view(kvh, num_blocks * block_size, d).index_copy_(1, slot_mapping, v.transpose(0, 1))
+
+
 class TorchAttention:
     """Reference paged attention in PyTorch (SDPA)."""
 
@@ -112,10 +121,7 @@ class TorchAttention:
         """q: [T, H, D]; k, v: [T, KVH, D]. Returns [T, H, D]."""
         _, kvh, num_blocks, block_size, d = kv_cache.shape
         gqa = kvh != self.num_heads
-        k_cache = kv_cache[0].view(kvh, num_blocks * block_size, d)
-        v_cache = kv_cache[1].view(kvh, num_blocks * block_size, d)
-        k_cache.index_copy_(1, md.slot_mapping, k.transpose(0, 1))
-        v_cache.index_copy_(1, md.slot_mapping, v.transpose(0, 1))
+        write_kv(kv_cache, k, v, md.slot_mapping)
 
         out = torch.empty_like(q)
         if md.num_decodes:

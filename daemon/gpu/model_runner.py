@@ -51,7 +51,7 @@ class RunnerSettings:
     eos_token_id: int | None
     seed: int
     cpu_threads: int | None = None  # torch intra-op threads when running on CPU
-    attention_backend: str = "auto"  # "auto", "torch" or "triton" (see attention_backends)
+    attention_backend: str = "auto"  # "auto", "torch", "triton" or "flash_attn" (see attention_backends)
     # Draft-model speculation: the draft's directory and the drafts it makes per step.
     draft_model: str | None = None
     num_speculative_tokens: int = 0
@@ -95,7 +95,8 @@ class ModelRunner:
         self.world_size = world_size
         if settings.cpu_threads and device.type == "cpu":
             torch.set_num_threads(settings.cpu_threads)
-        self.attention_backend = resolve_attention_backend(settings.attention_backend, device)
+        self.attention_backend = resolve_attention_backend(settings.attention_backend, device, settings.block_size,
+                                                           dtype)
         # CUDA: what the device held before our weights (profile_kv_budget's baseline).
         self._cuda_before_load: tuple[int, int, int] | None = None  # free, allocated, reserved
         if device.type == "cuda":
@@ -150,9 +151,9 @@ class ModelRunner:
             return "not a CUDA device"
         if self.settings.enforce_eager:
             return "enforce_eager is set"
-        if self.attention_backend != "triton":
-            return (f"the {self.attention_backend!r} attention backend builds its shapes on the host "
-                    "each step (graphs need 'triton')")
+        if self.attention_backend == "torch":
+            return ("the 'torch' attention backend builds its shapes on the host each step "
+                    "(graphs need 'triton' or 'flash_attn')")
         if self.drafter is not None:
             return "the draft model runs its own forward every step"
         if self.world_size > 1:
