@@ -56,8 +56,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Schedule step N+1 while step N runs (its sampled tokens are placeholders until they
     # arrive): hides scheduling and output processing behind the model's work.
     async_scheduling: bool = False
-    # Paged attention kernels: "auto" (triton on CUDA when it imports, else flash_attn
-    # when installed and block_size fits it, else torch).
+    # Paged attention kernels: "auto" (on CUDA flash_attn when installed and block_size
+    # fits it, else triton when it imports, else torch).
     attention_backend: Literal["auto", "torch", "triton", "flash_attn"] = "auto"
     # CPU: torch intra-op threads for the model (per TP rank). None: all cores (split
     # between ranks). Fewer than the cores leaves room for other work: with OpenMP,

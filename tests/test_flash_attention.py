@@ -185,6 +185,8 @@ def test_flash_attn_choice_and_refusals(fake_flash) -> None:
     with pytest.raises(ValueError, match="attention_backend 'flash_attn' runs on CUDA devices, not cpu"):
         resolve_attention_backend("flash_attn", CPU, BS, torch.bfloat16)
     assert attention_backends._flash_problem(cuda, BS, torch.bfloat16) is None
+    assert resolve_attention_backend("auto", cuda, BS, torch.bfloat16) == "flash_attn"  # installed and fits
+    assert resolve_attention_backend("auto", cuda, 16, torch.bfloat16) in ("triton", "torch")
     assert attention_backends._flash_problem(cuda, 512, torch.float16) is None
     assert "block_size is 16 (set block_size = 256)" in attention_backends._flash_problem(cuda, 16, torch.bfloat16)
     assert "float16 or bfloat16, not float32" in attention_backends._flash_problem(cuda, BS, torch.float32)

@@ -4,8 +4,8 @@
 Triton paged kernels (triton_attention.TritonAttention, CUDA; on CPU only under
 Triton's interpreter); "flash_attn" flash-attn's varlen kernel over the paged cache
 (flash_attention.FlashAttention; CUDA, fp16/bf16, blocks of a multiple of 256 tokens,
-the optional `gpu` extra installed). "auto" is triton on CUDA when triton imports, else
-flash_attn when it is installed and fits the settings, else torch.
+the optional `gpu` extra installed). "auto" on CUDA is flash_attn when it is installed
+and fits the settings, else triton when triton imports, else torch; off CUDA, torch.
 
 The triton and flash-attn modules are imported only here, and only when their backend
 is asked for or "auto" runs on CUDA, so elsewhere neither is ever loaded.
@@ -13,10 +13,13 @@ is asked for or "auto" runs on CUDA, so elsewhere neither is ever loaded.
 from __future__ import annotations
 
 import inspect
+import logging
 
 import torch
 
 from llmd.gpu.attention import TorchAttention
+
+logger = logging.getLogger("llmd.attention")
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 
@@ -32,9 +35,12 @@ def resolve_attention_backend(name: str, device: torch.device, block_size: int =
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return "torch"
     if name == "auto":
-        if _triton_problem(device) is None:
-            return "triton"
-        return "flash_attn" if _flash_problem(device, block_size, dtype) is None else "torch"
+        flash = _flash_problem(device, block_size, dtype)
+        if flash is None:
+            return "flash_attn"
+        if not flash.startswith("needs"):  # installed, but not for these settings
+            logger.info("attention_backend 'auto': not flash_attn, which %s", flash)
+        return "triton" if _triton_problem(device) is None else "torch"
     problem = (_triton_problem(device) if name == "triton"
                else _flash_problem(device, block_size, dtype))
     if problem:
