@@ -118,6 +118,7 @@ def test_capture_sizes() -> None:
     assert capture_sizes(3) == [1, 2]
     assert capture_sizes(13) == [1, 2, 4, 8]
     assert capture_sizes(4096)[-1] == 512
+    assert capture_sizes(128, max_num_batched_tokens=20) == [1, 2, 4, 8, 16]  # no step holds more rows
 
 
 def test_cpu_and_enforce_eager_run_without_graphs() -> None:

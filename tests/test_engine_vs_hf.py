@@ -158,9 +158,10 @@ def test_requests_joining_mid_run_match_hf():
     assert_no_leak(llm)
 
 
-def test_prompt_logprobs_match_hf():
+@pytest.mark.parametrize("max_num_seqs", [128, 3])  # 3: each chunk's logprobs in slices of 3 rows
+def test_prompt_logprobs_match_hf(max_num_seqs):
     path = model_path("tiny-qwen3")
-    llm = make_llm(path, max_num_batched_tokens=16)  # prompt logprobs across chunks
+    llm = make_llm(path, max_num_batched_tokens=16, max_num_seqs=max_num_seqs)  # prompt logprobs across chunks
     prompt = prompts_for(path)[5]
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3))[0]
     ref = hf_prompt_logprobs(path, prompt)

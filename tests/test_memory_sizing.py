@@ -171,7 +171,7 @@ def test_profile_step_shape_and_arithmetic_with_fake_cuda_counters(monkeypatch, 
     from llmd.gpu.cuda_graphs import capture_sizes
 
     monkeypatch.setattr(runner, "_graphs_off_reason", lambda: None)
-    largest = capture_sizes(seqs)[-1]
+    largest = capture_sizes(seqs, runner.settings.max_num_batched_tokens)[-1]
     graphs = int(30 * MiB * min(1.0, largest / want_tokens) + largest * (4 + -(-max_len // 16)) * 8)
     g = runner.profile_kv_budget(0.9, extra_reserved_bytes=10 * MiB)
     assert g.reserved == 10 * MiB + graphs

@@ -80,14 +80,16 @@ def new_model_kv_caches(model: torch.nn.Module, num_blocks: int, block_size: int
 
 
 def set_decode_rows(md: AttentionMetadata, tables: list[list[int]], seq_lens: list[int], block_size: int,
-                    device: torch.device) -> None:
-    """The decode rows' block tables (padded to the longest), context lengths and mask."""
+                    device: torch.device, mask: bool = True) -> None:
+    """The decode rows' block tables (padded to the longest), context lengths and, with
+    `mask` (the torch backend reads it; the kernels do not), the additive mask."""
     table_np = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int64)
     for i, t in enumerate(tables):
         table_np[i, :len(t)] = t
     md.decode_block_table = torch.from_numpy(table_np).to(device)
     md.decode_seq_lens = torch.tensor(seq_lens, dtype=torch.int64, device=device)
-    build_decode_mask(md, block_size)
+    if mask:
+        build_decode_mask(md, block_size)
 
 
 def build_decode_mask(md: AttentionMetadata, block_size: int) -> None:

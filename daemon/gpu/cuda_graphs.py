@@ -44,9 +44,10 @@ logger = logging.getLogger("llmd.cuda_graphs")
 MAX_GRAPH_BATCH = 512
 
 
-def capture_sizes(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, then multiples of 8 up to min(max_num_seqs, 512)."""
-    top = min(max_num_seqs, MAX_GRAPH_BATCH)
+def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int | None = None) -> list[int]:
+    """1, 2, 4, then multiples of 8 up to min(max_num_seqs, max_num_batched_tokens, 512):
+    no step can hold more decode rows than either limit."""
+    top = min(max_num_seqs, max_num_batched_tokens or max_num_seqs, MAX_GRAPH_BATCH)
     return [b for b in (1, 2, 4) if b <= top] + list(range(8, top + 1, 8))
 
 

@@ -51,6 +51,7 @@ class DraftModel:
         self.device = device
         self.dtype = dtype
         self.k = settings.num_speculative_tokens
+        self.attention_backend = attention_backend
         self.model = load_model(settings.draft_model, dtype, device, settings.max_model_len,
                                 attention_backend=attention_backend)
         self.sampler = sampler
@@ -143,7 +144,8 @@ class DraftModel:
         md = AttentionMetadata(slot_mapping=torch.from_numpy(np.asarray(slots, dtype=np.int64)).to(dev),
                                num_decodes=len(reqs), decode_block_table=None, decode_seq_lens=None,
                                prefills=[], workspace=self.workspace)
-        set_decode_rows(md, tables, [p + 1 for p in positions], bs, dev)
+        set_decode_rows(md, tables, [p + 1 for p in positions], bs, dev,
+                        mask=self.attention_backend == "torch")
         hidden = self.model(torch.tensor(input_ids, dtype=torch.int64, device=dev),
                             torch.tensor(positions, dtype=torch.int64, device=dev), self.kv_caches, md)
         return self.model.compute_logits(hidden)

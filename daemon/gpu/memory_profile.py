@@ -93,6 +93,6 @@ def _graph_pool_estimate(runner: ModelRunner, activations: int, profiled_tokens:
     if runner._graphs_off_reason() is not None:
         return 0
     s = runner.settings
-    largest = capture_sizes(s.max_num_seqs)[-1]
+    largest = capture_sizes(s.max_num_seqs, s.max_num_batched_tokens)[-1]
     width = -(-s.max_model_len // runner.block_size)
     return int(activations * min(1.0, largest / max(1, profiled_tokens))) + largest * (4 + width) * 8

@@ -176,7 +176,8 @@ class ModelRunner:
         self.release_decode_graphs()
 
         def make() -> DecodeGraphs:
-            return DecodeGraphs(self.model, self.kv_caches, capture_sizes(self.settings.max_num_seqs),
+            return DecodeGraphs(self.model, self.kv_caches, capture_sizes(self.settings.max_num_seqs,
+                                                                          self.settings.max_num_batched_tokens),
                                 self.block_size, self.settings.max_model_len, self.scratch_block,
                                 self.attention_backend, self.device, self.workspace, emulate=emulate)
 
@@ -355,7 +356,7 @@ class ModelRunner:
             workspace=self.workspace,
         )
         if decodes:
-            set_decode_rows(md, tables, seq_lens, bs, dev)
+            set_decode_rows(md, tables, seq_lens, bs, dev, mask=self.attention_backend == "torch")
 
         hidden = self.model(ids_t, pos_t, self.kv_caches, md)
         if self.drafter is not None:
@@ -538,13 +539,22 @@ class ModelRunner:
     def _prompt_logprobs(self, hidden: torch.Tensor, req: RunnerRequest, row0: int, first: int,
                          count: int) -> PromptLogprobs:
         k = req.sampling_params.prompt_logprobs
-        logits = self.model.compute_logits(hidden[row0:row0 + count])
-        logprobs = torch.log_softmax(self._mask_padded_vocab(logits), dim=-1)
-        targets = torch.tensor(req.token_ids[first + 1:first + 1 + count], dtype=torch.int64,
-                               device=logits.device)
-        ids, lps, ranks = gather_logprobs(logprobs, targets, k)
-        return PromptLogprobs(start=first, logprobs=Logprobs(
-            token_ids=ids.tolist(), logprobs=lps.tolist(), ranks=ranks.tolist()))
+        out = Logprobs(token_ids=[], logprobs=[], ranks=[])
+        # In slices no wider than the rows a step samples: a chunk's full-vocab logits,
+        # their fp32 log-softmax and rank masks would otherwise take ~9 bytes x vocab per
+        # prompt token, more than the memory profile (which samples that many rows) saw.
+        width = max(1, self.settings.max_num_seqs * (1 + self.settings.num_speculative_tokens))
+        for lo in range(0, count, width):
+            n = min(width, count - lo)
+            logits = self.model.compute_logits(hidden[row0 + lo:row0 + lo + n])
+            logprobs = torch.log_softmax(self._mask_padded_vocab(logits), dim=-1)
+            targets = torch.tensor(req.token_ids[first + 1 + lo:first + 1 + lo + n], dtype=torch.int64,
+                                   device=logits.device)
+            ids, lps, ranks = gather_logprobs(logprobs, targets, k)
+            out.token_ids += ids.tolist()
+            out.logprobs += lps.tolist()
+            out.ranks += ranks.tolist()
+        return PromptLogprobs(start=first, logprobs=out)
 
     def _mask_padded_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         valid = self.settings.valid_vocab_size
