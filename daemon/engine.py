@@ -135,14 +135,9 @@ class LLMEngine:
         start a fresh executor. Returns the scheduler ids of the failed requests."""
         logger.error("executor failed: %s; failing %d request(s) and restarting it",
                      cause, len(self.scheduler.requests))
-        for future in self.pipeline.futures():
-            # A step launched behind the failed one runs (and fails) on the old executor
-            # before the new one exists: no step may reach the new workers mid-start.
-            try:
-                future.result()
-            except Exception:
-                pass
-        self.pipeline.reset()
+        # A step launched behind the failed one runs (and fails) on the old executor
+        # before the new one exists: no step may reach the new workers mid-start.
+        self.pipeline.drain(ignore=Exception)
         failed = list(self.scheduler.requests)
         self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ERROR)
         self.kv_cache_manager.reset_prefix_cache()
@@ -275,12 +270,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the executor (worker processes exit) and drop the KV cache."""
-        for future in self.pipeline.futures():
-            try:  # a step whose requests all finished may still run: let it end first
-                future.result()
-            except ExecutorError:
-                pass
-        self.pipeline.reset()
+        self.pipeline.drain(ignore=ExecutorError)  # a step whose requests all finished may still run
         if self._model_thread is not None and self._owns_model_thread:
             self._model_thread.shutdown(wait=True)
         self._model_thread = None

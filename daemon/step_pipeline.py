@@ -108,15 +108,21 @@ class StepPipeline:
     def chained(self) -> bool:
         return self.overlap and self.flush is not None
 
-    def futures(self) -> list[Future]:
-        """Every task given to the executor that may not have ended."""
-        self._tasks = [task for task in self._tasks if not task.done()]
-        return list(self._tasks)
-
     def _track(self, future: Future) -> Future:
-        self._tasks = self.futures()
+        self._tasks = [task for task in self._tasks if not task.done()]
         self._tasks.append(future)
         return future
+
+    def drain(self, ignore: type[BaseException] | tuple[type[BaseException], ...]) -> None:
+        """Wait for every task given to the executor (their errors of type `ignore` are
+        not raised: their requests are failed or finished), then reset."""
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            try:
+                task.result()
+            except ignore:
+                pass
+        self.reset()
 
     def reset(self) -> None:
         """Forget every step (after the executor failed: its requests are failed)."""

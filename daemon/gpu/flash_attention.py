@@ -44,32 +44,26 @@ def _flash_rows(md: AttentionMetadata, block_size: int, device: torch.device) ->
     if md.flash_rows is not None:
         return md.flash_rows
     n = md.num_decodes
-    q_lens = [num_new for _, num_new, _, _ in md.prefills]
-    k_lens = [num_cached + num_new for _, num_new, num_cached, _ in md.prefills]
-    expected = n
+    offsets = list(range(n + 1))  # cu_seqlens_q: decode rows hold one query each
     for start, num_new, _, _ in md.prefills:
-        if start != expected:
+        if start != offsets[-1]:
             raise ValueError(f"prefill rows must follow the decode rows in token order (row at {start}, "
-                             f"expected {expected})")
-        expected += num_new
-    max_q = max(q_lens, default=1)
+                             f"expected {offsets[-1]})")
+        offsets.append(start + num_new)
+    k_lens = [num_cached + num_new for _, num_new, num_cached, _ in md.prefills]
+    max_q = max((num_new for _, num_new, _, _ in md.prefills), default=1)
     max_k = max(k_lens, default=0)
     widths = [ids.numel() for _, _, _, ids in md.prefills]
     if n:
         decode_table = md.decode_block_table.to(torch.int32)
         max_k = max(max_k, decode_table.shape[1] * block_size)
         widths.append(decode_table.shape[1])
-    if not md.prefills:  # decode only: also the shape a captured graph has
+    if not md.prefills:  # decode only: also the shape a captured graph has (no host copy)
         cu_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         table = decode_table
         seq_lens = md.decode_seq_lens.to(torch.int32)
     else:
-        offsets = [0] * (n + 1)
-        for q_len in q_lens:
-            offsets.append(offsets[-1] + q_len)
-        cu_q = torch.tensor(offsets[n:], dtype=torch.int32).to(device)
-        if n:
-            cu_q = torch.cat([torch.arange(n, dtype=torch.int32, device=device), cu_q + n])
+        cu_q = torch.tensor(offsets, dtype=torch.int32).to(device)
         prefill_lens = torch.tensor(k_lens, dtype=torch.int32).to(device)
         seq_lens = torch.cat([md.decode_seq_lens.to(torch.int32), prefill_lens]) if n else prefill_lens
         table = torch.zeros(n + len(md.prefills), max(widths), dtype=torch.int32, device=device)

@@ -44,7 +44,7 @@ def profile_kv_budget(runner: ModelRunner, gpu_memory_utilization: float,
         slots.append(np.arange(n, dtype=np.int64) + first_block[i] * bs)  # its blocks are consecutive
         prefills.append((start, n, 0, blocks))
         start += n
-    num_rows = min(total, settings.max_num_seqs * (1 + settings.num_speculative_tokens))
+    num_rows = min(total, settings.max_sampled_rows)
     last_rows = np.cumsum(seq_lens) - 1
     rows = torch.from_numpy(np.resize(last_rows, num_rows)).to(dev)
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, logprobs=20)

@@ -20,8 +20,8 @@ from llmd.gpu.cuda_graphs import DecodeGraphs, build_decode_graphs, capture_size
 from llmd.gpu.draft_model import DraftModel
 from llmd.gpu.loader import load_model
 from llmd.gpu.memory import MemoryBreakdown
-from llmd.gpu.rejection_sampler import verify
-from llmd.gpu.sampler import Sampler, SamplingMetadata, gather_logprobs
+from llmd.gpu.rejection_sampler import VerifyOutput, verify
+from llmd.gpu.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs
 from llmd.messages import Logprobs, PromptLogprobs, RunnerOutput, SchedulerOutput
 from llmd_client.protocol import SamplingParams
 
@@ -62,6 +62,11 @@ class RunnerSettings:
     max_num_seqs: int = 128
     enforce_eager: bool = False
 
+    @property
+    def max_sampled_rows(self) -> int:
+        """The most logit rows one step samples: every request verifying every draft."""
+        return min(self.max_num_batched_tokens, self.max_num_seqs * (1 + self.num_speculative_tokens))
+
 
 @dataclass
 class _Pending:
@@ -73,7 +78,7 @@ class _Pending:
     ordered: list[RunnerRequest]  # the step's rows' requests, in row order
     sample_reqs: list[RunnerRequest]
     sampled: torch.Tensor | None  # [len(sample_reqs)] int64 on the device; None: out is complete
-    host: tuple[torch.Tensor, ...] = ()  # sampled ids (+ logprob ids, logprobs, ranks) on the host
+    host: SamplerOutput | None = None  # the sampler's output, copied (or copying) to the host
     ready: object | None = None  # torch.cuda.Event recorded after the copies
     row_of: dict[str, int] = field(default_factory=dict)  # req_id -> index in sampled
 
@@ -266,10 +271,9 @@ class ModelRunner:
             return p.out
         if p.ready is not None:
             p.ready.synchronize()
-        tokens = p.host[0].tolist()
-        if len(p.host) > 1:
-            result = _HostLogprobs(*p.host[1:])
-            self._collect_logprobs(p.out, p.sample_reqs, [[i] for i in range(len(p.sample_reqs))], result)
+        tokens = p.host.sampled_token_ids.tolist()
+        if p.host.logprobs_token_ids is not None:
+            self._collect_logprobs(p.out, p.sample_reqs, [[i] for i in range(len(p.sample_reqs))], p.host)
         sampled_by_req = {r.req_id: [t] for r, t in zip(p.sample_reqs, tokens)}
         for req in p.ordered:
             new = sampled_by_req.get(req.req_id, [])
@@ -468,18 +472,15 @@ class ModelRunner:
         return the step as pending."""
         dev = logits.device
         result = self.sampler(logits, self._sampling_metadata(so, reqs, dev, chain))
-        tensors = [result.sampled_token_ids]
-        if result.logprobs_token_ids is not None:
-            tensors += [result.logprobs_token_ids, result.logprobs, result.ranks]
-        ready = None
+        host, ready = result, None
         if dev.type == "cuda":
             # Into pinned memory, behind this step's kernels only: the next step's work,
             # queued after, is not waited for.
-            host = tuple(t.to("cpu", non_blocking=True) for t in tensors)
+            host = SamplerOutput(*(t.to("cpu", non_blocking=True) if t is not None else None
+                                   for t in (result.sampled_token_ids, result.logprobs_token_ids,
+                                             result.logprobs, result.ranks)))
             ready = torch.cuda.Event()
             ready.record()
-        else:
-            host = tuple(tensors)
         return _Pending(out, ordered, reqs, result.sampled_token_ids, host, ready,
                         {r.req_id: i for i, r in enumerate(reqs)})
 
@@ -523,7 +524,8 @@ class ModelRunner:
         return result.token_ids
 
     @staticmethod
-    def _collect_logprobs(out: RunnerOutput, reqs: list[RunnerRequest], rows: list[list[int]], result) -> None:
+    def _collect_logprobs(out: RunnerOutput, reqs: list[RunnerRequest], rows: list[list[int]],
+                          result: SamplerOutput | VerifyOutput) -> None:
         """rows[i]: the result rows of request i's emitted tokens, in order."""
         ids = result.logprobs_token_ids.tolist()
         lps = result.logprobs.tolist()
@@ -543,7 +545,7 @@ class ModelRunner:
         # In slices no wider than the rows a step samples: a chunk's full-vocab logits,
         # their fp32 log-softmax and rank masks would otherwise take ~9 bytes x vocab per
         # prompt token, more than the memory profile (which samples that many rows) saw.
-        width = max(1, self.settings.max_num_seqs * (1 + self.settings.num_speculative_tokens))
+        width = self.settings.max_sampled_rows
         for lo in range(0, count, width):
             n = min(width, count - lo)
             logits = self.model.compute_logits(hidden[row0 + lo:row0 + lo + n])
@@ -561,15 +563,6 @@ class ModelRunner:
         if valid < logits.shape[-1]:
             logits[:, valid:] = float("-inf")
         return logits
-
-
-@dataclass
-class _HostLogprobs:
-    """A deferred step's logprob tensors, read back (the fields _collect_logprobs reads)."""
-
-    logprobs_token_ids: torch.Tensor
-    logprobs: torch.Tensor
-    ranks: torch.Tensor
 
 
 def _pad_rows(tokens: list[list[int]], num_reqs: int, drafts: list[list[int]],
