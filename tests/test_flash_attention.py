@@ -40,6 +40,17 @@ CASES: dict[str, Case] = {
                                 dtype="float16"),
     "mixed-bs512": Case(4, 4, decodes=DECODES, prefills=PREFILLS, block_size=512, dtype="float16"),
 }
+# Sliding windows (window_size=(W - 1, 0)): windows inside one page, across a page
+# boundary, and wider than some contexts; chunks whose window reaches into the prefix.
+CASES.update({
+    "sliding-decode": Case(4, 2, decodes=DECODES, block_size=BS, dtype="bfloat16", sliding_window=100),
+    "sliding-mixed": Case(8, 2, decodes=DECODES, prefills=PREFILLS, block_size=BS, dtype="float16",
+                          sliding_window=7),
+    "sliding-prefill-no-cache": Case(4, 1, prefills=((0, 300), (0, 7)), block_size=BS, dtype="bfloat16",
+                                     sliding_window=260),
+    "sliding-padded-graph": Case(8, 2, decodes=(9, 300), pad_rows=2, table_blocks=4, block_size=BS,
+                                 dtype="float16", sliding_window=33),
+})
 for _group in (1, 4, 8):
     CASES[f"mixed-gqa{_group}"] = Case(8, 8 // _group, decodes=DECODES, prefills=PREFILLS, block_size=BS,
                                        dtype="bfloat16")
@@ -76,7 +87,7 @@ def compare(case: Case, device: torch.device) -> tuple[float, float]:
         md.decode_seq_lens = md.decode_seq_lens.to(device)
         md.decode_mask = md.decode_mask.to(device)
     md.prefills = [(s, n, c, ids.to(device)) for s, n, c, ids in md.prefills]
-    args = (case.heads, case.kv_heads, case.head_dim, case.head_dim ** -0.5)
+    args = (case.heads, case.kv_heads, case.head_dim, case.head_dim ** -0.5, case.sliding_window)
     ref_cache = kv_cache.clone()
     ref = TorchAttention(*args)(q, k, v, ref_cache, md)
     md.flash_rows = None

@@ -37,6 +37,7 @@ class Case:
     # 1 and its slot and whole table in a scratch block; every table table_blocks wide.
     pad_rows: int = 0
     table_blocks: int | None = None
+    sliding_window: int | None = None  # the layer's window (None: full attention)
 
 
 MIXED_DECODES = (1, 17, 45, 5)
@@ -55,6 +56,18 @@ CASES: dict[str, Case] = {
     "bf16-mixed": Case(8, 2, decodes=MIXED_DECODES, prefills=MIXED_PREFILLS, dtype="bfloat16"),
     "fp16-mixed": Case(8, 2, decodes=MIXED_DECODES, prefills=MIXED_PREFILLS, dtype="float16"),
 }
+# Sliding windows: decode rows whose window starts mid-block or covers the whole context,
+# splits wholly before the window, a prefill tile (64 tokens at group 1) whose later
+# rows see nothing of its first key tiles, chunks whose window reaches into the prefix.
+CASES.update({
+    "sliding-decode": Case(4, 2, decodes=(1, 9, 10, 40, 77), sliding_window=9),
+    "sliding-decode-split4": Case(4, 1, decodes=(70, 5, 33, 64), decode_splits=4, sliding_window=20),
+    "sliding-prefill-no-cache": Case(4, 4, prefills=((0, 70), (0, 5)), sliding_window=5),
+    "sliding-chunked-prefill": Case(8, 2, prefills=((32, 20), (17, 9), (40, 4)), sliding_window=16),
+    "sliding-mixed-bf16": Case(8, 2, decodes=MIXED_DECODES, prefills=MIXED_PREFILLS, dtype="bfloat16",
+                               sliding_window=12),
+    "sliding-padded-graph": Case(4, 2, decodes=(1, 17, 45), pad_rows=2, table_blocks=4, sliding_window=7),
+})
 for _group in (1, 4, 8):
     for _bs in (16, 32):
         CASES[f"mixed-gqa{_group}-bs{_bs}"] = Case(8, 8 // _group, decodes=MIXED_DECODES,
@@ -137,7 +150,7 @@ def run_case(case: Case) -> dict[str, float]:
     from llmd.gpu.triton_attention import TritonAttention
 
     q, k, v, kv_cache, md = build(case)
-    args = (case.heads, case.kv_heads, case.head_dim, case.head_dim ** -0.5)
+    args = (case.heads, case.kv_heads, case.head_dim, case.head_dim ** -0.5, case.sliding_window)
     ref_cache = kv_cache.clone()
     ref = TorchAttention(*args)(q, k, v, ref_cache, md)
     out = TritonAttention(*args, decode_splits=case.decode_splits)(q, k, v, kv_cache, md)

@@ -9,6 +9,11 @@ the cache through the slot mapping, decode rows attend in batched GEMMs over K/V
 through their block tables, and each prefill row attends on its own with SDPA (directly
 over the new K/V when it has no cached context).
 
+Sliding-window layers (Mistral, Qwen2/Qwen3 `sliding_attention`): a layer built with
+window W lets the query at position p see keys k with p - W < k <= p (transformers'
+convention: the token itself and the W - 1 before it). The window is the layer's, not
+the step's: every backend takes it in its constructor, so layers of one model may differ.
+
 The cache is head-major, [2, kv_heads, num_blocks, block_size, head_dim]: one
 index_select then yields each (kv head, request) context as a contiguous [L, D] matrix,
 so decode is two plain batched GEMMs with no permute copies (on CPU 1.4x faster than
@@ -16,7 +21,7 @@ SDPA over a token-major gather in fp32, 4.5x in bf16, where SDPA's CPU kernel is
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -34,6 +39,9 @@ class AttentionMetadata:
     # tokens already in the cache, block ids tensor covering the whole context).
     prefills: list[tuple[int, int, int, torch.Tensor]]
     decode_mask: torch.Tensor | None = None  # [1, num_decodes, 1, L] float additive, once per step
+    # The torch backend's decode masks of sliding-window layers, by window, built by the
+    # step's first layer with that window (decode_mask with the keys before it masked too).
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     workspace: GatherWorkspace | None = None
     # Kernel backends' device copy of `prefills`, built by the step's first layer.
     prefill_rows: tuple[torch.Tensor, torch.Tensor, int] | None = None
@@ -102,6 +110,39 @@ def build_decode_mask(md: AttentionMetadata, block_size: int) -> None:
     md.decode_mask = mask.masked_fill_(masked, float("-inf")).view(1, md.num_decodes, 1, length)
 
 
+def decode_window_mask(md: AttentionMetadata, window: int) -> torch.Tensor:
+    """The additive decode mask of a layer with sliding window `window`: the decode
+    mask, and -inf on keys at or before seq_len - 1 - window (out of the window of the
+    row's query, which sits at position seq_len - 1)."""
+    mask = md.window_masks.get(window)
+    if mask is None:
+        length = md.decode_mask.shape[-1]
+        positions = torch.arange(length, device=md.decode_seq_lens.device)
+        stale = positions[None, :] < (md.decode_seq_lens[:, None] - window)
+        mask = md.decode_mask.masked_fill(stale.view(1, md.num_decodes, 1, length), float("-inf"))
+        md.window_masks[window] = mask
+    return mask
+
+
+def causal_mask(q_start: int, q_end: int, k_start: int, k_end: int, window: int | None,
+                device: torch.device) -> torch.Tensor:
+    """[1, 1, queries, keys] bool, True where the query at position q (q_start <= q <
+    q_end) sees the key at position k (k_start <= k < k_end): k <= q, and with a
+    sliding window, k > q - window."""
+    q_pos = torch.arange(q_start, q_end, device=device)[:, None]
+    k_pos = torch.arange(k_start, k_end, device=device)[None, :]
+    seen = k_pos <= q_pos
+    if window is not None:
+        seen &= k_pos > q_pos - window
+    return seen.view(1, 1, q_end - q_start, k_end - k_start)
+
+
+def check_window(sliding_window: int | None) -> None:
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+
+
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Scatter the step's new K/V rows ([T, kv_heads, D]) into their cache slots."""
     _, kvh, num_blocks, block_size, d = kv_cache.shape
@@ -110,42 +151,55 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 
 
 class TorchAttention:
-    """Reference paged attention in PyTorch (SDPA)."""
+    """Reference paged attention in PyTorch (SDPA). sliding_window: this layer's window
+    (None: full attention)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None) -> None:
+        check_window(sliding_window)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D]. Returns [T, H, D]."""
-        _, kvh, num_blocks, block_size, d = kv_cache.shape
-        gqa = kvh != self.num_heads
         write_kv(kv_cache, k, v, md.slot_mapping)
-
         out = torch.empty_like(q)
         if md.num_decodes:
             out[:md.num_decodes] = self._decode(q[:md.num_decodes], kv_cache, md)
         for start, num_new, num_cached, block_ids in md.prefills:
-            query = q[start:start + num_new].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            if num_cached == 0:
-                keys = k[start:start + num_new].transpose(0, 1).unsqueeze(0)
-                values = v[start:start + num_new].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(query, keys, values, is_causal=True,
-                                                   scale=self.scale, enable_gqa=gqa)
-            else:
-                total = num_cached + num_new
-                keys = kv_cache[0][:, block_ids].view(kvh, -1, d)[:, :total].unsqueeze(0)
-                values = kv_cache[1][:, block_ids].view(kvh, -1, d)[:, :total].unsqueeze(0)
-                q_pos = torch.arange(num_cached, total, device=q.device)
-                k_pos = torch.arange(total, device=q.device)
-                mask = (k_pos[None, :] <= q_pos[:, None]).view(1, 1, num_new, total)
-                o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
-                                                   scale=self.scale, enable_gqa=gqa)
-            out[start:start + num_new] = o.squeeze(0).transpose(0, 1)
+            rows = slice(start, start + num_new)
+            o = self._prefill(q[rows], k[rows], v[rows], kv_cache, num_cached, block_ids)
+            out[rows] = o.squeeze(0).transpose(0, 1)
         return out
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 num_cached: int, block_ids: torch.Tensor) -> torch.Tensor:
+        """One prefill row: its new tokens' q, k, v ([n, heads, D]) after num_cached
+        cached tokens. Returns [1, H, n, D]."""
+        kvh, d = kv_cache.shape[1], kv_cache.shape[4]
+        num_new = q.shape[0]
+        window = self.sliding_window
+        gqa = kvh != self.num_heads
+        query = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        total = num_cached + num_new
+        # Keys before the first query's window are never seen: left out of the gather.
+        first_key = 0 if window is None else max(0, num_cached - window + 1)
+        if num_cached == 0:
+            keys = k.transpose(0, 1).unsqueeze(0)
+            values = v.transpose(0, 1).unsqueeze(0)
+            if window is None or num_new <= window:  # the window holds every earlier token
+                return F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=self.scale,
+                                                      enable_gqa=gqa)
+        else:
+            keys = kv_cache[0][:, block_ids].view(kvh, -1, d)[:, first_key:total].unsqueeze(0)
+            values = kv_cache[1][:, block_ids].view(kvh, -1, d)[:, first_key:total].unsqueeze(0)
+        mask = causal_mask(num_cached, total, first_key, total, window, q.device)
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=self.scale,
+                                              enable_gqa=gqa)
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         """One query token per request, all requests at once. q: [B, H, D]."""
@@ -165,7 +219,8 @@ class TorchAttention:
         values = values.view(kvh * n, length, d)
         query = q.view(n, kvh, group, d).transpose(0, 1).reshape(kvh * n, group, d)
         scores = torch.bmm(query, keys.transpose(1, 2)).float().mul_(self.scale)
-        scores = scores.view(kvh, n, group, length).add_(md.decode_mask)
+        mask = md.decode_mask if self.sliding_window is None else decode_window_mask(md, self.sliding_window)
+        scores = scores.view(kvh, n, group, length).add_(mask)
         probs = torch.softmax(scores, dim=-1).to(q.dtype).view(kvh * n, group, length)
         out = torch.bmm(probs, values)  # [KVH * B, G, D]
         return out.view(kvh, n, group, d).transpose(0, 1).reshape(n, self.num_heads, d)

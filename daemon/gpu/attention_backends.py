@@ -78,16 +78,18 @@ def _flash_problem(device: torch.device, block_size: int, dtype: torch.dtype) ->
     return None
 
 
-def make_attention(backend: str, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
-    """One layer's attention for a backend resolve_attention_backend returned."""
+def make_attention(backend: str, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                   sliding_window: int | None = None):
+    """One layer's attention for a backend resolve_attention_backend returned, over
+    the layer's sliding window (None: full attention)."""
     if backend == "triton":
         from llmd.gpu.triton_attention import TritonAttention
 
-        return TritonAttention(num_heads, num_kv_heads, head_dim, scale)
+        return TritonAttention(num_heads, num_kv_heads, head_dim, scale, sliding_window)
     if backend == "flash_attn":
         from llmd.gpu.flash_attention import FlashAttention
 
-        return FlashAttention(num_heads, num_kv_heads, head_dim, scale)
+        return FlashAttention(num_heads, num_kv_heads, head_dim, scale, sliding_window)
     if backend == "torch":
-        return TorchAttention(num_heads, num_kv_heads, head_dim, scale)
+        return TorchAttention(num_heads, num_kv_heads, head_dim, scale, sliding_window)
     raise ValueError(f"unknown attention backend {backend!r} (resolve the setting first)")

@@ -4,7 +4,10 @@ flash-attn's `flash_attn_varlen_func` takes a paged KV cache (`block_table`) sin
 2.6: every row of the step, decode rows and prefill rows alike, is one variable-length
 query sequence (`cu_seqlens_q`) over its own context (`cu_seqlens_k`), causal aligned to
 the end of the context (flash-attn >= 2.1), which is what a chunk over a cached prefix
-and the 1 + k tokens of a speculative verify need. The cache is passed as strided views
+and the 1 + k tokens of a speculative verify need. A sliding-window layer of window W
+passes `window_size=(W - 1, 0)`: flash-attn's query i (of nq, over nk keys) then sees
+keys i + nk - nq - (W - 1) through i + nk - nq, i.e. the query at position p sees keys
+p - W < k <= p, transformers' convention. The cache is passed as strided views
 of ours: `kv_cache[0].permute(1, 2, 0, 3)` is [blocks, block_size, kv_heads, D] with
 the head dimension at stride 1, and the kernel addresses blocks, rows and heads through
 the strides, so no copy is made.
@@ -23,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from llmd.gpu.attention import AttentionMetadata, write_kv
+from llmd.gpu.attention import AttentionMetadata, check_window, write_kv
 
 FLASH_PAGE_MULTIPLE = 256
 
@@ -77,9 +80,12 @@ def _flash_rows(md: AttentionMetadata, block_size: int, device: torch.device) ->
 
 
 class FlashAttention:
-    """Paged attention through flash-attn's varlen kernel; the contract of TorchAttention."""
+    """Paged attention through flash-attn's varlen kernel; the contract of TorchAttention.
+    sliding_window: this layer's window (None: full attention)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None) -> None:
+        check_window(sliding_window)
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         if head_dim % 8 or head_dim > 256:
@@ -89,6 +95,9 @@ class FlashAttention:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window
+        # flash-attn's (left, right) reach from a query's own position; -1 is unbounded.
+        self.window_size = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
         self._varlen = flash_varlen()
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -105,4 +114,4 @@ class FlashAttention:
         k_pages = kv_cache[0].permute(1, 2, 0, 3)
         v_pages = kv_cache[1].permute(1, 2, 0, 3)
         return self._varlen(q, k_pages, v_pages, cu_q, cu_k, max_q, max_k, softmax_scale=self.scale,
-                            causal=True, block_table=table)
+                            causal=True, window_size=self.window_size, block_table=table)

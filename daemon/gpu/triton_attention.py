@@ -14,9 +14,13 @@ One layer call launches:
 - `_prefill` for the prefill rows: a program takes one (row, run of BLOCK_Q new tokens,
   kv head); its tile rows are those tokens x the G query heads. The keys are the row's
   cached context, then its new tokens, causally: the query at position p sees keys
-  0..p. A decode row is the same computation with one token, so both kernels share
-  `_attend`; several new tokens after a cached prefix (speculative verification) are an
-  ordinary prefill row.
+  0..p (in a sliding-window layer of window W, keys p - W + 1..p). A decode row is the
+  same computation with one token, so both kernels share `_attend`; several new tokens
+  after a cached prefix (speculative verification) are an ordinary prefill row.
+
+A sliding-window layer (SLIDING, a compile-time switch, so full-attention layers run
+the kernels unchanged) starts each program's key loop at the first key its first query
+sees: blocks wholly before the window are never read.
 
 Keys are visited BLOCK_N at a time whatever the cache block size: key i lives in block
 table[i // block_size], slot i % block_size. Softmax is online, in fp32, in base 2 (the
@@ -28,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmd.gpu.attention import AttentionMetadata
+from llmd.gpu.attention import AttentionMetadata, check_window
 
 # Whether the kernels below run in Triton's interpreter. Decided when they were
 # decorated (this module's import), from TRITON_INTERPRET.
@@ -79,13 +83,14 @@ def _store_rows(ptr, row_offsets, rows, values, D: tl.constexpr, BLOCK_D: tl.con
 
 @triton.jit
 def _attend(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_ch, stride_cs, table_ptr,
-            tok, head, rows, q_pos0, kv_head, key_lo, key_hi, scale_log2,
+            tok, head, rows, q_pos0, kv_head, key_lo, key_hi, scale_log2, window,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr,
-            BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+            BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, SLIDING: tl.constexpr):
     """Online-softmax attention of one tile of query rows (q_ptr points at the tile's
     first token; row r's token sits at position q_pos0 + tok[r]) over keys
-    [key_lo, key_hi) of one request, causally. Returns the unnormalised output, the
-    running max and the sum of exponentials (base 2) of every row."""
+    [key_lo, key_hi) of one request, causally (with SLIDING, only keys after
+    q_pos - window). Returns the unnormalised output, the running max and the sum of
+    exponentials (base 2) of every row."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
@@ -97,8 +102,10 @@ def _attend(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_ch, stride_cs,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # Every tile holds at least one key each row may see (key_lo <= every row's
-    # position), so the running max is finite from the first tile on.
+    # Full attention: every tile holds at least one key each row may see (key_lo <= every
+    # row's position), so the running max is finite from the first tile on. A sliding
+    # window can hide a whole tile from the later rows of a prefill tile: their max
+    # stays -inf until a tile they see, and is taken as 0 meanwhile (no inf - inf).
     for start in range(key_lo, key_hi, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         k_ok = keys < key_hi
@@ -109,10 +116,16 @@ def _attend(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_ch, stride_cs,
         if DOT_F32:
             k_t = k_t.to(tl.float32)
         s = tl.dot(q, k_t, input_precision=PRECISION) * scale_log2
-        s = tl.where(k_ok[None, :] & (keys[None, :] <= q_pos[:, None]), s, float("-inf"))
+        seen = k_ok[None, :] & (keys[None, :] <= q_pos[:, None])
+        if SLIDING:
+            seen = seen & (keys[None, :] > q_pos[:, None] - window)
+        s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_ref = m_new
+        if SLIDING:
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         p = p.to(v.dtype)
         if DOT_F32:
@@ -126,9 +139,9 @@ def _attend(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_ch, stride_cs,
 @triton.jit
 def _decode(q_ptr, out_ptr, part_out, part_lse, k_cache, v_cache, table_ptr, seq_lens_ptr,
             stride_qt, stride_qh, stride_ot, stride_oh, stride_ch, stride_cs, stride_table,
-            keys_per_split, scale_log2, H: tl.constexpr, G: tl.constexpr, NUM_SPLITS: tl.constexpr,
+            keys_per_split, scale_log2, window, H: tl.constexpr, G: tl.constexpr, NUM_SPLITS: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr,
-            BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+            BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, SLIDING: tl.constexpr):
     """Grid (decode row b, kv head, split)."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -136,11 +149,13 @@ def _decode(q_ptr, out_ptr, part_out, part_lse, k_cache, v_cache, table_ptr, seq
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     key_lo = split * keys_per_split
     key_hi = tl.minimum(key_lo + keys_per_split, seq_len)
+    if SLIDING:  # the query at seq_len - 1 sees the last `window` keys; a split before them, none
+        key_lo = tl.maximum(key_lo, seq_len - window)
     tok, head, rows = _tile_rows(kv_head, 1, G, 1, BLOCK_M)
     acc, m_i, l_i = _attend(q_ptr + b * stride_qt, stride_qt, stride_qh, k_cache, v_cache, stride_ch,
                             stride_cs, table_ptr + b * stride_table, tok, head, rows, seq_len - 1, kv_head,
-                            key_lo, key_hi, scale_log2, BLOCK_M, BLOCK_N, BLOCK_SIZE, D, BLOCK_D,
-                            DOT_F32, PRECISION)
+                            key_lo, key_hi, scale_log2, window, BLOCK_M, BLOCK_N, BLOCK_SIZE, D, BLOCK_D,
+                            DOT_F32, PRECISION, SLIDING)
     if NUM_SPLITS == 1:
         _store_rows(out_ptr + b * stride_ot, head * stride_oh, rows, acc / l_i[:, None], D, BLOCK_D)
     else:
@@ -175,9 +190,9 @@ def _combine(part_out, part_lse, out_ptr, stride_ot, stride_oh, H: tl.constexpr,
 
 @triton.jit
 def _prefill(q_ptr, out_ptr, k_cache, v_cache, rows_ptr, tables_ptr, stride_qt, stride_qh, stride_ot,
-             stride_oh, stride_ch, stride_cs, scale_log2, G: tl.constexpr, BLOCK_Q: tl.constexpr,
+             stride_oh, stride_ch, stride_cs, scale_log2, window, G: tl.constexpr, BLOCK_Q: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr,
-             BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+             BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, SLIDING: tl.constexpr):
     """Grid (prefill row, run of BLOCK_Q new tokens, kv head). rows_ptr: [P, 4] int32
     (first token in the flattened step, new tokens, cached tokens, offset of the row's
     block ids in tables_ptr)."""
@@ -192,10 +207,15 @@ def _prefill(q_ptr, out_ptr, k_cache, v_cache, rows_ptr, tables_ptr, stride_qt, 
         num_q = tl.minimum(num_new - t0, BLOCK_Q)
         tok, head, rows = _tile_rows(kv_head, num_q, G, BLOCK_Q, BLOCK_M)
         first = q_start + t0
+        key_lo = 0
+        if SLIDING:  # the window of the tile's first query, whose window starts first
+            key_lo = tl.maximum(num_cached + t0 - window + 1, 0)
         acc, m_i, l_i = _attend(q_ptr + first * stride_qt, stride_qt, stride_qh, k_cache, v_cache, stride_ch,
                                 stride_cs, tables_ptr + table_offset, tok, head, rows, num_cached + t0,
-                                kv_head, 0, num_cached + t0 + num_q, scale_log2, BLOCK_M, BLOCK_N,
-                                BLOCK_SIZE, D, BLOCK_D, DOT_F32, PRECISION)
+                                kv_head, key_lo, num_cached + t0 + num_q, scale_log2, window, BLOCK_M, BLOCK_N,
+                                BLOCK_SIZE, D, BLOCK_D, DOT_F32, PRECISION, SLIDING)
+        if SLIDING:  # padding rows (past the run's last token) may have seen no key
+            l_i = tl.where(l_i > 0, l_i, 1.0)
         _store_rows(out_ptr + first * stride_ot, tok * stride_ot + head * stride_oh, rows,
                     acc / l_i[:, None], D, BLOCK_D)
 
@@ -224,11 +244,13 @@ def _prefill_rows(md: AttentionMetadata, device: torch.device) -> tuple[torch.Te
 class TritonAttention:
     """Paged attention in Triton kernels; the contract of TorchAttention.
 
-    decode_splits: how many slices a decode row's context is cut into (flash-decoding);
-    None picks by the GPU's size and the step's shape (1 off CUDA)."""
+    sliding_window: this layer's window (None: full attention). decode_splits: how many
+    slices a decode row's context is cut into (flash-decoding); None picks by the GPU's
+    size and the step's shape (1 off CUDA)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 decode_splits: int | None = None) -> None:
+                 sliding_window: int | None = None, decode_splits: int | None = None) -> None:
+        check_window(sliding_window)
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         if decode_splits is not None and not 1 <= decode_splits <= MAX_SPLITS:
@@ -238,6 +260,7 @@ class TritonAttention:
         self.head_dim = head_dim
         self.scale = scale
         self.decode_splits = decode_splits
+        self.sliding_window = sliding_window
         group = num_heads // num_kv_heads
         self.group = group
         # tl.dot wants every tile side >= 16.
@@ -265,21 +288,23 @@ class TritonAttention:
         # are widened to fp32 (after the same rounding of the probabilities as on a GPU).
         shared = dict(BLOCK_N=BLOCK_N, BLOCK_SIZE=block_size, D=d, BLOCK_D=self.block_d,
                       DOT_F32=INTERPRETED and q.dtype == torch.bfloat16,
-                      PRECISION="ieee" if q.dtype == torch.float32 else None)  # fp32: no TF32 rounding
+                      PRECISION="ieee" if q.dtype == torch.float32 else None,  # fp32: no TF32 rounding
+                      SLIDING=self.sliding_window is not None)
         cache_args = (k_cache, v_cache)
         strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), kv_cache.stride(1), kv_cache.stride(3))
         scale_log2 = self.scale * LOG2E
+        window = self.sliding_window or 0  # read only by SLIDING kernels
         if md.num_decodes:
-            self._decode(q, out, cache_args, strides, scale_log2, md, shared)
+            self._decode(q, out, cache_args, strides, scale_log2, window, md, shared)
         if md.prefills:
             rows, tables, max_new = _prefill_rows(md, q.device)
             grid = (len(md.prefills), triton.cdiv(max_new, self.block_q), kvh)
-            _prefill[grid](q, out, *cache_args, rows, tables, *strides, scale_log2, G=self.group,
+            _prefill[grid](q, out, *cache_args, rows, tables, *strides, scale_log2, window, G=self.group,
                            BLOCK_Q=self.block_q, BLOCK_M=self.prefill_block_m, **shared)
         return out
 
     def _decode(self, q: torch.Tensor, out: torch.Tensor, cache_args: tuple, strides: tuple,
-                scale_log2: float, md: AttentionMetadata, shared: dict) -> None:
+                scale_log2: float, window: int, md: AttentionMetadata, shared: dict) -> None:
         # Everything decided here (splits, keys per split, the grid) comes from shapes and
         # the GPU, never from tensor values: a captured decode graph (cuda_graphs) has a
         # fixed batch and a table as wide as max_model_len, so its split count is fixed.
@@ -297,7 +322,7 @@ class TritonAttention:
             part_out = part_lse = out  # not touched with one split
         _decode[(n, self.num_kv_heads, splits)](
             q, out, part_out, part_lse, *cache_args, table, md.decode_seq_lens, *strides, table.stride(0),
-            keys_per_split, scale_log2, H=h, G=self.group, NUM_SPLITS=splits, BLOCK_M=self.decode_block_m,
+            keys_per_split, scale_log2, window, H=h, G=self.group, NUM_SPLITS=splits, BLOCK_M=self.decode_block_m,
             **shared)
         if splits > 1:
             _combine[(n, h)](part_out, part_lse, out, out.stride(0), out.stride(1), H=h, NUM_SPLITS=splits,

@@ -6,7 +6,10 @@ It refuses what the real kernel's C++ checks refuse (dtype, int32 index tensors,
 dimension at stride 1, paged blocks of a multiple of 256 tokens, table shape) and
 computes, row by row in fp32, what the kernel computes: each query sequence attends to
 its own context, read through its block table, causally aligned to the end of the
-context, query head h on kv head h // (heads / kv_heads).
+context, query head h on kv head h // (heads / kv_heads), and with window_size =
+(left, right) != (-1, -1) sliding-window local attention as documented: query i of a
+sequence of nq queries over nk keys sees only keys i + nk - nq - left through
+i + nk - nq + right, inclusive (a negative side is unbounded; causal is right = 0).
 """
 from __future__ import annotations
 
@@ -34,8 +37,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     for name, t in (("q", q), ("k", k), ("v", v)):
         _require(t.stride(-1) == 1, f"{name} must have contiguous last dimension")
     _require(isinstance(max_seqlen_q, int) and isinstance(max_seqlen_k, int), "max_seqlen must be ints")
-    _require(dropout_p == 0.0 and window_size == (-1, -1) and softcap == 0.0 and alibi_slopes is None,
-             "the stand-in does not model dropout, windows, softcap or alibi")
+    _require(dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None,
+             "the stand-in does not model dropout, softcap or alibi")
+    _require(len(window_size) == 2 and all(isinstance(w, int) for w in window_size),
+             "window_size must be a pair of ints")
+    left, right = window_size
     paged = block_table is not None
     _require(paged, "the stand-in models the paged KV cache only")
     _require(block_table.dtype == torch.int32, "block_table must have dtype torch.int32")
@@ -69,9 +75,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         values = v[ids].reshape(used * page, kv_heads, head_dim)[:nk].float().repeat_interleave(group, 1)
         query = q[cq[b]:cq[b + 1]].float()
         scores = torch.einsum("qhd,khd->hqk", query, keys) * scale
-        if causal:  # bottom-right: query i sits at context position nk - nq + i
-            q_pos = torch.arange(nk - nq, nk, device=q.device)
-            scores.masked_fill_(torch.arange(nk, device=q.device)[None, :] > q_pos[:, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        # Bottom-right alignment: query i sits at context position nk - nq + i.
+        q_pos = torch.arange(nk - nq, nk, device=q.device)[:, None]
+        k_pos = torch.arange(nk, device=q.device)[None, :]
+        hidden = torch.zeros(nq, nk, dtype=torch.bool, device=q.device)
+        if causal or right >= 0:
+            hidden |= k_pos > q_pos + (0 if causal else right)
+        if left >= 0:
+            hidden |= k_pos < q_pos - left
+        scores.masked_fill_(hidden, float("-inf"))
+        # A row with every key hidden outputs zeros (flash-attn's documented behaviour).
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
         out[cq[b]:cq[b + 1]] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
     return out
