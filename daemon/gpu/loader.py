@@ -28,16 +28,23 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str | None)
 
 
 def load_hf_config(model_dir: str | Path):
+    """The model's transformers config, checked before any weight is read: an
+    architecture llmd does not run, or a config field its model would not honour as
+    transformers does (a layer type other than full or sliding attention, a window where
+    the architecture has none), is a ValueError naming the architecture and the field."""
     from transformers import AutoConfig
 
     path = Path(model_dir)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model directory {str(path)!r} has no config.json")
     config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    layer_types = getattr(config, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types):
-        raise ValueError("models with sliding-window attention layers are not supported yet")
+    get_model_class(_architecture(config)).attention_windows(config)
     return config
+
+
+def _architecture(config: Any) -> str:
+    archs = getattr(config, "architectures", None) or [""]
+    return archs[0]
 
 
 def iter_safetensors(model_dir: str | Path,
@@ -64,8 +71,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     """The model, or with tp_size > 1 this rank's tensor-parallel shard of it; its layers
     attend with `attention_backend` (a name resolve_attention_backend returned)."""
     config = load_hf_config(model_dir)
-    archs = getattr(config, "architectures", None) or [""]
-    cls = get_model_class(archs[0])
+    cls = get_model_class(_architecture(config))
     # Build on meta (no random init, no memory), then materialize and fill from disk.
     with torch.device("meta"):
         model = cls(config, max_positions, tp_rank, tp_size, attention_backend=attention_backend)

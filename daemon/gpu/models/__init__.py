@@ -1,19 +1,17 @@
 """Model architectures llmd runs, by the `architectures` name in config.json."""
 from __future__ import annotations
 
-from torch import nn
+from llmd.gpu.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
-from llmd.gpu.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
-
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
 
 
-def get_model_class(architecture: str) -> type[nn.Module]:
+def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
     try:
         return MODEL_REGISTRY[architecture]
     except KeyError:

@@ -1,7 +1,11 @@
-"""Llama-family decoder (Llama, Mistral-style, Qwen2 with qkv bias, Qwen3 with q/k norm).
+"""Llama-family decoder (Llama, Mistral with its sliding window, Qwen2 with qkv bias,
+Qwen3 with q/k norm; Qwen2/Qwen3 with per-layer sliding windows).
 
 Our own modules over the paged KV cache; weights come from an HF checkpoint through
-`load_weights`, which fuses q/k/v and gate/up projections as it reads them.
+`load_weights`, which fuses q/k/v and gate/up projections as it reads them. Each
+architecture reads its layers' attention windows from the config the way transformers'
+model of that name does (`attention_windows`), and refuses what it would not run as
+transformers does.
 """
 from __future__ import annotations
 
@@ -18,9 +22,13 @@ from llmd.gpu.tp import (ParallelLMHead, RowParallelLinear, TPShape, VocabParall
                          shard_checkpoint_tensor, tp_shape)
 
 
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+
 class DecoderAttention(nn.Module):
     def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, tp: TPShape | None = None,
-                 attention_backend: str = "torch") -> None:
+                 attention_backend: str = "torch", sliding_window: int | None = None) -> None:
         super().__init__()
         # With tensor parallelism (tp given) every size here is this rank's share.
         self.num_heads = config.num_attention_heads
@@ -39,8 +47,9 @@ class DecoderAttention(nn.Module):
             self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.sliding_window = sliding_window  # None: full attention
         self.attn = make_attention(attention_backend, self.num_heads, self.num_kv_heads, self.head_dim,
-                                   self.head_dim ** -0.5)
+                                   self.head_dim ** -0.5, sliding_window)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
@@ -79,10 +88,10 @@ class DecoderMLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, tp: TPShape | None = None,
-                 attention_backend: str = "torch") -> None:
+                 attention_backend: str = "torch", sliding_window: int | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DecoderAttention(config, qkv_bias, qk_norm, tp, attention_backend)
+        self.self_attn = DecoderAttention(config, qkv_bias, qk_norm, tp, attention_backend, sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DecoderMLP(config, tp)
 
@@ -99,11 +108,49 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+def _windows_of(architecture: str, config: Any, layer_types: list[str]) -> list[int | None]:
+    """Each layer's window from its type, as transformers reads `layer_types`: a
+    "sliding_attention" layer attends over config.sliding_window tokens, a
+    "full_attention" layer over its whole context. Any other type is refused."""
+    n = config.num_hidden_layers
+    if len(layer_types) != n:
+        raise ValueError(f"{architecture}: config layer_types has {len(layer_types)} entries for "
+                         f"num_hidden_layers {n}")
+    unknown = sorted(set(layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
+    if unknown:
+        raise ValueError(f"{architecture}: config layer_types {unknown} are not implemented by llmd "
+                         f"(only {FULL_ATTENTION!r} and {SLIDING_ATTENTION!r})")
+    window = getattr(config, "sliding_window", None)
+    if SLIDING_ATTENTION in layer_types and (isinstance(window, bool) or not isinstance(window, int)
+                                             or window < 1):
+        raise ValueError(f"{architecture}: config layer_types has {SLIDING_ATTENTION!r} layers but "
+                         f"sliding_window is {window!r} (a positive token count is needed)")
+    return [window if t == SLIDING_ATTENTION else None for t in layer_types]
+
+
 class LlamaForCausalLM(nn.Module):
-    """Also serves Qwen2 (qkv_bias=True) and Qwen3 (qk_norm=True)."""
+    """Also the base of Mistral (a sliding window), Qwen2 (qkv_bias=True) and Qwen3
+    (qk_norm=True)."""
 
     qkv_bias = False
     qk_norm = False
+
+    @classmethod
+    def attention_windows(cls, config: Any) -> list[int | None]:
+        """Each layer's sliding window (None: full attention), or ValueError naming the
+        architecture and the config field llmd cannot honour. transformers' Llama
+        attends in full whatever `sliding_window` or `layer_types` say, so a Llama
+        config asking for windows is refused rather than run one way or the other."""
+        name = cls.__name__
+        window = getattr(config, "sliding_window", None)
+        if window is not None:
+            raise ValueError(f"{name}: config sliding_window={window!r} is not part of this architecture "
+                             f"(transformers' Llama ignores it); llmd refuses rather than guess")
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types is not None and any(t != FULL_ATTENTION for t in layer_types):
+            raise ValueError(f"{name}: config layer_types other than {FULL_ATTENTION!r} are not part of "
+                             f"this architecture (transformers' Llama ignores them); llmd refuses rather than guess")
+        return [None] * config.num_hidden_layers
 
     def __init__(self, config: Any, max_positions: int, tp_rank: int = 0, tp_size: int = 1,
                  attention_backend: str = "torch") -> None:
@@ -122,8 +169,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.embed_tokens = VocabParallelEmbedding(tp, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, qkv_bias, self.qk_norm, tp, attention_backend)
-            for _ in range(config.num_hidden_layers))
+            DecoderLayer(config, qkv_bias, self.qk_norm, tp, attention_backend, window)
+            for window in self.attention_windows(config))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if tp is None:
@@ -228,9 +275,44 @@ class LlamaForCausalLM(nn.Module):
         return sum(sizes[:shard]), sizes[shard]
 
 
+class MistralForCausalLM(LlamaForCausalLM):
+    """Llama with one sliding window for every layer (config.sliding_window; None:
+    full attention), as transformers' Mistral."""
+
+    @classmethod
+    def attention_windows(cls, config: Any) -> list[int | None]:
+        name = cls.__name__
+        window = getattr(config, "sliding_window", None)
+        layer_types = [SLIDING_ATTENTION if window is not None else FULL_ATTENTION] * config.num_hidden_layers
+        declared = getattr(config, "layer_types", None)
+        if declared is not None and list(declared) != layer_types:
+            # transformers' Mistral ignores layer_types; a mix of types is Ministral's.
+            raise ValueError(f"{name}: config layer_types {sorted(set(declared))} differ from the one window "
+                             f"every Mistral layer has (sliding_window={window!r}); per-layer types are not "
+                             f"implemented for this architecture")
+        return _windows_of(name, config, layer_types)
+
+
 class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Llama with q/k/v bias. Sliding windows per layer: transformers' Qwen2Config
+    derives `layer_types` (sliding from layer max_window_layers on when
+    use_sliding_window is set) unless config.json lists them."""
+
     qkv_bias = True
 
+    @classmethod
+    def attention_windows(cls, config: Any) -> list[int | None]:
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types is None:  # a config object built without transformers' __post_init__
+            use = getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None)
+            first = getattr(config, "max_window_layers", config.num_hidden_layers)
+            layer_types = [SLIDING_ATTENTION if use and i >= first else FULL_ATTENTION
+                           for i in range(config.num_hidden_layers)]
+        return _windows_of(cls.__name__, config, list(layer_types))
 
-class Qwen3ForCausalLM(LlamaForCausalLM):
+
+class Qwen3ForCausalLM(Qwen2ForCausalLM):
+    """Qwen2's layout of windows, q/k RMSNorm instead of q/k/v bias."""
+
+    qkv_bias = False
     qk_norm = True
