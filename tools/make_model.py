@@ -6,7 +6,8 @@ No weights can be downloaded here, so llmd builds its own models:
   with the ``tokenizers`` library on Python's stdlib sources plus a short
   multilingual snippet, saved through transformers with a ChatML chat template;
 * **random-weight models** built from transformers' own config / ``*ForCausalLM``
-  classes (Llama, Qwen2, Qwen3), saved as float32 safetensors next to the tokenizer.
+  classes (Llama, Mistral, Qwen2, Qwen3), saved as float32 safetensors next to the
+  tokenizer.
 
 Public API::
 
@@ -42,6 +43,9 @@ Facts the engine must know (all fixtures):
   tokenizer of V tokens (1024 -> 1088). The padded ``lm_head`` / embedding rows are
   zero, so their logit is exactly 0 (never the greedy argmax here, but a sampler must
   still mask them: they are not valid output).
+* sliding-window fixtures (tests/test_sliding_window.py): ``tiny-mistral-sw16`` has a
+  16-token window on every layer; ``tiny-qwen2-sw24`` (``use_sliding_window``,
+  ``max_window_layers=1``) has layer 0 in full and layers 1-2 with a 24-token window.
 * llama fixtures use llama3 RoPE scaling (``config.rope_parameters`` with
   ``rope_type="llama3"``), with a small ``original_max_position_embeddings`` so the
   scaling changes results.
@@ -147,7 +151,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 
-ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 # Weight init ("peaked"). transformers' default init (std 0.02 everywhere, norm weights
 # 1, zero biases) gives logits with std ~0.02*sqrt(hidden) (0.16 at hidden 64): near
@@ -198,6 +202,9 @@ FIXTURES: dict[str, dict[str, Any]] = {
     "tiny-llama-tied": dict(arch="llama", preset="tiny", tie_word_embeddings=True),
     "tiny-qwen2": dict(arch="qwen2", preset="tiny"),
     "tiny-qwen3": dict(arch="qwen3", preset="tiny"),
+    "tiny-mistral-sw16": dict(arch="mistral", preset="tiny", sliding_window=16),
+    "tiny-qwen2-sw24": dict(arch="qwen2", preset="tiny", use_sliding_window=True, sliding_window=24,
+                            max_window_layers=1),
     "small-llama": dict(arch="llama", preset="small"),
     "small-qwen2": dict(arch="qwen2", preset="small"),
     "small-qwen3": dict(arch="qwen3", preset="small"),
@@ -312,7 +319,8 @@ def _versions() -> dict[str, str]:
 # "<|endoftext|>" unk token unless tokenizer_config.json sets "unk_token": null). So the
 # qwen2 fixtures use that pipeline: tokenizer.json and AutoTokenizer then agree.
 TOKENIZER_FLAVOURS = ("bytelevel", "qwen2")
-ARCH_TOKENIZER_FLAVOUR = {"llama": "bytelevel", "qwen2": "qwen2", "qwen3": "bytelevel"}
+ARCH_TOKENIZER_FLAVOUR = {
+    "llama": "bytelevel", "mistral": "bytelevel", "qwen2": "qwen2", "qwen3": "bytelevel"}
 _QWEN2_PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
@@ -460,7 +468,7 @@ def resolve_config(arch: str, preset: str, *, tie_word_embeddings: bool = False,
       build_model only: ``init`` ("peaked" (default) or "hf": transformers' own init),
       ``logit_std`` (default TARGET_LOGIT_STD), ``tokenizer_flavour`` (default
       ARCH_TOKENIZER_FLAVOUR[arch])."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
@@ -516,7 +524,7 @@ def resolve_config(arch: str, preset: str, *, tie_word_embeddings: bool = False,
         hd = fields.pop("head_dim", None)
         if hd is not None and hd != fields["hidden_size"] // fields["num_attention_heads"]:
             raise ValueError("qwen2 requires head_dim == hidden_size // num_attention_heads")
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
     cfg = cls(**fields)
     cfg.dtype = "float32"
     return cfg, tok_vocab
