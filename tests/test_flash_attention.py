@@ -126,8 +126,12 @@ def runner_settings(**kw) -> RunnerSettings:
                           **kw)
 
 
-def test_model_runner_step_and_graph_path_match_torch(flash_on_cpu, tiny_llama: Path) -> None:
-    """A mixed step of tiny-llama (fp16) through every layer, and a padded decode step
+# tiny-qwen2-sw24: layer 0 full, layers 1-2 with a 24-token window (window_size (23, 0)).
+@pytest.mark.parametrize("fixture,windows", [("tiny-llama", [(-1, -1)] * 3),
+                                             ("tiny-qwen2-sw24", [(-1, -1), (23, 0), (23, 0)])])
+def test_model_runner_step_and_graph_path_match_torch(flash_on_cpu, model_dirs, fixture: str,
+                                                      windows: list[tuple[int, int]]) -> None:
+    """A mixed step of a fixture (fp16) through every layer, and a padded decode step
     through the emulated graph path: the torch backend's hidden states and caches."""
     from llmd.gpu.flash_attention import FlashAttention
 
@@ -138,10 +142,12 @@ def test_model_runner_step_and_graph_path_match_torch(flash_on_cpu, tiny_llama: 
     ids = torch.randint(1000, positions.shape, generator=gen)
     hidden, caches, graph_hidden = {}, {}, {}
     for backend in ("torch", "flash_attn"):
-        runner = ModelRunner(str(tiny_llama), runner_settings(attention_backend=backend, max_num_seqs=8), CPU,
-                             torch.float16)
+        runner = ModelRunner(str(model_dirs(fixture)), runner_settings(attention_backend=backend, max_num_seqs=8),
+                             CPU, torch.float16)
         assert runner.attention_backend == backend
         assert isinstance(runner.model.layers[0].self_attn.attn, FlashAttention) == (backend == "flash_attn")
+        if backend == "flash_attn":
+            assert [layer.self_attn.attn.window_size for layer in runner.model.layers] == windows
         runner.initialize_kv_cache(num_blocks)
         for i, cache in enumerate(runner.kv_caches):
             cache.copy_(torch.randn(cache.shape, generator=torch.Generator().manual_seed(i)))

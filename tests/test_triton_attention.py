@@ -25,6 +25,7 @@ from llmd.gpu.attention_backends import resolve_attention_backend
 from llmd.gpu.model_runner import ModelRunner, RunnerSettings
 
 CASES_SCRIPT = Path(__file__).with_name("triton_attention_cases.py")
+SLIDING_MODEL = "tiny-qwen2-sw24"  # layer 0 full attention, layers 1-2 a 24-token window
 CPU = torch.device("cpu")
 
 
@@ -33,13 +34,14 @@ def runner_settings(**kw) -> RunnerSettings:
 
 
 @pytest.fixture(scope="module")
-def interpreted(tiny_llama: Path) -> dict[str, dict]:
+def interpreted(tiny_llama: Path, model_dirs) -> dict[str, dict]:
     """case name -> result of that case in Triton's interpreter (the cases split between
     two processes running side by side)."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     names = list(CASES)
-    halves = [["--model", str(tiny_llama), *names[:len(names) // 3]], names[len(names) // 3:]]
+    halves = [["--model", str(tiny_llama), *names[:len(names) // 3]],
+              ["--sliding-model", str(model_dirs(SLIDING_MODEL)), *names[len(names) // 3:]]]
     procs = [subprocess.Popen([sys.executable, str(CASES_SCRIPT), *args], env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for args in halves]
     results = {}
@@ -63,21 +65,27 @@ def test_kernels_match_the_torch_reference(interpreted: dict[str, dict], name: s
     assert result["out_err"] <= result["tol"], result
 
 
-def test_model_runner_with_the_triton_backend_matches_torch(interpreted: dict[str, dict]) -> None:
-    """attention_backend="triton" in RunnerSettings reaches every layer, and one mixed
-    step (decodes, a prefill, chunks over cached prefixes) of tiny-llama gives the torch
-    backend's hidden states and caches."""
-    result = interpreted["model"]
+@pytest.mark.parametrize("job,windows", [("model", [None] * 3), ("model-sliding", [None, 24, 24])])
+def test_model_runner_with_the_triton_backend_matches_torch(interpreted: dict[str, dict], job: str,
+                                                            windows: list[int | None]) -> None:
+    """attention_backend="triton" in RunnerSettings reaches every layer with the layer's
+    window, and one mixed step (decodes, a prefill, chunks over cached prefixes) of
+    tiny-llama, and of a model with sliding-window layers, gives the torch backend's
+    hidden states and caches."""
+    result = interpreted[job]
     assert "error" not in result, result["error"]
+    assert result["windows"] == windows
     assert result["out_err"] <= result["tol"], result
     assert result["cache_err"] <= result["tol"], result
 
 
-def test_padded_graph_step_with_the_triton_backend_matches_torch(interpreted: dict[str, dict]) -> None:
+@pytest.mark.parametrize("job", ["model-graph", "model-graph-sliding"])
+def test_padded_graph_step_with_the_triton_backend_matches_torch(interpreted: dict[str, dict], job: str) -> None:
     """The decode-graph path (emulated on CPU: static buffers, padding to a captured
     size, scratch-block rows) with the Triton kernels gives the torch backend's eager
-    hidden states, and leaves every real cache block as eager does."""
-    result = interpreted["model-graph"]
+    hidden states, and leaves every real cache block as eager does (tiny-llama, and a
+    model with sliding-window layers)."""
+    result = interpreted[job]
     assert "error" not in result, result["error"]
     assert result["out_err"] <= result["tol"], result
     assert result["cache_err"] <= result["tol"], result

@@ -5,10 +5,10 @@ Triton's interpreter is chosen when triton is first imported, and the pytest pro
 already have imported triton (xgrammar does), so the test runs this file as a script in
 a fresh process with TRITON_INTERPRET=1:
 
-    TRITON_INTERPRET=1 python tests/triton_attention_cases.py [--model DIR] [CASE ...]
+    TRITON_INTERPRET=1 python tests/triton_attention_cases.py [--model DIR] [--sliding-model DIR] [CASE ...]
 
-prints one JSON line per case: {"case", "out_err", "cache_err", "tol"} or {"case",
-"error"}. Importing this module (for the case names) does not import triton.
+prints one JSON line per case: {"case", "out_err", "cache_err", "tol"} (model checks
+add "windows", the Triton layers' sliding windows) or {"case", "error"}. Importing this module (for the case names) does not import triton.
 """
 from __future__ import annotations
 
@@ -175,6 +175,7 @@ def run_model(model_dir: str) -> dict[str, float]:
         runner = ModelRunner(model_dir, settings, torch.device("cpu"), torch.float32)
         attn = runner.model.layers[0].self_attn.attn
         assert isinstance(attn, TritonAttention) == (backend == "triton"), type(attn)
+        windows = [layer.self_attn.attn.sliding_window for layer in runner.model.layers]
         runner.initialize_kv_cache(num_blocks)
         fill = torch.Generator().manual_seed(2)
         for cache in runner.kv_caches:
@@ -185,7 +186,7 @@ def run_model(model_dir: str) -> dict[str, float]:
         caches[backend] = torch.stack(runner.kv_caches)
     return {"out_err": (hidden["triton"] - hidden["torch"]).abs().max().item(),
             "cache_err": (caches["triton"] - caches["torch"]).abs().max().item(),
-            "tol": 1e-4}
+            "tol": 1e-4, "windows": windows}
 
 
 def run_model_graph(model_dir: str) -> dict[str, float]:
@@ -225,17 +226,19 @@ def run_model_graph(model_dir: str) -> dict[str, float]:
 
 
 def main(args: list[str]) -> None:
-    """Args: case names (default: all), and `--model DIR` to add the "model" and
-    "model-graph" checks."""
+    """Args: case names (default: all), `--model DIR` to add the "model" and
+    "model-graph" checks, `--sliding-model DIR` to add them for a model with
+    sliding-window layers ("model-sliding", "model-graph-sliding")."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("run with TRITON_INTERPRET=1 (the kernels need Triton's interpreter on CPU)")
     jobs = {}
-    if "--model" in args:
-        i = args.index("--model")
-        model_dir = args[i + 1]
-        del args[i:i + 2]
-        jobs["model"] = lambda: run_model(model_dir)
-        jobs["model-graph"] = lambda: run_model_graph(model_dir)
+    for flag, suffix in (("--model", ""), ("--sliding-model", "-sliding")):
+        if flag in args:
+            i = args.index(flag)
+            model_dir = args[i + 1]
+            del args[i:i + 2]
+            jobs[f"model{suffix}"] = lambda d=model_dir: run_model(d)
+            jobs[f"model-graph{suffix}"] = lambda d=model_dir: run_model_graph(d)
     for name in args or list(CASES):
         jobs[name] = lambda case=CASES[name]: run_case(case)
     for name, job in jobs.items():
