@@ -144,6 +144,7 @@ def _check(ok: bool, field: str, message: str) -> None:
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 8 << 20
+MAX_CACHE_SALT_CHARS = 256
 
 
 class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True, kw_only=True):
@@ -168,6 +169,10 @@ class Submit(msgspec.Struct, tag="submit", forbid_unknown_fields=True, kw_only=T
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     stream: bool = True
     priority: int = 0
+    # Extra prefix-cache key: requests share cached prefixes only when their salts are
+    # equal. The daemon always adds the sender's uid unless its operator shares the
+    # cache across users (prefix_cache_scope = "shared").
+    cache_salt: str | None = None
 
 
 class Abort(msgspec.Struct, tag="abort", forbid_unknown_fields=True):

@@ -26,6 +26,14 @@ def default_socket_path(explicit: str | os.PathLike[str] | None = None) -> str:
     return SYSTEM_SOCKET
 
 
+def http_socket_path(protocol_socket: str) -> str:
+    """The daemon's HTTP Unix socket (OpenAI, Ollama and llama.cpp APIs): beside the
+    protocol socket, `llmd.sock` -> `llmd-http.sock`."""
+    head, name = os.path.split(protocol_socket)
+    stem = name[:-len(".sock")] if name.endswith(".sock") else name
+    return os.path.join(head, f"{stem}-http.sock")
+
+
 def connect_error(path: str, exc: OSError) -> LlmdError:
     """Translate a failed connect() on `path` into an error a person can act on."""
     if isinstance(exc, FileNotFoundError) or exc.errno == errno.ENOENT:

@@ -75,6 +75,22 @@ def main() -> None:
 @click.option("--admin-group", default=None, help="Group whose members may see and abort all requests.")
 @click.option("--metrics-port", type=click.IntRange(1, 65535), default=None,
               help="Serve Prometheus text at http://127.0.0.1:PORT/metrics.")
+@click.option("--http/--no-http", "http", default=None,
+              help="Serve the HTTP APIs (OpenAI, Ollama, llama.cpp /infill) on a Unix socket beside --socket "
+                   "(default: on).")
+@click.option("--http-socket", default=None, help="Path of the HTTP Unix socket (default: <socket>-http.sock).")
+@click.option("--http-port", type=click.IntRange(1, 65535), default=None,
+              help="Also serve the HTTP APIs on this TCP port of --http-host (needs an API key).")
+@click.option("--http-host", default=None, help="Address for --http-port (default: 127.0.0.1, loopback only).")
+@click.option("--api-key", default=None,
+              help="Bearer token TCP clients must send (visible in `ps`: prefer --api-key-file or $LLMD_API_KEY).")
+@click.option("--api-key-file", default=None, help="File with the API key(s), one a line.")
+@click.option("--http-require-api-key/--no-http-require-api-key", "http_require_api_key", default=None,
+              help="Refuse TCP clients without a valid API key (default: on).")
+@click.option("--prefix-cache-scope", type=click.Choice(["user", "shared"]), default=None,
+              help="Share cached prompt prefixes only within one user (default) or across users.")
+@click.option("--health-stall-s", type=float, default=None,
+              help="/health fails when requests wait and no engine step ended for this long (default 60).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None)
 @click.option("--speculative-config", "speculative_config", callback=_json_object, default=None,
               help='Speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'.')

@@ -51,7 +51,9 @@ class InputProcessor:
 
     def prepare(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                 priority: int = 0, cache_salt: str | None = None,
-                arrival_time: float | None = None) -> PreparedRequest:
+                arrival_time: float | None = None, strict_max_tokens: bool = False) -> PreparedRequest:
+        """Tokenized and validated samples. max_tokens past the context is shortened to fit,
+        or with `strict_max_tokens` refused."""
         if isinstance(prompt, str):
             text: str | None = prompt
             token_ids = self.tokenize(prompt) if prompt else []
@@ -59,6 +61,10 @@ class InputProcessor:
             text = None
             token_ids = list(prompt)
         self.validate(token_ids, params)
+        if strict_max_tokens and params.max_tokens is not None \
+                and len(token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens {params.max_tokens} plus the prompt's {len(token_ids)} tokens exceeds "
+                             f"max_model_len ({self.max_model_len})")
         spec = parse_guided(params.guided) if params.guided is not None else None
         max_tokens = self.max_model_len - len(token_ids)
         if params.max_tokens is not None:

@@ -13,14 +13,14 @@ import stat
 import tomllib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 import uvloop
 
 from llmd import sd_notify
 from llmd.config import EngineConfig
-from llmd_client.socket_path import SYSTEM_SOCKET, USER_SOCKET_NAME
+from llmd_client.socket_path import SYSTEM_SOCKET, USER_SOCKET_NAME, http_socket_path
 
 logger = logging.getLogger("llmd.server")
 SERVER_VERSION = "0.1.0"
@@ -35,6 +35,23 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     log_level: str = "info"
     # Prometheus text over HTTP at http://127.0.0.1:PORT/metrics; None: no listener.
     metrics_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None
+    # Cached prompt prefixes are shared only between requests of one user ("user"), or
+    # between all users ("shared": faster for common system prompts, but one user's
+    # timing then reveals what another has sent).
+    prefix_cache_scope: Literal["user", "shared"] = "user"
+    # The HTTP APIs (OpenAI, Ollama, llama.cpp /infill) on a Unix socket beside the
+    # protocol socket (http_socket; default <socket dir>/<name>-http.sock).
+    http: bool = True
+    http_socket: str | None = None
+    # ... and on a TCP port of http_host, which needs an API key (api_key, api_key_file
+    # or $LLMD_API_KEY) unless http_require_api_key is false.
+    http_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None
+    http_host: str = "127.0.0.1"
+    api_key: str | None = None
+    api_key_file: str | None = None
+    http_require_api_key: bool = True
+    # /health answers 503 when requests wait and no engine step has ended for this long.
+    health_stall_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
 
 
 def bind_path() -> str:
@@ -131,25 +148,12 @@ async def _serve(daemon: DaemonConfig, engine_config: EngineConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    metrics_sock = None
-    if daemon.metrics_port is not None:
-        from llmd.actors.metrics_http import bind_metrics_socket
-        metrics_sock = bind_metrics_socket(daemon.metrics_port)
-    adopted = sd_notify.listen_fds()
-    created_path = None
-    if adopted:
-        sock = adopted[0]
-        sock.setblocking(False)
-        logger.info("adopted socket from the service manager")
-    else:
-        created_path = daemon.socket or bind_path()
-        try:
-            sock = bind_socket(created_path, daemon.socket_group)
-        except BaseException:
-            if metrics_sock is not None:
-                metrics_sock.close()
-            raise
-        logger.info("listening on %s", created_path)
+    closers: list = []  # what to close and remove on every way out, last bound first
+    try:
+        metrics_sock, sock, created_path, http_socks = _bind_listeners(daemon, closers)
+    except BaseException:
+        _close_all(closers)
+        raise
 
     sd_notify.status("loading model")
     model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmd-model")
@@ -158,23 +162,33 @@ async def _serve(daemon: DaemonConfig, engine_config: EngineConfig) -> int:
     if load not in done:
         logger.info("stopped while loading the model")
         model_thread.shutdown(wait=False, cancel_futures=True)
-        _close_socket(sock, created_path)
-        if metrics_sock is not None:
-            metrics_sock.close()
+        _close_all(closers)
         return 0
-    engine = load.result()
+    try:
+        engine = load.result()
+    except BaseException:
+        _close_all(closers)
+        raise
     model_name = Path(engine.model_dir).name
 
     metrics = MetricsActor(model=model_name, server_version=SERVER_VERSION, device=str(engine.device),
-                           dtype=str(engine.dtype).removeprefix("torch."), kv_blocks_total=engine.num_blocks)
+                           dtype=str(engine.dtype).removeprefix("torch."), kv_blocks_total=engine.num_blocks,
+                           health_stall_s=daemon.health_stall_s)
     detokenizer = DetokenizerActor(engine.tokenizer, metrics)
     scheduler = SchedulerActor(engine, detokenizer, metrics, model_thread)
     detokenizer.scheduler = scheduler
     intake = IntakeActor(sock, engine.input_processor, scheduler=scheduler, detokenizer=detokenizer,
                          metrics=metrics, model_name=model_name, server_version=SERVER_VERSION,
-                         admin_group=daemon.admin_group, max_pending_requests=daemon.max_pending_requests)
+                         admin_group=daemon.admin_group, max_pending_requests=daemon.max_pending_requests,
+                         prefix_cache_scope=daemon.prefix_cache_scope)
+    actors = [metrics, detokenizer, scheduler, intake]
+    if http_socks:
+        from llmd.actors.http_intake import HttpIntakeActor
+        from llmd.http.context import describe_model
+        from llmd.http.listeners import api_keys
+        actors.append(HttpIntakeActor(http_socks, intake, metrics, describe_model(engine), api_keys=api_keys(daemon)))
     supervisor = Supervisor()
-    for actor in (metrics, detokenizer, scheduler, intake):
+    for actor in actors:
         supervisor.start(actor)
     metrics_server = None
     if metrics_sock is not None:
@@ -212,10 +226,10 @@ async def _serve(daemon: DaemonConfig, engine_config: EngineConfig) -> int:
     watchdog.cancel()
     if metrics_server is not None:
         metrics_server.close()
-    await supervisor.stop(["intake", "scheduler", "detokenizer", "metrics"])
+    await supervisor.stop(["http", "intake", "scheduler", "detokenizer", "metrics"])
     for conn in list(intake.connections):
         conn.writer.close()
-    _close_socket(sock, created_path)
+    _close_all(closers)
     engine.executor.shutdown()
     return code
 
@@ -237,8 +251,62 @@ async def _watchdog() -> None:
         await asyncio.sleep(interval)
 
 
-def _close_socket(sock: socket.socket, path: str | None) -> None:
-    sock.close()
+def _bind_listeners(daemon: DaemonConfig, closers: list):
+    """(metrics socket or None, protocol socket, its path if we created it, HTTP sockets),
+    each added to `closers` as it is bound."""
+    metrics_sock = None
+    if daemon.metrics_port is not None:
+        from llmd.actors.metrics_http import bind_metrics_socket
+        metrics_sock = bind_metrics_socket(daemon.metrics_port)
+        closers.append((metrics_sock, None))
+    adopted = sd_notify.listen_fds()
+    adopted_http = None
+    if daemon.http:
+        from llmd.http.listeners import is_http_socket
+        adopted_http = next((s for s in adopted if is_http_socket(s)), None)
+    adopted = [s for s in adopted if s is not adopted_http]
+    created_path = None
+    if adopted:
+        sock = adopted[0]
+        sock.setblocking(False)
+        closers.append((sock, None))
+        logger.info("adopted socket from the service manager")
+    else:
+        created_path = daemon.socket or bind_path()
+        sock = bind_socket(created_path, daemon.socket_group)
+        closers.append((sock, created_path))
+        logger.info("listening on %s", created_path)
+    http_socks: list[socket.socket] = []
+    if daemon.http:
+        from llmd.http.listeners import api_keys, bind_http
+        api_keys(daemon)  # a missing key for TCP is a configuration error: report it before loading
+        protocol_path = created_path or _socket_name(sock)
+        http_socks, http_path = bind_http(daemon, protocol_path, adopted_http)
+        closers.extend((s, None) for s in http_socks)
+        if http_path:
+            closers.append((None, http_path))
+            logger.info("HTTP APIs on %s", http_path)
+        if daemon.http_port is not None:
+            logger.info("HTTP APIs on %s:%d", daemon.http_host, daemon.http_port)
+    return metrics_sock, sock, created_path, http_socks
+
+
+def _socket_name(sock: socket.socket) -> str | None:
+    try:
+        name = sock.getsockname()
+    except OSError:
+        return None
+    return name if isinstance(name, str) and name else None
+
+
+def _close_all(closers: list) -> None:
+    for sock, path in reversed(closers):
+        _close_socket(sock, path)
+
+
+def _close_socket(sock: socket.socket | None, path: str | None) -> None:
+    if sock is not None:
+        sock.close()
     if path:
         try:
             os.unlink(path)

@@ -190,10 +190,10 @@ def test_sysusers_and_tmpfiles_apply(tmp_path):
 # ------------------------------------------------------------- consistency ----
 
 def test_socket_unit_matches_daemon_default(sock):
-    from llmd_client.socket_path import SYSTEM_SOCKET
+    from llmd_client.socket_path import SYSTEM_SOCKET, http_socket_path
 
     assert SYSTEM_SOCKET == "/run/llmd/llmd.sock"  # DESIGN.md: the system service's socket
-    assert sock.all("Socket", "ListenStream") == [SYSTEM_SOCKET]
+    assert sock.all("Socket", "ListenStream") == [SYSTEM_SOCKET, http_socket_path(SYSTEM_SOCKET)]
     assert sock.get("Socket", "SocketMode") == "0660"
     assert sock.get("Socket", "SocketUser") == "llmd"
     assert sock.get("Socket", "SocketGroup") == "llmd"
@@ -268,8 +268,8 @@ def test_service_hardening(service):
 
 def test_runtime_directory_agrees_with_socket_and_tmpfiles(service, sock):
     kind, path, mode, user, group, *_ = tmpfiles_dir_line()
-    socket_dir = os.path.dirname(sock.get("Socket", "ListenStream"))
-    assert path == socket_dir == "/run/" + service.get("Service", "RuntimeDirectory")
+    socket_dirs = {os.path.dirname(p) for p in sock.all("Socket", "ListenStream")}
+    assert [path] == list(socket_dirs) == ["/run/" + service.get("Service", "RuntimeDirectory")]
     assert mode == service.get("Service", "RuntimeDirectoryMode") == sock.get("Socket", "DirectoryMode")
     assert user == service.get("Service", "User") == sock.get("Socket", "SocketUser")
     assert group == service.get("Service", "Group") == sock.get("Socket", "SocketGroup")

@@ -23,9 +23,9 @@ import msgspec
 
 from llmd.actors.messages import AbortRequest, AddRequest, Query, RegisterRequest, RequestEvent
 from llmd.actors.runtime import Actor
-from llmd.input_processor import InputProcessor
+from llmd.input_processor import InputProcessor, PreparedRequest
 from llmd_client.framing import FrameError, JsonLinesCodec, MsgpackCodec
-from llmd_client.protocol import (PROTOCOL_VERSION, Abort, Accepted, ClientMessage, Error, Hello,
+from llmd_client.protocol import (MAX_CACHE_SALT_CHARS, PROTOCOL_VERSION, Abort, Accepted, ClientMessage, Error, Hello,
                                   Metrics, MetricsReply, Status, Submit, Welcome)
 
 logger = logging.getLogger("llmd.intake")
@@ -42,24 +42,50 @@ def safe_message(exc: BaseException, limit: int = 300) -> str:
 
 
 class RequestSink:
-    """Where the detokenizer sends one request's outputs: its connection, under the
-    connection's id for it."""
+    """Where the detokenizer sends one request's outputs (`send`) and says that the request
+    is over (`finished`). Subclasses deliver to a socket connection or an HTTP response."""
 
-    __slots__ = ("conn", "client_id", "request_id", "stream", "finished_samples")
+    __slots__ = ("client_id", "request_id", "stream", "finished_samples", "registry")
 
-    def __init__(self, conn: Connection, client_id: str, request_id: str, stream: bool) -> None:
-        self.conn = conn
+    def __init__(self, client_id: str, stream: bool) -> None:
         self.client_id = client_id
-        self.request_id = request_id
+        self.request_id = ""  # set on admission
         self.stream = stream
         self.finished_samples: set[int] = set()
+        self.registry: dict | None = None
+
+    def send(self, message: object) -> None:
+        raise NotImplementedError
+
+    @property
+    def wanted(self) -> bool:
+        """False once the peer has gone: a request it no longer waits for is not started."""
+        return True
+
+    def finished(self) -> None:
+        if self.registry is not None:
+            self.registry.pop(self.request_id, None)
+
+
+class ConnectionSink(RequestSink):
+    """A request submitted on a protocol connection, under the connection's id for it."""
+
+    __slots__ = ("conn",)
+
+    def __init__(self, conn: Connection, client_id: str, stream: bool) -> None:
+        super().__init__(client_id, stream)
+        self.conn = conn
 
     def send(self, message: object) -> None:
         self.conn.send(message)
 
+    @property
+    def wanted(self) -> bool:
+        return not self.conn.closed
+
     def finished(self) -> None:
         self.conn.requests.pop(self.client_id, None)
-        self.conn.intake.registry.pop(self.request_id, None)
+        super().finished()
 
 
 class Connection:
@@ -163,33 +189,13 @@ class Connection:
         if client_id in self.requests:
             self.send(Error(code="bad_request", id=client_id, message="id is already in use on this connection"))
             return
-        if intake.draining:
-            self.send(Error(code="shutting_down", id=client_id, message="the daemon is shutting down"))
-            return
-        if len(intake.registry) >= intake.max_pending_requests:
-            self.send(Error(code="overloaded", id=client_id,
-                            message=f"too many requests in flight (limit {intake.max_pending_requests})"))
-            return
-        request_id = f"r{next(intake.request_counter)}"
-        arrival = time.monotonic()
-        try:
-            prepared = await asyncio.get_running_loop().run_in_executor(
-                intake.pool, intake.prepare, request_id, submit, arrival)
-        except ValueError as exc:
-            self.send(Error(code="invalid_params", id=client_id, message=safe_message(exc)))
-            return
-        if self.closed:
-            return
-        sink = RequestSink(self, client_id, request_id, submit.stream)
-        self.requests[client_id] = sink
-        intake.registry[request_id] = (sink, self.uid)
-        intake.metrics.send(RequestEvent(request_id, "queued", arrival, uid=self.uid,
-                                         prompt_tokens=len(prepared.token_ids)))
-        # The detokenizer must know the request before any of its tokens can arrive.
-        intake.detokenizer.send(RegisterRequest(request_id, prepared.token_ids, prepared.params,
-                                                prepared.child_ids, sink))
-        intake.scheduler.send(AddRequest(request_id, prepared.children))
-        self.send(Accepted(id=client_id, request_id=request_id, prompt_tokens=len(prepared.token_ids)))
+        sink = ConnectionSink(self, client_id, submit.stream)
+        result = await intake.admit(submit, self.uid, sink)
+        if isinstance(result, Error):
+            self.send(result)
+        elif sink.wanted:
+            self.requests[client_id] = sink
+            self.send(Accepted(id=client_id, request_id=sink.request_id, prompt_tokens=len(result.token_ids)))
 
     def _abort(self, ident: str) -> None:
         sink = self.requests.get(ident)
@@ -203,12 +209,12 @@ class Connection:
                 self.send(Error(code="forbidden", id=ident[:128],
                                 message="the request belongs to another user"))
                 return
-        self.intake.scheduler.send(AbortRequest([sink.request_id]))
+        self.intake.abort([sink.request_id])
 
     async def _close(self) -> None:
         self.closed = True
         if self.requests:
-            self.intake.scheduler.send(AbortRequest([s.request_id for s in self.requests.values()]))
+            self.intake.abort([s.request_id for s in self.requests.values()])
         self.intake.connections.discard(self)
         try:
             self.writer.close()
@@ -222,7 +228,8 @@ class IntakeActor(Actor):
 
     def __init__(self, sock: socket.socket, input_processor: InputProcessor, *, scheduler: Actor,
                  detokenizer: Actor, metrics: Actor, model_name: str, server_version: str,
-                 admin_group: str | None = "llmd-admin", max_pending_requests: int = 4096) -> None:
+                 admin_group: str | None = "llmd-admin", max_pending_requests: int = 4096,
+                 prefix_cache_scope: str = "user") -> None:
         super().__init__()
         self.sock = sock
         self.input_processor = input_processor
@@ -233,6 +240,7 @@ class IntakeActor(Actor):
         self.server_version = server_version
         self.admin_group = admin_group
         self.max_pending_requests = max_pending_requests
+        self.prefix_cache_scope = prefix_cache_scope
         self.registry: dict[str, tuple[RequestSink, int]] = {}
         self.connections: set[Connection] = set()
         self.request_counter = itertools.count(1)
@@ -253,7 +261,55 @@ class IntakeActor(Actor):
         self.connections.add(conn)
         await conn.serve()
 
-    def prepare(self, request_id: str, submit: Submit, arrival: float):
+    async def admit(self, submit: Submit, uid: int, sink: RequestSink, *,
+                    strict_max_tokens: bool = False) -> Error | PreparedRequest:
+        """Validate and tokenize `submit` (in the pool), then hand it to the detokenizer and
+        the scheduler with `sink` as its destination. An Error (naming the field and the
+        limit) means nothing was started. With `strict_max_tokens` a prompt plus max_tokens
+        past max_model_len is refused instead of shortened (the OpenAI API's rule)."""
+        client_id = sink.client_id
+        if submit.cache_salt is not None and len(submit.cache_salt) > MAX_CACHE_SALT_CHARS:
+            return Error(code="invalid_params", id=client_id,
+                         message=f"cache_salt must have at most {MAX_CACHE_SALT_CHARS} characters")
+        if self.draining:
+            return Error(code="shutting_down", id=client_id, message="the daemon is shutting down")
+        if len(self.registry) >= self.max_pending_requests:
+            return Error(code="overloaded", id=client_id,
+                         message=f"too many requests in flight (limit {self.max_pending_requests})")
+        request_id = f"r{next(self.request_counter)}"
+        arrival = time.monotonic()
+        try:
+            prepared = await asyncio.get_running_loop().run_in_executor(
+                self.pool, self.prepare, request_id, submit, self.cache_salt(uid, submit.cache_salt), arrival,
+                strict_max_tokens)
+        except ValueError as exc:
+            return Error(code="invalid_params", id=client_id, message=safe_message(exc))
+        if not sink.wanted:
+            return prepared
+        sink.request_id = request_id
+        sink.registry = self.registry
+        self.registry[request_id] = (sink, uid)
+        self.metrics.send(RequestEvent(request_id, "queued", arrival, uid=uid,
+                                       prompt_tokens=len(prepared.token_ids)))
+        # The detokenizer must know the request before any of its tokens can arrive.
+        self.detokenizer.send(RegisterRequest(request_id, prepared.token_ids, prepared.params,
+                                              prepared.child_ids, sink))
+        self.scheduler.send(AddRequest(request_id, prepared.children))
+        return prepared
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.scheduler.send(AbortRequest(request_ids))
+
+    def cache_salt(self, uid: int, requested: str | None) -> str | None:
+        """The prefix-cache key's salt: per user unless the operator shares the cache, so
+        one user's prompts are never a cache hit (a timing and `cached_tokens` oracle)
+        for another."""
+        if self.prefix_cache_scope == "shared":
+            return requested
+        return f"uid={uid}" if requested is None else f"uid={uid}/{requested}"
+
+    def prepare(self, request_id: str, submit: Submit, cache_salt: str | None, arrival: float,
+                strict_max_tokens: bool = False):
         """Runs in the tokenizer pool."""
         processor = self.input_processor
         if submit.messages is not None:
@@ -264,7 +320,8 @@ class IntakeActor(Actor):
         else:
             prompt = submit.prompt
         return processor.prepare(request_id, prompt, submit.sampling, priority=submit.priority,
-                                 arrival_time=arrival)
+                                 cache_salt=cache_salt, arrival_time=arrival,
+                                 strict_max_tokens=strict_max_tokens)
 
     async def query(self, kind: str, uid: int, admin: bool):
         reply = asyncio.get_running_loop().create_future()

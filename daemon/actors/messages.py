@@ -99,7 +99,7 @@ class StepStats(msgspec.Struct):
 class Query(msgspec.Struct):
     """intake -> metrics: a Status or Metrics request; the answer goes into `reply`."""
 
-    kind: str  # "status" or "metrics"
+    kind: str  # "status", "metrics" or "health"
     uid: int
     admin: bool
     reply: Any  # asyncio.Future

@@ -69,8 +69,10 @@ class _Totals:
 class MetricsActor(Actor):
     name = "metrics"
 
-    def __init__(self, *, model: str, server_version: str, device: str, dtype: str, kv_blocks_total: int) -> None:
+    def __init__(self, *, model: str, server_version: str, device: str, dtype: str, kv_blocks_total: int,
+                 health_stall_s: float = 60.0) -> None:
         super().__init__()
+        self.health_stall_s = health_stall_s
         self.model = model
         self.server_version = server_version
         self.device = device
@@ -126,7 +128,9 @@ class MetricsActor(Actor):
                 self._step(message)
             case Query(kind=kind, uid=uid, admin=admin, reply=reply):
                 if not reply.done():
-                    reply.set_result(self.status(uid, admin) if kind == "status" else self.prometheus())
+                    answers = {"status": lambda: self.status(uid, admin), "metrics": self.prometheus,
+                               "health": self.health}
+                    reply.set_result(answers[kind]())
             case _:
                 raise TypeError(f"metrics actor got {type(message).__name__}")
 
@@ -158,6 +162,19 @@ class MetricsActor(Actor):
             self.spec = message.spec
         if message.device_memory_bytes is not None:
             self.device_memory_bytes = message.device_memory_bytes
+
+    def health(self) -> tuple[bool, str]:
+        """(healthy, why): unhealthy when requests are pending and no engine step has
+        ended for `health_stall_s` (a hung or dead model step)."""
+        if not self.requests:
+            return True, "idle"
+        now = time.monotonic()
+        last_step = self.last_step.time if self.last_step is not None else self.started
+        oldest = min(t.queued for t in self.requests.values())
+        quiet = now - max(last_step, oldest)
+        if quiet > self.health_stall_s:
+            return False, f"no engine step for {quiet:.0f} s with {len(self.requests)} request(s) pending"
+        return True, "ok"
 
     def _tokens_per_s(self, window: float = 10.0) -> float:
         now = time.monotonic()

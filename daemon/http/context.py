@@ -1,0 +1,135 @@
+"""What every HTTP handler needs to know about the served model, and how request bodies
+are read: typed msgspec decoding whose errors name the parameter, never its value."""
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgspec
+from aiohttp import web
+
+from llmd.http.errors import ApiError
+from llmd.http.fim import FimTokens
+
+T = TypeVar("T")
+
+
+def _bytes_to_unicode() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the printable character standing for each byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_OF = _bytes_to_unicode()
+# msgspec puts field names and types in backticks and values (an enum's, say) in quotes:
+# keep the first, drop the second.
+_QUOTED_VALUE = re.compile(r"'[^']*'|\"[^\"]*\"")
+_FIELD = re.compile(r"`\$\.([A-Za-z_][A-Za-z0-9_]*)|field `([A-Za-z_][A-Za-z0-9_]*)`")
+
+
+@dataclass
+class ServedModel:
+    name: str
+    created: int  # when the model's files were written (Unix time)
+    max_model_len: int
+    tokenizer: Any
+    architecture: str
+    num_params: int
+    dtype: str
+    size_bytes: int
+    digest: str
+    fim: FimTokens | None = None
+    _token_text: dict[int, str] = field(default_factory=dict)
+
+    def check(self, requested: str | None) -> None:
+        """Clients name the model they want; this daemon serves one."""
+        if requested and requested not in (self.name, f"{self.name}:latest"):
+            raise ApiError(404, f"the model requested is not served here; this daemon serves {self.name}",
+                           param="model", code="model_not_found")
+
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self.tokenizer, "chat_template", None)
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The token's own bytes: for a byte-level BPE token that holds part of a UTF-8
+        character these are the real bytes, where its text shows a replacement character."""
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str) and piece and all(c in _BYTE_OF for c in piece) and self._byte_level:
+            return [_BYTE_OF[c] for c in piece]
+        return list(self.token_text(token_id).encode("utf-8"))
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        return backend is not None and "ByteLevel" in type(backend.decoder).__name__ + str(backend.decoder)
+
+    @functools.cached_property
+    def parameter_size(self) -> str:
+        n = self.num_params
+        return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+async def decode_body(request: web.Request, kind: type[T]) -> T:
+    try:
+        body = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(413, f"request body is larger than {request.app['max_body']} bytes", code="too_large") from None
+    if not body:
+        raise ApiError(400, "request body is empty; send a JSON object", code="bad_request")
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        text = _QUOTED_VALUE.sub("<value>", str(exc))[:300]
+        match = _FIELD.search(text)
+        param = (match.group(1) or match.group(2)) if match else None
+        raise ApiError(400, text, param=param, code="invalid_params") from None
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        raise ApiError(400, "request body is not valid UTF-8 JSON", code="bad_request") from None
+
+
+def describe_model(engine) -> ServedModel:
+    """What the HTTP APIs say about the engine's model, read from its files (config and
+    safetensors headers; no tensor is loaded)."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from llmd.http.fim import find_fim_tokens
+
+    model_dir = Path(engine.model_dir)
+    config_bytes = (model_dir / "config.json").read_bytes()
+    config = json.loads(config_bytes)
+    weights = sorted(model_dir.glob("*.safetensors"))
+    num_params = 0
+    for file in weights:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                size = 1
+                for dim in f.get_slice(name).get_shape():
+                    size *= dim
+                num_params += size
+    return ServedModel(
+        name=model_dir.name, created=int((model_dir / "config.json").stat().st_mtime),
+        max_model_len=engine.max_model_len, tokenizer=engine.tokenizer,
+        architecture=(config.get("architectures") or ["unknown"])[0], num_params=num_params,
+        dtype=str(engine.dtype).removeprefix("torch."), size_bytes=sum(f.stat().st_size for f in weights),
+        digest="sha256:" + hashlib.sha256(config_bytes).hexdigest(), fim=find_fim_tokens(engine.tokenizer))

@@ -1,0 +1,110 @@
+"""llama.cpp server's `POST /infill`, as llama.vscode-style editor plugins call it: a
+prefix, a suffix and extra context files in, the middle out (server-sent events when
+streamed). Errors are llama.cpp's `{"error": {"code", "message", "type"}}`."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from llmd.http.bridge import Generation, raise_for_error
+from llmd.http.context import ServedModel, decode_body
+from llmd.http.errors import ApiError, from_value_error
+from llmd.http.streams import EventStream, json_response
+from llmd_client.protocol import Output, SamplingParams, Submit
+
+
+class ExtraChunk(msgspec.Struct):
+    text: str
+    filename: str = ""
+
+
+class InfillRequest(msgspec.Struct, kw_only=True):
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[ExtraChunk] = []
+    prompt: str = ""  # the start of the middle, already typed
+    n_predict: int = -1
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    stop: list[str] | None = None
+    seed: int | None = None
+    repeat_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+
+
+_PARAMS = {"max_tokens": "n_predict", "repetition_penalty": "repeat_penalty"}
+_STOP_TYPES = {"stop": "eos", "length": "limit"}
+
+
+def _sampling(body: InfillRequest) -> SamplingParams:
+    fields = dict(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p, stop=body.stop,
+                  seed=body.seed, repetition_penalty=body.repeat_penalty, presence_penalty=body.presence_penalty,
+                  frequency_penalty=body.frequency_penalty)
+    max_tokens = None if body.n_predict < 0 else body.n_predict
+    try:
+        return SamplingParams(max_tokens=max_tokens, **{k: v for k, v in fields.items() if v is not None})
+    except ValueError as exc:
+        raise from_value_error(exc, _PARAMS) from None
+
+
+def _final(served: ServedModel, out: Output, started: float, text: str) -> dict[str, Any]:
+    usage = out.usage
+    stop_type = "word" if isinstance(out.stop_reason, str) else _STOP_TYPES.get(out.finish_reason or "", "none")
+    predicted = usage.completion_tokens if usage else 0
+    elapsed_ms = (time.monotonic() - started) * 1000
+    return {"content": text, "stop": True, "model": served.name, "tokens_predicted": predicted,
+            "tokens_evaluated": usage.prompt_tokens if usage else 0, "tokens_cached": usage.cached_tokens if usage else 0,
+            "stop_type": stop_type, "stopping_word": out.stop_reason if isinstance(out.stop_reason, str) else "",
+            "truncated": False,
+            "timings": {"predicted_n": predicted, "predicted_ms": elapsed_ms,
+                        "predicted_per_second": predicted / elapsed_ms * 1000 if elapsed_ms else 0.0}}
+
+
+async def infill(request: web.Request) -> web.StreamResponse:
+    served: ServedModel = request.app["served"]
+    body = await decode_body(request, InfillRequest)
+    if served.fim is None:
+        raise ApiError(501, "this model has no fill-in-the-middle tokens, so it cannot infill", code="not_supported")
+    text = served.fim.prompt(body.input_prefix, body.input_suffix,
+                             [(c.filename, c.text) for c in body.input_extra]) + body.prompt
+    submit = Submit(prompt=text, sampling=_sampling(body))
+    started = time.monotonic()
+    async with Generation(request.app["intake"], request["uid"], params=_PARAMS, strict_max_tokens=False) as gen:
+        await gen.admit([submit])
+        if not body.stream:
+            out = (await gen.collect())[0][0]
+            raise_for_error(out)
+            return json_response(_final(served, out, started, out.text))
+        stream = EventStream()
+        await stream.open(request)
+        async for _slot, out in gen:
+            if out.finish_reason == "error":
+                try:
+                    raise_for_error(out)
+                except ApiError as exc:
+                    await stream.send(error_body(exc))
+                    return await stream.close(done_marker=False)
+            if out.usage is not None:
+                await stream.send(_final(served, out, started, out.text))
+            elif out.text:
+                await stream.send({"content": out.text, "stop": False})
+        return await stream.close(done_marker=False)
+
+
+def error_body(exc: ApiError) -> dict[str, Any]:
+    kind = "not_supported_error" if exc.status == 501 else exc.type
+    return {"error": {"code": exc.status, "message": exc.message, "type": kind}}
+
+
+def error_response(exc: ApiError) -> web.Response:
+    return json_response(error_body(exc), status=exc.status)
+
+
+ROUTES = [("POST", "/infill", infill)]

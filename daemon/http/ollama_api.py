@@ -1,0 +1,252 @@
+"""Ollama's API: `/api/generate`, `/api/chat`, `/api/tags`, `/api/show`, `/api/ps`,
+`/api/version`, streamed as newline-delimited JSON, so a client set up for Ollama works
+by changing its URL. Errors are Ollama's `{"error": "..."}`."""
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from llmd.http.bridge import Generation, raise_for_error
+from llmd.http.context import ServedModel, decode_body
+from llmd.http.errors import ApiError, from_value_error
+from llmd.http.streams import NdjsonStream, json_response
+from llmd_client.protocol import ChatMessage, GuidedDecodingParams, Output, SamplingParams, Submit
+
+OLLAMA_VERSION = "0.12.0"  # the Ollama API version these endpoints follow
+
+
+class Options(msgspec.Struct, kw_only=True):
+    """Ollama's model options that sample; the rest (num_ctx, num_gpu, ...) are ignored,
+    as they are load-time settings of a daemon that serves one loaded model."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    num_predict: int | None = None
+    stop: list[str] | None = None
+    seed: int | None = None
+    repeat_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+
+class GenerateRequest(msgspec.Struct, kw_only=True):
+    model: str
+    prompt: str = ""
+    suffix: str | None = None
+    system: str | None = None
+    template: str | None = None
+    raw: bool = False
+    format: str | dict[str, Any] | None = None
+    options: Options | None = None
+    stream: bool = True
+    images: list[str] | None = None
+    context: list[int] | None = None
+    keep_alive: str | int | float | None = None
+
+
+class Message(msgspec.Struct):
+    role: str
+    content: str = ""
+    images: list[str] | None = None
+    tool_calls: list[Any] | None = None
+
+
+class ChatRequest(msgspec.Struct, kw_only=True):
+    model: str
+    messages: list[Message] = []
+    format: str | dict[str, Any] | None = None
+    options: Options | None = None
+    stream: bool = True
+    tools: list[Any] | None = None
+    keep_alive: str | int | float | None = None
+
+
+class ShowRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    name: str | None = None  # the older spelling
+
+
+_PARAMS = {"max_tokens": "num_predict", "repetition_penalty": "repeat_penalty", "guided": "format",
+           "prompt": "prompt", "messages": "messages"}
+
+
+def _sampling(options: Options | None, fmt: str | dict[str, Any] | None) -> SamplingParams:
+    o = options or Options()
+    guided = None
+    if fmt == "json":
+        guided = GuidedDecodingParams(json_object=True)
+    elif isinstance(fmt, dict):
+        guided = GuidedDecodingParams(json_schema=fmt)
+    elif fmt not in (None, ""):
+        raise ApiError(400, 'format must be "json" or a JSON schema object', param="format")
+    fields = dict(temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, min_p=o.min_p, stop=o.stop, seed=o.seed,
+                  repetition_penalty=o.repeat_penalty, presence_penalty=o.presence_penalty,
+                  frequency_penalty=o.frequency_penalty, guided=guided)
+    # Ollama's num_predict: -1 (or absent) means until the context is full.
+    max_tokens = None if o.num_predict is None or o.num_predict < 0 else o.num_predict
+    try:
+        return SamplingParams(max_tokens=max_tokens, **{k: v for k, v in fields.items() if v is not None})
+    except ValueError as exc:
+        raise from_value_error(exc, _PARAMS) from None
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _final_fields(out: Output, started: float, first_token: float | None) -> dict[str, Any]:
+    end = time.monotonic()
+    first = first_token if first_token is not None else end
+    usage = out.usage
+    reason = out.finish_reason if out.finish_reason in ("stop", "length") else out.finish_reason or "stop"
+    return {"done": True, "done_reason": reason,
+            "total_duration": int((end - started) * 1e9), "load_duration": 0,
+            "prompt_eval_count": usage.prompt_tokens if usage else 0,
+            "prompt_eval_duration": int((first - started) * 1e9),
+            "eval_count": usage.completion_tokens if usage else 0,
+            "eval_duration": int((end - first) * 1e9)}
+
+
+async def _respond(request: web.Request, submit: Submit, wrap) -> web.StreamResponse:
+    """Run one request; `wrap(text)` shapes a piece of output (`response` or `message`)."""
+    served: ServedModel = request.app["served"]
+    started = time.monotonic()
+    async with Generation(request.app["intake"], request["uid"], params=_PARAMS, strict_max_tokens=False) as gen:
+        await gen.admit([submit])
+        if not request["stream"]:
+            merged = await gen.collect()
+            out = merged[0][0]
+            raise_for_error(out)
+            return json_response({"model": served.name, "created_at": _now(), **wrap(out.text),
+                                  **_final_fields(out, started, None)})
+        stream = NdjsonStream()
+        await stream.open(request)
+        first_token = None
+        async for _slot, out in gen:
+            if out.finish_reason == "error":
+                try:
+                    raise_for_error(out)
+                except ApiError as exc:
+                    await stream.send({"error": exc.message})
+                    return await stream.close()
+            if first_token is None and out.token_ids:
+                first_token = time.monotonic()
+            if out.text:
+                await stream.send({"model": served.name, "created_at": _now(), **wrap(out.text), "done": False})
+            if out.usage is not None:
+                await stream.send({"model": served.name, "created_at": _now(), **wrap(""),
+                                   **_final_fields(out, started, first_token)})
+        return await stream.close()
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    served: ServedModel = request.app["served"]
+    body = await decode_body(request, GenerateRequest)
+    served.check(body.model)
+    for name in ("images", "context"):
+        if getattr(body, name):
+            raise ApiError(400, f"{name} is not supported", param=name)
+    if body.template:
+        raise ApiError(400, "template is not supported; the model's own chat template is used", param="template")
+    request["stream"] = body.stream
+    if not body.prompt and body.suffix is None:  # Ollama's way to load a model: nothing to generate
+        return json_response({"model": served.name, "created_at": _now(), "response": "", "done": True,
+                              "done_reason": "load"})
+    params = _sampling(body.options, body.format)
+    if body.suffix is not None:
+        if served.fim is None:
+            raise ApiError(400, "suffix needs a model with fill-in-the-middle tokens; this one has none",
+                           param="suffix")
+        submit = Submit(prompt=served.fim.prompt(body.prompt, body.suffix), sampling=params)
+    elif body.raw or served.chat_template is None:
+        submit = Submit(prompt=body.prompt, sampling=params)
+    else:
+        messages = ([ChatMessage("system", body.system)] if body.system else []) + [ChatMessage("user", body.prompt)]
+        submit = Submit(messages=messages, sampling=params)
+    return await _respond(request, submit, lambda text: {"response": text})
+
+
+async def chat(request: web.Request) -> web.StreamResponse:
+    served: ServedModel = request.app["served"]
+    body = await decode_body(request, ChatRequest)
+    served.check(body.model)
+    request["stream"] = body.stream
+    if body.tools:
+        raise ApiError(400, "tools are not supported", param="tools")
+    if not body.messages:  # loading the model, in Ollama's terms
+        return json_response({"model": served.name, "created_at": _now(),
+                              "message": {"role": "assistant", "content": ""}, "done": True, "done_reason": "load"})
+    for m in body.messages:
+        if m.images or m.tool_calls:
+            raise ApiError(400, "images and tool calls are not supported", param="messages")
+        if m.role not in ("system", "user", "assistant"):
+            raise ApiError(400, "message roles must be system, user or assistant", param="messages")
+    submit = Submit(messages=[ChatMessage(m.role, m.content) for m in body.messages],
+                    sampling=_sampling(body.options, body.format))
+    return await _respond(request, submit, lambda text: {"message": {"role": "assistant", "content": text}})
+
+
+def _details(served: ServedModel) -> dict[str, Any]:
+    family = served.architecture.removesuffix("ForCausalLM").lower()
+    return {"parent_model": "", "format": "safetensors", "family": family, "families": [family],
+            "parameter_size": served.parameter_size, "quantization_level": served.dtype.upper()}
+
+
+def _modified_at(served: ServedModel) -> str:
+    return datetime.fromtimestamp(served.created, timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+async def tags(request: web.Request) -> web.Response:
+    served: ServedModel = request.app["served"]
+    entry = {"name": f"{served.name}:latest", "model": f"{served.name}:latest", "modified_at": _modified_at(served),
+             "size": served.size_bytes, "digest": served.digest, "details": _details(served)}
+    return json_response({"models": [entry]})
+
+
+async def ps(request: web.Request) -> web.Response:
+    served: ServedModel = request.app["served"]
+    entry = {"name": f"{served.name}:latest", "model": f"{served.name}:latest", "size": served.size_bytes,
+             "digest": served.digest, "details": _details(served), "expires_at": "9999-12-31T23:59:59Z",
+             "size_vram": 0, "context_length": served.max_model_len}
+    return json_response({"models": [entry]})
+
+
+async def show(request: web.Request) -> web.Response:
+    served: ServedModel = request.app["served"]
+    body = await decode_body(request, ShowRequest)
+    name = body.model or body.name
+    if not name:
+        raise ApiError(400, "model is required", param="model")
+    served.check(name)
+    family = _details(served)["family"]
+    capabilities = ["completion"] + (["insert"] if served.fim is not None else [])
+    return json_response({
+        "license": "", "modelfile": f"FROM {served.name}\n", "parameters": "",
+        "template": served.chat_template or "{{ .Prompt }}", "details": _details(served),
+        "model_info": {"general.architecture": family, "general.parameter_count": served.num_params,
+                       f"{family}.context_length": served.max_model_len},
+        "capabilities": capabilities, "modified_at": _modified_at(served)})
+
+
+async def version(request: web.Request) -> web.Response:
+    return json_response({"version": OLLAMA_VERSION})
+
+
+async def root(request: web.Request) -> web.Response:
+    # Ollama answers its root with this text; some clients probe it.
+    return web.Response(text="Ollama is running")
+
+
+def error_response(exc: ApiError) -> web.Response:
+    return json_response({"error": exc.message}, status=exc.status)
+
+
+ROUTES = [("POST", "/api/generate", generate), ("POST", "/api/chat", chat), ("GET", "/api/tags", tags),
+          ("GET", "/api/ps", ps), ("POST", "/api/show", show), ("GET", "/api/version", version),
+          ("GET", "/", root)]

@@ -1,0 +1,376 @@
+"""OpenAI's API: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`,
+as the official SDKs call them (vLLM's extra sampling fields accepted too). Errors are
+OpenAI's error object with the offending `param`; streams are server-sent events."""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from llmd.http.bridge import Generation, raise_for_error
+from llmd.http.context import ServedModel, decode_body
+from llmd.http.errors import ApiError, from_value_error
+from llmd.http.streams import EventStream, json_response
+from llmd_client.protocol import ChatMessage, GuidedDecodingParams, Output, SamplingParams, Submit, TokenLogprob
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class JsonSchemaFormat(msgspec.Struct):
+    name: str = "response"
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(msgspec.Struct):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class _SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields both endpoints take. Unknown fields are ignored (clients send many)."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's extra sampling fields
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    prompt: str | list[Any]
+    suffix: str | None = None
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessageIn(msgspec.Struct):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+
+
+class ChatRequest(_SamplingFields, kw_only=True):
+    messages: list[ChatMessageIn]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+
+# Internal field names as this API spells them, for error messages' `param`.
+_PARAMS = {"guided": "response_format", "token_ids": "prompt"}
+_CHAT_PARAMS = {**_PARAMS, "prompt": "messages", "logprobs": "top_logprobs"}
+
+
+def sampling_params(body: _SamplingFields, *, max_tokens: int | None, logprobs: int | None,
+                    guided: GuidedDecodingParams | None, params: dict[str, str]) -> SamplingParams:
+    if body.logit_bias:
+        raise ApiError(400, "logit_bias is not supported", param="logit_bias", code="unsupported")
+    fields = dict(n=body.n, temperature=body.temperature, top_p=body.top_p, stop=body.stop, seed=body.seed,
+                  presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                  top_k=body.top_k, min_p=body.min_p, repetition_penalty=body.repetition_penalty,
+                  min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, stop_token_ids=body.stop_token_ids,
+                  skip_special_tokens=body.skip_special_tokens,
+                  include_stop_str_in_output=body.include_stop_str_in_output,
+                  max_tokens=max_tokens, logprobs=logprobs, guided=guided)
+    try:
+        return SamplingParams(**{k: v for k, v in fields.items() if v is not None or k == "max_tokens"})
+    except ValueError as exc:
+        raise from_value_error(exc, params) from None
+
+
+def guided_from(fmt: ResponseFormat | None) -> GuidedDecodingParams | None:
+    if fmt is None or fmt.type == "text":
+        return None
+    try:
+        if fmt.type == "json_object":
+            return GuidedDecodingParams(json_object=True)
+        if fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema is None:
+                raise ApiError(400, "response_format json_schema needs json_schema.schema",
+                               param="response_format", code="invalid_params")
+            return GuidedDecodingParams(json_schema=fmt.json_schema.schema)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="response_format", code="invalid_params") from None
+    raise ApiError(400, "response_format type must be text, json_object or json_schema",
+                   param="response_format", code="invalid_params")
+
+
+def usage_of(outputs: list[Output]) -> dict[str, Any]:
+    prompt = sum(o.usage.prompt_tokens for o in outputs if o.usage is not None)
+    completion = sum(o.usage.completion_tokens for o in outputs if o.usage is not None)
+    cached = sum(o.usage.cached_tokens for o in outputs if o.usage is not None)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _finish(out: Output) -> str | None:
+    return out.finish_reason
+
+
+# -- /v1/models ----------------------------------------------------------------------
+
+async def models(request: web.Request) -> web.Response:
+    served: ServedModel = request.app["served"]
+    return json_response({"object": "list", "data": [
+        {"id": served.name, "object": "model", "created": served.created, "owned_by": "llmd",
+         "max_model_len": served.max_model_len}]})
+
+
+# -- /v1/completions -----------------------------------------------------------------
+
+def completion_submits(body: CompletionRequest, served: ServedModel, params: SamplingParams) -> list[Submit]:
+    prompts = _prompt_list(body.prompt)
+    if body.suffix is not None:
+        if served.fim is None:
+            raise ApiError(400, "suffix needs a model with fill-in-the-middle tokens; this one has none",
+                           param="suffix", code="unsupported")
+        if not all(isinstance(p, str) for p in prompts):
+            raise ApiError(400, "suffix needs text prompts, not token ids", param="suffix", code="invalid_params")
+        prompts = [served.fim.prompt(p, body.suffix) for p in prompts]
+    return [Submit(prompt=p, sampling=params, cache_salt=body.cache_salt, priority=body.priority)
+            if isinstance(p, str) else
+            Submit(token_ids=p, sampling=params, cache_salt=body.cache_salt, priority=body.priority)
+            for p in prompts]
+
+
+def _prompt_list(prompt: str | list[Any]) -> list[str | list[int]]:
+    """OpenAI's four prompt shapes: text, a list of texts, token ids, a list of token id lists."""
+    bad = ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of such lists",
+                   param="prompt", code="invalid_params")
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise ApiError(400, "prompt must not be an empty list", param="prompt", code="invalid_params")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return [list(prompt)]
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+           for p in prompt):
+        return [list(p) for p in prompt]
+    raise bad
+
+
+def top_k(position: list[TokenLogprob], k: int) -> list[TokenLogprob]:
+    """The k most likely tokens at a position, best first. A position lists the chosen
+    token first, then the top-k the engine computed (the chosen one only once, so it is
+    among them when it ranked in the top k)."""
+    ranked = [t for t in position if t.rank is not None and 1 <= t.rank <= k]
+    return sorted(ranked, key=lambda t: t.rank)
+
+
+class _LogprobsWriter:
+    """OpenAI's completion logprobs (tokens, token_logprobs, top_logprobs, text_offset)
+    for a run of positions, keeping the text offset across a stream's chunks."""
+
+    def __init__(self, served: ServedModel, k: int, offset: int) -> None:
+        self.served = served
+        self.k = k
+        self.offset = offset
+
+    def __call__(self, positions: list[list[TokenLogprob]]) -> dict[str, list]:
+        text = self.served.token_text
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for pos in positions:
+            token = text(pos[0].token_id)
+            out["tokens"].append(token)
+            out["token_logprobs"].append(pos[0].logprob)
+            out["top_logprobs"].append({text(t.token_id): t.logprob for t in top_k(pos, self.k)})
+            out["text_offset"].append(self.offset)
+            self.offset += len(token)
+        return out
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    served: ServedModel = request.app["served"]
+    body = await decode_body(request, CompletionRequest)
+    served.check(body.model)
+    if body.best_of is not None and body.best_of != body.n:
+        raise ApiError(400, "best_of must equal n (or be left out)", param="best_of", code="unsupported")
+    if body.echo and body.logprobs is not None:
+        raise ApiError(400, "echo together with logprobs is not supported", param="echo", code="unsupported")
+    params = sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs,
+                             guided=guided_from(body.response_format), params=_PARAMS)
+    submits = completion_submits(body, served, params)
+    ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    async with Generation(request.app["intake"], request["uid"], params=_PARAMS) as gen:
+        admitted = await gen.admit(submits)
+        echoes = [_echo_text(served, a.prepared, submits[a.slot]) if body.echo else "" for a in admitted]
+        n = params.n
+        writers = {(a.slot, i): _LogprobsWriter(served, body.logprobs or 0, len(echoes[a.slot]))
+                   for a in admitted for i in range(n)}
+
+        def choice(slot: int, out: Output, text: str) -> dict[str, Any]:
+            logprobs = writers[slot, out.index](out.logprobs) if body.logprobs is not None and out.logprobs else None
+            return {"index": slot * n + out.index, "text": text, "logprobs": logprobs,
+                    "finish_reason": _finish(out)}
+
+        head = {"id": ident, "object": "text_completion", "created": created, "model": served.name}
+        if body.stream:
+            return await _stream(request, gen, head, body.stream_options,
+                                 lambda slot, out, first: choice(slot, out, (echoes[slot] if first else "") + out.text))
+        merged = await gen.collect()
+    finals = [out for samples in merged.values() for out in samples.values()]
+    for out in finals:
+        raise_for_error(out)
+    choices = [choice(slot, out, echoes[slot] + out.text) for slot in sorted(merged)
+               for out in (merged[slot][i] for i in sorted(merged[slot]))]
+    return json_response({**head, "choices": choices, "usage": usage_of(finals)})
+
+
+def _echo_text(served: ServedModel, prepared, submit: Submit) -> str:
+    if submit.prompt is not None:
+        return submit.prompt
+    return served.tokenizer.decode(prepared.token_ids, skip_special_tokens=False)
+
+
+async def _stream(request: web.Request, gen: Generation, head: dict[str, Any], options: StreamOptions | None,
+                  choice: Callable[[int, Output, bool], dict[str, Any]],
+                  opening: list[dict[str, Any]] = ()) -> web.StreamResponse:
+    """Chunks as they come: one event per engine output, then (with include_usage) a
+    usage event with no choices, then [DONE]. An engine error becomes an error event."""
+    include_usage = options is not None and options.include_usage
+    stream = EventStream()
+    await stream.open(request)
+    extra = {"usage": None} if include_usage else {}
+    if opening:
+        await stream.send({**head, "choices": opening, **extra})
+    seen: set[tuple[int, int]] = set()
+    finals: list[Output] = []
+    async for slot, out in gen:
+        if out.finish_reason == "error":
+            try:
+                raise_for_error(out)
+            except ApiError as exc:
+                await stream.send(error_body(exc))
+                return await stream.close()
+        if out.usage is not None:
+            finals.append(out)
+        if not (out.text or out.token_ids or out.finish_reason):
+            continue
+        first = (slot, out.index) not in seen
+        seen.add((slot, out.index))
+        await stream.send({**head, "choices": [choice(slot, out, first)], **extra})
+    if include_usage:
+        await stream.send({**head, "choices": [], "usage": usage_of(finals)})
+    return await stream.close()
+
+
+# -- /v1/chat/completions ------------------------------------------------------------
+
+def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
+    if not messages:
+        raise ApiError(400, "messages must not be empty", param="messages", code="invalid_params")
+    out = []
+    for m in messages:
+        if m.role not in ("system", "developer", "user", "assistant"):
+            raise ApiError(400, "message roles must be system, developer, user or assistant (no tools)",
+                           param="messages", code="unsupported")
+        if m.tool_calls:
+            raise ApiError(400, "tool calls are not supported", param="messages", code="unsupported")
+        if isinstance(m.content, list):
+            if any(p.type != "text" or p.text is None for p in m.content):
+                raise ApiError(400, "only text content parts are supported", param="messages", code="unsupported")
+            content = "".join(p.text for p in m.content)
+        else:
+            content = m.content or ""
+        out.append(ChatMessage(role="system" if m.role == "developer" else m.role, content=content))
+    return out
+
+
+def _chat_logprobs(served: ServedModel, positions: list[list[TokenLogprob]], k: int) -> dict[str, list]:
+    def entry(t: TokenLogprob) -> dict[str, Any]:
+        token = served.token_text(t.token_id)
+        return {"token": token, "logprob": t.logprob, "bytes": served.token_bytes(t.token_id)}
+    return {"content": [{**entry(pos[0]), "top_logprobs": [entry(t) for t in top_k(pos, k)]} for pos in positions]}
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    served: ServedModel = request.app["served"]
+    body = await decode_body(request, ChatRequest)
+    served.check(body.model)
+    if body.tools and body.tool_choice != "none":
+        raise ApiError(400, "tools are not supported", param="tools", code="unsupported")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_params")
+    k = body.top_logprobs or 0
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    params = sampling_params(body, max_tokens=max_tokens, logprobs=k if body.logprobs else None,
+                             guided=guided_from(body.response_format), params=_CHAT_PARAMS)
+    submit = Submit(messages=chat_messages(body.messages), sampling=params, cache_salt=body.cache_salt,
+                    priority=body.priority)
+    ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    head = {"id": ident, "object": "chat.completion", "created": created, "model": served.name}
+    async with Generation(request.app["intake"], request["uid"], params=_CHAT_PARAMS,
+                          strict_max_tokens=max_tokens is not None) as gen:
+        await gen.admit([submit])
+
+        def logprobs(out: Output) -> dict[str, list] | None:
+            return _chat_logprobs(served, out.logprobs, k) if body.logprobs and out.logprobs else None
+
+        if body.stream:
+            chunk_head = {**head, "object": "chat.completion.chunk"}
+            opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None} for i in range(params.n)]
+            return await _stream(request, gen, chunk_head, body.stream_options,
+                                 lambda slot, out, first: {"index": out.index,
+                                                           "delta": {"content": out.text} if out.text else {},
+                                                           "logprobs": logprobs(out), "finish_reason": _finish(out)},
+                                 opening)
+        merged = await gen.collect()
+    finals = [merged[0][i] for i in sorted(merged[0])]
+    for out in finals:
+        raise_for_error(out)
+    choices = [{"index": out.index, "message": {"role": "assistant", "content": out.text},
+                "logprobs": logprobs(out), "finish_reason": _finish(out)} for out in finals]
+    return json_response({**head, "choices": choices, "usage": usage_of(finals)})
+
+
+def error_body(exc: ApiError) -> dict[str, Any]:
+    return {"error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}}
+
+
+def error_response(exc: ApiError) -> web.Response:
+    return json_response(error_body(exc), status=exc.status)
+
+
+ROUTES = [("GET", "/v1/models", models), ("POST", "/v1/completions", completions),
+          ("POST", "/v1/chat/completions", chat_completions)]
