@@ -69,3 +69,60 @@ def test_users_cannot_see_or_abort_each_others_requests():
     finally:
         assert d.stop() == 0, d.stderr()
         shutil.rmtree(base, ignore_errors=True)
+
+
+# The other user sends a prompt twice and reports the cached_tokens of each reply.
+OTHER_USER_PROMPT = r"""
+import json, socket, sys
+path, prompt = sys.argv[1], sys.argv[2]
+s = socket.socket(socket.AF_UNIX); s.connect(path); f = s.makefile("rwb")
+cached = []
+for i in range(2):
+    f.write(json.dumps({"type": "submit", "id": str(i), "prompt": prompt, "stream": False,
+                        "sampling": {"max_tokens": 1}}).encode() + b"\n"); f.flush()
+    while True:
+        m = json.loads(f.readline())
+        if m.get("usage"): cached.append(m["usage"]["cached_tokens"]); break
+print(json.dumps(cached))
+"""
+SHARED_PROMPT = "class Config:\n    def __init__(self, path):\n        self.path = path\n" * 4
+
+
+def cached_tokens_of_two_sends(sock: str) -> list[int]:
+    with RawConn(sock) as conn:
+        out = []
+        for i in range(2):
+            conn.send({"type": "submit", "id": str(i), "prompt": SHARED_PROMPT, "stream": False,
+                       "sampling": {"max_tokens": 1}})
+            out.append(conn.until_final(str(i))[-1]["usage"]["cached_tokens"])
+    return out
+
+
+def other_user_cached_tokens(sock: str) -> list[int]:
+    proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                           "/usr/bin/python3", "-c", OTHER_USER_PROMPT, sock, SHARED_PROMPT],
+                          capture_output=True, text=True, timeout=60, cwd="/")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize("scope", ["user", "shared"])
+def test_prefix_cache_is_per_user_unless_shared(scope):
+    """By default another user's identical prompt is no cache hit (no timing or
+    cached_tokens oracle across users); the operator may share the cache."""
+    base = Path(tempfile.mkdtemp(prefix="llmd-salt-"))
+    base.chmod(0o755)
+    d = Daemon(str(fixture_path("tiny-llama")), base / "llmd.sock", "--max-model-len", "1024",
+               "--prefix-cache-scope", scope).wait_ready()
+    try:
+        os.chmod(d.sock, 0o666)
+        mine = cached_tokens_of_two_sends(d.sock)
+        assert mine[0] == 0 and mine[1] > 0  # one's own prompt is reused
+        others = other_user_cached_tokens(d.sock)
+        if scope == "user":
+            assert others[0] == 0 and others[1] == mine[1]  # only their own first send helps them
+        else:
+            assert others[0] == mine[1]
+    finally:
+        assert d.stop() == 0, d.stderr()
+        shutil.rmtree(base, ignore_errors=True)

@@ -28,9 +28,8 @@ class FimTokens:
         context = ""
         for filename, text in extra:
             if self.file_separator is not None:
-                context += f"{self.file_separator}{filename}\n{text}"
-            else:
-                context += text if text.endswith("\n") else text + "\n"
+                context += f"{self.file_separator}{filename}\n"
+            context += text if text.endswith("\n") else text + "\n"  # the next piece starts on its own line
         return f"{self.prefix}{context}{prefix}{self.suffix}{suffix}{self.middle}"
 
 
