@@ -92,6 +92,8 @@ def test_throughput_random_with_hf_baseline():
     (["serve", "--prefix-len", "64"], "--prefix-len only applies to --workload shared-prefix"),
     (["serve", "--abort-fraction", "0.5"], "--abort-fraction only applies to --workload abort"),
     (["serve", "--workload", "abort", "--output-len", "1"], "at least 2 output tokens"),
+    (["serve", "--base-url", "http://127.0.0.1:1/v1"], "--base-url only applies to --backend openai"),
+    (["serve", "--backend", "socket,grpc"], "must be one of socket, openai"),
 ])
 def test_bad_flags_are_usage_errors(args, message):
     result = CliRunner().invoke(main, ["bench", *args])
@@ -103,6 +105,9 @@ def test_unreachable_daemon_is_a_clear_error(tmp_path):
     result = CliRunner().invoke(main, ["bench", "serve", "--socket", str(tmp_path / "none.sock")])
     assert result.exit_code == 1
     assert "none.sock" in result.output and "Traceback" not in result.output
+    result = CliRunner().invoke(main, ["bench", "serve", "--backend", "openai", "--socket", str(tmp_path / "none.sock")])
+    assert result.exit_code == 1
+    assert "none-http.sock" in result.output and "Traceback" not in result.output
 
 
 def test_workload_longer_than_max_model_len_is_refused():

@@ -95,6 +95,36 @@ def test_abort_workload_counts_cancelled_requests_apart(daemon):
     assert status["num_running"] == status["num_waiting"] == 0
 
 
+def test_socket_and_openai_backends_in_one_run(daemon):
+    r = bench_serve(daemon, "--backend", "socket,openai", "--num-prompts", "6", "--input-len", "12",
+                    "--output-len", "5", "--request-rate", "inf,50", "--data-seed", "15")
+    assert [(run["backend"], run["request_rate"]) for run in r["runs"]] == [
+        ("socket", None), ("openai", None), ("socket", 50.0), ("openai", 50.0)]
+    assert r["runs"][1]["target"].endswith("s-http.sock")
+    for run in r["runs"]:
+        assert run["sent"] == run["completed"] == 6
+        check_run(run, 5)
+        assert run["cached_prompt_tokens"] == 0  # each backend's run has prompts of its own
+
+
+def test_openai_backend_abort_workload_leaves_nothing_running(daemon):
+    r = bench_serve(daemon, "--backend", "openai", "--workload", "abort", "--abort-fraction", "0.5",
+                    "--num-prompts", "8", "--input-len", "8", "--output-len", "24", "--data-seed", "16")
+    run = r["runs"][0]
+    check_run(run, 24)
+    assert run["aborted"] >= 1 and run["completed"] >= 1
+    deadline = time.monotonic() + 10
+    while True:
+        with RawConn(daemon.sock) as conn:
+            conn.send({"type": "status"})
+            status = conn.recv()
+        if status["num_running"] == status["num_waiting"] == status["kv_blocks_used"] == 0 \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert status["num_running"] == status["num_waiting"] == status["kv_blocks_used"] == 0
+
+
 def test_summary_of_known_records():
     # Two completed requests with known timings, one failure, one abort.
     a = _Record(prompt_tokens=4, sent=0.0, end=0.5, times=[0.1, 0.3, 0.5], counts=[1, 1, 2], completion_tokens=4)

@@ -138,6 +138,13 @@ def _slos(values: tuple[str, ...]) -> dict[str, float]:
 
 @bench.command()
 @click.option("--socket", "socket_path", default=None, help="The daemon's Unix socket (default: as llmctl).")
+@click.option("--backend", "backends", multiple=True, metavar="NAME[,NAME...]",
+              help="socket (the daemon's protocol; default) or openai (its OpenAI API over HTTP); "
+                   "several: each runs the same sweep, one after the other.")
+@click.option("--base-url", default=None, help="openai: the API's base URL, e.g. http://127.0.0.1:8000/v1 "
+                                                "(default: the HTTP Unix socket beside --socket).")
+@click.option("--http-socket", default=None, help="openai: the daemon's HTTP Unix socket (default: beside --socket).")
+@click.option("--api-key", default=None, envvar="LLMD_API_KEY", help="openai: bearer token (default: $LLMD_API_KEY).")
 @click.option("--workload", type=click.Choice(["random", "shared-prefix", "abort"]), default="random",
               show_default=True)
 @click.option("--num-prompts", type=click.IntRange(min=1), default=100, show_default=True)
@@ -161,12 +168,19 @@ def _slos(values: tuple[str, ...]) -> dict[str, float]:
               help="Plot latency percentiles against the request rate (needs matplotlib).")
 @_common
 @click.pass_context
-def serve(ctx, socket_path, workload, num_prompts, input_len, output_len, num_prefixes, prefix_len,
+def serve(ctx, socket_path, backends, base_url, http_socket, api_key, workload, num_prompts, input_len, output_len, num_prefixes, prefix_len,
           abort_fraction, request_rate, burstiness, max_concurrency, goodput, vocab_size, plot_path, data_seed,
           as_json) -> None:
     """Load a running daemon over its socket: TTFT, TPOT, ITL, E2E, throughput, goodput."""
     from llmd_tools.bench import plot
+    from llmd_tools.bench.backends import BACKENDS
     from llmd_tools.bench.serve import ServeConfig, run_serve
+
+    chosen = tuple(dict.fromkeys(_split(backends))) or ("socket",)
+    for name in chosen:
+        if name not in BACKENDS:
+            raise click.BadParameter(f"must be one of {', '.join(BACKENDS)}", param_hint="--backend")
+    _only_with(ctx, ("base_url", "http_socket", "api_key"), "openai" in chosen, "to --backend openai")
 
     _only_with(ctx, ("num_prefixes", "prefix_len"), workload == "shared-prefix", "to --workload shared-prefix")
     _only_with(ctx, ("abort_fraction",), workload == "abort", "to --workload abort")
@@ -178,7 +192,8 @@ def serve(ctx, socket_path, workload, num_prompts, input_len, output_len, num_pr
                          num_prefixes=num_prefixes, prefix_len=prefix_len, abort_fraction=abort_fraction,
                          burstiness=burstiness, max_concurrency=max_concurrency, vocab_size=vocab_size,
                          seed=data_seed, slos_ms=_slos(goodput))
-    sweep = _run(run_serve, socket_path, config, _rates(request_rate))
+    sweep = _run(run_serve, socket_path, config, _rates(request_rate), chosen, base_url=base_url,
+                 http_socket=http_socket, api_key=api_key)
     emit(sweep, as_json)
     if plot_path:
         plot.plot_sweep(sweep, plot_path)

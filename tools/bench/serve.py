@@ -1,5 +1,6 @@
 """`llmd bench serve`: load a running daemon through its Unix socket with llmd_client's
-AsyncClient (one connection, every request streamed on it) and measure what its users
+AsyncClient (one connection, every request streamed on it), or through its OpenAI API
+over HTTP, or both one after the other (see backends.py), and measure what its users
 see: TTFT, TPOT, ITL, end-to-end latency, throughput and goodput.
 
 Requests arrive as a Poisson process at `request_rate` per second (None: all at once),
@@ -13,9 +14,9 @@ at most `max_concurrency` run at once when given. Outputs run to their length
 * `abort`: as `random`, but a fraction of the clients stop reading and cancel their
   request part-way through its output; those are counted as aborted, not failed.
 
-A sweep (several rates) runs one after another, each with prompts of its own (seeded
-by the data seed and the run's index), so one run's prompts never sit in the prefix
-cache for the next.
+A sweep (several rates, and several backends) runs one after another, each with prompts
+of its own (seeded by the data seed, the backend and the run's index), so one run's
+prompts never sit in the prefix cache for the next.
 """
 from __future__ import annotations
 
@@ -28,9 +29,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from llmd_client import AsyncClient
-from llmd_client.errors import LlmdError
 from llmd_tools.bench import workloads
+from llmd_tools.bench.backends import BackendError, make_backend
 from llmd_tools.bench.report import Env, Stats, progress, rate
 
 WORKLOADS = ("random", "shared-prefix", "abort")
@@ -55,6 +55,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
 
 class ServeReport(msgspec.Struct, kw_only=True):
     request_rate: float | None  # requests/s; None: all at once
+    backend: str = "socket"  # how the requests reached the daemon: "socket" or "openai" (HTTP)
+    target: str = ""  # the socket path or base URL
     sent: int
     completed: int
     failed: int
@@ -77,7 +79,7 @@ class ServeReport(msgspec.Struct, kw_only=True):
 
     def text(self) -> str:
         rate_text = "inf" if self.request_rate is None else f"{self.request_rate:g}"
-        lines = [f"--- request rate {rate_text}/s " + "-" * 40,
+        lines = [f"--- {self.backend}: request rate {rate_text}/s " + "-" * 40,
                  f"{'requests':<24} {self.sent} sent: {self.completed} completed, {self.failed} failed, "
                  f"{self.aborted} aborted, in {self.duration_s:.2f} s",
                  f"{'tokens':<24} {self.total_input_tokens} input ({self.cached_prompt_tokens} from the "
@@ -138,24 +140,42 @@ def make_workload(config: ServeConfig, seed: int | str) -> list[workloads.Req]:
     raise ValueError(f"unknown workload {c.workload!r}; known: {', '.join(WORKLOADS)}")
 
 
-def run_serve(socket: str | None, config: ServeConfig, rates: list[float | None]) -> ServeSweep:
-    return asyncio.run(_sweep(socket, config, rates))
+def run_serve(socket: str | None, config: ServeConfig, rates: list[float | None],
+              backends: tuple[str, ...] = ("socket",), *, base_url: str | None = None,
+              http_socket: str | None = None, api_key: str | None = None) -> ServeSweep:
+    return asyncio.run(_sweep(socket, config, rates, backends, base_url, http_socket, api_key))
 
 
-async def _sweep(socket: str | None, config: ServeConfig, rates: list[float | None]) -> ServeSweep:
-    async with AsyncClient(socket) as client:
-        status = await client.status()
-        env = Env.here(status.device, status.dtype)
-        warm = workloads.fixed(1, 16, 4, config.vocab_size, seed=workloads.WARM_UP_SEED)[0]
-        record = await _one(client, warm, None, contextlib.nullcontext(), None)
-        if record.outcome == "failed":
-            raise ValueError(f"the warm-up request failed: {record.error}")
-        runs = [await _run(client, config, r, f"{config.seed}:{i}") for i, r in enumerate(rates)]
-        return ServeSweep(model=status.model, socket=client.socket_path, config=config, runs=runs, env=env)
+async def _sweep(socket: str | None, config: ServeConfig, rates: list[float | None], backends: tuple[str, ...],
+                 base_url: str | None, http_socket: str | None, api_key: str | None) -> ServeSweep:
+    """Every backend is warmed up first; then each rate runs on each backend in turn, so
+    a drift in the machine's state over the sweep does not favour one backend."""
+    async with contextlib.AsyncExitStack() as stack:
+        opened = []
+        for name in backends:
+            backend = await stack.enter_async_context(make_backend(
+                name, socket=socket, base_url=base_url, http_socket=http_socket, api_key=api_key))
+            try:
+                opened.append((backend, await backend.describe()))
+            except BackendError as exc:
+                raise ValueError(str(exc)) from None
+            warm = workloads.fixed(1, 16, 4, config.vocab_size, seed=workloads.WARM_UP_SEED)[0]
+            record = await _one(backend, warm, None, contextlib.nullcontext(), None)
+            if record.outcome == "failed":
+                raise ValueError(f"the warm-up request failed ({name}): {record.error}")
+        runs: list[ServeReport] = []
+        for i, r in enumerate(rates):
+            for backend, here in opened:
+                seed = f"{config.seed}:{i}" if backend.name == "socket" else f"{config.seed}:{backend.name}:{i}"
+                report = await _run(backend, config, r, seed)
+                report.backend, report.target = backend.name, here.where
+                runs.append(report)
+    described = next((d for _, d in opened if d.device != "?"), opened[0][1])
+    return ServeSweep(model=described.model, socket=described.where, config=config, runs=runs,
+                      env=Env.here(described.device, described.dtype))
 
 
-async def _run(client: AsyncClient, config: ServeConfig, request_rate: float | None,
-               seed: str) -> ServeReport:
+async def _run(backend, config: ServeConfig, request_rate: float | None, seed: str) -> ServeReport:
     reqs = make_workload(config, seed)
     rng = random.Random(seed)
     abort_after = {}
@@ -163,11 +183,11 @@ async def _run(client: AsyncClient, config: ServeConfig, request_rate: float | N
         abort_after = {i: rng.randint(1, r.output_len - 1) for i, r in enumerate(reqs)
                        if rng.random() < config.abort_fraction}
     limit = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else contextlib.nullcontext()
-    bar = progress(len(reqs), f"rate {'inf' if request_rate is None else request_rate}")
+    bar = progress(len(reqs), f"{backend.name} rate {'inf' if request_rate is None else request_rate}")
     tasks = []
     start = time.perf_counter()
     async for i in _arrivals(len(reqs), request_rate, config.burstiness, rng):
-        tasks.append(asyncio.create_task(_one(client, reqs[i], abort_after.get(i), limit, bar)))
+        tasks.append(asyncio.create_task(_one(backend, reqs[i], abort_after.get(i), limit, bar)))
     records = await asyncio.gather(*tasks)
     duration = time.perf_counter() - start
     bar.close()
@@ -188,25 +208,25 @@ async def _arrivals(n: int, request_rate: float | None, burstiness: float, rng: 
         yield i
 
 
-async def _one(client: AsyncClient, req: workloads.Req, abort_after: int | None, limit, bar) -> _Record:
+async def _one(backend, req: workloads.Req, abort_after: int | None, limit, bar) -> _Record:
     async with limit:
         rec = _Record(len(req.prompt))
         rec.sent = time.perf_counter()
-        stream = client.stream(token_ids=req.prompt, max_tokens=req.output_len, temperature=0, ignore_eos=True)
+        stream = backend.stream(req)
         try:
             async for delta in stream:
-                if delta.token_ids:
+                if delta.num_tokens:
                     rec.times.append(time.perf_counter())
-                    rec.counts.append(len(delta.token_ids))
-                if delta.usage is not None:
-                    rec.completion_tokens = delta.usage.completion_tokens
-                    rec.cached_tokens = delta.usage.cached_tokens
+                    rec.counts.append(delta.num_tokens)
+                if delta.completion_tokens is not None:
+                    rec.completion_tokens = delta.completion_tokens
+                    rec.cached_tokens = delta.cached_tokens
                 elif abort_after is not None and sum(rec.counts) >= abort_after:
                     rec.outcome = "aborted"
                     break
             rec.end = time.perf_counter()
-        except LlmdError as exc:
-            rec.outcome, rec.error = "failed", f"{type(exc).__name__}: {exc}"
+        except BackendError as exc:
+            rec.outcome, rec.error = "failed", str(exc)
         finally:
             await stream.aclose()  # cancels the request unless it ended
     if bar is not None:
