@@ -120,6 +120,19 @@ def test_models_lists_the_served_model(client, model):
     assert [m.id for m in models.data] == [served_name(model)]
 
 
+def test_sdk_over_the_unix_socket_needs_no_key(daemon, model):
+    """The README's recipe: the SDK's own HTTP client, pointed at the HTTP Unix socket."""
+    try:
+        import httpx2 as httpx  # what the installed openai SDK is built on
+    except ImportError:
+        import httpx
+    local = openai.OpenAI(base_url="http://localhost/v1", api_key="unused", max_retries=0,
+                          http_client=httpx.Client(transport=httpx.HTTPTransport(uds=daemon.http_sock)))
+    reply = local.chat.completions.create(model=served_name(model), messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=3, temperature=0)
+    assert reply.usage.completion_tokens == 3
+
+
 def test_greedy_completion_equals_offline_engine_and_llmctl(daemon, complete, offline):
     reference = offline.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24))
     for prompt, ref in zip(PROMPTS, reference):
