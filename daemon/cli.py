@@ -102,6 +102,9 @@ def serve(socket_path, config_file, **settings) -> None:
     settings["socket"] = socket_path
     try:
         daemon, engine = load_settings(config_file, settings)
+        if daemon.http:
+            from llmd.http.listeners import api_keys
+            api_keys(daemon)  # a TCP port without a key, or an unreadable key file
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     logging.basicConfig(level=daemon.log_level.upper(), stream=sys.stderr,

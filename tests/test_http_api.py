@@ -305,6 +305,27 @@ def test_client_disconnect_mid_stream_frees_blocks(daemon):
     assert metric(daemon, 'finished_reason="abort"') == before + 1
 
 
+def test_client_disconnect_while_waiting_for_a_whole_response(daemon):
+    """Without streaming nothing is written until the end: the hang-up itself must abort."""
+    before = metric(daemon, 'finished_reason="abort"')
+    conn = UnixHTTPConnection(daemon.http_sock)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 480, "ignore_eos": True}),
+        headers={"Content-Type": "application/json"})
+    deadline = time.monotonic() + 10
+    while True:  # until the request runs
+        with RawConn(daemon.sock) as status_conn:
+            status_conn.send({"type": "status"})
+            if status_conn.recv()["num_running"] == 1:
+                break
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    wait_idle(daemon, timeout=5.0)
+    assert metric(daemon, 'finished_reason="abort"') == before + 1
+
+
 def metric(daemon, label: str) -> float:
     status, raw = unix_request(daemon.http_sock, "GET", "/metrics")
     lines = [line for line in raw.decode().splitlines() if line.startswith("llmd:request_success_total") and label in line]
@@ -371,6 +392,24 @@ def test_cache_salt_separates_prefix_cache_hits(complete):
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert again.usage.prompt_tokens_details.cached_tokens > 0
     assert other.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_tcp_port_needs_a_key_unless_turned_off(model, tmp_path):
+    port = free_port()
+    out = subprocess.run([sys.executable, "-m", "llmd.cli", "serve", "--model", model, "--socket",
+                          str(tmp_path / "a.sock"), "--http-port", str(port)],
+                         capture_output=True, text=True, timeout=60, env={**os.environ, "LLMD_API_KEY": ""})
+    assert out.returncode == 2 and "http_port needs an API key" in out.stderr
+    assert not list(tmp_path.iterdir())  # nothing bound, nothing left behind
+    d = Daemon(model, tmp_path / "b.sock", "--http-port", str(port), "--no-http-require-api-key").wait_ready()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("GET", "/api/version")
+        assert conn.getresponse().status == 200
+        conn.close()
+    finally:
+        assert d.stop() == 0, d.stderr()
+    assert not list(tmp_path.iterdir()) or all(p.suffix == ".log" for p in tmp_path.iterdir())
 
 
 def test_tcp_peer_uid_is_the_connecting_process():
