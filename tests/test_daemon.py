@@ -149,6 +149,21 @@ def test_bad_messages_get_clear_errors(daemon, payload, code):
     _assert_serves(daemon.sock)
 
 
+@pytest.mark.parametrize("payload, expected", [
+    ({"type": "submit", "prompt": "hi", "max_tokens": 3}, "unknown field `max_tokens`: sampling fields go in `sampling`"),
+    ({"prompt": "hi"}, "unknown or missing message type"),
+    ({"type": "submit", "prompt": "hi", "sampling": {"maxtokens": 3}}, "unknown field `maxtokens` - at `$.sampling`"),
+    ({"type": "submit", "prompt": "hi", "sampling": {"max_tokens": "many"}}, "got `str` - at `$.sampling.max_tokens`"),
+    ({"type": "submit", "prompt": "hi", "a`SECRET`b": 1}, "unknown field `<value>`"),
+])
+def test_error_messages_name_the_field_not_the_value(daemon, payload, expected):
+    with RawConn(daemon.sock, json_mode=True) as conn:
+        conn.send(payload)
+        reply = conn.recv()
+    assert reply["type"] == "error" and expected in reply["message"], reply
+    assert "many" not in reply["message"] and "SECRET" not in reply["message"]
+
+
 def test_garbage_frame_then_connection_still_usable(daemon):
     with RawConn(daemon.sock) as conn:
         conn.send_raw(struct.pack(">I", 5) + b"\xc1\xc1\xc1\xc1\xc1")  # 0xc1 is never valid msgpack
