@@ -1,22 +1,36 @@
 """After a known workload, the daemon's counters equal the exact numbers: requests by
 finish reason, prompt and generated tokens; the TTFT and E2E histograms count every
-request. Read back with prometheus_client's parser (an independent reader)."""
+request. Read back with prometheus_client's parser (an independent reader), which must
+see every family typed and every counter family holding its `_total` sample."""
 from __future__ import annotations
 
+import asyncio
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
+from prometheus_client import parser
 
 from daemon_util import Daemon, RawConn
+from llmd.actors.messages import RequestEvent, StepStats
+from llmd.actors.metrics import MetricsActor
+from llmd.spec_decode import SpecDecodeStats
 from llmd_tools.make_model import fixture_path
-
-parser = pytest.importorskip("prometheus_client.parser")
 
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:
+    """(sample name, labels but model_name) -> value, after checking the text is well-formed
+    for the official parser: no untyped family, no counter family without samples (what a
+    `# TYPE x counter` sampled as `x_total` by hand used to give)."""
     out = {}
     for family in parser.text_string_to_metric_families(text):
+        assert family.type != "unknown", family.name
+        assert family.samples, f"{family.type} family {family.name} has no samples"
+        if family.type == "counter":
+            assert {s.name for s in family.samples} == {family.name + "_total"}, family.name
+        if family.name.startswith("llmd:"):
+            assert all("model_name" in s.labels for s in family.samples), family.name
         for s in family.samples:
             labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
             out[(s.name, labels)] = s.value
@@ -75,6 +89,16 @@ def test_counters_equal_the_workload():
         # One gap per request per step after its first token; one queue time per request.
         assert early[("llmd:inter_token_latency_seconds_count", ())] == decoded
         assert early[("llmd:request_queue_time_seconds_count", ())] == 6
+        # Every request ran its three phases and produced more than one token.
+        for phase in ("prefill", "decode", "inference"):
+            assert early[(f"llmd:request_{phase}_time_seconds_count", ())] == 6
+        assert early[("llmd:request_time_per_output_token_seconds_count", ())] == 6
+        # The phases partition the latencies: TTFT = queue + prefill, E2E = queue + inference.
+        assert early[("llmd:time_to_first_token_seconds_sum", ())] == pytest.approx(
+            early[("llmd:request_queue_time_seconds_sum", ())] + early[("llmd:request_prefill_time_seconds_sum", ())])
+        assert early[("llmd:e2e_request_latency_seconds_sum", ())] == pytest.approx(
+            early[("llmd:request_queue_time_seconds_sum", ())] + early[("llmd:request_inference_time_seconds_sum", ())])
+        assert early[("llmd:request_success_total", (("finished_reason", "stop"),))] == 0  # exposed before any
         assert early[("llmd:grammar_compile_seconds_count", ())] == 0
         assert not any(name.startswith("llmd:spec_decode") for name, _ in early)  # speculation is off
         assert got[("llmd:request_queue_time_seconds_count", ())] in (6, 7)  # the abort may beat scheduling
@@ -142,3 +166,40 @@ def test_speculative_decoding_counters_equal_the_offline_engine():
                for i in range(len(ref.accepted_per_position))]
     assert per_pos == ref.accepted_per_position == spec["accepted_per_position"]
     assert spec["mean_accepted_length"] == pytest.approx(ref.mean_accepted_length)
+
+
+def test_every_family_parses_without_a_model():
+    """The exposition alone, fed events by hand: with speculative decoding and device
+    memory on, every family (spec-decode and GPU ones included) parses, with exact values."""
+    actor = MetricsActor(model="tiny", server_version="0", device="cuda:0", dtype="bfloat16", kv_blocks_total=8)
+    t0 = time.monotonic()  # health() compares with the clock
+    spec = SpecDecodeStats()
+    spec.record(3, 2)
+    spec.record(3, 0)
+    step = StepStats(time=t0 + 1.5, duration_s=0.01, num_reqs=1, num_tokens=4, num_prefill_tokens=4, num_decode_reqs=0,
+                     num_generated=1, generated={"r1": 1}, running_ids=["r1"], num_waiting=0, kv_blocks_used=2,
+                     kv_blocks_total=8, prefix_queries=4, prefix_hits=0, num_preemptions_total=0,
+                     grammar_compile_times=[0.02], spec=spec, device_memory_bytes=3 << 30)
+
+    async def feed() -> None:
+        await actor.handle(RequestEvent("r1", "queued", t0, uid=7, prompt_tokens=4))
+        await actor.handle(RequestEvent("r1", "scheduled", t0 + 0.5))
+        await actor.handle(step)
+        await actor.handle(RequestEvent("r1", "first_token", t0 + 1.5))
+
+    asyncio.run(feed())
+    got = samples(actor.prometheus())
+    assert got[("llmd:num_requests_running", ())] == 1 and got[("llmd:kv_cache_usage_perc", ())] == 0.25
+    assert got[("llmd:prefix_cache_queries_total", ())] == 4
+    assert got[("llmd:time_to_first_token_seconds_sum", ())] == pytest.approx(1.5)
+    assert got[("llmd:request_prefill_time_seconds_sum", ())] == pytest.approx(1.0)
+    assert got[("llmd:time_to_first_token_seconds_bucket", (("le", "2.5"),))] == 1
+    assert got[("llmd:time_to_first_token_seconds_bucket", (("le", "1.0"),))] == 0
+    assert got[("llmd:grammar_compile_seconds_count", ())] == 1
+    assert got[("llmd:gpu_memory_reserved_bytes", (("device", "cuda:0"),))] == 3 << 30
+    assert got[("llmd:spec_decode_num_drafts_total", ())] == 2
+    assert got[("llmd:spec_decode_num_accepted_tokens_total", ())] == 2
+    assert [got[("llmd:spec_decode_num_accepted_tokens_per_pos_total", (("position", str(i)),))]
+            for i in range(3)] == [1, 1, 0]
+    assert got[("process_resident_memory_bytes", ())] > 0  # prometheus_client's process collector
+    assert actor.health() == (True, "ok")

@@ -5,9 +5,14 @@ from __future__ import annotations
 import bisect
 import collections
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import psutil
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.utils import floatToGoString
 
 from llmd.actors.messages import Query, RequestEvent, StepStats
 from llmd.actors.runtime import Actor
@@ -35,14 +40,14 @@ class Histogram:
         self.sum += value
         self.count += 1
 
-    def lines(self, name: str) -> list[str]:
+    def cumulative_buckets(self) -> list[tuple[str, float]]:
+        """(upper bound, observations at or below it) pairs, "+Inf" last, as Prometheus
+        histograms are exposed; bounds are written as prometheus_client writes them."""
         out, cumulative = [], 0
         for bound, n in zip(self.buckets, self.counts):
             cumulative += n
-            out.append(f'{name}_bucket{{le="{bound}"}} {cumulative}')
-        out.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
-        out.append(f"{name}_sum {self.sum}")
-        out.append(f"{name}_count {self.count}")
+            out.append((floatToGoString(bound), cumulative))
+        out.append(("+Inf", self.count))
         return out
 
 
@@ -87,6 +92,9 @@ class MetricsActor(Actor):
         self.e2e = Histogram()
         self.queue_time = Histogram()
         self.tpot = Histogram()
+        self.prefill_time = Histogram()
+        self.decode_time = Histogram()
+        self.inference_time = Histogram()
         self.itl = Histogram()
         self.step_time = Histogram()
         self.prompt_tokens = Histogram(TOKEN_BUCKETS)
@@ -98,6 +106,12 @@ class MetricsActor(Actor):
         self.device_memory_bytes: int | None = None
         self.process = psutil.Process()
         self.process.cpu_percent(None)
+        # Our own registry, not prometheus_client's global one: the figures belong to this
+        # daemon (tests run several in one process), and the global one would add the
+        # client library's own Python collectors.
+        self.registry = CollectorRegistry()
+        self.registry.register(PrometheusCollector(self))
+        ProcessCollector(registry=self.registry)  # the standard process_* names (CPU seconds, RSS)
 
     async def handle(self, message: object) -> None:
         match message:
@@ -113,6 +127,8 @@ class MetricsActor(Actor):
                 if tracked is not None and tracked.first_token is None:
                     tracked.first_token = message.time
                     self.ttft.observe(message.time - tracked.queued)
+                    if tracked.scheduled is not None:
+                        self.prefill_time.observe(message.time - tracked.scheduled)
             case RequestEvent(kind="finished"):
                 tracked = self.requests.pop(message.request_id, None)
                 self.totals.prompt_tokens += message.prompt_tokens
@@ -121,9 +137,7 @@ class MetricsActor(Actor):
                 self.prompt_tokens.observe(message.prompt_tokens)
                 self.generation_tokens.observe(message.completion_tokens)
                 if tracked is not None:
-                    self.e2e.observe(message.time - tracked.queued)
-                    if tracked.first_token is not None and message.completion_tokens > 1:
-                        self.tpot.observe((message.time - tracked.first_token) / (message.completion_tokens - 1))
+                    self._finished(tracked, message)
             case StepStats():
                 self._step(message)
             case Query(kind=kind, uid=uid, admin=admin, reply=reply):
@@ -133,6 +147,17 @@ class MetricsActor(Actor):
                     reply.set_result(answers[kind]())
             case _:
                 raise TypeError(f"metrics actor got {type(message).__name__}")
+
+    def _finished(self, tracked: _Tracked, message: RequestEvent) -> None:
+        """Per-request latencies, phases split as vLLM splits them: queue (arrival to first
+        scheduled), prefill (to the first token), decode (first token to the end)."""
+        self.e2e.observe(message.time - tracked.queued)
+        if tracked.scheduled is not None:
+            self.inference_time.observe(message.time - tracked.scheduled)
+        if tracked.first_token is not None:
+            self.decode_time.observe(message.time - tracked.first_token)
+            if message.completion_tokens > 1:
+                self.tpot.observe((message.time - tracked.first_token) / (message.completion_tokens - 1))
 
     def _step(self, message: StepStats) -> None:
         self.last_step = message
@@ -190,23 +215,30 @@ class MetricsActor(Actor):
             return set()
         return {rid.split("\x00", 1)[0] for rid in self.last_step.running_ids}
 
+    def num_running(self) -> int:
+        running = self._running_parents()
+        return sum(1 for rid in self.requests if rid in running)
+
+    def kv_usage(self) -> float:
+        used = self.last_step.kv_blocks_used if self.last_step else 0
+        return used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
     def status(self, uid: int, admin: bool) -> StatusReply:
         now = time.monotonic()
         running = self._running_parents()
         step = self.last_step
-        used = step.kv_blocks_used if step else 0
         hits = step.prefix_hits if step else 0
         queries = step.prefix_queries if step else 0
         infos = [RequestInfo(request_id=rid, uid=t.uid, state="running" if rid in running else "waiting",
                              age_s=now - t.queued, prompt_tokens=t.prompt_tokens, completion_tokens=t.generated)
                  for rid, t in self.requests.items() if admin or t.uid == uid]
-        num_running = sum(1 for rid in self.requests if rid in running)
+        num_running = self.num_running()
         return StatusReply(
             model=self.model, server_version=self.server_version, uptime_s=now - self.started,
             device=self.device, dtype=self.dtype,
             num_running=num_running, num_waiting=len(self.requests) - num_running, requests=infos,
-            kv_blocks_total=self.kv_blocks_total, kv_blocks_used=used,
-            kv_usage=used / self.kv_blocks_total if self.kv_blocks_total else 0.0,
+            kv_blocks_total=self.kv_blocks_total, kv_blocks_used=step.kv_blocks_used if step else 0,
+            kv_usage=self.kv_usage(),
             prefix_cache_hit_rate=hits / queries if queries else 0.0,
             generation_tokens_per_s=self._tokens_per_s(),
             prompt_tokens_total=self.totals.prompt_tokens,
@@ -222,65 +254,8 @@ class MetricsActor(Actor):
         )
 
     def prometheus(self) -> str:
-        s = self.status(0, True)
-        step = self.last_step
-        lines: list[str] = []
-
-        def metric(name: str, kind: str, help_text: str, samples: list[str]) -> None:
-            lines.append(f"# HELP llmd:{name} {help_text}")
-            lines.append(f"# TYPE llmd:{name} {kind}")
-            lines.extend(samples)
-
-        m = f'model_name="{self.model}"'
-        metric("num_requests_running", "gauge", "Requests in the running batch.", [f"llmd:num_requests_running{{{m}}} {s.num_running}"])
-        metric("num_requests_waiting", "gauge", "Requests waiting to be scheduled.", [f"llmd:num_requests_waiting{{{m}}} {s.num_waiting}"])
-        metric("kv_cache_usage_perc", "gauge", "Fraction of KV cache blocks in use.", [f"llmd:kv_cache_usage_perc{{{m}}} {s.kv_usage}"])
-        metric("prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache.",
-               [f"llmd:prefix_cache_queries_total{{{m}}} {step.prefix_queries if step else 0}"])
-        metric("prefix_cache_hits", "counter", "Prompt tokens served from the prefix cache.",
-               [f"llmd:prefix_cache_hits_total{{{m}}} {step.prefix_hits if step else 0}"])
-        metric("num_preemptions", "counter", "Requests preempted for lack of KV blocks.",
-               [f"llmd:num_preemptions_total{{{m}}} {step.num_preemptions_total if step else 0}"])
-        metric("prompt_tokens", "counter", "Prompt tokens of finished requests.", [f"llmd:prompt_tokens_total{{{m}}} {s.prompt_tokens_total}"])
-        metric("generation_tokens", "counter", "Generated tokens of finished requests.",
-               [f"llmd:generation_tokens_total{{{m}}} {s.generation_tokens_total}"])
-        metric("request_success", "counter", "Finished requests by finish reason.",
-               [f'llmd:request_success_total{{{m},finished_reason="{r}"}} {n}' for r, n in sorted(self.totals.finished.items())]
-               or [f'llmd:request_success_total{{{m},finished_reason="stop"}} 0'])
-        metric("scheduled_prefill_tokens", "counter", "Tokens computed in prefill rows (prompt chunks; recomputation after preemption too).",
-               [f"llmd:scheduled_prefill_tokens_total{{{m}}} {self.totals.prefill_tokens}"])
-        metric("scheduled_decode_tokens", "counter", "Tokens computed in decode rows (the new token, plus drafts being verified).",
-               [f"llmd:scheduled_decode_tokens_total{{{m}}} {self.totals.decode_tokens}"])
-        for name, hist, text in (("time_to_first_token_seconds", self.ttft, "Time to first token."),
-                                 ("e2e_request_latency_seconds", self.e2e, "End-to-end request latency."),
-                                 ("request_queue_time_seconds", self.queue_time, "Time from arrival to first scheduled."),
-                                 ("time_per_output_token_seconds", self.tpot, "Mean time per output token after the first."),
-                                 ("inter_token_latency_seconds", self.itl, "Time between steps that gave a request tokens."),
-                                 ("request_prompt_tokens", self.prompt_tokens, "Prompt tokens per finished request."),
-                                 ("request_generation_tokens", self.generation_tokens, "Generated tokens per finished request."),
-                                 ("iteration_tokens_total", self.step_tokens, "Tokens scheduled per engine step."),
-                                 ("batch_size", self.batch_size, "Requests per engine step."),
-                                 ("step_duration_seconds", self.step_time, "Engine step duration."),
-                                 ("grammar_compile_seconds", self.grammar_compile, "Guided decoding grammar compile time.")):
-            metric(name, "histogram", text, _labelled(hist.lines(f"llmd:{name}"), m))
-        if self.spec is not None:
-            spec = self.spec
-            for name, value, text in (("spec_decode_num_drafts", spec.num_drafts, "Steps that verified drafts."),
-                                      ("spec_decode_num_draft_tokens", spec.num_draft_tokens, "Draft tokens verified."),
-                                      ("spec_decode_num_accepted_tokens", spec.num_accepted_tokens, "Draft tokens accepted.")):
-                metric(name, "counter", text, [f"llmd:{name}_total{{{m}}} {value}"])
-            metric("spec_decode_num_accepted_tokens_per_pos", "counter", "Accepted drafts by position (0 = first).",
-                   [f'llmd:spec_decode_num_accepted_tokens_per_pos_total{{{m},position="{i}"}} {n}'
-                    for i, n in enumerate(spec.accepted_per_position)])
-        if self.device_memory_bytes is not None:
-            metric("gpu_memory_reserved_bytes", "gauge", "Device memory held by the model's torch allocator (rank 0).",
-                   [f'llmd:gpu_memory_reserved_bytes{{{m},device="{self.device}"}} {self.device_memory_bytes}'])
-        metric("process_resident_memory_bytes", "gauge", "Resident memory of the daemon.",
-               [f"llmd:process_resident_memory_bytes {s.rss_bytes}"])
-        cpu = self.process.cpu_times()
-        metric("process_cpu_seconds", "counter", "CPU time of the daemon process (user + system).",
-               [f"llmd:process_cpu_seconds_total {cpu.user + cpu.system}"])
-        return "\n".join(lines) + "\n"
+        """The Prometheus text exposition (format 0.0.4) of this daemon's registry."""
+        return generate_latest(self.registry).decode()
 
 
 def _spec_info(spec: SpecDecodeStats | None) -> SpecDecodeInfo | None:
@@ -292,13 +267,112 @@ def _spec_info(spec: SpecDecodeStats | None) -> SpecDecodeInfo | None:
                           acceptance_rate=spec.acceptance_rate, mean_accepted_length=spec.mean_accepted_length)
 
 
-def _labelled(lines: list[str], label: str) -> list[str]:
-    out = []
-    for line in lines:
-        name, value = line.rsplit(" ", 1)
-        if "{" in name:
-            name = name.replace("{", "{" + label + ",", 1)
-        else:
-            name = f"{name}{{{label}}}"
-        out.append(f"{name} {value}")
-    return out
+
+FINISH_REASONS = ("stop", "length", "abort", "error")  # always exposed, 0 until seen
+
+
+class PrometheusCollector:
+    """The metrics actor's state as Prometheus metric families, read at scrape time.
+
+    A collector rather than prometheus_client's Counter and Histogram objects: the actor
+    already keeps every total and histogram (the `status` reply reads them too); several
+    figures arrive from the scheduler as running totals (prefix-cache, preemption and
+    speculative-decoding counts), which a Counter could only mirror by incrementing
+    deltas; and running versus waiting is derived from the last step. Scrapes run on the
+    actor's own task, between messages, so each one sees a consistent state."""
+
+    def __init__(self, actor: MetricsActor) -> None:
+        self.actor = actor
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._gauges()
+        yield from self._counters()
+        yield from self._histograms()
+        yield from self._spec_decode()
+
+    def _gauges(self) -> Iterator[Metric]:
+        actor, model = self.actor, self.actor.model
+        running = actor.num_running()
+        yield _gauge("num_requests_running", "Requests in the running batch.", model, running)
+        yield _gauge("num_requests_waiting", "Requests waiting to be scheduled.", model, len(actor.requests) - running)
+        yield _gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).", model, actor.kv_usage())
+        if actor.device_memory_bytes is not None:
+            family = GaugeMetricFamily("llmd:gpu_memory_reserved_bytes",
+                                       "Device memory held by the model's torch allocator (rank 0).",
+                                       labels=["model_name", "device"])
+            family.add_metric([model, actor.device], actor.device_memory_bytes)
+            yield family
+
+    def _counters(self) -> Iterator[Metric]:
+        actor, model = self.actor, self.actor.model
+        step, totals = actor.last_step, actor.totals
+        yield _counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", model,
+                       step.prefix_queries if step else 0)
+        yield _counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", model,
+                       step.prefix_hits if step else 0)
+        yield _counter("num_preemptions", "Requests preempted for lack of KV blocks.", model,
+                       step.num_preemptions_total if step else 0)
+        yield _counter("prompt_tokens", "Prompt tokens of finished requests.", model, totals.prompt_tokens)
+        yield _counter("generation_tokens", "Generated tokens of finished requests.", model, totals.generation_tokens)
+        finished = {reason: 0 for reason in FINISH_REASONS} | dict(totals.finished)
+        yield _counter_by("request_success", "Finished requests by finish reason.", model, "finished_reason",
+                          finished)
+        yield _counter("scheduled_prefill_tokens",
+                       "Tokens computed in prefill rows (prompt chunks; recomputation after preemption too).",
+                       model, totals.prefill_tokens)
+        yield _counter("scheduled_decode_tokens",
+                       "Tokens computed in decode rows (the new token, plus drafts being verified).",
+                       model, totals.decode_tokens)
+
+    def _histograms(self) -> Iterator[Metric]:
+        actor = self.actor
+        for name, histogram, text in (
+                ("time_to_first_token_seconds", actor.ttft, "Time from arrival to the first token."),
+                ("e2e_request_latency_seconds", actor.e2e, "End-to-end request latency."),
+                ("request_queue_time_seconds", actor.queue_time, "Time from arrival to first scheduled."),
+                ("request_prefill_time_seconds", actor.prefill_time, "Time from first scheduled to the first token."),
+                ("request_decode_time_seconds", actor.decode_time, "Time from the first token to the end."),
+                ("request_inference_time_seconds", actor.inference_time, "Time from first scheduled to the end."),
+                ("request_time_per_output_token_seconds", actor.tpot,
+                 "Per request: mean time per output token after the first."),
+                ("inter_token_latency_seconds", actor.itl, "Time between steps that gave a request tokens."),
+                ("request_prompt_tokens", actor.prompt_tokens, "Prompt tokens per finished request."),
+                ("request_generation_tokens", actor.generation_tokens, "Generated tokens per finished request."),
+                ("iteration_tokens_total", actor.step_tokens, "Tokens scheduled per engine step."),
+                ("batch_size", actor.batch_size, "Requests per engine step."),
+                ("step_duration_seconds", actor.step_time, "Engine step duration."),
+                ("grammar_compile_seconds", actor.grammar_compile, "Guided decoding grammar compile time.")):
+            family = HistogramMetricFamily(f"llmd:{name}", text, labels=["model_name"])
+            family.add_metric([actor.model], histogram.cumulative_buckets(), histogram.sum)
+            yield family
+
+    def _spec_decode(self) -> Iterator[Metric]:
+        spec, model = self.actor.spec, self.actor.model
+        if spec is None:  # speculative decoding is off: no such families, as in vLLM
+            return
+        yield _counter("spec_decode_num_drafts", "Steps that verified drafts.", model, spec.num_drafts)
+        yield _counter("spec_decode_num_draft_tokens", "Draft tokens verified.", model, spec.num_draft_tokens)
+        yield _counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", model, spec.num_accepted_tokens)
+        yield _counter_by("spec_decode_num_accepted_tokens_per_pos", "Accepted drafts by position (0 = first).",
+                          model, "position", {str(i): n for i, n in enumerate(spec.accepted_per_position)})
+
+
+def _gauge(name: str, text: str, model: str, value: float) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(f"llmd:{name}", text, labels=["model_name"])
+    family.add_metric([model], value)
+    return family
+
+
+def _counter(name: str, text: str, model: str, value: float) -> CounterMetricFamily:
+    """A counter family `llmd:<name>`, sampled as `llmd:<name>_total`."""
+    family = CounterMetricFamily(f"llmd:{name}", text, labels=["model_name"])
+    family.add_metric([model], value)
+    return family
+
+
+def _counter_by(name: str, text: str, model: str, label: str, counts: Mapping[str, float]) -> CounterMetricFamily:
+    """A counter family with one sample per value of `label`."""
+    family = CounterMetricFamily(f"llmd:{name}", text, labels=["model_name", label])
+    for key, count in counts.items():
+        family.add_metric([model, key], count)
+    return family
