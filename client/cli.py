@@ -1,7 +1,9 @@
 """`llmctl`: talk to a running llmd from the shell.
 
 Exit codes: 0 ok, 1 the daemon refused or failed the request, 2 usage error,
-3 the daemon is not running, 130 interrupted (the request is aborted).
+3 the daemon is not running, 4 the request was aborted (`llmctl abort` from elsewhere,
+or the daemon shutting down), 5 guided output cut short by --max-tokens (it does not
+follow its grammar yet), 130 interrupted (the request is aborted).
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ from llmd_client.results import Result
 
 EXIT_REQUEST_ERROR = 1
 EXIT_NOT_RUNNING = 3
+EXIT_ABORTED = 4
+EXIT_GUIDED_CUT = 5
 EXIT_INTERRUPTED = 130
 
 
@@ -45,6 +49,7 @@ def _exit_codes(interrupted_line: list[bool] | None = None) -> Iterator[None]:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="llmd", prog_name="llmctl", message="%(prog)s %(version)s")
 @click.option("--socket", "socket_path", metavar="PATH",
               help="The daemon's socket [default: $LLMD_SOCKET, /run/llmd/llmd.sock if present, "
                    "else $XDG_RUNTIME_DIR/llmd.sock].")
@@ -69,59 +74,87 @@ def _read_prompt(prompt: str | None, file: IO[str] | None) -> str:
     return stdin.read()
 
 
+def sampling_options(func):
+    """A flag for every sampling field a person would set from the shell."""
+    for option in reversed([
+        click.option("--max-tokens", type=int, help="Most tokens to generate [default: 16; chat: to the context's end]."),
+        click.option("--min-tokens", type=int, help="Generate at least this many tokens before a stop counts."),
+        click.option("--temperature", type=float, help="0 for greedy [default: 1.0]."),
+        click.option("--top-p", type=float, help="Sample from the smallest set of tokens with this much probability."),
+        click.option("--top-k", type=int, help="Sample from the k most likely tokens (0: all)."),
+        click.option("--min-p", type=float, help="Drop tokens less likely than min-p times the most likely one."),
+        click.option("--seed", type=int, help="Seed for reproducible sampling."),
+        click.option("--presence-penalty", type=float, help="Penalise tokens already generated (-2..2)."),
+        click.option("--frequency-penalty", type=float, help="Penalise tokens by how often they were generated (-2..2)."),
+        click.option("--repetition-penalty", type=float, help="Divide the logits of tokens seen so far (1: off)."),
+        click.option("--stop", multiple=True, help="Stop string (repeatable)."),
+        click.option("--stop-token-id", "stop_token_ids", type=int, multiple=True, help="Stop token id (repeatable)."),
+        click.option("--ignore-eos", is_flag=True, default=None, help="Keep generating past the end-of-sequence token."),
+        click.option("--include-stop-str", "include_stop_str_in_output", is_flag=True, default=None,
+                     help="Keep the stop string at the end of the text."),
+        click.option("--logprobs", type=int, help="Log probabilities of the top N tokens per position (in --json)."),
+        click.option("--no-skip-special-tokens", "skip_special_tokens", flag_value=False, default=None,
+                     help="Show special tokens in the text."),
+        click.option("--no-speculative", "speculative", flag_value=False, default=None,
+                     help="No speculative decoding for this request."),
+        click.option("--json-schema", "json_schema", type=click.File("r"), metavar="FILE",
+                     help="Guided decoding: the output is JSON valid under the schema in FILE."),
+        click.option("--json-object", is_flag=True, help="Guided decoding: the output is a JSON object."),
+        click.option("--regex", help="Guided decoding: the output matches this regular expression."),
+        click.option("--choice", help="Guided decoding: the output is one of these comma-separated strings."),
+        click.option("--grammar", type=click.File("r"), metavar="FILE",
+                     help="Guided decoding: the output follows the EBNF grammar in FILE (rule root)."),
+        click.option("--whitespace", type=click.Choice(["compact", "pretty", "any"]),
+                     help="JSON layout under --json-schema/--json-object [default: compact]."),
+    ]):
+        func = option(func)
+    return func
+
+
+_GUIDED_FLAGS = ("json_schema", "json_object", "regex", "choice", "grammar", "whitespace")
+
+
+def sampling_from(flags: dict[str, Any], **defaults: Any) -> SamplingParams:
+    """SamplingParams from the flags of sampling_options (a usage error names the flag)."""
+    guided = _guided_params(*(flags.pop(name) for name in _GUIDED_FLAGS))
+    given = {k: (list(v) or None) if isinstance(v, tuple) else v for k, v in flags.items()}
+    try:
+        return SamplingParams(**{**defaults, **{k: v for k, v in given.items() if v is not None}}, guided=guided)
+    except ValueError as exc:  # names the field and its limit
+        field = str(exc).split(" ", 1)[0].split(".", 1)[0]
+        raise click.BadParameter(str(exc), param_hint=f"--{field.replace('_', '-')}") from None
+
+
 @cli.command()
 @click.argument("prompt", required=False)
 @click.option("--file", "-f", type=click.File("r"), help="Read the prompt from a file (- for stdin).")
-@click.option("--max-tokens", type=int, help="Most tokens to generate [default: 16].")
-@click.option("--temperature", type=float, help="0 for greedy [default: 1.0].")
-@click.option("--top-p", type=float)
-@click.option("--top-k", type=int)
-@click.option("--seed", type=int)
-@click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--n", "n", type=int, help="Number of samples.")
-@click.option("--json-schema", "json_schema", type=click.File("r"), metavar="FILE",
-              help="Guided decoding: the output is JSON valid under the schema in FILE.")
-@click.option("--json-object", is_flag=True, help="Guided decoding: the output is a JSON object.")
-@click.option("--regex", help="Guided decoding: the output matches this regular expression.")
-@click.option("--choice", help="Guided decoding: the output is one of these comma-separated strings.")
-@click.option("--grammar", type=click.File("r"), metavar="FILE",
-              help="Guided decoding: the output follows the EBNF grammar in FILE (rule root).")
-@click.option("--whitespace", type=click.Choice(["compact", "pretty", "any"]),
-              help="JSON layout under --json-schema/--json-object [default: compact].")
+@sampling_options
 @click.option("--stream/--no-stream", default=None,
               help="Print text as it is generated [default: when stdout is a terminal].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object when done.")
 @click.pass_context
-def submit(ctx: click.Context, prompt: str | None, file: IO[str] | None, max_tokens: int | None,
-           temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
-           stop: tuple[str, ...], n: int | None, json_schema: IO[str] | None, json_object: bool,
-           regex: str | None, choice: str | None, grammar: IO[str] | None, whitespace: str | None,
-           stream: bool | None, as_json: bool) -> None:
+def submit(ctx: click.Context, prompt: str | None, file: IO[str] | None, n: int | None, stream: bool | None,
+           as_json: bool, **flags: Any) -> None:
     """Generate a completion of PROMPT (or of --file, or of stdin)."""
-    guided = _guided_params(json_schema, json_object, regex, choice, grammar, whitespace)
+    params = sampling_from({**flags, "n": n})
     text = _read_prompt(prompt, file)
-    given = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                 stop=list(stop) or None, n=n, guided=guided)
-    try:
-        params = SamplingParams(**{k: v for k, v in given.items() if v is not None})
-    except ValueError as exc:  # names the field and its limit
-        field = str(exc).split(" ", 1)[0]
-        raise click.BadParameter(str(exc), param_hint=f"--{field.replace('_', '-')}") from None
     if stream is None:
         stream = sys.stdout.isatty()
     line_open = [False]
-    error = None
     with _exit_codes(line_open), Client(ctx.obj) as client:
         if stream and not as_json and params.n == 1:
             out = sys.stdout
+            error = finish_reason = None
             for delta in client.stream(text, sampling=params):
                 if delta.text:
                     out.write(delta.text)
                     out.flush()
                     line_open[0] = True
                 error = delta.error or error
+                finish_reason = delta.finish_reason or finish_reason
             click.echo()
-            _fail_on_error(ctx, error)
+            _exit_for_outcome(ctx, [finish_reason], error, params.guided is not None)
             return
         result = client.generate(text, sampling=params)
         if as_json:
@@ -132,7 +165,58 @@ def submit(ctx: click.Context, prompt: str | None, file: IO[str] | None, max_tok
             for completion in result.outputs:
                 click.echo(f"--- sample {completion.index} ({completion.finish_reason}) ---")
                 click.echo(completion.text)
-        _fail_on_error(ctx, next((c.error for c in result.outputs if c.error), None))
+        _exit_for_outcome(ctx, [c.finish_reason for c in result.outputs],
+                          next((c.error for c in result.outputs if c.error), None), params.guided is not None)
+
+
+@cli.command()
+@click.option("--system", help="A system message opening the conversation.")
+@sampling_options
+@click.pass_context
+def chat(ctx: click.Context, system: str | None, **flags: Any) -> None:
+    """Chat with the model: one line per turn, replies streamed; the conversation is kept.
+    Ctrl-C stops the reply being written (the turn is dropped), Ctrl-D or /quit leaves."""
+    params = sampling_from(flags, max_tokens=None)
+    messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    tty = sys.stdin.isatty()
+    with _exit_codes(), Client(ctx.obj) as client:
+        while True:
+            try:
+                line = input("> ") if tty else sys.stdin.readline()
+            except (EOFError, KeyboardInterrupt):
+                click.echo()
+                return
+            if not line or line.strip() == "/quit":
+                return
+            if not line.strip():
+                continue
+            messages.append({"role": "user", "content": line.rstrip("\n")})
+            reply = _chat_turn(client, messages, params)
+            if reply is None:
+                messages.pop()  # interrupted: this turn never happened
+            else:
+                messages.append({"role": "assistant", "content": reply})
+
+
+def _chat_turn(client: Client, messages: list[dict[str, str]], params: SamplingParams) -> str | None:
+    """Stream one reply; None when Ctrl-C cut it short (the request is aborted)."""
+    parts: list[str] = []
+    stream = client.stream(messages=messages, sampling=params)
+    try:
+        for delta in stream:
+            if delta.text:
+                parts.append(delta.text)
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+            if delta.error:
+                click.echo(f"\nllmctl: error: {delta.error}", err=True)
+                return None
+    except KeyboardInterrupt:
+        stream.close()
+        click.echo("\n(interrupted)", err=True)
+        return None
+    click.echo()
+    return "".join(parts)
 
 
 def _guided_params(json_schema: IO[str] | None, json_object: bool, regex: str | None, choice: str | None,
@@ -154,11 +238,21 @@ def _guided_params(json_schema: IO[str] | None, json_object: bool, regex: str | 
         raise click.BadParameter(str(exc), param_hint=f"--{next(iter(given)).replace('_', '-')}") from None
 
 
-def _fail_on_error(ctx: click.Context, error: str | None) -> None:
-    """A request the daemon accepted but then failed (e.g. its grammar did not compile)."""
+def _exit_for_outcome(ctx: click.Context, finish_reasons: list[str | None], error: str | None,
+                      guided: bool) -> None:
+    """A request the daemon accepted but then failed (e.g. its grammar did not compile),
+    aborted, or (guided) cut short: a line on stderr and an exit code of its own."""
     if error is not None:
         click.echo(f"llmctl: error: {error}", err=True)
         ctx.exit(EXIT_REQUEST_ERROR)
+    if "abort" in finish_reasons:
+        click.echo("llmctl: the request was aborted (by `llmctl abort`, or the daemon is shutting down); "
+                   "the text is incomplete", err=True)
+        ctx.exit(EXIT_ABORTED)
+    if guided and "length" in finish_reasons:
+        click.echo("llmctl: the output reached --max-tokens before its grammar was complete: it is cut short "
+                   "(raise --max-tokens)", err=True)
+        ctx.exit(EXIT_GUIDED_CUT)
 
 
 def _result_json(result: Result) -> dict[str, Any]:
@@ -170,7 +264,8 @@ def _result_json(result: Result) -> dict[str, Any]:
         "stop_reason": result.stop_reason,
         "usage": msgspec.to_builtins(result.usage),
         "outputs": [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
-                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason, "error": c.error}
+                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason, "error": c.error,
+                     **({"logprobs": msgspec.to_builtins(c.logprobs)} if c.logprobs is not None else {})}
                     for c in result.outputs],
     }
 

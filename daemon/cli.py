@@ -9,7 +9,7 @@ import typing
 
 import click
 
-from llmd.config import EngineConfig
+from llmd.config import SETTING_HELP, EngineConfig
 
 # Engine settings that get dedicated spellings below; the rest are generated from
 # EngineConfig so the command line and the TOML file share every name.
@@ -24,15 +24,23 @@ def engine_options(func):
         hint = hints[name]
         flag = "--" + name.replace("_", "-")
         args = typing.get_args(hint)
+        default = getattr(EngineConfig(), name)
+        help_text = SETTING_HELP[name] + ("" if default is None else f" [default: {_shown(default)}]")
         if hint is bool:
-            option = click.option(f"{flag}/--no-{name.replace('_', '-')}", name, default=None)
+            option = click.option(f"{flag}/--no-{name.replace('_', '-')}", name, default=None, help=help_text)
         elif typing.get_origin(hint) is typing.Literal:
-            option = click.option(flag, name, type=click.Choice(args), default=None)
+            option = click.option(flag, name, type=click.Choice(args), default=None, help=help_text)
         else:
             base = next((a for a in args if a is not type(None)), hint) if isinstance(hint, types.UnionType) else hint
-            option = click.option(flag, name, type=base, default=None)
+            option = click.option(flag, name, type=base, default=None, help=help_text)
         func = option(func)
     return func
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
 
 
 class _Commands(click.Group):
@@ -60,17 +68,23 @@ def _json_object(ctx: click.Context, param: click.Parameter, value: str | None) 
     return parsed
 
 
-@click.group(cls=_Commands)
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="llmd", prog_name="llmd", message="%(prog)s %(version)s")
 def main() -> None:
     """llmd: a local LLM inference daemon."""
 
 
 @main.command()
 @click.option("--model", default=None, help="Local Hugging Face model directory (default: built-in demo model).")
-@click.option("--socket", "socket_path", default=None, help="Unix socket path.")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default=None)
-@click.option("--tp", "tensor_parallel_size", type=int, default=None, help="Tensor parallel size.")
-@click.option("--config", "config_file", default=None, help="TOML settings file.")
+@click.option("--socket", "socket_path", default=None,
+              help="Unix socket path [default: $LLMD_SOCKET, /run/llmd/llmd.sock as root, else "
+                   "$XDG_RUNTIME_DIR/llmd.sock].")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default=None,
+              help="auto: CUDA when available, else CPU [default: auto].")
+@click.option("--tp", "tensor_parallel_size", type=int, default=None,
+              help="Tensor parallel size: worker processes (one per GPU) to shard the model over [default: 1].")
+@click.option("--config", "config_file", default=None,
+              help="TOML settings file (keys as these options' names with _; options override it).")
 @click.option("--drain-timeout-s", type=float, default=None, help="On SIGTERM, let requests finish this long.")
 @click.option("--admin-group", default=None, help="Group whose members may see and abort all requests.")
 @click.option("--metrics-port", type=click.IntRange(1, 65535), default=None,
@@ -91,7 +105,8 @@ def main() -> None:
               help="Share cached prompt prefixes only within one user (default) or across users.")
 @click.option("--health-stall-s", type=float, default=None,
               help="/health fails when requests wait and no engine step ended for this long (default 60).")
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None)
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None,
+              help="Log messages from this level up, to stderr [default: info].")
 @click.option("--speculative-config", "speculative_config", callback=_json_object, default=None,
               help='Speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'.')
 @engine_options

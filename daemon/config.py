@@ -112,6 +112,37 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
               f"must be > 0, got {self.guided_decoding_compile_timeout_s}")
 
 
+# What each engine setting does, for `llmd serve --help` (and the benchmarks' options).
+# A test keeps it complete.
+SETTING_HELP: dict[str, str] = {
+    "model": "Local Hugging Face model directory (default: the built-in model).",
+    "dtype": "Weights and activations; auto: the model's own dtype (bfloat16 on CUDA).",
+    "device": "auto: CUDA when available, else CPU.",
+    "block_size": "Tokens per KV-cache block (a power of two, 1..512).",
+    "max_model_len": "Longest sequence, prompt + output, in tokens (default: the model's maximum).",
+    "max_num_seqs": "Most sequences in one batch.",
+    "max_num_batched_tokens": "Token budget of one step: prefill chunks plus decode tokens.",
+    "long_prefill_token_threshold": "Chunk prefills longer than this per step; 0: only by the step budget.",
+    "enable_prefix_caching": "Reuse the KV cache of shared prompt prefixes.",
+    "scheduling_policy": "fcfs, or priority (lower `priority` values first).",
+    "num_gpu_blocks_override": "KV pool size in blocks, on any device (overrides the sizing).",
+    "kv_cache_memory_bytes": "KV pool size in bytes, on any device.",
+    "gpu_memory_utilization": "CUDA: fraction of device memory llmd may use (weights, activations, KV).",
+    "cpu_kv_cache_fraction": "CPU: fraction of available RAM for the KV cache when no size is given.",
+    "tensor_parallel_size": "GPUs (or CPU processes) to shard the model over; must divide its heads.",
+    "distributed_executor_backend": "uni: the model runs in the daemon; mp: in a worker process per device.",
+    "enforce_eager": "No CUDA graphs (slower; for debugging).",
+    "async_scheduling": "Schedule the next step while the model runs this one.",
+    "attention_backend": "Paged attention kernels; auto: flash-attn or Triton on CUDA, PyTorch on CPU.",
+    "cpu_threads": "CPU: torch threads for the model per rank (default: all cores).",
+    "speculative_config": "Speculative decoding as JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'.",
+    "seed": "Seed of the engine's random generator (a request's own seed overrides it).",
+    "max_logprobs": "Largest number of logprobs a request may ask for (1..20).",
+    "tokenizer": "Tokenizer directory (default: the model's).",
+    "guided_decoding_compile_timeout_s": "A grammar compiling longer than this fails its requests.",
+}
+
+
 def load_engine_config(**settings: Any) -> EngineConfig:
     """Build an EngineConfig from keyword settings, with a readable error for unknown names."""
     known = set(EngineConfig.__struct_fields__)

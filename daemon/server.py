@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import grp
+import importlib.metadata
 import logging
 import os
 import signal
@@ -23,7 +24,10 @@ from llmd.config import EngineConfig
 from llmd_client.socket_path import SYSTEM_SOCKET, USER_SOCKET_NAME, http_socket_path
 
 logger = logging.getLogger("llmd.server")
-SERVER_VERSION = "0.1.0"
+try:
+    SERVER_VERSION = importlib.metadata.version("llmd")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
+    SERVER_VERSION = "0+unknown"
 
 
 class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -104,6 +104,50 @@ def test_llmctl_submit_status_metrics(daemon, offline):
     assert bad.returncode == 1 and "unknown_id" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_llmctl_sampling_flags_match_the_client(daemon):
+    flags = ["--temperature", "0.7", "--top-k", "20", "--min-p", "0.05", "--seed", "3", "--presence-penalty", "0.5",
+             "--repetition-penalty", "1.2", "--ignore-eos", "--max-tokens", "12", "--logprobs", "2"]
+    out = llmctl(daemon, "submit", PROMPT, *flags, "--json")
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    with Client(socket=daemon.sock) as client:
+        ref = client.generate(PROMPT, temperature=0.7, top_k=20, min_p=0.05, seed=3, presence_penalty=0.5,
+                              repetition_penalty=1.2, ignore_eos=True, max_tokens=12, logprobs=2)
+    assert got["token_ids"] == ref.token_ids and got["finish_reason"] == "length"
+    assert len(got["outputs"][0]["logprobs"]) == 12
+    bad = llmctl(daemon, "submit", PROMPT, "--min-p", "3")
+    assert bad.returncode == 2 and "--min-p" in bad.stderr
+
+
+def test_llmctl_exit_codes_for_abort_and_limits(daemon):
+    proc = subprocess.Popen([LLMCTL, "--socket", daemon.sock, "submit", "hi", "--max-tokens", "240", "--ignore-eos",
+                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    with Client(socket=daemon.sock) as client:
+        while not (running := client.status().requests):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.01)
+    aborted = llmctl(daemon, "abort", running[0].request_id)
+    assert aborted.returncode == 0, aborted.stderr
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 4 and "aborted" in stderr
+    assert json.loads(stdout)["finish_reason"] == "abort"
+    too_long = llmctl(daemon, "submit", "hi", "--max-tokens", "5000")
+    assert too_long.returncode == 1 and "max_model_len (256)" in too_long.stderr and "5000" in too_long.stderr
+
+
+def test_llmctl_chat_keeps_the_conversation(daemon):
+    out = llmctl(daemon, "chat", "--temperature", "0", "--max-tokens", "6", "--system", "Be brief.",
+                 input="hello there\nand again\n")
+    assert out.returncode == 0, out.stderr
+    with Client(socket=daemon.sock) as client:
+        history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"}]
+        first = client.chat(history, temperature=0, max_tokens=6).text
+        history += [{"role": "assistant", "content": first}, {"role": "user", "content": "and again"}]
+        second = client.chat(history, temperature=0, max_tokens=6).text
+    assert out.stdout == f"{first}\n{second}\n"
+
+
 def test_llmctl_without_daemon_says_so(tmp_path):
     out = subprocess.run([LLMCTL, "--socket", str(tmp_path / "none.sock"), "status"],
                          capture_output=True, text=True, timeout=30)

@@ -125,9 +125,11 @@ def test_llmctl_guided_flags(daemon, tmp_path):
     jsonschema.validate(json.loads(result["text"]), PERSON)
     done = llmctl(daemon, "--json-object", "--max-tokens", "250", "--temperature", "0", "--json", "{")
     result = json.loads(done.stdout)
-    assert done.returncode == 0 and result["text"].startswith("{")
+    assert result["text"].startswith("{")
     if result["finish_reason"] == "stop":
-        assert isinstance(json.loads(result["text"]), dict)
+        assert done.returncode == 0 and isinstance(json.loads(result["text"]), dict)
+    else:  # a random model may not close the object within max_tokens: exit 5, and a warning
+        assert done.returncode == 5 and "cut short" in done.stderr
     refused = llmctl(daemon, "--regex", "a(b", "x")
     assert refused.returncode == 1 and "Regex parsing error" in refused.stderr
     both = llmctl(daemon, "--regex", "a", "--choice", "a,b", "x")

@@ -282,11 +282,12 @@ class IntakeActor(Actor):
         await conn.serve()
 
     async def admit(self, submit: Submit, uid: int, sink: RequestSink, *,
-                    strict_max_tokens: bool = False) -> Error | PreparedRequest:
+                    strict_max_tokens: bool = True) -> Error | PreparedRequest:
         """Validate and tokenize `submit` (in the pool), then hand it to the detokenizer and
         the scheduler with `sink` as its destination. An Error (naming the field and the
-        limit) means nothing was started. With `strict_max_tokens` a prompt plus max_tokens
-        past max_model_len is refused instead of shortened (the OpenAI API's rule)."""
+        limit) means nothing was started. A prompt plus max_tokens past max_model_len is
+        refused (vLLM's rule), or with `strict_max_tokens=False` shortened to fit (Ollama's
+        num_predict and llama.cpp's n_predict mean "at most")."""
         client_id = sink.client_id
         if submit.cache_salt is not None and len(submit.cache_salt) > MAX_CACHE_SALT_CHARS:
             return Error(code="invalid_params", id=client_id,

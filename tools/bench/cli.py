@@ -23,7 +23,8 @@ def _model(func):
     """The model options of the offline benchmarks (engine settings follow the others)."""
     for option in reversed([
         click.option("--model", default=None, help="Local Hugging Face model directory (default: built-in demo model)."),
-        click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default=None),
+        click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default=None,
+                     help="auto: CUDA when available, else CPU."),
         click.option("--tp", "tensor_parallel_size", type=int, default=None, help="Tensor parallel size."),
     ]):
         func = option(func)
@@ -55,11 +56,14 @@ def _run(func, *args, **kwargs):
 
 @bench.command()
 @_model
-@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True)
-@click.option("--input-len", type=click.IntRange(min=1), default=32, show_default=True)
-@click.option("--output-len", type=click.IntRange(min=1), default=128, show_default=True)
-@click.option("--num-iters-warmup", type=click.IntRange(min=0), default=2, show_default=True)
-@click.option("--num-iters", type=click.IntRange(min=1), default=10, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Requests decoded together.")
+@click.option("--input-len", type=click.IntRange(min=1), default=32, show_default=True, help="Prompt tokens per request.")
+@click.option("--output-len", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Tokens generated per request.")
+@click.option("--num-iters-warmup", type=click.IntRange(min=0), default=2, show_default=True,
+              help="Untimed batches first.")
+@click.option("--num-iters", type=click.IntRange(min=1), default=10, show_default=True, help="Timed batches.")
 @_common
 @engine_options
 def latency(model, batch_size, input_len, output_len, num_iters_warmup, num_iters, data_seed, as_json,
@@ -77,7 +81,7 @@ def latency(model, batch_size, input_len, output_len, num_iters_warmup, num_iter
 @_model
 @click.option("--dataset", type=click.Choice(["random", "nano"]), default="random", show_default=True,
               help="random: fixed lengths; nano: nano-vllm's mix, lengths uniform in [100, --max-len].")
-@click.option("--num-prompts", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--num-prompts", type=click.IntRange(min=1), default=256, show_default=True, help="Requests in the workload.")
 @click.option("--input-len", type=click.IntRange(min=1), default=128, show_default=True, help="random only.")
 @click.option("--output-len", type=click.IntRange(min=1), default=128, show_default=True, help="random only.")
 @click.option("--max-len", type=click.IntRange(min=100), default=1024, show_default=True, help="nano only.")
@@ -146,11 +150,13 @@ def _slos(values: tuple[str, ...]) -> dict[str, float]:
 @click.option("--http-socket", default=None, help="openai: the daemon's HTTP Unix socket (default: beside --socket).")
 @click.option("--api-key", default=None, envvar="LLMD_API_KEY", help="openai: bearer token (default: $LLMD_API_KEY).")
 @click.option("--workload", type=click.Choice(["random", "shared-prefix", "abort"]), default="random",
-              show_default=True)
-@click.option("--num-prompts", type=click.IntRange(min=1), default=100, show_default=True)
+              show_default=True, help="random prompts; shared-prefix (an editor re-sending a file); abort (clients "
+                                      "that cancel mid-stream).")
+@click.option("--num-prompts", type=click.IntRange(min=1), default=100, show_default=True, help="Requests per run.")
 @click.option("--input-len", type=click.IntRange(min=1), default=128, show_default=True,
               help="Prompt tokens (shared-prefix: each request's own tokens after its prefix).")
-@click.option("--output-len", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--output-len", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Tokens generated per request (greedy, to the end).")
 @click.option("--num-prefixes", type=click.IntRange(min=1), default=4, show_default=True, help="shared-prefix only.")
 @click.option("--prefix-len", type=click.IntRange(min=1), default=512, show_default=True, help="shared-prefix only.")
 @click.option("--abort-fraction", type=click.FloatRange(0, 1), default=0.3, show_default=True,
