@@ -230,6 +230,10 @@ class Output(msgspec.Struct, tag="output", kw_only=True, omit_defaults=True):
     stop_reason: int | str | None = None
     error: str | None = None  # with finish_reason "error": what went wrong
     usage: Usage | None = None
+    # With sampling.prompt_logprobs, on the request's last message: per prompt position,
+    # the prompt's own token first, then the top-k (position 0, which nothing predicts,
+    # is empty).
+    prompt_logprobs: list[list[TokenLogprob]] | None = None
 
 
 class Error(msgspec.Struct, tag="error", kw_only=True, omit_defaults=True):

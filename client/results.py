@@ -25,6 +25,7 @@ class Delta(msgspec.Struct, kw_only=True):
     stop_reason: int | str | None = None
     error: str | None = None  # with finish_reason "error": what went wrong
     usage: Usage | None = None
+    prompt_logprobs: Logprobs | None = None  # with sampling.prompt_logprobs, on the last piece
 
 
 class Completion(msgspec.Struct, kw_only=True):
@@ -47,6 +48,9 @@ class Result(msgspec.Struct, kw_only=True):
     prompt_tokens: int
     outputs: list[Completion]
     usage: Usage | None = None
+    # With sampling.prompt_logprobs: per prompt position, its own token first, then the
+    # top-k (position 0 is empty).
+    prompt_logprobs: Logprobs | None = None
 
     @property
     def text(self) -> str:
@@ -76,7 +80,8 @@ class Result(msgspec.Struct, kw_only=True):
 def delta_from(output: Output) -> Delta:
     return Delta(index=output.index, text=output.text, token_ids=list(output.token_ids),
                  logprobs=output.logprobs, finish_reason=output.finish_reason,
-                 stop_reason=output.stop_reason, error=output.error, usage=output.usage)
+                 stop_reason=output.stop_reason, error=output.error, usage=output.usage,
+                 prompt_logprobs=output.prompt_logprobs)
 
 
 def is_last(output: Output) -> bool:
@@ -96,6 +101,7 @@ class ResultBuilder:
         self._stop: list[int | str | None] = [None] * n
         self._error: list[str | None] = [None] * n
         self.usage: Usage | None = None
+        self.prompt_logprobs: Logprobs | None = None
 
     def add(self, output: Output) -> None:
         i = output.index
@@ -117,6 +123,8 @@ class ResultBuilder:
             self._error[i] = output.error
         if output.usage is not None:
             self.usage = output.usage
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
 
     def result(self) -> Result:
         outputs = [Completion(index=i, text="".join(self._texts[i]), token_ids=self._token_ids[i],
@@ -124,7 +132,7 @@ class ResultBuilder:
                               logprobs=self._logprobs[i], error=self._error[i])
                    for i in range(len(self._texts))]
         return Result(request_id=self.accepted.request_id, prompt_tokens=self.accepted.prompt_tokens,
-                      outputs=outputs, usage=self.usage)
+                      outputs=outputs, usage=self.usage, prompt_logprobs=self.prompt_logprobs)
 
 
 def chat_messages(messages: Iterable[ChatMessage | Mapping[str, Any]]) -> list[ChatMessage]:

@@ -104,6 +104,21 @@ def test_llmctl_submit_status_metrics(daemon, offline):
     assert bad.returncode == 1 and "unknown_id" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_prompt_logprobs_are_returned(daemon, model):
+    llm = LLM(model=model, max_model_len=256, num_gpu_blocks_override=64)
+    ref = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3))[0]
+    with Client(socket=daemon.sock) as client:
+        result = client.generate(PROMPT, temperature=0, max_tokens=2, prompt_logprobs=3)
+        streamed = list(client.stream(PROMPT, temperature=0, max_tokens=2, prompt_logprobs=3))
+    assert streamed[-1].prompt_logprobs == result.prompt_logprobs
+    got = result.prompt_logprobs
+    assert len(got) == len(ref.prompt_token_ids) and got[0] == []
+    for position, expected, token in zip(got[1:], ref.prompt_logprobs[1:], ref.prompt_token_ids[1:]):
+        assert position[0].token_id == token
+        assert position[0].logprob == pytest.approx(expected[token].logprob, abs=1e-4)
+        assert {t.token_id for t in position} == set(expected)
+
+
 def test_llmctl_sampling_flags_match_the_client(daemon):
     flags = ["--temperature", "0.7", "--top-k", "20", "--min-p", "0.05", "--seed", "3", "--presence-penalty", "0.5",
              "--repetition-penalty", "1.2", "--ignore-eos", "--max-tokens", "12", "--logprobs", "2"]

@@ -189,6 +189,24 @@ def test_completion_logprobs_equal_offline_engine(complete, offline):
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
 
 
+def test_echo_with_logprobs_scores_the_prompt(complete, offline):
+    prompt = "def add(a, b):\n    return"
+    ref = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=3, logprobs=2, prompt_logprobs=2))[0]
+    result = complete(prompt=prompt, max_tokens=3, temperature=0, logprobs=2, echo=True)
+    lp = result.choices[0].logprobs
+    prompt_ids = ref.prompt_token_ids
+    assert len(lp.tokens) == len(prompt_ids) + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i in range(1, len(prompt_ids)):
+        assert lp.token_logprobs[i] == pytest.approx(ref.prompt_logprobs[i][prompt_ids[i]].logprob, abs=1e-4)
+        assert len(lp.top_logprobs[i]) == 2
+    for got, position, token in zip(lp.token_logprobs[len(prompt_ids):], ref.outputs[0].logprobs,
+                                    ref.outputs[0].token_ids):
+        assert got == pytest.approx(position[token].logprob, abs=1e-4)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert result.choices[0].text == prompt + ref.outputs[0].text
+
+
 def test_chat_json_schema_streams_and_validates(chat):
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
     messages = [{"role": "user", "content": "Describe a person as JSON."}]
@@ -224,7 +242,7 @@ def test_errors_name_the_parameter(daemon, complete, chat):
     cases = [
         (dict(prompt="hi", temperature=-1), openai.BadRequestError, "temperature"),
         (dict(prompt="hi", max_tokens=MAX_MODEL_LEN), openai.BadRequestError, "max_tokens"),
-        (dict(prompt="hi", echo=True, logprobs=1), openai.BadRequestError, "echo"),
+        (dict(prompt="hi", echo=True, logprobs=1, stream=True), openai.BadRequestError, "echo"),
         (dict(prompt="hi", suffix="x"), openai.BadRequestError, "suffix"),
         (dict(prompt="hi", extra_body={"logit_bias": {"5": 1.0}}), openai.BadRequestError, "logit_bias"),
         (dict(prompt=[], max_tokens=2), openai.BadRequestError, "prompt"),

@@ -65,6 +65,8 @@ class DetokenizerActor(Actor):
                                        finish_reason=out.outputs[-1].finish_reason,
                                        stop_reason=out.outputs[-1].stop_reason))
             messages[-1].usage = usage
+            if out.prompt_logprobs is not None:
+                messages[-1].prompt_logprobs = _prompt_logprobs(out.prompt_logprobs)
             reasons = {c.finish_reason for c in out.outputs}
             self.metrics.send(RequestEvent(rid, "finished", now, prompt_tokens=len(out.prompt_token_ids),
                                            completion_tokens=completion_tokens,
@@ -100,3 +102,15 @@ class DetokenizerActor(Actor):
                       finish_reason=completion.finish_reason if newly_finished else None,
                       stop_reason=completion.stop_reason if newly_finished else None,
                       error=completion.error if newly_finished else None)
+
+
+def _prompt_logprobs(positions: list) -> list[list[TokenLogprob]]:
+    """Each position's entry, the prompt's own token first (the engine's dicts hold it
+    first), position 0 empty."""
+    out = []
+    for position in positions:
+        if position is None:
+            out.append([])
+        else:
+            out.append([TokenLogprob(t, lp.logprob, lp.rank) for t, lp in position.items()])
+    return out

@@ -93,13 +93,13 @@ class Generation:
                 samples[out.index] = Output(id=out.id, index=out.index, text=out.text, token_ids=list(out.token_ids),
                                             logprobs=list(out.logprobs) if out.logprobs is not None else None,
                                             finish_reason=out.finish_reason, stop_reason=out.stop_reason,
-                                            error=out.error, usage=out.usage)
+                                            error=out.error, usage=out.usage, prompt_logprobs=out.prompt_logprobs)
                 continue
             into.text += out.text
             into.token_ids.extend(out.token_ids)
             if out.logprobs is not None:
                 into.logprobs = (into.logprobs or []) + list(out.logprobs)
-            for name in ("finish_reason", "stop_reason", "error", "usage"):
+            for name in ("finish_reason", "stop_reason", "error", "usage", "prompt_logprobs"):
                 if getattr(out, name) is not None:
                     setattr(into, name, getattr(out, name))
         return merged

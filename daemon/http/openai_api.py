@@ -100,7 +100,8 @@ _CHAT_PARAMS = {**_PARAMS, "prompt": "messages", "logprobs": "top_logprobs"}
 
 
 def sampling_params(body: _SamplingFields, *, max_tokens: int | None, logprobs: int | None,
-                    guided: GuidedDecodingParams | None, params: dict[str, str]) -> SamplingParams:
+                    guided: GuidedDecodingParams | None, params: dict[str, str],
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     if body.logit_bias:
         raise ApiError(400, "logit_bias is not supported", param="logit_bias", code="unsupported")
     fields = dict(n=body.n, temperature=body.temperature, top_p=body.top_p, stop=body.stop, seed=body.seed,
@@ -109,7 +110,7 @@ def sampling_params(body: _SamplingFields, *, max_tokens: int | None, logprobs: 
                   min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, stop_token_ids=body.stop_token_ids,
                   skip_special_tokens=body.skip_special_tokens,
                   include_stop_str_in_output=body.include_stop_str_in_output,
-                  max_tokens=max_tokens, logprobs=logprobs, guided=guided)
+                  max_tokens=max_tokens, logprobs=logprobs, guided=guided, prompt_logprobs=prompt_logprobs)
     try:
         return SamplingParams(**{k: v for k, v in fields.items() if v is not None or k == "max_tokens"})
     except ValueError as exc:
@@ -225,10 +226,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
     served.check(body.model)
     if body.best_of is not None and body.best_of != body.n:
         raise ApiError(400, "best_of must equal n (or be left out)", param="best_of", code="unsupported")
-    if body.echo and body.logprobs is not None:
-        raise ApiError(400, "echo together with logprobs is not supported", param="echo", code="unsupported")
+    echo_logprobs = body.echo and body.logprobs is not None
+    if echo_logprobs and body.stream:
+        raise ApiError(400, "echo with logprobs is not supported when streaming (the prompt's logprobs come "
+                            "with the whole result)", param="echo", code="unsupported")
     params = sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs,
-                             guided=guided_from(body.response_format), params=_PARAMS)
+                             guided=guided_from(body.response_format), params=_PARAMS,
+                             prompt_logprobs=body.logprobs if echo_logprobs else None)
     submits = completion_submits(body, served, params)
     ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     async with Generation(request.app["intake"], request["uid"], params=_PARAMS) as gen:
@@ -238,8 +242,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
         writers = {(a.slot, i): _LogprobsWriter(served, body.logprobs or 0, len(echoes[a.slot]))
                    for a in admitted for i in range(n)}
 
-        def choice(slot: int, out: Output, text: str) -> dict[str, Any]:
-            logprobs = writers[slot, out.index](out.logprobs) if body.logprobs is not None and out.logprobs else None
+        def choice(slot: int, out: Output, text: str, prompt_logprobs: list | None = None) -> dict[str, Any]:
+            logprobs = writers[slot, out.index](out.logprobs or []) if body.logprobs is not None else None
+            if prompt_logprobs is not None:
+                logprobs = _with_prompt(served, admitted[slot].prepared.token_ids, prompt_logprobs, logprobs,
+                                        body.logprobs)
             return {"index": slot * n + out.index, "text": text, "logprobs": logprobs,
                     "finish_reason": _finish(out)}
 
@@ -251,9 +258,25 @@ async def completions(request: web.Request) -> web.StreamResponse:
     finals = [out for samples in merged.values() for out in samples.values()]
     for out in finals:
         raise_for_error(out)
-    choices = [choice(slot, out, echoes[slot] + out.text) for slot in sorted(merged)
-               for out in (merged[slot][i] for i in sorted(merged[slot]))]
+    prompt_lps = {slot: next((o.prompt_logprobs for o in samples.values() if o.prompt_logprobs is not None), None)
+                  for slot, samples in merged.items()}
+    choices = [choice(slot, out, echoes[slot] + out.text, prompt_lps[slot] if echo_logprobs else None)
+               for slot in sorted(merged) for out in (merged[slot][i] for i in sorted(merged[slot]))]
     return json_response({**head, "choices": choices, "usage": usage_of(finals)})
+
+
+def _with_prompt(served: ServedModel, prompt_ids: list[int], prompt_logprobs: list[list[TokenLogprob]],
+                 generated: dict[str, list], k: int) -> dict[str, list]:
+    """Echo with logprobs: the prompt's tokens lead, the first with no logprob (nothing
+    predicts it), and the generated tokens' text offsets move past them."""
+    tokens = [served.token_text(t) for t in prompt_ids]
+    offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    shift = sum(len(t) for t in tokens) - (generated["text_offset"][0] if generated["text_offset"] else 0)
+    return {"tokens": tokens + generated["tokens"],
+            "token_logprobs": [pos[0].logprob if pos else None for pos in prompt_logprobs] + generated["token_logprobs"],
+            "top_logprobs": [{served.token_text(t.token_id): t.logprob for t in top_k(pos, k)} if pos else None
+                             for pos in prompt_logprobs] + generated["top_logprobs"],
+            "text_offset": offsets + [o + shift for o in generated["text_offset"]]}
 
 
 def _echo_text(served: ServedModel, prepared, submit: Submit) -> str:
