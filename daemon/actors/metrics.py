@@ -1,5 +1,6 @@
 """The metrics actor: per-request latencies and per-step figures, served as `Status`
-replies and as Prometheus text (names after vLLM's `vllm:` metrics, prefix `llmd:`)."""
+replies and as Prometheus text (names after vLLM's `vllm:` metrics, prefix `llmd:`),
+written by prometheus_client from a registry of the actor's own."""
 from __future__ import annotations
 
 import bisect
