@@ -11,7 +11,9 @@ use AsyncClient, or one Client per thread, for concurrency.
 """
 from __future__ import annotations
 
+import errno
 import socket as socketlib
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -28,6 +30,7 @@ from llmd_client.socket_path import connect_error, default_socket_path
 __all__ = ["AsyncClient", "AsyncStream", "Client", "Stream", "default_socket_path"]
 
 CLIENT_NAME = "llmd_client"
+BUSY_RETRY_S = 2.0  # how long a full listen queue is retried before "busy"
 _RECV_BYTES = 1 << 16
 
 
@@ -73,16 +76,7 @@ class Client(Router[deque[Accepted | Output | Error], _PendingReply]):
         """Connect (if not connected) and return the daemon's Welcome."""
         if self._sock is not None and self.welcome is not None:
             return self.welcome
-        sock = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        try:
-            sock.connect(self.socket_path)
-        except TimeoutError:
-            sock.close()
-            raise ClientTimeout(f"timed out connecting to {self.socket_path}") from None
-        except OSError as exc:
-            sock.close()
-            raise connect_error(self.socket_path, exc) from None
+        sock = self._connected_socket()
         self._sock = sock
         self._codec = MsgpackCodec(ServerMessage)
         try:
@@ -92,6 +86,25 @@ class Client(Router[deque[Accepted | Output | Error], _PendingReply]):
             raise
         self.welcome = reply
         return reply
+
+    def _connected_socket(self) -> socketlib.socket:
+        """A socket connected to the daemon. A full listen queue (EAGAIN, thousands of
+        clients connecting at once) is retried for up to BUSY_RETRY_S before it is an error."""
+        deadline = time.monotonic() + BUSY_RETRY_S
+        while True:
+            sock = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+            sock.settimeout(self.timeout)
+            try:
+                sock.connect(self.socket_path)
+                return sock
+            except TimeoutError:
+                sock.close()
+                raise ClientTimeout(f"timed out connecting to {self.socket_path}") from None
+            except OSError as exc:
+                sock.close()
+                if exc.errno != errno.EAGAIN or time.monotonic() >= deadline:
+                    raise connect_error(self.socket_path, exc) from None
+            time.sleep(0.02)
 
     def close(self) -> None:
         """Close the connection; the daemon aborts every request still running on it."""

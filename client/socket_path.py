@@ -44,6 +44,9 @@ def connect_error(path: str, exc: OSError) -> LlmdError:
         return LlmdError(f"permission denied on {path}; the socket is group `llmd`: "
                          "add yourself with `usermod -aG llmd $USER` and log in again",
                          "permission_denied")
+    if exc.errno == errno.EAGAIN:
+        return LlmdError(f"llmd at {path} is busy: its queue of new connections is full; try again shortly",
+                         "busy")
     if exc.errno == errno.ENAMETOOLONG or "too long" in str(exc):
         return LlmdError(f"socket path is too long for a Unix socket: {path}", "bad_socket_path")
     return LlmdError(f"cannot connect to {path}: {exc.strerror or exc}", "connect_failed")

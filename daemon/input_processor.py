@@ -3,6 +3,7 @@ scheduler Requests: one per sample for n > 1. Raises ValueError with a message n
 the field and the limit; never echoes user input."""
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -35,6 +36,15 @@ class InputProcessor:
         self.max_logprobs = max_logprobs
         self.eos_token_id = eos_token_id
         self.extra_stop_token_ids = extra_stop_token_ids
+
+    @functools.cached_property
+    def max_prompt_chars(self) -> int:
+        """Text longer than this can never fit max_model_len: no token covers more than
+        the longest vocabulary entry's bytes, and a character is at least one byte. A
+        longer prompt is refused before it is tokenized (which takes seconds for MBs)."""
+        vocab = self.tokenizer.get_vocab()
+        longest = max((len(token.encode("utf-8")) for token in vocab), default=1)
+        return self.max_model_len * max(longest, 1)
 
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer(prompt).input_ids
@@ -84,7 +94,7 @@ class InputProcessor:
             if params.n > 1:
                 # Each sample is its own sequence; seeded ones get distinct, reproducible seeds.
                 child_params = msgspec.structs.replace(
-                    params, n=1, seed=None if params.seed is None else params.seed + i)
+                    params, n=1, seed=None if params.seed is None else (params.seed + i) % 2**63)
             children.append(Request(child_id, token_ids, child_params, eos_token_id=self.eos_token_id,
                                     priority=priority, arrival_time=arrival, cache_salt=cache_salt,
                                     max_tokens=max_tokens,

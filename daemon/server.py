@@ -8,6 +8,7 @@ import grp
 import importlib.metadata
 import logging
 import os
+import resource
 import signal
 import socket
 import stat
@@ -36,6 +37,14 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     admin_group: str | None = "llmd-admin"
     drain_timeout_s: float = 30.0
     max_pending_requests: int = 4096
+    # Connections waiting to be accepted (the kernel caps it at net.core.somaxconn).
+    listen_backlog: Annotated[int, msgspec.Meta(ge=16)] = 4096
+    # Open protocol connections, in all and from one user; more are refused with a reason
+    # (the open-files limit is raised to its hard maximum at start, and caps these).
+    max_connections: Annotated[int, msgspec.Meta(ge=1)] = 4096
+    max_connections_per_user: Annotated[int, msgspec.Meta(ge=1)] = 256
+    # A connection with no request in flight that sends nothing for this long is closed.
+    idle_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
     log_level: str = "info"
     # Prometheus text over HTTP at http://127.0.0.1:PORT/metrics; None: no listener.
     metrics_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None
@@ -96,7 +105,7 @@ def load_settings(config_file: str | None, overrides: dict[str, Any]) -> tuple[D
     return daemon, engine
 
 
-def bind_socket(path: str, group: str | None) -> socket.socket:
+def bind_socket(path: str, group: str | None, backlog: int = 4096) -> socket.socket:
     """A listening Unix socket at `path`, mode 0660. Refuses to steal a live daemon's
     socket; removes a stale one."""
     p = Path(path)
@@ -128,7 +137,7 @@ def bind_socket(path: str, group: str | None) -> socket.socket:
                 os.chown(staging, -1, grp.getgrnam(group).gr_gid)
             except (KeyError, PermissionError):
                 pass  # no such group here, or not ours to give: mode 0660 with our own group
-        sock.listen(1024)
+        sock.listen(backlog)
         os.rename(staging, path)
     except BaseException:
         sock.close()
@@ -152,6 +161,7 @@ async def _serve(daemon: DaemonConfig, engine_config: EngineConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
+    open_files = _raise_open_files_limit()
     closers: list = []  # what to close and remove on every way out, last bound first
     try:
         metrics_sock, sock, created_path, http_socks = _bind_listeners(daemon, closers)
@@ -184,13 +194,17 @@ async def _serve(daemon: DaemonConfig, engine_config: EngineConfig) -> int:
     intake = IntakeActor(sock, engine.input_processor, scheduler=scheduler, detokenizer=detokenizer,
                          metrics=metrics, model_name=model_name, server_version=SERVER_VERSION,
                          admin_group=daemon.admin_group, max_pending_requests=daemon.max_pending_requests,
-                         prefix_cache_scope=daemon.prefix_cache_scope)
+                         prefix_cache_scope=daemon.prefix_cache_scope, listen_backlog=daemon.listen_backlog,
+                         max_connections=max(1, min(daemon.max_connections, open_files - 256)),
+                         max_connections_per_user=daemon.max_connections_per_user,
+                         idle_timeout_s=daemon.idle_timeout_s)
     actors = [metrics, detokenizer, scheduler, intake]
     if http_socks:
         from llmd.actors.http_intake import HttpIntakeActor
         from llmd.http.context import describe_model
         from llmd.http.listeners import api_keys
-        actors.append(HttpIntakeActor(http_socks, intake, metrics, describe_model(engine), api_keys=api_keys(daemon)))
+        actors.append(HttpIntakeActor(http_socks, intake, metrics, describe_model(engine), api_keys=api_keys(daemon),
+                                      listen_backlog=daemon.listen_backlog))
     supervisor = Supervisor()
     for actor in actors:
         supervisor.start(actor)
@@ -213,7 +227,7 @@ async def _serve(daemon: DaemonConfig, engine_config: EngineConfig) -> int:
         # Drain: stop accepting, let running requests finish up to the timeout, then
         # abort the rest; every request gets its final message.
         sd_notify.stopping()
-        intake.stop_accepting()
+        intake.stop_accepting(close_listener=created_path is None)
         logger.info("draining %d request(s) for up to %.0f s", len(intake.registry), daemon.drain_timeout_s)
         await _wait_until(lambda: not intake.registry, daemon.drain_timeout_s, supervisor)
         if intake.registry:
@@ -277,7 +291,7 @@ def _bind_listeners(daemon: DaemonConfig, closers: list):
         logger.info("adopted socket from the service manager")
     else:
         created_path = daemon.socket or bind_path()
-        sock = bind_socket(created_path, daemon.socket_group)
+        sock = bind_socket(created_path, daemon.socket_group, daemon.listen_backlog)
         closers.append((sock, created_path))
         logger.info("listening on %s", created_path)
     http_socks: list[socket.socket] = []
@@ -293,6 +307,19 @@ def _bind_listeners(daemon: DaemonConfig, closers: list):
         if daemon.http_port is not None:
             logger.info("HTTP APIs on %s:%d", daemon.http_host, daemon.http_port)
     return metrics_sock, sock, created_path, http_socks
+
+
+def _raise_open_files_limit() -> int:
+    """Raise the soft open-files limit to the hard one (each client holds a descriptor;
+    the default soft limit of 1,024 runs out first); returns the limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:
+            logger.warning("could not raise the open-files limit from %d: %s", soft, exc)
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
 
 
 def _socket_name(sock: socket.socket) -> str | None:

@@ -14,6 +14,7 @@ import threading
 import time
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from daemon_util import Daemon, RawConn
 from llmd import LLM, SamplingParams
@@ -229,7 +230,9 @@ def test_closing_connection_aborts_prefill_and_decode(model, tmp_path, extra):
         with RawConn(d.sock) as conn:
             conn.send({"type": "metrics"})
             text = conn.recv()["text"]
-        assert 'finished_reason="abort"} 2' in text
+        aborted = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == "llmd:request_success_total" and s.labels["finished_reason"] == "abort"]
+        assert aborted == [2.0]
         _assert_serves(d.sock)
     finally:
         assert d.stop() == 0, d.stderr()
@@ -257,6 +260,39 @@ def test_sigterm_drains_running_requests(model, tmp_path, extra):
         assert final["finish_reason"] == "length" and final["usage"]["completion_tokens"] == 60
     assert d.proc.wait(30) == 0
     assert not os.path.exists(d.sock)
+
+
+def test_new_clients_during_drain_are_told_it_is_shutting_down(model, tmp_path):
+    d = Daemon(model, tmp_path / "s.sock", "--drain-timeout-s", "20", "--max-model-len", "1024").wait_ready()
+    with RawConn(d.sock) as conn:
+        conn.send({"type": "submit", "id": "a", "prompt": "hi", "sampling": {"max_tokens": 300, "ignore_eos": True}})
+        assert conn.recv()["type"] == "accepted"
+        d.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        with RawConn(d.sock) as late:  # still connects: told why, not "not running"
+            late.send({"type": "submit", "id": "b", "prompt": "hi"})
+            reply = late.recv()
+            assert reply["code"] == "shutting_down", reply
+        assert conn.until_final("a")[-1]["finish_reason"] == "length"
+    assert d.proc.wait(30) == 0
+
+
+def test_odd_inputs_get_the_right_answer(daemon):
+    with RawConn(daemon.sock) as conn:
+        conn.send({"type": "submit", "id": "x" * (1 << 20), "prompt": "hi"})
+        reply = conn.recv()
+        assert reply["code"] == "bad_request" and "id" not in reply and len(reply["message"]) < 100
+        # Per-sample seeds wrap instead of overflowing.
+        conn.send({"type": "submit", "id": "s", "prompt": "hi", "stream": False,
+                   "sampling": {"n": 4, "seed": 2**63 - 1, "max_tokens": 2}})
+        replies = conn.until_final("s")
+        assert replies[0]["type"] == "accepted" and replies[-1]["usage"]["completion_tokens"] == 8
+        # A prompt that cannot fit is refused before it is tokenized.
+        started = time.monotonic()
+        conn.send({"type": "submit", "id": "big", "prompt": "word " * (1 << 20)})
+        reply = conn.recv()
+        assert reply["code"] == "invalid_params" and "too long" in reply["message"]
+        assert time.monotonic() - started < 2.0
 
 
 @ASYNC
@@ -316,5 +352,37 @@ def test_status_answers_while_a_long_prefill_runs(tmp_path):
             assert pending == b"", "the prefill finished before status was answered"
             long_conn.sock.setblocking(True)
             assert long_conn.until_final("big")[-1]["usage"]["completion_tokens"] == 1
+    finally:
+        assert d.stop() == 0, d.stderr()
+
+
+def test_connection_limits_idle_timeout_and_backlog(model, tmp_path):
+    """Per-user connection cap with a clear refusal (and one log line), idle connections
+    closed, the listen backlog the daemon asked for kept (asyncio's default is 100)."""
+    config = tmp_path / "llmd.toml"
+    config.write_text("max_connections_per_user = 3\nidle_timeout_s = 1.0\nlisten_backlog = 2048\n")
+    d = Daemon(model, tmp_path / "s.sock", "--config", str(config)).wait_ready()
+    try:
+        listing = subprocess.run(["ss", "-xlnH"], capture_output=True, text=True).stdout
+        # The socket was bound under a staging name (then renamed): the kernel shows that one.
+        staged = f"/.{os.path.basename(d.sock)}."
+        line = next(row for row in listing.splitlines() if staged in row)
+        assert int(line.split()[3]) == 2048  # Send-Q of a listening socket: its backlog
+        held = [RawConn(d.sock) for _ in range(3)]
+        for conn in held:
+            conn.send({"type": "status"})
+            assert conn.recv()["type"] == "status_reply"
+        with RawConn(d.sock, json_mode=True) as extra:
+            extra.send({"type": "status"})
+            reply = extra.recv()
+        assert reply["code"] == "overloaded" and "limit 3" in reply["message"]
+        assert d.stderr().count("refusing connections") == 1
+        time.sleep(1.5)  # idle past the timeout: the daemon closes them
+        for conn in held:
+            with pytest.raises((ConnectionError, OSError)):
+                conn.send({"type": "status"})
+                conn.recv()
+            conn.close()
+        _assert_serves(d.sock)
     finally:
         assert d.stop() == 0, d.stderr()

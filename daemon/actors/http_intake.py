@@ -38,7 +38,7 @@ class HttpIntakeActor(Actor):
     name = "http"
 
     def __init__(self, sockets: list[socket.socket], intake: IntakeActor, metrics: Actor, served: ServedModel, *,
-                 api_keys: list[str] | None) -> None:
+                 api_keys: list[str] | None, listen_backlog: int = 4096) -> None:
         """`api_keys`: the bearer tokens TCP clients must send; None lets TCP clients in
         without one (Unix socket clients are checked by the socket's file mode)."""
         super().__init__()
@@ -47,6 +47,7 @@ class HttpIntakeActor(Actor):
         self.metrics = metrics
         self.served = served
         self.api_keys = [k.encode() for k in api_keys] if api_keys is not None else None
+        self.listen_backlog = listen_backlog
         self._tcp_uids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def make_app(self) -> web.Application:
@@ -68,7 +69,7 @@ class HttpIntakeActor(Actor):
         await runner.setup()
         try:
             for sock in self.sockets:
-                await web.SockSite(runner, sock, backlog=1024).start()
+                await web.SockSite(runner, sock, backlog=self.listen_backlog).start()
             await asyncio.Event().wait()
         finally:
             await runner.cleanup()

@@ -8,8 +8,10 @@ frame boundaries are still known."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import grp
 import itertools
+import math
 import logging
 import os
 import pwd
@@ -30,6 +32,8 @@ from llmd_client.protocol import (MAX_CACHE_SALT_CHARS, PROTOCOL_VERSION, Abort,
 
 logger = logging.getLogger("llmd.intake")
 _PEERCRED = struct.Struct("3i")
+MAX_CLIENT_ID_CHARS = 128
+LARGE_PROMPT_CHARS = 64 << 10  # prompts longer than this are tokenized apart from the rest
 _QUOTED_VALUE = re.compile(r"'[^']*'|\"[^\"]*\"")
 _BACKTICKED = re.compile(r"`([^`]*)`")
 # What msgspec puts in backticks: field names, `$.paths` and type names (`int | null`).
@@ -127,9 +131,32 @@ class Connection:
             return
         self.writer.write(self.codec.encode(message))
 
+    async def _read(self, size: int) -> bytes:
+        """The next bytes from the peer; b"" at its end, or when it stayed silent for the
+        idle timeout with no request in flight (an idle connection holds a descriptor)."""
+        if self.requests:
+            return await self.reader.read(size)
+        try:
+            return await asyncio.wait_for(self.reader.read(size), self.intake.idle_timeout_s)
+        except TimeoutError:
+            return b""
+
+    async def refuse(self, error: Error) -> None:
+        """Tell the peer why it cannot stay (in its own framing), then close."""
+        try:
+            first = await asyncio.wait_for(self.reader.read(1), 2.0)
+            if first:
+                self.codec = (JsonLinesCodec if first == b"{" else MsgpackCodec)(ClientMessage)
+                self.send(error)
+                await asyncio.wait_for(self.writer.drain(), 2.0)
+        except (TimeoutError, ConnectionError):
+            pass
+        finally:
+            await self._close()
+
     async def serve(self) -> None:
         try:
-            first = await self.reader.read(1)
+            first = await self._read(1)
             if not first:
                 return
             self.codec = (JsonLinesCodec if first == b"{" else MsgpackCodec)(ClientMessage)
@@ -145,7 +172,7 @@ class Connection:
                     if self.closed:
                         return
                 await self.writer.drain()
-                data = await self.reader.read(1 << 16)
+                data = await self._read(1 << 16)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         except Exception:
@@ -197,14 +224,14 @@ class Connection:
 
     async def _submit(self, submit: Submit) -> None:
         intake = self.intake
+        if submit.id is not None and len(submit.id) > MAX_CLIENT_ID_CHARS:  # first: it is never echoed whole
+            self.send(Error(code="bad_request", message=f"id must have at most {MAX_CLIENT_ID_CHARS} characters"))
+            return
         client_id = submit.id if submit.id is not None else f"c{next(self._local_ids)}"
         sources = sum(x is not None for x in (submit.prompt, submit.messages, submit.token_ids))
         if sources != 1:
             self.send(Error(code="bad_request", id=client_id,
                             message="exactly one of prompt, messages or token_ids is required"))
-            return
-        if len(client_id) > 128:
-            self.send(Error(code="bad_request", message="id must have at most 128 characters"))
             return
         if client_id in self.requests:
             self.send(Error(code="bad_request", id=client_id, message="id is already in use on this connection"))
@@ -222,11 +249,11 @@ class Connection:
         if sink is None:
             entry = self.intake.registry.get(ident)
             if entry is None:
-                self.send(Error(code="unknown_id", id=ident[:128], message="no such request in flight"))
+                self.send(Error(code="unknown_id", id=ident[:MAX_CLIENT_ID_CHARS], message="no such request in flight"))
                 return
             sink, owner = entry
             if owner != self.uid and not self.admin:
-                self.send(Error(code="forbidden", id=ident[:128],
+                self.send(Error(code="forbidden", id=ident[:MAX_CLIENT_ID_CHARS],
                                 message="the request belongs to another user"))
                 return
         self.intake.abort([sink.request_id])
@@ -235,7 +262,9 @@ class Connection:
         self.closed = True
         if self.requests:
             self.intake.abort([s.request_id for s in self.requests.values()])
-        self.intake.connections.discard(self)
+        if self in self.intake.connections:
+            self.intake.connections.discard(self)
+            self.intake.connections_by_uid[self.uid] -= 1
         try:
             self.writer.close()
             await self.writer.wait_closed()
@@ -249,7 +278,8 @@ class IntakeActor(Actor):
     def __init__(self, sock: socket.socket, input_processor: InputProcessor, *, scheduler: Actor,
                  detokenizer: Actor, metrics: Actor, model_name: str, server_version: str,
                  admin_group: str | None = "llmd-admin", max_pending_requests: int = 4096,
-                 prefix_cache_scope: str = "user") -> None:
+                 prefix_cache_scope: str = "user", listen_backlog: int = 4096, max_connections: int = 4096,
+                 max_connections_per_user: int = 256, idle_timeout_s: float = 600.0) -> None:
         super().__init__()
         self.sock = sock
         self.input_processor = input_processor
@@ -261,25 +291,55 @@ class IntakeActor(Actor):
         self.admin_group = admin_group
         self.max_pending_requests = max_pending_requests
         self.prefix_cache_scope = prefix_cache_scope
+        self.listen_backlog = listen_backlog
+        self.max_connections = max_connections
+        self.max_connections_per_user = max_connections_per_user
+        self.idle_timeout_s = idle_timeout_s
+        self.connections_by_uid: collections.Counter[int] = collections.Counter()
+        self._last_refusal_log = -math.inf
         self.registry: dict[str, tuple[RequestSink, int]] = {}
         self.connections: set[Connection] = set()
         self.request_counter = itertools.count(1)
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="llmd-tokenize")
+        self.large_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmd-tokenize-long")
         self.draining = False
         self._server: asyncio.base_events.Server | None = None
 
     async def run(self) -> None:
-        self._server = await asyncio.start_unix_server(self._on_connection, sock=self.sock, limit=1 << 16)
+        # asyncio listens again on the socket it is given, with its own backlog of 100
+        # unless told: 1,000 clients connecting at once would find the queue full.
+        self._server = await asyncio.start_unix_server(self._on_connection, sock=self.sock, limit=1 << 16,
+                                                       backlog=self.listen_backlog)
         try:
             await asyncio.Event().wait()
         finally:
             self._server.close()
             self.pool.shutdown(wait=False, cancel_futures=True)
+            self.large_pool.shutdown(wait=False, cancel_futures=True)
 
     async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = Connection(self, reader, writer)
+        refusal = self._connection_refusal(conn.uid)
+        if refusal is not None:
+            await conn.refuse(refusal)
+            return
         self.connections.add(conn)
+        self.connections_by_uid[conn.uid] += 1
         await conn.serve()
+
+    def _connection_refusal(self, uid: int) -> Error | None:
+        """Why a new connection cannot be served (too many in all, or from its user), or None."""
+        if len(self.connections) >= self.max_connections:
+            reason = f"too many connections (limit {self.max_connections})"
+        elif self.connections_by_uid[uid] >= self.max_connections_per_user:
+            reason = f"too many connections from this user (limit {self.max_connections_per_user})"
+        else:
+            return None
+        now = time.monotonic()
+        if now - self._last_refusal_log >= 10.0:  # a storm of refusals logs one line per 10 s
+            self._last_refusal_log = now
+            logger.warning("refusing connections: %s (uid %d)", reason, uid)
+        return Error(code="overloaded", message=reason)
 
     async def admit(self, submit: Submit, uid: int, sink: RequestSink, *,
                     strict_max_tokens: bool = True) -> Error | PreparedRequest:
@@ -297,11 +357,18 @@ class IntakeActor(Actor):
         if len(self.registry) >= self.max_pending_requests:
             return Error(code="overloaded", id=client_id,
                          message=f"too many requests in flight (limit {self.max_pending_requests})")
+        chars = _prompt_chars(submit)
+        if chars > self.input_processor.max_prompt_chars:
+            return Error(code="invalid_params", id=client_id,
+                         message=f"prompt is too long: no prompt of {chars} characters fits max_model_len "
+                                 f"({self.input_processor.max_model_len} tokens)")
         request_id = f"r{next(self.request_counter)}"
         arrival = time.monotonic()
+        # Long texts are tokenized on a pool of their own, so they never hold up short ones.
+        pool = self.large_pool if chars > LARGE_PROMPT_CHARS else self.pool
         try:
             prepared = await asyncio.get_running_loop().run_in_executor(
-                self.pool, self.prepare, request_id, submit, self.cache_salt(uid, submit.cache_salt), arrival,
+                pool, self.prepare, request_id, submit, self.cache_salt(uid, submit.cache_salt), arrival,
                 strict_max_tokens)
         except ValueError as exc:
             return Error(code="invalid_params", id=client_id, message=safe_message(exc))
@@ -365,13 +432,24 @@ class IntakeActor(Actor):
         except KeyError:
             return False
 
-    def stop_accepting(self) -> None:
+    def stop_accepting(self, close_listener: bool = True) -> None:
+        """Drain: new requests are refused with `shutting_down`. With close_listener the
+        socket stops accepting (under socket activation new clients then wait for the
+        next start); otherwise new clients still connect and are told why."""
         self.draining = True
-        if self._server is not None:
+        if close_listener and self._server is not None:
             self._server.close()
 
     def live_request_ids(self) -> list[str]:
         return list(self.registry)
+
+
+def _prompt_chars(submit: Submit) -> int:
+    if submit.prompt is not None:
+        return len(submit.prompt)
+    if submit.messages is not None:
+        return sum(len(m.content) + len(m.role) for m in submit.messages)
+    return 0
 
 
 def _peer_ids(writer: asyncio.StreamWriter) -> tuple[int, int]:

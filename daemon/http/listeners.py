@@ -34,7 +34,7 @@ def api_keys(daemon: DaemonConfig) -> list[str] | None:
     return keys
 
 
-def bind_tcp(host: str, port: int) -> socket.socket:
+def bind_tcp(host: str, port: int, backlog: int = 4096) -> socket.socket:
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as exc:
@@ -43,7 +43,7 @@ def bind_tcp(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(address)
-        sock.listen(1024)
+        sock.listen(backlog)
     except OSError as exc:
         sock.close()
         raise ValueError(f"cannot listen for HTTP on {host}:{port}: {exc.strerror}") from None
@@ -65,9 +65,9 @@ def bind_http(daemon: DaemonConfig, protocol_path: str | None,
             sockets.append(adopted)
         elif daemon.http_socket or protocol_path:
             created = daemon.http_socket or http_socket_path(protocol_path)
-            sockets.append(bind_socket(created, daemon.socket_group))
+            sockets.append(bind_socket(created, daemon.socket_group, daemon.listen_backlog))
         if daemon.http_port is not None:
-            sockets.append(bind_tcp(daemon.http_host, daemon.http_port))
+            sockets.append(bind_tcp(daemon.http_host, daemon.http_port, daemon.listen_backlog))
     except BaseException:
         for sock in sockets:
             sock.close()
