@@ -6,7 +6,6 @@ actor drives; `LLM.generate` loops over it for offline use.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -34,19 +33,18 @@ logger = logging.getLogger("llmd.engine")
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         import torch
-        from transformers import AutoTokenizer
 
-        from llmd.gpu.loader import load_hf_config, resolve_dtype
+        from llmd.gpu.loader import load_hf_config, load_tokenizer, resolve_dtype, stop_token_ids
         from llmd.gpu.model_runner import RunnerSettings
 
         self.config = config
-        model_dir = config.model or _demo_model()
+        model_dir = config.model or _demo_model()  # an HF directory or a GGUF file
         self.model_dir = str(model_dir)
         hf_config = load_hf_config(model_dir)
         if config.tensor_parallel_size > 1:
             from llmd.gpu.tp import check_tp_config
             check_tp_config(hf_config, config.tensor_parallel_size)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or self.model_dir, local_files_only=True)
+        self.tokenizer = load_tokenizer(config.tokenizer or self.model_dir)
 
         device = config.device
         if device == "auto":
@@ -64,7 +62,7 @@ class LLMEngine:
                              f"max_position_embeddings {max_pos}")
         self.vocab_size = hf_config.vocab_size
         self.eos_token_id = self.tokenizer.eos_token_id
-        self.extra_stop_token_ids = _generation_eos_ids(self.model_dir) - {self.eos_token_id}
+        self.extra_stop_token_ids = stop_token_ids(self.model_dir) - {self.eos_token_id}
 
         spec = config.speculative_config
         draft_model = spec.draft_model if spec is not None and spec.method == "draft_model" else None
@@ -295,9 +293,7 @@ class LLMEngine:
 def _check_draft_model(draft_dir: str, target_config, target_tokenizer, max_model_len: int) -> None:
     """A draft model must share the target's vocabulary (the same logit width, the same
     tokens under the same ids, the same EOS) and reach max_model_len."""
-    from transformers import AutoTokenizer
-
-    from llmd.gpu.loader import load_hf_config
+    from llmd.gpu.loader import load_hf_config, load_tokenizer
 
     what = f"speculative_config.draft_model {draft_dir!r}"
     if not Path(draft_dir).is_dir():
@@ -314,7 +310,7 @@ def _check_draft_model(draft_dir: str, target_config, target_tokenizer, max_mode
         raise ValueError(f"{what} has max_position_embeddings {draft_max_pos}, less than max_model_len "
                          f"{max_model_len}")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(draft_dir, local_files_only=True)
+        tokenizer = load_tokenizer(draft_dir)
     except (OSError, ValueError) as exc:
         raise ValueError(f"{what}: cannot load its tokenizer ({exc})") from None
     for name, draft_value, target_value in (("tokenizer size", len(tokenizer), len(target_tokenizer)),
@@ -325,16 +321,6 @@ def _check_draft_model(draft_dir: str, target_config, target_tokenizer, max_mode
     if tokenizer.get_vocab() != target_tokenizer.get_vocab():
         raise ValueError(f"{what}: its tokenizer maps tokens to other ids than the target's: "
                          "a draft model must share the target's tokenizer")
-
-
-def _generation_eos_ids(model_dir: str) -> set[int]:
-    path = Path(model_dir) / "generation_config.json"
-    if not path.is_file():
-        return set()
-    eos = json.loads(path.read_text()).get("eos_token_id")
-    if eos is None:
-        return set()
-    return set(eos) if isinstance(eos, list) else {eos}
 
 
 def _demo_model() -> Path:

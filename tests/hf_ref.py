@@ -4,6 +4,7 @@ HF's own forward (so EOS handling and padded-vocab masking are explicit), and vL
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -11,8 +12,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 @functools.lru_cache(maxsize=8)
 def hf_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    """An HF directory, or a GGUF file (transformers' own GGUF loader: `gguf_file=`)."""
+    kwargs = {}
+    if path.endswith(".gguf"):
+        path, kwargs["gguf_file"] = str(Path(path).parent), Path(path).name
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     return model, tokenizer
 
 

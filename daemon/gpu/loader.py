@@ -1,7 +1,9 @@
-"""Load a model from a local Hugging Face directory: config via transformers, weights from
-safetensors through our own name mapping. Nothing is fetched."""
+"""Load a model from a local Hugging Face directory (config and tokenizer via
+transformers, weights from safetensors through our own name mapping) or from a GGUF file
+(gguf_loader: the same three things read from the one file). Nothing is fetched."""
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -10,6 +12,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from llmd.gpu.gguf_loader import (gguf_stop_token_ids, is_gguf_path, iter_gguf_weights, load_gguf_config,
+                                  load_gguf_tokenizer)
 from llmd.gpu.models import get_model_class
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -31,15 +35,43 @@ def load_hf_config(model_dir: str | Path):
     """The model's transformers config, checked before any weight is read: an
     architecture llmd does not run, or a config field its model would not honour as
     transformers does (a layer type other than full or sliding attention, a window where
-    the architecture has none), is a ValueError naming the architecture and the field."""
+    the architecture has none), is a ValueError naming the architecture and the field.
+    `model_dir` may be a GGUF file (its metadata is the config)."""
     from transformers import AutoConfig
 
+    if is_gguf_path(model_dir):
+        return load_gguf_config(model_dir)
     path = Path(model_dir)
+    if not path.exists():
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model directory {str(path)!r} has no config.json")
     config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     get_model_class(_architecture(config)).attention_windows(config)
     return config
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer of an HF directory, or the one a GGUF file's vocabulary describes."""
+    if is_gguf_path(path):
+        return load_gguf_tokenizer(path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def stop_token_ids(path: str | Path) -> set[int]:
+    """End-of-generation ids besides the tokenizer's EOS: generation_config.json's
+    eos_token_id of an HF directory, a GGUF's end-of-turn/end-of-message ids."""
+    if is_gguf_path(path):
+        return gguf_stop_token_ids(path)
+    file = Path(path) / "generation_config.json"
+    if not file.is_file():
+        return set()
+    eos = json.loads(file.read_text()).get("eos_token_id")
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, list) else {eos}
 
 
 def _architecture(config: Any) -> str:
@@ -69,7 +101,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                max_positions: int, tp_rank: int = 0, tp_size: int = 1,
                attention_backend: str = "torch") -> nn.Module:
     """The model, or with tp_size > 1 this rank's tensor-parallel shard of it; its layers
-    attend with `attention_backend` (a name resolve_attention_backend returned)."""
+    attend with `attention_backend` (a name resolve_attention_backend returned). From a
+    GGUF file each rank dequantizes every tensor and keeps its shard."""
     config = load_hf_config(model_dir)
     cls = get_model_class(_architecture(config))
     # Build on meta (no random init, no memory), then materialize and fill from disk.
@@ -80,7 +113,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     if model.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     shard = model.shard_checkpoint_tensor if tp_size > 1 else None
-    model.load_weights(iter_safetensors(model_dir, shard))
+    if is_gguf_path(model_dir):
+        model.load_weights(iter_gguf_weights(model_dir, config, shard))
+    else:
+        model.load_weights(iter_safetensors(model_dir, shard))
     model.eval()
     model.requires_grad_(False)
     return model

@@ -1,0 +1,154 @@
+"""GGUF files for tests, written the way llama.cpp's convert_hf_to_gguf.py writes them
+(metadata keys, tensor names, q/k rows permuted for llama's rotary layout, norms kept in
+F32) from a random-weight HF fixture directory, with gguf.GGUFWriter.
+
+`write_gguf(hf_dir, out, qtype)` quantizes every 2-D weight whose rows fit the type's
+block with gguf.quants.quantize (F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0). The gguf
+package cannot quantize the K-quants; `k_quant_types=` writes those tensors from random
+blocks instead (scaled to the fixture's weight size), so a test can check what llmd
+loads from them against an independent dequantizer.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file
+
+import gguf
+from gguf import GGMLQuantizationType as T
+from gguf.quants import quantize
+
+_BLOCK = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+# Byte offsets of the fp16 scales in one block of each K-quant (ggml-common.h): every
+# value of a block is linear in them.
+K_QUANT_SCALES = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in _GLOBAL:
+        return _GLOBAL[hf_name]
+    parts = hf_name.split(".")  # model.layers.N.<module...>.weight|bias
+    return f"blk.{parts[2]}.{_BLOCK['.'.join(parts[3:-1])]}.{parts[-1]}"
+
+
+def permute_rotary_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's LlamaModel.permute: HF's half-split rotary rows to interleaved pairs."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def random_k_quant(rows: int, cols: int, qtype: T, std: float, rng: np.random.Generator) -> np.ndarray:
+    """Random blocks of `qtype` (bytes shaped [rows, cols/256*block bytes]) whose values
+    have about `std`."""
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows * cols // block_elems, block_bytes), dtype=np.uint8)
+    for offset in K_QUANT_SCALES[qtype]:
+        raw[:, offset:offset + 2] = np.frombuffer(np.float16(1e-3).tobytes(), dtype=np.uint8)
+    values = gguf.quants.dequantize(raw, qtype)
+    scale = std / float(values.std())
+    for offset in K_QUANT_SCALES[qtype]:
+        raw[:, offset:offset + 2] = np.frombuffer(np.float16(1e-3 * scale).tobytes(), dtype=np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def write_gguf(hf_dir: Path, out: Path, qtype: T = T.F32, *, k_quant_types: tuple[T, ...] = (),
+               extra_metadata: dict[str, tuple] | None = None, extra_tensors: dict[str, np.ndarray] | None = None,
+               raw_tensors: dict[str, tuple[np.ndarray, T]] | None = None, seed: int = 0) -> Path:
+    """A GGUF of the HF fixture at `hf_dir` (llama, qwen2 or qwen3). With k_quant_types,
+    the 2-D layer weights cycle through those types (random blocks, see random_k_quant)
+    instead of quantizing the fixture's weights. `extra_metadata` {key: (value,
+    GGUFValueType)} adds keys or replaces the converter's; `extra_tensors` adds tensors;
+    `raw_tensors` {gguf name: (bytes, type)} replaces tensors with raw data."""
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    arch = cfg["model_type"]
+    heads, kv_heads, hidden = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["hidden_size"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    V = gguf.GGUFValueType
+    metadata: dict[str, tuple] = {
+        f"{arch}.context_length": (cfg["max_position_embeddings"], V.UINT32),
+        f"{arch}.embedding_length": (hidden, V.UINT32),
+        f"{arch}.block_count": (cfg["num_hidden_layers"], V.UINT32),
+        f"{arch}.feed_forward_length": (cfg["intermediate_size"], V.UINT32),
+        f"{arch}.attention.head_count": (heads, V.UINT32),
+        f"{arch}.attention.head_count_kv": (kv_heads, V.UINT32),
+        f"{arch}.rope.freq_base": (float(cfg["rope_parameters"]["rope_theta"]), V.FLOAT32),
+        f"{arch}.attention.layer_norm_rms_epsilon": (float(cfg["rms_norm_eps"]), V.FLOAT32),
+        f"{arch}.vocab_size": (cfg["vocab_size"], V.UINT32),
+    }
+    if arch == "llama":
+        metadata[f"{arch}.rope.dimension_count"] = (head_dim, V.UINT32)
+    if head_dim != hidden // heads:
+        metadata[f"{arch}.attention.key_length"] = (head_dim, V.UINT32)
+        metadata[f"{arch}.attention.value_length"] = (head_dim, V.UINT32)
+    metadata.update(extra_metadata or {})
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_name(f"llmd test fixture {hf_dir.name}")
+    for key, (value, vtype) in metadata.items():
+        w.add_key_value(key, value, vtype)
+    _add_tokenizer(w, hf_dir, cfg)
+
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    rng = np.random.default_rng(seed)
+    k_cycle = 0
+    for hf_name, array in tensors.items():
+        if cfg.get("tie_word_embeddings") and hf_name == "lm_head.weight":
+            continue
+        array = np.asarray(array, dtype=np.float32)
+        if arch == "llama" and ".q_proj." in hf_name:
+            array = permute_rotary_rows(array, heads)
+        elif arch == "llama" and ".k_proj." in hf_name:
+            array = permute_rotary_rows(array, kv_heads)
+        name = gguf_name(hf_name)
+        if name in (raw_tensors or {}):
+            data, raw_type = raw_tensors[name]
+            w.add_tensor(name, data, raw_dtype=raw_type)
+        elif array.ndim == 2 and k_quant_types and hf_name.startswith("model.layers."):
+            kq = k_quant_types[k_cycle % len(k_quant_types)]
+            k_cycle += 1
+            w.add_tensor(name, random_k_quant(*array.shape, kq, float(array.std()), rng), raw_dtype=kq)
+        elif array.ndim == 2 and qtype != T.F32 and array.shape[1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
+            data = quantize(array, qtype)
+            w.add_tensor(name, data, raw_dtype=qtype if data.dtype == np.uint8 else None)
+        else:  # norms, and rows no block of qtype fits (llama.cpp falls back the same way)
+            w.add_tensor(name, array)
+    for name, array in (extra_tensors or {}).items():
+        w.add_tensor(name, array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _add_tokenizer(w: gguf.GGUFWriter, hf_dir: Path, cfg: dict) -> None:
+    """The fixture's byte-level BPE as llama.cpp stores one ("gpt2"): tokens by id,
+    control tokens marked, merges as "a b" strings, the chat template."""
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab = dict(tok["model"]["vocab"])
+    special = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    vocab.update(special)
+    by_id = sorted(vocab.items(), key=lambda kv: kv[1])
+    assert [i for _, i in by_id] == list(range(len(by_id))), "tokenizer ids must be dense"
+    assert len(by_id) == cfg["vocab_size"], "write_gguf needs a fixture without vocab padding"
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([t for t, _ in by_id])
+    w.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t, _ in by_id])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_pad_token_id(cfg["pad_token_id"])
+    if "<|im_end|>" in special:
+        w.add_eot_token_id(special["<|im_end|>"])
+    w.add_add_bos_token(False)
+    template = hf_dir / "chat_template.jinja"
+    if template.is_file():
+        w.add_chat_template(template.read_text())
