@@ -1,6 +1,7 @@
-"""Build Hugging Face-format model directories for tests, benchmarks and the demo.
+"""Build Hugging Face-format model directories for tests and benchmarks (the daemon's
+own default model is a real one, llmd.builtin_model).
 
-No weights can be downloaded here, so llmd builds its own models:
+These random-weight models are fixtures with known, reproducible properties:
 
 * a **byte-level BPE tokenizer** trained (deterministically, in well under a second)
   with the ``tokenizers`` library on Python's stdlib sources plus a short
@@ -14,7 +15,7 @@ Public API::
     build_tokenizer(out_dir, vocab_size) -> Path
     build_model(out_dir, arch, preset, *, tie_word_embeddings=False, seed=0, **overrides) -> Path
     fixture_path(name, cache_dir=None) -> Path      # named, cached, built once
-    demo_model_path() -> Path                       # what the daemon serves by default
+    demo_model_path() -> Path                       # the small llama fixture (CPU benchmarks)
     param_count(arch, preset, **overrides) -> int   # exact, without building (meta device)
     greedy_stats(model_dir, prompts=..., steps=64)  # peakedness / diversity check
 
@@ -743,7 +744,7 @@ def _prune_stale(cache: Path, name: str, keep: Path) -> None:
 
 
 def demo_model_path() -> Path:
-    """The model the daemon serves when started without ``--model`` (built on first use)."""
+    """The small llama fixture the CPU benchmarks run on by default (built on first use)."""
     return fixture_path(DEMO_FIXTURE)
 
 
