@@ -61,7 +61,8 @@ class InputProcessor:
 
     def prepare(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                 priority: int = 0, cache_salt: str | None = None,
-                arrival_time: float | None = None, strict_max_tokens: bool = False) -> PreparedRequest:
+                arrival_time: float | None = None, strict_max_tokens: bool = False,
+                owner: object = None) -> PreparedRequest:
         """Tokenized and validated samples. max_tokens past the context is shortened to fit,
         or with `strict_max_tokens` refused."""
         if isinstance(prompt, str):
@@ -97,7 +98,7 @@ class InputProcessor:
                     params, n=1, seed=None if params.seed is None else (params.seed + i) % 2**63)
             children.append(Request(child_id, token_ids, child_params, eos_token_id=self.eos_token_id,
                                     priority=priority, arrival_time=arrival, cache_salt=cache_salt,
-                                    max_tokens=max_tokens,
+                                    max_tokens=max_tokens, owner=owner,
                                     grammar=RequestGrammar(spec) if spec is not None else None))
         return PreparedRequest(request_id, text, token_ids, params, children)
 

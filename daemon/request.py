@@ -50,6 +50,7 @@ class Request:
         cache_salt: str | None = None,
         max_tokens: int,
         grammar=None,
+        owner: object = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -58,6 +59,9 @@ class Request:
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt
+        # Who sent it (the daemon's peer uid): the waiting queue takes turns between owners.
+        self.owner = owner
+        self.queue_key: tuple | None = None  # its place in the waiting queue, kept across preemption
         # Resolved limit on output tokens (max_tokens or what max_model_len leaves).
         self.max_tokens = max_tokens
 

@@ -12,10 +12,11 @@ import resource
 import signal
 import socket
 import stat
+import time
 import tomllib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Callable, Literal
 
 import msgspec
 import uvloop
@@ -37,6 +38,11 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     admin_group: str | None = "llmd-admin"
     drain_timeout_s: float = 30.0
     max_pending_requests: int = 4096
+    # ... of one user, and on one connection, and one user's prompt tokens (times samples)
+    # in flight: one user's flood meets their own limit while others are still served.
+    max_pending_requests_per_user: Annotated[int, msgspec.Meta(ge=1)] = 1024
+    max_pending_requests_per_connection: Annotated[int, msgspec.Meta(ge=1)] = 512
+    max_pending_tokens_per_user: Annotated[int, msgspec.Meta(ge=1)] = 1 << 20
     # Connections waiting to be accepted (the kernel caps it at net.core.somaxconn).
     listen_backlog: Annotated[int, msgspec.Meta(ge=16)] = 4096
     # Open protocol connections, in all and from one user; more are refused with a reason
@@ -65,6 +71,14 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     http_require_api_key: bool = True
     # /health answers 503 when requests wait and no engine step has ended for this long.
     health_stall_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+    # A failed worker (died, or hung past its step deadline) is restarted after
+    # worker_restart_backoff_s, doubling with each failure in the window up to
+    # worker_restart_backoff_max_s; worker_max_failures within worker_failure_window_s
+    # declare the engine dead: the daemon fails every request and exits non-zero.
+    worker_restart_backoff_s: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    worker_restart_backoff_max_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    worker_max_failures: Annotated[int, msgspec.Meta(ge=1)] = 5
+    worker_failure_window_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
 
 
 def bind_path() -> str:
@@ -150,11 +164,13 @@ def bind_socket(path: str, group: str | None, backlog: int = 4096) -> socket.soc
 async def _serve(daemon: DaemonConfig, engine_config: EngineConfig) -> int:
     from llmd.actors.detokenizer_actor import DetokenizerActor
     from llmd.actors.intake import IntakeActor
-    from llmd.actors.messages import AbortRequest
+    from llmd.actors.messages import AbortRequest, Draining
     from llmd.actors.metrics import MetricsActor
+    from llmd.actors.quotas import QuotaLimits
     from llmd.actors.runtime import Supervisor
     from llmd.actors.scheduler_actor import SchedulerActor
     from llmd.engine import LLMEngine
+    from llmd.restart_policy import RestartPolicy
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -189,7 +205,9 @@ async def _serve(daemon: DaemonConfig, engine_config: EngineConfig) -> int:
                            dtype=str(engine.dtype).removeprefix("torch."), kv_blocks_total=engine.num_blocks,
                            health_stall_s=daemon.health_stall_s)
     detokenizer = DetokenizerActor(engine.tokenizer, metrics)
-    scheduler = SchedulerActor(engine, detokenizer, metrics, model_thread)
+    scheduler = SchedulerActor(engine, detokenizer, metrics, model_thread, RestartPolicy(
+        backoff_s=daemon.worker_restart_backoff_s, backoff_max_s=daemon.worker_restart_backoff_max_s,
+        max_failures=daemon.worker_max_failures, window_s=daemon.worker_failure_window_s))
     detokenizer.scheduler = scheduler
     intake = IntakeActor(sock, engine.input_processor, scheduler=scheduler, detokenizer=detokenizer,
                          metrics=metrics, model_name=model_name, server_version=SERVER_VERSION,
@@ -197,7 +215,10 @@ async def _serve(daemon: DaemonConfig, engine_config: EngineConfig) -> int:
                          prefix_cache_scope=daemon.prefix_cache_scope, listen_backlog=daemon.listen_backlog,
                          max_connections=max(1, min(daemon.max_connections, open_files - 256)),
                          max_connections_per_user=daemon.max_connections_per_user,
-                         idle_timeout_s=daemon.idle_timeout_s)
+                         idle_timeout_s=daemon.idle_timeout_s,
+                         quotas=QuotaLimits(requests_per_user=daemon.max_pending_requests_per_user,
+                                            requests_per_connection=daemon.max_pending_requests_per_connection,
+                                            tokens_per_user=daemon.max_pending_tokens_per_user))
     actors = [metrics, detokenizer, scheduler, intake]
     if http_socks:
         from llmd.actors.http_intake import HttpIntakeActor
@@ -213,20 +234,27 @@ async def _serve(daemon: DaemonConfig, engine_config: EngineConfig) -> int:
         from llmd.actors.metrics_http import serve_metrics
         metrics_server = await serve_metrics(metrics_sock, metrics)
         logger.info("Prometheus metrics on http://127.0.0.1:%d/metrics", daemon.metrics_port)
-    watchdog = asyncio.ensure_future(_watchdog())
+    watchdog = asyncio.ensure_future(_watchdog(scheduler.making_progress))
     sd_notify.ready(f"serving {model_name}")
     logger.info("serving %s on %s (%s, %s)", model_name, created_path or "the adopted socket",
                 engine.device, engine.dtype)
 
-    failed = asyncio.ensure_future(supervisor.failed.wait())
-    await asyncio.wait([asyncio.ensure_future(stop.wait()), failed], return_when=asyncio.FIRST_COMPLETED)
-    code = 1 if supervisor.failed.is_set() else 0
-    if code:
+    waits = [asyncio.ensure_future(e.wait()) for e in (stop, supervisor.failed, scheduler.dead)]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for waiting in waits:
+        waiting.cancel()
+    code = 1 if supervisor.failed.is_set() or scheduler.dead.is_set() else 0
+    if supervisor.failed.is_set():
         logger.error("stopping: %s", supervisor.failure)
     else:
+        if scheduler.dead.is_set():
+            # Exit non-zero for the service manager to restart the daemon, once every
+            # request (the scheduler failed them all) has its final message.
+            logger.error("stopping: the engine is dead")
         # Drain: stop accepting, let running requests finish up to the timeout, then
         # abort the rest; every request gets its final message.
         sd_notify.stopping()
+        metrics.send(Draining())
         intake.stop_accepting(close_listener=created_path is None)
         logger.info("draining %d request(s) for up to %.0f s", len(intake.registry), daemon.drain_timeout_s)
         await _wait_until(lambda: not intake.registry, daemon.drain_timeout_s, supervisor)
@@ -260,12 +288,21 @@ async def _wait_until(done, timeout: float, supervisor) -> None:
         await asyncio.sleep(0.02)
 
 
-async def _watchdog() -> None:
+async def _watchdog(making_progress: Callable[[float], bool]) -> None:
+    """Feed systemd's watchdog while the engine makes progress (idle counts; a step
+    stuck past its deadline does not), so a daemon whose model step hangs is restarted
+    even though its event loop still answers."""
     interval = sd_notify.watchdog_interval()
     if not interval:
         return
+    stuck = False
     while True:  # watchdog_interval() is already half of WatchdogSec
-        sd_notify.watchdog()
+        if making_progress(time.monotonic()):
+            sd_notify.watchdog()
+            stuck = False
+        elif not stuck:
+            stuck = True
+            logger.error("an engine step is stuck past its deadline: no longer feeding the systemd watchdog")
         await asyncio.sleep(interval)
 
 

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -123,6 +124,60 @@ def test_prefix_cache_is_per_user_unless_shared(scope):
             assert others[0] == 0 and others[1] == mine[1]  # only their own first send helps them
         else:
             assert others[0] == mine[1]
+    finally:
+        assert d.stop() == 0, d.stderr()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+# The other user sends one request and reports when its final message came.
+OTHER_USER_ONE = r"""
+import json, socket, sys, time
+s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); f = s.makefile("rwb")
+f.write(json.dumps({"type": "submit", "id": "o", "prompt": "hi", "stream": False,
+                    "sampling": {"max_tokens": 20, "ignore_eos": True}}).encode() + b"\n"); f.flush()
+first = json.loads(f.readline())
+while True:
+    m = json.loads(f.readline())
+    if m.get("usage"): break
+print(json.dumps({"first": first, "done": time.time()}))
+"""
+
+
+def test_one_users_flood_meets_their_quota_and_others_take_turns(tmp_path_factory):
+    """Root pipelines 20 requests: 6 are admitted (its quota), the rest refused by name;
+    another user's request, sent after, runs next rather than behind root's queue."""
+    base = Path(tempfile.mkdtemp(prefix="llmd-fair-"))
+    base.chmod(0o755)
+    config = base / "llmd.toml"
+    config.write_text("max_pending_requests_per_user = 6\nmax_num_seqs = 1\n")
+    d = Daemon(str(fixture_path("tiny-llama")), base / "llmd.sock", "--config", str(config)).wait_ready()
+    try:
+        os.chmod(d.sock, 0o666)
+        with RawConn(d.sock) as conn:
+            for i in range(20):
+                conn.send({"type": "submit", "id": f"r{i}", "prompt": "hi", "stream": False,
+                           "sampling": {"max_tokens": 40, "ignore_eos": True}})
+            first = {}
+            while len(first) < 20:
+                m = conn.recv()
+                first.setdefault(m["id"], m)
+            refused = [m for m in first.values() if m["type"] == "error"]
+            assert len(refused) == 14 and {m["code"] for m in refused} == {"overloaded"}
+            assert "from this user (limit 6)" in refused[0]["message"]
+            proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                                   "/usr/bin/python3", "-c", OTHER_USER_ONE, d.sock],
+                                  capture_output=True, text=True, timeout=60, cwd="/")
+            assert proc.returncode == 0, proc.stderr
+            other = json.loads(proc.stdout)
+            assert other["first"]["type"] == "accepted"  # root's quota is root's alone
+            done = {}
+            while len(done) < 6:
+                m = conn.recv()
+                if m.get("usage"):
+                    done[m["id"]] = time.time()
+        # With one sequence at a time, the other user's request ran second or third,
+        # not seventh: at least four of root's six finished after it.
+        assert sum(t > other["done"] for t in done.values()) >= 4, (sorted(done.values()), other["done"])
     finally:
         assert d.stop() == 0, d.stderr()
         shutil.rmtree(base, ignore_errors=True)

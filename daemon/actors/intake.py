@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import grp
 import itertools
 import math
@@ -19,11 +20,13 @@ import re
 import socket
 import struct
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
 from llmd.actors.messages import AbortRequest, AddRequest, Query, RegisterRequest, RequestEvent
+from llmd.actors.quotas import QuotaLimits, Quotas
 from llmd.actors.runtime import Actor
 from llmd.input_processor import InputProcessor, PreparedRequest
 from llmd_client.framing import FrameError, JsonLinesCodec, MsgpackCodec
@@ -69,14 +72,14 @@ class RequestSink:
     """Where the detokenizer sends one request's outputs (`send`) and says that the request
     is over (`finished`). Subclasses deliver to a socket connection or an HTTP response."""
 
-    __slots__ = ("client_id", "request_id", "stream", "finished_samples", "registry")
+    __slots__ = ("client_id", "request_id", "stream", "finished_samples", "release")
 
     def __init__(self, client_id: str, stream: bool) -> None:
         self.client_id = client_id
         self.request_id = ""  # set on admission
         self.stream = stream
         self.finished_samples: set[int] = set()
-        self.registry: dict | None = None
+        self.release: Callable[[], None] | None = None  # set on admission: gives back what it held
 
     def send(self, message: object) -> None:
         raise NotImplementedError
@@ -86,9 +89,15 @@ class RequestSink:
         """False once the peer has gone: a request it no longer waits for is not started."""
         return True
 
+    @property
+    def connection(self) -> object | None:
+        """What the per-connection request limit counts against (None: no such limit)."""
+        return None
+
     def finished(self) -> None:
-        if self.registry is not None:
-            self.registry.pop(self.request_id, None)
+        if self.release is not None:
+            self.release()
+            self.release = None
 
 
 class ConnectionSink(RequestSink):
@@ -99,6 +108,10 @@ class ConnectionSink(RequestSink):
     def __init__(self, conn: Connection, client_id: str, stream: bool) -> None:
         super().__init__(client_id, stream)
         self.conn = conn
+
+    @property
+    def connection(self) -> object:
+        return self.conn
 
     def send(self, message: object) -> None:
         self.conn.send(message)
@@ -279,7 +292,8 @@ class IntakeActor(Actor):
                  detokenizer: Actor, metrics: Actor, model_name: str, server_version: str,
                  admin_group: str | None = "llmd-admin", max_pending_requests: int = 4096,
                  prefix_cache_scope: str = "user", listen_backlog: int = 4096, max_connections: int = 4096,
-                 max_connections_per_user: int = 256, idle_timeout_s: float = 600.0) -> None:
+                 max_connections_per_user: int = 256, idle_timeout_s: float = 600.0,
+                 quotas: QuotaLimits = QuotaLimits()) -> None:
         super().__init__()
         self.sock = sock
         self.input_processor = input_processor
@@ -295,6 +309,7 @@ class IntakeActor(Actor):
         self.max_connections = max_connections
         self.max_connections_per_user = max_connections_per_user
         self.idle_timeout_s = idle_timeout_s
+        self.quotas = Quotas(quotas)
         self.connections_by_uid: collections.Counter[int] = collections.Counter()
         self._last_refusal_log = -math.inf
         self.registry: dict[str, tuple[RequestSink, int]] = {}
@@ -362,21 +377,27 @@ class IntakeActor(Actor):
             return Error(code="invalid_params", id=client_id,
                          message=f"prompt is too long: no prompt of {chars} characters fits max_model_len "
                                  f"({self.input_processor.max_model_len} tokens)")
-        request_id = f"r{next(self.request_counter)}"
-        arrival = time.monotonic()
-        # Long texts are tokenized on a pool of their own, so they never hold up short ones.
-        pool = self.large_pool if chars > LARGE_PROMPT_CHARS else self.pool
+        refusal = self.quotas.reserve(uid, sink.connection)
+        if refusal is not None:
+            return Error(code="overloaded", id=client_id, message=refusal)
         try:
-            prepared = await asyncio.get_running_loop().run_in_executor(
-                pool, self.prepare, request_id, submit, self.cache_salt(uid, submit.cache_salt), arrival,
-                strict_max_tokens)
-        except ValueError as exc:
-            return Error(code="invalid_params", id=client_id, message=safe_message(exc))
-        if not sink.wanted:
-            return prepared
+            prepared = await self._prepare(submit, uid, chars, strict_max_tokens)
+        except BaseException:
+            self.quotas.release(uid, sink.connection)
+            raise
+        if isinstance(prepared, Error):
+            self.quotas.release(uid, sink.connection)
+            return msgspec.structs.replace(prepared, id=client_id)
+        tokens = len(prepared.token_ids) * len(prepared.children)
+        refusal = self.quotas.charge_tokens(uid, tokens) if sink.wanted else "gone"
+        if refusal is not None:
+            self.quotas.release(uid, sink.connection)
+            return prepared if refusal == "gone" else Error(code="overloaded", id=client_id, message=refusal)
+        request_id = prepared.request_id
         sink.request_id = request_id
-        sink.registry = self.registry
+        sink.release = functools.partial(self._release, request_id, uid, sink.connection, tokens)
         self.registry[request_id] = (sink, uid)
+        arrival = prepared.children[0].arrival_time
         self.metrics.send(RequestEvent(request_id, "queued", arrival, uid=uid,
                                        prompt_tokens=len(prepared.token_ids)))
         # The detokenizer must know the request before any of its tokens can arrive.
@@ -384,6 +405,22 @@ class IntakeActor(Actor):
                                               prepared.child_ids, sink))
         self.scheduler.send(AddRequest(request_id, prepared.children))
         return prepared
+
+    async def _prepare(self, submit: Submit, uid: int, chars: int, strict_max_tokens: bool
+                       ) -> PreparedRequest | Error:
+        request_id = f"r{next(self.request_counter)}"
+        # Long texts are tokenized on a pool of their own, so they never hold up short ones.
+        pool = self.large_pool if chars > LARGE_PROMPT_CHARS else self.pool
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                pool, self.prepare, request_id, submit, uid, self.cache_salt(uid, submit.cache_salt),
+                time.monotonic(), strict_max_tokens)
+        except ValueError as exc:
+            return Error(code="invalid_params", message=safe_message(exc))
+
+    def _release(self, request_id: str, uid: int, connection: object | None, tokens: int) -> None:
+        self.registry.pop(request_id, None)
+        self.quotas.release(uid, connection, tokens)
 
     def abort(self, request_ids: list[str]) -> None:
         self.scheduler.send(AbortRequest(request_ids))
@@ -396,7 +433,7 @@ class IntakeActor(Actor):
             return requested
         return f"uid={uid}" if requested is None else f"uid={uid}/{requested}"
 
-    def prepare(self, request_id: str, submit: Submit, cache_salt: str | None, arrival: float,
+    def prepare(self, request_id: str, submit: Submit, uid: int, cache_salt: str | None, arrival: float,
                 strict_max_tokens: bool = False):
         """Runs in the tokenizer pool."""
         processor = self.input_processor
@@ -409,7 +446,7 @@ class IntakeActor(Actor):
             prompt = submit.prompt
         return processor.prepare(request_id, prompt, submit.sampling, priority=submit.priority,
                                  cache_salt=cache_salt, arrival_time=arrival,
-                                 strict_max_tokens=strict_max_tokens)
+                                 strict_max_tokens=strict_max_tokens, owner=uid)
 
     async def query(self, kind: str, uid: int, admin: bool):
         reply = asyncio.get_running_loop().create_future()
