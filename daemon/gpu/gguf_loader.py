@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from llmd.gpu.models import get_model_class
+
 GGUF_MAGIC = b"GGUF"
 
 
@@ -248,8 +250,6 @@ def load_gguf_config(path: str | Path):
             raise ValueError(f"{where}: GGUF metadata {a}.attention.key_length={head_dim} differs from "
                              f"embedding_length / head_count = {hidden // heads}: not implemented for qwen2")
     config = AutoConfig.for_model(spec.model_type, **fields)
-    from llmd.gpu.models import get_model_class
-
     get_model_class(spec.hf_architecture).attention_windows(config)
     return config
 
