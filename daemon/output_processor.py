@@ -130,7 +130,9 @@ class OutputProcessor:
                 return list(token_ids[:i + 1]), stop_str
         return list(token_ids), None
 
-    def abort(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
+    def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> RequestOutput | None:
+        """End a request from outside a step: its unfinished samples get `reason` (and,
+        with reason "error", `error`, what went wrong)."""
         state = self.requests.get(request_id)
         if state is None:
             return None
@@ -140,6 +142,7 @@ class OutputProcessor:
             out.new_token_ids = []
             if not out.finished:
                 out.finish_reason = reason
+                out.error = error
                 tail = sample.detokenizer.get_delta() + sample.detokenizer.finish()
                 out.new_text = tail
                 out.text += tail

@@ -34,10 +34,10 @@ class DetokenizerActor(Actor):
                 now = time.monotonic()
                 for out in outputs:
                     self._emit(out, now)
-            case RequestsAborted(request_ids=ids, reason=reason):
+            case RequestsAborted(request_ids=ids, reason=reason, error=error):
                 now = time.monotonic()
                 for rid in ids:
-                    out = self.processor.abort(rid, reason)
+                    out = self.processor.abort(rid, reason, error)
                     if out is not None:
                         self._emit(out, now)
             case _:

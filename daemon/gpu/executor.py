@@ -40,5 +40,12 @@ class InProcessExecutor:
     def flush(self) -> RunnerOutput | None:
         return self.runner.flush()
 
+    def exit_fds(self) -> list[int]:
+        """No worker process to watch: the model runs in this one."""
+        return []
+
+    def exit_cause(self) -> str | None:
+        return None
+
     def shutdown(self) -> None:
         self.runner.release_kv_cache()

@@ -7,7 +7,9 @@ form a process group, NCCL on CUDA and gloo on CPU, that meets through a file in
 private (0700) temporary directory made here: no TCP port, so nothing to race for, and
 nobody else on the machine can join. Every rank runs every step. A worker that dies
 closes its end of the pair, so the parent sees EOF at once and raises WorkerError naming
-the exit code: never a hang.
+how it exited. A worker that stops answering (stopped, deadlocked) is caught by the
+step's deadline (`step_deadline`): it is killed and the step raises WorkerError saying
+it hung. Between steps, `exit_fds()` lets the caller watch for a worker that exits.
 
 The parent never touches CUDA beyond counting devices: the model, its memory profile
 and the KV cache live in the workers only."""
@@ -16,12 +18,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 from multiprocessing.connection import Connection, wait
+from typing import Callable
 
 import msgspec
 
@@ -39,7 +43,10 @@ class WorkerError(ExecutorError):
 
 class MultiprocExecutor:
     def __init__(self, model_dir: str, settings: RunnerSettings, device, dtype, world_size: int = 1,
-                 start_timeout: float = 600.0) -> None:
+                 start_timeout: float = 600.0,
+                 step_deadline: Callable[[int], float | None] = lambda num_tokens: None) -> None:
+        """`step_deadline(num_tokens)`: seconds a step may go unanswered before its
+        workers count as hung and are killed (None: no limit)."""
         if world_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {world_size}")
         self._encoder = msgspec.msgpack.Encoder()
@@ -47,6 +54,9 @@ class MultiprocExecutor:
         self.bytes_sent_last_step = 0
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
+        self._step_deadline = step_deadline
+        self._tokens_in_flight = 0  # chained: the step launched before, not yet read back
+        self._pidfds: list[int] = []
         self._rendezvous_dir: str | None = None
         dtype_name = str(dtype).removeprefix("torch.")
         devices = worker_devices(device, world_size)  # refuses before anything is spawned
@@ -95,10 +105,10 @@ class MultiprocExecutor:
             message = self._decoder.decode(conn.recv_bytes())
         except (EOFError, OSError):
             try:
-                code = proc.wait(5.0)
+                proc.wait(5.0)
             except subprocess.TimeoutExpired:
-                code = None
-            raise WorkerError(f"worker {rank} (pid {proc.pid}) died with exit code {code}") from None
+                pass
+            raise WorkerError(f"worker process {rank} (pid {proc.pid}) {exit_text(proc.returncode)}") from None
         if isinstance(message, WorkerFailed):
             raise WorkerError(f"worker {rank} failed: {message.message}")
         return message
@@ -123,6 +133,24 @@ class MultiprocExecutor:
                     check(rank, messages[rank])
         return [messages[r] for r in range(len(self.conns))]
 
+    def _recv_step(self, num_tokens: int) -> object:
+        """Rank 0's reply to a step of `num_tokens` tokens, within the step's deadline;
+        past it the workers are killed (a stopped process cannot be asked to exit) and
+        the step fails as a hang. With several ranks, anything readable from another
+        rank first is its failure (only rank 0 replies), which _recv raises."""
+        limit = self._step_deadline(num_tokens)
+        ready = wait(self.conns, limit)
+        if not ready:
+            pids = ", ".join(str(p.pid) for p in self.procs)
+            self.kill()
+            raise WorkerError(f"worker hung: no reply to a step of {num_tokens} tokens within {limit:.1f} s "
+                              f"(killed worker pid {pids})")
+        if self.conns[0] not in ready:
+            rank = self.conns.index(ready[0])
+            self._recv(rank, 0)
+            raise WorkerError(f"worker {rank} sent an unexpected message")
+        return self._recv(0, 0)
+
     def _broadcast(self, message: object) -> None:
         data = self._encoder.encode(message)
         self.bytes_sent_last_step = len(data)
@@ -130,8 +158,33 @@ class MultiprocExecutor:
             try:
                 conn.send_bytes(data)
             except OSError:
-                raise WorkerError(f"worker {rank} (pid {self.procs[rank].pid}) is gone "
-                                  f"(exit code {self.procs[rank].poll()})") from None
+                proc = self.procs[rank]
+                try:
+                    proc.wait(5.0)
+                except subprocess.TimeoutExpired:
+                    pass
+                raise WorkerError(f"worker process {rank} (pid {proc.pid}) "
+                                  f"{exit_text(proc.returncode)}") from None
+
+    def exit_fds(self) -> list[int]:
+        """One descriptor per worker that becomes readable when the worker process
+        exits (a pidfd), for watching the workers while no step runs; owned here."""
+        if not self._pidfds and hasattr(os, "pidfd_open"):
+            self._pidfds = [os.pidfd_open(p.pid) for p in self.procs]
+        return self._pidfds
+
+    def exit_cause(self) -> str | None:
+        """How the first worker that exited did, or None while all run."""
+        for rank, proc in enumerate(self.procs):
+            if proc.poll() is not None:
+                return f"worker process {rank} (pid {proc.pid}) {exit_text(proc.returncode)}"
+        return None
+
+    def kill(self) -> None:
+        """SIGKILL every worker (it reaches a stopped process too)."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
 
     def kv_cache_bytes_per_block(self) -> int:
         return self._bytes_per_block
@@ -179,22 +232,18 @@ class MultiprocExecutor:
 
     def _chained(self, message: object) -> RunnerOutput | None:
         self._broadcast(message)
-        reply = self._recv(0, None)
+        # The reply is the step before's output, read back after this one launched:
+        # both steps' tokens are within the deadline.
+        num_tokens = message.scheduler_output.total_num_scheduled_tokens if isinstance(message, ExecuteChained) else 0
+        reply = self._recv_step(self._tokens_in_flight + num_tokens)
+        self._tokens_in_flight = num_tokens
         if not isinstance(reply, ChainedResult):
             raise WorkerError(f"worker 0 sent {type(reply).__name__} instead of a step result")
         return reply.output
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         self._broadcast(Execute(scheduler_output))
-        if len(self.conns) > 1:
-            # Only rank 0 replies; anything readable from another rank is its failure
-            # (a message or EOF), which _recv raises as a WorkerError.
-            ready = wait(self.conns, None)
-            if self.conns[0] not in ready:
-                rank = self.conns.index(ready[0])
-                self._recv(rank, 0)
-                raise WorkerError(f"worker {rank} sent an unexpected message")
-        message = self._recv(0, None)
+        message = self._recv_step(scheduler_output.total_num_scheduled_tokens)
         if not isinstance(message, StepResult):
             raise WorkerError(f"worker 0 sent {type(message).__name__} instead of a step result")
         return message.output
@@ -214,9 +263,24 @@ class MultiprocExecutor:
         for conn in self.conns:
             conn.close()
         self.conns = []
+        for fd in self._pidfds:
+            os.close(fd)
+        self._pidfds = []
         if self._rendezvous_dir is not None:
             shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
             self._rendezvous_dir = None
+
+
+def exit_text(returncode: int | None) -> str:
+    """How a worker process ended, for people: "exited with signal SIGKILL"."""
+    if returncode is None:
+        return "stopped answering"
+    if returncode < 0:
+        try:
+            return f"exited with signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"exited with signal {-returncode}"
+    return f"exited with code {returncode}"
 
 
 def worker_devices(device, world_size: int) -> list[str]:
