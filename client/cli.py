@@ -330,6 +330,7 @@ def format_status(s: StatusReply) -> str:
     lines = [
         f"model        {s.model}  (llmd {s.server_version})",
         f"uptime       {_duration(s.uptime_s)}",
+        f"engine       {_engine_state(s)}",
         f"device       {s.device} / {s.dtype}",
         f"requests     {s.num_running} running, {s.num_waiting} waiting, {s.requests_finished_total} finished",
         f"kv cache     {s.kv_blocks_used} / {s.kv_blocks_total} blocks ({s.kv_usage:.1%})",
@@ -358,6 +359,20 @@ def format_status(s: StatusReply) -> str:
         lines.append("")
         lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     return "\n".join(lines)
+
+
+def _engine_state(s: StatusReply) -> str:
+    """"serving", "restarting (2): <cause>", "dead: <cause>", "serving; 1 worker restart ..."."""
+    match s.engine_state:
+        case "restarting":
+            return f"restarting ({s.engine_restarts}): {s.engine_error}"
+        case "dead":
+            return f"dead: {s.engine_error}"
+        case state if s.engine_restarts:
+            plural = "" if s.engine_restarts == 1 else "s"
+            return f"{state}; {s.engine_restarts} worker restart{plural}, the last after: {s.engine_error}"
+        case state:
+            return state
 
 
 def _duration(seconds: float) -> str:

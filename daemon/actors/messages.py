@@ -52,10 +52,32 @@ class StepTokens(msgspec.Struct):
 
 class RequestsAborted(msgspec.Struct):
     """scheduler -> detokenizer: requests finished by abort (or by an executor failure:
-    reason "error")."""
+    reason "error", with `error` saying what happened)."""
 
     request_ids: list[str]
     reason: str = "abort"
+    error: str | None = None
+
+
+class WorkerExited(msgspec.Struct):
+    """A worker process of executor `generation` exited (seen between steps, from the
+    event loop): -> scheduler, which fails what ran on it and restarts it."""
+
+    generation: int
+
+
+class EngineState(msgspec.Struct):
+    """scheduler -> metrics: how the engine is doing. `state` is "serving",
+    "restarting" or "dead"; `restarts` counts worker failures since start; `error` is
+    the last failure's cause."""
+
+    state: str
+    restarts: int = 0
+    error: str | None = None
+
+
+class Draining(msgspec.Struct):
+    """server -> metrics: the daemon stopped accepting and is finishing its requests."""
 
 
 class RequestEvent(msgspec.Struct):

@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.utils import floatToGoString
 
-from llmd.actors.messages import Query, RequestEvent, StepStats
+from llmd.actors.messages import Draining, EngineState, Query, RequestEvent, StepStats
 from llmd.actors.runtime import Actor
 from llmd.spec_decode import SpecDecodeStats
 from llmd_client.protocol import RequestInfo, SpecDecodeInfo, StatusReply
@@ -105,6 +105,8 @@ class MetricsActor(Actor):
         self.grammar_compile = Histogram(COMPILE_BUCKETS)
         self.spec: SpecDecodeStats | None = None
         self.device_memory_bytes: int | None = None
+        self.engine = EngineState("serving")
+        self.draining = False
         self.process = psutil.Process()
         self.process.cpu_percent(None)
         # Our own registry, not prometheus_client's global one: the figures belong to this
@@ -141,6 +143,10 @@ class MetricsActor(Actor):
                     self._finished(tracked, message)
             case StepStats():
                 self._step(message)
+            case EngineState():
+                self.engine = message
+            case Draining():
+                self.draining = True
             case Query(kind=kind, uid=uid, admin=admin, reply=reply):
                 if not reply.done():
                     answers = {"status": lambda: self.status(uid, admin), "metrics": self.prometheus,
@@ -189,9 +195,20 @@ class MetricsActor(Actor):
         if message.device_memory_bytes is not None:
             self.device_memory_bytes = message.device_memory_bytes
 
+    def engine_state(self) -> str:
+        """serving, restarting (a worker), dead (too many worker failures), draining."""
+        if self.engine.state == "serving" and self.draining:
+            return "draining"
+        return self.engine.state
+
     def health(self) -> tuple[bool, str]:
-        """(healthy, why): unhealthy when requests are pending and no engine step has
-        ended for `health_stall_s` (a hung or dead model step)."""
+        """(healthy, why): unhealthy while the engine is dead or restarting its worker,
+        and when requests are pending and no engine step has ended for `health_stall_s`
+        (a hung or dead model step)."""
+        if self.engine.state == "dead":
+            return False, f"engine dead: {self.engine.error}"
+        if self.engine.state == "restarting":
+            return False, f"restarting the worker ({self.engine.restarts}) after: {self.engine.error}"
         if not self.requests:
             return True, "idle"
         now = time.monotonic()
@@ -252,6 +269,8 @@ class MetricsActor(Actor):
             grammar_compile_seconds_total=self.grammar_compile.sum,
             device_memory_bytes=self.device_memory_bytes,
             spec_decode=_spec_info(self.spec),
+            engine_state=self.engine_state(), engine_restarts=self.engine.restarts,
+            engine_error=self.engine.error,
         )
 
     def prometheus(self) -> str:

@@ -1,33 +1,55 @@
 """The scheduler actor: owns the scheduler, KV cache manager and executor, and drives
 one step at a time. The model step runs in a worker thread (torch releases the GIL), so
 the event loop keeps answering clients while a long prefill runs; scheduler state is
-only touched on the loop."""
+only touched on the loop.
+
+A failed executor (a worker that died, hung past its step deadline, or exited while
+idle) costs only the requests that ran on it: they end with finish_reason "error" and
+the cause, requests still waiting stay queued, and new workers are started, backing off
+as the failures add up (RestartPolicy); meanwhile messages are still handled (new
+requests wait, aborts end). Too many failures in the policy's window declare the engine
+dead: every request gets its final message, new ones are failed at once, and `dead` is
+set for the server to exit."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Awaitable
 
 import msgspec
 
-from llmd.actors.messages import (AbortRequest, AddRequest, GrammarCompiled, RequestEvent, RequestsAborted,
-                                  StepStats, StepTokens, StopSamples)
+from llmd.actors.messages import (AbortRequest, AddRequest, EngineState, GrammarCompiled, RequestEvent,
+                                  RequestsAborted, StepStats, StepTokens, StopSamples, WorkerExited)
 from llmd.actors.runtime import Actor
 from llmd.executor_error import ExecutorError
 from llmd.request import RequestStatus
+from llmd.restart_policy import RestartPolicy
 from llmd.scheduler import StepShape
 from llmd.step_pipeline import Step
 
 logger = logging.getLogger("llmd.scheduler")
+# The executor kills a hung worker at the step's deadline; only a step that outlives it
+# by this much (one the executor cannot kill: the in-process one) stops the watchdog.
+WATCHDOG_GRACE_S = 10.0
 
 
 class SchedulerActor(Actor):
     name = "scheduler"
 
     def __init__(self, engine, detokenizer: Actor, metrics: Actor,
-                 model_thread: ThreadPoolExecutor | None = None) -> None:
+                 model_thread: ThreadPoolExecutor | None = None,
+                 restart_policy: RestartPolicy | None = None) -> None:
         super().__init__()
+        self.restart_policy = restart_policy or RestartPolicy()
+        self.engine_state = "serving"  # "restarting", "dead"
+        self.dead = asyncio.Event()
+        self._dead_error = ""
+        self._failure: str | None = None  # an executor failure seen and not yet recovered from
+        self._generation = 0  # bumped at each failure: exits of older executors' workers are stale
+        self._watched_fds: list[int] = []
+        self._step_deadline: float | None = None  # monotonic, while a step with a deadline runs
         self.engine = engine
         self.scheduler = engine.scheduler
         self.kv = engine.kv_cache_manager
@@ -44,21 +66,38 @@ class SchedulerActor(Actor):
         loop = asyncio.get_running_loop()
         self.engine.structured.service.on_done = \
             lambda: loop.call_soon_threadsafe(self.inbox.put_nowait, GrammarCompiled())
+        self._watch_workers(loop)
         try:
             while True:
-                if not self.scheduler.has_unfinished_requests():
+                if self._failure is not None:
+                    await self._recover(loop)
+                    continue
+                if not self._can_step():
                     self._handle(await self.inbox.get())
                 while not self.inbox.empty():
                     self._handle(self.inbox.get_nowait())
-                if self.scheduler.has_unfinished_requests():
+                if self._failure is not None:
+                    continue
+                if self._can_step():
                     await self._step(loop)
                 else:
                     self._publish(time.monotonic(), None)  # e.g. after aborts: blocks are free
         finally:
+            self._unwatch_workers(loop)
             self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _can_step(self) -> bool:
+        return self.engine_state == "serving" and self.scheduler.has_unfinished_requests()
+
+    def making_progress(self, now: float) -> bool:
+        """For the systemd watchdog: idle, restarting (bounded by the backoff and the
+        workers' start timeout) and a step within its deadline are progress."""
+        return self._step_deadline is None or now < self._step_deadline + WATCHDOG_GRACE_S
 
     def _handle(self, message: object) -> None:
         match message:
+            case AddRequest(request_id=rid) if self.engine_state == "dead":
+                self.detokenizer.send(RequestsAborted([rid], reason="error", error=self._dead_error))
             case AddRequest(request_id=rid, children=children):
                 self.children[rid] = [c.request_id for c in children]
                 for child in children:
@@ -77,6 +116,9 @@ class SchedulerActor(Actor):
                 self._forget_finished()
             case GrammarCompiled():
                 pass  # the next step admits (or fails) the requests that waited for it
+            case WorkerExited(generation=generation):
+                if generation == self._generation and self._failure is None:
+                    self._failure = self.engine.executor.exit_cause() or "a worker process exited"
             case _:
                 raise TypeError(f"scheduler actor got {type(message).__name__}")
 
@@ -86,16 +128,15 @@ class SchedulerActor(Actor):
         if step is None:
             await self._idle_step(start)
             return
+        limit = self.engine.config.step_deadline_s(sum(s.shape.num_tokens for s in self.pipeline.launched))
+        self._step_deadline = None if limit is None else step.launched_at + limit
         try:
             runner_output = await asyncio.wrap_future(step.future)
         except ExecutorError as exc:
-            # Every in-flight request ends with an error naming the cause; then serve on.
-            await loop.run_in_executor(self._pool, self.engine.recover_from_executor_failure, str(exc))
-            failed = list(self.children)
-            self.children.clear()
-            self.detokenizer.send(RequestsAborted(failed, reason="error"))
-            self._publish(start, None)
+            self._failure = str(exc)  # run() recovers before anything else
             return
+        finally:
+            self._step_deadline = None
         step, updates = self.pipeline.finish(runner_output)
         for parent in {r.req_id.split("\x00", 1)[0] for r in step.output.scheduled_new_reqs}:
             # Its queue time ends here (the metrics actor keeps only the first, not a resume).
@@ -124,6 +165,94 @@ class SchedulerActor(Actor):
             self._handle(await asyncio.wait_for(self.inbox.get(), timeout))
         except TimeoutError:
             pass
+
+    # -- executor failures ------------------------------------------------------------
+    async def _recover(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Fail the requests that ran on the failed executor, then start new workers,
+        backing off between tries, until they serve or the engine is declared dead."""
+        cause, self._failure = self._failure, None
+        self._generation += 1
+        self._unwatch_workers(loop)  # before the failed executor closes its descriptors
+        failed = await loop.run_in_executor(self._pool, self.engine.fail_in_flight, cause)
+        self._fail_requests(failed, f"{cause}; the request was lost")
+        while True:
+            delay = self.restart_policy.record_failure(time.monotonic())
+            if delay is None:
+                self._declare_dead(cause)
+                return
+            self._set_state("restarting", cause)
+            logger.warning("restarting the worker in %.1f s (%s)", delay, self.restart_policy.describe_window())
+            await self._serve_inbox_while(asyncio.sleep(delay))
+            started = time.monotonic()
+            try:
+                await self._serve_inbox_while(loop.run_in_executor(self._pool, self.engine.restart_executor))
+                break
+            except Exception as exc:  # counted as a failure like any other: the window bounds the tries
+                cause = f"worker restart failed: {exc}"
+                logger.error("%s", cause)
+        logger.info("worker restarted in %.1f s; serving", time.monotonic() - started)
+        self._set_state("serving", cause)
+        self._watch_workers(loop)
+        self._publish(time.monotonic(), None)
+
+    def _fail_requests(self, failed_children: list[str], error: str) -> None:
+        """End the requests whose samples failed, whole (samples still waiting too)."""
+        parent_of = {kid: rid for rid, kids in self.children.items() for kid in kids}
+        parents = sorted({parent_of[kid] for kid in failed_children if kid in parent_of})
+        for rid in parents:
+            self.scheduler.finish_requests(self.children.pop(rid), RequestStatus.FINISHED_ERROR)
+        if parents:
+            self.detokenizer.send(RequestsAborted(parents, reason="error", error=error))
+
+    def _declare_dead(self, cause: str) -> None:
+        """Too many failures: every request ends with the reason, later ones fail at once."""
+        self._dead_error = f"the engine is dead after {self.restart_policy.describe_window()}; the last: {cause}"
+        logger.critical("%s", self._dead_error)
+        self.scheduler.finish_requests(list(self.scheduler.requests), RequestStatus.FINISHED_ERROR)
+        parents = list(self.children)
+        self.children.clear()
+        if parents:
+            self.detokenizer.send(RequestsAborted(parents, reason="error", error=self._dead_error))
+        self._set_state("dead", cause)
+        self._publish(time.monotonic(), None)
+        self.dead.set()
+
+    def _set_state(self, state: str, error: str | None) -> None:
+        self.engine_state = state
+        self.metrics.send(EngineState(state, self.restart_policy.total_failures, error))
+
+    async def _serve_inbox_while(self, awaitable: Awaitable) -> Any:
+        """Await `awaitable`, handling messages as they come (new requests queue for the
+        next executor, aborts end at once); returns its result or raises its error."""
+        task = asyncio.ensure_future(awaitable)
+        while True:
+            getter = asyncio.ensure_future(self.inbox.get())
+            try:
+                await asyncio.wait([task, getter], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                got = getter.done()
+                if not got:
+                    getter.cancel()  # a message it had not taken yet stays in the inbox
+            if got:
+                self._handle(getter.result())
+            if task.done():
+                return task.result()
+
+    def _watch_workers(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Notice a worker that exits between steps (a step in flight notices by itself)."""
+        generation = self._generation
+        for fd in self.engine.executor.exit_fds():
+            loop.add_reader(fd, self._on_worker_exit, loop, generation)
+            self._watched_fds.append(fd)
+
+    def _on_worker_exit(self, loop: asyncio.AbstractEventLoop, generation: int) -> None:
+        self._unwatch_workers(loop)  # an exited process's descriptor stays readable
+        self.send(WorkerExited(generation))
+
+    def _unwatch_workers(self, loop: asyncio.AbstractEventLoop) -> None:
+        for fd in self._watched_fds:
+            loop.remove_reader(fd)
+        self._watched_fds = []
 
     def _publish(self, start: float, step: Step | None, generated: dict[str, int] | None = None,
                  device_memory_bytes: int | None = None) -> None:
