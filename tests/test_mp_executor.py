@@ -71,25 +71,37 @@ def test_multiprocess_equals_in_process(name, settings):
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_killed_worker_fails_requests_then_a_new_worker_serves(async_scheduling):
+    """Only the requests running on the dead worker fail, saying why; the ones waiting
+    for a batch slot (max_num_seqs 2) never reached it and are served by the next."""
     path = str(fixture_path("tiny-llama"))
     llm = LLM(model=path, distributed_executor_backend="mp", num_gpu_blocks_override=128, max_model_len=256,
-              async_scheduling=async_scheduling)
+              async_scheduling=async_scheduling, max_num_seqs=2)
     engine = llm.engine
     old_pid = engine.executor.pids[0]
     try:
         for i, text in enumerate(TEXTS):
-            engine.add_request(f"r{i}", text, SamplingParams(max_tokens=200, ignore_eos=True))
+            engine.add_request(f"r{i}", text, SamplingParams(max_tokens=100, ignore_eos=True))
         for _ in range(3):
             engine.step()
+        running = {engine.output_processor.parent_of[r.request_id] for r in engine.scheduler.running}
+        assert len(running) == 2
         os.kill(old_pid, signal.SIGKILL)
         start = time.monotonic()
-        finished = drain(engine)
+        failed = []
+        while not failed:
+            failed = [out for out in engine.step() if out.finished]
         assert time.monotonic() - start < 10
-        assert set(finished) == {f"r{i}" for i in range(len(TEXTS))}
-        assert all(o.outputs[0].finish_reason == "error" for o in finished.values())
+        assert {o.request_id for o in failed} == running
+        assert all(o.outputs[0].finish_reason == "error" for o in failed)
+        assert all(o.outputs[0].error == f"worker process 0 (pid {old_pid}) exited with signal SIGKILL; "
+                   "the request was lost" for o in failed)
         assert wait_gone(old_pid)
         new_pid = engine.executor.pids[0]
         assert new_pid != old_pid and alive(new_pid)
+        waited = drain(engine)
+        assert set(waited) == {f"r{i}" for i in range(len(TEXTS))} - running
+        assert all(o.outputs[0].finish_reason == "length" and len(o.outputs[0].token_ids) == 100
+                   for o in waited.values())
         engine.kv_cache_manager.assert_all_free()
         out = llm.generate(["after the crash"], SamplingParams(temperature=0, max_tokens=5))[0]
         assert len(out.outputs[0].token_ids) == 5
@@ -204,6 +216,8 @@ def test_daemon_survives_a_worker_crash(extra):
             os.kill(int(workers[0]), signal.SIGKILL)
             final = conn.until_final("a")[-1]
             assert final["finish_reason"] == "error"
+            assert final["error"] == f"worker process 0 (pid {workers[0]}) exited with signal SIGKILL; " \
+                "the request was lost"
             conn.send({"type": "submit", "id": "b", "prompt": "hi", "sampling": {"max_tokens": 4}})
             assert conn.until_final("b")[-1]["usage"]["completion_tokens"] == 4
     finally:
