@@ -16,6 +16,7 @@ and the KV cache live in the workers only."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import shutil
 import signal
@@ -35,6 +36,8 @@ from llmd.gpu.memory import MemoryBreakdown
 from llmd.gpu.worker import (ChainedResult, Execute, ExecuteChained, Flush, FromWorker, InitKVCache, KVBudget,
                              KVReady, ProfileKV, Shutdown, StepResult, WorkerFailed, WorkerInit, WorkerReady)
 from llmd.messages import RunnerOutput, SchedulerOutput
+
+logger = logging.getLogger("llmd.executor")
 
 
 class WorkerError(ExecutorError):
@@ -170,7 +173,15 @@ class MultiprocExecutor:
         """One descriptor per worker that becomes readable when the worker process
         exits (a pidfd), for watching the workers while no step runs; owned here."""
         if not self._pidfds and hasattr(os, "pidfd_open"):
-            self._pidfds = [os.pidfd_open(p.pid) for p in self.procs]
+            try:
+                for proc in self.procs:
+                    self._pidfds.append(os.pidfd_open(proc.pid))
+            except OSError as exc:  # a kernel before 5.3, or a seccomp filter: seen at the next step
+                for fd in self._pidfds:
+                    os.close(fd)
+                self._pidfds = []
+                logger.warning("cannot watch the worker processes between steps (%s); a worker that "
+                               "exits while idle is noticed at the next request", exc.strerror)
         return self._pidfds
 
     def exit_cause(self) -> str | None:
@@ -273,8 +284,8 @@ class MultiprocExecutor:
 
 def exit_text(returncode: int | None) -> str:
     """How a worker process ended, for people: "exited with signal SIGKILL"."""
-    if returncode is None:
-        return "stopped answering"
+    if returncode is None:  # its socket closed, yet it still runs
+        return "closed its connection without exiting"
     if returncode < 0:
         try:
             return f"exited with signal {signal.Signals(-returncode).name}"
