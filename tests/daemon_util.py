@@ -19,11 +19,15 @@ LLMD = [sys.executable, "-m", "llmd.cli"]
 
 
 class Daemon:
+    @staticmethod
+    def command(model: str, sock: str, *args: str) -> list[str]:
+        return LLMD + ["serve", "--model", model, "--socket", sock, "--max-model-len", "256",
+                       "--num-gpu-blocks-override", "128", *args]
+
     def __init__(self, model: str, sock: Path, *args: str, env: dict | None = None) -> None:
         self.sock = str(sock)
         self.log = Path(str(sock) + ".log")
-        cmd = LLMD + ["serve", "--model", model, "--socket", self.sock, "--max-model-len", "256",
-                      "--num-gpu-blocks-override", "128", *args]
+        cmd = self.command(model, self.sock, *args)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log.open("wb"),
                                      env={**os.environ, **(env or {})}, start_new_session=True)
 

@@ -301,3 +301,55 @@ def test_watchdog_is_fed_only_while_the_engine_makes_progress(monkeypatch, caplo
     assert len(fed) >= 5 and max(fed) < stuck_from
     assert [r.message for r in caplog.records].count(
         "an engine step is stuck past its deadline: no longer feeding the systemd watchdog") == 1
+
+
+def test_sigterm_under_load_gives_every_request_its_final_message(tmp_path):
+    """Twelve clients streaming when SIGTERM comes: each gets a final message (finished
+    in the drain, or aborted when it outlasts it), and the daemon exits 0."""
+    d = Daemon(str(fixture_path("tiny-llama")), tmp_path / "s.sock", "--drain-timeout-s", "1",
+               "--max-model-len", "1024").wait_ready()
+    conns = [RawConn(d.sock) for _ in range(12)]
+    try:
+        for i, conn in enumerate(conns):
+            tokens = 5 if i % 2 else 900  # half finish within the drain, half outlast it
+            conn.send({"type": "submit", "id": "q", "prompt": "hi", "sampling": {"max_tokens": tokens,
+                                                                                 "ignore_eos": True}})
+            assert conn.recv()["type"] == "accepted"
+        started = time.monotonic()
+        d.proc.send_signal(signal.SIGTERM)
+        finals = [conn.until_final("q")[-1] for conn in conns]
+        # The long ones cannot finish 900 tokens in the drain; the short ones may or may
+        # not (a loaded machine), but each has its final message either way.
+        assert [f["finish_reason"] for f in finals[::2]] == ["abort"] * 6
+        assert {f["finish_reason"] for f in finals[1::2]} <= {"length", "abort"}
+        assert d.proc.wait(30) == 0
+        FIGURES.append(("SIGTERM with 12 streaming clients (1 s drain)", time.monotonic() - started, None))
+    finally:
+        for conn in conns:
+            conn.close()
+        d.stop()
+
+
+def test_a_log_that_cannot_be_written_does_not_stop_service(tmp_path):
+    """stderr on a full disk (/dev/full: every write fails with ENOSPC): the daemon still
+    starts, serves and stops cleanly."""
+    sock = tmp_path / "s.sock"
+    with open("/dev/full", "wb") as full:
+        proc = subprocess.Popen([*Daemon.command(str(fixture_path("tiny-llama")), str(sock)), "--log-level", "debug"],
+                                stdout=full, stderr=full, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with RawConn(str(sock)) as conn:
+                    conn.send({"type": "submit", "id": "a", "prompt": "hi", "sampling": {"max_tokens": 4}})
+                    assert conn.until_final("a")[-1]["usage"]["completion_tokens"] == 4
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
