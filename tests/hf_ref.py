@@ -10,9 +10,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
-@functools.lru_cache(maxsize=8)
 def hf_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """An HF directory, or a GGUF file (transformers' own GGUF loader: `gguf_file=`)."""
+    """An HF directory, or a GGUF file (transformers' own GGUF loader: `gguf_file=`);
+    loaded once per (path, dtype, device) however the defaults are spelled."""
+    return _hf_model(path, dtype, device)
+
+
+@functools.lru_cache(maxsize=8)
+def _hf_model(path: str, dtype: torch.dtype, device: str):
     kwargs = {}
     if path.endswith(".gguf"):
         path, kwargs["gguf_file"] = str(Path(path).parent), Path(path).name
