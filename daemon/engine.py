@@ -181,9 +181,7 @@ class LLMEngine:
             if cfg.kv_cache_memory_bytes is not None:
                 num_blocks = cfg.kv_cache_memory_bytes // bytes_per_block
             elif self.device.type == "cpu":
-                budget = min(CPU_KV_DEFAULT_CAP,
-                             int(psutil.virtual_memory().available * cfg.cpu_kv_cache_fraction))
-                num_blocks = budget // bytes_per_block
+                num_blocks = self._cpu_default_blocks(bytes_per_block)
             else:
                 num_blocks = self._profiled_cuda_blocks()
             if num_blocks < 1:
@@ -196,6 +194,22 @@ class LLMEngine:
                              f"less than max_model_len {self.max_model_len}: lower max_model_len or give "
                              "the cache more memory")
         return num_blocks
+
+    def _cpu_default_blocks(self, bytes_per_block: int) -> int:
+        """What max_num_seqs sequences of max_model_len tokens need, capped by a share of
+        the free RAM and CPU_KV_DEFAULT_CAP. The cache's pages become resident only as
+        blocks are written, so the cap bounds growth rather than costing it at start."""
+        cfg = self.config
+        need = (cfg.max_num_seqs * (-(-self.max_model_len // cfg.block_size)) + 1) * bytes_per_block
+        share = int(psutil.virtual_memory().available * cfg.cpu_kv_cache_fraction)
+        budget = min(need, share, CPU_KV_DEFAULT_CAP)
+        why = ("what max_num_seqs x max_model_len need" if budget == need else
+               f"cpu_kv_cache_fraction {cfg.cpu_kv_cache_fraction:g} of the available RAM" if budget == share else
+               f"the CPU default cap of {CPU_KV_DEFAULT_CAP >> 30} GiB")
+        logger.info("CPU KV cache: %.0f MiB, %s (max_num_seqs %d x max_model_len %d would use %.0f MiB); "
+                    "kv_cache_memory_bytes or num_gpu_blocks_override set it", budget / 2**20, why,
+                    cfg.max_num_seqs, self.max_model_len, need / 2**20)
+        return budget // bytes_per_block
 
     def _profiled_cuda_blocks(self) -> int:
         """Every rank profiles the largest step on its own device (in the worker: this

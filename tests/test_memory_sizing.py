@@ -279,3 +279,20 @@ def test_tp2_over_nccl_gives_the_tp1_greedy_tokens():
     finally:
         two.engine.shutdown()
         one.engine.shutdown()
+
+
+def test_cpu_kv_cache_is_zero_and_resident_only_where_written():
+    """The default CPU cache may be GiBs: it must not cost them at start."""
+    import psutil
+    import torch
+
+    from llmd.gpu.attention import new_kv_cache
+
+    process = psutil.Process()
+    before = process.memory_info().rss
+    cache = new_kv_cache(16384, 16, 8, 64, torch.bfloat16, torch.device("cpu"))  # 512 MiB
+    assert cache.shape == (2, 8, 16384, 16, 64) and cache.dtype == torch.bfloat16
+    assert process.memory_info().rss - before < 64 << 20
+    cache[:, :, :100].fill_(1.0)
+    assert float(cache[0, 3, 50, 7, 9]) == 1.0 and float(cache[1, 7, 16383, 15, 63]) == 0.0
+    assert float(cache[:, :, 100:200].abs().max()) == 0.0

@@ -68,8 +68,18 @@ class GatherWorkspace:
 
 def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """One layer's cache: [2, kv_heads, num_blocks, block_size, head_dim] (K then V)."""
-    return torch.zeros(2, num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype, device=device)
+    """One layer's cache: [2, kv_heads, num_blocks, block_size, head_dim] (K then V).
+
+    Zeroed, because attention reads whole blocks and a stale NaN would survive its mask.
+    On CPU the zeros come from the kernel (calloc of fresh pages), not from writing them:
+    a page joins the process's resident memory only when a block on it is first written,
+    so a large default cache costs RAM as it fills, not at start."""
+    shape = (2, num_kv_heads, num_blocks, block_size, head_dim)
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = 2 * num_kv_heads * num_blocks * block_size * head_dim
+    raw = torch.from_numpy(np.zeros(numel * dtype.itemsize, dtype=np.uint8))
+    return raw.view(dtype).view(shape)
 
 
 def model_kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
