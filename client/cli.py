@@ -364,6 +364,8 @@ def format_status(s: StatusReply) -> str:
 def _engine_state(s: StatusReply) -> str:
     """"serving", "restarting (2): <cause>", "dead: <cause>", "serving; 1 worker restart ..."."""
     match s.engine_state:
+        case "loading":
+            return f"loading ({100 * (s.load_progress or 0.0):.0f}%: {s.load_phase or 'starting'})"
         case "restarting":
             return f"restarting ({s.engine_restarts}): {s.engine_error}"
         case "dead":

@@ -292,11 +292,14 @@ class StatusReply(msgspec.Struct, tag="status_reply", kw_only=True):
     # Memory the model's device holds (rank 0's torch allocator, reserved); None on CPU.
     device_memory_bytes: int | None = None
     spec_decode: SpecDecodeInfo | None = None  # None: speculative decoding is off
-    # "serving"; "restarting" a failed worker (requests wait); "dead" after too many
-    # worker failures (requests fail; the daemon exits); "draining" on the way out.
+    # "loading" the model (requests wait); "serving"; "restarting" a failed worker
+    # (requests wait); "dead" after too many worker failures (requests fail; the daemon
+    # exits); "draining" on the way out.
     engine_state: str = "serving"
     engine_restarts: int = 0  # worker failures since start
     engine_error: str | None = None  # the last worker failure's cause
+    load_progress: float | None = None  # while loading: 0..1
+    load_phase: str | None = None  # while loading: tokenizer, weights, kv cache, cuda graphs, workers
 
 
 class MetricsReply(msgspec.Struct, tag="metrics_reply"):

@@ -19,6 +19,7 @@ from llmd.config import EngineConfig
 from llmd.executor_error import ExecutorError
 from llmd.input_processor import InputProcessor
 from llmd.kv_cache_manager import KVCacheManager
+from llmd.load_progress import LoadProgress
 from llmd.output_processor import OutputProcessor
 from llmd.outputs import RequestOutput
 from llmd.request import RequestStatus
@@ -32,7 +33,8 @@ logger = logging.getLogger("llmd.engine")
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, progress: LoadProgress | None = None) -> None:
+        """`progress` follows the load (the daemon shows it in status and as a bar)."""
         import torch
 
         from llmd.gpu.loader import load_hf_config, load_tokenizer, resolve_dtype, stop_token_ids
@@ -46,6 +48,9 @@ class LLMEngine:
         if config.tensor_parallel_size > 1:
             from llmd.gpu.tp import check_tp_config
             check_tp_config(hf_config, config.tensor_parallel_size)
+        self._progress = progress
+        if progress is not None:
+            progress.begin("tokenizer")
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_dir)
 
         device = config.device
@@ -83,10 +88,15 @@ class LLMEngine:
         try:
             bytes_per_block = self.executor.kv_cache_bytes_per_block()
             self.num_blocks = self._num_kv_blocks(bytes_per_block)
+            if progress is not None:  # on CUDA this also captures the decode graphs
+                progress.begin("cuda graphs" if self.device.type == "cuda" else "kv cache")
             self.executor.initialize_kv_cache(self.num_blocks)
         except BaseException:  # no worker outlives a start that failed
             self.executor.shutdown()
             raise
+        if progress is not None:
+            progress.finish()
+            self._progress = None  # a restarted executor does not report a load
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, %s); max_model_len %d",
                     self.num_blocks, config.block_size, self.num_blocks * config.block_size,
                     self.num_blocks * bytes_per_block / 2**20, self.dtype, self.max_model_len)
@@ -125,10 +135,13 @@ class LLMEngine:
 
         if self.config.distributed_executor_backend == "mp":
             from llmd.gpu.mp_executor import MultiprocExecutor
+            if self._progress is not None:  # the workers load the weights, unseen from here
+                self._progress.begin("workers")
             return MultiprocExecutor(self.model_dir, self._runner_settings, self.device, self.dtype,
                                      world_size=self.config.tensor_parallel_size,
                                      step_deadline=self.config.step_deadline_s)
-        return InProcessExecutor(self.model_dir, self._runner_settings, self.device, self.dtype)
+        return InProcessExecutor(self.model_dir, self._runner_settings, self.device, self.dtype,
+                                 progress=self._progress)
 
     def recover_from_executor_failure(self, cause: str) -> list[str]:
         """After the executor failed: fail what ran on it, start a fresh one (see

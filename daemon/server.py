@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import grp
 import importlib.metadata
 import logging
@@ -164,6 +165,9 @@ def bind_socket(path: str, group: str | None, backlog: int = 4096) -> socket.soc
 async def _serve(daemon: DaemonConfig, engine_config: EngineConfig) -> int:
     from llmd.actors.detokenizer_actor import DetokenizerActor
     from llmd.actors.intake import IntakeActor
+    from llmd.actors.loading import LoadingResponder
+    from llmd.load_progress import LoadProgress
+    from llmd_client.protocol import Error
     from llmd.actors.messages import AbortRequest, Draining
     from llmd.actors.metrics import MetricsActor
     from llmd.actors.quotas import QuotaLimits
@@ -186,17 +190,25 @@ async def _serve(daemon: DaemonConfig, engine_config: EngineConfig) -> int:
         raise
 
     sd_notify.status("loading model")
+    progress = LoadProgress()
+    # Clients that connect while the model loads get hello and status answered
+    # ("loading (n%)"); what they submit waits for the intake.
+    responder = LoadingResponder(sock, progress, model=Path(engine_config.model or "built-in model").name,
+                                 server_version=SERVER_VERSION, listen_backlog=daemon.listen_backlog)
+    await responder.start()
     model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmd-model")
-    load = loop.run_in_executor(model_thread, LLMEngine, engine_config)
+    load = loop.run_in_executor(model_thread, functools.partial(LLMEngine, engine_config, progress))
     done, _ = await asyncio.wait([load, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     if load not in done:
         logger.info("stopped while loading the model")
+        responder.close(Error(code="shutting_down", message="the daemon stopped while loading its model"))
         model_thread.shutdown(wait=False, cancel_futures=True)
         _close_all(closers)
         return 0
     try:
         engine = load.result()
     except BaseException:
+        responder.close(Error(code="internal", message="the model failed to load; see the daemon log"))
         _close_all(closers)
         raise
     model_name = Path(engine.model_dir).name
@@ -229,6 +241,8 @@ async def _serve(daemon: DaemonConfig, engine_config: EngineConfig) -> int:
     supervisor = Supervisor()
     for actor in actors:
         supervisor.start(actor)
+    await asyncio.sleep(0)  # the intake's run() starts serving the socket
+    await responder.hand_over(intake.adopt)
     metrics_server = None
     if metrics_sock is not None:
         from llmd.actors.metrics_http import serve_metrics

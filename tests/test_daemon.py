@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 
+import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -385,5 +386,42 @@ def test_connection_limits_idle_timeout_and_backlog(model, tmp_path):
                 conn.recv()
             conn.close()
         _assert_serves(d.sock)
+    finally:
+        assert d.stop() == 0, d.stderr()
+
+
+def test_status_during_the_load_says_how_far(tmp_path):
+    """The socket answers status while the model loads: engine_state "loading" with the
+    phase and a fraction that only grows; a request sent meanwhile is served after."""
+    from llmd_client.cli import format_status
+    from llmd_client.protocol import StatusReply
+
+    path = tmp_path / "s.sock"
+    d = Daemon(str(fixture_path("small-llama")), path)
+    seen = []
+    try:
+        deadline = time.monotonic() + 60
+        while not path.exists():
+            assert time.monotonic() < deadline and d.proc.poll() is None
+            time.sleep(0.01)
+        with RawConn(str(path)) as waiting:
+            waiting.send({"type": "submit", "id": "early", "prompt": "hi", "sampling": {"max_tokens": 3}})
+            while True:
+                with RawConn(str(path)) as conn:
+                    conn.send({"type": "status"})
+                    reply = conn.recv()
+                seen.append((reply["engine_state"], reply.get("load_progress"), reply.get("load_phase")))
+                if reply["engine_state"] != "loading":
+                    break
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert waiting.until_final("early")[-1]["usage"]["completion_tokens"] == 3
+        loading = [s for s in seen if s[0] == "loading"]
+        assert loading and seen[-1][0] == "serving"
+        fractions = [f for _, f, _ in loading]
+        assert fractions == sorted(fractions) and 0.0 <= fractions[0] and fractions[-1] <= 1.0
+        shown = format_status(msgspec.convert({**reply, "engine_state": "loading", "load_progress": 0.42,
+                                               "load_phase": "weights"}, StatusReply))
+        assert "loading (42%: weights)" in shown
     finally:
         assert d.stop() == 0, d.stderr()

@@ -167,16 +167,22 @@ class Connection:
         finally:
             await self._close()
 
-    async def serve(self) -> None:
+    async def serve(self, codec: MsgpackCodec | JsonLinesCodec | None = None, held: list[bytes] = ()) -> None:
+        """Serve the connection to its end. `codec` and `held` (frames read but not yet
+        answered) continue a connection the loading responder took while the model loaded."""
         try:
-            first = await self._read(1)
-            if not first:
-                return
-            self.codec = (JsonLinesCodec if first == b"{" else MsgpackCodec)(ClientMessage)
-            data = first
-            while data:
+            if codec is None:
+                data = await self._read(1)
+                if not data:
+                    return
+                self.codec = (JsonLinesCodec if data == b"{" else MsgpackCodec)(ClientMessage)
+            else:
+                self.codec, data = codec, b""
+            pending = list(held)
+            while data or pending:
                 try:
-                    frames = self.codec.feed(data)
+                    frames = pending + self.codec.feed(data)
+                    pending = []
                 except FrameError as exc:
                     self.send(Error(code="bad_frame", message=safe_message(exc)))
                     return  # the stream cannot be resynchronised
@@ -333,6 +339,11 @@ class IntakeActor(Actor):
             self.large_pool.shutdown(wait=False, cancel_futures=True)
 
     async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self.adopt(reader, writer)
+
+    async def adopt(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                    codec: MsgpackCodec | JsonLinesCodec | None = None, held: list[bytes] = ()) -> None:
+        """Serve a connection: a new one, or one the loading responder hands over."""
         conn = Connection(self, reader, writer)
         refusal = self._connection_refusal(conn.uid)
         if refusal is not None:
@@ -340,7 +351,7 @@ class IntakeActor(Actor):
             return
         self.connections.add(conn)
         self.connections_by_uid[conn.uid] += 1
-        await conn.serve()
+        await conn.serve(codec, held)
 
     def _connection_refusal(self, uid: int) -> Error | None:
         """Why a new connection cannot be served (too many in all, or from its user), or None."""

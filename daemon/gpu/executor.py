@@ -7,13 +7,14 @@ import torch
 
 from llmd.gpu.memory import MemoryBreakdown
 from llmd.gpu.model_runner import ModelRunner, RunnerSettings
+from llmd.load_progress import LoadProgress
 from llmd.messages import RunnerOutput, SchedulerOutput
 
 
 class InProcessExecutor:
     def __init__(self, model_dir: str, settings: RunnerSettings, device: torch.device,
-                 dtype: torch.dtype) -> None:
-        self.runner = ModelRunner(model_dir, settings, device, dtype)
+                 dtype: torch.dtype, progress: LoadProgress | None = None) -> None:
+        self.runner = ModelRunner(model_dir, settings, device, dtype, progress=progress)
 
     def kv_cache_bytes_per_block(self) -> int:
         return self.runner.kv_cache_bytes_per_block()

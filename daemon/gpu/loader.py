@@ -13,8 +13,9 @@ from safetensors import safe_open
 from torch import nn
 
 from llmd.gpu.gguf_loader import (gguf_stop_token_ids, is_gguf_path, iter_gguf_weights, load_gguf_config,
-                                  load_gguf_tokenizer)
+                                  load_gguf_tokenizer, open_gguf)
 from llmd.gpu.models import get_model_class
+from llmd.load_progress import LoadProgress
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -97,9 +98,17 @@ def iter_safetensors(model_dir: str | Path,
                     yield name, shard(name, f.get_slice(name))
 
 
+def _count_safetensors(model_dir: str | Path) -> int:
+    total = 0
+    for file in Path(model_dir).glob("*.safetensors"):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            total += len(f.keys())
+    return total
+
+
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                max_positions: int, tp_rank: int = 0, tp_size: int = 1,
-               attention_backend: str = "torch") -> nn.Module:
+               attention_backend: str = "torch", progress: LoadProgress | None = None) -> nn.Module:
     """The model, or with tp_size > 1 this rank's tensor-parallel shard of it; its layers
     attend with `attention_backend` (a name resolve_attention_backend returned). From a
     GGUF file each rank dequantizes every tensor and keeps its shard."""
@@ -114,9 +123,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
         model.lm_head.weight = model.embed_tokens.weight
     shard = model.shard_checkpoint_tensor if tp_size > 1 else None
     if is_gguf_path(model_dir):
-        model.load_weights(iter_gguf_weights(model_dir, config, shard))
+        weights, total = iter_gguf_weights(model_dir, config, shard), len(open_gguf(model_dir).tensors)
     else:
-        model.load_weights(iter_safetensors(model_dir, shard))
+        weights, total = iter_safetensors(model_dir, shard), _count_safetensors(model_dir)
+    model.load_weights(progress.track("weights", weights, total) if progress is not None else weights)
     model.eval()
     model.requires_grad_(False)
     return model

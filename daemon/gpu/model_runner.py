@@ -19,6 +19,7 @@ from llmd.gpu.attention_backends import resolve_attention_backend
 from llmd.gpu.cuda_graphs import DecodeGraphs, build_decode_graphs, capture_sizes
 from llmd.gpu.draft_model import DraftModel
 from llmd.gpu.loader import load_model
+from llmd.load_progress import LoadProgress
 from llmd.gpu.memory import MemoryBreakdown
 from llmd.gpu.rejection_sampler import VerifyOutput, verify
 from llmd.gpu.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs
@@ -87,7 +88,8 @@ class ModelRunner:
     decode_graphs: DecodeGraphs | None = None  # set by initialize_kv_cache when graphs are on
 
     def __init__(self, model_dir: str, settings: RunnerSettings, device: torch.device,
-                 dtype: torch.dtype, rank: int = 0, world_size: int = 1) -> None:
+                 dtype: torch.dtype, rank: int = 0, world_size: int = 1,
+                 progress: LoadProgress | None = None) -> None:
         """With world_size > 1 (tensor parallelism, process group already initialised)
         this runner holds rank `rank`'s shard: its own q/kv heads, so its KV cache holds
         only its kv heads. Every rank runs every step; rank 0 samples and the sampled
@@ -108,7 +110,7 @@ class ModelRunner:
             self._cuda_before_load = (torch.cuda.mem_get_info(device)[0], torch.cuda.memory_allocated(device),
                                       torch.cuda.memory_reserved(device))
         self.model = load_model(model_dir, dtype, device, settings.max_model_len, rank, world_size,
-                                self.attention_backend)
+                                self.attention_backend, progress)
         self.vocab_size = self.model.config.vocab_size
         self.sampler = Sampler(seed=settings.seed)
         self.requests: dict[str, RunnerRequest] = {}
