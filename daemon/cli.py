@@ -128,6 +128,10 @@ def serve(socket_path, config_file, **settings) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         code = run(daemon, engine)
+    except PermissionError as exc:
+        click.echo(f"llmd: permission denied: {exc.filename or exc}; the daemon's user must be able to read "
+                   "the model's files", err=True)
+        sys.exit(1)
     except (ValueError, FileNotFoundError) as exc:
         click.echo(f"llmd: {exc}", err=True)
         sys.exit(1)

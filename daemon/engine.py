@@ -45,13 +45,14 @@ class LLMEngine:
         model_dir = config.model or builtin_model_path()
         self.model_dir = str(model_dir)
         hf_config = load_hf_config(model_dir)
+        _refuse_quantized(hf_config, self.model_dir)
         if config.tensor_parallel_size > 1:
             from llmd.gpu.tp import check_tp_config
             check_tp_config(hf_config, config.tensor_parallel_size)
         self._progress = progress
         if progress is not None:
             progress.begin("tokenizer")
-        self.tokenizer = load_tokenizer(config.tokenizer or self.model_dir)
+        self.tokenizer = _tokenizer(load_tokenizer, config.tokenizer or self.model_dir)
 
         device = config.device
         if device == "auto":
@@ -377,3 +378,30 @@ def _check_draft_model(draft_dir: str, target_config, target_tokenizer, max_mode
     if tokenizer.get_vocab() != target_tokenizer.get_vocab():
         raise ValueError(f"{what}: its tokenizer maps tokens to other ids than the target's: "
                          "a draft model must share the target's tokenizer")
+
+
+def _refuse_quantized(hf_config: Any, model_dir: str) -> None:
+    """A checkpoint quantized for another engine (FP8, GPTQ, AWQ, bitsandbytes...) has
+    scale tensors llmd's loader does not know: say what it is, not which tensor surprised us."""
+    quantization = getattr(hf_config, "quantization_config", None)
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else \
+            getattr(quantization, "quant_method", None)
+        raise ValueError(f"{model_dir} is a {method or 'quantized'} checkpoint (quantization_config."
+                         "quant_method); llmd loads unquantized safetensors (float32, bfloat16, float16) "
+                         "and GGUF files")
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def _tokenizer(load, path: str):
+    """The tokenizer, or an error that says where it was looked for and what to do."""
+    if Path(path).is_dir() and not any((Path(path) / name).exists() for name in _TOKENIZER_FILES):
+        raise ValueError(f"no tokenizer in {path} (none of {', '.join(_TOKENIZER_FILES)}); "
+                         "copy the model's tokenizer files there or give --tokenizer DIR")
+    try:
+        return load(path)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"cannot load the tokenizer in {path}: {first_line[:200]}") from None
