@@ -51,6 +51,11 @@ CASES.update({
     "sliding-padded-graph": Case(8, 2, decodes=(9, 300), pad_rows=2, table_blocks=4, block_size=BS,
                                  dtype="float16", sliding_window=33),
 })
+CASES.update({  # soft-capped scores (Gemma 2), with and without a window
+    "softcap-mixed": Case(8, 2, decodes=DECODES, prefills=PREFILLS, block_size=BS, dtype="float16", softcap=2.0),
+    "softcap-sliding-mixed": Case(4, 1, decodes=DECODES, prefills=PREFILLS, block_size=BS, dtype="bfloat16",
+                                  sliding_window=40, softcap=0.5),
+})
 for _group in (1, 4, 8):
     CASES[f"mixed-gqa{_group}"] = Case(8, 8 // _group, decodes=DECODES, prefills=PREFILLS, block_size=BS,
                                        dtype="bfloat16")
@@ -87,7 +92,7 @@ def compare(case: Case, device: torch.device) -> tuple[float, float]:
         md.decode_seq_lens = md.decode_seq_lens.to(device)
         md.decode_mask = md.decode_mask.to(device)
     md.prefills = [(s, n, c, ids.to(device)) for s, n, c, ids in md.prefills]
-    args = (case.heads, case.kv_heads, case.head_dim, case.head_dim ** -0.5, case.sliding_window)
+    args = (case.heads, case.kv_heads, case.head_dim, case.head_dim ** -0.5, case.sliding_window, case.softcap)
     ref_cache = kv_cache.clone()
     ref = TorchAttention(*args)(q, k, v, ref_cache, md)
     md.flash_rows = None

@@ -44,9 +44,10 @@ PROMPT_LENGTHS = (41, 70, 19, 56)
 
 
 def plain_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
-                    window: int | None) -> torch.Tensor:
+                    window: int | None, softcap: float | None = None) -> torch.Tensor:
     """Each query on its own, in float64: its context read key by key through its block
-    table from the cache (written already), softmax over keys p - window < k <= p."""
+    table from the cache (written already), softmax over keys p - window < k <= p (the
+    scores capped at softcap * tanh(score / softcap) when softcap is given)."""
     heads = q.shape[1]
     kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[3]
     rows = [(i, 1, int(md.decode_seq_lens[i]) - 1, md.decode_block_table[i]) for i in range(md.num_decodes)]
@@ -64,6 +65,8 @@ def plain_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetada
                 k = kv_cache[0, kvh, blocks, slots].double()
                 v = kv_cache[1, kvh, blocks, slots].double()
                 scores = k @ q[start + t, h].double() * q.shape[2] ** -0.5
+                if softcap is not None:
+                    scores = torch.tanh(scores / softcap) * softcap
                 out[start + t, h] = torch.softmax(scores, 0) @ v
     return out
 
@@ -148,7 +151,7 @@ def test_configs_llmd_cannot_honour_are_refused(tmp_path: Path) -> None:
         "llama-types": (LlamaConfig(**small), "LlamaForCausalLM",
                         {"layer_types": ["full_attention", "sliding_attention"]},
                         r"LlamaForCausalLM: config layer_types other than 'full_attention'"),
-        "gemma": (LlamaConfig(**small), "Gemma2ForCausalLM", {}, r"unsupported architecture 'Gemma2ForCausalLM'"),
+        "olmo2": (LlamaConfig(**small), "Olmo2ForCausalLM", {}, r"unsupported architecture 'Olmo2ForCausalLM'"),
     }
     for name, (config, arch, extra, message) in refused.items():
         directory = save_config(config, tmp_path / name, arch)

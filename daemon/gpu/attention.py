@@ -14,6 +14,11 @@ window W lets the query at position p see keys k with p - W < k <= p (transforme
 convention: the token itself and the W - 1 before it). The window is the layer's, not
 the step's: every backend takes it in its constructor, so layers of one model may differ.
 
+Attention logit soft-capping (Gemma 2): a layer built with softcap c replaces each
+scaled score s by c * tanh(s / c) before the mask and the softmax, as transformers'
+eager attention does. SDPA has no such hook, so capped prefill rows take a plain
+matmul-softmax path.
+
 The cache is head-major, [2, kv_heads, num_blocks, block_size, head_dim]: one
 index_select then yields each (kv head, request) context as a contiguous [L, D] matrix,
 so decode is two plain batched GEMMs with no permute copies (on CPU 1.4x faster than
@@ -153,6 +158,17 @@ def check_window(sliding_window: int | None) -> None:
         raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
 
 
+def check_softcap(softcap: float | None) -> None:
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not softcap > 0):
+        raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
+
+
+def soft_cap(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    """c * tanh(s / c), in place on a float32 score tensor."""
+    return scores.div_(softcap).tanh_().mul_(softcap)
+
+
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Scatter the step's new K/V rows ([T, kv_heads, D]) into their cache slots."""
     _, kvh, num_blocks, block_size, d = kv_cache.shape
@@ -162,16 +178,18 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 
 class TorchAttention:
     """Reference paged attention in PyTorch (SDPA). sliding_window: this layer's window
-    (None: full attention)."""
+    (None: full attention); softcap: its attention logit soft-cap (None: none)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, softcap: float | None = None) -> None:
         check_window(sliding_window)
+        check_softcap(softcap)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        self.softcap = softcap
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
@@ -201,15 +219,30 @@ class TorchAttention:
         if num_cached == 0:
             keys = k.transpose(0, 1).unsqueeze(0)
             values = v.transpose(0, 1).unsqueeze(0)
-            if window is None or num_new <= window:  # the window holds every earlier token
+            if self.softcap is None and (window is None or num_new <= window):  # the window holds every earlier token
                 return F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=self.scale,
                                                       enable_gqa=gqa)
         else:
             keys = kv_cache[0][:, block_ids].view(kvh, -1, d)[:, first_key:total].unsqueeze(0)
             values = kv_cache[1][:, block_ids].view(kvh, -1, d)[:, first_key:total].unsqueeze(0)
         mask = causal_mask(num_cached, total, first_key, total, window, q.device)
+        if self.softcap is not None:
+            return self._capped(query, keys, values, mask)
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=self.scale,
                                               enable_gqa=gqa)
+
+    def _capped(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        """SDPA's contract with soft-capped scores: query [1, H, n, D] over keys and
+        values [1, KVH, L, D] where `mask` ([1, 1, n, L] bool) is True."""
+        group = self.num_heads // keys.shape[1]
+        if group > 1:  # query head h reads kv head h // group, as transformers' repeat_kv
+            keys = keys.repeat_interleave(group, dim=1)
+            values = values.repeat_interleave(group, dim=1)
+        scores = soft_cap(torch.matmul(query, keys.transpose(-1, -2)).float().mul_(self.scale), self.softcap)
+        scores.masked_fill_(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(query.dtype)
+        return torch.matmul(probs, values)
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         """One query token per request, all requests at once. q: [B, H, D]."""
@@ -229,6 +262,8 @@ class TorchAttention:
         values = values.view(kvh * n, length, d)
         query = q.view(n, kvh, group, d).transpose(0, 1).reshape(kvh * n, group, d)
         scores = torch.bmm(query, keys.transpose(1, 2)).float().mul_(self.scale)
+        if self.softcap is not None:
+            soft_cap(scores, self.softcap)
         mask = md.decode_mask if self.sliding_window is None else decode_window_mask(md, self.sliding_window)
         scores = scores.view(kvh, n, group, length).add_(mask)
         probs = torch.softmax(scores, dim=-1).to(q.dtype).view(kvh * n, group, length)

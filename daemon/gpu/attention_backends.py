@@ -79,17 +79,18 @@ def _flash_problem(device: torch.device, block_size: int, dtype: torch.dtype) ->
 
 
 def make_attention(backend: str, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                   sliding_window: int | None = None):
+                   sliding_window: int | None = None, softcap: float | None = None):
     """One layer's attention for a backend resolve_attention_backend returned, over
-    the layer's sliding window (None: full attention)."""
+    the layer's sliding window (None: full attention), its scores soft-capped at
+    `softcap` (None: not capped). Every backend implements both."""
     if backend == "triton":
         from llmd.gpu.triton_attention import TritonAttention
 
-        return TritonAttention(num_heads, num_kv_heads, head_dim, scale, sliding_window)
+        return TritonAttention(num_heads, num_kv_heads, head_dim, scale, sliding_window, softcap)
     if backend == "flash_attn":
         from llmd.gpu.flash_attention import FlashAttention
 
-        return FlashAttention(num_heads, num_kv_heads, head_dim, scale, sliding_window)
+        return FlashAttention(num_heads, num_kv_heads, head_dim, scale, sliding_window, softcap)
     if backend == "torch":
-        return TorchAttention(num_heads, num_kv_heads, head_dim, scale, sliding_window)
+        return TorchAttention(num_heads, num_kv_heads, head_dim, scale, sliding_window, softcap)
     raise ValueError(f"unknown attention backend {backend!r} (resolve the setting first)")

@@ -7,7 +7,9 @@ the end of the context (flash-attn >= 2.1), which is what a chunk over a cached 
 and the 1 + k tokens of a speculative verify need. A sliding-window layer of window W
 passes `window_size=(W - 1, 0)`: flash-attn's query i (of nq, over nk keys) then sees
 keys i + nk - nq - (W - 1) through i + nk - nq, i.e. the query at position p sees keys
-p - W < k <= p, transformers' convention. The cache is passed as strided views
+p - W < k <= p, transformers' convention. A soft-capped layer (Gemma 2) passes
+`softcap=c`: flash-attn then takes c * tanh(s / c) of each scaled score s, as
+transformers' eager attention does. The cache is passed as strided views
 of ours: `kv_cache[0].permute(1, 2, 0, 3)` is [blocks, block_size, kv_heads, D] with
 the head dimension at stride 1, and the kernel addresses blocks, rows and heads through
 the strides, so no copy is made.
@@ -23,10 +25,12 @@ device tensors (no host sync), and kept on the metadata: a captured decode graph
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 
-from llmd.gpu.attention import AttentionMetadata, check_window, write_kv
+from llmd.gpu.attention import AttentionMetadata, check_softcap, check_window, write_kv
 
 FLASH_PAGE_MULTIPLE = 256
 
@@ -81,11 +85,13 @@ def _flash_rows(md: AttentionMetadata, block_size: int, device: torch.device) ->
 
 class FlashAttention:
     """Paged attention through flash-attn's varlen kernel; the contract of TorchAttention.
-    sliding_window: this layer's window (None: full attention)."""
+    sliding_window: this layer's window (None: full attention); softcap: its attention
+    logit soft-cap (None: none)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, softcap: float | None = None) -> None:
         check_window(sliding_window)
+        check_softcap(softcap)
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         if head_dim % 8 or head_dim > 256:
@@ -98,7 +104,14 @@ class FlashAttention:
         self.sliding_window = sliding_window
         # flash-attn's (left, right) reach from a query's own position; -1 is unbounded.
         self.window_size = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
+        self.softcap = softcap
         self._varlen = flash_varlen()
+        # Passed only when set, so a flash-attn without the argument still runs the rest.
+        self._extra = {} if softcap is None else {"softcap": float(softcap)}
+        if softcap is not None and "softcap" not in inspect.signature(self._varlen).parameters:
+            raise ValueError("attention_backend 'flash_attn': this model soft-caps its attention scores and the "
+                             "installed flash-attn has no softcap argument (flash-attn >= 2.6 has); use 'triton' "
+                             "or 'torch'")
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
@@ -114,4 +127,4 @@ class FlashAttention:
         k_pages = kv_cache[0].permute(1, 2, 0, 3)
         v_pages = kv_cache[1].permute(1, 2, 0, 3)
         return self._varlen(q, k_pages, v_pages, cu_q, cu_k, max_q, max_k, softmax_scale=self.scale,
-                            causal=True, window_size=self.window_size, block_table=table)
+                            causal=True, window_size=self.window_size, block_table=table, **self._extra)

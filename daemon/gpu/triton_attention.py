@@ -22,9 +22,12 @@ A sliding-window layer (SLIDING, a compile-time switch, so full-attention layers
 the kernels unchanged) starts each program's key loop at the first key its first query
 sees: blocks wholly before the window are never read.
 
+A soft-capped layer (SOFTCAP, compile-time too; Gemma 2) turns each scaled score s
+into c * tanh(s / c) before the mask, as transformers' eager attention does.
+
 Keys are visited BLOCK_N at a time whatever the cache block size: key i lives in block
 table[i // block_size], slot i % block_size. Softmax is online, in fp32, in base 2 (the
-scale is folded with log2(e)).
+scale is folded with log2(e), after the cap when there is one).
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmd.gpu.attention import AttentionMetadata, check_window
+from llmd.gpu.attention import AttentionMetadata, check_softcap, check_window
 
 # Whether the kernels below run in Triton's interpreter. Decided when they were
 # decorated (this module's import), from TRITON_INTERPRET.
@@ -64,6 +67,14 @@ def _write_kv(k_ptr, v_ptr, k_cache, v_cache, slot_ptr, stride_kt, stride_kh, st
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from one exp of a non-positive argument: no overflow at any |x|."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def _tile_rows(kv_head, num_q, G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr):
     """Tile row r is query token r // G (of the tile's tokens) and query head
     kv_head * G + r % G; rows past BLOCK_Q * G or past num_q tokens are padding."""
@@ -83,13 +94,16 @@ def _store_rows(ptr, row_offsets, rows, values, D: tl.constexpr, BLOCK_D: tl.con
 
 @triton.jit
 def _attend(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_ch, stride_cs, table_ptr,
-            tok, head, rows, q_pos0, kv_head, key_lo, key_hi, scale_log2, window,
+            tok, head, rows, q_pos0, kv_head, key_lo, key_hi, scale_log2, window, cap_log2,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr,
-            BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, SLIDING: tl.constexpr):
+            BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, SLIDING: tl.constexpr,
+            SOFTCAP: tl.constexpr):
     """Online-softmax attention of one tile of query rows (q_ptr points at the tile's
     first token; row r's token sits at position q_pos0 + tok[r]) over keys
     [key_lo, key_hi) of one request, causally (with SLIDING, only keys after
-    q_pos - window). Returns the unnormalised output, the running max and the sum of
+    q_pos - window). scale_log2 multiplies q.k: the softmax scale times log2(e), or with
+    SOFTCAP the scale over the cap, whose tanh cap_log2 (the cap times log2(e)) then
+    multiplies. Returns the unnormalised output, the running max and the sum of
     exponentials (base 2) of every row."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
@@ -116,6 +130,8 @@ def _attend(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_ch, stride_cs,
         if DOT_F32:
             k_t = k_t.to(tl.float32)
         s = tl.dot(q, k_t, input_precision=PRECISION) * scale_log2
+        if SOFTCAP:  # s is score / softcap here; softcap * tanh of it, in base 2
+            s = cap_log2 * _tanh(s)
         seen = k_ok[None, :] & (keys[None, :] <= q_pos[:, None])
         if SLIDING:
             seen = seen & (keys[None, :] > q_pos[:, None] - window)
@@ -139,9 +155,10 @@ def _attend(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_ch, stride_cs,
 @triton.jit
 def _decode(q_ptr, out_ptr, part_out, part_lse, k_cache, v_cache, table_ptr, seq_lens_ptr,
             stride_qt, stride_qh, stride_ot, stride_oh, stride_ch, stride_cs, stride_table,
-            keys_per_split, scale_log2, window, H: tl.constexpr, G: tl.constexpr, NUM_SPLITS: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr,
-            BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, SLIDING: tl.constexpr):
+            keys_per_split, scale_log2, window, cap_log2, H: tl.constexpr, G: tl.constexpr,
+            NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+            D: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+            SLIDING: tl.constexpr, SOFTCAP: tl.constexpr):
     """Grid (decode row b, kv head, split)."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -154,8 +171,8 @@ def _decode(q_ptr, out_ptr, part_out, part_lse, k_cache, v_cache, table_ptr, seq
     tok, head, rows = _tile_rows(kv_head, 1, G, 1, BLOCK_M)
     acc, m_i, l_i = _attend(q_ptr + b * stride_qt, stride_qt, stride_qh, k_cache, v_cache, stride_ch,
                             stride_cs, table_ptr + b * stride_table, tok, head, rows, seq_len - 1, kv_head,
-                            key_lo, key_hi, scale_log2, window, BLOCK_M, BLOCK_N, BLOCK_SIZE, D, BLOCK_D,
-                            DOT_F32, PRECISION, SLIDING)
+                            key_lo, key_hi, scale_log2, window, cap_log2, BLOCK_M, BLOCK_N, BLOCK_SIZE, D,
+                            BLOCK_D, DOT_F32, PRECISION, SLIDING, SOFTCAP)
     if NUM_SPLITS == 1:
         _store_rows(out_ptr + b * stride_ot, head * stride_oh, rows, acc / l_i[:, None], D, BLOCK_D)
     else:
@@ -190,9 +207,10 @@ def _combine(part_out, part_lse, out_ptr, stride_ot, stride_oh, H: tl.constexpr,
 
 @triton.jit
 def _prefill(q_ptr, out_ptr, k_cache, v_cache, rows_ptr, tables_ptr, stride_qt, stride_qh, stride_ot,
-             stride_oh, stride_ch, stride_cs, scale_log2, window, G: tl.constexpr, BLOCK_Q: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr,
-             BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, SLIDING: tl.constexpr):
+             stride_oh, stride_ch, stride_cs, scale_log2, window, cap_log2, G: tl.constexpr,
+             BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+             D: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+             SLIDING: tl.constexpr, SOFTCAP: tl.constexpr):
     """Grid (prefill row, run of BLOCK_Q new tokens, kv head). rows_ptr: [P, 4] int32
     (first token in the flattened step, new tokens, cached tokens, offset of the row's
     block ids in tables_ptr)."""
@@ -212,8 +230,8 @@ def _prefill(q_ptr, out_ptr, k_cache, v_cache, rows_ptr, tables_ptr, stride_qt, 
             key_lo = tl.maximum(num_cached + t0 - window + 1, 0)
         acc, m_i, l_i = _attend(q_ptr + first * stride_qt, stride_qt, stride_qh, k_cache, v_cache, stride_ch,
                                 stride_cs, tables_ptr + table_offset, tok, head, rows, num_cached + t0,
-                                kv_head, key_lo, num_cached + t0 + num_q, scale_log2, window, BLOCK_M, BLOCK_N,
-                                BLOCK_SIZE, D, BLOCK_D, DOT_F32, PRECISION, SLIDING)
+                                kv_head, key_lo, num_cached + t0 + num_q, scale_log2, window, cap_log2, BLOCK_M,
+                                BLOCK_N, BLOCK_SIZE, D, BLOCK_D, DOT_F32, PRECISION, SLIDING, SOFTCAP)
         if SLIDING:  # padding rows (past the run's last token) may have seen no key
             l_i = tl.where(l_i > 0, l_i, 1.0)
         _store_rows(out_ptr + first * stride_ot, tok * stride_ot + head * stride_oh, rows,
@@ -244,13 +262,16 @@ def _prefill_rows(md: AttentionMetadata, device: torch.device) -> tuple[torch.Te
 class TritonAttention:
     """Paged attention in Triton kernels; the contract of TorchAttention.
 
-    sliding_window: this layer's window (None: full attention). decode_splits: how many
-    slices a decode row's context is cut into (flash-decoding); None picks by the GPU's
-    size and the step's shape (1 off CUDA)."""
+    sliding_window: this layer's window (None: full attention); softcap: its attention
+    logit soft-cap (None: none). decode_splits: how many slices a decode row's context
+    is cut into (flash-decoding); None picks by the GPU's size and the step's shape (1
+    off CUDA)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None, decode_splits: int | None = None) -> None:
+                 sliding_window: int | None = None, softcap: float | None = None,
+                 decode_splits: int | None = None) -> None:
         check_window(sliding_window)
+        check_softcap(softcap)
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         if decode_splits is not None and not 1 <= decode_splits <= MAX_SPLITS:
@@ -261,6 +282,7 @@ class TritonAttention:
         self.scale = scale
         self.decode_splits = decode_splits
         self.sliding_window = sliding_window
+        self.softcap = softcap
         group = num_heads // num_kv_heads
         self.group = group
         # tl.dot wants every tile side >= 16.
@@ -289,22 +311,24 @@ class TritonAttention:
         shared = dict(BLOCK_N=BLOCK_N, BLOCK_SIZE=block_size, D=d, BLOCK_D=self.block_d,
                       DOT_F32=INTERPRETED and q.dtype == torch.bfloat16,
                       PRECISION="ieee" if q.dtype == torch.float32 else None,  # fp32: no TF32 rounding
-                      SLIDING=self.sliding_window is not None)
+                      SLIDING=self.sliding_window is not None, SOFTCAP=self.softcap is not None)
         cache_args = (k_cache, v_cache)
         strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), kv_cache.stride(1), kv_cache.stride(3))
-        scale_log2 = self.scale * LOG2E
+        # With a cap, scores go to base 2 after the tanh (see _attend).
+        scale_log2 = self.scale * LOG2E if self.softcap is None else self.scale / self.softcap
         window = self.sliding_window or 0  # read only by SLIDING kernels
+        cap_log2 = float(self.softcap or 0.0) * LOG2E  # read only by SOFTCAP kernels
         if md.num_decodes:
-            self._decode(q, out, cache_args, strides, scale_log2, window, md, shared)
+            self._decode(q, out, cache_args, strides, scale_log2, window, cap_log2, md, shared)
         if md.prefills:
             rows, tables, max_new = _prefill_rows(md, q.device)
             grid = (len(md.prefills), triton.cdiv(max_new, self.block_q), kvh)
-            _prefill[grid](q, out, *cache_args, rows, tables, *strides, scale_log2, window, G=self.group,
-                           BLOCK_Q=self.block_q, BLOCK_M=self.prefill_block_m, **shared)
+            _prefill[grid](q, out, *cache_args, rows, tables, *strides, scale_log2, window, cap_log2,
+                           G=self.group, BLOCK_Q=self.block_q, BLOCK_M=self.prefill_block_m, **shared)
         return out
 
     def _decode(self, q: torch.Tensor, out: torch.Tensor, cache_args: tuple, strides: tuple,
-                scale_log2: float, window: int, md: AttentionMetadata, shared: dict) -> None:
+                scale_log2: float, window: int, cap_log2: float, md: AttentionMetadata, shared: dict) -> None:
         # Everything decided here (splits, keys per split, the grid) comes from shapes and
         # the GPU, never from tensor values: a captured decode graph (cuda_graphs) has a
         # fixed batch and a table as wide as max_model_len, so its split count is fixed.
@@ -322,8 +346,8 @@ class TritonAttention:
             part_out = part_lse = out  # not touched with one split
         _decode[(n, self.num_kv_heads, splits)](
             q, out, part_out, part_lse, *cache_args, table, md.decode_seq_lens, *strides, table.stride(0),
-            keys_per_split, scale_log2, window, H=h, G=self.group, NUM_SPLITS=splits, BLOCK_M=self.decode_block_m,
-            **shared)
+            keys_per_split, scale_log2, window, cap_log2, H=h, G=self.group, NUM_SPLITS=splits,
+            BLOCK_M=self.decode_block_m, **shared)
         if splits > 1:
             _combine[(n, h)](part_out, part_lse, out, out.stride(0), out.stride(1), H=h, NUM_SPLITS=splits,
                              BLOCK_S=triton.next_power_of_2(splits), D=d, BLOCK_D=self.block_d)

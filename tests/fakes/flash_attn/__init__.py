@@ -9,7 +9,9 @@ its own context, read through its block table, causally aligned to the end of th
 context, query head h on kv head h // (heads / kv_heads), and with window_size =
 (left, right) != (-1, -1) sliding-window local attention as documented: query i of a
 sequence of nq queries over nk keys sees only keys i + nk - nq - left through
-i + nk - nq + right, inclusive (a negative side is unbounded; causal is right = 0).
+i + nk - nq + right, inclusive (a negative side is unbounded; causal is right = 0), and
+with softcap > 0 each scaled score s replaced by softcap * tanh(s / softcap) ("softcapping
+attention", flash-attn 2.6).
 """
 from __future__ import annotations
 
@@ -37,8 +39,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     for name, t in (("q", q), ("k", k), ("v", v)):
         _require(t.stride(-1) == 1, f"{name} must have contiguous last dimension")
     _require(isinstance(max_seqlen_q, int) and isinstance(max_seqlen_k, int), "max_seqlen must be ints")
-    _require(dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None,
-             "the stand-in does not model dropout, softcap or alibi")
+    _require(dropout_p == 0.0 and alibi_slopes is None, "the stand-in does not model dropout or alibi")
+    _require(isinstance(softcap, float) and softcap >= 0.0, "softcap must be a float >= 0")
     _require(len(window_size) == 2 and all(isinstance(w, int) for w in window_size),
              "window_size must be a pair of ints")
     left, right = window_size
@@ -75,6 +77,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         values = v[ids].reshape(used * page, kv_heads, head_dim)[:nk].float().repeat_interleave(group, 1)
         query = q[cq[b]:cq[b + 1]].float()
         scores = torch.einsum("qhd,khd->hqk", query, keys) * scale
+        if softcap > 0.0:
+            scores = torch.tanh(scores / softcap) * softcap
         # Bottom-right alignment: query i sits at context position nk - nq + i.
         q_pos = torch.arange(nk - nq, nk, device=q.device)[:, None]
         k_pos = torch.arange(nk, device=q.device)[None, :]
