@@ -250,7 +250,7 @@ def load_gguf_config(path: str | Path):
             raise ValueError(f"{where}: GGUF metadata {a}.attention.key_length={head_dim} differs from "
                              f"embedding_length / head_count = {hidden // heads}: not implemented for qwen2")
     config = AutoConfig.for_model(spec.model_type, **fields)
-    get_model_class(spec.hf_architecture).attention_windows(config)
+    get_model_class(spec.hf_architecture).check_config(config)
     return config
 
 

@@ -36,7 +36,9 @@ def load_hf_config(model_dir: str | Path):
     """The model's transformers config, checked before any weight is read: an
     architecture llmd does not run, or a config field its model would not honour as
     transformers does (a layer type other than full or sliding attention, a window where
-    the architecture has none), is a ValueError naming the architecture and the field.
+    the architecture has none, a rope type, activation or soft-cap llmd does not
+    implement, odd head sizes: the model class's check_config), is a ValueError naming
+    the architecture and the field.
     `model_dir` may be a GGUF file (its metadata is the config)."""
     from transformers import AutoConfig
 
@@ -48,7 +50,7 @@ def load_hf_config(model_dir: str | Path):
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model directory {str(path)!r} has no config.json")
     config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    get_model_class(_architecture(config)).attention_windows(config)
+    get_model_class(_architecture(config)).check_config(config)
     return config
 
 

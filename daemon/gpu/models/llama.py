@@ -17,7 +17,9 @@ from torch import nn
 
 from llmd.gpu.attention import AttentionMetadata
 from llmd.gpu.attention_backends import make_attention
-from llmd.gpu.layers import RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul
+from llmd.gpu.layers import ACTIVATIONS, RMSNorm, act_and_mul
+from llmd.gpu.models.config_checks import GEMMA_FIELDS, check_activation, check_heads, check_rope, check_unread
+from llmd.gpu.rotary import RotaryEmbedding, apply_rotary
 from llmd.gpu.tp import (ParallelLMHead, RowParallelLinear, TPShape, VocabParallelEmbedding,
                          shard_checkpoint_tensor, tp_shape)
 
@@ -27,8 +29,13 @@ SLIDING_ATTENTION = "sliding_attention"
 
 
 class DecoderAttention(nn.Module):
+    """q/k/v projection (fused), optional per-head q/k norm, rotary, paged attention,
+    o_proj. `scale` defaults to head_dim ** -0.5; `softcap` caps the scores (Gemma 2);
+    `norm` is the q/k norm's class."""
+
     def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, tp: TPShape | None = None,
-                 attention_backend: str = "torch", sliding_window: int | None = None) -> None:
+                 attention_backend: str = "torch", sliding_window: int | None = None, *,
+                 scale: float | None = None, softcap: float | None = None, norm: type[RMSNorm] = RMSNorm) -> None:
         super().__init__()
         # With tensor parallelism (tp given) every size here is this rank's share.
         self.num_heads = config.num_attention_heads
@@ -45,11 +52,11 @@ class DecoderAttention(nn.Module):
             self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
         else:
             self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias=o_bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.q_norm = norm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = norm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.sliding_window = sliding_window  # None: full attention
         self.attn = make_attention(attention_backend, self.num_heads, self.num_kv_heads, self.head_dim,
-                                   self.head_dim ** -0.5, sliding_window)
+                                   self.head_dim ** -0.5 if scale is None else scale, sliding_window, softcap)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
@@ -69,7 +76,10 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, config: Any, tp: TPShape | None = None) -> None:
+    """down(act(gate(x)) * up(x)) with gate and up fused; `activation` is an ACTIVATIONS
+    name (the model's check_config refused any other)."""
+
+    def __init__(self, config: Any, tp: TPShape | None = None, activation: str = "silu") -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         inter = config.intermediate_size if tp is None else tp.intermediate_size
@@ -78,12 +88,10 @@ class DecoderMLP(nn.Module):
             self.down_proj = nn.Linear(inter, config.hidden_size, bias=bias)
         else:
             self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias)
-        act = getattr(config, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r} (only silu)")
+        self.act = ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(act_and_mul(self.gate_up_proj(x), self.act))
 
 
 class DecoderLayer(nn.Module):
@@ -93,7 +101,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = DecoderAttention(config, qkv_bias, qk_norm, tp, attention_backend, sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = DecoderMLP(config, tp)
+        self.mlp = DecoderMLP(config, tp, getattr(config, "hidden_act", "silu"))
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata
@@ -134,6 +142,18 @@ class LlamaForCausalLM(nn.Module):
 
     qkv_bias = False
     qk_norm = False
+    partial_rotary = False  # whether transformers' model applies partial_rotary_factor
+
+    @classmethod
+    def check_config(cls, config: Any) -> None:
+        """ValueError naming the architecture and the field if the config asks for what
+        this model does not run as transformers' does (config_checks); else None."""
+        name = cls.__name__
+        head_dim = check_heads(name, config)
+        check_activation(name, "hidden_act", getattr(config, "hidden_act", "silu"))
+        check_rope(name, config, head_dim, cls.partial_rotary)
+        check_unread(name, config, GEMMA_FIELDS)
+        cls.attention_windows(config)
 
     @classmethod
     def attention_windows(cls, config: Any) -> list[int | None]:
@@ -155,23 +175,22 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: Any, max_positions: int, tp_rank: int = 0, tp_size: int = 1,
                  attention_backend: str = "torch") -> None:
         super().__init__()
+        self.check_config(config)
         self.config = config
         # tp is None on a single rank: plain layers, no distributed calls.
         tp = tp_shape(config, tp_rank, tp_size) if tp_size > 1 else None
         self.tp = tp
-        qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.head_dim = head_dim
         self.max_positions = max_positions
-        self.rotary = RotaryEmbedding(config, head_dim, max_positions)
+        self.rotary = self.build_rotary()
         if tp is None:
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         else:
             self.embed_tokens = VocabParallelEmbedding(tp, config.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, qkv_bias, self.qk_norm, tp, attention_backend, window)
-            for window in self.attention_windows(config))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(self.make_layer(i, window, tp, attention_backend)
+                                    for i, window in enumerate(self.attention_windows(config)))
+        self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if tp is None:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -179,6 +198,12 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(tp, config.hidden_size, config.vocab_size)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    norm_class: type[RMSNorm] = RMSNorm
+
+    def make_layer(self, index: int, window: int | None, tp: TPShape | None, attention_backend: str) -> nn.Module:
+        qkv_bias = self.qkv_bias or bool(getattr(self.config, "attention_bias", False))
+        return DecoderLayer(self.config, qkv_bias, self.qk_norm, tp, attention_backend, window)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], md: AttentionMetadata) -> torch.Tensor:
@@ -191,9 +216,12 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.norm.forward_add(hidden, residual)
         return hidden
 
+    def build_rotary(self) -> nn.Module:
+        return RotaryEmbedding(self.config, self.head_dim, self.max_positions)
+
     def reset_rotary(self, device: torch.device) -> None:
         """Rebuild the cos/sin cache on `device` (after the model was built on meta)."""
-        self.rotary = RotaryEmbedding(self.config, self.head_dim, self.max_positions).to(device)
+        self.rotary = self.build_rotary().to(device)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocab logits (with tensor parallelism a collective: every rank must call it)."""
@@ -237,6 +265,9 @@ class LlamaForCausalLM(nn.Module):
                 target = params.get(name)
                 if target is None:
                     raise ValueError(f"unexpected weight {name!r} in checkpoint")
+                if ".qkv_proj." in name or ".gate_up_proj." in name:  # stored fused (Phi-3): every shard
+                    parts = 3 if ".qkv_proj." in name else 2
+                    loaded.update(f"{name}#{i}" for i in range(parts))
                 if (self.tp is not None and name in ("embed_tokens.weight", "lm_head.weight")
                         and tensor.shape[0] < target.shape[0] and tensor.shape[1:] == target.shape[1:]):
                     # The last rank's vocab slice is padded to the common size with zeros.
