@@ -10,31 +10,43 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
-def hf_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+def hf_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
+             attn_implementation: str | None = None):
     """An HF directory, or a GGUF file (transformers' own GGUF loader: `gguf_file=`);
-    loaded once per (path, dtype, device) however the defaults are spelled."""
-    return _hf_model(path, dtype, device)
+    loaded once per (path, dtype, device, attention) however the defaults are spelled.
+    attn_implementation: transformers' choice when None ("eager" applies Gemma 2's
+    attention soft-cap, which its SDPA path cannot)."""
+    return _hf_model(path, dtype, device, attn_implementation)
 
 
 @functools.lru_cache(maxsize=8)
-def _hf_model(path: str, dtype: torch.dtype, device: str):
-    kwargs = {}
+def _hf_model(path: str, dtype: torch.dtype, device: str, attn_implementation: str | None):
+    kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     if path.endswith(".gguf"):
         path, kwargs["gguf_file"] = str(Path(path).parent), Path(path).name
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(device).eval()
+    kwargs.pop("attn_implementation", None)
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     return model, tokenizer
 
 
 @torch.inference_mode()
 def hf_greedy(path: str, prompt_ids: list[int], max_tokens: int, k: int = 5,
-              dtype: torch.dtype = torch.float32, device: str = "cpu") -> tuple[list[int], list[dict[int, float]]]:
-    """Greedy tokens and, per position, the top-k logprobs {id: logprob} (chosen included)."""
-    model, tokenizer = hf_model(path, dtype, device)
+              dtype: torch.dtype = torch.float32, device: str = "cpu", attn_implementation: str | None = None,
+              prompt_pieces: list[int] | None = None) -> tuple[list[int], list[dict[int, float]]]:
+    """Greedy tokens and, per position, the top-k logprobs {id: logprob} (chosen included).
+    The prompt goes through one forward call, or with `prompt_pieces` (lengths summing
+    to its length) through one call per piece over the cache of the ones before."""
+    model, tokenizer = hf_model(path, dtype, device, attn_implementation)
     valid = len(tokenizer)
-    ids = torch.tensor([prompt_ids], device=device)
-    out = model(ids, use_cache=True)
-    past = out.past_key_values
+    past = None
+    start = 0
+    for length in prompt_pieces or [len(prompt_ids)]:
+        ids = torch.tensor([prompt_ids[start:start + length]], device=device)
+        out = model(ids, past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        start += length
+    assert start == len(prompt_ids), (prompt_pieces, len(prompt_ids))
     tokens: list[int] = []
     tops: list[dict[int, float]] = []
     logits = out.logits[0, -1].float()

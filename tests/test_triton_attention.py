@@ -26,6 +26,7 @@ from llmd.gpu.model_runner import ModelRunner, RunnerSettings
 
 CASES_SCRIPT = Path(__file__).with_name("triton_attention_cases.py")
 SLIDING_MODEL = "tiny-qwen2-sw24"  # layer 0 full attention, layers 1-2 a 24-token window
+SOFTCAP_MODEL = "tiny-gemma2-sw16"  # Gemma 2: scores capped at 8, layers sliding 16 / full / sliding 16
 CPU = torch.device("cpu")
 
 
@@ -40,8 +41,9 @@ def interpreted(tiny_llama: Path, model_dirs) -> dict[str, dict]:
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     names = list(CASES)
-    halves = [["--model", str(tiny_llama), *names[:len(names) // 3]],
-              ["--sliding-model", str(model_dirs(SLIDING_MODEL)), *names[len(names) // 3:]]]
+    halves = [["--model", str(tiny_llama), "--softcap-model", str(model_dirs(SOFTCAP_MODEL)),
+               *names[:len(names) // 4]],
+              ["--sliding-model", str(model_dirs(SLIDING_MODEL)), *names[len(names) // 4:]]]
     procs = [subprocess.Popen([sys.executable, str(CASES_SCRIPT), *args], env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for args in halves]
     results = {}
@@ -65,21 +67,28 @@ def test_kernels_match_the_torch_reference(interpreted: dict[str, dict], name: s
     assert result["out_err"] <= result["tol"], result
 
 
-@pytest.mark.parametrize("job,windows", [("model", [None] * 3), ("model-sliding", [None, 24, 24])])
+@pytest.mark.parametrize("job,windows,softcaps", [
+    ("model", [None] * 3, [None] * 3),
+    ("model-sliding", [None, 24, 24], [None] * 3),
+    ("model-softcap", [16, None, 16], [8.0] * 3),
+])
 def test_model_runner_with_the_triton_backend_matches_torch(interpreted: dict[str, dict], job: str,
-                                                            windows: list[int | None]) -> None:
+                                                            windows: list[int | None],
+                                                            softcaps: list[float | None]) -> None:
     """attention_backend="triton" in RunnerSettings reaches every layer with the layer's
-    window, and one mixed step (decodes, a prefill, chunks over cached prefixes) of
-    tiny-llama, and of a model with sliding-window layers, gives the torch backend's
-    hidden states and caches."""
+    window and soft-cap, and one mixed step (decodes, a prefill, chunks over cached
+    prefixes) of tiny-llama, of a model with sliding-window layers and of Gemma 2
+    (soft-capped scores, its own attention scale), gives the torch backend's hidden
+    states and caches."""
     result = interpreted[job]
     assert "error" not in result, result["error"]
     assert result["windows"] == windows
+    assert result["softcaps"] == softcaps
     assert result["out_err"] <= result["tol"], result
     assert result["cache_err"] <= result["tol"], result
 
 
-@pytest.mark.parametrize("job", ["model-graph", "model-graph-sliding"])
+@pytest.mark.parametrize("job", ["model-graph", "model-graph-sliding", "model-graph-softcap"])
 def test_padded_graph_step_with_the_triton_backend_matches_torch(interpreted: dict[str, dict], job: str) -> None:
     """The decode-graph path (emulated on CPU: static buffers, padding to a captured
     size, scratch-block rows) with the Triton kernels gives the torch backend's eager

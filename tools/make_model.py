@@ -7,8 +7,8 @@ These random-weight models are fixtures with known, reproducible properties:
   with the ``tokenizers`` library on Python's stdlib sources plus a short
   multilingual snippet, saved through transformers with a ChatML chat template;
 * **random-weight models** built from transformers' own config / ``*ForCausalLM``
-  classes (Llama, Mistral, Qwen2, Qwen3), saved as float32 safetensors next to the
-  tokenizer.
+  classes (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text, Phi-3), saved as
+  float32 safetensors next to the tokenizer.
 
 Public API::
 
@@ -47,6 +47,14 @@ Facts the engine must know (all fixtures):
 * sliding-window fixtures (tests/test_sliding_window.py): ``tiny-mistral-sw16`` has a
   16-token window on every layer; ``tiny-qwen2-sw24`` (``use_sliding_window``,
   ``max_window_layers=1``) has layer 0 in full and layers 1-2 with a 24-token window.
+* Gemma / Phi-3 fixtures (tests/test_gemma_phi.py): ``tiny-gemma2-sw16`` (layers
+  sliding 16 / full / sliding 16, attention soft-cap 8, final soft-cap 30, head_dim 24
+  with query_pre_attn_scalar 32, tied embeddings); ``tiny-gemma3-sw16`` (sliding,
+  sliding, full; q/k norms; local rope theta 100, global theta 10000 with linear
+  scaling x4; final soft-cap 20; tied); ``tiny-phi3-longrope`` (fused qkv / gate_up,
+  longrope with original_max_position_embeddings 48, partial rotary 0.75, a 16-token
+  window on every layer, padded vocab). Their ``(1 + w)`` norms are initialised like
+  the others' ``w`` (centred on 1 once the model adds the 1).
 * llama fixtures use llama3 RoPE scaling (``config.rope_parameters`` with
   ``rope_type="llama3"``), with a small ``original_max_position_embeddings`` so the
   scaling changes results.
@@ -152,7 +160,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 
 # Weight init ("peaked"). transformers' default init (std 0.02 everywhere, norm weights
 # 1, zero biases) gives logits with std ~0.02*sqrt(hidden) (0.16 at hidden 64): near
@@ -206,6 +214,21 @@ FIXTURES: dict[str, dict[str, Any]] = {
     "tiny-mistral-sw16": dict(arch="mistral", preset="tiny", sliding_window=16),
     "tiny-qwen2-sw24": dict(arch="qwen2", preset="tiny", use_sliding_window=True, sliding_window=24,
                             max_window_layers=1),
+    "tiny-gemma2-sw16": dict(arch="gemma2", preset="tiny", tie_word_embeddings=True, head_dim=24,
+                             query_pre_attn_scalar=32, sliding_window=16, attn_logit_softcapping=8.0,
+                             final_logit_softcapping=30.0),
+    "tiny-gemma3-sw16": dict(arch="gemma3", preset="tiny", tie_word_embeddings=True, head_dim=24,
+                             query_pre_attn_scalar=32, sliding_window=16, final_logit_softcapping=20.0,
+                             layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                              "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                 "rope_theta": 10000.0}}),
+    "tiny-phi3-longrope": dict(arch="phi3", preset="tiny", pad_vocab=True, sliding_window=16,
+                               original_max_position_embeddings=48,
+                               rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                "partial_rotary_factor": 0.75,
+                                                "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                                                "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]}),
     "small-llama": dict(arch="llama", preset="small"),
     "small-qwen2": dict(arch="qwen2", preset="small"),
     "small-qwen3": dict(arch="qwen3", preset="small"),
@@ -321,7 +344,8 @@ def _versions() -> dict[str, str]:
 # qwen2 fixtures use that pipeline: tokenizer.json and AutoTokenizer then agree.
 TOKENIZER_FLAVOURS = ("bytelevel", "qwen2")
 ARCH_TOKENIZER_FLAVOUR = {
-    "llama": "bytelevel", "mistral": "bytelevel", "qwen2": "qwen2", "qwen3": "bytelevel"}
+    "llama": "bytelevel", "mistral": "bytelevel", "qwen2": "qwen2", "qwen3": "bytelevel",
+    "gemma2": "bytelevel", "gemma3": "bytelevel", "phi3": "bytelevel"}
 _QWEN2_PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
@@ -469,7 +493,8 @@ def resolve_config(arch: str, preset: str, *, tie_word_embeddings: bool = False,
       build_model only: ``init`` ("peaked" (default) or "hf": transformers' own init),
       ``logit_std`` (default TARGET_LOGIT_STD), ``tokenizer_flavour`` (default
       ARCH_TOKENIZER_FLAVOUR[arch])."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
+                              Qwen3Config)
 
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
@@ -520,12 +545,13 @@ def resolve_config(arch: str, preset: str, *, tie_word_embeddings: bool = False,
         **p,
     )
     fields.update(ov)
-    if arch == "qwen2":
-        # Qwen2Config has no head_dim: it is hidden_size // num_attention_heads.
+    if arch in ("qwen2", "phi3"):
+        # Qwen2Config and Phi3Config have no head_dim: it is hidden_size // num_attention_heads.
         hd = fields.pop("head_dim", None)
         if hd is not None and hd != fields["hidden_size"] // fields["num_attention_heads"]:
-            raise ValueError("qwen2 requires head_dim == hidden_size // num_attention_heads")
-    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
+            raise ValueError(f"{arch} requires head_dim == hidden_size // num_attention_heads")
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+           "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig, "phi3": Phi3Config}[arch]
     cfg = cls(**fields)
     cfg.dtype = "float32"
     return cfg, tok_vocab
@@ -551,37 +577,53 @@ def _peaked_init_(model, cfg, *, logit_std: float) -> float:
     tied = bool(cfg.tie_word_embeddings)
     qk_norm = hasattr(inner.layers[0].self_attn, "q_norm")
     qk_gain = 1.0 if qk_norm else math.sqrt(math.sqrt(ATTN_SCORE_VAR))  # on q and on k
+    # Gemma's norms scale by (1 + w): the same effective scales, stored minus one.
+    gemma = hasattr(inner.layers[0], "pre_feedforward_layernorm")
 
     def norm_(w: torch.Tensor, mul: float = 1.0) -> None:
         w.uniform_(1.0 - NORM_JITTER, 1.0 + NORM_JITTER).mul_(mul)
+        if gemma:
+            w.sub_(1.0)
 
+    def linear_(weight: torch.Tensor, bias: torch.Tensor | None, gain: float) -> None:
+        weight.normal_(0.0, gain / math.sqrt(weight.shape[1]))
+        if bias is not None:
+            bias.normal_(0.0, BIAS_STD * gain)
+
+    # Gemma multiplies its embeddings by sqrt(hidden_size): the same EMBED_STD after that.
+    embed_std = EMBED_STD / math.sqrt(cfg.hidden_size) if gemma else EMBED_STD
     emb = model.get_input_embeddings().weight
-    emb.normal_(0.0, EMBED_STD)
+    emb.normal_(0.0, embed_std)
     head = model.get_output_embeddings().weight
     if not tied:
         head.normal_(0.0, 1.0 / math.sqrt(cfg.hidden_size))
     for layer in inner.layers:
         at, mlp = layer.self_attn, layer.mlp
-        for lin, gain in (
-            (at.q_proj, qk_gain),
-            (at.k_proj, qk_gain),
-            (at.v_proj, 1.0),
-            (at.o_proj, 1.0),
-            (mlp.gate_proj, 1.0),
-            (mlp.up_proj, 1.0),
-            (mlp.down_proj, 1.0),
-        ):
-            lin.weight.normal_(0.0, gain / math.sqrt(lin.in_features))
-            if lin.bias is not None:
-                lin.bias.normal_(0.0, BIAS_STD * gain)
+        if hasattr(at, "qkv_proj"):  # Phi-3: [q | k | v] rows in one projection
+            q_rows = cfg.num_attention_heads * at.head_dim
+            kv_rows = cfg.num_key_value_heads * at.head_dim
+            parts = at.qkv_proj.weight.split([q_rows, kv_rows, kv_rows])
+            for part, gain in zip(parts, (qk_gain, qk_gain, 1.0)):
+                linear_(part, None, gain)
+            linear_(mlp.gate_up_proj.weight, None, 1.0)
+            projections = [at.o_proj, mlp.down_proj]
+        else:
+            for lin, gain in ((at.q_proj, qk_gain), (at.k_proj, qk_gain), (at.v_proj, 1.0)):
+                linear_(lin.weight, lin.bias, gain)
+            projections = [at.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        for lin in projections:
+            linear_(lin.weight, lin.bias, 1.0)
         norm_(layer.input_layernorm.weight)
         norm_(layer.post_attention_layernorm.weight)
+        if gemma:
+            norm_(layer.pre_feedforward_layernorm.weight)
+            norm_(layer.post_feedforward_layernorm.weight)
         if qk_norm:
             # q/k are RMS-normalised per head, so scores have std ~ w_q * w_k
             norm_(at.q_norm.weight, math.sqrt(math.sqrt(ATTN_SCORE_VAR)))
             norm_(at.k_norm.weight, math.sqrt(math.sqrt(ATTN_SCORE_VAR)))
     # normed final hidden state has RMS ~1, so logits have std ~ row_std * sqrt(hidden)
-    row_std = EMBED_STD if tied else 1.0 / math.sqrt(cfg.hidden_size)
+    row_std = embed_std if tied else 1.0 / math.sqrt(cfg.hidden_size)
     scale = logit_std / (row_std * math.sqrt(cfg.hidden_size))
     norm_(inner.norm.weight, scale)
     return scale
