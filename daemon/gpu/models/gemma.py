@@ -30,7 +30,7 @@ from torch import nn
 from llmd.gpu.attention import AttentionMetadata
 from llmd.gpu.layers import GemmaRMSNorm
 from llmd.gpu.models.config_checks import check_activation, check_heads, check_rope, refuse
-from llmd.gpu.models.llama import DecoderAttention, DecoderMLP, LlamaForCausalLM, _windows_of
+from llmd.gpu.models.llama import DecoderAttention, DecoderMLP, LlamaForCausalLM, windows_from_layer_types
 from llmd.gpu.rotary import RotaryEmbedding
 from llmd.gpu.tp import TPShape
 
@@ -93,7 +93,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def attention_windows(cls, config: Any) -> list[int | None]:
-        return _windows_of(cls.__name__, config, cls._layer_types(config))
+        return windows_from_layer_types(cls.__name__, config, cls._layer_types(config))
 
     @staticmethod
     def _layer_types(config: Any) -> list[str]:

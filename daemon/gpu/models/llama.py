@@ -116,7 +116,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-def _windows_of(architecture: str, config: Any, layer_types: list[str]) -> list[int | None]:
+def windows_from_layer_types(architecture: str, config: Any, layer_types: list[str]) -> list[int | None]:
     """Each layer's window from its type, as transformers reads `layer_types`: a
     "sliding_attention" layer attends over config.sliding_window tokens, a
     "full_attention" layer over its whole context. Any other type is refused."""
@@ -321,7 +321,7 @@ class MistralForCausalLM(LlamaForCausalLM):
             raise ValueError(f"{name}: config layer_types {sorted(set(declared))} differ from the one window "
                              f"every Mistral layer has (sliding_window={window!r}); per-layer types are not "
                              f"implemented for this architecture")
-        return _windows_of(name, config, layer_types)
+        return windows_from_layer_types(name, config, layer_types)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
@@ -339,7 +339,7 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
             first = getattr(config, "max_window_layers", config.num_hidden_layers)
             layer_types = [SLIDING_ATTENTION if use and i >= first else FULL_ATTENTION
                            for i in range(config.num_hidden_layers)]
-        return _windows_of(cls.__name__, config, list(layer_types))
+        return windows_from_layer_types(cls.__name__, config, list(layer_types))
 
 
 class Qwen3ForCausalLM(Qwen2ForCausalLM):
