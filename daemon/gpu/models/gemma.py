@@ -22,6 +22,7 @@ the other; so is `use_bidirectional_attention` (not a causal decoder).
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -111,26 +112,24 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         return GemmaDecoderLayer(self.config, self.qk_norm, tp, attention_backend, window, softcap)
 
     def build_rotary(self) -> nn.Module:
-        """One cos/sin table per rope key, named by it."""
-        return nn.ModuleDict({
-            FLAT_ROPE if key is None else key: RotaryEmbedding(self.config, self.head_dim, self.max_positions, key)
-            for key in set(self.rope_keys(self.config))})
+        """One cos/sin table per rope key, named by it; each layer's key in order."""
+        self.layer_rope_keys = [FLAT_ROPE if key is None else key for key in self.rope_keys(self.config)]
+        return nn.ModuleDict({key: RotaryEmbedding(self.config, self.head_dim, self.max_positions,
+                                                   None if key == FLAT_ROPE else key)
+                              for key in set(self.layer_rope_keys)})
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], md: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         hidden = hidden * self._embed_scale(hidden.dtype)
         tables = {key: table.cos_sin(positions, hidden.dtype) for key, table in self.rotary.items()}
-        for layer, key, kv_cache in zip(self.layers, self.rope_keys(self.config), kv_caches):
-            cos, sin = tables[FLAT_ROPE if key is None else key]
+        for layer, key, kv_cache in zip(self.layers, self.layer_rope_keys, kv_caches):
+            cos, sin = tables[key]
             hidden = layer(hidden, cos, sin, kv_cache, md)
         return self.norm(hidden)
 
     def _embed_scale(self, dtype: torch.dtype) -> float:
-        """sqrt(hidden_size) rounded to float32 and then to `dtype`, as transformers
-        casts its scale buffer to the embedding's dtype (bf16: sqrt(2304) = 48.0 exactly,
-        sqrt(3072) 55.43 -> 55.5)."""
-        return float(torch.tensor(self.config.hidden_size ** 0.5).to(dtype))
+        return _rounded_sqrt(self.config.hidden_size, dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)
@@ -146,6 +145,13 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
     qk_norm = True
     attention_softcap = False
     rope_per_layer_type = True
+
+
+@functools.cache
+def _rounded_sqrt(hidden_size: int, dtype: torch.dtype) -> float:
+    """sqrt(hidden_size) rounded to float32 and then to `dtype`, as transformers casts
+    its scale buffer to the embedding's dtype (bf16: sqrt(3072) = 55.43 -> 55.5)."""
+    return float(torch.tensor(hidden_size ** 0.5).to(dtype))
 
 
 def _positive(architecture: str, field: str, value: Any, required: bool = False) -> None:
