@@ -39,7 +39,9 @@ class Daemon:
             try:
                 with RawConn(self.sock) as conn:
                     conn.send({"type": "status"})
-                    if conn.recv()["type"] == "status_reply":
+                    reply = conn.recv()
+                    # While the model loads the socket already answers status ("loading").
+                    if reply["type"] == "status_reply" and reply.get("engine_state") != "loading":
                         return self
             except OSError:
                 time.sleep(0.1)
