@@ -16,7 +16,8 @@ at most `max_concurrency` run at once when given. Outputs run to their length
 
 A sweep (several rates, and several backends) runs one after another, each with prompts
 of its own (seeded by the data seed, the backend and the run's index), so one run's
-prompts never sit in the prefix cache for the next.
+prompts never sit in the prefix cache for the next; the backends of one rate share its
+arrival times, so they are compared on the same schedule.
 """
 from __future__ import annotations
 
@@ -167,7 +168,7 @@ async def _sweep(socket: str | None, config: ServeConfig, rates: list[float | No
         for i, r in enumerate(rates):
             for backend, here in opened:
                 seed = f"{config.seed}:{i}" if backend.name == "socket" else f"{config.seed}:{backend.name}:{i}"
-                report = await _run(backend, config, r, seed)
+                report = await _run(backend, config, r, seed, timing_seed=f"{config.seed}:{i}")
                 report.backend, report.target = backend.name, here.where
                 runs.append(report)
     described = next((d for _, d in opened if d.device != "?"), opened[0][1])
@@ -175,9 +176,12 @@ async def _sweep(socket: str | None, config: ServeConfig, rates: list[float | No
                       env=Env.here(described.device, described.dtype))
 
 
-async def _run(backend, config: ServeConfig, request_rate: float | None, seed: str) -> ServeReport:
+async def _run(backend, config: ServeConfig, request_rate: float | None, seed: str,
+               timing_seed: str | None = None) -> ServeReport:
+    """`seed` draws the prompts; `timing_seed` the arrival times and aborts, shared by the
+    backends of one rate so they are compared on the same schedule."""
     reqs = make_workload(config, seed)
-    rng = random.Random(seed)
+    rng = random.Random(timing_seed or seed)
     abort_after = {}
     if config.workload == "abort":
         abort_after = {i: rng.randint(1, r.output_len - 1) for i, r in enumerate(reqs)
