@@ -99,3 +99,56 @@ def test_stopping_actors_in_order_is_not_a_failure():
         return supervisor.failed.is_set()
 
     assert asyncio.run(main()) is False
+
+
+# Two inherited listeners (llmd.socket's two ListenStream=): fds 3 and 4.
+WRAPPER_TWO = r"""
+import os, sys
+first, second = int(sys.argv[1]), int(sys.argv[2])
+os.dup2(first, 3); os.dup2(second, 4)
+for fd in (first, second):
+    if fd not in (3, 4):
+        os.close(fd)
+os.set_inheritable(3, True); os.set_inheritable(4, True)
+env = dict(os.environ, LISTEN_FDS="2", LISTEN_PID=str(os.getpid()), LISTEN_FDNAMES="llmd:llmd")
+os.execve(sys.executable, [sys.executable, "-m", "llmd.cli", "serve"] + sys.argv[3:], env)
+"""
+
+
+def test_socket_activation_of_the_http_socket_too():
+    """llmd.socket passes the protocol and the HTTP socket; the daemon tells them apart by
+    name, serves HTTP on the adopted one (a client that connected before the daemon
+    started included) and leaves both to the service manager on exit."""
+    base = Path(tempfile.mkdtemp(prefix="llmd-sd2-"))
+    listeners = []
+    for name in ("llmd.sock", "llmd-http.sock"):
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(base / name))
+        listener.listen(16)
+        listeners.append(listener)
+    early = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    early.settimeout(120)
+    early.connect(str(base / "llmd-http.sock"))
+    early.sendall(b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+    proc = subprocess.Popen([sys.executable, "-c", WRAPPER_TWO, *(str(s.fileno()) for s in listeners),
+                             "--model", str(fixture_path("tiny-llama")), "--max-model-len", "256",
+                             "--num-gpu-blocks-override", "64"],
+                            pass_fds=[s.fileno() for s in listeners], stderr=subprocess.PIPE, text=True)
+    for listener in listeners:
+        listener.close()
+    try:
+        reply = b""
+        while chunk := early.recv(65536):
+            reply += chunk
+        assert reply.startswith(b"HTTP/1.1 200") and b'"object":"list"' in reply, reply[:300]
+        with RawConn(str(base / "llmd.sock")) as conn:
+            conn.send({"type": "submit", "id": "a", "prompt": "hi", "sampling": {"max_tokens": 2}})
+            assert conn.until_final("a")[-1]["usage"]["completion_tokens"] == 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert (base / "llmd.sock").exists() and (base / "llmd-http.sock").exists()
+        assert not list(base.glob("llmd-http-http.sock"))  # no third socket of its own
+    finally:
+        early.close()
+        if proc.poll() is None:
+            proc.kill()
