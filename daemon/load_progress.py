@@ -36,7 +36,7 @@ class LoadProgress:
 
     def begin(self, phase: str, total: int | None = None) -> None:
         with self._lock:
-            self._done_weight += PHASES.get(self.phase, 0.0) if self.phase in PHASES else 0.0
+            self._done_weight += PHASES.get(self.phase, 0.0)  # the phase that ends
             self.phase, self._phase_fraction, self._logged_quarter = phase, 0.0, -1
         self._close_bar()
         if self._show_bar and total:

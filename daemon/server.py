@@ -24,7 +24,7 @@ import uvloop
 
 from llmd import sd_notify
 from llmd.config import EngineConfig
-from llmd_client.socket_path import SYSTEM_SOCKET, USER_SOCKET_NAME, http_socket_path
+from llmd_client.socket_path import SYSTEM_SOCKET, USER_SOCKET_NAME
 
 logger = logging.getLogger("llmd.server")
 try:

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from llmd.actors.intake import IntakeActor
+from llmd.actors.intake import IntakeActor, peer_ids
 from llmd.actors.messages import Query
 from llmd.actors.runtime import Actor
 from llmd.http import llamacpp_api, ollama_api, openai_api
@@ -29,7 +29,6 @@ from llmd.http.errors import ApiError
 from llmd_client.protocol import MAX_FRAME_BYTES
 
 logger = logging.getLogger("llmd.http")
-_PEERCRED = struct.Struct("3i")
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -109,11 +108,7 @@ class HttpIntakeActor(Actor):
         if transport is None:
             return -1
         if not tcp:
-            sock = transport.get_extra_info("socket")
-            try:
-                return _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[1]
-            except (OSError, AttributeError):
-                return -1
+            return peer_ids(transport.get_extra_info("socket"))[0]
         uid = self._tcp_uids.get(transport)
         if uid is None:
             uid = tcp_peer_uid(transport.get_extra_info("peername"), transport.get_extra_info("sockname"))

@@ -7,6 +7,7 @@ never a traceback, never the raw input) and the connection stays usable where th
 frame boundaries are still known."""
 from __future__ import annotations
 
+import abc
 import asyncio
 import collections
 import functools
@@ -68,7 +69,7 @@ def frame_error_message(exc: BaseException) -> str:
     return text
 
 
-class RequestSink:
+class RequestSink(abc.ABC):
     """Where the detokenizer sends one request's outputs (`send`) and says that the request
     is over (`finished`). Subclasses deliver to a socket connection or an HTTP response."""
 
@@ -81,8 +82,9 @@ class RequestSink:
         self.finished_samples: set[int] = set()
         self.release: Callable[[], None] | None = None  # set on admission: gives back what it held
 
+    @abc.abstractmethod
     def send(self, message: object) -> None:
-        raise NotImplementedError
+        """Deliver one message to the request's client."""
 
     @property
     def wanted(self) -> bool:
@@ -133,7 +135,7 @@ class Connection:
         self.codec: MsgpackCodec | JsonLinesCodec | None = None
         self.requests: dict[str, RequestSink] = {}
         self.closed = False
-        self.uid, self.gid = _peer_ids(writer)
+        self.uid, self.gid = peer_ids(writer.get_extra_info("socket"))
         self.admin = intake.is_admin(self.uid, self.gid)
         self._local_ids = itertools.count(1)
 
@@ -500,8 +502,8 @@ def _prompt_chars(submit: Submit) -> int:
     return 0
 
 
-def _peer_ids(writer: asyncio.StreamWriter) -> tuple[int, int]:
-    sock = writer.get_extra_info("socket")
+def peer_ids(sock: socket.socket | None) -> tuple[int, int]:
+    """(uid, gid) of a Unix socket's peer (SO_PEERCRED); (-1, -1) when it cannot be told."""
     try:
         _pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
         return uid, gid

@@ -105,11 +105,17 @@ class Generation:
         return merged
 
 
+def engine_error(out: Output) -> ApiError | None:
+    """A request the engine failed (a worker crash, a grammar that did not compile) as a
+    server-side error for the HTTP client (or a bad request, for a grammar); None if it did not."""
+    if out.finish_reason != "error":
+        return None
+    message = out.error or "the request failed in the engine"
+    status = 400 if message.startswith("guided") else 500
+    return ApiError(status, message, param="response_format" if status == 400 else None, code="engine_error")
+
+
 def raise_for_error(out: Output) -> None:
-    """A request the engine failed (a worker crash, a grammar that did not compile) is a
-    server-side error for the HTTP client."""
-    if out.finish_reason == "error":
-        message = out.error or "the request failed in the engine"
-        status = 400 if message.startswith("guided") else 500
-        raise ApiError(status, message, param="response_format" if status == 400 else None,
-                       code="engine_error")
+    error = engine_error(out)
+    if error is not None:
+        raise error

@@ -9,9 +9,9 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from llmd.http.bridge import Generation, raise_for_error
+from llmd.http.bridge import Generation, engine_error, raise_for_error
 from llmd.http.context import ServedModel, decode_body
-from llmd.http.errors import ApiError, from_value_error
+from llmd.http.errors import ApiError, build_sampling
 from llmd.http.streams import EventStream, json_response
 from llmd_client.protocol import Output, SamplingParams, Submit
 
@@ -48,10 +48,7 @@ def _sampling(body: InfillRequest) -> SamplingParams:
                   seed=body.seed, repetition_penalty=body.repeat_penalty, presence_penalty=body.presence_penalty,
                   frequency_penalty=body.frequency_penalty)
     max_tokens = None if body.n_predict < 0 else body.n_predict
-    try:
-        return SamplingParams(max_tokens=max_tokens, **{k: v for k, v in fields.items() if v is not None})
-    except ValueError as exc:
-        raise from_value_error(exc, _PARAMS) from None
+    return build_sampling(fields, max_tokens=max_tokens, params=_PARAMS)
 
 
 def _final(served: ServedModel, out: Output, started: float, text: str) -> dict[str, Any]:
@@ -85,12 +82,9 @@ async def infill(request: web.Request) -> web.StreamResponse:
         stream = EventStream()
         await stream.open(request)
         async for _slot, out in gen:
-            if out.finish_reason == "error":
-                try:
-                    raise_for_error(out)
-                except ApiError as exc:
-                    await stream.send(error_body(exc))
-                    return await stream.close(done_marker=False)
+            if (error := engine_error(out)) is not None:
+                await stream.send(error_body(error))
+                return await stream.close(done_marker=False)
             if out.usage is not None:
                 await stream.send(_final(served, out, started, out.text))
             elif out.text:

@@ -10,9 +10,9 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from llmd.http.bridge import Generation, raise_for_error
+from llmd.http.bridge import Generation, engine_error, raise_for_error
 from llmd.http.context import ServedModel, decode_body
-from llmd.http.errors import ApiError, from_value_error
+from llmd.http.errors import ApiError, build_sampling
 from llmd.http.streams import NdjsonStream, json_response
 from llmd_client.protocol import ChatMessage, GuidedDecodingParams, Output, SamplingParams, Submit
 
@@ -90,10 +90,7 @@ def _sampling(options: Options | None, fmt: str | dict[str, Any] | None) -> Samp
                   frequency_penalty=o.frequency_penalty, guided=guided)
     # Ollama's num_predict: -1 (or absent) means until the context is full.
     max_tokens = None if o.num_predict is None or o.num_predict < 0 else o.num_predict
-    try:
-        return SamplingParams(max_tokens=max_tokens, **{k: v for k, v in fields.items() if v is not None})
-    except ValueError as exc:
-        raise from_value_error(exc, _PARAMS) from None
+    return build_sampling(fields, max_tokens=max_tokens, params=_PARAMS)
 
 
 def _now() -> str:
@@ -129,12 +126,9 @@ async def _respond(request: web.Request, submit: Submit, wrap) -> web.StreamResp
         await stream.open(request)
         first_token = None
         async for _slot, out in gen:
-            if out.finish_reason == "error":
-                try:
-                    raise_for_error(out)
-                except ApiError as exc:
-                    await stream.send({"error": exc.message})
-                    return await stream.close()
+            if (error := engine_error(out)) is not None:
+                await stream.send({"error": error.message})
+                return await stream.close()
             if first_token is None and out.token_ids:
                 first_token = time.monotonic()
             if out.text:

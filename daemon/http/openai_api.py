@@ -11,9 +11,9 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from llmd.http.bridge import Generation, raise_for_error
+from llmd.http.bridge import Generation, engine_error, raise_for_error
 from llmd.http.context import ServedModel, decode_body
-from llmd.http.errors import ApiError, from_value_error
+from llmd.http.errors import ApiError, build_sampling
 from llmd.http.streams import EventStream, json_response
 from llmd_client.protocol import ChatMessage, GuidedDecodingParams, Output, SamplingParams, Submit, TokenLogprob
 
@@ -110,11 +110,8 @@ def sampling_params(body: _SamplingFields, *, max_tokens: int | None, logprobs: 
                   min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, stop_token_ids=body.stop_token_ids,
                   skip_special_tokens=body.skip_special_tokens,
                   include_stop_str_in_output=body.include_stop_str_in_output,
-                  max_tokens=max_tokens, logprobs=logprobs, guided=guided, prompt_logprobs=prompt_logprobs)
-    try:
-        return SamplingParams(**{k: v for k, v in fields.items() if v is not None or k == "max_tokens"})
-    except ValueError as exc:
-        raise from_value_error(exc, params) from None
+                  logprobs=logprobs, guided=guided, prompt_logprobs=prompt_logprobs)
+    return build_sampling(fields, max_tokens=max_tokens, params=params)
 
 
 def guided_from(fmt: ResponseFormat | None) -> GuidedDecodingParams | None:
@@ -140,10 +137,6 @@ def usage_of(outputs: list[Output]) -> dict[str, Any]:
     cached = sum(o.usage.cached_tokens for o in outputs if o.usage is not None)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def _finish(out: Output) -> str | None:
-    return out.finish_reason
 
 
 # -- /v1/models ----------------------------------------------------------------------
@@ -248,7 +241,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                 logprobs = _with_prompt(served, admitted[slot].prepared.token_ids, prompt_logprobs, logprobs,
                                         body.logprobs)
             return {"index": slot * n + out.index, "text": text, "logprobs": logprobs,
-                    "finish_reason": _finish(out)}
+                    "finish_reason": out.finish_reason}
 
         head = {"id": ident, "object": "text_completion", "created": created, "model": served.name}
         if body.stream:
@@ -299,12 +292,9 @@ async def _stream(request: web.Request, gen: Generation, head: dict[str, Any], o
     seen: set[tuple[int, int]] = set()
     finals: list[Output] = []
     async for slot, out in gen:
-        if out.finish_reason == "error":
-            try:
-                raise_for_error(out)
-            except ApiError as exc:
-                await stream.send(error_body(exc))
-                return await stream.close()
+        if (error := engine_error(out)) is not None:
+            await stream.send(error_body(error))
+            return await stream.close()
         if out.usage is not None:
             finals.append(out)
         if not (out.text or out.token_ids or out.finish_reason):
@@ -376,14 +366,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             return await _stream(request, gen, chunk_head, body.stream_options,
                                  lambda slot, out, first: {"index": out.index,
                                                            "delta": {"content": out.text} if out.text else {},
-                                                           "logprobs": logprobs(out), "finish_reason": _finish(out)},
+                                                           "logprobs": logprobs(out), "finish_reason": out.finish_reason},
                                  opening)
         merged = await gen.collect()
     finals = [merged[0][i] for i in sorted(merged[0])]
     for out in finals:
         raise_for_error(out)
     choices = [{"index": out.index, "message": {"role": "assistant", "content": out.text},
-                "logprobs": logprobs(out), "finish_reason": _finish(out)} for out in finals]
+                "logprobs": logprobs(out), "finish_reason": out.finish_reason} for out in finals]
     return json_response({**head, "choices": choices, "usage": usage_of(finals)})
 
 
