@@ -404,6 +404,8 @@ def test_status_during_the_load_says_how_far(tmp_path):
         while not path.exists():
             assert time.monotonic() < deadline and d.proc.poll() is None
             time.sleep(0.01)
+        old_client = RawConn(str(path))  # an unknown protocol version is refused, not welcomed
+        old_client.send({"type": "hello", "protocol_version": 99})
         with RawConn(str(path)) as waiting:
             waiting.send({"type": "submit", "id": "early", "prompt": "hi", "sampling": {"max_tokens": 3}})
             while True:
@@ -416,6 +418,8 @@ def test_status_during_the_load_says_how_far(tmp_path):
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
             assert waiting.until_final("early")[-1]["usage"]["completion_tokens"] == 3
+        with old_client:
+            assert old_client.recv()["code"] == "unsupported_version"
         loading = [s for s in seen if s[0] == "loading"]
         assert loading and seen[-1][0] == "serving"
         fractions = [f for _, f, _ in loading]

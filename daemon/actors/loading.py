@@ -83,7 +83,7 @@ class LoadingResponder:
         except (msgspec.DecodeError, UnicodeDecodeError):
             return False
         match message:
-            case Hello(protocol_version=PROTOCOL_VERSION):
+            case Hello(protocol_version=version) if version == PROTOCOL_VERSION:  # others: the intake refuses
                 reply: object = Welcome(protocol_version=PROTOCOL_VERSION, server_version=self.server_version,
                                         model=self.model)
             case Status():
