@@ -30,7 +30,7 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 bench: setup
-	$(BIN)/python -m llmd_tools.bench_offline
+	$(BIN)/python -m llmd_tools.bench_vs_hf
 
 clean:
 	rm -rf $(VENV) .cache

@@ -51,7 +51,7 @@ class _Commands(click.Group):
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name == "bench":
-            from llmd_tools.bench.cli import bench
+            from llmd_tools.bench.command import bench
             return bench
         return super().get_command(ctx, name)
 

@@ -16,11 +16,11 @@ import psutil
 
 from llmd.builtin_model import builtin_model_path
 from llmd.config import EngineConfig
-from llmd.executor_error import ExecutorError
+from llmd.executor import ExecutorError
 from llmd.input_processor import InputProcessor
 from llmd.kv_cache_manager import KVCacheManager
 from llmd.load_progress import LoadProgress
-from llmd.output_processor import OutputProcessor
+from llmd.detokenizer.output_processor import OutputProcessor
 from llmd.outputs import RequestOutput
 from llmd.request import RequestStatus
 from llmd.scheduler import Scheduler
@@ -132,7 +132,7 @@ class LLMEngine:
                                cores)
 
     def _make_executor(self):
-        from llmd.gpu.executor import InProcessExecutor
+        from llmd.gpu.inprocess_executor import InProcessExecutor
 
         if self.config.distributed_executor_backend == "mp":
             from llmd.gpu.mp_executor import MultiprocExecutor

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from llmd.request import Request
+from llmd.request import Request, child_request_id
 from llmd.structured_output import RequestGrammar, parse_guided
 from llmd_client.protocol import SamplingParams
 
@@ -88,7 +88,7 @@ class InputProcessor:
         if params.n == 1:
             child_ids = [request_id]
         else:
-            child_ids = [f"{request_id}\x00{i}" for i in range(params.n)]
+            child_ids = [child_request_id(request_id, i) for i in range(params.n)]
         children = []
         for i, child_id in enumerate(child_ids):
             child_params = params

@@ -27,6 +27,21 @@ class RequestStatus(enum.IntEnum):
         return _FINISH_REASONS.get(self)
 
 
+# The samples of a request with n > 1 are scheduled as child requests; their ids are the
+# parent's id, a NUL and the sample index.
+_CHILD_SEPARATOR = "\x00"
+
+
+def child_request_id(parent_id: str, index: int) -> str:
+    """The id of sample `index` of request `parent_id` (n > 1)."""
+    return f"{parent_id}{_CHILD_SEPARATOR}{index}"
+
+
+def parent_request_id(request_id: str) -> str:
+    """The id of the client's request a scheduled request (a child or itself) belongs to."""
+    return request_id.split(_CHILD_SEPARATOR, 1)[0]
+
+
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",

@@ -27,7 +27,7 @@ import msgspec
 
 from llmd.config import EngineConfig
 from llmd.kv_cache_manager import KVCacheManager
-from llmd.messages import (CachedRequestData, Logprobs, NewRequestData, PromptLogprobs,
+from llmd.step_messages import (CachedRequestData, Logprobs, NewRequestData, PromptLogprobs,
                            RunnerOutput, SchedulerOutput)
 from llmd.request import Request, RequestStatus
 from llmd.request_queue import make_queue

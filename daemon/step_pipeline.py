@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
 
-from llmd.messages import RunnerOutput, SchedulerOutput
+from llmd.step_messages import RunnerOutput, SchedulerOutput
 from llmd.scheduler import RequestUpdate, Scheduler, StepShape
 
 

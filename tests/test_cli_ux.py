@@ -14,7 +14,7 @@ import pytest
 
 from llmd.cli import main as llmd_main
 from llmd.config import SETTING_HELP, EngineConfig
-from llmd_client.cli import cli as llmctl_main
+from llmd_client.llmctl import cli as llmctl_main
 
 BIN = Path(sys.executable).parent  # CI does not activate the venv
 

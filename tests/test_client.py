@@ -32,7 +32,7 @@ import llmd_client
 from llmd_client import (AsyncClient, Client, ClientTimeout, ConnectionLost, DaemonNotRunning, LlmdError, ProtocolError,
                          RequestError, SamplingParams)
 from llmd_client import socket_path as socket_path_module
-from llmd_client.cli import cli
+from llmd_client.llmctl import cli
 from llmd_client.framing import MsgpackCodec
 from llmd_client.protocol import (Abort, Accepted, ClientMessage, Error, Hello, Metrics, MetricsReply, Output,
                                   RequestInfo, Status, StatusReply, Submit, TokenLogprob, Usage, Welcome)
@@ -415,7 +415,7 @@ def test_timeout_aborts_the_request(daemon):
 
 
 def test_the_client_package_imports_neither_torch_nor_the_daemon():
-    code = ("import sys, llmd_client, llmd_client.cli\n"
+    code = ("import sys, llmd_client, llmd_client.llmctl\n"
             "print([m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'xgrammar', 'llmd')])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -393,7 +393,7 @@ def test_connection_limits_idle_timeout_and_backlog(model, tmp_path):
 def test_status_during_the_load_says_how_far(tmp_path):
     """The socket answers status while the model loads: engine_state "loading" with the
     phase and a fraction that only grows; a request sent meanwhile is served after."""
-    from llmd_client.cli import format_status
+    from llmd_client.llmctl import format_status
     from llmd_client.protocol import StatusReply
 
     path = tmp_path / "s.sock"

@@ -14,7 +14,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from llmd.detokenizer import IncrementalDetokenizer
+from llmd.detokenizer.incremental import IncrementalDetokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
 

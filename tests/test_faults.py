@@ -268,7 +268,7 @@ def test_restart_backoff_doubles_to_its_cap_and_too_many_failures_are_death():
 
 def test_health_and_status_say_restarting_and_dead():
     from llmd.actors.metrics import MetricsActor
-    from llmd_client.cli import format_status
+    from llmd_client.llmctl import format_status
 
     metrics = MetricsActor(model="m", server_version="0", device="cpu", dtype="float32", kv_blocks_total=8)
     assert metrics.health() == (True, "idle")

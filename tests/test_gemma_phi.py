@@ -40,7 +40,7 @@ from triton_attention_cases import CASES, build
 
 from llmd import LLM, SamplingParams
 from llmd.gpu.attention import AttentionMetadata, TorchAttention, build_decode_mask, new_kv_cache
-from llmd.gpu.layers import GemmaRMSNorm, RMSNorm
+from llmd.gpu.norms import GemmaRMSNorm, RMSNorm
 from llmd.gpu.loader import load_hf_config, load_model
 from llmd.gpu.models.gemma import Gemma2ForCausalLM
 from llmd.gpu.rotary import RotaryEmbedding

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmd.gpu.memory import GiB, MiB, MemoryBreakdown, fmt_bytes, kv_cache_budget
+from llmd.gpu.kv_budget import GiB, MiB, MemoryBreakdown, fmt_bytes, kv_cache_budget
 
 
 def budget(**kw) -> MemoryBreakdown:
@@ -108,7 +108,7 @@ def test_pure_module_imports_no_torch():
     import subprocess
     import sys
 
-    code = "import sys, llmd.gpu.memory; print('torch' in sys.modules)"
+    code = "import sys, llmd.gpu.kv_budget; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "False"
 

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 PACKAGES = ["llmd", "llmd_client", "llmd_tools"]
-PURE = ["llmd.scheduler", "llmd.kv_cache_manager", "llmd.block_pool", "llmd.detokenizer",
-        "llmd.request", "llmd.request_queue", "llmd.messages", "llmd.config", "llmd_client"]
+PURE = ["llmd.scheduler", "llmd.kv_cache_manager", "llmd.block_pool", "llmd.detokenizer.incremental",
+        "llmd.request", "llmd.request_queue", "llmd.step_messages", "llmd.config", "llmd_client"]
 
 
 def all_modules() -> list[str]:

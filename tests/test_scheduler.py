@@ -27,7 +27,7 @@ import pytest
 
 from llmd.config import EngineConfig
 from llmd.kv_cache_manager import KVCacheManager
-from llmd.messages import NewRequestData, RunnerOutput, SchedulerOutput
+from llmd.step_messages import NewRequestData, RunnerOutput, SchedulerOutput
 from llmd.request import Request, RequestStatus
 from llmd.scheduler import Scheduler
 from llmd_client.protocol import SamplingParams

@@ -6,7 +6,7 @@ import time
 
 from llmd.actors.messages import RegisterRequest, RequestEvent, RequestsAborted, StepTokens, StopSamples
 from llmd.actors.runtime import Actor
-from llmd.output_processor import OutputProcessor
+from llmd.detokenizer.output_processor import OutputProcessor
 from llmd.outputs import CompletionOutput, RequestOutput
 from llmd_client.protocol import Output, TokenLogprob, Usage
 

@@ -17,6 +17,7 @@ from prometheus_client.utils import floatToGoString
 
 from llmd.actors.messages import Draining, EngineState, Query, RequestEvent, StepStats
 from llmd.actors.runtime import Actor
+from llmd.request import parent_request_id
 from llmd.spec_decode import SpecDecodeStats
 from llmd_client.protocol import RequestInfo, SpecDecodeInfo, StatusReply
 
@@ -170,7 +171,7 @@ class MetricsActor(Actor):
         self.last_step = message
         gained = set()
         for child_id, n in message.generated.items():
-            parent = child_id.split("\x00", 1)[0]
+            parent = parent_request_id(child_id)
             tracked = self.requests.get(parent)
             if tracked is not None:
                 tracked.generated += n
@@ -231,7 +232,7 @@ class MetricsActor(Actor):
     def _running_parents(self) -> set[str]:
         if self.last_step is None:
             return set()
-        return {rid.split("\x00", 1)[0] for rid in self.last_step.running_ids}
+        return {parent_request_id(rid) for rid in self.last_step.running_ids}
 
     def num_running(self) -> int:
         running = self._running_parents()

@@ -23,8 +23,8 @@ import msgspec
 from llmd.actors.messages import (AbortRequest, AddRequest, EngineState, GrammarCompiled, RequestEvent,
                                   RequestsAborted, StepStats, StepTokens, StopSamples, WorkerExited)
 from llmd.actors.runtime import Actor
-from llmd.executor_error import ExecutorError
-from llmd.request import RequestStatus
+from llmd.executor import ExecutorError
+from llmd.request import RequestStatus, parent_request_id
 from llmd.restart_policy import RestartPolicy
 from llmd.scheduler import StepShape
 from llmd.step_pipeline import Step
@@ -138,7 +138,7 @@ class SchedulerActor(Actor):
         finally:
             self._step_deadline = None
         step, updates = self.pipeline.finish(runner_output)
-        for parent in {r.req_id.split("\x00", 1)[0] for r in step.output.scheduled_new_reqs}:
+        for parent in {parent_request_id(r.req_id) for r in step.output.scheduled_new_reqs}:
             # Its queue time ends here (the metrics actor keeps only the first, not a resume).
             self.metrics.send(RequestEvent(parent, "scheduled", step.scheduled_at))
         self.detokenizer.send(StepTokens(updates, step.num_cached))

@@ -10,7 +10,7 @@ import torch
 
 from llmd.gpu.attention import AttentionMetadata, GatherWorkspace, new_model_kv_caches
 from llmd.gpu.cuda_graphs import capture_sizes
-from llmd.gpu.memory import MemoryBreakdown, kv_cache_budget
+from llmd.gpu.kv_budget import MemoryBreakdown, kv_cache_budget
 from llmd.gpu.sampler import Sampler, SamplingMetadata
 from llmd_client.protocol import SamplingParams
 

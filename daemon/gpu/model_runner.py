@@ -20,10 +20,10 @@ from llmd.gpu.cuda_graphs import DecodeGraphs, build_decode_graphs, capture_size
 from llmd.gpu.draft_model import DraftModel
 from llmd.gpu.loader import load_model
 from llmd.load_progress import LoadProgress
-from llmd.gpu.memory import MemoryBreakdown
+from llmd.gpu.kv_budget import MemoryBreakdown
 from llmd.gpu.rejection_sampler import VerifyOutput, verify
 from llmd.gpu.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs
-from llmd.messages import Logprobs, PromptLogprobs, RunnerOutput, SchedulerOutput
+from llmd.step_messages import Logprobs, PromptLogprobs, RunnerOutput, SchedulerOutput
 from llmd_client.protocol import SamplingParams
 
 logger = logging.getLogger("llmd.model_runner")

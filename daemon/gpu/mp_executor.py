@@ -30,12 +30,12 @@ from typing import Callable
 
 import msgspec
 
-from llmd.executor_error import ExecutorError
+from llmd.executor import ExecutorError
 from llmd.gpu.model_runner import RunnerSettings
-from llmd.gpu.memory import MemoryBreakdown
+from llmd.gpu.kv_budget import MemoryBreakdown
 from llmd.gpu.worker import (ChainedResult, Execute, ExecuteChained, Flush, FromWorker, InitKVCache, KVBudget,
                              KVReady, ProfileKV, Shutdown, StepResult, WorkerFailed, WorkerInit, WorkerReady)
-from llmd.messages import RunnerOutput, SchedulerOutput
+from llmd.step_messages import RunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("llmd.executor")
 

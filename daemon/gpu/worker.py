@@ -15,8 +15,8 @@ from typing import Any
 
 import msgspec
 
-from llmd.gpu.memory import MemoryBreakdown
-from llmd.messages import RunnerOutput, SchedulerOutput
+from llmd.gpu.kv_budget import MemoryBreakdown
+from llmd.step_messages import RunnerOutput, SchedulerOutput
 
 
 class WorkerInit(msgspec.Struct):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, NoReturn
 
-from llmd.gpu.layers import ACTIVATIONS
+from llmd.gpu.norms import ACTIVATIONS
 from llmd.gpu.rotary import ROPE_TYPES, rope_parameters, rotary_dim
 
 # Fields of Gemma 2 (all) and Gemma 3 (some) that other architectures' transformers

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from llmd.gpu.attention import AttentionMetadata
-from llmd.gpu.layers import GemmaRMSNorm
+from llmd.gpu.norms import GemmaRMSNorm
 from llmd.gpu.models.config_checks import check_activation, check_heads, check_rope, refuse
 from llmd.gpu.models.llama import DecoderAttention, DecoderMLP, LlamaForCausalLM, windows_from_layer_types
 from llmd.gpu.rotary import RotaryEmbedding

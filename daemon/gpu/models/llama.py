@@ -17,7 +17,7 @@ from torch import nn
 
 from llmd.gpu.attention import AttentionMetadata
 from llmd.gpu.attention_backends import make_attention
-from llmd.gpu.layers import ACTIVATIONS, RMSNorm, act_and_mul
+from llmd.gpu.norms import ACTIVATIONS, RMSNorm, act_and_mul
 from llmd.gpu.models.config_checks import GEMMA_FIELDS, check_activation, check_heads, check_rope, check_unread
 from llmd.gpu.rotary import RotaryEmbedding, apply_rotary
 from llmd.gpu.tp import (ParallelLMHead, RowParallelLinear, TPShape, VocabParallelEmbedding,

@@ -2,7 +2,7 @@
 workload (issue 2's: N prompts of 96-160 random tokens, 128 new tokens, greedy,
 ignore_eos), at batch 1 and batch 32, fp32 and bf16.
 
-    python -m llmd_tools.bench_offline [--model small-llama] [--dtype float32 bfloat16]
+    python -m llmd_tools.bench_vs_hf [--model small-llama] [--dtype float32 bfloat16]
         [--batch 1 32] [--json]
 
 Prints output tokens/s of both and the ratio, plus llmd's step breakdown (model forward

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from llmd.gpu.memory import MemoryBreakdown
+from llmd.gpu.kv_budget import MemoryBreakdown
 from llmd.gpu.model_runner import ModelRunner, RunnerSettings
 from llmd.load_progress import LoadProgress
-from llmd.messages import RunnerOutput, SchedulerOutput
+from llmd.step_messages import RunnerOutput, SchedulerOutput
 
 
 class InProcessExecutor:
