@@ -16,7 +16,7 @@ import psutil
 
 from llmd.builtin_model import builtin_model_path
 from llmd.config import EngineConfig
-from llmd.executor import ExecutorError
+from llmd.executor import Executor, ExecutorError, make_executor
 from llmd.input_processor import InputProcessor
 from llmd.kv_cache_manager import KVCacheManager
 from llmd.load_progress import LoadProgress
@@ -117,7 +117,7 @@ class LLMEngine:
         submit = self._submit_step if config.async_scheduling else run_now(
             lambda so: self.executor.execute_model(so))
         # Chained steps: the executor launches step N+1 before reading N's tokens back.
-        self._chained = config.async_scheduling and getattr(self.executor, "supports_chaining", False)
+        self._chained = config.async_scheduling and self.executor.supports_chaining
         self.pipeline = StepPipeline(self.scheduler, submit, overlap=config.async_scheduling,
                                      flush=self._submit_flush if self._chained else None)
         if config.async_scheduling and self.device.type == "cpu":
@@ -131,18 +131,9 @@ class LLMEngine:
                                "down; set cpu_threads below the core count (or turn async_scheduling off)",
                                cores)
 
-    def _make_executor(self):
-        from llmd.gpu.inprocess_executor import InProcessExecutor
-
-        if self.config.distributed_executor_backend == "mp":
-            from llmd.gpu.mp_executor import MultiprocExecutor
-            if self._progress is not None:  # the workers load the weights, unseen from here
-                self._progress.begin("workers")
-            return MultiprocExecutor(self.model_dir, self._runner_settings, self.device, self.dtype,
-                                     world_size=self.config.tensor_parallel_size,
-                                     step_deadline=self.config.step_deadline_s)
-        return InProcessExecutor(self.model_dir, self._runner_settings, self.device, self.dtype,
-                                 progress=self._progress)
+    def _make_executor(self) -> Executor:
+        return make_executor(self.config, self.model_dir, self._runner_settings, self.device, self.dtype,
+                             progress=self._progress)
 
     def recover_from_executor_failure(self, cause: str) -> list[str]:
         """After the executor failed: fail what ran on it, start a fresh one (see
