@@ -114,7 +114,8 @@ def main() -> None:
 @engine_options
 def serve(socket_path, config_file, **settings) -> None:
     """Load a model and serve it on a Unix socket."""
-    from llmd.server import load_settings, serve as run
+    from llmd.daemon_config import load_settings
+    from llmd.server import serve as run
 
     settings["socket"] = socket_path
     try:

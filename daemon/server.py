@@ -3,163 +3,28 @@ SIGTERM. Connections that arrive while the model loads wait in the listen backlo
 from __future__ import annotations
 
 import asyncio
-import errno
 import functools
-import grp
 import importlib.metadata
 import logging
-import os
 import resource
 import signal
 import socket
-import stat
-import time
-import tomllib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Annotated, Any, Callable, Literal
 
-import msgspec
 import uvloop
 
 from llmd import sd_notify
 from llmd.config import EngineConfig
-from llmd_client.socket_path import SYSTEM_SOCKET, USER_SOCKET_NAME
+from llmd.daemon_config import DaemonConfig
+from llmd.unix_socket import bind_path, bind_socket, close_socket, socket_name
+from llmd.watchdog import feed_watchdog
 
 logger = logging.getLogger("llmd.server")
 try:
     SERVER_VERSION = importlib.metadata.version("llmd")
 except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
     SERVER_VERSION = "0+unknown"
-
-
-class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    socket: str | None = None
-    socket_group: str = "llmd"
-    admin_group: str | None = "llmd-admin"
-    drain_timeout_s: float = 30.0
-    max_pending_requests: int = 4096
-    # ... of one user, and on one connection, and one user's prompt tokens (times samples)
-    # in flight: one user's flood meets their own limit while others are still served.
-    max_pending_requests_per_user: Annotated[int, msgspec.Meta(ge=1)] = 1024
-    max_pending_requests_per_connection: Annotated[int, msgspec.Meta(ge=1)] = 512
-    max_pending_tokens_per_user: Annotated[int, msgspec.Meta(ge=1)] = 1 << 20
-    # Connections waiting to be accepted (the kernel caps it at net.core.somaxconn).
-    listen_backlog: Annotated[int, msgspec.Meta(ge=16)] = 4096
-    # Open protocol connections, in all and from one user; more are refused with a reason
-    # (the open-files limit is raised to its hard maximum at start, and caps these).
-    max_connections: Annotated[int, msgspec.Meta(ge=1)] = 4096
-    max_connections_per_user: Annotated[int, msgspec.Meta(ge=1)] = 256
-    # A connection with no request in flight that sends nothing for this long is closed.
-    idle_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
-    log_level: str = "info"
-    # Prometheus text over HTTP at http://127.0.0.1:PORT/metrics; None: no listener.
-    metrics_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None
-    # Cached prompt prefixes are shared only between requests of one user ("user"), or
-    # between all users ("shared": faster for common system prompts, but one user's
-    # timing then reveals what another has sent).
-    prefix_cache_scope: Literal["user", "shared"] = "user"
-    # The HTTP APIs (OpenAI, Ollama, llama.cpp /infill) on a Unix socket beside the
-    # protocol socket (http_socket; default <socket dir>/<name>-http.sock).
-    http: bool = True
-    http_socket: str | None = None
-    # ... and on a TCP port of http_host, which needs an API key (api_key, api_key_file
-    # or $LLMD_API_KEY) unless http_require_api_key is false.
-    http_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None
-    http_host: str = "127.0.0.1"
-    api_key: str | None = None
-    api_key_file: str | None = None
-    http_require_api_key: bool = True
-    # /health answers 503 when requests wait and no engine step has ended for this long.
-    health_stall_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
-    # A failed worker (died, or hung past its step deadline) is restarted after
-    # worker_restart_backoff_s, doubling with each failure in the window up to
-    # worker_restart_backoff_max_s; worker_max_failures within worker_failure_window_s
-    # declare the engine dead: the daemon fails every request and exits non-zero.
-    worker_restart_backoff_s: Annotated[float, msgspec.Meta(ge=0)] = 1.0
-    worker_restart_backoff_max_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
-    worker_max_failures: Annotated[int, msgspec.Meta(ge=1)] = 5
-    worker_failure_window_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
-
-
-def bind_path() -> str:
-    """Where to bind when no path is given: $LLMD_SOCKET, else the system socket when we
-    may create it (root, or the llmd user with /run/llmd writable), else
-    $XDG_RUNTIME_DIR/llmd.sock. Clients look in the same places (llmd_client.socket_path)."""
-    if os.environ.get("LLMD_SOCKET"):
-        return os.environ["LLMD_SOCKET"]
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    system_dir = os.path.dirname(SYSTEM_SOCKET)
-    if os.getuid() == 0 or not runtime or os.path.isdir(system_dir) and os.access(system_dir, os.W_OK):
-        return SYSTEM_SOCKET
-    return os.path.join(runtime, USER_SOCKET_NAME)
-
-
-def load_settings(config_file: str | None, overrides: dict[str, Any]) -> tuple[DaemonConfig, EngineConfig]:
-    """TOML file (flat keys: engine settings by their vLLM names, daemon settings beside
-    them), then command-line overrides. Unknown keys are errors."""
-    values: dict[str, Any] = {}
-    if config_file:
-        try:
-            values.update(tomllib.loads(Path(config_file).read_text()))
-        except OSError as exc:
-            raise ValueError(f"cannot read config file {config_file}: {exc.strerror}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ValueError(f"config file {config_file} is not valid TOML: {exc}") from None
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    daemon_keys = set(DaemonConfig.__struct_fields__)
-    engine_keys = set(EngineConfig.__struct_fields__)
-    unknown = sorted(set(values) - daemon_keys - engine_keys)
-    if unknown:
-        raise ValueError(f"unknown setting(s): {', '.join(unknown)}")
-    try:
-        daemon = msgspec.convert({k: v for k, v in values.items() if k in daemon_keys}, DaemonConfig)
-        engine = msgspec.convert({k: v for k, v in values.items() if k in engine_keys}, EngineConfig)
-    except msgspec.ValidationError as exc:
-        raise ValueError(f"invalid setting: {exc}") from None
-    return daemon, engine
-
-
-def bind_socket(path: str, group: str | None, backlog: int = 4096) -> socket.socket:
-    """A listening Unix socket at `path`, mode 0660. Refuses to steal a live daemon's
-    socket; removes a stale one."""
-    p = Path(path)
-    if p.exists() or p.is_symlink():
-        if not stat.S_ISSOCK(p.lstat().st_mode):
-            raise ValueError(f"{path} exists and is not a socket")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(path)
-            raise ValueError(f"another daemon is already listening on {path}")
-        except (ConnectionRefusedError, FileNotFoundError):
-            p.unlink(missing_ok=True)
-        finally:
-            probe.close()
-    p.parent.mkdir(parents=True, exist_ok=True)
-    # Bind under a temporary name and rename once listening: a client never finds a
-    # socket file that refuses connections (or has the wrong mode).
-    staging = str(p.with_name(f".{p.name}.{os.getpid()}"))
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old_umask = os.umask(0o117)
-    try:
-        sock.bind(staging)
-    finally:
-        os.umask(old_umask)
-    try:
-        os.chmod(staging, 0o660)
-        if group:
-            try:
-                os.chown(staging, -1, grp.getgrnam(group).gr_gid)
-            except (KeyError, PermissionError):
-                pass  # no such group here, or not ours to give: mode 0660 with our own group
-        sock.listen(backlog)
-        os.rename(staging, path)
-    except BaseException:
-        sock.close()
-        Path(staging).unlink(missing_ok=True)
-        raise
-    sock.setblocking(False)
-    return sock
 
 
 async def _serve(daemon: DaemonConfig, engine_config: EngineConfig) -> int:
@@ -248,7 +113,7 @@ async def _serve(daemon: DaemonConfig, engine_config: EngineConfig) -> int:
         from llmd.actors.metrics_http import serve_metrics
         metrics_server = await serve_metrics(metrics_sock, metrics)
         logger.info("Prometheus metrics on http://127.0.0.1:%d/metrics", daemon.metrics_port)
-    watchdog = asyncio.ensure_future(_watchdog(scheduler.making_progress))
+    watchdog = asyncio.ensure_future(feed_watchdog(scheduler.making_progress))
     sd_notify.ready(f"serving {model_name}")
     logger.info("serving %s on %s (%s, %s)", model_name, created_path or "the adopted socket",
                 engine.device, engine.dtype)
@@ -302,24 +167,6 @@ async def _wait_until(done, timeout: float, supervisor) -> None:
         await asyncio.sleep(0.02)
 
 
-async def _watchdog(making_progress: Callable[[float], bool]) -> None:
-    """Feed systemd's watchdog while the engine makes progress (idle counts; a step
-    stuck past its deadline does not), so a daemon whose model step hangs is restarted
-    even though its event loop still answers."""
-    interval = sd_notify.watchdog_interval()
-    if not interval:
-        return
-    stuck = False
-    while True:  # watchdog_interval() is already half of WatchdogSec
-        if making_progress(time.monotonic()):
-            sd_notify.watchdog()
-            stuck = False
-        elif not stuck:
-            stuck = True
-            logger.error("an engine step is stuck past its deadline: no longer feeding the systemd watchdog")
-        await asyncio.sleep(interval)
-
-
 def _bind_listeners(daemon: DaemonConfig, closers: list):
     """(metrics socket or None, protocol socket, its path if we created it, HTTP sockets),
     each added to `closers` as it is bound."""
@@ -349,7 +196,7 @@ def _bind_listeners(daemon: DaemonConfig, closers: list):
     if daemon.http:
         from llmd.http.listeners import api_keys, bind_http
         api_keys(daemon)  # a missing key for TCP is a configuration error: report it before loading
-        protocol_path = created_path or _socket_name(sock)
+        protocol_path = created_path or socket_name(sock)
         http_socks, http_path = bind_http(daemon, protocol_path, adopted_http)
         closers.extend((s, None) for s in http_socks)
         if http_path:
@@ -373,28 +220,9 @@ def _raise_open_files_limit() -> int:
     return soft if soft != resource.RLIM_INFINITY else 1 << 20
 
 
-def _socket_name(sock: socket.socket) -> str | None:
-    try:
-        name = sock.getsockname()
-    except OSError:
-        return None
-    return name if isinstance(name, str) and name else None
-
-
 def _close_all(closers: list) -> None:
     for sock, path in reversed(closers):
-        _close_socket(sock, path)
-
-
-def _close_socket(sock: socket.socket | None, path: str | None) -> None:
-    if sock is not None:
-        sock.close()
-    if path:
-        try:
-            os.unlink(path)
-        except OSError as exc:
-            if exc.errno != errno.ENOENT:
-                logger.warning("could not remove %s: %s", path, exc.strerror)
+        close_socket(sock, path)
 
 
 def serve(daemon: DaemonConfig, engine_config: EngineConfig) -> int:

@@ -284,7 +284,7 @@ def test_health_and_status_say_restarting_and_dead():
 
 def test_watchdog_is_fed_only_while_the_engine_makes_progress(monkeypatch, caplog):
     from llmd import sd_notify
-    from llmd.server import _watchdog
+    from llmd.watchdog import feed_watchdog as _watchdog
 
     fed: list[float] = []
     monkeypatch.setattr(sd_notify, "watchdog", lambda: fed.append(time.monotonic()))

@@ -96,7 +96,7 @@ def test_busy_port_fails_before_the_model_loads(tmp_path):
 def test_metrics_port_is_validated():
     out = subprocess.run([*LLMD, "serve", "--metrics-port", "0"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--metrics-port" in out.stderr
-    from llmd.server import load_settings
+    from llmd.daemon_config import load_settings
     with pytest.raises(ValueError, match="metrics_port"):
         load_settings(None, {"metrics_port": 70000})
     assert load_settings(None, {})[0].metrics_port is None  # off by default

@@ -217,7 +217,7 @@ def test_service_is_notify_with_watchdog(service):
 
 
 def test_service_stop_outlasts_the_drain(service):
-    from llmd.server import DaemonConfig
+    from llmd.daemon_config import DaemonConfig
 
     drain = DaemonConfig().drain_timeout_s
     assert service.get("Service", "KillSignal") == "SIGTERM"
@@ -278,7 +278,7 @@ def test_runtime_directory_agrees_with_socket_and_tmpfiles(service, sock):
 
 
 def test_sysusers_defines_the_units_user_and_groups(service):
-    from llmd.server import DaemonConfig
+    from llmd.daemon_config import DaemonConfig
 
     rows = table_lines(SYSUSERS)
     users = {r[1]: r for r in rows if r[0] == "u"}
@@ -302,7 +302,7 @@ def uncommented(text: str) -> str:
 
 def test_example_config_lists_every_setting_with_its_default(tmp_path):
     from llmd.config import EngineConfig
-    from llmd.server import DaemonConfig, load_settings
+    from llmd.daemon_config import DaemonConfig, load_settings
 
     text = EXAMPLE_TOML.read_text()
     assert tomllib.loads(text) == {}  # everything commented out

@@ -9,7 +9,8 @@ import os
 import socket
 from pathlib import Path
 
-from llmd.server import DaemonConfig, bind_socket
+from llmd.daemon_config import DaemonConfig
+from llmd.unix_socket import bind_socket
 from llmd_client.socket_path import http_socket_path
 
 logger = logging.getLogger("llmd.http")

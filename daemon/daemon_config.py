@@ -1,0 +1,88 @@
+"""The daemon's own settings (sockets, limits, the HTTP APIs, worker restarts) and how
+they are read: a flat TOML file holding engine and daemon settings side by side, then
+the command line's overrides, split into a `DaemonConfig` and an `EngineConfig`."""
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from llmd.config import EngineConfig
+
+
+class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The daemon's settings, beside the engine's (EngineConfig) in one flat TOML file."""
+
+    socket: str | None = None
+    socket_group: str = "llmd"
+    admin_group: str | None = "llmd-admin"
+    drain_timeout_s: float = 30.0
+    max_pending_requests: int = 4096
+    # ... of one user, and on one connection, and one user's prompt tokens (times samples)
+    # in flight: one user's flood meets their own limit while others are still served.
+    max_pending_requests_per_user: Annotated[int, msgspec.Meta(ge=1)] = 1024
+    max_pending_requests_per_connection: Annotated[int, msgspec.Meta(ge=1)] = 512
+    max_pending_tokens_per_user: Annotated[int, msgspec.Meta(ge=1)] = 1 << 20
+    # Connections waiting to be accepted (the kernel caps it at net.core.somaxconn).
+    listen_backlog: Annotated[int, msgspec.Meta(ge=16)] = 4096
+    # Open protocol connections, in all and from one user; more are refused with a reason
+    # (the open-files limit is raised to its hard maximum at start, and caps these).
+    max_connections: Annotated[int, msgspec.Meta(ge=1)] = 4096
+    max_connections_per_user: Annotated[int, msgspec.Meta(ge=1)] = 256
+    # A connection with no request in flight that sends nothing for this long is closed.
+    idle_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
+    log_level: str = "info"
+    # Prometheus text over HTTP at http://127.0.0.1:PORT/metrics; None: no listener.
+    metrics_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None
+    # Cached prompt prefixes are shared only between requests of one user ("user"), or
+    # between all users ("shared": faster for common system prompts, but one user's
+    # timing then reveals what another has sent).
+    prefix_cache_scope: Literal["user", "shared"] = "user"
+    # The HTTP APIs (OpenAI, Ollama, llama.cpp /infill) on a Unix socket beside the
+    # protocol socket (http_socket; default <socket dir>/<name>-http.sock).
+    http: bool = True
+    http_socket: str | None = None
+    # ... and on a TCP port of http_host, which needs an API key (api_key, api_key_file
+    # or $LLMD_API_KEY) unless http_require_api_key is false.
+    http_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None
+    http_host: str = "127.0.0.1"
+    api_key: str | None = None
+    api_key_file: str | None = None
+    http_require_api_key: bool = True
+    # /health answers 503 when requests wait and no engine step has ended for this long.
+    health_stall_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+    # A failed worker (died, or hung past its step deadline) is restarted after
+    # worker_restart_backoff_s, doubling with each failure in the window up to
+    # worker_restart_backoff_max_s; worker_max_failures within worker_failure_window_s
+    # declare the engine dead: the daemon fails every request and exits non-zero.
+    worker_restart_backoff_s: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    worker_restart_backoff_max_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    worker_max_failures: Annotated[int, msgspec.Meta(ge=1)] = 5
+    worker_failure_window_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
+
+
+def load_settings(config_file: str | None, overrides: dict[str, Any]) -> tuple[DaemonConfig, EngineConfig]:
+    """TOML file (flat keys: engine settings by their vLLM names, daemon settings beside
+    them), then command-line overrides. Unknown keys are errors."""
+    values: dict[str, Any] = {}
+    if config_file:
+        try:
+            values.update(tomllib.loads(Path(config_file).read_text()))
+        except OSError as exc:
+            raise ValueError(f"cannot read config file {config_file}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"config file {config_file} is not valid TOML: {exc}") from None
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    daemon_keys = set(DaemonConfig.__struct_fields__)
+    engine_keys = set(EngineConfig.__struct_fields__)
+    unknown = sorted(set(values) - daemon_keys - engine_keys)
+    if unknown:
+        raise ValueError(f"unknown setting(s): {', '.join(unknown)}")
+    try:
+        daemon = msgspec.convert({k: v for k, v in values.items() if k in daemon_keys}, DaemonConfig)
+        engine = msgspec.convert({k: v for k, v in values.items() if k in engine_keys}, EngineConfig)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"invalid setting: {exc}") from None
+    return daemon, engine
