@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Unpack
 
-from llmd_client.errors import ConnectionLost, LlmdError, ProtocolError, RequestError
+from llmd_client.errors import ConnectionLost, LlmdError, ProtocolError
 from llmd_client.framing import FrameError, MsgpackCodec
-from llmd_client.protocol import (Abort, Accepted, ChatMessage, Error, Hello, Metrics, MetricsReply, Output,
-                                  SamplingParams, ServerMessage, Status, StatusReply, Submit, Welcome)
-from llmd_client.results import Delta, Result, ResultBuilder, build_submit, delta_from, is_last, sampling_params
-from llmd_client.routing import PendingReply, Router
+from llmd_client.protocol import (Accepted, ChatMessage, Error, Hello, Metrics, MetricsReply, Output, ServerMessage,
+                                  Status, StatusReply, Submit, Welcome)
+from llmd_client.request_args import RequestArgs, build_submit
+from llmd_client.results import Delta, Result, ResultBuilder
+from llmd_client.routing import PendingReply, Router, reply_error
 from llmd_client.socket_path import connect_error, default_socket_path
+from llmd_client.streaming import RequestStream
 
 _RECV_BYTES = 1 << 16
 _Item = Accepted | Output | Error | LlmdError
@@ -68,11 +70,6 @@ class AsyncClient(Router[asyncio.Queue[_Item], _PendingFuture]):
             self._reader_task = asyncio.create_task(self._read_loop(reader, writer), name="llmd-client-reader")
             try:
                 reply = await self._control(Hello(client="llmd_client"), Welcome)
-            except RequestError as exc:
-                await self.close()
-                if exc.code == "unsupported_version":
-                    raise ProtocolError(exc.message, exc.code) from None
-                raise
             except BaseException:
                 await self.close()
                 raise
@@ -103,43 +100,21 @@ class AsyncClient(Router[asyncio.Queue[_Item], _PendingFuture]):
 
     # -- requests -----------------------------------------------------------------------
 
-    async def generate(self, prompt: str | None = None, *,
-                       messages: Iterable[ChatMessage | Mapping[str, Any]] | None = None,
-                       token_ids: Iterable[int] | None = None, max_tokens: int | None = None,
-                       temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                       seed: int | None = None, stop: str | list[str] | None = None, n: int | None = None,
-                       logprobs: int | None = None, priority: int = 0, sampling: SamplingParams | None = None,
-                       **sampling_kwargs: Any) -> Result:
+    async def generate(self, prompt: str | None = None, **args: Unpack[RequestArgs]) -> Result:
         """Run one request to the end; arguments and errors as for Client.generate."""
-        params = sampling_params(sampling, dict(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-            stop=stop, n=n, logprobs=logprobs, **sampling_kwargs))
-        submit = build_submit(self._new_id(), prompt, messages, token_ids, params, False, priority)
+        submit = build_submit(self._new_id(), prompt, args, stream=False)
         accepted = await self._submit(submit)
-        builder = ResultBuilder(accepted, params.n)
-        try:
-            while True:
-                output = await self._next_output(submit.id)
-                builder.add(output)
-                if is_last(output):
-                    return builder.result()
-        except BaseException:
-            self._abandon(submit.id)
-            raise
+        builder = ResultBuilder(accepted, submit.sampling.n)
+        with self._abandoned_on_error(accepted.id):
+            while not builder.done:
+                builder.add(await self._next_output(accepted.id))
+        return builder.result()
 
-    def stream(self, prompt: str | None = None, *, messages: Iterable[ChatMessage | Mapping[str, Any]] | None = None,
-               token_ids: Iterable[int] | None = None, max_tokens: int | None = None,
-               temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-               seed: int | None = None, stop: str | list[str] | None = None, n: int | None = None,
-               logprobs: int | None = None, priority: int = 0, sampling: SamplingParams | None = None,
-               **sampling_kwargs: Any) -> AsyncStream:
+    def stream(self, prompt: str | None = None, **args: Unpack[RequestArgs]) -> AsyncStream:
         """`async for delta in llm.stream(...)`. The request is submitted on the first
         iteration (or `await stream.start()`); leaving the loop early, cancelling the
         task, or `await stream.aclose()` aborts it. Settings are checked right here."""
-        params = sampling_params(sampling, dict(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-            stop=stop, n=n, logprobs=logprobs, **sampling_kwargs))
-        return AsyncStream(self, build_submit(self._new_id(), prompt, messages, token_ids, params, True, priority))
+        return AsyncStream(self, build_submit(self._new_id(), prompt, args, stream=True))
 
     async def chat(self, messages: Iterable[ChatMessage | Mapping[str, Any]], **kwargs: Any) -> Result:
         return await self.generate(messages=messages, **kwargs)
@@ -147,20 +122,9 @@ class AsyncClient(Router[asyncio.Queue[_Item], _PendingFuture]):
     async def abort(self, request_id: str) -> None:
         """Abort a request by its server id; errors as for Client.abort."""
         await self._ensure_connected()
-        local_id = self._local_ids.get(request_id)
-        if local_id is not None:
-            self._send(Abort(id=local_id))
-            return
-        # Only a failed Abort is answered; the Status round trip after it is the barrier.
-        self._abort_errors[request_id] = None
-        try:
-            self._send(Abort(id=request_id))
-            await self._control(Status(), StatusReply)
-            error = self._abort_errors[request_id]
-        finally:
-            del self._abort_errors[request_id]
-        if error is not None:
-            raise RequestError(error.code, error.message, request_id)
+        if not self._abort_own(request_id):
+            with self._abort_other(request_id):
+                await self._control(Status(), StatusReply)
 
     async def status(self) -> StatusReply:
         await self._ensure_connected()
@@ -180,30 +144,13 @@ class AsyncClient(Router[asyncio.Queue[_Item], _PendingFuture]):
         await self._ensure_connected()
         assert submit.id is not None
         self._inboxes[submit.id] = asyncio.Queue()
-        try:
+        with self._abandoned_on_error(submit.id):
             self._send(submit)
             reply = await self._next_message(submit.id)
-        except BaseException:
-            self._abandon(submit.id)
-            raise
-        if isinstance(reply, Accepted):
-            self._local_ids[reply.request_id] = submit.id
-            return reply
-        self._forget(submit.id)
-        if isinstance(reply, Error):
-            raise RequestError(reply.code, reply.message, submit.id)
-        raise ProtocolError(f"expected Accepted for request {submit.id}, got {type(reply).__name__}")
+        return self._accepted(submit.id, reply)
 
     async def _next_output(self, id: str) -> Output:
-        message = await self._next_message(id)
-        if isinstance(message, Output):
-            if is_last(message):
-                self._forget(id)
-            return message
-        self._forget(id)
-        if isinstance(message, Error):
-            raise RequestError(message.code, message.message, id)
-        raise ProtocolError(f"unexpected {type(message).__name__} for request {id}")
+        return self._output(id, await self._next_message(id))
 
     async def _next_message(self, id: str) -> Accepted | Output | Error:
         queue = self._inboxes.get(id)
@@ -221,7 +168,7 @@ class AsyncClient(Router[asyncio.Queue[_Item], _PendingFuture]):
         self._pending.append(_PendingFuture(expect, future))
         reply = await future  # a cancelled future's reply is dropped by its resolve()
         if isinstance(reply, Error):
-            raise RequestError(reply.code, reply.message)
+            raise reply_error(reply)
         return reply
 
     def _send(self, message: Any) -> None:
@@ -265,25 +212,21 @@ class AsyncClient(Router[asyncio.Queue[_Item], _PendingFuture]):
         inbox.put_nowait(message)
 
 
-class AsyncStream:
+class AsyncStream(RequestStream):
     """Async iterator of one request's Deltas; also an async context manager that
     aborts the request on exit if it is still running."""
 
+    _client: AsyncClient
+
     def __init__(self, client: AsyncClient, submit: Submit) -> None:
-        self.request_id: str | None = None
-        self.prompt_tokens: int | None = None
-        self._client = client
+        super().__init__(client, submit.id or "")
         self._submit = submit
-        self._started = False
-        self._done = False
 
     async def start(self) -> AsyncStream:
         """Submit the request and wait until the daemon accepted it."""
         if not self._started:
             self._started = True
-            accepted = await self._client._submit(self._submit)
-            self.request_id = accepted.request_id
-            self.prompt_tokens = accepted.prompt_tokens
+            self._accept(await self._client._submit(self._submit))
         return self
 
     def __aiter__(self) -> AsyncStream:
@@ -294,20 +237,11 @@ class AsyncStream:
             raise StopAsyncIteration
         try:
             await self.start()
-            output = await self._client._next_output(self._submit.id or "")
+            output = await self._client._next_output(self._id)
         except BaseException:
             self.close()
             raise
-        if is_last(output):
-            self._done = True
-        return delta_from(output)
-
-    def close(self) -> None:
-        """Abort the request if it is still running (no await needed)."""
-        if not self._done:
-            self._done = True
-            if self._started:
-                self._client._abandon(self._submit.id or "")
+        return self._delta(output)
 
     async def aclose(self) -> None:
         self.close()
@@ -317,9 +251,3 @@ class AsyncStream:
 
     async def __aexit__(self, *exc: object) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass

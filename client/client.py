@@ -16,28 +16,24 @@ import socket as socketlib
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, Unpack
 
 from llmd_client.async_client import AsyncClient, AsyncStream
-from llmd_client.errors import ClientTimeout, ConnectionLost, LlmdError, ProtocolError, RequestError
+from llmd_client.errors import ClientTimeout, ConnectionLost, ProtocolError
 from llmd_client.framing import FrameError, MsgpackCodec
-from llmd_client.protocol import (Abort, Accepted, ChatMessage, Error, Hello, Metrics, MetricsReply, Output,
-                                  SamplingParams, ServerMessage, Status, StatusReply, Submit, Welcome)
-from llmd_client.results import Delta, Result, ResultBuilder, build_submit, delta_from, is_last, sampling_params
-from llmd_client.routing import PendingReply, Router
+from llmd_client.protocol import (Accepted, ChatMessage, Error, Hello, Metrics, MetricsReply, Output, ServerMessage,
+                                  Status, StatusReply, Submit, Welcome)
+from llmd_client.request_args import RequestArgs, build_submit
+from llmd_client.results import Delta, Result, ResultBuilder
+from llmd_client.routing import PendingReply, Router, reply_error
 from llmd_client.socket_path import connect_error, default_socket_path
+from llmd_client.streaming import RequestStream
 
 __all__ = ["AsyncClient", "AsyncStream", "Client", "Stream", "default_socket_path"]
 
 CLIENT_NAME = "llmd_client"
 BUSY_RETRY_S = 2.0  # how long a full listen queue is retried before "busy"
 _RECV_BYTES = 1 << 16
-
-
-def hello_error(error: Error) -> LlmdError:
-    if error.code == "unsupported_version":
-        return ProtocolError(error.message, error.code)
-    return RequestError(error.code, error.message)
 
 
 class _PendingReply(PendingReply):
@@ -80,7 +76,7 @@ class Client(Router[deque[Accepted | Output | Error], _PendingReply]):
         self._sock = sock
         self._codec = MsgpackCodec(ServerMessage)
         try:
-            reply = self._control(Hello(client=CLIENT_NAME), Welcome, error=hello_error)
+            reply = self._control(Hello(client=CLIENT_NAME), Welcome)
         except BaseException:
             self.close()
             raise
@@ -131,47 +127,26 @@ class Client(Router[deque[Accepted | Output | Error], _PendingReply]):
 
     # -- requests -----------------------------------------------------------------------
 
-    def generate(self, prompt: str | None = None, *, messages: Iterable[ChatMessage | Mapping[str, Any]] | None = None,
-                 token_ids: Iterable[int] | None = None, max_tokens: int | None = None,
-                 temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                 seed: int | None = None, stop: str | list[str] | None = None, n: int | None = None,
-                 logprobs: int | None = None, priority: int = 0, sampling: SamplingParams | None = None,
-                 **sampling_kwargs: Any) -> Result:
-        """Run one request to the end. Exactly one of prompt, messages or token_ids.
-        Sampling settings not given (None) come from `sampling`, else SamplingParams'
-        defaults; `sampling_kwargs` takes any other SamplingParams field (min_p, ...).
-        Raises ValueError for a setting out of range (before sending anything) and
-        RequestError when the daemon refuses or fails the request."""
-        params = sampling_params(sampling, dict(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-            stop=stop, n=n, logprobs=logprobs, **sampling_kwargs))
-        submit = build_submit(self._new_id(), prompt, messages, token_ids, params, False, priority)
+    def generate(self, prompt: str | None = None, **args: Unpack[RequestArgs]) -> Result:
+        """Run one request to the end. Exactly one of prompt, messages or token_ids;
+        the other keyword arguments are RequestArgs' (max_tokens, temperature, ...,
+        sampling, and any other SamplingParams field). Raises ValueError for a setting
+        out of range (before sending anything) and RequestError when the daemon refuses
+        or fails the request."""
+        submit = build_submit(self._new_id(), prompt, args, stream=False)
         accepted = self._submit(submit)
-        builder = ResultBuilder(accepted, params.n)
-        try:
-            while True:
-                output = self._next_output(submit.id)
-                builder.add(output)
-                if is_last(output):
-                    return builder.result()
-        except BaseException:
-            self._abandon(submit.id)
-            raise
+        builder = ResultBuilder(accepted, submit.sampling.n)
+        with self._abandoned_on_error(accepted.id):
+            while not builder.done:
+                builder.add(self._next_output(accepted.id))
+        return builder.result()
 
-    def stream(self, prompt: str | None = None, *, messages: Iterable[ChatMessage | Mapping[str, Any]] | None = None,
-               token_ids: Iterable[int] | None = None, max_tokens: int | None = None,
-               temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-               seed: int | None = None, stop: str | list[str] | None = None, n: int | None = None,
-               logprobs: int | None = None, priority: int = 0, sampling: SamplingParams | None = None,
-               **sampling_kwargs: Any) -> Stream:
+    def stream(self, prompt: str | None = None, **args: Unpack[RequestArgs]) -> Stream:
         """Submit a request and return an iterator of its Deltas (arguments as for
         generate). Returns once the daemon accepted it (`.request_id` is set); leaving
         the iteration early (break, close(), an exception, Ctrl-C) aborts the request."""
-        params = sampling_params(sampling, dict(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-            stop=stop, n=n, logprobs=logprobs, **sampling_kwargs))
-        submit = build_submit(self._new_id(), prompt, messages, token_ids, params, True, priority)
-        return Stream(self, submit.id, self._submit(submit))
+        submit = build_submit(self._new_id(), prompt, args, stream=True)
+        return Stream(self, self._submit(submit))
 
     def chat(self, messages: Iterable[ChatMessage | Mapping[str, Any]], **kwargs: Any) -> Result:
         """generate() for a conversation: [{"role": "user", "content": "..."}, ...]."""
@@ -182,21 +157,9 @@ class Client(Router[deque[Accepted | Output | Error], _PendingReply]):
         one listed by status()). Raises RequestError "unknown_id" when there is no such
         request, "forbidden" when another user owns it."""
         self.connect()
-        local_id = self._local_ids.get(request_id)
-        if local_id is not None:  # ours: its stream sees finish_reason "abort"
-            self._send(Abort(id=local_id))
-            return
-        # The daemon acknowledges only a failed Abort, so a Status round trip after it
-        # tells "no error" from "error not here yet".
-        self._abort_errors[request_id] = None
-        try:
-            self._send(Abort(id=request_id))
-            self._control(Status(), StatusReply)
-            error = self._abort_errors[request_id]
-        finally:
-            del self._abort_errors[request_id]
-        if error is not None:
-            raise RequestError(error.code, error.message, request_id)
+        if not self._abort_own(request_id):
+            with self._abort_other(request_id):
+                self._control(Status(), StatusReply)
 
     def status(self) -> StatusReply:
         self.connect()
@@ -213,31 +176,14 @@ class Client(Router[deque[Accepted | Output | Error], _PendingReply]):
         self.connect()
         assert submit.id is not None
         self._inboxes[submit.id] = deque()
-        try:
+        with self._abandoned_on_error(submit.id):
             self._send(submit)
             reply = self._next_message(submit.id)
-        except BaseException:
-            self._abandon(submit.id)
-            raise
-        if isinstance(reply, Accepted):
-            self._local_ids[reply.request_id] = submit.id
-            return reply
-        self._forget(submit.id)
-        if isinstance(reply, Error):
-            raise RequestError(reply.code, reply.message, submit.id)
-        raise ProtocolError(f"expected Accepted for request {submit.id}, got {type(reply).__name__}")
+        return self._accepted(submit.id, reply)
 
     def _next_output(self, id: str) -> Output:
         """The request's next Output; raises RequestError for an Error about it."""
-        message = self._next_message(id)
-        if isinstance(message, Output):
-            if is_last(message):
-                self._forget(id)
-            return message
-        self._forget(id)
-        if isinstance(message, Error):
-            raise RequestError(message.code, message.message, id)
-        raise ProtocolError(f"unexpected {type(message).__name__} for request {id}")
+        return self._output(id, self._next_message(id))
 
     def _next_message(self, id: str) -> Accepted | Output | Error:
         while True:
@@ -248,7 +194,7 @@ class Client(Router[deque[Accepted | Output | Error], _PendingReply]):
                 return inbox.popleft()
             self._receive()
 
-    def _control(self, message: Hello | Status | Metrics, expect: type, error: Any = None) -> Any:
+    def _control(self, message: Hello | Status | Metrics, expect: type) -> Any:
         pending = _PendingReply(expect)
         self._pending.append(pending)
         try:
@@ -260,7 +206,7 @@ class Client(Router[deque[Accepted | Output | Error], _PendingReply]):
             raise
         reply = pending.reply
         if isinstance(reply, Error):
-            raise (error or (lambda e: RequestError(e.code, e.message)))(reply)
+            raise reply_error(reply)
         return reply
 
     def _send(self, message: Any) -> None:
@@ -301,16 +247,15 @@ class Client(Router[deque[Accepted | Output | Error], _PendingReply]):
         inbox.append(message)
 
 
-class Stream:
+class Stream(RequestStream):
     """Iterator of one request's Deltas. Leaving it early aborts the request; it is
     also a context manager that does so on exit."""
 
-    def __init__(self, client: Client, id: str, accepted: Accepted) -> None:
-        self.request_id = accepted.request_id
-        self.prompt_tokens = accepted.prompt_tokens
-        self._client = client
-        self._id = id
-        self._done = False
+    _client: Client
+
+    def __init__(self, client: Client, accepted: Accepted) -> None:
+        super().__init__(client, accepted.id)
+        self._accept(accepted)
 
     def __iter__(self) -> Iterator[Delta]:
         return self
@@ -323,24 +268,10 @@ class Stream:
         except BaseException:
             self.close()
             raise
-        if is_last(output):
-            self._done = True
-        return delta_from(output)
-
-    def close(self) -> None:
-        """Abort the request if it is still running."""
-        if not self._done:
-            self._done = True
-            self._client._abandon(self._id)
+        return self._delta(output)
 
     def __enter__(self) -> Stream:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass

@@ -1,14 +1,10 @@
-"""What the clients hand back (Result, Completion, Delta), how a Submit is built from a
-call's arguments, and how a request's Output messages add up to a Result."""
+"""What comes back: what the clients hand back (Result, Completion, Delta), and how a
+request's Output messages add up to a Result (how a Submit is built is in request_args)."""
 from __future__ import annotations
-
-from collections.abc import Iterable, Mapping
-from typing import Any
 
 import msgspec
 
-from llmd_client.protocol import (Accepted, ChatMessage, GuidedDecodingParams, Output, SamplingParams, Submit,
-                                  TokenLogprob, Usage)
+from llmd_client.protocol import Accepted, Output, TokenLogprob, Usage
 
 Logprobs = list[list[TokenLogprob]]
 
@@ -126,6 +122,11 @@ class ResultBuilder:
         if output.prompt_logprobs is not None:
             self.prompt_logprobs = output.prompt_logprobs
 
+    @property
+    def done(self) -> bool:
+        """The request's last Output has been added."""
+        return self.usage is not None
+
     def result(self) -> Result:
         outputs = [Completion(index=i, text="".join(self._texts[i]), token_ids=self._token_ids[i],
                               finish_reason=self._finish[i], stop_reason=self._stop[i],
@@ -133,53 +134,3 @@ class ResultBuilder:
                    for i in range(len(self._texts))]
         return Result(request_id=self.accepted.request_id, prompt_tokens=self.accepted.prompt_tokens,
                       outputs=outputs, usage=self.usage, prompt_logprobs=self.prompt_logprobs)
-
-
-def chat_messages(messages: Iterable[ChatMessage | Mapping[str, Any]]) -> list[ChatMessage]:
-    """Accept ChatMessage structs or {"role": ..., "content": ...} dicts."""
-    out = []
-    for m in messages:
-        if isinstance(m, ChatMessage):
-            out.append(m)
-        elif isinstance(m, Mapping):
-            extra = set(m) - {"role", "content"}
-            if extra or "role" not in m or "content" not in m:
-                raise ValueError("messages: each message needs exactly the keys 'role' and 'content'")
-            out.append(ChatMessage(role=str(m["role"]), content=str(m["content"])))
-        else:
-            raise TypeError(f"messages: expected dicts or ChatMessage, got {type(m).__name__}")
-    return out
-
-
-def sampling_params(sampling: SamplingParams | None, overrides: dict[str, Any]) -> SamplingParams:
-    """`sampling` (or the defaults) with every override that is not None applied.
-    Raises ValueError naming the field for a value out of range, TypeError for an
-    unknown field."""
-    given = {k: v for k, v in overrides.items() if v is not None}
-    if isinstance(given.get("guided"), Mapping):
-        # guided={"json_schema": {...}} as a plain dict; checked like any decoded message.
-        try:
-            given["guided"] = msgspec.convert(given["guided"], GuidedDecodingParams)
-        except msgspec.ValidationError as exc:
-            raise ValueError(str(exc)) from None
-    if sampling is None:
-        return SamplingParams(**given)
-    if not given:
-        return sampling
-    return SamplingParams(**(msgspec.structs.asdict(sampling) | given))
-
-
-def build_submit(id: str, prompt: str | None, messages: Iterable[Any] | None,
-                 token_ids: Iterable[int] | None, sampling: SamplingParams, stream: bool,
-                 priority: int) -> Submit:
-    given = [name for name, v in (("prompt", prompt), ("messages", messages), ("token_ids", token_ids))
-             if v is not None]
-    if len(given) != 1:
-        raise ValueError("give exactly one of prompt, messages or token_ids"
-                         + (f" (got {', '.join(given)})" if given else ""))
-    if prompt is not None and not isinstance(prompt, str):
-        raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
-    return Submit(id=id, prompt=prompt,
-                  messages=chat_messages(messages) if messages is not None else None,
-                  token_ids=[int(t) for t in token_ids] if token_ids is not None else None,
-                  sampling=sampling, stream=stream, priority=priority)

@@ -1,21 +1,34 @@
 """What Client and AsyncClient share: the tables of one connection's requests and
-pending control replies, and how each message from the daemon is routed through them.
+pending control replies, how each message from the daemon is routed through them, and
+what each reply means (an Accepted recorded, an Error raised as the client's exception).
 
 The two differ only in how a message reaches a request's inbox (`_deliver`: a deque
-read by the blocking client, an asyncio.Queue read by the coroutines) and in how a
-pending control reply is resolved (`PendingReply.resolve`); both are left to them.
+read by the blocking client, an asyncio.Queue read by the coroutines), in how a
+pending control reply is resolved (`PendingReply.resolve`), and in how they wait; all
+of that is left to them.
 """
 from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Generic, TypeVar
 
-from llmd_client.errors import LlmdError
+from llmd_client.errors import LlmdError, ProtocolError, RequestError
 from llmd_client.protocol import Abort, Accepted, Error, MetricsReply, Output, StatusReply, Welcome
+from llmd_client.results import is_last
 
 Inbox = TypeVar("Inbox")
 Pending = TypeVar("Pending", bound="PendingReply")
+
+
+def reply_error(error: Error) -> LlmdError:
+    """The exception for an Error that answers a control message (no request id): a
+    refused protocol version is the client's ProtocolError, anything else a RequestError."""
+    if error.code == "unsupported_version":
+        return ProtocolError(error.message, error.code)
+    return RequestError(error.code, error.message)
 
 
 class PendingReply:
@@ -73,6 +86,64 @@ class Router(Generic[Inbox, Pending]):
             self._send(Abort(id=id))
         except LlmdError:
             pass
+
+    @contextmanager
+    def _abandoned_on_error(self, id: str) -> Iterator[None]:
+        """While following request `id`: any exception (a lost connection, a timeout,
+        cancellation, Ctrl-C) stops following it and aborts it before it propagates."""
+        try:
+            yield
+        except BaseException:
+            self._abandon(id)
+            raise
+
+    def _accepted(self, id: str, reply: Accepted | Output | Error) -> Accepted:
+        """The first reply to Submit `id`: Accepted is recorded (its server id now maps to
+        `id`) and returned; an Error is raised as RequestError, anything else ProtocolError."""
+        if isinstance(reply, Accepted):
+            self._local_ids[reply.request_id] = id
+            return reply
+        self._forget(id)
+        if isinstance(reply, Error):
+            raise RequestError(reply.code, reply.message, id)
+        raise ProtocolError(f"expected Accepted for request {id}, got {type(reply).__name__}")
+
+    def _output(self, id: str, message: Accepted | Output | Error) -> Output:
+        """A later message about request `id`: an Output is returned (after the last one
+        the request is forgotten); an Error is raised as RequestError, anything else
+        ProtocolError."""
+        if isinstance(message, Output):
+            if is_last(message):
+                self._forget(id)
+            return message
+        self._forget(id)
+        if isinstance(message, Error):
+            raise RequestError(message.code, message.message, id)
+        raise ProtocolError(f"unexpected {type(message).__name__} for request {id}")
+
+    def _abort_own(self, request_id: str) -> bool:
+        """Abort a request of this connection by its server id (its stream sees
+        finish_reason "abort"); False, sending nothing, when it is not one of ours."""
+        local_id = self._local_ids.get(request_id)
+        if local_id is None:
+            return False
+        self._send(Abort(id=local_id))
+        return True
+
+    @contextmanager
+    def _abort_other(self, request_id: str) -> Iterator[None]:
+        """Abort another connection's request by its server id. The daemon answers only
+        a failed Abort, so the caller makes a Status round trip inside the block: an Error
+        not routed by then never comes. Raises RequestError "unknown_id" or "forbidden"."""
+        self._abort_errors[request_id] = None
+        try:
+            self._send(Abort(id=request_id))
+            yield
+            error = self._abort_errors[request_id]
+        finally:
+            del self._abort_errors[request_id]
+        if error is not None:
+            raise RequestError(error.code, error.message, request_id)
 
     def _route(self, message: Any) -> None:
         match message:
