@@ -19,8 +19,9 @@ import msgspec
 
 from llmd_client.client import Client
 from llmd_client.errors import DaemonNotRunning, LlmdError
-from llmd_client.protocol import GuidedDecodingParams, SamplingParams, StatusReply
+from llmd_client.protocol import GuidedDecodingParams, SamplingParams
 from llmd_client.results import Result
+from llmd_client.status_view import format_status
 
 EXIT_REQUEST_ERROR = 1
 EXIT_NOT_RUNNING = 3
@@ -324,79 +325,6 @@ def top(ctx: click.Context, interval: float, iterations: int) -> None:
                 time.sleep(interval)
         except KeyboardInterrupt:
             return  # leaving top is not an error
-
-
-def format_status(s: StatusReply) -> str:
-    lines = [
-        f"model        {s.model}  (llmd {s.server_version})",
-        f"uptime       {_duration(s.uptime_s)}",
-        f"engine       {_engine_state(s)}",
-        f"device       {s.device} / {s.dtype}",
-        f"requests     {s.num_running} running, {s.num_waiting} waiting, {s.requests_finished_total} finished",
-        f"kv cache     {s.kv_blocks_used} / {s.kv_blocks_total} blocks ({s.kv_usage:.1%})",
-        f"prefix hits  {s.prefix_cache_hit_rate:.1%}",
-        f"throughput   {s.generation_tokens_per_s:.1f} tokens/s; {s.prompt_tokens_total} prompt and "
-        f"{s.generation_tokens_total} generated tokens in total",
-        f"memory       {_bytes(s.rss_bytes)} RSS, CPU {s.cpu_percent:.0f}%"
-        + (f"; device {_bytes(s.device_memory_bytes)}" if s.device_memory_bytes is not None else ""),
-    ]
-    if s.num_preemptions_total:
-        lines.append(f"preemptions  {s.num_preemptions_total}")
-    if s.grammar_compiles_total:
-        lines.append(f"grammars     {s.grammar_compiles_total} compiled, "
-                     f"{1e3 * s.grammar_compile_seconds_total / s.grammar_compiles_total:.1f} ms each on average")
-    if s.spec_decode is not None:
-        sd = s.spec_decode
-        per_pos = ", ".join(str(n) for n in sd.accepted_per_position) or "-"
-        lines.append(f"speculation  {sd.num_accepted_tokens} / {sd.num_draft_tokens} drafts accepted "
-                     f"({sd.acceptance_rate:.1%}), {sd.mean_accepted_length:.2f} tokens per verifying step; "
-                     f"accepted by position: {per_pos}")
-    if s.requests:
-        rows = [("REQUEST", "UID", "STATE", "AGE", "PROMPT", "GENERATED")]
-        rows += [(r.request_id, str(r.uid), r.state, _duration(r.age_s), str(r.prompt_tokens),
-                  str(r.completion_tokens)) for r in s.requests]
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        lines.append("")
-        lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-    return "\n".join(lines)
-
-
-def _engine_state(s: StatusReply) -> str:
-    """"serving", "restarting (2): <cause>", "dead: <cause>", "serving; 1 worker restart ..."."""
-    match s.engine_state:
-        case "loading":
-            return f"loading ({100 * (s.load_progress or 0.0):.0f}%: {s.load_phase or 'starting'})"
-        case "restarting":
-            return f"restarting ({s.engine_restarts}): {s.engine_error}"
-        case "dead":
-            return f"dead: {s.engine_error}"
-        case state if s.engine_restarts:
-            plural = "" if s.engine_restarts == 1 else "s"
-            return f"{state}; {s.engine_restarts} worker restart{plural}, the last after: {s.engine_error}"
-        case state:
-            return state
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    minutes, secs = divmod(int(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    days, hours = divmod(hours, 24)
-    if days:
-        return f"{days}d {hours}h {minutes:02d}m"
-    if hours:
-        return f"{hours}h {minutes:02d}m {secs:02d}s"
-    return f"{minutes}m {secs:02d}s"
-
-
-def _bytes(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} GiB"
 
 
 def main() -> None:
