@@ -32,22 +32,35 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, max_top_
     (256, 1024) or, wider than every window, to the sort; a histogram of their logits picks
     which. Host syncs: one when the first window settles every row (the common case); else
     one more for the histogram and one per further window round."""
-    neg_inf = float("-inf")
     vocab = logits.shape[-1]
     if top_p is None:
-        top_values = logits.topk(max_top_k, dim=-1).values
-        kth = top_values.gather(1, (top_k.clamp(max=max_top_k) - 1))
-        kth = kth.masked_fill(top_k >= vocab, neg_inf)
-        return logits.masked_fill(logits < kth, neg_inf)
-    num_rows = logits.shape[0]
-    if num_rows == 0 or vocab == 0:
+        return _apply_top_k(logits, top_k, max_top_k)
+    if logits.shape[0] == 0 or vocab == 0:
         return logits.clone()
     if logits.is_cuda:
         # A GPU sorts a batch of rows faster than the host can learn which rows a window
         # settled: the sort rule keeps the step free of host syncs.
         return _apply_top_k_top_p_sorted(logits, top_k, top_p)
-    device = logits.device
+    return _apply_top_k_top_p_windowed(logits, top_k, max_top_k, top_p)
 
+
+def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Top-k alone: the k-th value from a partial topk, no sort."""
+    neg_inf = float("-inf")
+    top_values = logits.topk(max_top_k, dim=-1).values
+    kth = top_values.gather(1, (top_k.clamp(max=max_top_k) - 1))
+    kth = kth.masked_fill(top_k >= logits.shape[-1], neg_inf)
+    return logits.masked_fill(logits < kth, neg_inf)
+
+
+def _apply_top_k_top_p_windowed(logits: torch.Tensor, top_k: torch.Tensor | None, max_top_k: int,
+                                top_p: torch.Tensor) -> torch.Tensor:
+    """apply_top_k_top_p on a non-empty batch through the windows: the first window
+    (W = 64, or max_top_k when larger) also gives top-k's threshold; the rows it leaves
+    open go through the wider rounds (_settle_open_rows)."""
+    neg_inf = float("-inf")
+    num_rows, vocab = logits.shape
+    device = logits.device
     width = min(vocab, max(_TOP_P_WINDOWS[0], max_top_k))
     values, ids = logits.topk(width, dim=-1)
     if top_k is not None:
@@ -67,44 +80,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, max_top_
     threshold = torch.where(filtered, threshold, kth)
     windows = [(torch.arange(num_rows, device=device), ids, tie_drop & filtered)]
     open_rows = open_rows.masked_fill(~filtered.view(-1), 0)
-
-    sizes = sorted({min(w, vocab) for w in _TOP_P_WINDOWS})
-    rows = list(range(num_rows))  # the rows `open_rows` describes
-    sorted_rows: list[int] = []
-    first_round = True
-    while True:
-        needed = open_rows.tolist()  # the host sync of this round
-        pending = [(row, need, need) for row, need in zip(rows, needed) if need]
-        if not pending:
-            break
-        if first_round and width < sizes[-1]:
-            # A histogram of the open rows bounds their nuclei from both sides (one more
-            # sync), so that rows no window could hold go to the sort without a window round.
-            select = _row_selector([row for row, _, _ in pending], num_rows, device)
-            bounds = _nucleus_bounds(*map(select, (kept, probs, total, stats[-1])))
-            pending = [(row, max(need, lower), max(need, upper + 1))
-                       for (row, need, _), (lower, upper) in zip(pending, bounds.tolist())]
-        first_round = False
-        groups: dict[int, list[int]] = {}
-        for row, lower, upper in pending:
-            if lower > sizes[-1]:
-                sorted_rows.append(row)
-            else:
-                groups.setdefault(next(w for w in sizes if w >= min(upper, sizes[-1])), []).append(row)
-        rows, open_parts = [], []
-        for width, group in groups.items():
-            select = _row_selector(group, num_rows, device)
-            index = select(torch.arange(num_rows, device=device))
-            values, ids = select(logits).topk(width, dim=-1)
-            sub_threshold, tie_drop, open_part = _top_p_window(values, ids, tuple(map(select, stats)), vocab)
-            threshold.index_copy_(0, index, sub_threshold)
-            windows.append((index, ids, tie_drop))
-            rows += group
-            open_parts.append(open_part)
-        if not rows:
-            break
-        open_rows = torch.cat(open_parts)
-
+    sorted_rows = _settle_open_rows(logits, kept, stats, open_rows, width, threshold, windows)
     if len(sorted_rows) == num_rows:
         return _apply_top_k_top_p_sorted(logits, top_k, top_p)
     out = logits.masked_fill(logits < threshold, neg_inf)
@@ -117,6 +93,65 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, max_top_
             logits.index_select(0, index), None if top_k is None else top_k.index_select(0, index),
             top_p.index_select(0, index)))
     return out
+
+
+def _settle_open_rows(logits: torch.Tensor, kept: torch.Tensor, stats: tuple[torch.Tensor, ...],
+                      open_rows: torch.Tensor, first_width: int, threshold: torch.Tensor,
+                      windows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> list[int]:
+    """The window rounds after the first: `open_rows` [num_rows] is 0 where the first
+    window settled the row, else a lower bound on the width that could. Each round sends
+    the open rows to the narrowest window that may hold their nucleus and writes the rows
+    it settles into `threshold` and `windows`. Returns the rows wider than every window,
+    left for the sort."""
+    num_rows, vocab = logits.shape
+    device = logits.device
+    sizes = sorted({min(w, vocab) for w in _TOP_P_WINDOWS})
+    rows = list(range(num_rows))  # the rows `open_rows` describes
+    sorted_rows: list[int] = []
+    first_round = True
+    while True:
+        needed = open_rows.tolist()  # the host sync of this round
+        pending = [(row, need, need) for row, need in zip(rows, needed) if need]
+        if not pending:
+            break
+        if first_round and first_width < sizes[-1]:
+            # A histogram of the open rows bounds their nuclei from both sides (one more
+            # sync), so that rows no window could hold go to the sort without a window round.
+            select = _row_selector([row for row, _, _ in pending], num_rows, device)
+            bounds = _nucleus_bounds(*map(select, (kept, stats[1], stats[2], stats[3])))
+            pending = [(row, max(need, lower), max(need, upper + 1))
+                       for (row, need, _), (lower, upper) in zip(pending, bounds.tolist())]
+        first_round = False
+        groups: dict[int, list[int]] = {}
+        for row, lower, upper in pending:
+            if lower > sizes[-1]:
+                sorted_rows.append(row)
+            else:
+                groups.setdefault(next(w for w in sizes if w >= min(upper, sizes[-1])), []).append(row)
+        rows, open_parts = [], []
+        for width, group in groups.items():
+            open_parts.append(_window_round(logits, stats, group, width, threshold, windows))
+            rows += group
+        if not rows:
+            break
+        open_rows = torch.cat(open_parts)
+    return sorted_rows
+
+
+def _window_round(logits: torch.Tensor, stats: tuple[torch.Tensor, ...], group: list[int], width: int,
+                  threshold: torch.Tensor, windows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+                  ) -> torch.Tensor:
+    """Top-p in a window of `width` for the rows `group`: their threshold and tie_drop
+    are written into `threshold` and `windows`; returns what _top_p_window says of which
+    rows it left open."""
+    num_rows, vocab = logits.shape
+    select = _row_selector(group, num_rows, logits.device)
+    index = select(torch.arange(num_rows, device=logits.device))
+    values, ids = select(logits).topk(width, dim=-1)
+    sub_threshold, tie_drop, open_part = _top_p_window(values, ids, tuple(map(select, stats)), vocab)
+    threshold.index_copy_(0, index, sub_threshold)
+    windows.append((index, ids, tie_drop))
+    return open_part
 
 
 def _row_selector(rows: list[int], num_rows: int, device: torch.device):
