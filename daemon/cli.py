@@ -1,59 +1,60 @@
-"""The `llmd` command: `llmd serve` runs the daemon; `llmd bench` runs the benchmarks."""
+"""The `llmd` command: `llmd serve` runs the daemon; other packages add commands through
+the "llmd.commands" entry points (`llmd bench`, from llmd_tools, runs the benchmarks)."""
 from __future__ import annotations
 
 import json
 import logging
 import sys
-import types
-import typing
+from importlib.metadata import EntryPoint, entry_points
 
 import click
 
-from llmd.config import SETTING_HELP, EngineConfig
+from llmd.engine_options import engine_options
 
-# Engine settings that get dedicated spellings below; the rest are generated from
-# EngineConfig so the command line and the TOML file share every name.
-_EXPLICIT = {"model", "device", "tensor_parallel_size", "speculative_config"}
-
-
-def engine_options(func):
-    hints = typing.get_type_hints(EngineConfig)
-    for name in reversed(EngineConfig.__struct_fields__):
-        if name in _EXPLICIT:
-            continue
-        hint = hints[name]
-        flag = "--" + name.replace("_", "-")
-        args = typing.get_args(hint)
-        default = getattr(EngineConfig(), name)
-        help_text = SETTING_HELP[name] + ("" if default is None else f" [default: {_shown(default)}]")
-        if hint is bool:
-            option = click.option(f"{flag}/--no-{name.replace('_', '-')}", name, default=None, help=help_text)
-        elif typing.get_origin(hint) is typing.Literal:
-            option = click.option(flag, name, type=click.Choice(args), default=None, help=help_text)
-        else:
-            base = next((a for a in args if a is not type(None)), hint) if isinstance(hint, types.UnionType) else hint
-            option = click.option(flag, name, type=base, default=None, help=help_text)
-        func = option(func)
-    return func
-
-
-def _shown(value: object) -> str:
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    return str(value)
+# Where other packages add `llmd` sub-commands: `[project.entry-points."llmd.commands"]`
+# in their pyproject.toml, name = "module:click_command" (llmd_tools adds `bench`).
+COMMAND_ENTRY_POINTS = "llmd.commands"
 
 
 class _Commands(click.Group):
-    """`bench` is imported only when asked for: `llmd serve` never loads benchmark code."""
+    """The built-in commands, then those added through the entry points. An added command
+    is imported only when asked for (`llmd serve` never loads benchmark code), and the
+    daemon names none of them in its imports."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted({*super().list_commands(ctx), "bench"})
+        return sorted({*super().list_commands(ctx), *_added_commands()})
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        if name == "bench":
-            from llmd_tools.bench.command import bench
-            return bench
-        return super().get_command(ctx, name)
+        command = super().get_command(ctx, name)
+        if command is not None:
+            return command
+        entry = _added_commands().get(name)
+        if entry is None:
+            return None
+        try:
+            loaded = entry.load()
+        except Exception as exc:  # an uninstalled or broken package: say so, no traceback
+            return _unloadable(name, entry, f"{type(exc).__name__}: {exc}")
+        if not isinstance(loaded, click.Command):
+            return _unloadable(name, entry, f"it is a {type(loaded).__name__}, not a click command")
+        return loaded
+
+
+def _added_commands() -> dict[str, EntryPoint]:
+    return {entry.name: entry for entry in entry_points(group=COMMAND_ENTRY_POINTS)}
+
+
+def _unloadable(name: str, entry: EntryPoint, reason: str) -> click.Command:
+    """A stand-in for an added command that cannot be loaded: `llmd --help` lists it as
+    such, and running it (with any arguments) prints the reason and exits 1."""
+    message = f"the command {name!r} ({entry.value}) could not be loaded: {reason}"
+
+    def fail() -> None:
+        raise click.ClickException(message)
+
+    return click.Command(name, callback=fail, help=message, short_help=f"(cannot be loaded; `llmd {name}` says why)",
+                         add_help_option=False,
+                         context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 
 
 def _json_object(ctx: click.Context, param: click.Parameter, value: str | None) -> dict | None:

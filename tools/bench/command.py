@@ -8,7 +8,7 @@ import re
 import click
 from click.core import ParameterSource
 
-from llmd.cli import engine_options
+from llmd.engine_options import engine_options
 from llmd_tools.bench.report import emit
 
 SEED_HELP = "Seed of the workload's random prompts and lengths."
