@@ -1,5 +1,5 @@
-"""The scheduler actor: owns the scheduler, KV cache manager and executor, and drives
-one step at a time. The model step runs in a worker thread (torch releases the GIL), so
+"""The scheduler actor: drives the engine loop (EngineCore: scheduler, KV cache,
+grammars, executor) one step at a time, through the calls the offline engine makes too. The model step runs in a worker thread (torch releases the GIL), so
 the event loop keeps answering clients while a long prefill runs; scheduler state is
 only touched on the loop.
 
@@ -23,11 +23,11 @@ import msgspec
 from llmd.actors.messages import (AbortRequest, AddRequest, EngineState, GrammarCompiled, RequestEvent,
                                   RequestsAborted, StepStats, StepTokens, StopSamples, WorkerExited)
 from llmd.actors.runtime import Actor
+from llmd.engine_core import EngineCore, Idle, StepResult
 from llmd.executor import ExecutorError
-from llmd.request import RequestStatus, parent_request_id
+from llmd.request import RequestStatus
 from llmd.restart_policy import RestartPolicy
 from llmd.scheduler import StepShape
-from llmd.step_pipeline import Step
 
 logger = logging.getLogger("llmd.scheduler")
 # The executor kills a hung worker at the step's deadline; only a step that outlives it
@@ -50,22 +50,18 @@ class SchedulerActor(Actor):
         self._generation = 0  # bumped at each failure: exits of older executors' workers are stale
         self._watched_fds: list[int] = []
         self._step_deadline: float | None = None  # monotonic, while a step with a deadline runs
-        self.engine = engine
-        self.scheduler = engine.scheduler
-        self.kv = engine.kv_cache_manager
+        self.core: EngineCore = engine.core
         self.detokenizer = detokenizer
         self.metrics = metrics
         self.children: dict[str, list[str]] = {}
         # All torch work stays on one thread (the one that loaded the model): a second
         # thread would start a second OpenMP team competing for the same cores.
         self._pool = model_thread or ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmd-model")
-        engine.use_model_thread(self._pool)
-        self.pipeline = engine.pipeline
+        self.core.use_model_thread(self._pool)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
-        self.engine.structured.service.on_done = \
-            lambda: loop.call_soon_threadsafe(self.inbox.put_nowait, GrammarCompiled())
+        self.core.on_grammar_compiled(lambda: loop.call_soon_threadsafe(self.inbox.put_nowait, GrammarCompiled()))
         self._watch_workers(loop)
         try:
             while True:
@@ -87,7 +83,7 @@ class SchedulerActor(Actor):
             self._pool.shutdown(wait=True, cancel_futures=True)
 
     def _can_step(self) -> bool:
-        return self.engine_state == "serving" and self.scheduler.has_unfinished_requests()
+        return self.engine_state == "serving" and self.core.has_unfinished_requests()
 
     def making_progress(self, now: float) -> bool:
         """For the systemd watchdog: idle, restarting (bounded by the backoff and the
@@ -100,66 +96,60 @@ class SchedulerActor(Actor):
                 self.detokenizer.send(RequestsAborted([rid], reason="error", error=self._dead_error))
             case AddRequest(request_id=rid, children=children):
                 self.children[rid] = [c.request_id for c in children]
-                for child in children:
-                    self.scheduler.add_request(child)
+                self.core.add_requests(children)
             case AbortRequest(request_ids=ids):
                 aborted = []
                 for rid in ids:
                     children = self.children.pop(rid, None)
                     if children is not None:
-                        self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
+                        self.core.finish(children, RequestStatus.FINISHED_ABORTED)
                         aborted.append(rid)
                 if aborted:
                     self.detokenizer.send(RequestsAborted(aborted))
             case StopSamples(child_ids=ids):
-                self.scheduler.finish_requests(ids, RequestStatus.FINISHED_STOPPED)
+                self.core.finish(ids, RequestStatus.FINISHED_STOPPED)
                 self._forget_finished()
             case GrammarCompiled():
                 pass  # the next step admits (or fails) the requests that waited for it
             case WorkerExited(generation=generation):
                 if generation == self._generation and self._failure is None:
-                    self._failure = self.engine.executor.exit_cause() or "a worker process exited"
+                    self._failure = self.core.exit_cause() or "a worker process exited"
             case _:
                 raise TypeError(f"scheduler actor got {type(message).__name__}")
 
     async def _step(self, loop: asyncio.AbstractEventLoop) -> None:
         start = time.monotonic()
-        step = self.pipeline.start()
-        if step is None:
-            await self._idle_step(start)
+        begun = self.core.begin_step()
+        if isinstance(begun, Idle):
+            await self._idle_step(begun, start)
             return
-        limit = self.engine.config.step_deadline_s(sum(s.shape.num_tokens for s in self.pipeline.launched))
-        self._step_deadline = None if limit is None else step.launched_at + limit
+        self._step_deadline = self.core.step_deadline(begun)
         try:
-            runner_output = await asyncio.wrap_future(step.future)
+            runner_output = await asyncio.wrap_future(begun.future)
         except ExecutorError as exc:
             self._failure = str(exc)  # run() recovers before anything else
             return
         finally:
             self._step_deadline = None
-        step, updates = self.pipeline.finish(runner_output)
-        for parent in {parent_request_id(r.req_id) for r in step.output.scheduled_new_reqs}:
+        result = self.core.end_step(runner_output)
+        for parent in result.newly_scheduled:
             # Its queue time ends here (the metrics actor keeps only the first, not a resume).
-            self.metrics.send(RequestEvent(parent, "scheduled", step.scheduled_at))
-        self.detokenizer.send(StepTokens(updates, step.num_cached))
-        if any(u.finish_reason is not None for u in updates):
+            self.metrics.send(RequestEvent(parent, "scheduled", result.step.scheduled_at))
+        self.detokenizer.send(StepTokens(result.updates, result.step.num_cached))
+        if result.any_finished:
             self._forget_finished()
-        self._publish(step.launched_at, step, {u.req_id: len(u.new_token_ids) for u in updates if u.new_token_ids},
-                      runner_output.device_memory_bytes)
+        self._publish(result.step.launched_at, result)
 
-    async def _idle_step(self, start: float) -> None:
+    async def _idle_step(self, idle: Idle, start: float) -> None:
         """Nothing could run: report grammars that failed, then (if every request is
         waiting for its grammar) sleep until a compile ends, a message arrives, or the
         first waiting request's time limit."""
-        failed = self.scheduler.take_pending_updates()
-        if failed:
-            self.detokenizer.send(StepTokens(failed, {}))
+        if idle.updates:
+            self.detokenizer.send(StepTokens(idle.updates, {}))
             self._forget_finished()
             self._publish(start, None)
             return
-        if self.scheduler.has_schedulable_requests():
-            raise RuntimeError("scheduler made no progress with requests pending")
-        deadline = self.scheduler.grammar_deadline()
+        deadline = idle.grammar_deadline
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic()) + 0.001
         try:
             self._handle(await asyncio.wait_for(self.inbox.get(), timeout))
@@ -173,7 +163,7 @@ class SchedulerActor(Actor):
         cause, self._failure = self._failure, None
         self._generation += 1
         self._unwatch_workers(loop)  # before the failed executor closes its descriptors
-        failed = await loop.run_in_executor(self._pool, self.engine.fail_in_flight, cause)
+        failed = await loop.run_in_executor(self._pool, self.core.fail_in_flight, cause)
         self._fail_requests(failed, f"{cause}; the request was lost")
         while True:
             delay = self.restart_policy.record_failure(time.monotonic())
@@ -185,7 +175,7 @@ class SchedulerActor(Actor):
             await self._serve_inbox_while(asyncio.sleep(delay))
             started = time.monotonic()
             try:
-                await self._serve_inbox_while(loop.run_in_executor(self._pool, self.engine.restart_executor))
+                await self._serve_inbox_while(loop.run_in_executor(self._pool, self.core.restart_executor))
                 break
             except Exception as exc:  # counted as a failure like any other: the window bounds the tries
                 cause = f"worker restart failed: {exc}"
@@ -200,7 +190,7 @@ class SchedulerActor(Actor):
         parent_of = {kid: rid for rid, kids in self.children.items() for kid in kids}
         parents = sorted({parent_of[kid] for kid in failed_children if kid in parent_of})
         for rid in parents:
-            self.scheduler.finish_requests(self.children.pop(rid), RequestStatus.FINISHED_ERROR)
+            self.core.finish(self.children.pop(rid), RequestStatus.FINISHED_ERROR)
         if parents:
             self.detokenizer.send(RequestsAborted(parents, reason="error", error=error))
 
@@ -208,7 +198,7 @@ class SchedulerActor(Actor):
         """Too many failures: every request ends with the reason, later ones fail at once."""
         self._dead_error = f"the engine is dead after {self.restart_policy.describe_window()}; the last: {cause}"
         logger.critical("%s", self._dead_error)
-        self.scheduler.finish_requests(list(self.scheduler.requests), RequestStatus.FINISHED_ERROR)
+        self.core.finish(self.core.live_request_ids(), RequestStatus.FINISHED_ERROR)
         parents = list(self.children)
         self.children.clear()
         if parents:
@@ -241,7 +231,7 @@ class SchedulerActor(Actor):
     def _watch_workers(self, loop: asyncio.AbstractEventLoop) -> None:
         """Notice a worker that exits between steps (a step in flight notices by itself)."""
         generation = self._generation
-        for fd in self.engine.executor.exit_fds():
+        for fd in self.core.exit_fds():
             loop.add_reader(fd, self._on_worker_exit, loop, generation)
             self._watched_fds.append(fd)
 
@@ -254,34 +244,21 @@ class SchedulerActor(Actor):
             loop.remove_reader(fd)
         self._watched_fds = []
 
-    def _publish(self, start: float, step: Step | None, generated: dict[str, int] | None = None,
-                 device_memory_bytes: int | None = None) -> None:
+    def _publish(self, start: float, result: StepResult | None) -> None:
         """Step figures and the current queue/KV state for the metrics actor."""
-        stats = self.kv.prefix_cache_stats
-        spec = None
-        if self.engine.config.speculative_config is not None:
-            spec = msgspec.structs.replace(self.scheduler.spec_stats, accepted_per_position=list(
-                self.scheduler.spec_stats.accepted_per_position))
         now = time.monotonic()
-        shape = step.shape if step is not None else StepShape(0, 0, 0, 0)
+        shape = result.step.shape if result is not None else StepShape(0, 0, 0, 0)
+        generated = result.generated if result is not None else {}
         self.metrics.send(StepStats(
-            time=now, duration_s=now - start if step is not None else 0.0,
+            time=now, duration_s=now - start if result is not None else 0.0,
             num_reqs=shape.num_reqs, num_tokens=shape.num_tokens,
             num_prefill_tokens=shape.num_prefill_tokens, num_decode_reqs=shape.num_decode_reqs,
-            num_generated=sum(generated.values()) if generated else 0,
-            generated=generated or {},
-            running_ids=[r.request_id for r in self.scheduler.running],
-            num_waiting=len(self.scheduler.waiting),
-            kv_blocks_used=self.kv.num_blocks - self.kv.num_free_blocks,
-            kv_blocks_total=self.kv.num_blocks,
-            prefix_queries=stats.queries, prefix_hits=stats.hits,
-            num_preemptions_total=self.scheduler.stats.num_preemptions_total,
-            grammar_compile_times=self.engine.structured.service.drain_compile_times(),
-            spec=spec, device_memory_bytes=device_memory_bytes,
+            num_generated=sum(generated.values()), generated=generated,
+            device_memory_bytes=result.device_memory_bytes if result is not None else None,
+            **msgspec.structs.asdict(self.core.stats(drain_compile_times=True)),
         ))
 
     def _forget_finished(self) -> None:
-        live = self.scheduler.requests
-        done = [rid for rid, kids in self.children.items() if not any(k in live for k in kids)]
+        done = [rid for rid, kids in self.children.items() if not any(self.core.is_live(k) for k in kids)]
         for rid in done:
             del self.children[rid]
