@@ -7,8 +7,9 @@ These random-weight models are fixtures with known, reproducible properties:
   with the ``tokenizers`` library on Python's stdlib sources plus a short
   multilingual snippet, saved through transformers with a ChatML chat template;
 * **random-weight models** built from transformers' own config / ``*ForCausalLM``
-  classes (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text, Phi-3), saved as
-  float32 safetensors next to the tokenizer.
+  classes (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text, Phi-3, and the
+  mixture-of-experts Qwen3-MoE, Qwen2-MoE and Mixtral), saved as float32 safetensors
+  next to the tokenizer.
 
 Public API::
 
@@ -55,6 +56,12 @@ Facts the engine must know (all fixtures):
   longrope with original_max_position_embeddings 48, partial rotary 0.75, a 16-token
   window on every layer, padded vocab). Their ``(1 + w)`` norms are initialised like
   the others' ``w`` (centred on 1 once the model adds the 1).
+* mixture-of-experts fixtures (tests/test_moe.py): 8 experts, 2 per token, each of
+  intermediate size 32. ``tiny-qwen3-moe``: top-2 weights renormalised
+  (``norm_topk_prob``), layer 1 a dense MLP (``mlp_only_layers``); ``tiny-qwen2-moe``:
+  a shared expert of size 64 with its sigmoid gate, weights not renormalised;
+  ``tiny-mixtral``. The router's logits have std ~ROUTER_GAIN, so most tokens' top-2
+  choice is clear of the third expert.
 * llama fixtures use llama3 RoPE scaling (``config.rope_parameters`` with
   ``rope_type="llama3"``), with a small ``original_max_position_embeddings`` so the
   scaling changes results.
@@ -160,7 +167,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3_moe", "qwen2_moe", "mixtral")
 
 # Weight init ("peaked"). transformers' default init (std 0.02 everywhere, norm weights
 # 1, zero biases) gives logits with std ~0.02*sqrt(hidden) (0.16 at hidden 64): near
@@ -195,6 +202,7 @@ ATTN_SCORE_VAR = 16.0
 EMBED_STD = 0.1
 BIAS_STD = 0.2
 NORM_JITTER = 0.25
+ROUTER_GAIN = 2.0  # MoE router weights: std ROUTER_GAIN / sqrt(hidden)
 
 DEFAULT_PROMPTS = (
     "Hello, world! This is a test of the inference engine.",
@@ -229,6 +237,12 @@ FIXTURES: dict[str, dict[str, Any]] = {
                                                 "partial_rotary_factor": 0.75,
                                                 "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
                                                 "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]}),
+    "tiny-qwen3-moe": dict(arch="qwen3_moe", preset="tiny", num_experts=8, num_experts_per_tok=2,
+                           moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]),
+    "tiny-qwen2-moe": dict(arch="qwen2_moe", preset="tiny", num_experts=8, num_experts_per_tok=2,
+                           moe_intermediate_size=32, shared_expert_intermediate_size=64),
+    "tiny-mixtral": dict(arch="mixtral", preset="tiny", num_local_experts=8, num_experts_per_tok=2,
+                         intermediate_size=32),
     "small-llama": dict(arch="llama", preset="small"),
     "small-qwen2": dict(arch="qwen2", preset="small"),
     "small-qwen3": dict(arch="qwen3", preset="small"),
@@ -345,7 +359,8 @@ def _versions() -> dict[str, str]:
 TOKENIZER_FLAVOURS = ("bytelevel", "qwen2")
 ARCH_TOKENIZER_FLAVOUR = {
     "llama": "bytelevel", "mistral": "bytelevel", "qwen2": "qwen2", "qwen3": "bytelevel",
-    "gemma2": "bytelevel", "gemma3": "bytelevel", "phi3": "bytelevel"}
+    "gemma2": "bytelevel", "gemma3": "bytelevel", "phi3": "bytelevel", "qwen3_moe": "bytelevel",
+    "qwen2_moe": "bytelevel", "mixtral": "bytelevel"}
 _QWEN2_PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
@@ -479,6 +494,21 @@ def padded_vocab_size(tokenizer_vocab: int) -> int:
 
 
 _BUILD_ONLY_KEYS = ("init", "logit_std", "tokenizer_flavour")
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
+
+
+def moe_defaults(arch: str, intermediate_size: int) -> dict[str, Any]:
+    """A preset's mixture-of-experts variant (overrides still win): 8 experts, 2 per
+    token, each expert 1/8 of the preset's dense intermediate size, so the model holds
+    about as many parameters as the dense preset and runs about a quarter of its MLP per
+    token; Qwen2-MoE adds a shared expert of 1/4."""
+    expert = intermediate_size // 8
+    if arch == "mixtral":  # Mixtral's intermediate_size is each expert's
+        return dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=expert)
+    fields = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=expert)
+    if arch == "qwen2_moe":
+        fields["shared_expert_intermediate_size"] = intermediate_size // 4
+    return fields
 
 
 def resolve_config(arch: str, preset: str, *, tie_word_embeddings: bool = False, **overrides: Any):
@@ -493,8 +523,8 @@ def resolve_config(arch: str, preset: str, *, tie_word_embeddings: bool = False,
       build_model only: ``init`` ("peaked" (default) or "hf": transformers' own init),
       ``logit_std`` (default TARGET_LOGIT_STD), ``tokenizer_flavour`` (default
       ARCH_TOKENIZER_FLAVOUR[arch])."""
-    from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
-                              Qwen3Config)
+    from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config,
+                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
@@ -544,6 +574,8 @@ def resolve_config(arch: str, preset: str, *, tie_word_embeddings: bool = False,
         initializer_range=0.02,
         **p,
     )
+    if arch in MOE_ARCHS:
+        fields.update(moe_defaults(arch, fields["intermediate_size"]))
     fields.update(ov)
     if arch in ("qwen2", "phi3"):
         # Qwen2Config and Phi3Config have no head_dim: it is hidden_size // num_attention_heads.
@@ -551,7 +583,8 @@ def resolve_config(arch: str, preset: str, *, tie_word_embeddings: bool = False,
         if hd is not None and hd != fields["hidden_size"] // fields["num_attention_heads"]:
             raise ValueError(f"{arch} requires head_dim == hidden_size // num_attention_heads")
     cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-           "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig, "phi3": Phi3Config}[arch]
+           "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig, "phi3": Phi3Config, "qwen3_moe": Qwen3MoeConfig,
+           "qwen2_moe": Qwen2MoeConfig, "mixtral": MixtralConfig}[arch]
     cfg = cls(**fields)
     cfg.dtype = "float32"
     return cfg, tok_vocab
@@ -610,7 +643,11 @@ def _peaked_init_(model, cfg, *, logit_std: float) -> float:
         else:
             for lin, gain in ((at.q_proj, qk_gain), (at.k_proj, qk_gain), (at.v_proj, 1.0)):
                 linear_(lin.weight, lin.bias, gain)
-            projections = [at.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+            projections = [at.o_proj]
+            if hasattr(mlp, "experts"):  # a mixture-of-experts block
+                projections += _moe_init_(mlp, linear_)
+            else:
+                projections += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
         for lin in projections:
             linear_(lin.weight, lin.bias, 1.0)
         norm_(layer.input_layernorm.weight)
@@ -627,6 +664,21 @@ def _peaked_init_(model, cfg, *, logit_std: float) -> float:
     scale = logit_std / (row_std * math.sqrt(cfg.hidden_size))
     norm_(inner.norm.weight, scale)
     return scale
+
+
+def _moe_init_(mlp, linear_) -> list:
+    """Initialise a sparse MoE block's stacked experts like dense projections (std
+    1/sqrt(fan_in): gate_up_proj [experts, 2 * inter, hidden], down_proj [experts, hidden,
+    inter]) and its router with std ROUTER_GAIN/sqrt(hidden); returns the shared expert's
+    projections and gate (Qwen2-MoE), for the caller to initialise as it does others."""
+    experts = mlp.experts
+    experts.gate_up_proj.normal_(0.0, 1.0 / math.sqrt(experts.gate_up_proj.shape[2]))
+    experts.down_proj.normal_(0.0, 1.0 / math.sqrt(experts.down_proj.shape[2]))
+    linear_(mlp.gate.weight, None, ROUTER_GAIN)
+    shared = getattr(mlp, "shared_expert", None)
+    if shared is None:
+        return []
+    return [shared.gate_proj, shared.up_proj, shared.down_proj, mlp.shared_expert_gate]
 
 
 @contextlib.contextmanager

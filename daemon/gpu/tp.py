@@ -56,9 +56,12 @@ def check_tp_config(config: Any, world_size: int) -> None:
     if kv % world_size and world_size % kv:
         raise ValueError(f"tensor_parallel_size {world_size} must divide the model's "
                          f"num_key_value_heads ({kv}) or be a multiple of it")
-    if config.intermediate_size % world_size:
-        raise ValueError(f"tensor_parallel_size {world_size} must divide the model's "
-                         f"intermediate_size ({config.intermediate_size})")
+    # Dense MLPs, and a mixture-of-experts model's experts and shared expert, are all
+    # split along their intermediate dimension.
+    for field in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        size = getattr(config, field, None)
+        if size is not None and size % world_size:
+            raise ValueError(f"tensor_parallel_size {world_size} must divide the model's {field} ({size})")
 
 
 def tp_shape(config: Any, rank: int, world_size: int) -> TPShape:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from llmd.gpu.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from llmd.gpu.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from llmd.gpu.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from llmd.gpu.models.phi3 import Phi3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
@@ -13,6 +14,9 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 # Architectures that are close to one llmd runs but are not it, with what to do instead.

@@ -1,0 +1,82 @@
+"""Mixture-of-experts feed-forward: routing, and the experts of every token in one call.
+
+A token's hidden state goes to `top_k` of the layer's experts (each a gated MLP,
+`down(act(gate(x)) * up(x))`), and its output is their outputs weighted by the router's
+probabilities. Expert weights are stacked: `w13 [experts, 2 * inter, hidden]` (each
+expert's gate rows, then its up rows) and `w2 [experts, hidden, inter]`.
+
+Two implementations of `fused_experts`, the same contract:
+
+- `moe_reference` (any device; the one used off CUDA): the (token, expert) pairs are
+  sorted by expert, and each expert that got tokens runs two matmuls over all of its
+  rows at once; the weighted rows are summed into their tokens with one index_add. The
+  loop is over experts, never over tokens, but it reads the per-expert counts on the
+  host, so its shapes follow the routing (fine on CPU, not capturable in a CUDA graph).
+- `fused_moe_triton.triton_fused_experts` (CUDA): vLLM's fused-MoE layout. The pairs are
+  sorted by expert and each expert's run padded to a multiple of the kernel's row block
+  (moe_align.moe_align_block_size, all on the device), so every row block belongs to one
+  expert; one grouped-GEMM launch then covers every expert for gate/up, and one for
+  down with the routing weight multiplied in. The sorted-id buffer is sized for the
+  worst case of its batch size, so a decode step's shapes never depend on the routing
+  and the whole forward can be captured in a CUDA graph.
+
+The Triton module is imported only when the Triton path runs, so a CPU process never
+loads triton for MoE.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from llmd.gpu.norms import act_and_mul
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights float32 [tokens, top_k], expert ids int64 [tokens, top_k]): softmax over
+    all experts in float32, the top_k largest, optionally rescaled to sum to 1 (Mixtral
+    always, Qwen-MoE when `norm_topk_prob`), as transformers' routers compute them."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor] = F.silu,
+                  use_triton: bool | None = None) -> torch.Tensor:
+    """sum over k of topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]), [tokens, hidden].
+    `use_triton` None: the Triton kernel on CUDA, the reference elsewhere."""
+    if use_triton is None:
+        use_triton = x.is_cuda
+    if use_triton:
+        from llmd.gpu.fused_moe_triton import triton_fused_experts
+
+        return triton_fused_experts(x, w13, w2, topk_weights, topk_ids, activation)
+    return moe_reference(x, w13, w2, topk_weights, topk_ids, activation)
+
+
+def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor] = F.silu
+                  ) -> torch.Tensor:
+    """The experts with batched matmuls per expert over its sorted rows (see the module
+    docstring); experts that got no token cost nothing."""
+    top_k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    tokens = order // top_k
+    rows = x[tokens]
+    out_rows = torch.empty(rows.shape[0], w2.shape[1], dtype=x.dtype, device=x.device)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            end = start + count
+            hidden = act_and_mul(F.linear(rows[start:end], w13[expert]), activation)
+            out_rows[start:end] = F.linear(hidden, w2[expert])
+            start = end
+    out_rows *= topk_weights.reshape(-1)[order].unsqueeze(-1).to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, tokens, out_rows)

@@ -1,0 +1,126 @@
+"""The cases tests/test_moe.py checks for the fused MoE Triton kernel: its experts'
+output against llmd.gpu.fused_moe.moe_reference on the same routing, with loads that
+are ragged on purpose (experts that get no token, one expert with several row blocks,
+a single decode token, sizes that are not multiples of the tiles).
+
+Triton's interpreter is chosen when triton is first imported, and the pytest process may
+already have imported triton (xgrammar does), so the test runs this file as a script in
+a fresh process with TRITON_INTERPRET=1:
+
+    TRITON_INTERPRET=1 python tests/fused_moe_cases.py [--model DIR] [CASE ...]
+
+prints one JSON line per case: {"case", "err", "tol", ...} or {"case", "error"}.
+Importing this module (for the case names) does not import triton.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MoeCase:
+    tokens: int
+    experts: int = 8
+    top_k: int = 2
+    hidden: int = 32
+    inter: int = 48
+    dtype: str = "float32"
+    # Relative chance of each expert being picked (0: never); None: uniform.
+    load: tuple[float, ...] | None = None
+
+
+SKEWED = (8.0, 0.0, 1.0, 4.0, 0.0, 0.0, 0.5, 0.0)  # experts 1, 4, 5, 7 get no token
+CASES: dict[str, MoeCase] = {
+    "decode-one-token": MoeCase(1),
+    "decode-batch-4": MoeCase(4),
+    "ragged-empty-experts": MoeCase(37, load=SKEWED),
+    "ragged-top1": MoeCase(29, top_k=1, load=SKEWED),
+    "one-expert-takes-all": MoeCase(21, top_k=1, load=(0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0)),
+    "odd-sizes": MoeCase(13, experts=5, hidden=40, inter=24, load=(3.0, 0.0, 1.0, 1.0, 0.2)),
+    "many-rows-block-64": MoeCase(300, experts=4, load=(6.0, 1.0, 0.0, 2.0)),
+    "bf16-ragged": MoeCase(37, dtype="bfloat16", load=SKEWED),
+    "fp16-ragged": MoeCase(37, dtype="float16", load=SKEWED),
+}
+# fp32: the two sides differ only in summation order. bf16/fp16: both round the gate/up
+# output and the result to the type (outputs of |1| or so; a bf16 ulp there is 1/128).
+TOLERANCE = {"float32": 1e-5, "bfloat16": 5e-2, "float16": 5e-3}
+
+
+def routing(case: MoeCase, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights float32, ids int64), [tokens, top_k]: each token's top_k distinct experts
+    drawn by `load`, weights positive and summing to 1 per token."""
+    load = torch.tensor(case.load if case.load is not None else [1.0] * case.experts)
+    ids = torch.multinomial(load.expand(case.tokens, -1), case.top_k, replacement=False, generator=gen)
+    weights = torch.rand(case.tokens, case.top_k, generator=gen) + 0.1
+    return weights / weights.sum(dim=-1, keepdim=True), ids
+
+
+def build(case: MoeCase, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """(x, w13, w2, weights, ids) of one case, weights scaled so outputs are O(1)."""
+    gen = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, case.dtype)
+    x = torch.randn(case.tokens, case.hidden, generator=gen)
+    w13 = torch.randn(case.experts, 2 * case.inter, case.hidden, generator=gen) / case.hidden ** 0.5
+    w2 = torch.randn(case.experts, case.hidden, case.inter, generator=gen) / case.inter ** 0.5
+    weights, ids = routing(case, gen)
+    return x.to(dtype), w13.to(dtype), w2.to(dtype), weights, ids
+
+
+def run_case(case: MoeCase) -> dict:
+    from llmd.gpu.fused_moe import moe_reference
+    from llmd.gpu.fused_moe_triton import triton_fused_experts
+
+    x, w13, w2, weights, ids = build(case)
+    ref = moe_reference(x, w13, w2, weights, ids)
+    out = triton_fused_experts(x, w13, w2, weights, ids, torch.nn.functional.silu)
+    counts = torch.bincount(ids.flatten(), minlength=case.experts).tolist()
+    return {"err": (out.float() - ref.float()).abs().max().item(), "tol": TOLERANCE[case.dtype],
+            "expert_counts": counts, "shape": list(out.shape), "dtype": str(out.dtype).removeprefix("torch.")}
+
+
+def run_model(model_dir: str, tokens: int = 29) -> dict:
+    """Every sparse block of a MoE checkpoint (router, experts, shared expert) on the same
+    random hidden states, with the Triton experts and with the reference."""
+    from llmd.gpu.loader import load_model
+
+    model = load_model(model_dir, torch.float32, torch.device("cpu"), 128)
+    gen = torch.Generator().manual_seed(5)
+    err, blocks = 0.0, model.sparse_blocks()
+    with torch.inference_mode():
+        for block in blocks.values():
+            x = torch.randn(tokens, model.config.hidden_size, generator=gen)
+            block.use_triton = False
+            ref = block(x)
+            block.use_triton = True
+            err = max(err, (block(x) - ref).abs().max().item())
+    return {"err": err, "tol": 1e-5, "blocks": len(blocks)}
+
+
+def main(args: list[str]) -> None:
+    """Args: case names (default: all); `--model DIR` adds the "model" check."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("run with TRITON_INTERPRET=1 (the kernel needs Triton's interpreter on CPU)")
+    jobs = {}
+    if "--model" in args:
+        i = args.index("--model")
+        model_dir = args[i + 1]
+        del args[i:i + 2]
+        jobs["model"] = lambda: run_model(model_dir)
+    for name in args or list(CASES):
+        jobs[name] = lambda case=CASES[name]: run_case(case)
+    for name, job in jobs.items():
+        try:
+            result = {"case": name, **job()}
+        except Exception:
+            result = {"case": name, "error": traceback.format_exc()}
+        print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
