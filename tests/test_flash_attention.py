@@ -23,7 +23,8 @@ from llmd import LLM, SamplingParams
 from llmd.gpu import attention_backends
 from llmd.gpu.attention import TorchAttention
 from llmd.gpu.attention_backends import resolve_attention_backend
-from llmd.gpu.model_runner import ModelRunner, RunnerSettings
+from llmd.gpu.model_runner import ModelRunner
+from llmd.gpu.runner_types import RunnerSettings
 
 FAKES = str(Path(__file__).with_name("fakes"))
 CPU = torch.device("cpu")

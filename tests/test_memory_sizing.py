@@ -116,7 +116,7 @@ def test_pure_module_imports_no_torch():
 # -- the profile run ----------------------------------------------------------------------
 
 def _runner_settings(**kw):
-    from llmd.gpu.model_runner import RunnerSettings
+    from llmd.gpu.runner_types import RunnerSettings
 
     args = dict(block_size=16, max_model_len=256, valid_vocab_size=1024, eos_token_id=1, seed=0)
     args.update(kw)

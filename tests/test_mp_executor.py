@@ -112,7 +112,7 @@ def test_killed_worker_fails_requests_then_a_new_worker_serves(async_scheduling)
 
 def test_worker_start_up_error_is_a_clear_message(tmp_path):
     from llmd.gpu.mp_executor import MultiprocExecutor, WorkerError
-    from llmd.gpu.model_runner import RunnerSettings
+    from llmd.gpu.runner_types import RunnerSettings
 
     bad = tmp_path / "model"
     bad.mkdir()
@@ -124,7 +124,7 @@ def test_worker_start_up_error_is_a_clear_message(tmp_path):
 
 
 def _settings():
-    from llmd.gpu.model_runner import RunnerSettings
+    from llmd.gpu.runner_types import RunnerSettings
 
     return RunnerSettings(block_size=16, max_model_len=256, valid_vocab_size=1024, eos_token_id=1, seed=0)
 

@@ -87,7 +87,7 @@ def test_draft_equal_to_the_target_has_q_equal_to_p(model, monkeypatch):
     """Sampling with the target as its own draft: the q kept for every verified draft is
     the target's p at that row (the same position, filters, penalties and min_tokens),
     so min(1, p/q) accepts (nearly) all."""
-    import llmd.gpu.model_runner as model_runner
+    import llmd.gpu.sampling_step as sampling_step
 
     num_checked = []
 
@@ -99,7 +99,7 @@ def test_draft_equal_to_the_target_has_q_equal_to_p(model, monkeypatch):
         num_checked.append(len(rows))
         return verify(sampler, logits, md, drafts, draft_probs, tails)
 
-    monkeypatch.setattr(model_runner, "verify", checking_verify)
+    monkeypatch.setattr(sampling_step, "verify", checking_verify)
     params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.2, min_tokens=30,
                              seed=s, max_tokens=40) for s in range(4)]
     llm = spec_llm(model, model, 4)

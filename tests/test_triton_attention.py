@@ -22,7 +22,8 @@ from triton_attention_cases import CASES
 from llmd.config import EngineConfig, load_engine_config
 from llmd.gpu.attention import TorchAttention
 from llmd.gpu.attention_backends import resolve_attention_backend
-from llmd.gpu.model_runner import ModelRunner, RunnerSettings
+from llmd.gpu.model_runner import ModelRunner
+from llmd.gpu.runner_types import RunnerSettings
 
 CASES_SCRIPT = Path(__file__).with_name("triton_attention_cases.py")
 SLIDING_MODEL = "tiny-qwen2-sw24"  # layer 0 full attention, layers 1-2 a 24-token window

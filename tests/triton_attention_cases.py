@@ -175,7 +175,8 @@ def run_model(model_dir: str, tol: float = 1e-4) -> dict[str, float]:
     """Two model runners on the same checkpoint, RunnerSettings attention_backend "torch"
     and "triton": one mixed step over the same random cache gives the same hidden states
     and leaves the same cache in every layer."""
-    from llmd.gpu.model_runner import ModelRunner, RunnerSettings
+    from llmd.gpu.model_runner import ModelRunner
+    from llmd.gpu.runner_types import RunnerSettings
     from llmd.gpu.triton_attention import TritonAttention
 
     gen = torch.Generator().manual_seed(1)
@@ -207,7 +208,8 @@ def run_model_graph(model_dir: str, tol: float = 1e-4) -> dict[str, float]:
     static buffers, padding and scratch block, the forward called) with the Triton
     backend, against the torch backend's eager forward over the same rows: the same
     hidden states, and the same cache outside the scratch block."""
-    from llmd.gpu.model_runner import ModelRunner, RunnerSettings
+    from llmd.gpu.model_runner import ModelRunner
+    from llmd.gpu.runner_types import RunnerSettings
 
     decodes = (1, 17, 45)  # three rows, padded to four
     gen = torch.Generator().manual_seed(4)

@@ -20,7 +20,6 @@ distribution q is kept here, by request, for the next step's rejection sampling.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,10 +27,8 @@ import torch
 from llmd.gpu.attention import (AttentionMetadata, GatherWorkspace, model_kv_bytes_per_block,
                                 new_model_kv_caches, set_decode_rows)
 from llmd.gpu.loader import load_model
+from llmd.gpu.runner_types import RunnerRequest, RunnerSettings
 from llmd.gpu.sampler import SAMPLING_EPS, Sampler, SamplingMetadata
-
-if TYPE_CHECKING:
-    from llmd.gpu.model_runner import RunnerRequest, RunnerSettings
 
 # Seeded rows draw their drafts from a stream apart from the target's sampling and
 # acceptance draws at the same position: rejection sampling needs them independent.

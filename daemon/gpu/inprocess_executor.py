@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from llmd.gpu.kv_budget import MemoryBreakdown
-from llmd.gpu.model_runner import ModelRunner, RunnerSettings
+from llmd.gpu.model_runner import ModelRunner
+from llmd.gpu.runner_types import RunnerSettings
 from llmd.load_progress import LoadProgress
 from llmd.step_messages import RunnerOutput, SchedulerOutput
 

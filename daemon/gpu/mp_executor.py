@@ -31,8 +31,8 @@ from typing import Callable
 import msgspec
 
 from llmd.executor import ExecutorError
-from llmd.gpu.model_runner import RunnerSettings
 from llmd.gpu.kv_budget import MemoryBreakdown
+from llmd.gpu.runner_types import RunnerSettings
 from llmd.gpu.worker import (ChainedResult, Execute, ExecuteChained, Flush, FromWorker, InitKVCache, KVBudget,
                              KVReady, ProfileKV, Shutdown, StepResult, WorkerFailed, WorkerInit, WorkerReady)
 from llmd.step_messages import RunnerOutput, SchedulerOutput

@@ -114,7 +114,8 @@ def worker_main(conn) -> None:
     try:
         import torch
 
-        from llmd.gpu.model_runner import ModelRunner, RunnerSettings
+        from llmd.gpu.model_runner import ModelRunner
+        from llmd.gpu.runner_types import RunnerSettings
 
         if init.torch_threads:
             torch.set_num_threads(init.torch_threads)
