@@ -5,7 +5,9 @@ first (so a long prompt never starves decodes), then waiting ones are admitted w
 budget, sequence slots and KV blocks last. Prefill and decode share a step; a prompt
 longer than the budget (or `long_prefill_token_threshold`) is computed in chunks. When
 KV blocks run out, the lowest-priority (FCFS: latest-arrived) running request is
-preempted: its blocks are freed and it is recomputed later from its tokens.
+preempted: its blocks are freed and it is recomputed later from its tokens. schedule()
+runs these as phases (running, waiting, finalize) over one StepBuilder (step_builder.py),
+which drops a request preempted within the step whole.
 
 Guided requests wait in WAITING_FOR_GRAMMAR while their grammar compiles (other
 requests run meanwhile); each step fills one bitmask row for every guided request that
@@ -27,11 +29,12 @@ import msgspec
 
 from llmd.config import EngineConfig
 from llmd.kv_cache_manager import KVCacheManager
-from llmd.step_messages import (CachedRequestData, Logprobs, NewRequestData, PromptLogprobs,
-                           RunnerOutput, SchedulerOutput)
+from llmd.step_builder import StepBuilder, StepShape
+from llmd.step_messages import Logprobs, PromptLogprobs, RunnerOutput, SchedulerOutput
 from llmd.request import Request, RequestStatus
 from llmd.request_queue import make_queue
 from llmd.spec_decode import NgramProposer, SpecDecodeStats
+from llmd.stop_checks import append_sampled_tokens
 
 
 class RequestUpdate(msgspec.Struct):
@@ -50,15 +53,6 @@ class SchedulerStats(msgspec.Struct):
     num_running: int = 0
     num_waiting: int = 0
     num_preemptions_total: int = 0
-
-
-class StepShape(msgspec.Struct, frozen=True):
-    """The make-up of one scheduled step, for metrics."""
-
-    num_reqs: int
-    num_tokens: int
-    num_prefill_tokens: int
-    num_decode_reqs: int
 
 
 class Scheduler:
@@ -96,7 +90,7 @@ class Scheduler:
         self._worker_forget: set[str] = set()
         self.stats = SchedulerStats()
 
-    # -- requests in and out --------------------------------------------------------
+    # -- requests in and out ----------------------------------------------------------
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
@@ -146,6 +140,7 @@ class Scheduler:
         updates, self._pending_updates = self._pending_updates, []
         return updates
 
+    # -- grammars ---------------------------------------------------------------------
     def grammar_deadline(self) -> float | None:
         """When the earliest running compile hits its time limit (monotonic), if any."""
         if not self.waiting_for_grammar:
@@ -173,163 +168,6 @@ class Scheduler:
                 still.append(request)
         self.waiting_for_grammar = still
 
-    # -- one step -------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
-        if self.waiting_for_grammar:
-            self._poll_grammars()
-        budget = self.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        cached_ids: list[str] = []
-        cached_new_blocks: list[list[int]] = []
-        cached_computed: list[int] = []
-        new_reqs: list[NewRequestData] = []
-        spec_tokens: dict[str, list[int]] = {}
-        spec_tails: dict[str, int] = {}
-        draft_limits: dict[str, int] = {}
-        preempted_any = False
-
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_new = self._num_tokens_to_schedule(request, budget)
-            if num_new == 0:
-                index += 1
-                continue
-            drafts, tail = self._drafts_to_verify(request, num_new, budget)
-            drafting = self._drafts_for(request, request.num_computed_tokens + num_new)
-            num_new += len(drafts)
-            lookahead = self._draft_lookahead(request, request.num_computed_tokens + num_new) if drafting else 0
-            while True:
-                new_blocks = self.kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
-                if new_blocks is not None:
-                    break
-                if drafts or tail is not None or drafting:
-                    # Drop the speculation before preempting anyone for it.
-                    num_new -= len(drafts)
-                    drafts, tail, drafting, lookahead = [], None, False, 0
-                    continue
-                victim = self._pick_victim()
-                preempted_any = True
-                if self.running.index(victim) < index:
-                    index -= 1
-                self.running.remove(victim)
-                if victim.request_id in num_scheduled:
-                    # Only the priority policy can pick one already scheduled this step.
-                    budget += num_scheduled.pop(victim.request_id)
-                    spec_tokens.pop(victim.request_id, None)
-                    spec_tails.pop(victim.request_id, None)
-                    draft_limits.pop(victim.request_id, None)
-                    pos = cached_ids.index(victim.request_id)
-                    del cached_ids[pos], cached_new_blocks[pos], cached_computed[pos]
-                self._preempt(victim)
-                if victim is request:
-                    break
-            if new_blocks is None:
-                continue  # `request` itself was preempted; the list shifted under index
-            num_scheduled[request.request_id] = num_new
-            budget -= num_new
-            if drafts:
-                spec_tokens[request.request_id] = drafts
-            if tail is not None:
-                spec_tails[request.request_id] = tail
-            if drafting:
-                draft_limits[request.request_id] = request.num_computed_tokens + num_new + lookahead + 1
-            cached_ids.append(request.request_id)
-            cached_new_blocks.append([b.block_id for b in new_blocks])
-            cached_computed.append(request.num_computed_tokens)
-            index += 1
-
-        # Admit waiting requests, unless this step had to preempt (no room to grow).
-        while (not preempted_any and self.waiting and budget > 0
-               and len(self.running) < self.max_num_seqs):
-            request = self.waiting.peek()
-            if self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None:
-                hit_blocks, num_hit = self.kv.get_computed_blocks(request)
-            else:
-                hit_blocks, num_hit = [], 0
-            num_new = min(request.num_tokens - num_hit, budget)
-            if self.long_prefill_token_threshold:
-                num_new = min(num_new, self.long_prefill_token_threshold)
-            drafting = self._drafts_for(request, num_hit + num_new)
-            lookahead = self._draft_lookahead(request, num_hit + num_new) if drafting else 0
-            if self.kv.allocate_slots(request, num_new, hit_blocks, num_hit, num_lookahead_tokens=lookahead) is None:
-                if not drafting or self.kv.allocate_slots(request, num_new, hit_blocks, num_hit) is None:
-                    break
-                drafting, lookahead = False, 0  # admitted without speculation
-            self.waiting.pop()
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit
-            request.num_cached_tokens = num_hit
-            self.running.append(request)
-            new_reqs.append(NewRequestData(
-                req_id=request.request_id,
-                prompt_token_ids=request.prompt_token_ids,
-                output_token_ids=list(request.output_token_ids),
-                sampling_params=request.sampling_params,
-                block_ids=self.kv.get_block_ids(request.request_id),
-                num_computed_tokens=num_hit,
-            ))
-            num_scheduled[request.request_id] = num_new
-            budget -= num_new
-            if drafting:
-                draft_limits[request.request_id] = num_hit + num_new + lookahead + 1
-
-        # The tokens are computed by the step this output describes; count them now so
-        # the next schedule() sees them (they are in the cache before anyone reads them).
-        num_prefill_tokens = 0
-        num_decode_reqs = 0
-        guided: list[Request] = []
-        sampling: list[Request] = []
-        for req_id, n in num_scheduled.items():
-            request = self.requests[req_id]
-            num_drafts = len(spec_tokens.get(req_id, ()))
-            known = request.num_tokens + request.num_output_placeholders
-            if request.num_computed_tokens + n == known + num_drafts and n == 1 + num_drafts \
-                    and (request.num_output_tokens or request.num_output_placeholders):
-                num_decode_reqs += 1
-            else:
-                num_prefill_tokens += n
-            request.num_computed_tokens += n
-            if request.num_computed_tokens == known + num_drafts:  # it samples in this step
-                sampling.append(request)
-                if request.grammar is not None:
-                    guided.append(request)  # its rows of the grammar bitmask
-        bitmask = b""
-        deferred = False
-        if guided:
-            if any(r.num_output_placeholders for r in guided):
-                deferred = True  # a matcher lacks a token still being sampled
-            else:
-                bitmask = self.structured.fill_bitmask([r.grammar for r in guided],
-                                                       [spec_tokens.get(r.request_id, []) for r in guided])
-        if self.async_scheduling:
-            for request in sampling:
-                request.num_output_placeholders += 1
-
-        total = sum(num_scheduled.values())
-        forget = []
-        if total:  # an empty step is not sent to the workers: they hear of these next time
-            forget = sorted(self._worker_forget)
-            self._worker_forget.clear()
-        self.stats.num_running = len(self.running)
-        self.stats.num_waiting = len(self.waiting)
-        self.last_shape = StepShape(len(num_scheduled), total, num_prefill_tokens, num_decode_reqs)
-        output = SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=CachedRequestData(cached_ids, cached_new_blocks, cached_computed),
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=total,
-            finished_req_ids=forget,
-            grammar_req_ids=[r.request_id for r in guided],
-            grammar_bitmask=bitmask,
-            scheduled_spec_decode_tokens=spec_tokens,
-            scheduled_spec_tail_tokens=spec_tails,
-            draft_max_num_tokens=draft_limits,
-        )
-        if deferred:
-            self._deferred_bitmask = (output, guided)
-        return output
-
     def bitmask_deferred(self, output: SchedulerOutput) -> bool:
         """Whether `output`'s grammar rows wait for update_from_output of the step in flight."""
         return self._deferred_bitmask is not None and self._deferred_bitmask[0] is output
@@ -346,6 +184,136 @@ class Scheduler:
         output.grammar_bitmask = self.structured.fill_bitmask(
             [None if r.is_finished else r.grammar for r in guided], [[] for _ in guided])
 
+    # -- one step ---------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        if self.waiting_for_grammar:
+            self._poll_grammars()
+        step = StepBuilder(self.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted_any:  # a step that had to preempt has no room to grow
+            self._schedule_waiting(step)
+        return self._finalize(step)
+
+    def _schedule_running(self, step: StepBuilder) -> None:
+        """Running requests first, in order, so a long prompt never starves decodes. A
+        request preempted earlier in this loop (as a victim) is skipped."""
+        for request in list(self.running):
+            if step.budget <= 0:
+                break
+            if request.status == RequestStatus.RUNNING:
+                self._schedule_running_request(request, step)
+
+    def _schedule_running_request(self, request: Request, step: StepBuilder) -> None:
+        """Its next tokens (and drafts to verify) with KV slots for them. When blocks run
+        out, its speculation is dropped first; then the lowest-priority running request is
+        preempted, until the slots fit or the victim is this request itself."""
+        num_new = self._num_tokens_to_schedule(request, step.budget)
+        if num_new == 0:
+            return
+        drafts, tail = self._drafts_to_verify(request, num_new, step.budget)
+        drafting = self._drafts_for(request, request.num_computed_tokens + num_new)
+        num_new += len(drafts)
+        lookahead = self._draft_lookahead(request, request.num_computed_tokens + num_new) if drafting else 0
+        while (new_blocks := self.kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)) is None:
+            if drafts or tail is not None or drafting:
+                # Drop the speculation before preempting anyone for it.
+                num_new -= len(drafts)
+                drafts, tail, drafting, lookahead = [], None, False, 0
+                continue
+            victim = self._pick_victim()
+            self._preempt(victim, step)
+            if victim is request:
+                return
+        draft_limit = request.num_computed_tokens + num_new + lookahead + 1 if drafting else None
+        step.add_running(request, num_new, [b.block_id for b in new_blocks], drafts, tail, draft_limit)
+
+    def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
+        if request.num_output_placeholders and \
+                request.num_output_tokens + request.num_output_placeholders >= request.max_tokens:
+            return 0  # the token in flight is its last
+        num_new = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+        if self.long_prefill_token_threshold:
+            num_new = min(num_new, self.long_prefill_token_threshold)
+        return min(num_new, budget)
+
+    def _pick_victim(self) -> Request:
+        """The request to preempt: the lowest priority (latest arrival on ties), or under
+        FCFS the latest admitted."""
+        if self.policy == "priority":
+            # Among equals, the latest admitted (max returns the first maximum it meets).
+            return max(reversed(self.running), key=Request.sort_key)
+        return self.running[-1]
+
+    def _preempt(self, request: Request, step: StepBuilder) -> None:
+        """Free the request's blocks and queue it to be recomputed from its tokens. Only
+        the priority policy can pick one already scheduled in this step: it is dropped."""
+        self.running.remove(request)
+        step.drop(request)
+        step.preempted_any = True
+        # num_computed_tokens still counts only what earlier steps computed.
+        self.kv.free(request, num_valid_tokens=request.num_computed_tokens)
+        self._worker_forget.add(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_output_placeholders = 0  # a token in flight is dropped and recomputed
+        request.spec_token_ids = []
+        request.spec_tail_token = None
+        request.num_preemptions += 1
+        self.stats.num_preemptions_total += 1
+        self.waiting.add_preempted(request)
+
+    def _schedule_waiting(self, step: StepBuilder) -> None:
+        """Admit waiting requests in queue order while budget, sequence slots and KV
+        blocks last; a request whose blocks do not fit stops admission (no overtaking)."""
+        while self.waiting and step.budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            if self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None:
+                hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            else:
+                hit_blocks, num_hit = [], 0
+            num_new = min(request.num_tokens - num_hit, step.budget)
+            if self.long_prefill_token_threshold:
+                num_new = min(num_new, self.long_prefill_token_threshold)
+            drafting = self._drafts_for(request, num_hit + num_new)
+            lookahead = self._draft_lookahead(request, num_hit + num_new) if drafting else 0
+            if self.kv.allocate_slots(request, num_new, hit_blocks, num_hit, num_lookahead_tokens=lookahead) is None:
+                if not drafting or self.kv.allocate_slots(request, num_new, hit_blocks, num_hit) is None:
+                    return
+                drafting, lookahead = False, 0  # admitted without speculation
+            self.waiting.pop()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            request.num_cached_tokens = num_hit
+            self.running.append(request)
+            draft_limit = num_hit + num_new + lookahead + 1 if drafting else None
+            step.add_new(request, num_new, self.kv.get_block_ids(request.request_id), draft_limit)
+
+    def _finalize(self, step: StepBuilder) -> SchedulerOutput:
+        """Count the step's tokens as computed, fill the grammar rows of the guided
+        requests that sample (or defer them: a matcher lacks a token still being sampled),
+        and name the requests the worker must forget."""
+        sampling, self.last_shape = step.commit()
+        guided = [r for r in sampling if r.grammar is not None]
+        deferred = any(r.num_output_placeholders for r in guided)
+        bitmask = b""
+        if guided and not deferred:
+            bitmask = self.structured.fill_bitmask([r.grammar for r in guided],
+                                                   [step.spec_tokens.get(r.request_id, []) for r in guided])
+        if self.async_scheduling:
+            for request in sampling:
+                request.num_output_placeholders += 1
+        forget = []
+        if step.total_tokens:  # an empty step is not sent to the workers: they hear of these next time
+            forget = sorted(self._worker_forget)
+            self._worker_forget.clear()
+        self.stats.num_running = len(self.running)
+        self.stats.num_waiting = len(self.waiting)
+        output = step.build(forget, [r.request_id for r in guided], bitmask)
+        if deferred:
+            self._deferred_bitmask = (output, guided)
+        return output
+
+    # -- speculation ------------------------------------------------------------------
     def _drafts_to_verify(self, request: Request, num_new: int, budget: int) -> tuple[list[int], int | None]:
         """The request's proposed drafts that fit this step: only in decode (one known
         token to compute), within the token budget, and never more than the request may
@@ -376,37 +344,22 @@ class Scheduler:
         last_useful = request.num_prompt_tokens + request.max_tokens - 2
         return min(self.num_draft_model_tokens, max(0, last_useful - end))
 
-    def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
-        if request.num_output_placeholders and \
-                request.num_output_tokens + request.num_output_placeholders >= request.max_tokens:
-            return 0  # the token in flight is its last
-        num_new = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
-        if self.long_prefill_token_threshold:
-            num_new = min(num_new, self.long_prefill_token_threshold)
-        return min(num_new, budget)
+    def _take_drafts(self, request: Request, model_drafts: list[int]) -> None:
+        """The drafts to verify at the request's next step: the n-gram proposer's, or
+        those the draft model made in the worker. A guided request's are cut at the first
+        token its grammar refuses or that ends it. A draft-model draft is sampled, so
+        dropping it for its value would bias what is emitted: the cut-off one becomes the
+        tail, tested at the last verified position."""
+        drafts = self.proposer.propose(request.all_token_ids) if self.proposer is not None else model_drafts
+        tail = None
+        if drafts and request.grammar is not None:
+            valid = self.structured.validate_drafts(request.grammar, drafts)
+            if self.proposer is None and len(valid) < len(drafts):
+                tail = drafts[len(valid)]
+            drafts = valid
+        request.spec_token_ids, request.spec_tail_token = drafts, tail
 
-    def _pick_victim(self) -> Request:
-        """The request to preempt: the lowest priority (latest arrival on ties), or under
-        FCFS the latest admitted."""
-        if self.policy == "priority":
-            # Among equals, the latest admitted (max returns the first maximum it meets).
-            return max(reversed(self.running), key=Request.sort_key)
-        return self.running[-1]
-
-    def _preempt(self, request: Request) -> None:
-        # num_computed_tokens still counts only what earlier steps computed.
-        self.kv.free(request, num_valid_tokens=request.num_computed_tokens)
-        self._worker_forget.add(request.request_id)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.num_output_placeholders = 0  # a token in flight is dropped and recomputed
-        request.spec_token_ids = []
-        request.spec_tail_token = None
-        request.num_preemptions += 1
-        self.stats.num_preemptions_total += 1
-        self.waiting.add_preempted(request)
-
-    # -- results --------------------------------------------------------------------
+    # -- results ----------------------------------------------------------------------
     def update_from_output(self, output: SchedulerOutput, runner_output: RunnerOutput) -> list[RequestUpdate]:
         updates = self.take_pending_updates()
         logprobs = runner_output.logprobs
@@ -425,19 +378,7 @@ class Scheduler:
                 self.spec_stats.record(num_drafts, num_accepted)
             if not token_ids and req_id not in prompt_logprobs:
                 continue  # a prefill chunk that produced nothing to report
-            new_tokens: list[int] = []
-            status = None
-            error = None
-            for token in token_ids:
-                request.append_output_token(token)
-                new_tokens.append(token)
-                if request.grammar is not None:
-                    status, error = self._advance_grammar(request, token)
-                    if status is not None:
-                        break
-                status = self._check_stop(request, token)
-                if status is not None:
-                    break
+            new_tokens, status, error = append_sampled_tokens(request, token_ids, self.structured)
             update = RequestUpdate(req_id, new_tokens, error=error,
                                    logprobs=logprobs.get(req_id),
                                    prompt_logprobs=prompt_logprobs.get(req_id))
@@ -451,43 +392,3 @@ class Scheduler:
                 self._take_drafts(request, runner_output.draft_token_ids.get(req_id, []))
             updates.append(update)
         return updates
-
-    def _take_drafts(self, request: Request, model_drafts: list[int]) -> None:
-        """The drafts to verify at the request's next step: the n-gram proposer's, or
-        those the draft model made in the worker. A guided request's are cut at the first
-        token its grammar refuses or that ends it. A draft-model draft is sampled, so
-        dropping it for its value would bias what is emitted: the cut-off one becomes the
-        tail, tested at the last verified position."""
-        drafts = self.proposer.propose(request.all_token_ids) if self.proposer is not None else model_drafts
-        tail = None
-        if drafts and request.grammar is not None:
-            valid = self.structured.validate_drafts(request.grammar, drafts)
-            if self.proposer is None and len(valid) < len(drafts):
-                tail = drafts[len(valid)]
-            drafts = valid
-        request.spec_token_ids, request.spec_tail_token = drafts, tail
-
-    def _advance_grammar(self, request: Request, token: int) -> tuple[RequestStatus | None, str | None]:
-        """Feed the sampled token to the request's matcher. The output ends when the
-        grammar does (its stop token accepted)."""
-        if not self.structured.accept(request.grammar, token):
-            # The mask allowed only what the grammar accepts; this is a bug, not bad input.
-            return RequestStatus.FINISHED_ERROR, "internal error: the sampled token broke the grammar"
-        if self.structured.is_terminated(request.grammar):
-            if token in request.sampling_params.stop_token_ids:
-                request.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED, None
-        return None, None
-
-    @staticmethod
-    def _check_stop(request: Request, token: int) -> RequestStatus | None:
-        params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            if token == request.eos_token_id and not params.ignore_eos:
-                return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
-                request.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        return None
