@@ -86,14 +86,13 @@ def generate(llm: LLM):
 
 MODES = {
     "default": {},
-    # Chunks of at most 12 tokens: every prompt is prefilled over several steps.
-    "chunked": {"max_num_batched_tokens": 20, "long_prefill_token_threshold": 12},
+    # Chunks of at most 12 tokens: every prompt is prefilled over several steps. No prefix
+    # cache: the mutations below run on these engines and must leave no KV for others.
+    "chunked": {"max_num_batched_tokens": 20, "long_prefill_token_threshold": 12, "enable_prefix_caching": False},
     # 6 blocks of 16 tokens for requests needing 4, 3 and 5 by their end: the first two run,
     # and when both grow one is preempted and later recomputed.
     "preempt": {"num_gpu_blocks_override": 6, "max_model_len": 96},
     "tp2": {"tensor_parallel_size": 2, "max_num_batched_tokens": 48},
-    # For the mutations: no prefix cache, so no mutated KV is left for other tests.
-    "mutated": {"enable_prefix_caching": False},
 }
 
 
@@ -348,7 +347,7 @@ MUTATIONS = {
 @pytest.mark.parametrize("mutation", sorted(MUTATIONS))
 def test_the_comparison_fails_without_each_feature(engines, mutation: str, monkeypatch) -> None:
     name, mutate = MUTATIONS[mutation]
-    llm = engines(name, "mutated")
+    llm = engines(name, "chunked")
     for layer in llm.engine.executor.runner.model.layers:
         if isinstance(layer.mlp, SparseMoeBlock):
             mutate(layer.mlp, monkeypatch)

@@ -246,6 +246,10 @@ FIXTURES: dict[str, dict[str, Any]] = {
     "small-llama": dict(arch="llama", preset="small"),
     "small-qwen2": dict(arch="qwen2", preset="small"),
     "small-qwen3": dict(arch="qwen3", preset="small"),
+    # tools/bench_moe.py: a MoE model and the dense model with its active parameters
+    # (moe_defaults: 8 experts of 1408 / 8 = 176, 2 per token, so a dense MLP of 352).
+    "small-qwen3-moe": dict(arch="qwen3_moe", preset="small"),
+    "small-qwen3-active": dict(arch="qwen3", preset="small", intermediate_size=352),
 }
 DEMO_FIXTURE = "small-llama"
 
