@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from llmd.gpu.gguf_arch import ARCHITECTURES, BLOCK_TENSORS, GLOBAL_TENSORS
+from llmd.gpu.gguf_arch import ARCHITECTURES, BLOCK_TENSORS, GLOBAL_TENSORS, GGUFArchitecture
 from llmd.gpu.models import get_model_class
 
 GGUF_MAGIC = b"GGUF"
@@ -143,45 +143,12 @@ def load_gguf_config(path: str | Path):
 
     g = open_gguf(path)
     where = repr(str(path))
-    spec = ARCHITECTURES.get(g.architecture)
-    if spec is None:
-        raise ValueError(f"{where}: GGUF architecture {g.architecture!r} is not implemented by llmd "
-                         f"(supported: {', '.join(sorted(ARCHITECTURES))})")
+    spec = _supported_architecture(g, where)
     a = g.architecture
-    unknown = sorted(k for k in g.reader.fields
-                     if k.startswith(a + ".") and k[len(a) + 1:] not in spec.known_keys)
-    if unknown:
-        raise ValueError(f"{where}: GGUF metadata {', '.join(unknown)} is not implemented by llmd for "
-                         f"architecture {a!r}; refusing rather than running the model differently")
-    for key in ("expert_count", "expert_used_count"):
-        if g.get(f"{a}.{key}", 0):
-            raise ValueError(f"{where}: GGUF metadata {a}.{key}={g.get(f'{a}.{key}')}: mixture-of-experts "
-                             "models are not implemented by llmd")
-    _check_tensors(g, where, spec.block_tensors)
-
-    heads = _int(g, f"{a}.attention.head_count")
-    kv_heads = _int(g, f"{a}.attention.head_count_kv", heads)
-    hidden = _int(g, f"{a}.embedding_length")
-    head_dim = _int(g, f"{a}.attention.key_length", hidden // heads)
-    value_dim = _int(g, f"{a}.attention.value_length", head_dim)
-    if value_dim != head_dim:
-        raise ValueError(f"{where}: GGUF metadata {a}.attention.value_length={value_dim} differs from the key "
-                         f"length {head_dim}: not implemented by llmd")
-    rotary_dim = _int(g, f"{a}.rope.dimension_count", head_dim)
-    if rotary_dim != head_dim:
-        raise ValueError(f"{where}: GGUF metadata {a}.rope.dimension_count={rotary_dim} differs from the head "
-                         f"size {head_dim} (partial rotary): not implemented by llmd")
-    embed = g.tensors.get("token_embd.weight")
-    if embed is None:
-        raise ValueError(f"{where}: GGUF has no token_embd.weight tensor")
-    vocab_size = int(embed.shape[1])  # ggml shapes list the fastest-varying dimension first
-    declared_vocab = g.get(f"{a}.vocab_size")
-    if declared_vocab is not None and int(declared_vocab) != vocab_size:
-        raise ValueError(f"{where}: GGUF metadata {a}.vocab_size={declared_vocab} but token_embd.weight has "
-                         f"{vocab_size} rows")
+    heads, kv_heads, hidden, head_dim = _attention_sizes(g, a, where)
     fields: dict[str, Any] = dict(
         architectures=[spec.hf_architecture],
-        vocab_size=vocab_size,
+        vocab_size=_vocab_size(g, a, where),
         hidden_size=hidden,
         intermediate_size=_int(g, f"{a}.feed_forward_length"),
         num_hidden_layers=_int(g, f"{a}.block_count"),
@@ -211,6 +178,58 @@ def load_gguf_config(path: str | Path):
     config = AutoConfig.for_model(spec.model_type, **fields)
     get_model_class(spec.hf_architecture).check_config(config)
     return config
+
+
+def _supported_architecture(g: GGUFFile, where: str) -> GGUFArchitecture:
+    """The file's architecture, after checking from the header alone that llmd runs it as
+    llama.cpp would: every `{arch}.*` key known, no experts, every tensor placeable."""
+    spec = ARCHITECTURES.get(g.architecture)
+    if spec is None:
+        raise ValueError(f"{where}: GGUF architecture {g.architecture!r} is not implemented by llmd "
+                         f"(supported: {', '.join(sorted(ARCHITECTURES))})")
+    a = g.architecture
+    unknown = sorted(k for k in g.reader.fields
+                     if k.startswith(a + ".") and k[len(a) + 1:] not in spec.known_keys)
+    if unknown:
+        raise ValueError(f"{where}: GGUF metadata {', '.join(unknown)} is not implemented by llmd for "
+                         f"architecture {a!r}; refusing rather than running the model differently")
+    for key in ("expert_count", "expert_used_count"):
+        if g.get(f"{a}.{key}", 0):
+            raise ValueError(f"{where}: GGUF metadata {a}.{key}={g.get(f'{a}.{key}')}: mixture-of-experts "
+                             "models are not implemented by llmd")
+    _check_tensors(g, where, spec.block_tensors)
+    return spec
+
+
+def _attention_sizes(g: GGUFFile, a: str, where: str) -> tuple[int, int, int, int]:
+    """(heads, kv heads, hidden size, head size); refuses value heads of another size and
+    partial rotary, which llmd's attention does not implement."""
+    heads = _int(g, f"{a}.attention.head_count")
+    kv_heads = _int(g, f"{a}.attention.head_count_kv", heads)
+    hidden = _int(g, f"{a}.embedding_length")
+    head_dim = _int(g, f"{a}.attention.key_length", hidden // heads)
+    value_dim = _int(g, f"{a}.attention.value_length", head_dim)
+    if value_dim != head_dim:
+        raise ValueError(f"{where}: GGUF metadata {a}.attention.value_length={value_dim} differs from the key "
+                         f"length {head_dim}: not implemented by llmd")
+    rotary_dim = _int(g, f"{a}.rope.dimension_count", head_dim)
+    if rotary_dim != head_dim:
+        raise ValueError(f"{where}: GGUF metadata {a}.rope.dimension_count={rotary_dim} differs from the head "
+                         f"size {head_dim} (partial rotary): not implemented by llmd")
+    return heads, kv_heads, hidden, head_dim
+
+
+def _vocab_size(g: GGUFFile, a: str, where: str) -> int:
+    """The rows of the embedding, which `{arch}.vocab_size` must agree with when given."""
+    embed = g.tensors.get("token_embd.weight")
+    if embed is None:
+        raise ValueError(f"{where}: GGUF has no token_embd.weight tensor")
+    vocab_size = int(embed.shape[1])  # ggml shapes list the fastest-varying dimension first
+    declared_vocab = g.get(f"{a}.vocab_size")
+    if declared_vocab is not None and int(declared_vocab) != vocab_size:
+        raise ValueError(f"{where}: GGUF metadata {a}.vocab_size={declared_vocab} but token_embd.weight has "
+                         f"{vocab_size} rows")
+    return vocab_size
 
 
 def _int(g: GGUFFile, key: str, default: int | None = None) -> int:
