@@ -40,6 +40,7 @@ from llmd.gpu.fused_moe import moe_reference, select_experts
 from llmd.gpu.loader import load_hf_config, load_model
 from llmd.gpu.models.llama import DecoderMLP
 from llmd.gpu.models.moe import SparseMoeBlock
+from llmd.gpu import moe_align
 from llmd.gpu.moe_align import moe_align_block_size, padded_capacity
 from llmd.gpu.tp import check_tp_config
 from llmd_tools.make_model import fixture_path
@@ -273,10 +274,13 @@ def test_reference_equals_a_per_token_loop(case: str) -> None:
                           atol=1e-5)
 
 
+@pytest.mark.parametrize("rank_by", ["one-hot scan", "stable sort"])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_align_block_size_groups_pairs_by_expert(block_size: int) -> None:
+def test_align_block_size_groups_pairs_by_expert(block_size: int, rank_by: str, monkeypatch) -> None:
     from fused_moe_cases import build
 
+    if rank_by == "stable sort":  # the path of batches too large for the one-hot scan
+        monkeypatch.setattr(moe_align, "ONE_HOT_CELLS", 0)
     case = CASES["ragged-empty-experts"]
     _, _, _, _, ids = build(case)
     sorted_ids, expert_ids, num_padded = moe_align_block_size(ids, block_size, case.experts)
