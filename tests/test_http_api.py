@@ -431,7 +431,7 @@ def test_tcp_port_needs_a_key_unless_turned_off(model, tmp_path):
 
 
 def test_tcp_peer_uid_is_the_connecting_process():
-    from llmd.actors.http_intake import tcp_peer_uid
+    from llmd.actors.peer_credentials import tcp_peer_uid
 
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))

@@ -14,14 +14,14 @@ import asyncio
 import hmac
 import logging
 import socket
-import struct
 import weakref
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from llmd.actors.intake import IntakeActor, peer_ids
+from llmd.actors.intake import IntakeActor
 from llmd.actors.messages import Query
+from llmd.actors.peer_credentials import peer_ids, tcp_peer_uid
 from llmd.actors.runtime import Actor
 from llmd.http import llamacpp_api, ollama_api, openai_api
 from llmd.http.context import ServedModel
@@ -138,31 +138,3 @@ def _error_shape(path: str) -> Callable[[ApiError], web.Response]:
     if path == "/infill":
         return llamacpp_api.error_response
     return openai_api.error_response
-
-
-def tcp_peer_uid(peer: tuple | None, local: tuple | None) -> int:
-    """The uid that owns the client's end of a loopback TCP connection: the row of
-    /proc/net/tcp (or tcp6) whose local address is the peer's and remote address ours.
-    -1 when it cannot be told (another network namespace, a closed socket)."""
-    if not peer or not local:
-        return -1
-    family = socket.AF_INET6 if ":" in peer[0] else socket.AF_INET
-    table = "/proc/net/tcp6" if family == socket.AF_INET6 else "/proc/net/tcp"
-    want = (_proc_address(family, peer[0], peer[1]), _proc_address(family, local[0], local[1]))
-    try:
-        with open(table) as f:
-            next(f)
-            for line in f:
-                fields = line.split()
-                if (fields[1], fields[2]) == want:
-                    return int(fields[7])
-    except (OSError, ValueError, IndexError, StopIteration):
-        pass
-    return -1
-
-
-def _proc_address(family: int, host: str, port: int) -> str:
-    """An address as /proc/net/tcp prints it: each 32-bit word in host byte order, in hex."""
-    raw = socket.inet_pton(family, host.split("%", 1)[0])
-    words = struct.unpack(f"={len(raw) // 4}I", raw)
-    return "".join(f"{w:08X}" for w in words) + f":{port:04X}"

@@ -1,327 +1,61 @@
-"""The intake actor: accepts connections on the Unix socket, decodes frames, validates,
-tokenizes off the event loop, assigns request ids, records the peer's uid
-(SO_PEERCRED) and forwards requests. A closed connection aborts all its requests.
+"""The intake actor: accepts connections on the Unix socket (each served by a
+`Connection`), validates and tokenizes requests off the event loop, assigns request ids
+and forwards them, with the peer's uid, to the detokenizer and the scheduler. The HTTP
+intake admits its requests through the same `admit`.
 
 Bad input gets an `Error` (a stable code and a message that names the field and limit,
 never a traceback, never the raw input) and the connection stays usable where the
 frame boundaries are still known."""
 from __future__ import annotations
 
-import abc
 import asyncio
-import collections
 import functools
-import grp
 import itertools
-import math
 import logging
-import os
-import pwd
-import re
 import socket
-import struct
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
+from llmd.actors.connection import Connection, OpenConnections
+from llmd.actors.error_text import safe_message
 from llmd.actors.messages import AbortRequest, AddRequest, Query, RegisterRequest, RequestEvent
+from llmd.actors.peer_credentials import is_admin
 from llmd.actors.quotas import QuotaLimits, Quotas
+from llmd.actors.request_sink import RequestSink
 from llmd.actors.runtime import Actor
+from llmd.daemon_config import DaemonConfig
 from llmd.input_processor import InputProcessor, PreparedRequest
-from llmd_client.framing import FrameError, JsonLinesCodec, MsgpackCodec
-from llmd_client.protocol import (MAX_CACHE_SALT_CHARS, PROTOCOL_VERSION, Abort, Accepted, ClientMessage, Error, Hello,
-                                  Metrics, MetricsReply, SamplingParams, Status, Submit, Welcome)
+from llmd_client.framing import JsonLinesCodec, MsgpackCodec
+from llmd_client.protocol import MAX_CACHE_SALT_CHARS, PROTOCOL_VERSION, Error, Submit, Welcome
 
 logger = logging.getLogger("llmd.intake")
-_PEERCRED = struct.Struct("3i")
-MAX_CLIENT_ID_CHARS = 128
 LARGE_PROMPT_CHARS = 64 << 10  # prompts longer than this are tokenized apart from the rest
-_QUOTED_VALUE = re.compile(r"'[^']*'|\"[^\"]*\"")
-_BACKTICKED = re.compile(r"`([^`]*)`")
-# What msgspec puts in backticks: field names, `$.paths` and type names (`int | null`).
-_NAME = re.compile(r"[$A-Za-z_][A-Za-z0-9_.$\[\] |,]{0,63}")
-_UNKNOWN_FIELD = re.compile(r"^Object contains unknown field `(.*?)`( - at `\$[A-Za-z0-9_.\[\]]*`)?$", re.S)
-_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
-
-
-def safe_message(exc: BaseException, limit: int = 300) -> str:
-    """An error's text without any (possibly user-supplied) values, bounded. msgspec
-    names fields, paths and types in backticks and quotes values: names are kept (a name
-    that is not a plain identifier or path could be anything, and is dropped too)."""
-    text = str(exc)
-    unknown = _UNKNOWN_FIELD.match(text)
-    if unknown:  # the field's name is the client's: keep it only when it is a plain name
-        name = unknown.group(1) if _IDENTIFIER.fullmatch(unknown.group(1)) else "<value>"
-        return f"Object contains unknown field `{name}`{unknown.group(2) or ''}"[:limit]
-    text = _QUOTED_VALUE.sub("<value>", text)
-    text = _BACKTICKED.sub(lambda m: m.group(0) if _NAME.fullmatch(m.group(1)) else "<value>", text)
-    return text[:limit]
-
-
-def frame_error_message(exc: BaseException) -> str:
-    """A readable reason for a frame that does not decode as a message."""
-    text = safe_message(exc)
-    unknown = _UNKNOWN_FIELD.match(text)
-    if unknown and unknown.group(1) in SamplingParams.__struct_fields__ and not unknown.group(2):
-        return f"unknown field `{unknown.group(1)}`: sampling fields go in `sampling`"
-    return text
-
-
-class RequestSink(abc.ABC):
-    """Where the detokenizer sends one request's outputs (`send`) and says that the request
-    is over (`finished`). Subclasses deliver to a socket connection or an HTTP response."""
-
-    __slots__ = ("client_id", "request_id", "stream", "finished_samples", "release")
-
-    def __init__(self, client_id: str, stream: bool) -> None:
-        self.client_id = client_id
-        self.request_id = ""  # set on admission
-        self.stream = stream
-        self.finished_samples: set[int] = set()
-        self.release: Callable[[], None] | None = None  # set on admission: gives back what it held
-
-    @abc.abstractmethod
-    def send(self, message: object) -> None:
-        """Deliver one message to the request's client."""
-
-    @property
-    def wanted(self) -> bool:
-        """False once the peer has gone: a request it no longer waits for is not started."""
-        return True
-
-    @property
-    def connection(self) -> object | None:
-        """What the per-connection request limit counts against (None: no such limit)."""
-        return None
-
-    def finished(self) -> None:
-        if self.release is not None:
-            self.release()
-            self.release = None
-
-
-class ConnectionSink(RequestSink):
-    """A request submitted on a protocol connection, under the connection's id for it."""
-
-    __slots__ = ("conn",)
-
-    def __init__(self, conn: Connection, client_id: str, stream: bool) -> None:
-        super().__init__(client_id, stream)
-        self.conn = conn
-
-    @property
-    def connection(self) -> object:
-        return self.conn
-
-    def send(self, message: object) -> None:
-        self.conn.send(message)
-
-    @property
-    def wanted(self) -> bool:
-        return not self.conn.closed
-
-    def finished(self) -> None:
-        self.conn.requests.pop(self.client_id, None)
-        super().finished()
-
-
-class Connection:
-    def __init__(self, intake: IntakeActor, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.intake = intake
-        self.reader = reader
-        self.writer = writer
-        self.codec: MsgpackCodec | JsonLinesCodec | None = None
-        self.requests: dict[str, RequestSink] = {}
-        self.closed = False
-        self.uid, self.gid = peer_ids(writer.get_extra_info("socket"))
-        self.admin = intake.is_admin(self.uid, self.gid)
-        self._local_ids = itertools.count(1)
-
-    def send(self, message: object) -> None:
-        # The peer may have gone before this connection's reader noticed: drop, don't raise
-        # (the reader's end-of-stream aborts the connection's requests).
-        if self.closed or self.codec is None or self.writer.is_closing():
-            return
-        self.writer.write(self.codec.encode(message))
-
-    async def _read(self, size: int) -> bytes:
-        """The next bytes from the peer; b"" at its end, or when it stayed silent for the
-        idle timeout with no request in flight (an idle connection holds a descriptor)."""
-        if self.requests:
-            return await self.reader.read(size)
-        try:
-            return await asyncio.wait_for(self.reader.read(size), self.intake.idle_timeout_s)
-        except TimeoutError:
-            return b""
-
-    async def refuse(self, error: Error) -> None:
-        """Tell the peer why it cannot stay (in its own framing), then close."""
-        try:
-            first = await asyncio.wait_for(self.reader.read(1), 2.0)
-            if first:
-                self.codec = (JsonLinesCodec if first == b"{" else MsgpackCodec)(ClientMessage)
-                self.send(error)
-                await asyncio.wait_for(self.writer.drain(), 2.0)
-        except (TimeoutError, ConnectionError):
-            pass
-        finally:
-            await self._close()
-
-    async def serve(self, codec: MsgpackCodec | JsonLinesCodec | None = None, held: list[bytes] = ()) -> None:
-        """Serve the connection to its end. `codec` and `held` (frames read but not yet
-        answered) continue a connection the loading responder took while the model loaded."""
-        try:
-            if codec is None:
-                data = await self._read(1)
-                if not data:
-                    return
-                self.codec = (JsonLinesCodec if data == b"{" else MsgpackCodec)(ClientMessage)
-            else:
-                self.codec, data = codec, b""
-            pending = list(held)
-            while data or pending:
-                try:
-                    frames = pending + self.codec.feed(data)
-                    pending = []
-                except FrameError as exc:
-                    self.send(Error(code="bad_frame", message=safe_message(exc)))
-                    return  # the stream cannot be resynchronised
-                for body in frames:
-                    await self._dispatch_frame(body)
-                    if self.closed:
-                        return
-                await self.writer.drain()
-                data = await self._read(1 << 16)
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        except Exception:
-            logger.exception("connection handler failed")
-        finally:
-            await self._close()
-
-    async def _dispatch_frame(self, body: bytes) -> None:
-        try:
-            message = self.codec.decode(body)
-        except msgspec.ValidationError as exc:
-            text = frame_error_message(exc)
-            if text.endswith("at `$.type`") or "missing required field `type`" in text:
-                self.send(Error(code="bad_request", message="unknown or missing message type"))
-            elif "`$.sampling" in text:
-                self.send(Error(code="invalid_params", message=text))
-            else:
-                self.send(Error(code="bad_request", message=text))
-            return
-        except (msgspec.DecodeError, UnicodeDecodeError):
-            what = "UTF-8 JSON" if self.codec.json else "msgpack (strings must be UTF-8)"
-            self.send(Error(code="bad_frame", message=f"frame is not valid {what}"))
-            return
-        try:
-            await self._dispatch(message)
-        except Exception:  # a bug must not take the connection's peer down with a traceback
-            logger.exception("internal error handling a %s message", type(message).__name__)
-            self.send(Error(code="internal", message="internal error; see the daemon log"))
-
-    async def _dispatch(self, message: object) -> None:
-        match message:
-            case Hello(protocol_version=version):
-                if version != PROTOCOL_VERSION:
-                    self.send(Error(code="unsupported_version",
-                                    message=f"protocol version {version} is not supported (this daemon speaks "
-                                            f"{PROTOCOL_VERSION})"))
-                    self.closed = True
-                    return
-                self.send(Welcome(protocol_version=PROTOCOL_VERSION, server_version=self.intake.server_version,
-                                  model=self.intake.model_name))
-            case Submit():
-                await self._submit(message)
-            case Abort(id=ident):
-                self._abort(ident)
-            case Status():
-                self.send(await self.intake.query("status", self.uid, self.admin))
-            case Metrics():
-                self.send(MetricsReply(await self.intake.query("metrics", self.uid, self.admin)))
-
-    async def _submit(self, submit: Submit) -> None:
-        intake = self.intake
-        if submit.id is not None and len(submit.id) > MAX_CLIENT_ID_CHARS:  # first: it is never echoed whole
-            self.send(Error(code="bad_request", message=f"id must have at most {MAX_CLIENT_ID_CHARS} characters"))
-            return
-        client_id = submit.id if submit.id is not None else f"c{next(self._local_ids)}"
-        sources = sum(x is not None for x in (submit.prompt, submit.messages, submit.token_ids))
-        if sources != 1:
-            self.send(Error(code="bad_request", id=client_id,
-                            message="exactly one of prompt, messages or token_ids is required"))
-            return
-        if client_id in self.requests:
-            self.send(Error(code="bad_request", id=client_id, message="id is already in use on this connection"))
-            return
-        sink = ConnectionSink(self, client_id, submit.stream)
-        result = await intake.admit(submit, self.uid, sink)
-        if isinstance(result, Error):
-            self.send(result)
-        elif sink.wanted:
-            self.requests[client_id] = sink
-            self.send(Accepted(id=client_id, request_id=sink.request_id, prompt_tokens=len(result.token_ids)))
-
-    def _abort(self, ident: str) -> None:
-        sink = self.requests.get(ident)
-        if sink is None:
-            entry = self.intake.registry.get(ident)
-            if entry is None:
-                self.send(Error(code="unknown_id", id=ident[:MAX_CLIENT_ID_CHARS], message="no such request in flight"))
-                return
-            sink, owner = entry
-            if owner != self.uid and not self.admin:
-                self.send(Error(code="forbidden", id=ident[:MAX_CLIENT_ID_CHARS],
-                                message="the request belongs to another user"))
-                return
-        self.intake.abort([sink.request_id])
-
-    async def _close(self) -> None:
-        self.closed = True
-        if self.requests:
-            self.intake.abort([s.request_id for s in self.requests.values()])
-        if self in self.intake.connections:
-            self.intake.connections.discard(self)
-            self.intake.connections_by_uid[self.uid] -= 1
-        try:
-            self.writer.close()
-            await self.writer.wait_closed()
-        except (ConnectionError, OSError):
-            pass
 
 
 class IntakeActor(Actor):
     name = "intake"
 
     def __init__(self, sock: socket.socket, input_processor: InputProcessor, *, scheduler: Actor,
-                 detokenizer: Actor, metrics: Actor, model_name: str, server_version: str,
-                 admin_group: str | None = "llmd-admin", max_pending_requests: int = 4096,
-                 prefix_cache_scope: str = "user", listen_backlog: int = 4096, max_connections: int = 4096,
-                 max_connections_per_user: int = 256, idle_timeout_s: float = 600.0,
-                 quotas: QuotaLimits = QuotaLimits()) -> None:
+                 detokenizer: Actor, metrics: Actor, model_name: str, server_version: str, config: DaemonConfig,
+                 max_connections: int) -> None:
+        """`config`: the operator's limits; `max_connections` is config's, capped by the
+        open-files limit."""
         super().__init__()
         self.sock = sock
         self.input_processor = input_processor
         self.scheduler = scheduler
         self.detokenizer = detokenizer
         self.metrics = metrics
-        self.model_name = model_name
-        self.server_version = server_version
-        self.admin_group = admin_group
-        self.max_pending_requests = max_pending_requests
-        self.prefix_cache_scope = prefix_cache_scope
-        self.listen_backlog = listen_backlog
-        self.max_connections = max_connections
-        self.max_connections_per_user = max_connections_per_user
-        self.idle_timeout_s = idle_timeout_s
-        self.quotas = Quotas(quotas)
-        self.connections_by_uid: collections.Counter[int] = collections.Counter()
-        self._last_refusal_log = -math.inf
+        self.welcome = Welcome(protocol_version=PROTOCOL_VERSION, server_version=server_version, model=model_name)
+        self.config = config
+        self.idle_timeout_s = config.idle_timeout_s
+        self.quotas = Quotas(QuotaLimits(requests_per_user=config.max_pending_requests_per_user,
+                                         requests_per_connection=config.max_pending_requests_per_connection,
+                                         tokens_per_user=config.max_pending_tokens_per_user))
         self.registry: dict[str, tuple[RequestSink, int]] = {}
-        self.connections: set[Connection] = set()
+        self.connections = OpenConnections(max_connections, config.max_connections_per_user)
         self.request_counter = itertools.count(1)
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="llmd-tokenize")
         self.large_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmd-tokenize-long")
@@ -332,7 +66,7 @@ class IntakeActor(Actor):
         # asyncio listens again on the socket it is given, with its own backlog of 100
         # unless told: 1,000 clients connecting at once would find the queue full.
         self._server = await asyncio.start_unix_server(self._on_connection, sock=self.sock, limit=1 << 16,
-                                                       backlog=self.listen_backlog)
+                                                       backlog=self.config.listen_backlog)
         try:
             await asyncio.Event().wait()
         finally:
@@ -347,27 +81,12 @@ class IntakeActor(Actor):
                     codec: MsgpackCodec | JsonLinesCodec | None = None, held: list[bytes] = ()) -> None:
         """Serve a connection: a new one, or one the loading responder hands over."""
         conn = Connection(self, reader, writer)
-        refusal = self._connection_refusal(conn.uid)
+        refusal = self.connections.refusal(conn.uid)
         if refusal is not None:
             await conn.refuse(refusal)
             return
         self.connections.add(conn)
-        self.connections_by_uid[conn.uid] += 1
         await conn.serve(codec, held)
-
-    def _connection_refusal(self, uid: int) -> Error | None:
-        """Why a new connection cannot be served (too many in all, or from its user), or None."""
-        if len(self.connections) >= self.max_connections:
-            reason = f"too many connections (limit {self.max_connections})"
-        elif self.connections_by_uid[uid] >= self.max_connections_per_user:
-            reason = f"too many connections from this user (limit {self.max_connections_per_user})"
-        else:
-            return None
-        now = time.monotonic()
-        if now - self._last_refusal_log >= 10.0:  # a storm of refusals logs one line per 10 s
-            self._last_refusal_log = now
-            logger.warning("refusing connections: %s (uid %d)", reason, uid)
-        return Error(code="overloaded", message=reason)
 
     async def admit(self, submit: Submit, uid: int, sink: RequestSink, *,
                     strict_max_tokens: bool = True) -> Error | PreparedRequest:
@@ -382,9 +101,9 @@ class IntakeActor(Actor):
                          message=f"cache_salt must have at most {MAX_CACHE_SALT_CHARS} characters")
         if self.draining:
             return Error(code="shutting_down", id=client_id, message="the daemon is shutting down")
-        if len(self.registry) >= self.max_pending_requests:
+        if len(self.registry) >= self.config.max_pending_requests:
             return Error(code="overloaded", id=client_id,
-                         message=f"too many requests in flight (limit {self.max_pending_requests})")
+                         message=f"too many requests in flight (limit {self.config.max_pending_requests})")
         chars = _prompt_chars(submit)
         if chars > self.input_processor.max_prompt_chars:
             return Error(code="invalid_params", id=client_id,
@@ -442,7 +161,7 @@ class IntakeActor(Actor):
         """The prefix-cache key's salt: per user unless the operator shares the cache, so
         one user's prompts are never a cache hit (a timing and `cached_tokens` oracle)
         for another."""
-        if self.prefix_cache_scope == "shared":
+        if self.config.prefix_cache_scope == "shared":
             return requested
         return f"uid={uid}" if requested is None else f"uid={uid}/{requested}"
 
@@ -467,20 +186,7 @@ class IntakeActor(Actor):
         return await reply
 
     def is_admin(self, uid: int, gid: int) -> bool:
-        if uid in (0, os.getuid()):
-            return True
-        if not self.admin_group:
-            return False
-        try:
-            group = grp.getgrnam(self.admin_group)
-        except KeyError:
-            return False
-        if gid == group.gr_gid:
-            return True
-        try:
-            return pwd.getpwuid(uid).pw_name in group.gr_mem
-        except KeyError:
-            return False
+        return is_admin(uid, gid, self.config.admin_group)
 
     def stop_accepting(self, close_listener: bool = True) -> None:
         """Drain: new requests are refused with `shutting_down`. With close_listener the
@@ -493,6 +199,13 @@ class IntakeActor(Actor):
     def live_request_ids(self) -> list[str]:
         return list(self.registry)
 
+    async def flush_connections(self, timeout: float) -> None:
+        """Write out every connection's buffered replies, within `timeout` for all."""
+        await self.connections.flush(timeout)
+
+    def close_connections(self) -> None:
+        self.connections.close_all()
+
 
 def _prompt_chars(submit: Submit) -> int:
     if submit.prompt is not None:
@@ -500,12 +213,3 @@ def _prompt_chars(submit: Submit) -> int:
     if submit.messages is not None:
         return sum(len(m.content) + len(m.role) for m in submit.messages)
     return 0
-
-
-def peer_ids(sock: socket.socket | None) -> tuple[int, int]:
-    """(uid, gid) of a Unix socket's peer (SO_PEERCRED); (-1, -1) when it cannot be told."""
-    try:
-        _pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-        return uid, gid
-    except (OSError, AttributeError):
-        return -1, -1

@@ -8,7 +8,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from llmd.actors.intake import IntakeActor, RequestSink
+from llmd.actors.intake import IntakeActor
+from llmd.actors.request_sink import RequestSink
 from llmd.http.errors import ApiError, from_intake
 from llmd.input_processor import PreparedRequest
 from llmd_client.protocol import Error, Output, Submit

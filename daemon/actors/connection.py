@@ -1,0 +1,284 @@
+"""One protocol connection, from its first byte to its close: the framing it speaks
+(msgpack frames, or JSON lines when the first byte is `{`), its messages decoded and
+dispatched, its requests (a closed connection aborts them all) and its idle timeout;
+and the table of open connections with its limits, in all and per user."""
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import math
+import time
+from typing import Protocol
+
+import msgspec
+
+from llmd.actors.error_text import frame_error_message, safe_message
+from llmd.actors.peer_credentials import peer_ids
+from llmd.actors.request_sink import RequestSink
+from llmd.input_processor import PreparedRequest
+from llmd_client.framing import FrameError, JsonLinesCodec, MsgpackCodec
+from llmd_client.protocol import (PROTOCOL_VERSION, Abort, Accepted, ClientMessage, Error, Hello, Metrics,
+                                  MetricsReply, Status, Submit, Welcome)
+
+logger = logging.getLogger("llmd.intake")
+MAX_CLIENT_ID_CHARS = 128
+
+
+class ConnectionOwner(Protocol):
+    """What a connection asks of the intake that accepted it."""
+
+    registry: dict[str, tuple[RequestSink, int]]
+    connections: OpenConnections
+    welcome: Welcome
+    idle_timeout_s: float
+
+    def is_admin(self, uid: int, gid: int) -> bool: ...
+
+    async def admit(self, submit: Submit, uid: int, sink: RequestSink) -> Error | PreparedRequest: ...
+
+    def abort(self, request_ids: list[str]) -> None: ...
+
+    async def query(self, kind: str, uid: int, admin: bool) -> object: ...
+
+
+class ConnectionSink(RequestSink):
+    """A request submitted on a protocol connection, under the connection's id for it."""
+
+    __slots__ = ("conn",)
+
+    def __init__(self, conn: Connection, client_id: str, stream: bool) -> None:
+        super().__init__(client_id, stream)
+        self.conn = conn
+
+    @property
+    def connection(self) -> object:
+        return self.conn
+
+    def send(self, message: object) -> None:
+        self.conn.send(message)
+
+    @property
+    def wanted(self) -> bool:
+        return not self.conn.closed
+
+    def finished(self) -> None:
+        self.conn.requests.pop(self.client_id, None)
+        super().finished()
+
+
+class Connection:
+    def __init__(self, intake: ConnectionOwner, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.intake = intake
+        self.reader = reader
+        self.writer = writer
+        self.codec: MsgpackCodec | JsonLinesCodec | None = None
+        self.requests: dict[str, RequestSink] = {}
+        self.closed = False
+        self.uid, self.gid = peer_ids(writer.get_extra_info("socket"))
+        self.admin = intake.is_admin(self.uid, self.gid)
+        self._local_ids = itertools.count(1)
+
+    def send(self, message: object) -> None:
+        # The peer may have gone before this connection's reader noticed: drop, don't raise
+        # (the reader's end-of-stream aborts the connection's requests).
+        if self.closed or self.codec is None or self.writer.is_closing():
+            return
+        self.writer.write(self.codec.encode(message))
+
+    async def _read(self, size: int) -> bytes:
+        """The next bytes from the peer; b"" at its end, or when it stayed silent for the
+        idle timeout with no request in flight (an idle connection holds a descriptor)."""
+        if self.requests:
+            return await self.reader.read(size)
+        try:
+            return await asyncio.wait_for(self.reader.read(size), self.intake.idle_timeout_s)
+        except TimeoutError:
+            return b""
+
+    async def refuse(self, error: Error) -> None:
+        """Tell the peer why it cannot stay (in its own framing), then close."""
+        try:
+            first = await asyncio.wait_for(self.reader.read(1), 2.0)
+            if first:
+                self.codec = (JsonLinesCodec if first == b"{" else MsgpackCodec)(ClientMessage)
+                self.send(error)
+                await asyncio.wait_for(self.writer.drain(), 2.0)
+        except (TimeoutError, ConnectionError):
+            pass
+        finally:
+            await self._close()
+
+    async def serve(self, codec: MsgpackCodec | JsonLinesCodec | None = None, held: list[bytes] = ()) -> None:
+        """Serve the connection to its end. `codec` and `held` (frames read but not yet
+        answered) continue a connection the loading responder took while the model loaded."""
+        try:
+            if codec is None:
+                data = await self._read(1)
+                if not data:
+                    return
+                self.codec = (JsonLinesCodec if data == b"{" else MsgpackCodec)(ClientMessage)
+            else:
+                self.codec, data = codec, b""
+            pending = list(held)
+            while data or pending:
+                try:
+                    frames = pending + self.codec.feed(data)
+                    pending = []
+                except FrameError as exc:
+                    self.send(Error(code="bad_frame", message=safe_message(exc)))
+                    return  # the stream cannot be resynchronised
+                for body in frames:
+                    await self._dispatch_frame(body)
+                    if self.closed:
+                        return
+                await self.writer.drain()
+                data = await self._read(1 << 16)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        except Exception:
+            logger.exception("connection handler failed")
+        finally:
+            await self._close()
+
+    async def _dispatch_frame(self, body: bytes) -> None:
+        try:
+            message = self.codec.decode(body)
+        except msgspec.ValidationError as exc:
+            text = frame_error_message(exc)
+            if text.endswith("at `$.type`") or "missing required field `type`" in text:
+                self.send(Error(code="bad_request", message="unknown or missing message type"))
+            elif "`$.sampling" in text:
+                self.send(Error(code="invalid_params", message=text))
+            else:
+                self.send(Error(code="bad_request", message=text))
+            return
+        except (msgspec.DecodeError, UnicodeDecodeError):
+            what = "UTF-8 JSON" if self.codec.json else "msgpack (strings must be UTF-8)"
+            self.send(Error(code="bad_frame", message=f"frame is not valid {what}"))
+            return
+        try:
+            await self._dispatch(message)
+        except Exception:  # a bug must not take the connection's peer down with a traceback
+            logger.exception("internal error handling a %s message", type(message).__name__)
+            self.send(Error(code="internal", message="internal error; see the daemon log"))
+
+    async def _dispatch(self, message: object) -> None:
+        match message:
+            case Hello(protocol_version=version):
+                if version != PROTOCOL_VERSION:
+                    self.send(Error(code="unsupported_version",
+                                    message=f"protocol version {version} is not supported (this daemon speaks "
+                                            f"{PROTOCOL_VERSION})"))
+                    self.closed = True
+                    return
+                self.send(self.intake.welcome)
+            case Submit():
+                await self._submit(message)
+            case Abort(id=ident):
+                self._abort(ident)
+            case Status():
+                self.send(await self.intake.query("status", self.uid, self.admin))
+            case Metrics():
+                self.send(MetricsReply(await self.intake.query("metrics", self.uid, self.admin)))
+
+    async def _submit(self, submit: Submit) -> None:
+        if submit.id is not None and len(submit.id) > MAX_CLIENT_ID_CHARS:  # first: it is never echoed whole
+            self.send(Error(code="bad_request", message=f"id must have at most {MAX_CLIENT_ID_CHARS} characters"))
+            return
+        client_id = submit.id if submit.id is not None else f"c{next(self._local_ids)}"
+        sources = sum(x is not None for x in (submit.prompt, submit.messages, submit.token_ids))
+        if sources != 1:
+            self.send(Error(code="bad_request", id=client_id,
+                            message="exactly one of prompt, messages or token_ids is required"))
+            return
+        if client_id in self.requests:
+            self.send(Error(code="bad_request", id=client_id, message="id is already in use on this connection"))
+            return
+        sink = ConnectionSink(self, client_id, submit.stream)
+        result = await self.intake.admit(submit, self.uid, sink)
+        if isinstance(result, Error):
+            self.send(result)
+        elif sink.wanted:
+            self.requests[client_id] = sink
+            self.send(Accepted(id=client_id, request_id=sink.request_id, prompt_tokens=len(result.token_ids)))
+
+    def _abort(self, ident: str) -> None:
+        sink = self.requests.get(ident)
+        if sink is None:
+            entry = self.intake.registry.get(ident)
+            if entry is None:
+                self.send(Error(code="unknown_id", id=ident[:MAX_CLIENT_ID_CHARS], message="no such request in flight"))
+                return
+            sink, owner = entry
+            if owner != self.uid and not self.admin:
+                self.send(Error(code="forbidden", id=ident[:MAX_CLIENT_ID_CHARS],
+                                message="the request belongs to another user"))
+                return
+        self.intake.abort([sink.request_id])
+
+    async def _close(self) -> None:
+        self.closed = True
+        if self.requests:
+            self.intake.abort([s.request_id for s in self.requests.values()])
+        self.intake.connections.discard(self)
+        try:
+            self.writer.close()
+            await self.writer.wait_closed()
+        except (ConnectionError, OSError):
+            pass
+
+
+class OpenConnections:
+    """The connections being served, counted in all and per user against their limits
+    (each holds a file descriptor; one user's flood of connections meets its own limit)."""
+
+    def __init__(self, max_connections: int, max_connections_per_user: int) -> None:
+        self.max_connections = max_connections
+        self.max_connections_per_user = max_connections_per_user
+        self._open: set[Connection] = set()
+        self._by_uid: collections.Counter[int] = collections.Counter()
+        self._last_refusal_log = -math.inf
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def refusal(self, uid: int) -> Error | None:
+        """Why a new connection cannot be served (too many in all, or from its user), or None."""
+        if len(self._open) >= self.max_connections:
+            reason = f"too many connections (limit {self.max_connections})"
+        elif self._by_uid[uid] >= self.max_connections_per_user:
+            reason = f"too many connections from this user (limit {self.max_connections_per_user})"
+        else:
+            return None
+        now = time.monotonic()
+        if now - self._last_refusal_log >= 10.0:  # a storm of refusals logs one line per 10 s
+            self._last_refusal_log = now
+            logger.warning("refusing connections: %s (uid %d)", reason, uid)
+        return Error(code="overloaded", message=reason)
+
+    def add(self, conn: Connection) -> None:
+        self._open.add(conn)
+        self._by_uid[conn.uid] += 1
+
+    def discard(self, conn: Connection) -> None:
+        if conn in self._open:
+            self._open.discard(conn)
+            self._by_uid[conn.uid] -= 1
+
+    async def flush(self, timeout: float) -> None:
+        """Write out what every connection still has buffered, under one deadline for all
+        (so a stop stays within bounds); a peer that went away is not an error here."""
+        flushes = [asyncio.ensure_future(conn.writer.drain()) for conn in list(self._open)]
+        if not flushes:
+            return
+        done, pending = await asyncio.wait(flushes, timeout=timeout)
+        for task in pending:
+            task.cancel()
+        for task in done:
+            task.exception()
+
+    def close_all(self) -> None:
+        for conn in list(self._open):
+            conn.writer.close()
