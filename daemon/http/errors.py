@@ -49,14 +49,3 @@ def param_of(message: str, params: dict[str, str] | None = None) -> str | None:
     if word not in _FIELDS:
         return None
     return (params or {}).get(word, word)
-
-
-def build_sampling(fields: dict[str, object], *, max_tokens: int | None,
-                   params: dict[str, str] | None = None) -> SamplingParams:
-    """SamplingParams from an API's fields (None: not given, the default applies;
-    max_tokens None: up to the context's end); a value out of range is a 400 naming the
-    API's own parameter."""
-    try:
-        return SamplingParams(max_tokens=max_tokens, **{k: v for k, v in fields.items() if v is not None})
-    except ValueError as exc:
-        raise from_value_error(exc, params) from None

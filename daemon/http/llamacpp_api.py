@@ -11,7 +11,8 @@ from aiohttp import web
 
 from llmd.http.bridge import Generation, engine_error, raise_for_error
 from llmd.http.context import ServedModel, decode_body
-from llmd.http.errors import ApiError, build_sampling
+from llmd.http.errors import ApiError
+from llmd.http.sampling import LlamaSampling, build_sampling
 from llmd.http.streams import EventStream, json_response
 from llmd_client.protocol import Output, SamplingParams, Submit
 
@@ -21,21 +22,12 @@ class ExtraChunk(msgspec.Struct):
     filename: str = ""
 
 
-class InfillRequest(msgspec.Struct, kw_only=True):
+class InfillRequest(LlamaSampling, kw_only=True):
     input_prefix: str = ""
     input_suffix: str = ""
     input_extra: list[ExtraChunk] = []
     prompt: str = ""  # the start of the middle, already typed
     n_predict: int = -1
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    stop: list[str] | None = None
-    seed: int | None = None
-    repeat_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     stream: bool = False
 
 
@@ -44,11 +36,8 @@ _STOP_TYPES = {"stop": "eos", "length": "limit"}
 
 
 def _sampling(body: InfillRequest) -> SamplingParams:
-    fields = dict(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p, stop=body.stop,
-                  seed=body.seed, repetition_penalty=body.repeat_penalty, presence_penalty=body.presence_penalty,
-                  frequency_penalty=body.frequency_penalty)
     max_tokens = None if body.n_predict < 0 else body.n_predict
-    return build_sampling(fields, max_tokens=max_tokens, params=_PARAMS)
+    return build_sampling(body.sampling_fields(), max_tokens=max_tokens, params=_PARAMS)
 
 
 def _final(served: ServedModel, out: Output, started: float, text: str) -> dict[str, Any]:

@@ -12,27 +12,19 @@ from aiohttp import web
 
 from llmd.http.bridge import Generation, engine_error, raise_for_error
 from llmd.http.context import ServedModel, decode_body
-from llmd.http.errors import ApiError, build_sampling
+from llmd.http.errors import ApiError
+from llmd.http.sampling import LlamaSampling, build_sampling
 from llmd.http.streams import NdjsonStream, json_response
 from llmd_client.protocol import ChatMessage, GuidedDecodingParams, Output, SamplingParams, Submit
 
 OLLAMA_VERSION = "0.12.0"  # the Ollama API version these endpoints follow
 
 
-class Options(msgspec.Struct, kw_only=True):
+class Options(LlamaSampling, kw_only=True):
     """Ollama's model options that sample; the rest (num_ctx, num_gpu, ...) are ignored,
     as they are load-time settings of a daemon that serves one loaded model."""
 
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
     num_predict: int | None = None
-    stop: list[str] | None = None
-    seed: int | None = None
-    repeat_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True):
@@ -85,9 +77,7 @@ def _sampling(options: Options | None, fmt: str | dict[str, Any] | None) -> Samp
         guided = GuidedDecodingParams(json_schema=fmt)
     elif fmt not in (None, ""):
         raise ApiError(400, 'format must be "json" or a JSON schema object', param="format")
-    fields = dict(temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, min_p=o.min_p, stop=o.stop, seed=o.seed,
-                  repetition_penalty=o.repeat_penalty, presence_penalty=o.presence_penalty,
-                  frequency_penalty=o.frequency_penalty, guided=guided)
+    fields = o.sampling_fields() | {"guided": guided}
     # Ollama's num_predict: -1 (or absent) means until the context is full.
     max_tokens = None if o.num_predict is None or o.num_predict < 0 else o.num_predict
     return build_sampling(fields, max_tokens=max_tokens, params=_PARAMS)

@@ -13,7 +13,8 @@ from aiohttp import web
 
 from llmd.http.bridge import Generation, engine_error, raise_for_error
 from llmd.http.context import ServedModel, decode_body
-from llmd.http.errors import ApiError, build_sampling
+from llmd.http.errors import ApiError
+from llmd.http.sampling import CommonSampling, build_sampling
 from llmd.http.streams import EventStream, json_response
 from llmd_client.protocol import ChatMessage, GuidedDecodingParams, Output, SamplingParams, Submit, TokenLogprob
 
@@ -34,25 +35,18 @@ class ResponseFormat(msgspec.Struct):
     json_schema: JsonSchemaFormat | None = None
 
 
-class _SamplingFields(msgspec.Struct, kw_only=True):
+class _SamplingFields(CommonSampling, kw_only=True):
     """Fields both endpoints take. Unknown fields are ignored (clients send many)."""
 
     model: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
     n: int = 1
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     response_format: ResponseFormat | None = None
     # vLLM's extra sampling fields
-    top_k: int | None = None
-    min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
@@ -104,13 +98,11 @@ def sampling_params(body: _SamplingFields, *, max_tokens: int | None, logprobs: 
                     prompt_logprobs: int | None = None) -> SamplingParams:
     if body.logit_bias:
         raise ApiError(400, "logit_bias is not supported", param="logit_bias", code="unsupported")
-    fields = dict(n=body.n, temperature=body.temperature, top_p=body.top_p, stop=body.stop, seed=body.seed,
-                  presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-                  top_k=body.top_k, min_p=body.min_p, repetition_penalty=body.repetition_penalty,
-                  min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, stop_token_ids=body.stop_token_ids,
-                  skip_special_tokens=body.skip_special_tokens,
-                  include_stop_str_in_output=body.include_stop_str_in_output,
-                  logprobs=logprobs, guided=guided, prompt_logprobs=prompt_logprobs)
+    fields = body.sampling_fields() | dict(
+        n=body.n, stop=body.stop, repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
+        ignore_eos=body.ignore_eos, stop_token_ids=body.stop_token_ids, skip_special_tokens=body.skip_special_tokens,
+        include_stop_str_in_output=body.include_stop_str_in_output, logprobs=logprobs, guided=guided,
+        prompt_logprobs=prompt_logprobs)
     return build_sampling(fields, max_tokens=max_tokens, params=params)
 
 
