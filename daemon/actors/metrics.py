@@ -31,7 +31,11 @@ COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.
 
 
 class Histogram:
-    def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+    """Observations counted into buckets, exposed as the Prometheus histogram `llmd:<name>`."""
+
+    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+        self.name = name
+        self.help_text = help_text
         self.buckets = buckets
         self.counts = [0] * (len(buckets) + 1)
         self.sum = 0.0
@@ -79,31 +83,39 @@ class MetricsActor(Actor):
     def __init__(self, *, model: str, server_version: str, device: str, dtype: str, kv_blocks_total: int,
                  health_stall_s: float = 60.0) -> None:
         super().__init__()
+        self.started = time.monotonic()
         self.health_stall_s = health_stall_s
         self.model = model
         self.server_version = server_version
         self.device = device
         self.dtype = dtype
-        self.started = time.monotonic()
         self.requests: dict[str, _Tracked] = {}
         self.totals = _Totals()
         self.last_step: StepStats | None = None
         self.kv_blocks_total = kv_blocks_total
         self.recent_tokens: collections.deque[tuple[float, int]] = collections.deque()
-        self.ttft = Histogram()
-        self.e2e = Histogram()
-        self.queue_time = Histogram()
-        self.tpot = Histogram()
-        self.prefill_time = Histogram()
-        self.decode_time = Histogram()
-        self.inference_time = Histogram()
-        self.itl = Histogram()
-        self.step_time = Histogram()
-        self.prompt_tokens = Histogram(TOKEN_BUCKETS)
-        self.generation_tokens = Histogram(TOKEN_BUCKETS)
-        self.step_tokens = Histogram(STEP_TOKEN_BUCKETS)
-        self.batch_size = Histogram(BATCH_BUCKETS)
-        self.grammar_compile = Histogram(COMPILE_BUCKETS)
+        # Per request (exposed in this order).
+        self.ttft = Histogram("time_to_first_token_seconds", "Time from arrival to the first token.")
+        self.e2e = Histogram("e2e_request_latency_seconds", "End-to-end request latency.")
+        self.queue_time = Histogram("request_queue_time_seconds", "Time from arrival to first scheduled.")
+        self.prefill_time = Histogram("request_prefill_time_seconds", "Time from first scheduled to the first token.")
+        self.decode_time = Histogram("request_decode_time_seconds", "Time from the first token to the end.")
+        self.inference_time = Histogram("request_inference_time_seconds", "Time from first scheduled to the end.")
+        self.tpot = Histogram("request_time_per_output_token_seconds",
+                              "Per request: mean time per output token after the first.")
+        self.itl = Histogram("inter_token_latency_seconds", "Time between steps that gave a request tokens.")
+        self.prompt_tokens = Histogram("request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_BUCKETS)
+        self.generation_tokens = Histogram("request_generation_tokens", "Generated tokens per finished request.",
+                                           TOKEN_BUCKETS)
+        # Per engine step.
+        self.step_tokens = Histogram("iteration_tokens_total", "Tokens scheduled per engine step.", STEP_TOKEN_BUCKETS)
+        self.batch_size = Histogram("batch_size", "Requests per engine step.", BATCH_BUCKETS)
+        self.step_time = Histogram("step_duration_seconds", "Engine step duration.")
+        self.grammar_compile = Histogram("grammar_compile_seconds", "Guided decoding grammar compile time.",
+                                         COMPILE_BUCKETS)
+        self.histograms = (self.ttft, self.e2e, self.queue_time, self.prefill_time, self.decode_time,
+                           self.inference_time, self.tpot, self.itl, self.prompt_tokens, self.generation_tokens,
+                           self.step_tokens, self.batch_size, self.step_time, self.grammar_compile)
         self.spec: SpecDecodeStats | None = None
         self.device_memory_bytes: int | None = None
         self.engine = EngineState("serving")
@@ -288,7 +300,6 @@ def _spec_info(spec: SpecDecodeStats | None) -> SpecDecodeInfo | None:
                           acceptance_rate=spec.acceptance_rate, mean_accepted_length=spec.mean_accepted_length)
 
 
-
 FINISH_REASONS = ("stop", "length", "abort", "error")  # always exposed, 0 until seen
 
 
@@ -346,25 +357,9 @@ class PrometheusCollector:
                        model, totals.decode_tokens)
 
     def _histograms(self) -> Iterator[Metric]:
-        actor = self.actor
-        for name, histogram, text in (
-                ("time_to_first_token_seconds", actor.ttft, "Time from arrival to the first token."),
-                ("e2e_request_latency_seconds", actor.e2e, "End-to-end request latency."),
-                ("request_queue_time_seconds", actor.queue_time, "Time from arrival to first scheduled."),
-                ("request_prefill_time_seconds", actor.prefill_time, "Time from first scheduled to the first token."),
-                ("request_decode_time_seconds", actor.decode_time, "Time from the first token to the end."),
-                ("request_inference_time_seconds", actor.inference_time, "Time from first scheduled to the end."),
-                ("request_time_per_output_token_seconds", actor.tpot,
-                 "Per request: mean time per output token after the first."),
-                ("inter_token_latency_seconds", actor.itl, "Time between steps that gave a request tokens."),
-                ("request_prompt_tokens", actor.prompt_tokens, "Prompt tokens per finished request."),
-                ("request_generation_tokens", actor.generation_tokens, "Generated tokens per finished request."),
-                ("iteration_tokens_total", actor.step_tokens, "Tokens scheduled per engine step."),
-                ("batch_size", actor.batch_size, "Requests per engine step."),
-                ("step_duration_seconds", actor.step_time, "Engine step duration."),
-                ("grammar_compile_seconds", actor.grammar_compile, "Guided decoding grammar compile time.")):
-            family = HistogramMetricFamily(f"llmd:{name}", text, labels=["model_name"])
-            family.add_metric([actor.model], histogram.cumulative_buckets(), histogram.sum)
+        for histogram in self.actor.histograms:
+            family = HistogramMetricFamily(f"llmd:{histogram.name}", histogram.help_text, labels=["model_name"])
+            family.add_metric([self.actor.model], histogram.cumulative_buckets(), histogram.sum)
             yield family
 
     def _spec_decode(self) -> Iterator[Metric]:
