@@ -26,6 +26,13 @@ from llmd.gpu.tp import (ParallelLMHead, RowParallelLinear, TPShape, VocabParall
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+# Checkpoint projections llmd fuses: checkpoint name part -> (fused name part, shard index).
+FUSED_SHARDS = {
+    ".q_proj.": (".qkv_proj.", 0), ".k_proj.": (".qkv_proj.", 1), ".v_proj.": (".qkv_proj.", 2),
+    ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1),
+}
+# Fused parameter name part -> its number of shards.
+FUSED_PARTS = {".qkv_proj.": 3, ".gate_up_proj.": 2}
 
 
 class DecoderAttention(nn.Module):
@@ -136,6 +143,15 @@ def windows_from_layer_types(architecture: str, config: Any, layer_types: list[s
     return [window if t == SLIDING_ATTENTION else None for t in layer_types]
 
 
+def _loaded_keys(name: str) -> list[str]:
+    """The keys load_weights records for parameter `name`: one per shard of a fused
+    projection (each is loaded on its own), else the name itself."""
+    for part, count in FUSED_PARTS.items():
+        if part in name:
+            return [f"{name}#{i}" for i in range(count)]
+    return [name]
+
+
 class LlamaForCausalLM(nn.Module):
     """Also the base of Mistral (a sliding window), Qwen2 (qkv_bias=True) and Qwen3
     (qk_norm=True)."""
@@ -237,10 +253,6 @@ class LlamaForCausalLM(nn.Module):
         """Copy checkpoint tensors in, fusing q/k/v and gate/up; raise on missing or
         unexpected names so a wrong checkpoint fails loudly."""
         params = dict(self.named_parameters(remove_duplicate=False))
-        fused = {  # checkpoint suffix -> (our suffix, shard index)
-            ".q_proj.": (".qkv_proj.", 0), ".k_proj.": (".qkv_proj.", 1), ".v_proj.": (".qkv_proj.", 2),
-            ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1),
-        }
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
@@ -248,53 +260,53 @@ class LlamaForCausalLM(nn.Module):
             name = name.removeprefix("model.")
             if name.startswith("lm_head.") and self.tie_word_embeddings:
                 continue
-            for src, (dst, shard) in fused.items():
-                if src in name:
-                    target_name = name.replace(src, dst)
-                    target = params.get(target_name)
-                    if target is None:
-                        raise ValueError(f"unexpected weight {name!r} in checkpoint")
-                    offset, size = self._shard_range(target_name, shard)
-                    if tensor.shape[0] != size:
-                        raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {size} rows")
-                    with torch.no_grad():
-                        target.data[offset:offset + size].copy_(tensor)
-                    loaded.add(f"{target_name}#{shard}")
-                    break
+            fused = next(((src, dst, shard) for src, (dst, shard) in FUSED_SHARDS.items() if src in name), None)
+            if fused is not None:
+                loaded.add(self._load_shard(params, name, tensor, *fused))
             else:
-                target = params.get(name)
-                if target is None:
-                    raise ValueError(f"unexpected weight {name!r} in checkpoint")
-                if ".qkv_proj." in name or ".gate_up_proj." in name:  # stored fused (Phi-3): every shard
-                    parts = 3 if ".qkv_proj." in name else 2
-                    loaded.update(f"{name}#{i}" for i in range(parts))
-                if (self.tp is not None and name in ("embed_tokens.weight", "lm_head.weight")
-                        and tensor.shape[0] < target.shape[0] and tensor.shape[1:] == target.shape[1:]):
-                    # The last rank's vocab slice is padded to the common size with zeros.
-                    with torch.no_grad():
-                        target.data[:tensor.shape[0]].copy_(tensor)
-                        target.data[tensor.shape[0]:].zero_()
-                    loaded.add(name)
-                    continue
-                if target.shape != tensor.shape:
-                    raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
-                                     f"expected {tuple(target.shape)}")
-                with torch.no_grad():
-                    target.data.copy_(tensor)
-                loaded.add(name)
-        missing = []
-        for name in params:
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue
-            if ".qkv_proj." in name:
-                need = [f"{name}#{i}" for i in range(3)]
-            elif ".gate_up_proj." in name:
-                need = [f"{name}#{i}" for i in range(2)]
-            else:
-                need = [name]
-            missing += [n for n in need if n not in loaded]
+                loaded.update(self._load_whole(params, name, tensor))
+        missing = [key for name in params if not (name == "lm_head.weight" and self.tie_word_embeddings)
+                   for key in _loaded_keys(name) if key not in loaded]
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {missing[0]!r}")
+
+    def _load_shard(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor,
+                    src: str, dst: str, shard: int) -> str:
+        """Copy a checkpoint's q, k, v, gate or up projection into its rows of the fused
+        parameter; returns the key that records this shard as loaded."""
+        target_name = name.replace(src, dst)
+        target = params.get(target_name)
+        if target is None:
+            raise ValueError(f"unexpected weight {name!r} in checkpoint")
+        offset, size = self._shard_range(target_name, shard)
+        if tensor.shape[0] != size:
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {size} rows")
+        with torch.no_grad():
+            target.data[offset:offset + size].copy_(tensor)
+        return f"{target_name}#{shard}"
+
+    def _load_whole(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> list[str]:
+        """Copy a tensor that is one parameter as it stands (a fused projection stored
+        fused, as Phi-3 does, loads every shard); returns the keys it records as loaded."""
+        target = params.get(name)
+        if target is None:
+            raise ValueError(f"unexpected weight {name!r} in checkpoint")
+        keys = [name]
+        if any(part in name for part in FUSED_PARTS):  # stored fused (Phi-3): every shard
+            keys += _loaded_keys(name)
+        if (self.tp is not None and name in ("embed_tokens.weight", "lm_head.weight")
+                and tensor.shape[0] < target.shape[0] and tensor.shape[1:] == target.shape[1:]):
+            # The last rank's vocab slice is padded to the common size with zeros.
+            with torch.no_grad():
+                target.data[:tensor.shape[0]].copy_(tensor)
+                target.data[tensor.shape[0]:].zero_()
+            return keys
+        if target.shape != tensor.shape:
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(target.shape)}")
+        with torch.no_grad():
+            target.data.copy_(tensor)
+        return keys
 
     def _shard_range(self, fused_name: str, shard: int) -> tuple[int, int]:
         if ".qkv_proj." in fused_name:
