@@ -136,7 +136,25 @@ class FreeBlockQueue:
         assert count == self.num_free_blocks, f"free count {self.num_free_blocks} != {count} linked"
 
 
-class BlockPool:
+class BlockUsage:
+    """How full a pool of blocks is, read from its free queue. The pool answers it, and so
+    does the KV cache manager that owns the pool (the scheduler and the metrics ask the
+    manager), from the same queue."""
+
+    num_blocks: int
+    free_block_queue: FreeBlockQueue
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (free cached blocks count as free)."""
+        return 1.0 - self.free_block_queue.num_free_blocks / self.num_blocks
+
+
+class BlockPool(BlockUsage):
     """All blocks, the free queue, and the hash map of cached full blocks."""
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
@@ -148,15 +166,6 @@ class BlockPool:
         self.free_block_queue = FreeBlockQueue(self.blocks)
         # One block per hash: the first block cached under a hash keeps it.
         self.cached_block_map: dict[int, KVCacheBlock] = {}
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.free_block_queue.num_free_blocks
-
-    @property
-    def usage(self) -> float:
-        """Fraction of blocks held by requests (free cached blocks count as free)."""
-        return 1.0 - self.free_block_queue.num_free_blocks / self.num_blocks
 
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
         """Take `n` blocks from the head of the free queue, each with ref_cnt 1."""

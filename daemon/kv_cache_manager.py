@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from llmd.block_pool import BlockPool, KVCacheBlock
+from llmd.block_pool import BlockPool, BlockUsage, KVCacheBlock
 from llmd.request import Request
 
 _encoder = msgspec.msgpack.Encoder()
@@ -50,27 +50,18 @@ class _RequestBlocks:
         self.num_cached_blocks = 0
 
 
-class KVCacheManager:
+class KVCacheManager(BlockUsage):
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
+        # The pool's size and free queue: BlockUsage reads num_free_blocks and usage from them.
+        self.num_blocks = self.block_pool.num_blocks
+        self.free_block_queue = self.block_pool.free_block_queue
         self.prefix_cache_stats = PrefixCacheStats()
         self._held: dict[str, _RequestBlocks] = {}
-
-    @property
-    def num_blocks(self) -> int:
-        return self.block_pool.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.block_pool.num_free_blocks
-
-    @property
-    def usage(self) -> float:
-        return self.block_pool.usage
 
     # -- prefix cache lookup --------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
