@@ -17,7 +17,7 @@ from llmd.config import EngineConfig
 from llmd.detokenizer.output_processor import OutputProcessor
 from llmd.engine_core import EngineCore, Idle
 from llmd.engine_setup import num_kv_blocks, prepare_model
-from llmd.executor import Executor, ExecutorError, make_executor
+from llmd.executor import Executor, ExecutorError
 from llmd.input_processor import InputProcessor
 from llmd.load_progress import LoadProgress
 from llmd.outputs import RequestOutput
@@ -56,6 +56,8 @@ class LLMEngine:
             _warn_if_scheduler_competes_for_cores(config)
 
     def _make_executor(self) -> Executor:
+        from llmd.gpu.executors import make_executor  # torch: loaded with the model, not with this module
+
         return make_executor(self.config, self.model_dir, self._runner_settings, self.device, self.dtype,
                              progress=self._progress)
 

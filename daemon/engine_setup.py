@@ -70,7 +70,7 @@ def prepare_model(config: EngineConfig, progress: LoadProgress | None = None) ->
 
 
 def _runner_settings(config: EngineConfig, hf_config: Any, tokenizer: Any, max_model_len: int) -> Any:
-    from llmd.gpu.model_runner import RunnerSettings
+    from llmd.gpu.runner_types import RunnerSettings
 
     spec = config.speculative_config
     draft_model = spec.draft_model if spec is not None and spec.method == "draft_model" else None

@@ -4,15 +4,14 @@ An executor runs SchedulerOutputs on the model and returns RunnerOutputs. Two ex
 both in daemon/gpu (they hold torch): `InProcessExecutor` calls the model runner in this
 process (offline engine, tests, debugging); `MultiprocExecutor` drives one worker
 process per device (tensor parallelism; the daemon's default). `make_executor` picks
-one from the engine settings; the engine sees only the `Executor` protocol. This module
-imports no torch, so the scheduler side can catch ExecutorError without it."""
+one from the engine settings (gpu/executors.py); the engine sees only the `Executor`
+protocol. This module imports no torch, so the scheduler side can catch ExecutorError
+without it."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from llmd.config import EngineConfig
-    from llmd.load_progress import LoadProgress
     from llmd.step_messages import RunnerOutput, SchedulerOutput
 
 
@@ -54,17 +53,3 @@ class Executor(Protocol):
 
     def shutdown(self) -> None:
         """Stop the workers and free the KV cache. Safe on a failed executor."""
-
-
-def make_executor(config: EngineConfig, model_dir: str, settings: Any, device: Any, dtype: Any,
-                  progress: LoadProgress | None = None) -> Executor:
-    """The executor the settings ask for: worker processes ("mp", one per TP rank) or
-    the model in this process. `settings` is the runner's RunnerSettings."""
-    if config.distributed_executor_backend == "mp":
-        from llmd.gpu.mp_executor import MultiprocExecutor
-        if progress is not None:  # the workers load the weights, unseen from here
-            progress.begin("workers")
-        return MultiprocExecutor(model_dir, settings, device, dtype, world_size=config.tensor_parallel_size,
-                                 step_deadline=config.step_deadline_s)
-    from llmd.gpu.inprocess_executor import InProcessExecutor
-    return InProcessExecutor(model_dir, settings, device, dtype, progress=progress)
