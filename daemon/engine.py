@@ -28,6 +28,16 @@ from llmd_client.protocol import SamplingParams
 logger = logging.getLogger("llmd.engine")
 
 
+class _CoreAttribute:
+    """An attribute of the engine's EngineCore, read through the engine."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, engine: LLMEngine | None, owner: type | None = None) -> Any:
+        return self if engine is None else getattr(engine.core, self.name)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: LoadProgress | None = None) -> None:
         """`progress` follows the load (the daemon shows it in status and as a bar)."""
@@ -81,25 +91,11 @@ class LLMEngine:
         return num_blocks
 
     # What tests and tools look at; the core owns them.
-    @property
-    def scheduler(self):
-        return self.core.scheduler
-
-    @property
-    def kv_cache_manager(self):
-        return self.core.kv_cache_manager
-
-    @property
-    def pipeline(self):
-        return self.core.pipeline
-
-    @property
-    def structured(self):
-        return self.core.structured
-
-    @property
-    def executor(self) -> Executor:
-        return self.core.executor
+    scheduler = _CoreAttribute()
+    kv_cache_manager = _CoreAttribute()
+    pipeline = _CoreAttribute()
+    structured = _CoreAttribute()
+    executor = _CoreAttribute()
 
     # -- requests -------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int],

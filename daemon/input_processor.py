@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
+from typing import Any
 
 import msgspec
 
@@ -27,15 +28,17 @@ class PreparedRequest:
         return [c.request_id for c in self.children]
 
 
+@dataclass(eq=False)
 class InputProcessor:
-    def __init__(self, tokenizer, *, max_model_len: int, vocab_size: int, max_logprobs: int,
-                 eos_token_id: int | None, extra_stop_token_ids: set[int]) -> None:
-        self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
-        self.vocab_size = vocab_size
-        self.max_logprobs = max_logprobs
-        self.eos_token_id = eos_token_id
-        self.extra_stop_token_ids = extra_stop_token_ids
+    """The model's limits a prompt is checked against, and its tokenizer."""
+
+    tokenizer: Any
+    _: KW_ONLY
+    max_model_len: int
+    vocab_size: int
+    max_logprobs: int
+    eos_token_id: int | None
+    extra_stop_token_ids: set[int]
 
     @functools.cached_property
     def max_prompt_chars(self) -> int:

@@ -6,8 +6,8 @@ from typing import Any
 
 import msgspec
 
+from llmd.engine_core import EngineStats
 from llmd.scheduler import RequestUpdate
-from llmd.spec_decode import SpecDecodeStats
 
 
 class AddRequest(msgspec.Struct):
@@ -93,8 +93,9 @@ class RequestEvent(msgspec.Struct):
     finish_reason: str | None = None
 
 
-class StepStats(msgspec.Struct):
-    """scheduler -> metrics, once per step."""
+class StepStats(EngineStats, kw_only=True):
+    """scheduler -> metrics, once per step (or after a change between steps): the step's
+    figures beside the engine's (EngineStats; grammar compile times since the last one)."""
 
     time: float
     duration_s: float
@@ -104,17 +105,6 @@ class StepStats(msgspec.Struct):
     num_decode_reqs: int
     num_generated: int
     generated: dict[str, int]  # scheduler (child) id -> tokens it gained this step
-    running_ids: list[str]
-    num_waiting: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    prefix_queries: int
-    prefix_hits: int
-    num_preemptions_total: int
-    # Grammar compiles that ended since the last StepStats, in seconds.
-    grammar_compile_times: list[float] = []
-    # Speculative decoding totals since start (a copy); None when it is off.
-    spec: SpecDecodeStats | None = None
     device_memory_bytes: int | None = None  # see RunnerOutput.device_memory_bytes
 
 

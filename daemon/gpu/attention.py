@@ -176,9 +176,10 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     kv_cache[1].view(kvh, num_blocks * block_size, d).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
-class TorchAttention:
-    """Reference paged attention in PyTorch (SDPA). sliding_window: this layer's window
-    (None: full attention); softcap: its attention logit soft-cap (None: none)."""
+class AttentionLayer:
+    """What a backend's attention layer is told of its heads (the constructor every
+    backend shares). sliding_window: this layer's window (None: full attention);
+    softcap: its attention logit soft-cap (None: none)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None, softcap: float | None = None) -> None:
@@ -190,6 +191,10 @@ class TorchAttention:
         self.scale = scale
         self.sliding_window = sliding_window
         self.softcap = softcap
+
+
+class TorchAttention(AttentionLayer):
+    """Reference paged attention in PyTorch (SDPA)."""
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:

@@ -30,7 +30,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from llmd.gpu.attention import AttentionMetadata, check_softcap, check_window, write_kv
+from llmd.gpu.attention import AttentionLayer, AttentionMetadata, write_kv
 
 FLASH_PAGE_MULTIPLE = 256
 
@@ -83,28 +83,19 @@ def _flash_rows(md: AttentionMetadata, block_size: int, device: torch.device) ->
     return md.flash_rows
 
 
-class FlashAttention:
-    """Paged attention through flash-attn's varlen kernel; the contract of TorchAttention.
-    sliding_window: this layer's window (None: full attention); softcap: its attention
-    logit soft-cap (None: none)."""
+class FlashAttention(AttentionLayer):
+    """Paged attention through flash-attn's varlen kernel; the contract of TorchAttention."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None, softcap: float | None = None) -> None:
-        check_window(sliding_window)
-        check_softcap(softcap)
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window, softcap)
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         if head_dim % 8 or head_dim > 256:
             raise ValueError(f"attention_backend 'flash_attn' takes head_dim a multiple of 8 up to 256, "
                              f"not {head_dim}; use 'triton' or 'torch'")
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.scale = scale
-        self.sliding_window = sliding_window
         # flash-attn's (left, right) reach from a query's own position; -1 is unbounded.
         self.window_size = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
-        self.softcap = softcap
         self._varlen = flash_varlen()
         # Passed only when set, so a flash-attn without the argument still runs the rest.
         self._extra = {} if softcap is None else {"softcap": float(softcap)}

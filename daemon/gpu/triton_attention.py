@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmd.gpu.attention import AttentionMetadata, check_softcap, check_window
+from llmd.gpu.attention import AttentionLayer, AttentionMetadata
 
 # Whether the kernels below run in Triton's interpreter. Decided when they were
 # decorated (this module's import), from TRITON_INTERPRET.
@@ -259,7 +259,7 @@ def _prefill_rows(md: AttentionMetadata, device: torch.device) -> tuple[torch.Te
     return md.prefill_rows
 
 
-class TritonAttention:
+class TritonAttention(AttentionLayer):
     """Paged attention in Triton kernels; the contract of TorchAttention.
 
     sliding_window: this layer's window (None: full attention); softcap: its attention
@@ -270,19 +270,12 @@ class TritonAttention:
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None, softcap: float | None = None,
                  decode_splits: int | None = None) -> None:
-        check_window(sliding_window)
-        check_softcap(softcap)
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window, softcap)
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         if decode_splits is not None and not 1 <= decode_splits <= MAX_SPLITS:
             raise ValueError(f"decode_splits must be in [1, {MAX_SPLITS}], got {decode_splits}")
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.scale = scale
         self.decode_splits = decode_splits
-        self.sliding_window = sliding_window
-        self.softcap = softcap
         group = num_heads // num_kv_heads
         self.group = group
         # tl.dot wants every tile side >= 16.
