@@ -11,7 +11,8 @@ import pytest
 
 PACKAGES = ["llmd", "llmd_client", "llmd_tools"]
 PURE = ["llmd.scheduler", "llmd.kv_cache_manager", "llmd.block_pool", "llmd.detokenizer.incremental",
-        "llmd.request", "llmd.request_queue", "llmd.step_messages", "llmd.config", "llmd_client"]
+        "llmd.request", "llmd.request_queue", "llmd.step_messages", "llmd.config", "llmd_client",
+        "llmd.engine_core", "llmd.step_builder", "llmd.stop_checks", "llmd.engine_setup", "llmd.executor"]
 
 
 def all_modules() -> list[str]:
