@@ -105,6 +105,8 @@ def triton_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     tokens, top_k = topk_ids.shape
     num_experts, hidden = w13.shape[0], x.shape[1]
     num_pairs = tokens * top_k
+    if num_pairs == 0:  # an empty grid cannot launch
+        return torch.zeros_like(x)
     blocks = block_sizes(num_pairs, num_experts)
     work = moe_align_block_size(topk_ids, blocks[0], num_experts)
     x = x.contiguous()

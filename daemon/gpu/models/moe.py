@@ -180,11 +180,6 @@ class MoeForCausalLM(LlamaForCausalLM):
         """Layer index -> its sparse block."""
         return {i: layer.mlp for i, layer in enumerate(self.layers) if isinstance(layer.mlp, SparseMoeBlock)}
 
-    def set_expert_kernel(self, use_triton: bool | None) -> None:
-        """Force the experts' implementation (tests, benchmarks); None: by device."""
-        for block in self.sparse_blocks().values():
-            block.use_triton = use_triton
-
     def shard_checkpoint_tensor(self, name: str, sl: Any) -> torch.Tensor:
         """Expert and shared-expert tensors cut along their intermediate dimension, the
         router and shared-expert gate whole; anything else as for the dense model."""
