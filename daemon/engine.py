@@ -166,16 +166,16 @@ class LLMEngine:
 
     def get_stats(self) -> dict[str, Any]:
         stats = self.core.stats()
-        queries, hits = stats.prefix_queries, stats.prefix_hits
+        prefix = self.kv_cache_manager.prefix_cache_stats
         return {
             "num_running": len(stats.running_ids),
             "num_waiting": stats.num_waiting,
             "num_preemptions": stats.num_preemptions_total,
             "kv_usage": self.kv_cache_manager.usage,
             "num_blocks": self.num_blocks,
-            "prefix_cache_queries": queries,
-            "prefix_cache_hits": hits,
-            "prefix_cache_hit_rate": self.kv_cache_manager.prefix_cache_stats.hit_rate,
+            "prefix_cache_queries": prefix.queries,
+            "prefix_cache_hits": prefix.hits,
+            "prefix_cache_hit_rate": prefix.hit_rate,
         }
 
 

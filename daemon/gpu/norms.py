@@ -55,7 +55,3 @@ def act_and_mul(gate_up: torch.Tensor, act: Callable[[torch.Tensor], torch.Tenso
     """act(gate) * up of a fused [gate | up] projection."""
     gate, up = gate_up.chunk(2, dim=-1)
     return act(gate) * up
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    return act_and_mul(gate_up, F.silu)
