@@ -29,6 +29,7 @@ hidden, inter]` the fused kernel reads.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -151,7 +152,14 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def moe_spec(cls, config: Any) -> MoeSpec:
-        raise NotImplementedError
+        """How this architecture's config describes its experts; each registered
+        subclass reads its own fields (this base class is never registered)."""
+        raise NotImplementedError(f"{cls.__name__} does not say how its config describes its experts")
+
+    @functools.cached_property
+    def spec(self) -> MoeSpec:
+        """This model's MoeSpec, read from its config once."""
+        return self.moe_spec(self.config)
 
     @classmethod
     def check_config(cls, config: Any) -> None:
@@ -163,7 +171,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         return self.qkv_bias or bool(getattr(self.config, "attention_bias", False))
 
     def make_layer(self, index: int, window: int | None, tp: TPShape | None, attention_backend: str) -> nn.Module:
-        spec = self.moe_spec(self.config)
+        spec = self.spec
         activation = getattr(self.config, "hidden_act", "silu")
         if spec.sparse_layers[index]:
             mlp: nn.Module = SparseMoeBlock(self.config.hidden_size, spec, tp, activation)
@@ -171,8 +179,9 @@ class MoeForCausalLM(LlamaForCausalLM):
             mlp = DecoderMLP(self.config, tp, activation)
         return MoeDecoderLayer(self.config, mlp, self.layer_qkv_bias(), self.qk_norm, tp, attention_backend, window)
 
+    @functools.cached_property
     def expert_tensor_names(self) -> ExpertTensorNames:
-        spec = self.moe_spec(self.config)
+        spec = self.spec
         return ExpertTensorNames(self.expert_projections, self.checkpoint_renames, spec.expert_size,
                                  spec.shared_expert_size)
 
@@ -184,7 +193,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         """Expert and shared-expert tensors cut along their intermediate dimension, the
         router and shared-expert gate whole; anything else as for the dense model."""
         if self.tp is not None:
-            piece = self.expert_tensor_names().shard(name, sl, self.tp)
+            piece = self.expert_tensor_names.shard(name, sl, self.tp)
             if piece is not None:
                 return piece
         return super().shard_checkpoint_tensor(name, sl)
@@ -193,7 +202,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         """Expert tensors into the stacked parameters; everything else, and then each
         completed stacked parameter, through the dense model's loader (whose check for
         missing and unexpected names then covers the experts too)."""
-        super().load_weights(ExpertWeightLoader(self, self.expert_tensor_names()).stream(weights))
+        super().load_weights(ExpertWeightLoader(self, self.expert_tensor_names).stream(weights))
 
 
 class _QwenMoe(MoeForCausalLM):
