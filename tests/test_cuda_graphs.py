@@ -74,7 +74,7 @@ class KVWatch:
 
 
 def make_llm(graphs: bool, **settings) -> LLM:
-    settings = {"num_gpu_blocks_override": 256, "max_model_len": 256, **settings}
+    settings = {"device": "cpu", "num_gpu_blocks_override": 256, "max_model_len": 256, **settings}
     llm = LLM(model=str(fixture_path("tiny-llama")), **settings)
     if graphs:
         llm.engine.executor.runner.init_decode_graphs(emulate=True)

@@ -151,7 +151,7 @@ def test_emulated_decode_graphs_match_hf() -> None:
 def test_tensor_parallel_matches_hf(name: str) -> None:
     """TP=2 over gloo: each rank one of the two kv heads (Phi-3's rows cut out of its
     fused qkv and gate_up tensors), the vocab split in two for embedding and LM head."""
-    llm = make_llm(name, tensor_parallel_size=2, max_num_batched_tokens=48)
+    llm = make_llm(name, tensor_parallel_size=2, max_num_batched_tokens=48, device="cpu")
     try:
         check_against_hf(name, generate(llm, name))
         assert_all_free(llm)

@@ -30,7 +30,7 @@ from test_engine_vs_hf import TEXTS
 
 MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
-SETTINGS = dict(dtype="float32", num_gpu_blocks_override=128, max_model_len=256)
+SETTINGS = dict(device="cpu", dtype="float32", num_gpu_blocks_override=128, max_model_len=256)
 
 # HF fixtures llama.cpp's converter could take: llama without llama3 rope scaling (that
 # becomes a rope_freqs tensor llmd refuses), no vocab padding, and an intermediate size

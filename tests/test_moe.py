@@ -93,7 +93,7 @@ MODES = {
     # 6 blocks of 16 tokens for requests needing 4, 3 and 5 by their end: the first two run,
     # and when both grow one is preempted and later recomputed.
     "preempt": {"num_gpu_blocks_override": 6, "max_model_len": 96},
-    "tp2": {"tensor_parallel_size": 2, "max_num_batched_tokens": 48},
+    "tp2": {"tensor_parallel_size": 2, "max_num_batched_tokens": 48, "device": "cpu"},
 }
 
 

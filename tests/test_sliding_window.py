@@ -246,7 +246,7 @@ def test_emulated_decode_graphs_match_hf() -> None:
 
 def test_tensor_parallel_matches_hf() -> None:
     """TP=2 over gloo: each rank holds one of the two kv heads, its layers the same windows."""
-    llm = make_llm(QWEN2, tensor_parallel_size=2, max_num_batched_tokens=48)
+    llm = make_llm(QWEN2, tensor_parallel_size=2, max_num_batched_tokens=48, device="cpu")
     try:
         check_against_hf(QWEN2, llm.generate([list(p) for p in prompts()], GREEDY))
         assert_all_free(llm)

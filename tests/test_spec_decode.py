@@ -197,7 +197,7 @@ def test_sampling_with_drafts_runs_and_respects_seeds(model):
 
 def test_tensor_parallel_verification(model, plain):
     ref = outputs(plain, PROMPTS, greedy(24))
-    llm = LLM(model=model, dtype="float32", max_model_len=512, tensor_parallel_size=2,
+    llm = LLM(model=model, dtype="float32", max_model_len=512, tensor_parallel_size=2, device="cpu",
               speculative_config=spec_config(3))
     try:
         with_oracle(llm, PROMPTS, ref, 3, corrupt=4)

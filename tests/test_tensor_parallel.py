@@ -19,7 +19,7 @@ from test_engine_vs_hf import TEXTS, reference
 MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
 # Small step budget: long prompts are chunked, and decodes mix with prefill chunks.
-SETTINGS = dict(dtype="float32", num_gpu_blocks_override=128, max_model_len=256, max_num_batched_tokens=48)
+SETTINGS = dict(device="cpu", dtype="float32", num_gpu_blocks_override=128, max_model_len=256, max_num_batched_tokens=48)
 CASES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "qwen3-kv1"]
 PROMPTS = (0, 1, 3, 5)  # of test_engine_vs_hf.TEXTS (its HF references are shared); 3 and 5 are chunked
 

@@ -78,7 +78,9 @@ def profile_kv_budget(subject: ProfileSubject, gpu_memory_utilization: float,
         raise ValueError(f"the KV cache budget is profiled on CUDA devices only, not {subject.device}")
     dev = subject.device
     free_before, allocated_before, reserved_before = subject.before_load
-    weights = torch.cuda.memory_allocated(dev) - allocated_before
+    # The allocator's growth over the load (the draft model's weights included), and
+    # never less than the target's own tensors.
+    weights = max(torch.cuda.memory_allocated(dev) - allocated_before, _tensor_bytes(subject.model))
     step = _LargestStep.of(subject.settings)
     activations = _peak_activation_bytes(subject, step)
     free_now, device_total = torch.cuda.mem_get_info(dev)
@@ -91,6 +93,14 @@ def profile_kv_budget(subject: ProfileSubject, gpu_memory_utilization: float,
                            bytes_per_block=subject.bytes_per_block,
                            extra_reserved_bytes=extra_reserved_bytes
                            + _graph_pool_estimate(subject, activations, step.num_tokens))
+
+
+def _tensor_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the storages behind the model's parameters and buffers, each storage
+    once (tied embeddings share one)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in (*model.parameters(), *model.buffers())}
+    return sum(storages.values())
 
 
 def _peak_activation_bytes(subject: ProfileSubject, step: _LargestStep) -> int:

@@ -11,6 +11,7 @@ positions of requests that asked for prompt logprobs).
 """
 from __future__ import annotations
 
+import gc
 import logging
 
 import torch
@@ -55,6 +56,11 @@ class ModelRunner:
         # CUDA: what the device held before our weights (profile_kv_budget's baseline).
         self._cuda_before_load: tuple[int, int, int] | None = None  # free, allocated, reserved
         if device.type == "cuda":
+            # Garbage from an earlier engine in this process (a reference cycle holding its
+            # tensors) would otherwise be freed during the load and make the weights'
+            # allocator difference come out short, even negative.
+            gc.collect()
+            torch.cuda.empty_cache()
             self._cuda_before_load = (torch.cuda.mem_get_info(device)[0], torch.cuda.memory_allocated(device),
                                       torch.cuda.memory_reserved(device))
         self.model = load_model(model_dir, dtype, device, settings.max_model_len, rank, world_size,
