@@ -104,11 +104,13 @@ class FlashAttention(AttentionLayer):
                              "installed flash-attn has no softcap argument (flash-attn >= 2.6 has); use 'triton' "
                              "or 'torch'")
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 kv_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KVH, D]. Returns [T, H, D]."""
+    def __call__(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                 kv_cache: torch.Tensor, md: AttentionMetadata, kv_written: bool = False) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D], or None with kv_written (the caller's fused
+        kernel, fused_ops, already wrote them at md.slot_mapping). Returns [T, H, D]."""
         block_size = kv_cache.shape[3]
-        write_kv(kv_cache, k, v, md.slot_mapping)
+        if not kv_written:
+            write_kv(kv_cache, k, v, md.slot_mapping)
         if q.shape[0] == 0:
             return torch.empty_like(q)
         cu_q, cu_k, max_q, max_k, table = _flash_rows(md, block_size, q.device)

@@ -5,7 +5,8 @@ AttentionMetadata). Made for CUDA; on CPU the kernels run only in Triton's inter
 
 One layer call launches:
 - `_write_kv`: the step's new K/V rows into the cache through `md.slot_mapping`
-  (a negative slot is skipped: a padding row).
+  (a negative slot is skipped: a padding row); not with `kv_written`, when the caller's
+  fused kernel (fused_ops) has already written them.
 - `_decode` for rows [0, num_decodes), one query token each. A program takes one
   (request, kv head) and makes the G query heads that share the kv head the rows of
   its tile, so each K/V tile is read once per group. With several splits
@@ -67,7 +68,7 @@ def _write_kv(k_ptr, v_ptr, k_cache, v_cache, slot_ptr, stride_kt, stride_kh, st
 
 
 @triton.jit
-def _tanh(x):
+def stable_tanh(x):
     """tanh from one exp of a non-positive argument: no overflow at any |x|."""
     e = tl.exp(-2.0 * tl.abs(x))
     t = (1.0 - e) / (1.0 + e)
@@ -131,7 +132,7 @@ def _attend(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_ch, stride_cs,
             k_t = k_t.to(tl.float32)
         s = tl.dot(q, k_t, input_precision=PRECISION) * scale_log2
         if SOFTCAP:  # s is score / softcap here; softcap * tanh of it, in base 2
-            s = cap_log2 * _tanh(s)
+            s = cap_log2 * stable_tanh(s)
         seen = k_ok[None, :] & (keys[None, :] <= q_pos[:, None])
         if SLIDING:
             seen = seen & (keys[None, :] > q_pos[:, None] - window)
@@ -285,16 +286,18 @@ class TritonAttention(AttentionLayer):
         self.prefill_block_m = max(16, triton.next_power_of_2(self.block_q * group))
         self._num_sms: int | None = None
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 kv_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KVH, D]. Returns [T, H, D]."""
+    def __call__(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                 kv_cache: torch.Tensor, md: AttentionMetadata, kv_written: bool = False) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D], or None with kv_written (the cache already
+        holds them at md.slot_mapping). Returns [T, H, D]."""
         _, kvh, _, block_size, d = kv_cache.shape
         if not kv_cache.is_contiguous():
             raise ValueError("TritonAttention needs a contiguous KV cache")
-        q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+        q = _unit_last(q)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         out = torch.empty_like(q)
-        if q.shape[0]:
+        if q.shape[0] and not kv_written:
+            k, v = _unit_last(k), _unit_last(v)
             _write_kv[(q.shape[0],)](k, v, k_cache, v_cache, md.slot_mapping, k.stride(0), k.stride(1),
                                      v.stride(0), v.stride(1), kv_cache.stride(1), kv_cache.stride(3),
                                      KVH=kvh, D=d, BLOCK_H=triton.next_power_of_2(kvh), BLOCK_D=self.block_d)
