@@ -2,12 +2,25 @@
 
 The scheduler sends a diff each step (new requests, new blocks, finished ids); `apply`
 keeps the copy up to date. `prepare` orders the step's rows decodes first (one new token
-each, attended in one batch), then prefill chunks, and builds the decode rows' host
-inputs. A step whose rows are all plain decodes replays a CUDA graph on those lists
-(`StepRows.fits_graph`, padding is the graphs' own); any other step runs eagerly on
-`eager_inputs`: the flattened ids, positions, slot mapping and attention metadata.
-After the forward, `StepRows.advance` moves every request past the step's tokens and
-says which rows sample.
+each, attended in one batch), then the requests verifying drafts, then prefill chunks,
+and builds the decode rows' host inputs. A step whose rows are all decode rows replays a
+CUDA graph on those lists (`StepRows.fits_graph`, padding is the graphs' own); any other
+step runs eagerly on `eager_inputs`: the flattened ids, positions, slot mapping and
+attention metadata. After the forward, `StepRows.advance` moves every request past the
+step's tokens and says which rows sample.
+
+A request verifying k drafts computes 1 + k tokens: its last sampled token at position
+p, then the drafts at p + 1 .. p + k. It runs as 1 + k decode rows, row i holding token
+i at position p + i with seq_len p + i + 1 and the request's block table, rather than
+as one prefill row of 1 + k tokens. That is the same attention: every backend (torch,
+triton, flash_attn) writes the whole step's K/V through the slot mapping before any row
+attends, so row i sees exactly keys 0 .. p + i, its causal prefix, as the prefill row's
+query i does (and a sliding-window layer cuts each decode row at seq_len - window, the
+prefill query's window). The rows stay contiguous and in token order, so the hidden
+rows a request samples from are where they were, and a verify step fits a decode graph.
+The cost is that each of the 1 + k rows reads the context again: small next to a
+decode step's weight reads for the few drafts a step verifies. Eager steps take the
+same rows, so a verify step computes the same numbers with or without graphs.
 """
 from __future__ import annotations
 
@@ -38,10 +51,12 @@ class SamplePlan:
 @dataclass
 class StepRows:
     """One step's rows in order, and the decode rows' inputs as host lists (the graph
-    path stages them into its own buffers)."""
+    path stages them into its own buffers): one row per plain decode, then 1 + k rows per
+    request verifying k drafts."""
 
     decodes: list[RunnerRequest]
     prefills: list[tuple[RunnerRequest, int]]  # request, tokens it computes this step
+    verifies: list[tuple[RunnerRequest, int]] = field(default_factory=list)  # request, 1 + its drafts
     input_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
@@ -53,13 +68,17 @@ class StepRows:
 
     @property
     def ordered(self) -> list[tuple[RunnerRequest, int]]:
-        return [(r, 1) for r in self.decodes] + self.prefills
+        return [(r, 1) for r in self.decodes] + self.verifies + self.prefills
+
+    @property
+    def num_decode_rows(self) -> int:
+        return len(self.input_ids)
 
     def fits_graph(self, so: SchedulerOutput, graphs: DecodeGraphs | None) -> bool:
-        """A step replays a graph when every row is a plain decode (one new token, no
-        drafts, no prompt logprobs to compute) and the batch fits a captured size."""
-        if (graphs is None or self.prefills or not self.decodes or len(self.decodes) > graphs.max_batch
-                or so.scheduled_spec_decode_tokens or so.scheduled_spec_tail_tokens):
+        """A step replays a graph when every row is a decode row (plain decodes and
+        verify rows; no prefill chunk, no prompt logprobs to compute) and they fit a
+        captured size. (`so` is not read: the rows already hold what it scheduled.)"""
+        if graphs is None or self.prefills or not self.input_ids or len(self.input_ids) > graphs.max_batch:
             return False
         return not any(r.sampling_params.prompt_logprobs is not None
                        and r.num_computed_tokens < r.num_prompt_tokens - 1 for r in self.decodes)
@@ -120,52 +139,67 @@ class InputBatch:
             req.num_computed_tokens = num_computed
 
     def prepare(self, so: SchedulerOutput, chain: PendingStep | None) -> StepRows:
-        """The step's rows (decodes first) with the decode rows' inputs. A decode row
-        whose last token `chain` (the step before, still on the device) sampled reads it
-        from there: its id is a placeholder, overwritten on the device through `fix`."""
+        """The step's rows (decodes, verifying requests, prefill chunks) with the decode
+        rows' inputs. A decode row whose last token `chain` (the step before, still on the
+        device) sampled reads it from there: its id is a placeholder, overwritten on the
+        device through `fix`. A verifying request's rows are its last token and drafts."""
         rows = StepRows(decodes=[], prefills=[])
+        spec = so.scheduled_spec_decode_tokens
         for req_id, n in so.num_scheduled_tokens.items():
             req = self.requests[req_id]
             if n == 1:
                 rows.decodes.append(req)
+            elif req_id in spec:
+                rows.verifies.append((req, n))
             else:
                 rows.prefills.append((req, n))
-        bs = self.block_size
         fix_rows: list[int] = []
         fix_src: list[int] = []
         for req in rows.decodes:
             pos = req.num_computed_tokens
             if pos < len(req.token_ids):
-                rows.input_ids.append(req.token_ids[pos])
+                self._decode_row(rows, req, pos, req.token_ids[pos])
             else:  # still on the device: taken from the earlier step's sampled tokens
                 fix_rows.append(len(rows.input_ids))
                 fix_src.append(chain.row_of[req.req_id])
-                rows.input_ids.append(0)
-            rows.positions.append(pos)
-            rows.slots.append(req.block_ids[pos // bs] * bs + pos % bs)
-            rows.seq_lens.append(pos + 1)
-            rows.tables.append(req.block_ids[:(pos + bs) // bs])
+                self._decode_row(rows, req, pos, 0)
+        for req, n in rows.verifies:
+            s = req.num_computed_tokens
+            tokens = req.token_ids[s:] + spec[req.req_id]
+            if len(tokens) != n:
+                raise RuntimeError(f"request {req.req_id}: {n} tokens scheduled to verify, but {len(tokens)} "
+                                   "known after its computed ones (its last token and the drafts)")
+            for i, token in enumerate(tokens):
+                self._decode_row(rows, req, s + i, token)
         if fix_rows:
             index = torch.tensor(fix_src, dtype=torch.int64, device=self.device)
             rows.fix = (torch.tensor(fix_rows, dtype=torch.int64, device=self.device),
                         chain.sampled.index_select(0, index))
         return rows
 
+    def _decode_row(self, rows: StepRows, req: RunnerRequest, pos: int, token: int) -> None:
+        """One decode row: `token` at position `pos` of `req`, attending to keys 0 .. pos."""
+        bs = self.block_size
+        rows.input_ids.append(token)
+        rows.positions.append(pos)
+        rows.slots.append(req.block_ids[pos // bs] * bs + pos % bs)
+        rows.seq_lens.append(pos + 1)
+        rows.tables.append(req.block_ids[:(pos + bs) // bs])
+
     def eager_inputs(self, so: SchedulerOutput,
                      rows: StepRows) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Input ids, positions and attention metadata of the whole step, flattened:
-        the decode rows, then each prefill chunk (a request verifying drafts computes its
-        last token followed by the drafts)."""
+        the decode rows (verify rows included), then each prefill chunk. (`so` is not
+        read: the rows already hold what it scheduled.)"""
         bs, dev = self.block_size, self.device
         input_ids = list(rows.input_ids)
         pieces_pos: list[np.ndarray] = [np.asarray(rows.positions, dtype=np.int64)]
         pieces_slot: list[np.ndarray] = [np.asarray(rows.slots, dtype=np.int64)]
         prefill_meta = []
-        start = len(rows.decodes)
-        spec = so.scheduled_spec_decode_tokens
+        start = rows.num_decode_rows
         for req, n in rows.prefills:
             s = req.num_computed_tokens
-            input_ids.extend(req.token_ids[s:s + n] if req.req_id not in spec else req.token_ids[s:] + spec[req.req_id])
+            input_ids.extend(req.token_ids[s:s + n])
             pos = np.arange(s, s + n, dtype=np.int64)
             if req.block_ids_np is None:
                 req.block_ids_np = np.asarray(req.block_ids, dtype=np.int64)
@@ -179,8 +213,8 @@ class InputBatch:
             ids_t.index_copy_(0, *rows.fix)
         pos_t = torch.from_numpy(np.concatenate(pieces_pos)).to(dev)
         md = AttentionMetadata(slot_mapping=torch.from_numpy(np.concatenate(pieces_slot)).to(dev),
-                               num_decodes=len(rows.decodes), decode_block_table=None, decode_seq_lens=None,
+                               num_decodes=rows.num_decode_rows, decode_block_table=None, decode_seq_lens=None,
                                prefills=prefill_meta, workspace=self.workspace)
-        if rows.decodes:
+        if rows.input_ids:
             set_decode_rows(md, rows.tables, rows.seq_lens, bs, dev, mask=self.decode_mask)
         return ids_t, pos_t, md
