@@ -13,6 +13,10 @@ import torch.nn.functional as F
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 and cast back before the weight, as HF's Llama does."""
 
+    # Whether the scale is 1 + w applied in float32 before the cast back (GemmaRMSNorm):
+    # the convention a fused kernel must follow (fused_ops).
+    gemma_scale = False
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -34,6 +38,8 @@ class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the checkpoint stores w centred on zero and the scale is 1 + w,
     applied in float32 before the cast back (transformers' Gemma2/Gemma3 norms; Llama's
     casts first, which rounds differently in bf16)."""
+
+    gemma_scale = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()

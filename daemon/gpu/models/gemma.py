@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from llmd.gpu.attention import AttentionMetadata
+from llmd.gpu.fused_ops import layer_ops
 from llmd.gpu.norms import GemmaRMSNorm
 from llmd.gpu.models.config_checks import check_activation, check_heads, check_rope, refuse
 from llmd.gpu.models.llama import DecoderAttention, DecoderMLP, LlamaForCausalLM, windows_from_layer_types
@@ -43,6 +44,7 @@ class GemmaDecoderLayer(nn.Module):
                  sliding_window: int | None, softcap: float | None) -> None:
         super().__init__()
         eps = config.rms_norm_eps
+        self.ops = layer_ops(attention_backend)
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.self_attn = DecoderAttention(config, bool(getattr(config, "attention_bias", False)), qk_norm, tp,
                                           attention_backend, sliding_window,
@@ -50,15 +52,17 @@ class GemmaDecoderLayer(nn.Module):
                                           norm=GemmaRMSNorm)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
-        self.mlp = DecoderMLP(config, tp, config.hidden_activation)
+        self.mlp = DecoderMLP(config, tp, config.hidden_activation, self.ops)
         self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                 md: AttentionMetadata) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, md)
-        hidden = hidden + self.post_attention_layernorm(attn)
-        mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
-        return hidden + self.post_feedforward_layernorm(mlp)
+        ops = self.ops
+        attn = self.self_attn(ops.rms_norm(self.input_layernorm, hidden), cos, sin, kv_cache, md)
+        # hidden + post_attention_layernorm(attn), then its pre-feed-forward norm: one add + norm.
+        mlp_in, hidden = ops.add_rms_norm(self.pre_feedforward_layernorm,
+                                          ops.rms_norm(self.post_attention_layernorm, attn), hidden)
+        return hidden + ops.rms_norm(self.post_feedforward_layernorm, self.mlp(mlp_in))
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
@@ -126,7 +130,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         for layer, key, kv_cache in zip(self.layers, self.layer_rope_keys, kv_caches):
             cos, sin = tables[key]
             hidden = layer(hidden, cos, sin, kv_cache, md)
-        return self.norm(hidden)
+        return self.ops.rms_norm(self.norm, hidden)
 
     def _embed_scale(self, dtype: torch.dtype) -> float:
         return _rounded_sqrt(self.config.hidden_size, dtype)

@@ -17,9 +17,10 @@ from torch import nn
 
 from llmd.gpu.attention import AttentionMetadata
 from llmd.gpu.attention_backends import make_attention
-from llmd.gpu.norms import ACTIVATIONS, RMSNorm, act_and_mul
+from llmd.gpu.fused_ops import UNFUSED, LayerOps, layer_ops
+from llmd.gpu.norms import RMSNorm
 from llmd.gpu.models.config_checks import GEMMA_FIELDS, check_activation, check_heads, check_rope, check_unread
-from llmd.gpu.rotary import RotaryEmbedding, apply_rotary
+from llmd.gpu.rotary import RotaryEmbedding
 from llmd.gpu.tp import (ParallelLMHead, RowParallelLinear, TPShape, VocabParallelEmbedding,
                          shard_checkpoint_tensor, tp_shape)
 
@@ -38,7 +39,8 @@ FUSED_PARTS = {".qkv_proj.": 3, ".gate_up_proj.": 2}
 class DecoderAttention(nn.Module):
     """q/k/v projection (fused), optional per-head q/k norm, rotary, paged attention,
     o_proj. `scale` defaults to head_dim ** -0.5; `softcap` caps the scores (Gemma 2);
-    `norm` is the q/k norm's class."""
+    `norm` is the q/k norm's class. Between the projections `ops` (fused_ops, by the
+    backend) runs the norms, rotary and K/V write: unfused, or one kernel."""
 
     def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, tp: TPShape | None = None,
                  attention_backend: str = "torch", sliding_window: int | None = None, *,
@@ -64,29 +66,20 @@ class DecoderAttention(nn.Module):
         self.sliding_window = sliding_window  # None: full attention
         self.attn = make_attention(attention_backend, self.num_heads, self.num_kv_heads, self.head_dim,
                                    self.head_dim ** -0.5 if scale is None else scale, sliding_window, softcap)
+        self.ops = layer_ops(attention_backend)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        t = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
-        out = self.attn(q, k, v, kv_cache, md)
-        return self.o_proj(out.reshape(t, self.q_size))
+        out = self.ops.attend(self, self.qkv_proj(hidden), cos, sin, kv_cache, md)
+        return self.o_proj(out.reshape(hidden.shape[0], self.q_size))
 
 
 class DecoderMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up fused; `activation` is an ACTIVATIONS
-    name (the model's check_config refused any other)."""
+    name (the model's check_config refused any other), act * up run by `ops`."""
 
-    def __init__(self, config: Any, tp: TPShape | None = None, activation: str = "silu") -> None:
+    def __init__(self, config: Any, tp: TPShape | None = None, activation: str = "silu",
+                 ops: LayerOps = UNFUSED) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         inter = config.intermediate_size if tp is None else tp.intermediate_size
@@ -95,31 +88,33 @@ class DecoderMLP(nn.Module):
             self.down_proj = nn.Linear(inter, config.hidden_size, bias=bias)
         else:
             self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias)
-        self.act = ACTIVATIONS[activation]
+        self.activation = activation
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(act_and_mul(self.gate_up_proj(x), self.act))
+        return self.down_proj(self.ops.act_and_mul(self.gate_up_proj(x), self.activation))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, tp: TPShape | None = None,
                  attention_backend: str = "torch", sliding_window: int | None = None) -> None:
         super().__init__()
+        self.ops = layer_ops(attention_backend)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = DecoderAttention(config, qkv_bias, qk_norm, tp, attention_backend, sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = DecoderMLP(config, tp, getattr(config, "hidden_act", "silu"))
+        self.mlp = DecoderMLP(config, tp, getattr(config, "hidden_act", "silu"), self.ops)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            hidden = self.ops.rms_norm(self.input_layernorm, hidden)
         else:
-            hidden, residual = self.input_layernorm.forward_add(hidden, residual)
+            hidden, residual = self.ops.add_rms_norm(self.input_layernorm, hidden, residual)
         hidden = self.self_attn(hidden, cos, sin, kv_cache, md)
-        hidden, residual = self.post_attention_layernorm.forward_add(hidden, residual)
+        hidden, residual = self.ops.add_rms_norm(self.post_attention_layernorm, hidden, residual)
         return self.mlp(hidden), residual
 
 
@@ -207,6 +202,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(self.make_layer(i, window, tp, attention_backend)
                                     for i, window in enumerate(self.attention_windows(config)))
         self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps)
+        self.ops = layer_ops(attention_backend)  # the final norm's
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if tp is None:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -229,7 +225,7 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, md)
-        hidden, _ = self.norm.forward_add(hidden, residual)
+        hidden, _ = self.ops.add_rms_norm(self.norm, hidden, residual)
         return hidden
 
     def build_rotary(self) -> nn.Module:

@@ -39,11 +39,12 @@ import torch.distributed as dist
 from torch import nn
 
 from llmd.gpu.fused_moe import fused_experts, select_experts
+from llmd.gpu.fused_ops import UNFUSED, LayerOps, layer_ops
 from llmd.gpu.models.config_checks import refuse
 from llmd.gpu.models.llama import (DecoderAttention, DecoderLayer, DecoderMLP, LlamaForCausalLM,
                                    MistralForCausalLM, Qwen2ForCausalLM)
 from llmd.gpu.models.moe_weights import ExpertTensorNames, ExpertWeightLoader
-from llmd.gpu.norms import ACTIVATIONS, RMSNorm, act_and_mul
+from llmd.gpu.norms import ACTIVATIONS, RMSNorm
 from llmd.gpu.tp import TPShape
 
 
@@ -72,23 +73,26 @@ class ExpertWeights(nn.Module):
 class SharedExpert(nn.Module):
     """Qwen2-MoE's shared expert: a gated MLP on every token whose down projection is
     not reduced here (with TP its partial sum joins the experts' before the block's
-    one all-reduce)."""
+    one all-reduce); act * up run by `ops`."""
 
-    def __init__(self, hidden_size: int, inter: int, activation: str) -> None:
+    def __init__(self, hidden_size: int, inter: int, activation: str, ops: LayerOps = UNFUSED) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden_size, 2 * inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden_size, bias=False)
-        self.act = ACTIVATIONS[activation]
+        self.activation = activation
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(act_and_mul(self.gate_up_proj(x), self.act))
+        return self.down_proj(self.ops.act_and_mul(self.gate_up_proj(x), self.activation))
 
 
 class SparseMoeBlock(nn.Module):
     """Router (`gate`), experts, optional shared expert; one all-reduce under TP.
-    `use_triton` None: the fused Triton kernel on CUDA, the reference elsewhere."""
+    `use_triton` None: the fused Triton kernel on CUDA, the reference elsewhere; `ops`
+    runs the shared expert's act * up."""
 
-    def __init__(self, hidden_size: int, spec: MoeSpec, tp: TPShape | None, activation: str) -> None:
+    def __init__(self, hidden_size: int, spec: MoeSpec, tp: TPShape | None, activation: str,
+                 ops: LayerOps = UNFUSED) -> None:
         super().__init__()
         world = 1 if tp is None else tp.world_size
         self.top_k = spec.top_k
@@ -100,7 +104,7 @@ class SparseMoeBlock(nn.Module):
         self.experts = ExpertWeights(spec.num_experts, hidden_size, spec.expert_size // world)
         self.shared_expert = self.shared_expert_gate = None
         if spec.shared_expert_size is not None:
-            self.shared_expert = SharedExpert(hidden_size, spec.shared_expert_size // world, activation)
+            self.shared_expert = SharedExpert(hidden_size, spec.shared_expert_size // world, activation, ops)
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -120,6 +124,7 @@ class MoeDecoderLayer(DecoderLayer):
     def __init__(self, config: Any, mlp: nn.Module, qkv_bias: bool, qk_norm: bool, tp: TPShape | None,
                  attention_backend: str, sliding_window: int | None) -> None:
         nn.Module.__init__(self)
+        self.ops = layer_ops(attention_backend)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = DecoderAttention(config, qkv_bias, qk_norm, tp, attention_backend, sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -173,10 +178,11 @@ class MoeForCausalLM(LlamaForCausalLM):
     def make_layer(self, index: int, window: int | None, tp: TPShape | None, attention_backend: str) -> nn.Module:
         spec = self.spec
         activation = getattr(self.config, "hidden_act", "silu")
+        ops = layer_ops(attention_backend)
         if spec.sparse_layers[index]:
-            mlp: nn.Module = SparseMoeBlock(self.config.hidden_size, spec, tp, activation)
+            mlp: nn.Module = SparseMoeBlock(self.config.hidden_size, spec, tp, activation, ops)
         else:
-            mlp = DecoderMLP(self.config, tp, activation)
+            mlp = DecoderMLP(self.config, tp, activation, ops)
         return MoeDecoderLayer(self.config, mlp, self.layer_qkv_bias(), self.qk_norm, tp, attention_backend, window)
 
     @functools.cached_property
