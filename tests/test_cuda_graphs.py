@@ -54,12 +54,12 @@ class KVWatch:
         self.fixed_steps = 0  # steps whose input ids came from the chained step before
         assert self.scratch == llm.engine.kv_cache_manager.num_blocks  # the pool's ids end below it
 
-    def run(self, input_ids, positions, slots, seq_lens, tables, fix=None):
+    def run(self, input_ids, positions, slots, seq_lens, tables, fix=None, sample=None):
         bs = self.runner.block_size
         assert all(b < self.scratch for t in tables for b in t)
         assert all(s // bs < self.scratch for s in slots)
         before = [c.clone() for c in self.runner.kv_caches]
-        hidden = self.inner(input_ids, positions, slots, seq_lens, tables, fix=fix)
+        hidden = self.inner(input_ids, positions, slots, seq_lens, tables, fix=fix, sample=sample)
         if fix is not None:
             self.fixed_steps += 1
         changed = set()

@@ -20,6 +20,8 @@ from llmd.gpu.attention import GatherWorkspace, model_kv_bytes_per_block, new_mo
 from llmd.gpu.attention_backends import resolve_attention_backend
 from llmd.gpu.cuda_graphs import DecodeGraphs, build_decode_graphs, capture_sizes
 from llmd.gpu.draft_model import DraftModel
+from llmd.gpu.graph_sampler import PENALIZED, GraphSampler
+from llmd.gpu.graph_sampling_plan import plan_graph_sampling
 from llmd.gpu.input_batch import InputBatch, StepRows
 from llmd.gpu.kv_budget import MemoryBreakdown
 from llmd.gpu.loader import load_model
@@ -141,14 +143,22 @@ class ModelRunner:
         decode_graphs None: eager steps). emulate=True (tests, any device) builds the
         same static buffers, padding and scratch-block rows but calls the forward."""
         self.release_decode_graphs()
+        sizes = capture_sizes(self.settings.max_num_seqs, self.settings.max_num_batched_tokens)
 
         def make() -> DecodeGraphs:
-            return DecodeGraphs(self.model, self.kv_caches, capture_sizes(self.settings.max_num_seqs,
-                                                                          self.settings.max_num_batched_tokens),
-                                self.block_size, self.settings.max_model_len, self.scratch_block,
-                                self.attention_backend, self.device, self.workspace, emulate=emulate)
+            return DecodeGraphs(self.model, self.kv_caches, sizes, self.block_size, self.settings.max_model_len,
+                                self.scratch_block, self.attention_backend, self.device, self.workspace,
+                                emulate=emulate, sampling=self._graph_sampler(max(sizes)))
 
         self.decode_graphs = make() if emulate else build_decode_graphs(make, self.device)
+
+    def _graph_sampler(self, max_batch: int) -> GraphSampler | None:
+        """The in-graph sampler of the decode graphs (graph_sampler), where this runner
+        samples alone and nothing reads the tokens in the step: no draft model (it drafts
+        from the step's tokens on the host), one rank."""
+        if self.drafter is not None or self.world_size > 1:
+            return None
+        return GraphSampler(self.sampler, self.settings.valid_vocab_size, max_batch, self.device)
 
     def release_decode_graphs(self) -> None:
         if self.decode_graphs is not None:
@@ -217,6 +227,9 @@ class ModelRunner:
             return RunnerOutput(req_ids=[], sampled_token_ids=[])
         rows = self.batch.prepare(so, chain)
         if rows.fits_graph(so, self.decode_graphs):
+            sampled = self._sample_in_graph(so, rows, chain, defer)
+            if sampled is not None:
+                return sampled
             hidden = self.decode_graphs.run(rows.input_ids, rows.positions, rows.slots, rows.seq_lens, rows.tables,
                                             fix=rows.fix)
         else:
@@ -226,15 +239,38 @@ class ModelRunner:
                 self.drafter.forward(ids_t, pos_t, md)
         return self._finish_step(so, hidden, rows, chain, defer)
 
+    def _sample_in_graph(self, so: SchedulerOutput, rows: StepRows, chain: PendingStep | None,
+                         defer: bool) -> RunnerOutput | PendingStep | None:
+        """A graph step whose graph samples too: the forward's graph and its sampling tail
+        replayed, the tokens copied to pinned memory behind an event (and, with `defer`,
+        left there for the next step). None when a row needs the eager sampler or no tail
+        fits the batch: the caller then replays the forward graph alone."""
+        graphs = self.decode_graphs
+        if graphs.sampling is None:
+            return None
+        plan = plan_graph_sampling(so, rows.decodes, chain, self.settings.eos_token_id, graphs.sampling.vocab_limit)
+        if plan is None or (plan.variant == PENALIZED and not graphs.enable_penalties()) \
+                or not graphs.has_tail(graphs.padded_size(len(rows.input_ids)), plan.variant):
+            return None
+        sample_reqs = rows.advance(so.scheduled_spec_decode_tokens).reqs
+        tokens = graphs.run(rows.input_ids, rows.positions, rows.slots, rows.seq_lens, rows.tables, fix=rows.fix,
+                            sample=plan)
+        return self.sampling.graph_step(self._new_output(), [r for r, _ in rows.ordered], sample_reqs,
+                                        {r.req.req_id: r.row for r in plan.rows}, tokens, graphs.sampling, defer)
+
+    def _new_output(self) -> RunnerOutput:
+        out = RunnerOutput(req_ids=[], sampled_token_ids=[], logprobs={}, prompt_logprobs={})
+        if self.device.type == "cuda":
+            out.device_memory_bytes = torch.cuda.memory_reserved(self.device)
+        return out
+
     def _finish_step(self, so: SchedulerOutput, hidden: torch.Tensor, rows: StepRows,
                      chain: PendingStep | None = None, defer: bool = False) -> RunnerOutput | PendingStep:
         """Logits of the rows that sample (and prompt logprobs), sampling, bookkeeping,
         then the draft model's proposals. With `defer`, the sampled tokens stay on the
         device (see PendingStep)."""
         plan = rows.advance(so.scheduled_spec_decode_tokens)
-        out = RunnerOutput(req_ids=[], sampled_token_ids=[], logprobs={}, prompt_logprobs={})
-        if self.device.type == "cuda":
-            out.device_memory_bytes = torch.cuda.memory_reserved(self.device)
+        out = self._new_output()
         for req, row0, first, count in plan.prompt_logprobs:
             out.prompt_logprobs[req.req_id] = self.sampling.prompt_logprobs(hidden, req, row0, first, count)
         ordered = [r for r, _ in rows.ordered]

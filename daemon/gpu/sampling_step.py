@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from llmd.gpu.draft_model import DraftModel
+from llmd.gpu.graph_sampler import GraphSampler
 from llmd.gpu.rejection_sampler import VerifyOutput, verify
 from llmd.gpu.runner_types import PendingStep, RunnerRequest, RunnerSettings
 from llmd.gpu.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs
@@ -142,6 +143,17 @@ class SamplingStep:
         return PendingStep(out, ordered, reqs, result.sampled_token_ids, host, ready,
                            {r.req_id: i for i, r in enumerate(reqs)})
 
+    def graph_step(self, out: RunnerOutput, ordered: list[RunnerRequest], reqs: list[RunnerRequest],
+                   row_of: dict[str, int], tokens: torch.Tensor, sampler: GraphSampler,
+                   defer: bool) -> RunnerOutput | PendingStep:
+        """A step its decode graph sampled: `tokens` [padded batch] on the device, row_of[i]
+        the row of reqs[i]'s token. Their copy to pinned memory starts behind this step's
+        kernels; with `defer` the step is returned pending, else the host waits for that
+        copy (an event, not a blocking device-to-host copy) and reads it once."""
+        host, ready = sampler.read_back(tokens)
+        pending = PendingStep(out, ordered, reqs, tokens, SamplerOutput(host), ready, row_of)
+        return pending if defer else self.collect(pending)
+
     @staticmethod
     def collect(p: PendingStep) -> RunnerOutput:
         """Wait for a deferred step's tokens, append them, and complete its output."""
@@ -152,7 +164,7 @@ class SamplingStep:
         tokens = p.host.sampled_token_ids.tolist()
         if p.host.logprobs_token_ids is not None:
             _collect_logprobs(p.out, p.sample_reqs, [[i] for i in range(len(p.sample_reqs))], p.host)
-        record_sampled(p.out, p.ordered, p.sample_reqs, [[t] for t in tokens])
+        record_sampled(p.out, p.ordered, p.sample_reqs, [[tokens[p.row_of[r.req_id]]] for r in p.sample_reqs])
         return p.out
 
     # -- prompt logprobs ------------------------------------------------------------------
