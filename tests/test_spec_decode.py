@@ -51,7 +51,7 @@ class OracleProposer:
         self.k = k
         self.corrupt = corrupt
 
-    def propose(self, token_ids: list[int]) -> list[int]:
+    def propose(self, token_ids: list[int], req_id: str | None = None) -> list[int]:
         for prompt, ref in self.refs:
             if token_ids[:len(prompt)] == prompt and token_ids[len(prompt):] == ref[:len(token_ids) - len(prompt)]:
                 done = len(token_ids) - len(prompt)
@@ -61,6 +61,9 @@ class OracleProposer:
                               for i, t in enumerate(drafts)]
                 return drafts
         return []
+
+    def forget(self, req_id: str) -> None:
+        pass
 
 
 def with_oracle(llm: LLM, prompts, refs, k: int, corrupt: int = 0) -> LLM:
@@ -80,6 +83,38 @@ def test_ngram_proposer_prefers_the_most_recent_longest_match():
     # Longer n first: "3 4" occurs followed by 10, while "4" alone last occurred before 11.
     assert NgramProposer(k=1, n_min=1, n_max=2).propose([3, 4, 10, 4, 11, 3, 4]) == [10]
     assert NgramProposer(k=2, n_min=2, n_max=2).propose([1, 2, 1]) == []
+
+
+def test_indexed_proposals_equal_the_scan():
+    """A request's index, kept between calls and grown by the tokens each step adds,
+    proposes what a scan of the whole sequence proposes (random sequences over small
+    vocabularies, so matches of every length are common)."""
+    rng = np.random.default_rng(0)
+    num_matches = 0
+    for trial in range(200):
+        n_min = int(rng.integers(1, 4))
+        p = NgramProposer(k=int(rng.integers(1, 6)), n_min=n_min, n_max=int(rng.integers(n_min, 7)))
+        vocab = int(rng.choice([2, 3, 5, 20]))
+        tokens = rng.integers(0, vocab, size=int(rng.integers(0, 6))).tolist()
+        for step in range(25):
+            drafts = p.propose(tokens, req_id="r")
+            assert drafts == p.propose(tokens), (tokens, p.n_min, p.n_max)
+            num_matches += bool(drafts)
+            tokens += rng.integers(0, vocab, size=int(rng.integers(1, 7))).tolist()
+    assert 1000 < num_matches < 5000  # of 5000 proposals: matches and misses both exercised
+
+
+def test_an_index_follows_its_request():
+    p = NgramProposer(k=2, n_min=1, n_max=2)
+    seq = [1, 2, 3, 1]
+    assert p.propose(seq, req_id="a") == [2, 3]
+    seq += [5, 6, 5]
+    assert p.propose(seq, req_id="a") == [6, 5]  # indexed only the tokens added
+    assert p.indexes["a"].num_tokens == 7
+    # Another sequence under the same id (not the indexed one grown) is indexed afresh.
+    assert p.propose([7, 8, 9, 7, 8], req_id="a") == [9, 7]
+    p.forget("a")
+    assert p.indexes == {}
 
 
 # -- greedy equality ------------------------------------------------------------------------
