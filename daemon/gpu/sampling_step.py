@@ -39,7 +39,7 @@ class SamplingStep:
         """The LM head on `rows` of `hidden` only (distinct and ascending)."""
         if len(rows) == hidden.shape[0]:  # every row samples
             return self.model.compute_logits(hidden)
-        idx = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
+        idx = _to_device(rows, hidden.device)
         return self.model.compute_logits(hidden.index_select(0, idx))
 
     def sample(self, so: SchedulerOutput, logits: torch.Tensor, reqs: list[RunnerRequest],
@@ -114,8 +114,8 @@ class SamplingStep:
             valid_vocab_size=settings.valid_vocab_size, eos_token_id=settings.eos_token_id, device=dev)
         rows = [i for i, r in enumerate(reqs) if r.req_id in in_flight]
         if md.output_counts is not None and rows:
-            src = torch.tensor([in_flight[reqs[i].req_id] for i in rows], dtype=torch.int64, device=dev)
-            md.output_counts.index_put_((torch.tensor(rows, dtype=torch.int64, device=dev),
+            src = _to_device([in_flight[reqs[i].req_id] for i in rows], dev)
+            md.output_counts.index_put_((_to_device(rows, dev),
                                          chain.sampled.index_select(0, src)),
                                         torch.ones(len(rows), dtype=md.output_counts.dtype, device=dev),
                                         accumulate=True)
@@ -222,6 +222,13 @@ def _collect_logprobs(out: RunnerOutput, reqs: list[RunnerRequest], rows: list[l
         out.logprobs[req.req_id] = Logprobs(token_ids=[ids[r][:k + 1] for r in req_rows],
                                             logprobs=[lps[r][:k + 1] for r in req_rows],
                                             ranks=[ranks[r] for r in req_rows])
+
+
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """int64 indices on `device` without waiting for it: torch.tensor(..., device=cuda)
+    copies blocking, which also waits for the stream (and would stall a chained step
+    behind the step before it); a non-blocking copy from pageable memory is staged at once."""
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
 
 def _pad_rows(tokens: list[list[int]], num_reqs: int, drafts: list[list[int]],
