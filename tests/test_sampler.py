@@ -9,7 +9,7 @@ import torch
 
 from llmd.gpu import sampling_filters as sampler_module
 from llmd.gpu.sampler import Sampler, SamplingMetadata, apply_penalties, gather_logprobs
-from llmd.gpu.sampling_filters import _apply_top_k_top_p_sorted, apply_top_k_top_p
+from llmd.gpu.sampling_filters import apply_top_k_top_p_sorted, apply_top_k_top_p
 from llmd_client.protocol import SamplingParams
 
 NEG_INF = float("-inf")
@@ -251,10 +251,10 @@ def test_top_p_window_matches_full_sort(kind, monkeypatch):
     """The windowed top-k/top-p keeps exactly the tokens the full sort keeps, on batches
     that settle in the first window, need wider ones, or fall back to the sort."""
     widths, sorted_rows = [], []
-    window, fallback = sampler_module._top_p_window, sampler_module._apply_top_k_top_p_sorted
+    window, fallback = sampler_module._top_p_window, sampler_module.apply_top_k_top_p_sorted
     monkeypatch.setattr(sampler_module, "_top_p_window",
                         lambda values, *a: widths.append(values.shape[1]) or window(values, *a))
-    monkeypatch.setattr(sampler_module, "_apply_top_k_top_p_sorted",
+    monkeypatch.setattr(sampler_module, "apply_top_k_top_p_sorted",
                         lambda logits, *a: sorted_rows.append(logits.shape[0]) or fallback(logits, *a))
     gen = torch.Generator().manual_seed(sum(map(ord, kind)))
     for vocab in (3000, 8192, 300, 12):
@@ -289,12 +289,12 @@ def test_top_p_ties_at_the_edge_keep_the_lowest_ids():
         for keep_tied in (1, block // 2, block - 1):
             top_p = torch.tensor([[p_top + (keep_tied - 0.5) * p_tied]])
             want = {int(ids[0])} | set(sorted(ids[1:1 + block].tolist())[:keep_tied])
-            for fn in (apply_top_k_top_p, lambda x, k, m, q: _apply_top_k_top_p_sorted(x, k, q)):
+            for fn in (apply_top_k_top_p, lambda x, k, m, q: apply_top_k_top_p_sorted(x, k, q)):
                 assert kept_sets(fn(logits, None, 0, top_p)) == [want], (block, keep_tied)
         # tiny top_p among tokens tied for the max keeps the first of them, like argmax
         flat = torch.zeros(1, vocab)
         assert kept_sets(apply_top_k_top_p(flat, None, 0, torch.tensor([[1e-6]]))) == [{0}]
-        assert kept_sets(_apply_top_k_top_p_sorted(flat, None, torch.tensor([[1e-6]]))) == [{0}]
+        assert kept_sets(apply_top_k_top_p_sorted(flat, None, torch.tensor([[1e-6]]))) == [{0}]
 
 
 def test_top_p_sort_rule_matches_plain_reference():
@@ -306,7 +306,7 @@ def test_top_p_sort_rule_matches_plain_reference():
         top_p = clear_of_rounding(logits, None, torch.rand(1, 1, generator=gen))
         probs = reference_probs(logits[0].double().numpy(), top_p=float(top_p))
         want = set(np.flatnonzero(probs > 0).tolist())
-        assert kept_sets(_apply_top_k_top_p_sorted(logits, None, top_p)) == [want]
+        assert kept_sets(apply_top_k_top_p_sorted(logits, None, top_p)) == [want]
         assert kept_sets(apply_top_k_top_p(logits, None, 0, top_p)) == [want]
 
 
@@ -335,7 +335,7 @@ def test_sort_rule_is_the_old_rule():
         logits, top_k, _, top_p = random_batch(gen, kind, 32, 2000)
         if kind == "flat":
             logits[:8] *= 60  # probabilities that underflow to 0
-        got, want = _apply_top_k_top_p_sorted(logits, top_k, top_p), old_sort_rule(logits, top_k, top_p)
+        got, want = apply_top_k_top_p_sorted(logits, top_k, top_p), old_sort_rule(logits, top_k, top_p)
         if kind == "ties":
             assert torch.equal((got > NEG_INF).sum(-1), (want > NEG_INF).sum(-1))
         else:
@@ -345,7 +345,7 @@ def test_sort_rule_is_the_old_rule():
 def test_top_k_alone_needs_no_sort(monkeypatch):
     def no_sort(*a, **kw):
         raise AssertionError("sorted")
-    monkeypatch.setattr(sampler_module, "_apply_top_k_top_p_sorted", no_sort)
+    monkeypatch.setattr(sampler_module, "apply_top_k_top_p_sorted", no_sort)
     monkeypatch.setattr(torch.Tensor, "sort", no_sort)
     logits = torch.randn(8, 1000, generator=torch.Generator().manual_seed(13))
     tokens = sample(logits, [SamplingParams(top_k=k) for k in (1, 5, 50, 999, 1000, 0, 7, 2)])

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from llmd.gpu.sampling_filters import _apply_top_k_top_p_sorted, apply_top_k_top_p
+from llmd.gpu.sampling_filters import apply_top_k_top_p_sorted, apply_top_k_top_p
 
 
 def timed(fn, reps: int = 30) -> float:
@@ -41,8 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, std in (("peaked (std 8)", 8.0), ("medium (std 4)", 4.0), ("flat (std 1)", 1.0)):
         logits = torch.randn(args.rows, args.vocab, generator=gen) * std
         assert torch.equal(apply_top_k_top_p(logits.clone(), None, 0, top_p).isinf(),
-                           _apply_top_k_top_p_sorted(logits.clone(), None, top_p).isinf())
-        base = timed(lambda: _apply_top_k_top_p_sorted(logits.clone(), None, top_p))
+                           apply_top_k_top_p_sorted(logits.clone(), None, top_p).isinf())
+        base = timed(lambda: apply_top_k_top_p_sorted(logits.clone(), None, top_p))
         fast = timed(lambda: apply_top_k_top_p(logits.clone(), None, 0, top_p))
         print(f"{name:16} {base:12.2f} {fast:12.2f} {base / fast:7.1f}x")
     return 0

@@ -7,7 +7,7 @@ every stage runs on every row with per-row parameters read from static device bu
 and a stage a row does not use gets neutral values (temperature 1, top-k = vocab,
 top-p 1, min-p 0, repetition penalty 1, other penalties 0, min_tokens 0), which leave its
 logits exactly as they were. Top-k and top-p use the sort-based rule
-(`_apply_top_k_top_p_sorted`, what the eager sampler runs on CUDA); min_tokens masks up
+(`apply_top_k_top_p_sorted`, what the eager sampler runs on CUDA); min_tokens masks up
 to NUM_STOP_IDS stop ids per row; the penalties reuse `apply_penalties` over tables kept
 on the device (graph_penalties); the draw is the sampler's exponential race from its
 batch generator, which the graph registers (torch's graph-safe RNG: every replay draws
@@ -51,7 +51,7 @@ import torch
 
 from llmd.gpu.graph_penalties import PenaltyTables
 from llmd.gpu.sampler import Sampler, SamplingMetadata, apply_min_tokens, apply_penalties
-from llmd.gpu.sampling_filters import _apply_top_k_top_p_sorted, apply_min_p
+from llmd.gpu.sampling_filters import apply_top_k_top_p_sorted, apply_min_p
 from llmd_client.protocol import SamplingParams
 
 GREEDY, SAMPLE, PENALIZED = "greedy", "sample", "penalized"
@@ -104,6 +104,17 @@ def tail_fits(variant: str, rows: int, vocab: int) -> bool:
     return rows * vocab <= (GREEDY_TAIL_CELLS if variant == GREEDY else SAMPLE_TAIL_CELLS)
 
 
+def tail_pool_bytes(max_batch: int, vocab: int) -> int:
+    """Device bytes the sampling tails of decode graphs up to `max_batch` rows may hold
+    beside the forward graphs: the greedy and sampling tails' buffers at the largest
+    size each is captured for (the cell budgets' bytes per cell), the penalty tables
+    (5 bytes a cell, made lazily) and the static per-row buffers. An upper bound for
+    the KV sizing (memory_profile), which runs before anything is captured."""
+    cells = max_batch * vocab
+    tails = min(cells, GREEDY_TAIL_CELLS) * 6 + min(cells, SAMPLE_TAIL_CELLS) * 32
+    return tails + cells * 5 + max_batch * (WORDS_PER_ROW + 2) * 8 * 2
+
+
 class GraphSampler:
     """The device half of in-graph sampling for one set of decode graphs: the static
     token buffer, the pinned buffers the tokens are read back through, the penalty
@@ -126,9 +137,9 @@ class GraphSampler:
         self._pair_rows: dict[int, torch.Tensor] = {}
 
     def generator(self) -> torch.Generator:
-        """The generator the race draws from on this device (the sampler's batch generator,
-        which Sampler keeps to itself): a graph that samples registers it."""
-        return Sampler._generator(self.sampler._batch_generators, self.device, self.sampler.seed)
+        """The generator the race draws from on this device (the sampler's batch
+        generator): a graph that samples registers it."""
+        return self.sampler.batch_generator(self.device)
 
     def neutral_params(self, b: int) -> RowParams:
         """Neutral parameters for b rows on the device, apart from the static ones (warm-ups)."""
@@ -160,7 +171,7 @@ class GraphSampler:
         if penalized:
             logits = apply_penalties(logits, md)
         greedy = logits.argmax(dim=-1)
-        filtered = _apply_top_k_top_p_sorted(logits / md.temperature, md.top_k, md.top_p)
+        filtered = apply_top_k_top_p_sorted(logits / md.temperature, md.top_k, md.top_p)
         probs = apply_min_p(filtered, md.log_min_p).softmax(dim=-1)
         out.copy_(torch.where(md.is_greedy, greedy, self.sampler.race(probs, md)))
         if penalized:

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from llmd.gpu.attention import AttentionMetadata, GatherWorkspace, new_model_kv_caches
+from llmd.gpu.graph_sampler import tail_pool_bytes
 from llmd.gpu.kv_budget import MemoryBreakdown, kv_cache_budget
 from llmd.gpu.runner_types import RunnerSettings
 from llmd.gpu.sampler import Sampler, SamplingMetadata
@@ -139,9 +140,10 @@ def _graph_pool_estimate(subject: ProfileSubject, activations: int, profiled_tok
     """Bytes to keep free for the decode graphs, which are captured after the KV cache
     takes its budget: the profiled activation peak scaled to the largest captured batch
     (an over-estimate: the profile also held the LM head's and the sampler's buffers),
-    plus the graphs' static input buffers."""
+    plus the graphs' static input buffers and their sampling tails (graph_sampler)."""
     largest = subject.graph_batch
     if largest == 0:
         return 0
     width = -(-subject.settings.max_model_len // subject.settings.block_size)
-    return int(activations * min(1.0, largest / max(1, profiled_tokens))) + largest * (4 + width) * 8
+    return (int(activations * min(1.0, largest / max(1, profiled_tokens))) + largest * (4 + width) * 8
+            + tail_pool_bytes(largest, subject.settings.valid_vocab_size))

@@ -163,13 +163,18 @@ class Sampler:
         noise = torch.empty_like(like, dtype=torch.float32)
         device = like.device
         if len(md.seeded_rows) < md.num_rows:
-            noise.uniform_(generator=self._generator(self._batch_generators, device, self.seed))
+            noise.uniform_(generator=self.batch_generator(device))
         if md.seeded_rows:
             gen = self._generator(self._row_generators, device, 0)
             for row, seed in md.seeded_rows:
                 gen.manual_seed(step_seed(seed ^ salt, md.num_output_tokens[row]))
                 noise[row].uniform_(generator=gen)
         return noise
+
+    def batch_generator(self, device: torch.device) -> torch.Generator:
+        """The generator unseeded rows draw from on `device` (a captured graph that draws
+        registers it, so each replay draws fresh numbers from it)."""
+        return self._generator(self._batch_generators, device, self.seed)
 
     @staticmethod
     def _generator(table: dict[torch.device, torch.Generator], device: torch.device,

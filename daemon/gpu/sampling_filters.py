@@ -24,7 +24,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, max_top_
     tokens whose probability underflows to 0: neither can be drawn).
 
     Without top-p, a partial topk replaces the full sort. With it, the result is the
-    sort-based rule's (`_apply_top_k_top_p_sorted`; its float32 running sum and the float64
+    sort-based rule's (`apply_top_k_top_p_sorted`; its float32 running sum and the float64
     one here can only differ where top_p lies within rounding of a row's cumulative mass)
     but is found in the top-W window of each row (W = 64, or max_top_k when larger): with
     the probabilities taken once over the row, a row is settled when the window's mass
@@ -40,7 +40,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, max_top_
     if logits.is_cuda:
         # A GPU sorts a batch of rows faster than the host can learn which rows a window
         # settled: the sort rule keeps the step free of host syncs.
-        return _apply_top_k_top_p_sorted(logits, top_k, top_p)
+        return apply_top_k_top_p_sorted(logits, top_k, top_p)
     return _apply_top_k_top_p_windowed(logits, top_k, max_top_k, top_p)
 
 
@@ -82,14 +82,14 @@ def _apply_top_k_top_p_windowed(logits: torch.Tensor, top_k: torch.Tensor | None
     open_rows = open_rows.masked_fill(~filtered.view(-1), 0)
     sorted_rows = _settle_open_rows(logits, kept, stats, open_rows, width, threshold, windows)
     if len(sorted_rows) == num_rows:
-        return _apply_top_k_top_p_sorted(logits, top_k, top_p)
+        return apply_top_k_top_p_sorted(logits, top_k, top_p)
     out = logits.masked_fill(logits < threshold, neg_inf)
     for index, ids, tie_drop in windows:
         position = (index.view(-1, 1), ids)
         out.index_put_(position, out[position].masked_fill_(tie_drop, neg_inf))
     if sorted_rows:
         index = torch.tensor(sorted_rows, dtype=torch.int64).to(device, non_blocking=True)
-        out.index_copy_(0, index, _apply_top_k_top_p_sorted(
+        out.index_copy_(0, index, apply_top_k_top_p_sorted(
             logits.index_select(0, index), None if top_k is None else top_k.index_select(0, index),
             top_p.index_select(0, index)))
     return out
@@ -210,7 +210,7 @@ def _nucleus_bounds(kept: torch.Tensor, probs: torch.Tensor, total: torch.Tensor
     return torch.cat([lower, counts.gather(1, last)], dim=1).long()
 
 
-def _apply_top_k_top_p_sorted(logits: torch.Tensor, top_k: torch.Tensor | None,
+def apply_top_k_top_p_sorted(logits: torch.Tensor, top_k: torch.Tensor | None,
                               top_p: torch.Tensor) -> torch.Tensor:
     """apply_top_k_top_p by a full sort: the reference rule, and the fallback for rows
     whose nucleus is wider than every window."""
