@@ -167,12 +167,18 @@ def test_profile_step_shape_and_arithmetic_with_fake_cuda_counters(monkeypatch, 
     assert runner.kv_caches == []
 
     # With decode graphs to capture after the KV cache, room for their pool stays free:
-    # the activation peak scaled to the largest graph batch, plus the static buffers.
+    # the activation peak scaled to the largest graph batch, plus the static buffers and
+    # the sampling tails: their logits and sort buffers, penalty tables, per-row buffers.
     from llmd.gpu.cuda_graphs import capture_sizes
+    from llmd.gpu.graph_sampler import GREEDY_TAIL_CELLS, SAMPLE_TAIL_CELLS, WORDS_PER_ROW
 
     monkeypatch.setattr(runner, "_graphs_off_reason", lambda: None)
     largest = capture_sizes(seqs, runner.settings.max_num_batched_tokens)[-1]
+    cells = largest * runner.settings.valid_vocab_size
+    tails = min(cells, GREEDY_TAIL_CELLS) * 6 + min(cells, SAMPLE_TAIL_CELLS) * 32 + cells * 5
+    assert tails > 0 and cells < SAMPLE_TAIL_CELLS  # this small vocab: both tails at every size
     graphs = int(30 * MiB * min(1.0, largest / want_tokens) + largest * (4 + -(-max_len // 16)) * 8)
+    graphs += tails + largest * (WORDS_PER_ROW + 2) * 8 * 2
     g = runner.profile_kv_budget(0.9, extra_reserved_bytes=10 * MiB)
     assert g.reserved == 10 * MiB + graphs
     assert g.kv_budget == b.kv_budget - graphs
