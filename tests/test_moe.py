@@ -14,7 +14,9 @@ Whole requests give transformers' greedy tokens and top-5 logprobs (fp32) in pla
 batches, prefix-cache hits, chunked prefill, preemption, an emulated decode graph and
 TP=2 over gloo (each rank a half of every expert). The fused Triton kernel runs in
 Triton's interpreter in a subprocess (fused_moe_cases.py) against moe_reference on
-ragged loads, experts with no token included; the reference is checked against a plain
+ragged loads, experts with no token included, with act(gate) * up between its GEMMs in
+torch and as the fused layer ops' Triton kernel (the "fused-" cases, fp32 and bf16, and
+"model-fused": a model built with fused ops); the reference is checked against a plain
 per-token loop. Each comparison can fail: with routing or the shared expert changed,
 transformers no longer agrees.
 """
@@ -312,17 +314,24 @@ def interpreted() -> dict[str, dict]:
                                                           proc.stdout.splitlines()))}
 
 
-@pytest.mark.parametrize("name", ["model", *CASES])
+@pytest.mark.parametrize("name", ["model", "model-fused", *CASES])
 def test_fused_triton_kernel_matches_the_reference(interpreted: dict[str, dict], name: str) -> None:
     """The grouped-GEMM kernel over the expert-sorted, block-padded pairs equals
     moe_reference: experts with no token, an expert spanning several row blocks, a single
-    decode token, sizes off the tiles, bf16/fp16; "model" runs every sparse block of
-    tiny-qwen2-moe (router, experts, shared expert) both ways."""
+    decode token, sizes off the tiles, bf16/fp16, the activation in torch or fused; "model"
+    runs every sparse block of tiny-qwen2-moe (router, experts, shared expert) both ways,
+    "model-fused" the same blocks of the model built with fused ops."""
     result = interpreted[name]
     assert "error" not in result, result["error"]
     assert result["err"] <= result["tol"], result
     if name in CASES and CASES[name].load is not None:
         assert 0 in result["expert_counts"], result  # the case has experts that get no token
+    if name in CASES:  # the Triton path applied the activation once, through the case's ops
+        assert result["fused"] == CASES[name].fused_activation and result["act_calls"] == 1, result
+    if name in CASES and CASES[name].fused_activation:
+        assert result["act_err"] <= result["act_tol"], result  # the kernel vs the torch activation, same GEMMs
+    if name.startswith("model"):
+        assert result["fused_blocks"] == (result["blocks"] if name == "model-fused" else 0), result
 
 
 # --- each comparison can fail -----------------------------------------------------------------------

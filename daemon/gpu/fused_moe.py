@@ -18,19 +18,24 @@ Two implementations of `fused_experts`, the same contract:
   expert; one grouped-GEMM launch then covers every expert for gate/up, and one for
   down with the routing weight multiplied in. The sorted-id buffer is sized for the
   worst case of its batch size, so a decode step's shapes never depend on the routing
-  and the whole forward can be captured in a CUDA graph.
+  and the whole forward can be captured in a CUDA graph. Between its two GEMMs,
+  act(gate) * up runs as `ops` says (fused_ops.layer_ops): the torch ops, or one
+  Triton kernel (fused_ops_triton.act_and_mul) when the model's layer ops are fused.
+
+The activation is passed by its norms.ACTIVATIONS name, which both the torch function
+and the fused kernel are chosen by. The reference always computes in torch: it is what
+the Triton path, fused or not, is checked against.
 
 The Triton module is imported only when the Triton path runs, so a CPU process never
 loads triton for MoE.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 
-from llmd.gpu.norms import act_and_mul
+from llmd.gpu.fused_ops import UNFUSED, LayerOps
+from llmd.gpu.norms import ACTIVATIONS, act_and_mul
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool
@@ -46,24 +51,25 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor] = F.silu,
-                  use_triton: bool | None = None) -> torch.Tensor:
+                  topk_ids: torch.Tensor, activation: str = "silu", use_triton: bool | None = None,
+                  ops: LayerOps = UNFUSED) -> torch.Tensor:
     """sum over k of topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]), [tokens, hidden].
-    `use_triton` None: the Triton kernel on CUDA, the reference elsewhere."""
+    `use_triton` None: the Triton kernel on CUDA, the reference elsewhere; `ops` runs the
+    Triton path's act(gate) * up."""
     if use_triton is None:
         use_triton = x.is_cuda
     if use_triton:
         from llmd.gpu.fused_moe_triton import triton_fused_experts
 
-        return triton_fused_experts(x, w13, w2, topk_weights, topk_ids, activation)
+        return triton_fused_experts(x, w13, w2, topk_weights, topk_ids, activation, ops)
     return moe_reference(x, w13, w2, topk_weights, topk_ids, activation)
 
 
 def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor] = F.silu
-                  ) -> torch.Tensor:
+                  topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """The experts with batched matmuls per expert over its sorted rows (see the module
     docstring); experts that got no token cost nothing."""
+    act = ACTIVATIONS[activation]
     top_k = topk_ids.shape[1]
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -75,7 +81,7 @@ def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     for expert, count in enumerate(counts):
         if count:
             end = start + count
-            hidden = act_and_mul(F.linear(rows[start:end], w13[expert]), activation)
+            hidden = act_and_mul(F.linear(rows[start:end], w13[expert]), act)
             out_rows[start:end] = F.linear(hidden, w2[expert])
             start = end
     out_rows *= topk_weights.reshape(-1)[order].unsqueeze(-1).to(x.dtype)

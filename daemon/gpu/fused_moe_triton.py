@@ -11,24 +11,25 @@ scatters the tile back to the pairs' own rows. Two launches per layer:
 
 1. gate/up: A = the tokens' hidden states (pair p reads token p // top_k), B = w13,
    out [pairs, 2 * inter];
-2. act(gate) * up in torch, then down: A = that [pairs, inter] (pair p reads row p),
+2. act(gate) * up, run by the layer's ops (torch, or with fused layer ops one Triton
+   kernel: fused_ops_triton.act_and_mul), then down: A = that [pairs, inter] (pair p reads row p),
    B = w2, out [pairs, hidden], each row times its routing weight (fp32, before the
    cast to the output type); the top_k rows of a token are summed in torch.
 
 A program whose row block lies past the padded total returns at once, so the grid can
 be sized for the worst case of the batch (a CUDA graph replays the same grid whatever
-the routing). Padding rows load zeros and store nothing.
+the routing). Padding rows load zeros and store nothing. The activation between the
+launches sizes its grid by the number of pairs alone, so the whole path stays free of
+host syncs whichever ops run it.
 """
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
+from llmd.gpu.fused_ops import LayerOps
 from llmd.gpu.moe_align import moe_align_block_size
-from llmd.gpu.norms import act_and_mul
 
 # Whether the kernel runs in Triton's interpreter (decided when triton was imported).
 # The interpreter does no arithmetic on bf16 (it holds bf16 as uint16 bits and tl.dot
@@ -100,8 +101,9 @@ def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, weights: torch.
 
 
 def triton_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                         topk_ids: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """fused_experts with the grouped-GEMM kernel (see the module docstring)."""
+                         topk_ids: torch.Tensor, activation: str, ops: LayerOps) -> torch.Tensor:
+    """fused_experts with the grouped-GEMM kernel (see the module docstring); `activation`
+    a norms.ACTIVATIONS name, applied by `ops.act_and_mul`."""
     tokens, top_k = topk_ids.shape
     num_experts, hidden = w13.shape[0], x.shape[1]
     num_pairs = tokens * top_k
@@ -112,7 +114,7 @@ def triton_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     x = x.contiguous()
     gate_up = torch.empty(num_pairs, w13.shape[1], dtype=x.dtype, device=x.device)
     _launch(x, w13, gate_up, None, work, top_k, blocks)
-    inner = act_and_mul(gate_up, activation)
+    inner = ops.act_and_mul(gate_up, activation)
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _launch(inner, w2, out, topk_weights.reshape(-1).float().contiguous(), work, 1, blocks)
     return out.view(tokens, top_k, hidden).sum(dim=1)

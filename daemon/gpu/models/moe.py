@@ -44,7 +44,7 @@ from llmd.gpu.models.config_checks import refuse
 from llmd.gpu.models.llama import (DecoderAttention, DecoderLayer, DecoderMLP, LlamaForCausalLM,
                                    MistralForCausalLM, Qwen2ForCausalLM)
 from llmd.gpu.models.moe_weights import ExpertTensorNames, ExpertWeightLoader
-from llmd.gpu.norms import ACTIVATIONS, RMSNorm
+from llmd.gpu.norms import RMSNorm
 from llmd.gpu.tp import TPShape
 
 
@@ -88,8 +88,9 @@ class SharedExpert(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     """Router (`gate`), experts, optional shared expert; one all-reduce under TP.
+    `activation` is an ACTIVATIONS name (the model's check_config refused any other);
     `use_triton` None: the fused Triton kernel on CUDA, the reference elsewhere; `ops`
-    runs the shared expert's act * up."""
+    runs the shared expert's act * up and the Triton experts'."""
 
     def __init__(self, hidden_size: int, spec: MoeSpec, tp: TPShape | None, activation: str,
                  ops: LayerOps = UNFUSED) -> None:
@@ -98,7 +99,8 @@ class SparseMoeBlock(nn.Module):
         self.top_k = spec.top_k
         self.renormalize = spec.renormalize
         self.reduce = tp is not None
-        self.act = ACTIVATIONS[activation]
+        self.activation = activation
+        self.ops = ops
         self.use_triton: bool | None = None
         self.gate = nn.Linear(hidden_size, spec.num_experts, bias=False)
         self.experts = ExpertWeights(spec.num_experts, hidden_size, spec.expert_size // world)
@@ -109,7 +111,8 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
-        out = fused_experts(x, self.experts.w13, self.experts.w2, weights, ids, self.act, self.use_triton)
+        out = fused_experts(x, self.experts.w13, self.experts.w2, weights, ids, self.activation, self.use_triton,
+                            self.ops)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         if self.reduce:
