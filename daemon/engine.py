@@ -54,7 +54,7 @@ class LLMEngine:
         self._progress = None  # a restarted executor does not report a load
         structured = StructuredOutputManager(GrammarCompilerService(
             self.tokenizer, self.vocab_size, sorted({self.eos_token_id} - {None} | self.extra_stop_token_ids),
-            timeout_s=config.guided_decoding_compile_timeout_s), max_rows=config.max_num_seqs)
+            timeout_s=config.guided_decoding_compile_timeout_s))
         self.core = EngineCore(config, executor, self._make_executor, self.num_blocks, structured)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.input_processor = InputProcessor(

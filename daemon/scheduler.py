@@ -176,13 +176,13 @@ class Scheduler:
         self._deferred_bitmask = None
 
     def fill_deferred_bitmask(self, output: SchedulerOutput) -> None:
-        """Fill `output`'s grammar rows now that the matchers have every sampled token.
-        A request finished meanwhile keeps its row (its token will be dropped)."""
+        """Start filling `output`'s grammar rows now that the matchers have every sampled
+        token. A request finished meanwhile keeps its row (its token will be dropped)."""
         deferred, self._deferred_bitmask = self._deferred_bitmask, None
         assert deferred is not None and deferred[0] is output, "no deferred bitmask for this step"
         guided = deferred[1]
-        output.grammar_bitmask = self.structured.fill_bitmask(
-            [None if r.is_finished else r.grammar for r in guided], [[] for _ in guided])
+        self.structured.fill_bitmask(output, [None if r.is_finished else r.grammar for r in guided],
+                                     [[] for _ in guided])
 
     # -- one step ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -289,16 +289,13 @@ class Scheduler:
             step.add_new(request, num_new, self.kv.get_block_ids(request.request_id), draft_limit)
 
     def _finalize(self, step: StepBuilder) -> SchedulerOutput:
-        """Count the step's tokens as computed, fill the grammar rows of the guided
-        requests that sample (or defer them: a matcher lacks a token still being sampled),
-        and name the requests the worker must forget."""
+        """Count the step's tokens as computed, start filling the grammar rows of the
+        guided requests that sample (they are filled while the step runs; or deferred: a
+        matcher lacks a token still being sampled), and name the requests the worker must
+        forget."""
         sampling, self.last_shape = step.commit()
         guided = [r for r in sampling if r.grammar is not None]
         deferred = any(r.num_output_placeholders for r in guided)
-        bitmask = b""
-        if guided and not deferred:
-            bitmask = self.structured.fill_bitmask([r.grammar for r in guided],
-                                                   [step.spec_tokens.get(r.request_id, []) for r in guided])
         if self.async_scheduling:
             for request in sampling:
                 request.num_output_placeholders += 1
@@ -308,9 +305,12 @@ class Scheduler:
             self._worker_forget.clear()
         self.stats.num_running = len(self.running)
         self.stats.num_waiting = len(self.waiting)
-        output = step.build(forget, [r.request_id for r in guided], bitmask)
+        output = step.build(forget, [r.request_id for r in guided], b"")  # the rows follow
         if deferred:
             self._deferred_bitmask = (output, guided)
+        elif guided:
+            self.structured.fill_bitmask(output, [r.grammar for r in guided],
+                                         [step.spec_tokens.get(r.request_id, []) for r in guided])
         return output
 
     # -- speculation ------------------------------------------------------------------

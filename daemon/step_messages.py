@@ -4,8 +4,15 @@ Only differences cross the boundary: a request's tokens and sampling parameters 
 sent once (when it is scheduled for the first time, or again after preemption); after
 that a step names it with its new block ids and how many tokens to compute. The worker
 keeps its own copy of each request's tokens and appends what it samples.
+
+A step's grammar bitmask rows are filled while its forward runs (only sampling needs
+them), so the step goes to the executor before they exist: whoever samples reads them
+through `SchedulerOutput.wait_grammar_bitmask`, which waits for them (in process, for the
+filling thread; in a worker, for the message that follows the step).
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import msgspec
 
@@ -28,7 +35,7 @@ class CachedRequestData(msgspec.Struct, array_like=True):
     num_computed_tokens: list[int]
 
 
-class SchedulerOutput(msgspec.Struct, array_like=True):
+class SchedulerOutput(msgspec.Struct, array_like=True, dict=True):
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: CachedRequestData
     num_scheduled_tokens: dict[str, int]
@@ -36,7 +43,8 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     # Requests the worker must forget: finished, aborted or preempted since the last step.
     finished_req_ids: list[str]
     # Guided decoding: the requests that sample under a grammar this step, and their
-    # allowed-token bitmask rows in that order (int32 words over the logit width).
+    # allowed-token bitmask rows in that order (int32 words over the logit width). The
+    # rows are read with wait_grammar_bitmask(): they are filled after the step is sent.
     grammar_req_ids: list[str] = []
     grammar_bitmask: bytes = b""
     # Speculative decoding: draft tokens to verify, by request. Such a request's
@@ -52,6 +60,20 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     # scheduler reserved KV slots for every position those drafts write, and the limit
     # keeps them within what the request may still emit (and max_model_len).
     draft_max_num_tokens: dict[str, int] = {}
+
+    # Where the grammar rows come from is state of this process, never sent: the struct
+    # keeps it in its __dict__ (dict=True), which msgspec does not encode.
+    def follow_grammar_bitmask(self, source: Callable[[], bytes]) -> None:
+        """The grammar rows are `source()`, which blocks until they are filled."""
+        self.__dict__["_grammar_bitmask_source"] = source
+
+    def wait_grammar_bitmask(self) -> bytes:
+        """The grammar rows, waiting for them if they are still being filled. Called just
+        before sampling: the forward ran meanwhile."""
+        source = self.__dict__.pop("_grammar_bitmask_source", None)
+        if source is not None:
+            self.grammar_bitmask = source()
+        return self.grammar_bitmask
 
 
 class Logprobs(msgspec.Struct, array_like=True):

@@ -5,7 +5,11 @@ scheduled. With it, while step N runs the pipeline schedules step N+1 and submit
 once (the executor runs steps in order, so it starts N+1 as soon as N ends, without a
 round trip through this side); N's tokens are applied while N+1 runs (see the
 scheduler's docstring for the placeholder rules). A step whose grammar rows need N's
-tokens is held back until they are applied. With a chained executor the worker even
+tokens is held back until they are applied: a chained worker samples N+1 before it hands
+N's tokens back, so N+1 could not wait there for rows filled from them. Like every
+step's, its rows are then filled while its own forward runs: the scheduler starts the
+fill, the step is launched at once, and sampling waits for the rows (bitmask_filler.py).
+With a chained executor the worker even
 launches N+1 before reading N's tokens back: N+1's decode rows take them on the device
 (ModelRunner.execute_model_chained), so the device never waits for the host in between.
 The offline engine waits on the futures; the daemon's scheduler actor awaits them.

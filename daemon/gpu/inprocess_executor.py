@@ -1,6 +1,7 @@
 """Executors run SchedulerOutputs on the model. The in-process one calls the runner
-directly (offline engine, tests, debugging); worker processes come later behind the same
-methods."""
+directly (offline engine, tests, debugging); worker processes are behind the same methods
+(mp_executor.py). Here the runner samples from the scheduler's own SchedulerOutput: its
+grammar rows are waited for on the thread that fills them (wait_grammar_bitmask)."""
 from __future__ import annotations
 
 import torch

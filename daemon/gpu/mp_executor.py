@@ -1,7 +1,9 @@
 """The multiprocess executor: one worker process per device (`python -m
 llmd.gpu.worker`, started fresh: nothing is pickled and the parent's __main__ is never
 re-imported), SchedulerOutputs broadcast as msgpack bytes over socketpairs,
-RunnerOutputs from rank 0. Rank r runs on cuda:r on CUDA (cuda:(i + r) when given
+RunnerOutputs from rank 0. A step's grammar bitmask rows follow it to rank 0 (the rank
+that samples) in a second message, sent once they are filled: the worker's forward runs
+meanwhile, and it reads them just before sampling. Rank r runs on cuda:r on CUDA (cuda:(i + r) when given
 cuda:i), on the CPU otherwise. With world_size > 1 (tensor parallelism) the workers also
 form a process group, NCCL on CUDA and gloo on CPU, that meets through a file in a
 private (0700) temporary directory made here: no TCP port, so nothing to race for, and
@@ -33,8 +35,9 @@ import msgspec
 from llmd.executor import ExecutorError
 from llmd.gpu.kv_budget import MemoryBreakdown
 from llmd.gpu.runner_types import RunnerSettings
-from llmd.gpu.worker import (ChainedResult, Execute, ExecuteChained, Flush, FromWorker, InitKVCache, KVBudget,
-                             KVReady, ProfileKV, Shutdown, StepResult, WorkerFailed, WorkerInit, WorkerReady)
+from llmd.gpu.worker import (ChainedResult, Execute, ExecuteChained, Flush, FromWorker, GrammarRows, InitKVCache,
+                             KVBudget, KVReady, ProfileKV, Shutdown, StepResult, WorkerFailed, WorkerInit,
+                             WorkerReady)
 from llmd.step_messages import RunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("llmd.executor")
@@ -157,17 +160,25 @@ class MultiprocExecutor:
     def _broadcast(self, message: object) -> None:
         data = self._encoder.encode(message)
         self.bytes_sent_last_step = len(data)
-        for rank, conn in enumerate(self.conns):
+        for rank in range(len(self.conns)):
+            self._send(rank, data)
+
+    def _send(self, rank: int, data: bytes) -> None:
+        try:
+            self.conns[rank].send_bytes(data)
+        except OSError:
+            proc = self.procs[rank]
             try:
-                conn.send_bytes(data)
-            except OSError:
-                proc = self.procs[rank]
-                try:
-                    proc.wait(5.0)
-                except subprocess.TimeoutExpired:
-                    pass
-                raise WorkerError(f"worker process {rank} (pid {proc.pid}) "
-                                  f"{exit_text(proc.returncode)}") from None
+                proc.wait(5.0)
+            except subprocess.TimeoutExpired:
+                pass
+            raise WorkerError(f"worker process {rank} (pid {proc.pid}) {exit_text(proc.returncode)}") from None
+
+    def _send_grammar_rows(self, scheduler_output: SchedulerOutput) -> None:
+        """The step's grammar rows to rank 0 (the rank that samples), once they are filled:
+        the step went first, so the workers' forward runs while they are."""
+        if scheduler_output.grammar_req_ids:
+            self._send(0, self._encoder.encode(GrammarRows(scheduler_output.wait_grammar_bitmask())))
 
     def exit_fds(self) -> list[int]:
         """One descriptor per worker that becomes readable when the worker process
@@ -243,6 +254,8 @@ class MultiprocExecutor:
 
     def _chained(self, message: object) -> RunnerOutput | None:
         self._broadcast(message)
+        if isinstance(message, ExecuteChained):
+            self._send_grammar_rows(message.scheduler_output)
         # The reply is the step before's output, read back after this one launched:
         # both steps' tokens are within the deadline.
         num_tokens = message.scheduler_output.total_num_scheduled_tokens if isinstance(message, ExecuteChained) else 0
@@ -254,6 +267,7 @@ class MultiprocExecutor:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         self._broadcast(Execute(scheduler_output))
+        self._send_grammar_rows(scheduler_output)
         message = self._recv_step(scheduler_output.total_num_scheduled_tokens)
         if not isinstance(message, StepResult):
             raise WorkerError(f"worker 0 sent {type(message).__name__} instead of a step result")

@@ -85,7 +85,8 @@ class SamplingStep:
         md = SamplingMetadata.build(params, prompts, outputs, valid_vocab_size=settings.valid_vocab_size,
                                     eos_token_id=settings.eos_token_id, device=dev)
         if so.grammar_req_ids:  # a guided request's bitmask has a row for each of its positions
-            md.set_grammar_bitmask([r for rid in so.grammar_req_ids for r in rows_of[rid]], so.grammar_bitmask, dev)
+            md.set_grammar_bitmask([r for rid in so.grammar_req_ids for r in rows_of[rid]],
+                                   so.wait_grammar_bitmask(), dev)
         tails = [so.scheduled_spec_tail_tokens.get(r.req_id) for r in reqs]
         draft_probs = None  # n-gram drafts: point masses (and greedy rows need no q)
         if self.drafter is not None and not md.all_greedy:
@@ -121,7 +122,7 @@ class SamplingStep:
                                         accumulate=True)
         if so.grammar_req_ids:
             row_of = {r.req_id: i for i, r in enumerate(reqs)}
-            md.set_grammar_bitmask([row_of[rid] for rid in so.grammar_req_ids], so.grammar_bitmask, dev)
+            md.set_grammar_bitmask([row_of[rid] for rid in so.grammar_req_ids], so.wait_grammar_bitmask(), dev)
         return md
 
     # -- chained steps: tokens left on the device -----------------------------------------

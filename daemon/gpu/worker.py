@@ -1,6 +1,8 @@
 """A worker process: one per device (rank = TP rank). It loads the model, sizes its KV
 cache when told, then runs SchedulerOutputs as they arrive on its pipe and (rank 0)
-replies with RunnerOutputs. Messages are msgspec-encoded bytes, never pickles.
+replies with RunnerOutputs. A step's grammar bitmask rows come to rank 0 as the next
+message after the step (GrammarRows), sent once filled; the runner reads it just before
+sampling, after the forward. Messages are msgspec-encoded bytes, never pickles.
 
 The worker dies with its parent: PR_SET_PDEATHSIG on Linux, and an EOF on the pipe
 everywhere (the parent's end closes when the parent exits)."""
@@ -62,6 +64,13 @@ class Execute(msgspec.Struct, tag="execute"):
     scheduler_output: SchedulerOutput
 
 
+class GrammarRows(msgspec.Struct, tag="grammar_rows"):
+    """Rank 0 only: the grammar bitmask rows of the step just sent (SchedulerOutput.
+    grammar_bitmask), sent once filled; the worker reads it just before sampling."""
+
+    bitmask: bytes
+
+
 class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
@@ -88,7 +97,7 @@ class ChainedResult(msgspec.Struct, tag="chained_result"):
     output: RunnerOutput | None  # None: no step was waiting for its tokens
 
 
-ToWorker = ProfileKV | InitKVCache | Execute | ExecuteChained | Flush | Shutdown
+ToWorker = ProfileKV | InitKVCache | Execute | ExecuteChained | Flush | GrammarRows | Shutdown
 FromWorker = WorkerReady | WorkerFailed | KVBudget | KVReady | StepResult | ChainedResult
 
 
@@ -157,14 +166,31 @@ def _serve(conn, init: WorkerInit, runner, encoder, decoder) -> None:
             return  # the parent is gone
         if isinstance(message, Shutdown):
             return
+        step = message.scheduler_output if isinstance(message, (Execute, ExecuteChained)) else None
+        if step is not None and init.rank == 0 and step.grammar_req_ids:
+            _follow_grammar_rows(step, conn, decoder)
         try:
             reply = _handle(message, runner, init.rank)
+            if step is not None:
+                step.wait_grammar_bitmask()  # read if sampling did not: the next message is not the rows
         except Exception as exc:  # the worker is done: the parent fails what it had in flight
             traceback.print_exc()
             conn.send_bytes(encoder.encode(WorkerFailed(f"{type(exc).__name__}: {exc}")))
             return
         if reply is not None:
             conn.send_bytes(encoder.encode(reply))
+
+
+def _follow_grammar_rows(step: SchedulerOutput, conn, decoder) -> None:
+    """The step's grammar rows are the next message on the pipe: the parent sends them
+    once they are filled, so they are read when sampling needs them, not before the forward."""
+    def read() -> bytes:
+        message = decoder.decode(conn.recv_bytes())
+        if not isinstance(message, GrammarRows):
+            raise TypeError(f"worker expected the step's grammar rows, got {type(message).__name__}")
+        return message.bitmask
+
+    step.follow_grammar_bitmask(read)
 
 
 def _handle(message: ToWorker, runner, rank: int) -> FromWorker | None:

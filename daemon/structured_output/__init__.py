@@ -14,7 +14,9 @@ Three stages, each with its own failure mode and its own module:
 3. `StructuredOutputManager` (manager.py; the scheduler's side): one `GrammarMatcher` per
    request (per sample for n > 1), the bitmask rows for the requests that sample in a
    step, and accepting each sampled token. Matchers live with the request: preemption
-   (recompute) does not touch them, abort drops them.
+   (recompute) does not touch them, abort drops them. The rows are filled by
+   `BitmaskFiller` (bitmask_filler.py) on its own thread, in batched xgrammar calls,
+   while the step's forward runs: only sampling waits for them.
 
 `Utf8Guard` (utf8_guard.py) narrows every bitmask row to the tokens that keep the output
 valid UTF-8, which xgrammar's lenient decoding alone does not.

@@ -1,22 +1,27 @@
 """Stage 3 of guided decoding, the scheduler's side: one `GrammarMatcher` per request
-(per sample for n > 1), the bitmask rows for the requests that sample in a step, and
-accepting each sampled token. Matchers live with the request: preemption (recompute)
-does not touch them, abort drops them.
+(per sample for n > 1), the bitmask rows for the requests that sample in a step (filled
+while the step runs: bitmask_filler.py), and accepting each sampled token. Matchers live
+with the request: preemption (recompute) does not touch them, abort drops them.
 """
 from __future__ import annotations
 
 import time
-from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
+from typing import TYPE_CHECKING
 
+from llmd.structured_output.bitmask_filler import BitmaskFiller, RowGroup
 from llmd.structured_output.compiler import CompileJob, GrammarCompilerService
 from llmd.structured_output.spec import GrammarSpec
+
+if TYPE_CHECKING:
+    from llmd.step_messages import SchedulerOutput
 
 
 class RequestGrammar:
     """One request's grammar: its compile job, then its matcher."""
 
-    __slots__ = ("spec", "job", "submitted_at", "matcher", "utf8_tail")
+    __slots__ = ("spec", "job", "submitted_at", "matcher", "utf8_tail", "fill_error")
 
     def __init__(self, spec: GrammarSpec) -> None:
         self.spec = spec
@@ -24,21 +29,35 @@ class RequestGrammar:
         self.submitted_at = 0.0
         self.matcher = None
         self.utf8_tail = b""  # the output's incomplete last character (see Utf8Guard)
+        # Why the matcher could not fill its bitmask rows (an xgrammar failure, not bad
+        # input): the token sampled from rows that allowed everything is then refused.
+        self.fill_error: str | None = None
 
     @property
     def ready(self) -> bool:
         return self.matcher is not None
 
+    def set_fill_error(self, message: str) -> None:
+        self.fill_error = message
+
 
 class StructuredOutputManager:
     """The scheduler's view: start compiles, make matchers, fill bitmasks, accept tokens."""
 
-    def __init__(self, service: GrammarCompilerService, max_rows: int) -> None:
+    def __init__(self, service: GrammarCompilerService) -> None:
         self.service = service
         self.vocab_size = service.vocab_size
-        self.max_rows = max_rows
-        self._bitmask = None  # allocated at the first guided step (xgrammar imports lazily)
-        self.fill_seconds = 0.0  # total time spent filling masks (for benchmarks)
+        self.filler = BitmaskFiller((self.vocab_size + 31) // 32, lambda: service.utf8_guard)
+
+    @property
+    def fill_seconds(self) -> float:
+        """Total time spent filling bitmask rows (on the filler's thread)."""
+        return self.filler.fill_seconds
+
+    @property
+    def wait_seconds(self) -> float:
+        """Total time sampling waited for rows still being filled (the rest overlapped)."""
+        return self.filler.wait_seconds
 
     def start(self, grammar: RequestGrammar) -> None:
         grammar.submitted_at = time.monotonic()
@@ -68,39 +87,19 @@ class StructuredOutputManager:
         """When the first of these requests runs out of time to wait for its grammar."""
         return min((g.submitted_at + self.service.timeout_s for g in grammars), default=None)
 
-    def fill_bitmask(self, grammars: list[RequestGrammar | None], drafts: list[list[int]]) -> bytes:
-        """Rows of allowed-token bits (int32 words, bit i of word j = token 32*j + i): per
-        grammar, in order, one row for each position it samples at: 1 + its drafts (the
-        row after drafts[:i] is filled with drafts[:i] accepted, then rolled back). A
-        None grammar gets rows that allow every token."""
-        start = time.perf_counter()
-        n = sum(1 + len(d) for d in drafts)
-        if self._bitmask is None or n > self._bitmask.shape[0]:
-            import xgrammar as xgr
-            self._bitmask = xgr.allocate_token_bitmask(max(n, self.max_rows), self.vocab_size)
-        rows = self._bitmask.numpy()
-        guard = self.service.utf8_guard
-        row = 0
-        for grammar, request_drafts in zip(grammars, drafts):
-            if grammar is None:  # a finished request's row (its token is dropped): anything
-                rows[row:row + 1 + len(request_drafts)] = -1
-                row += 1 + len(request_drafts)
-                continue
-            matcher, tail = grammar.matcher, grammar.utf8_tail
-            for i in range(len(request_drafts) + 1):
-                if i:
-                    matcher.accept_token(request_drafts[i - 1])  # validated when proposed
-                    tail = guard.advance(tail, request_drafts[i - 1]) or b""
-                matcher.fill_next_token_bitmask(self._bitmask, row)
-                guarded = rows[row] & guard.mask(tail)
-                if guarded.any():  # never leave a row empty: the grammar has the last word
-                    rows[row] = guarded
-                row += 1
-            if request_drafts:
-                matcher.rollback(len(request_drafts))
-        data = rows[:n].tobytes()
-        self.fill_seconds += time.perf_counter() - start
-        return data
+    def fill_bitmask(self, output: SchedulerOutput, grammars: list[RequestGrammar | None],
+                     drafts: list[list[int]]) -> Future:
+        """Start filling `output`'s grammar rows on the filler's thread and make them the
+        rows it waits for (SchedulerOutput.wait_grammar_bitmask): the step can be handed to
+        the executor at once. Per grammar, in order, one row for each position it samples
+        at: 1 + its drafts. A None grammar (its request finished) gets rows that allow
+        every token. The matchers and tails are read now, when the scheduler holds them."""
+        groups = [RowGroup(None, b"", list(d)) if g is None
+                  else RowGroup(g.matcher, g.utf8_tail, list(d), g.set_fill_error)
+                  for g, d in zip(grammars, drafts)]
+        future = self.filler.submit(groups)
+        output.follow_grammar_bitmask(lambda: self.filler.wait(future))
+        return future
 
     def validate_drafts(self, grammar: RequestGrammar, drafts: list[int]) -> list[int]:
         """The longest prefix of `drafts` the grammar (and UTF-8) allows from here, short
@@ -122,6 +121,10 @@ class StructuredOutputManager:
         return valid
 
     def accept(self, grammar: RequestGrammar, token_id: int) -> bool:
+        """Advance the matcher by a sampled token; False if the grammar refuses it (or its
+        rows could not be filled, so nothing held the token to the grammar)."""
+        if grammar.fill_error is not None:
+            return False
         grammar.utf8_tail = self.service.utf8_guard.advance(grammar.utf8_tail, token_id) or b""
         return grammar.matcher.accept_token(token_id)
 
@@ -131,3 +134,4 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self.service.shutdown()
+        self.filler.shutdown()
