@@ -15,8 +15,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 
-from llmd import LLM, SamplingParams
+from llmd import LLM
+from llmd.gpu.attention import AttentionMetadata, TorchAttention, set_decode_rows
 from llmd.spec_decode import SpecDecodeStats
 from llmd_tools.make_model import fixture_path
 from test_cuda_graphs import PROMPTS, TEXT, KVWatch, batch_invariant_linear, greedy, run_waves  # noqa: F401
@@ -24,6 +26,40 @@ from test_spec_decode import OracleProposer
 from test_spec_draft_model import model, noisy_draft  # noqa: F401
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+@pytest.mark.parametrize("window, softcap", [(None, None), (6, None), (3, None), (None, 5.0)])
+def test_verify_rows_attend_as_the_prefill_row(window, softcap) -> None:
+    """The 1 + k tokens of a verify, after a cached context, as one prefill row and as
+    1 + k decode rows (token i at position p + i, seq_len p + i + 1), beside a plain
+    decode row: the same outputs and the same cache (the step's K/V are written before
+    any row attends). Windows of 6 and 3 cut inside the context and inside the new
+    tokens; GQA (4 query heads on 2 kv heads)."""
+    gen = torch.Generator().manual_seed(0)
+    bs, heads, kv_heads, dim = 4, 4, 2, 8
+    blocks = [3, 0, 5, 2, 6, 7]  # the verifying request's table (not in order)
+    other, other_len = [1, 4], 7  # a plain decode row: 6 tokens cached, its new one at position 6
+    cached, n = 13, 5  # 13 tokens in the cache, then the last token and 4 drafts
+    cache = torch.randn(2, kv_heads, 9, bs, dim, generator=gen)
+    q, k, v = (torch.randn(1 + n, h, dim, generator=gen) for h in (heads, kv_heads, kv_heads))
+    positions = list(range(cached, cached + n))
+    slots = [other[(other_len - 1) // bs] * bs + (other_len - 1) % bs] + \
+        [blocks[p // bs] * bs + p % bs for p in positions]
+    attention = TorchAttention(heads, kv_heads, dim, dim ** -0.5, sliding_window=window, softcap=softcap)
+
+    def run(md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = cache.clone()
+        return attention(q, k, v, kv, md), kv
+
+    as_prefill = AttentionMetadata(torch.tensor(slots), 1, None, None,
+                                   [(1, n, cached, torch.tensor(blocks[:-(-(cached + n) // bs)]))])
+    set_decode_rows(as_prefill, [other], [other_len], bs, torch.device("cpu"))
+    as_decodes = AttentionMetadata(torch.tensor(slots), 1 + n, None, None, [])
+    set_decode_rows(as_decodes, [other] + [blocks[:(p + bs) // bs] for p in positions],
+                    [other_len] + [p + 1 for p in positions], bs, torch.device("cpu"))
+    (out_a, kv_a), (out_b, kv_b) = run(as_prefill), run(as_decodes)
+    torch.testing.assert_close(out_b, out_a, rtol=1e-5, atol=1e-5)
+    assert torch.equal(kv_a, kv_b)
 
 
 def graphs_on(llm: LLM) -> None:
