@@ -323,3 +323,31 @@ def _reference_rows(group, guard, words: int):
             rows[i] = guarded
     group.matcher.rollback(len(group.drafts))
     return rows
+
+
+def test_rows_applied_on_the_device_equal_a_bit_by_bit_reference():
+    """A step's rows go to the device as packed words, unguided rows all ones: on the CPU
+    xgrammar's kernel masks the logits, elsewhere the words are unpacked on the device
+    (here run on CPU tensors); both equal a bit-by-bit reference, padded vocab included."""
+    import numpy as np
+    import torch
+
+    from llmd.gpu.sampling_metadata import SamplingMetadata, unpack_bitmask
+
+    num_rows, vocab, logit_width = 5, 70, 96  # the bitmask covers the logit width
+    rng = np.random.default_rng(0)
+    rows = [1, 3, 4]
+    words = rng.integers(-2**31, 2**31 - 1, (len(rows), logit_width // 32), dtype=np.int32)
+    md = SamplingMetadata.build([SamplingParams()] * num_rows, [[1]] * num_rows, [[]] * num_rows,
+                                valid_vocab_size=vocab)
+    md.set_grammar_bitmask(rows, words.tobytes(), torch.device("cpu"))
+    logits = torch.randn(num_rows, vocab)
+    before, expected = logits.clone(), logits.clone()
+    for i, row in enumerate(rows):
+        for token in range(vocab):
+            if not (int(words[i, token // 32]) >> (token % 32)) & 1:
+                expected[row, token] = float("-inf")
+    assert torch.equal(md.mask_grammar(logits), expected)
+    unpacked = logits.masked_fill(~unpack_bitmask(md.grammar_bitmask, vocab), float("-inf"))
+    assert torch.equal(unpacked, expected)
+    assert torch.equal(logits, before)  # a new tensor: the logits themselves are left as they were

@@ -112,8 +112,8 @@ class Sampler:
         logits = logits[:, :md.vocab_limit].float()
         if md.pad_mask is not None:
             logits = logits.masked_fill(md.pad_mask, float("-inf"))
-        if md.grammar_mask is not None:
-            logits = logits.masked_fill(~md.grammar_mask, float("-inf"))
+        if md.grammar_bitmask is not None:
+            logits = md.mask_grammar(logits)
         return logits
 
     @staticmethod
@@ -125,7 +125,7 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         if md.min_tokens_pending:
             masked = apply_min_tokens(logits, md)
-            if md.grammar_mask is not None:
+            if md.grammar_bitmask is not None:
                 # A grammar that allows only its end (EOS) outranks min_tokens: a row the
                 # two would leave without any token keeps the grammar's choice.
                 empty = torch.isneginf(masked).all(dim=-1, keepdim=True)

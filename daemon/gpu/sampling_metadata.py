@@ -51,9 +51,9 @@ class SamplingMetadata:
     num_output_tokens_t: torch.Tensor | None  # [N] int64 device copy, only for min_tokens
     seeded_rows: list[tuple[int, int]]  # (row, seed) of random rows that carry a seed
     max_num_logprobs: int | None  # k of the top logprobs to return; None: no logprobs
-    # Guided decoding: [N, vocab_limit] bool, True where the row's grammar allows the
-    # token (all True on unguided rows); None when no row is guided. See set_grammar_bitmask.
-    grammar_mask: torch.Tensor | None = None
+    # Guided decoding: [N, words] int32 bitmask words (xgrammar's layout) on the logits'
+    # device, all ones on unguided rows; None when no row is guided. See mask_grammar.
+    grammar_bitmask: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -99,11 +99,26 @@ class SamplingMetadata:
 
     def set_grammar_bitmask(self, rows: Sequence[int], bitmask: bytes, device: torch.device) -> None:
         """Rows `rows` sample under a grammar; `bitmask` holds their allowed-token bits
-        (xgrammar's layout: int32 words, bit b of word w = token 32*w + b)."""
-        words = torch.frombuffer(bytearray(bitmask), dtype=torch.int32).view(len(rows), -1).to(device)
-        mask = torch.ones(self.num_rows, self.vocab_limit, dtype=torch.bool, device=device)
-        mask[torch.tensor(rows, dtype=torch.int64, device=device)] = unpack_bitmask(words, self.vocab_limit)
-        self.grammar_mask = mask
+        (xgrammar's layout: int32 words, bit b of word w = token 32*w + b). The words go to
+        the device as they are, every other row all ones: the host never expands them."""
+        given = np.frombuffer(bitmask, dtype=np.int32).reshape(len(rows), -1)
+        if given.shape[1] * 32 < self.vocab_limit:
+            raise ValueError(f"grammar bitmask covers {given.shape[1] * 32} tokens, fewer than {self.vocab_limit}")
+        words = np.full((self.num_rows, given.shape[1]), -1, dtype=np.int32)
+        words[np.asarray(rows, dtype=np.int64)] = given
+        self.grammar_bitmask = torch.from_numpy(words).to(device, non_blocking=True)
+
+    def mask_grammar(self, logits: torch.Tensor) -> torch.Tensor:
+        """[N, vocab_limit] float logits with the ids each row's grammar forbids at -inf
+        (a new tensor). On the CPU xgrammar's kernel writes them straight from the bits;
+        elsewhere the bits are unpacked on the device in one lookup and filled."""
+        if logits.device.type == "cpu":
+            import xgrammar as xgr
+
+            masked = logits.clone()
+            xgr.apply_token_bitmask_inplace(masked, self.grammar_bitmask, vocab_size=self.vocab_limit)
+            return masked
+        return logits.masked_fill(~unpack_bitmask(self.grammar_bitmask, self.vocab_limit), float("-inf"))
 
     @property
     def has_penalties(self) -> bool:
@@ -125,12 +140,22 @@ class SamplingMetadata:
 
 
 def unpack_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[R, W] int32 bitmask words -> [R, vocab] bool (bit b of word w is token 32*w + b)."""
-    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
-    bits = (words.unsqueeze(-1) >> shifts) & 1
-    if bits.shape[1] * 32 < vocab:
-        raise ValueError(f"grammar bitmask covers {bits.shape[1] * 32} tokens, fewer than {vocab}")
-    return bits.view(words.shape[0], -1)[:, :vocab].bool()
+    """[R, W] int32 bitmask words -> [R, vocab] bool (bit b of word w is token 32*w + b):
+    every byte of the words looked up in a 256 x 8 table, one gather on their device.
+    Byte k of word w holds tokens 32*w + 8*k .. + 7 in memory on a little-endian machine
+    (every CPU and GPU torch runs on here)."""
+    if words.shape[1] * 32 < vocab:
+        raise ValueError(f"grammar bitmask covers {words.shape[1] * 32} tokens, fewer than {vocab}")
+    table = _BYTE_BITS.get(words.device)
+    if table is None:
+        table = _BYTE_BITS[words.device] = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool().to(
+            words.device)
+    data = words.contiguous().view(torch.uint8).view(-1)
+    return table.index_select(0, data.int()).view(words.shape[0], -1)[:, :vocab]
+
+
+# unpack_bitmask's table, per device: row b is the 8 bits of byte value b, lowest first.
+_BYTE_BITS: dict[torch.device, torch.Tensor] = {}
 
 
 def _column(values: list[float], device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
