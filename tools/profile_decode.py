@@ -1,57 +1,217 @@
-"""Decode-step breakdown at batch 32 on the `small` fixture: step time, model forward,
-and the top operators (torch profiler).
+"""Where a model step's time goes, and engine variants compared in one process.
 
-    python -m llmd_tools.profile_decode [THREADS] [DTYPE]
+    python -m llmd_tools.profile_decode [--model small-llama] [--dtype float32] [--threads 2]
+        [--batch 32] [--prompt-len 96 160] [--steps 10] [--rounds 3]
+        [--variants default] [--prefill] [--table 15] [--clock wall|cpu]
+
+Every variant is its own engine on the same weights with the same requests (greedy,
+`ignore_eos`). After the prefill, the variants take turns: each round runs `--steps`
+decode steps on every variant, so load from other processes and the contexts' growth
+weigh on all of them alike. Per variant it prints the median decode step over the rounds
+and its parts: the model forward split into linear layers, attention and the rest
+(norms, rotary, activation, residual adds, glue), the LM head, and the host's share
+(scheduling, input preparation, sampling, output processing). With `--prefill` it also
+times the prefill steps, and `--table N` prints the torch profiler's top N operators of
+a few decode steps of each variant.
+
+`--clock cpu` times with the calling thread's CPU time instead of the wall clock: with
+`--threads 1` every operator runs on that thread, so time the scheduler gave to other
+processes does not count (for A/B runs on a busy machine; memory and cache contention
+still do).
+
+Variants: `default` (the engine as configured), `mkl` (linear layers through F.linear,
+as before oneDNN packing: cpu_linear.unpack_linears), `torch-attention` (decode
+attention on TorchAttention's gather-and-GEMM path instead of the C++ kernel), `before`
+(both: the CPU step before either).
 """
 from __future__ import annotations
 
-import random
-import sys
+import argparse
+import os
+import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch import nn
 
 from llmd import LLM, SamplingParams
+from llmd.gpu.attention import AttentionLayer, TorchAttention
+from llmd.gpu.cpu_linear import unpack_linears
+from llmd_tools.bench.workloads import make_prompts
 from llmd_tools.make_model import fixture_path
 
+def torch_attention(model: nn.Module) -> None:
+    """Decode attention back on TorchAttention's gather-and-GEMM path (no C++ kernel)."""
+    for module in model.modules():
+        if isinstance(getattr(module, "attn", None), TorchAttention):
+            module.attn.decode_kernel = None
 
-def main() -> None:
-    threads = int(sys.argv[1]) if len(sys.argv) > 1 else torch.get_num_threads()
-    dtype = sys.argv[2] if len(sys.argv) > 2 else "float32"
-    torch.set_num_threads(threads)
-    rng = random.Random(0)
-    llm = LLM(model=str(fixture_path("small-llama")), dtype=dtype, max_model_len=512, max_num_seqs=32,
-              kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False)
-    engine = llm.engine
-    for i in range(32):
-        prompt = [rng.randrange(5, 1000) for _ in range(rng.randint(96, 160))]
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
-    for _ in range(4):  # prefill, then a few decode steps
-        engine.step()
-    runner = engine.executor.runner
-    forward_s = 0.0
-    inner = runner.model.forward
 
-    def timed(*args, **kwargs):
-        nonlocal forward_s
+def before(model: nn.Module) -> None:
+    """The CPU step as it was before oneDNN packing and the C++ decode kernel."""
+    unpack_linears(model)
+    torch_attention(model)
+
+
+VARIANTS: dict[str, tuple[dict[str, Any], Callable[[nn.Module], None] | None]] = {
+    "default": ({}, None),
+    "mkl": ({}, unpack_linears),
+    "torch-attention": ({}, torch_attention),
+    "before": ({}, before),
+}
+
+
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+clock = time.perf_counter
+
+
+class Probe:
+    """Seconds spent in a model's linear layers, attention, forward and LM head."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.seconds = {"forward": 0.0, "linear": 0.0, "attention": 0.0, "lm_head": 0.0}
+        for module in model.modules():
+            if isinstance(module, nn.Linear) and module is not getattr(model, "lm_head", None):
+                module.forward = self._timed(module.forward, "linear")
+            if isinstance(getattr(module, "attn", None), AttentionLayer):
+                module.attn = _TimedCall(module.attn, self._timed(module.attn, "attention"))
+        model.forward = self._timed(model.forward, "forward")
+        model.compute_logits = self._timed(model.compute_logits, "lm_head")
+
+    def _timed(self, fn: Callable, key: str) -> Callable:
+        def timed(*args, **kwargs):
+            start = clock()
+            out = fn(*args, **kwargs)
+            self.seconds[key] += clock() - start
+            return out
+        return timed
+
+    def take(self) -> dict[str, float]:
+        taken = dict(self.seconds)
+        self.seconds = dict.fromkeys(self.seconds, 0.0)
+        return taken
+
+
+class _TimedCall:
+    """An attention layer whose calls go through a timer; other attributes are its own."""
+
+    def __init__(self, inner: Any, call: Callable) -> None:
+        self.inner = inner
+        self.call = call
+
+    def __call__(self, *args, **kwargs):
+        return self.call(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class Variant:
+    def __init__(self, name: str, args: argparse.Namespace, model: str, prompts: list[list[int]]) -> None:
+        settings, adjust = VARIANTS[name]
+        self.name = name
+        longest = max(len(p) for p in prompts) + args.rounds * args.steps + args.steps + 8
+        self.llm = LLM(model=model, dtype=args.dtype, max_num_seqs=args.batch, max_model_len=longest,
+                       max_num_batched_tokens=max(2048, args.prefill_chunk), kv_cache_memory_bytes=args.kv_bytes,
+                       enable_prefix_caching=False, **settings)
+        self.engine = self.llm.engine
+        self.model = self.engine.executor.runner.model
+        if adjust is not None:
+            adjust(self.model)
+        self.probe = Probe(self.model)
+        params = SamplingParams(temperature=0, max_tokens=longest, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            self.engine.add_request(f"{name}-{i}", prompt, params)
+        self.rounds: list[dict[str, float]] = []
+
+    def prefill(self, num_requests: int) -> dict[str, float]:
+        """Steps until every request has its first token: their time and parts."""
+        started: set[str] = set()
+        self.probe.take()
+        start, steps = clock(), 0
+        while len(started) < num_requests:
+            started.update(o.request_id for o in self.engine.step() if o.outputs[0].token_ids)
+            steps += 1
+        return {"step": clock() - start, "steps": steps, **self.probe.take()}
+
+    def decode_round(self, steps: int) -> None:
+        self.engine.step()  # untimed: the first step after another variant's warms caches back up
+        self.probe.take()
+        start = clock()
+        for _ in range(steps):
+            self.engine.step()
+        parts = {k: v / steps for k, v in self.probe.take().items()}
+        self.rounds.append({"step": (clock() - start) / steps, **parts})
+
+    def median(self) -> dict[str, float]:
+        return {key: statistics.median(r[key] for r in self.rounds) for key in self.rounds[0]}
+
+
+def breakdown(parts: dict[str, float]) -> str:
+    """ms of the step and its parts (median over rounds)."""
+    other = parts["forward"] - parts["linear"] - parts["attention"]
+    host = parts["step"] - parts["forward"] - parts["lm_head"]
+    return (f"{1e3 * parts['step']:8.2f} {1e3 * parts['forward']:8.2f} {1e3 * parts['linear']:7.2f} "
+            f"{1e3 * parts['attention']:7.2f} {1e3 * other:7.2f} {1e3 * parts['lm_head']:7.2f} {1e3 * host:6.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="small-llama", help="fixture name or model directory")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, nargs=2, default=[96, 160], metavar=("LO", "HI"))
+    ap.add_argument("--steps", type=int, default=10, help="decode steps per variant per round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--variants", nargs="+", default=["default"], choices=sorted(VARIANTS))
+    ap.add_argument("--prefill", action="store_true", help="also time the prefill steps")
+    ap.add_argument("--prefill-chunk", type=int, default=2048, help="max_num_batched_tokens")
+    ap.add_argument("--kv-bytes", type=int, default=2 << 30, help="kv_cache_memory_bytes of each engine")
+    ap.add_argument("--table", type=int, default=0, help="print the profiler's top N operators")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="cpu: this thread's CPU time")
+    args = ap.parse_args(argv)
+    global clock
+    clock = CLOCKS[args.clock]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = args.model if os.path.isdir(args.model) else str(fixture_path(args.model))
+    prompts = make_prompts(args.batch, *args.prompt_len, 1000, seed=0)
+    load = os.getloadavg()[0]
+    variants = []
+    for name in args.variants:
         start = time.perf_counter()
-        out = inner(*args, **kwargs)
-        forward_s += time.perf_counter() - start
-        return out
-
-    runner.model.forward = timed
-    steps = 20
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    elapsed = time.perf_counter() - start
-    print(f"{dtype} threads={threads}: decode step {elapsed / steps * 1e3:.1f} ms, "
-          f"model forward {forward_s / steps * 1e3:.1f} ms, {32 * steps / elapsed:.0f} tok/s")
-    with torch.profiler.profile() as prof:
-        for _ in range(5):
-            engine.step()
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+        variants.append(Variant(name, args, model, prompts))
+        print(f"{name}: engine up in {time.perf_counter() - start:.1f} s")
+    for v in variants:
+        parts = v.prefill(args.batch)
+        if args.prefill:
+            print(f"{v.name}: prefill {parts['steps']} steps, {parts['step']:.2f} s: forward {parts['forward']:.2f}, "
+                  f"linear {parts['linear']:.2f}, attention {parts['attention']:.2f}, lm head {parts['lm_head']:.3f}")
+    for _ in range(args.rounds):
+        for v in variants:
+            v.decode_round(args.steps)
+    print(f"{args.dtype}, batch {args.batch}, prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens, "
+          f"torch threads {torch.get_num_threads()}, {args.rounds} rounds of {args.steps} steps, "
+          f"{args.clock} clock, load avg before {load:.2f}")
+    print(f"{'variant':10} {'step ms':>8} {'forward':>8} {'linear':>7} {'attn':>7} {'other':>7} {'lm head':>7} "
+          f"{'host':>6} {'tok/s':>7} {'vs first':>8}")
+    first = variants[0].median()["step"]
+    for v in variants:
+        parts = v.median()
+        print(f"{v.name:10} {breakdown(parts)} {args.batch / parts['step']:7.0f} {first / parts['step']:8.2f}")
+    per_round = " ".join(f"{v.name}: " + ",".join(f"{1e3 * r['step']:.1f}" for r in v.rounds) for v in variants)
+    print(f"per round (ms/step): {per_round}")
+    for v in variants if args.table else []:
+        with torch.profiler.profile() as prof:
+            for _ in range(3):
+                v.engine.step()
+        print(f"{v.name}: top operators of 3 decode steps")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.table))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -26,6 +26,7 @@ SDPA over a token-major gather in fp32, 4.5x in bf16, where SDPA's CPU kernel is
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -194,14 +195,23 @@ class AttentionLayer:
 
 
 class TorchAttention(AttentionLayer):
-    """Reference paged attention in PyTorch (SDPA)."""
+    """Reference paged attention in PyTorch (SDPA). With `decode_kernel` set (on CPU the
+    loader hands it cpu_kernels' paged_decode) decode rows attend through it, over the
+    cache in place, instead of the gather and GEMMs of `_decode`: same contract (window,
+    soft-cap, GQA), softmax and sums in float32."""
+
+    decode_kernel: Callable[..., torch.Tensor] | None = None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D]. Returns [T, H, D]."""
         write_kv(kv_cache, k, v, md.slot_mapping)
         out = torch.empty_like(q)
-        if md.num_decodes:
+        if md.num_decodes and self.decode_kernel is not None:
+            out[:md.num_decodes] = self.decode_kernel(q[:md.num_decodes].contiguous(), kv_cache, md.decode_block_table,
+                                                      md.decode_seq_lens, self.scale, self.softcap or 0.0,
+                                                      self.sliding_window or 0)
+        elif md.num_decodes:
             out[:md.num_decodes] = self._decode(q[:md.num_decodes], kv_cache, md)
         for start, num_new, num_cached, block_ids in md.prefills:
             rows = slice(start, start + num_new)

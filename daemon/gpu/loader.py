@@ -12,6 +12,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from llmd.gpu.cpu_kernels import attach_cpu_kernels
+from llmd.gpu.cpu_linear import pack_linears
 from llmd.gpu.gguf_loader import (gguf_stop_token_ids, is_gguf_path, iter_gguf_weights, load_gguf_config,
                                   load_gguf_tokenizer, open_gguf)
 from llmd.gpu.models import get_model_class
@@ -113,7 +115,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                attention_backend: str = "torch", progress: LoadProgress | None = None) -> nn.Module:
     """The model, or with tp_size > 1 this rank's tensor-parallel shard of it; its layers
     attend with `attention_backend` (a name resolve_attention_backend returned). From a
-    GGUF file each rank dequantizes every tensor and keeps its shard."""
+    GGUF file each rank dequantizes every tensor and keeps its shard. On CPU its linear
+    layers run on oneDNN-packed weights (cpu_linear) and its torch attention layers
+    decode through the C++ paged kernel (cpu_kernels)."""
     config = load_hf_config(model_dir)
     cls = get_model_class(_architecture(config))
     # Build on meta (no random init, no memory), then materialize and fill from disk.
@@ -131,4 +135,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     model.load_weights(progress.track("weights", weights, total) if progress is not None else weights)
     model.eval()
     model.requires_grad_(False)
+    if device.type == "cpu":
+        pack_linears(model)  # oneDNN's blocked weights: faster GEMMs than MKL's on plain ones (cpu_linear)
+        attach_cpu_kernels(model)  # decode attention over the paged cache in place (cpu_kernels)
     return model

@@ -1,0 +1,69 @@
+"""Linear layers on CPU through oneDNN with weights packed once at load.
+
+`F.linear` on CPU calls MKL's sgemm for float32, which on this project's AMD machine
+runs well below the AVX-512 peak, and re-reads each weight in its plain [out, in] layout
+every call. oneDNN's linear (`torch.ops.mkldnn._linear_pointwise`, what inductor's
+CPU backend emits for a frozen linear) takes the weight reordered once into its blocked
+layout: measured 1.4-1.9x faster per GEMM at 1-32 rows and 1.3-1.6x at 2,048 (float32),
+1.1-2.2x in bfloat16 (docs/benchmarks.md, "CPU model step"). It accumulates in float32
+as MKL does; a row's result does not depend on how many rows share the call.
+
+`pack_linears` gives every plain `nn.Linear` of a model a packed forward. The checkpoint
+layout stays the module's `weight` (the tied embedding reads it, and so may anyone who
+inspects the model), so the packed copy is extra memory: one more copy of the linear
+weights. `unpack_linears` restores MKL's path (benchmarks compare the two in one process).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def packing_supported(dtype: torch.dtype) -> bool:
+    """Whether oneDNN runs packed linears of `dtype` on this CPU (bfloat16 needs
+    AVX512-BF16 or AMX; float16 is left to MKL)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return False
+
+
+class PackedLinearForward:
+    """A linear's forward over its weight in oneDNN's packed layout; the bias is the
+    module's own parameter."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+        self.bias = linear.bias
+        self.out_features = linear.out_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == 0:
+            return x.new_empty(*x.shape[:-1], self.out_features)
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Give every plain nn.Linear of `model` (on CPU, of a dtype oneDNN packs) a packed
+    forward; returns how many were packed. Subclasses (tensor-parallel layers with their
+    own forward) keep theirs."""
+    count = 0
+    for module in model.modules():
+        if type(module) is not nn.Linear or module.weight.device.type != "cpu":
+            continue
+        if not packing_supported(module.weight.dtype):
+            continue
+        module.forward = PackedLinearForward(module)
+        count += 1
+    return count
+
+
+def unpack_linears(model: nn.Module) -> None:
+    """Back to nn.Linear's own forward (F.linear) for every packed linear of `model`."""
+    for module in model.modules():
+        if isinstance(module.__dict__.get("forward"), PackedLinearForward):
+            del module.forward
+

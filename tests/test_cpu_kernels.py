@@ -1,0 +1,174 @@
+"""The CPU fast paths against their references: the C++ paged decode kernel
+(cpu_kernels) against TorchAttention's gather-and-GEMM decode over sliding windows,
+soft-caps, GQA groups, head and block sizes, block orders and dtypes; oneDNN-packed
+linears (cpu_linear) against F.linear; and a model loaded on CPU takes both. The
+kernel's tests skip when it cannot be built here (no C++ compiler or ninja); the
+engine-level equality with transformers runs through the same path in
+test_engine_vs_hf.py and test_models.py."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmd.gpu.attention import AttentionMetadata, GatherWorkspace, TorchAttention, set_decode_rows
+from llmd.gpu.cpu_kernels import CPU_KERNELS_ENV, attach_cpu_kernels, paged_decode_op
+from llmd.gpu.cpu_linear import PackedLinearForward, pack_linears, packing_supported, unpack_linears
+from llmd.gpu.loader import load_model
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def decode_kernel():
+    op = paged_decode_op()
+    if op is None:
+        pytest.skip("llmd's CPU kernels cannot be built here (no C++ compiler or ninja)")
+    return op
+
+
+def _decode_case(seed: int, dtype: torch.dtype, batch: int, heads: int, kv_heads: int, head_dim: int,
+                 block_size: int, max_len: int, shuffle: bool):
+    """A cache with `batch` requests' blocks (in order, or shuffled as after churn), their
+    query rows and the decode metadata the runner would build."""
+    rng = random.Random(seed)
+    seq_lens = [rng.randint(1, max_len) for _ in range(batch)]
+    seq_lens[0] = max_len  # one context that ends exactly where the longest does
+    if batch > 1:
+        seq_lens[1] = block_size  # one that fills its last block
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
+    order = list(range(1, num_blocks))
+    if shuffle:
+        rng.shuffle(order)
+    tables, used = [], 0
+    for n in seq_lens:
+        count = -(-n // block_size)
+        tables.append(order[used:used + count])
+        used += count
+    gen = torch.Generator().manual_seed(seed)
+    cache = torch.randn(2, kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)
+    q = torch.randn(batch, heads, head_dim, generator=gen).to(dtype)
+    md = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.int64), num_decodes=batch,
+                           decode_block_table=None, decode_seq_lens=None, prefills=[], workspace=GatherWorkspace())
+    set_decode_rows(md, tables, seq_lens, block_size, CPU)
+    return q, cache, md
+
+
+CASES = [  # heads, kv_heads, head_dim, block_size, max_len, window, softcap, shuffle
+    (8, 4, 64, 16, 70, None, None, False),
+    (8, 8, 64, 16, 33, None, None, True),  # no GQA
+    (8, 1, 32, 8, 50, None, None, True),  # one kv head for all
+    (6, 2, 80, 16, 90, 7, None, True),  # head size off the vector width, window
+    (4, 2, 24, 4, 30, 1, 5.0, False),  # window of one token, soft-cap
+    (8, 2, 64, 32, 100, 200, 30.0, True),  # window longer than every context
+    (2, 2, 16, 1, 12, None, None, True),  # one token per block
+]
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,max_len,window,softcap,shuffle", CASES)
+def test_paged_decode_kernel_equals_the_torch_decode(decode_kernel, heads, kv_heads, head_dim, block_size, max_len,
+                                                     window, softcap, shuffle):
+    q, cache, md = _decode_case(0, torch.float32, 5, heads, kv_heads, head_dim, block_size, max_len, shuffle)
+    attn = TorchAttention(heads, kv_heads, head_dim, head_dim ** -0.5, window, softcap)
+    expected = attn._decode(q, cache, md)
+    got = decode_kernel(q, cache, md.decode_block_table, md.decode_seq_lens, attn.scale, softcap or 0.0, window or 0)
+    torch.testing.assert_close(got, expected, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_paged_decode_kernel_in_half_precision_is_float32_attention_rounded(decode_kernel, dtype):
+    """Half-precision caches: the kernel widens each row and keeps scores, softmax and
+    sums in float32, so it matches float32 attention over the same values to the output's
+    rounding."""
+    q, cache, md = _decode_case(1, dtype, 6, 8, 2, 64, 16, 120, True)
+    attn = TorchAttention(8, 2, 64, 0.125, 40, None)
+    expected = attn._decode(q.float(), cache.float(), md)
+    got = decode_kernel(q, cache, md.decode_block_table, md.decode_seq_lens, attn.scale, 0.0, 40)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected, atol=1e-2, rtol=1e-2)
+
+
+def test_torch_attention_decodes_through_the_kernel_it_was_given(decode_kernel):
+    """The layer's own call (cache write, decode rows through the kernel) equals its
+    torch path for the same step."""
+    q, cache, md = _decode_case(2, torch.float32, 4, 8, 4, 32, 16, 60, True)
+    md.slot_mapping = torch.tensor([7, 19, 33, 40], dtype=torch.int64)
+    k = torch.randn(4, 4, 32)
+    v = torch.randn(4, 4, 32)
+    plain = TorchAttention(8, 4, 32, 32 ** -0.5)
+    fast = TorchAttention(8, 4, 32, 32 ** -0.5)
+    fast.decode_kernel = decode_kernel
+    expected = plain(q, k, v, cache.clone(), md)
+    torch.testing.assert_close(fast(q, k, v, cache.clone(), md), expected, atol=2e-6, rtol=1e-5)
+
+
+def test_paged_decode_kernel_refuses_mismatched_inputs(decode_kernel):
+    q, cache, md = _decode_case(3, torch.float32, 2, 4, 2, 16, 16, 20, False)
+    with pytest.raises(RuntimeError, match="head sizes"):
+        decode_kernel(q[..., :8].contiguous(), cache, md.decode_block_table, md.decode_seq_lens, 0.25, 0.0, 0)
+    with pytest.raises(RuntimeError, match="int64"):
+        decode_kernel(q, cache, md.decode_block_table.int(), md.decode_seq_lens, 0.25, 0.0, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_f_linear(dtype, bias):
+    if not packing_supported(dtype):
+        pytest.skip(f"oneDNN does not pack {dtype} linears on this CPU")
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 200, bias=bias).to(dtype)
+    model = nn.Sequential(linear)
+    assert pack_linears(model) == 1
+    assert isinstance(linear.forward, PackedLinearForward)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    for rows in (1, 5, 64):
+        x = torch.randn(rows, 96).to(dtype)
+        torch.testing.assert_close(linear(x), F.linear(x, linear.weight, linear.bias), **tol)
+    x3 = torch.randn(2, 3, 96).to(dtype)
+    torch.testing.assert_close(linear(x3), F.linear(x3, linear.weight, linear.bias), **tol)
+    assert linear(torch.zeros(0, 96, dtype=dtype)).shape == (0, 200)
+    unpack_linears(model)
+    assert "forward" not in linear.__dict__
+
+
+def test_packed_linear_rows_do_not_depend_on_the_batch():
+    """A row's output is the same whatever other rows share the call (decode rows give
+    the same logits alone or batched)."""
+    if not packing_supported(torch.float32):
+        pytest.skip("oneDNN is not available")
+    torch.manual_seed(1)
+    linear = nn.Linear(256, 512, bias=False)
+    pack_linears(linear)
+    x = torch.randn(48, 256)
+    full = linear(x)
+    for rows in (1, 3, 17):
+        assert torch.equal(linear(x[:rows]), full[:rows])
+
+
+def test_pack_linears_leaves_subclasses_alone():
+    class Sharded(nn.Linear):
+        pass
+
+    model = nn.Sequential(nn.Linear(8, 8), Sharded(8, 8))
+    assert pack_linears(model) == (1 if packing_supported(torch.float32) else 0)
+    assert "forward" not in model[1].__dict__
+
+
+def test_a_cpu_model_loads_with_packed_linears_and_the_decode_kernel(tiny_llama, monkeypatch):
+    model = load_model(tiny_llama, torch.float32, CPU, 128)
+    attn = [layer.self_attn.attn for layer in model.layers]
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    if packing_supported(torch.float32):
+        assert all(isinstance(m.forward, PackedLinearForward) for m in linears)
+    if paged_decode_op() is not None:
+        assert all(a.decode_kernel is paged_decode_op() for a in attn)
+    monkeypatch.setenv(CPU_KERNELS_ENV, "0")
+    plain = load_model(tiny_llama, torch.float32, CPU, 128)
+    assert all(layer.self_attn.attn.decode_kernel is None for layer in plain.layers)
+    assert attach_cpu_kernels(plain) == 0
+    monkeypatch.setenv(CPU_KERNELS_ENV, "maybe")
+    with pytest.raises(ValueError, match=CPU_KERNELS_ENV):
+        load_model(tiny_llama, torch.float32, CPU, 128)
