@@ -16,11 +16,13 @@ as one prefill row of 1 + k tokens. That is the same attention: every backend (t
 triton, flash_attn) writes the whole step's K/V through the slot mapping before any row
 attends, so row i sees exactly keys 0 .. p + i, its causal prefix, as the prefill row's
 query i does (and a sliding-window layer cuts each decode row at seq_len - window, the
-prefill query's window). The rows stay contiguous and in token order, so the hidden
-rows a request samples from are where they were, and a verify step fits a decode graph.
-The cost is that each of the 1 + k rows reads the context again: small next to a
-decode step's weight reads for the few drafts a step verifies. Eager steps take the
-same rows, so a verify step computes the same numbers with or without graphs.
+prefill query's window). A request's rows are contiguous and in token order, after
+the plain decodes and before any prefill chunk (`StepRows.ordered`), so `advance` finds
+its 1 + k sampling rows as it did in the prefill row, and a step of decodes and
+verifies fits a decode graph. The cost is that each of the 1 + k rows reads the context
+again: small next to a decode step's weight reads for the few drafts a step verifies.
+Eager steps take the same rows, so a verify step computes the same numbers with or
+without graphs.
 """
 from __future__ import annotations
 
