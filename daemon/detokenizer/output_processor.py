@@ -27,11 +27,14 @@ class _RequestState:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     touched: bool = False
-    outputs_order: list[str] = field(default_factory=list)
+    outputs: list[CompletionOutput] = field(default_factory=list)  # the samples' outputs, by index
 
     @property
     def finished(self) -> bool:
-        return all(s.output.finished for s in self.samples.values())
+        for out in self.outputs:  # a loop, not all(...): this runs for every request every step
+            if out.finish_reason is None:
+                return False
+        return True
 
 
 class OutputProcessor:
@@ -57,7 +60,7 @@ class OutputProcessor:
         self.requests[request_id] = _RequestState(
             request_id, prompt, prompt_token_ids, params, samples,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
-            outputs_order=list(child_ids))
+            outputs=[samples[c].output for c in child_ids])
 
     def child_ids(self, request_id: str) -> list[str]:
         state = self.requests.get(request_id)
@@ -111,10 +114,12 @@ class OutputProcessor:
                     out.finish_reason, out.stop_reason = "stop", stop_str
             out.new_text = delta
             out.text += delta
-        results = [self._make_output(s) for s in touched]
+        results = []
         for state in touched:
             state.touched = False
-            if state.finished:
+            finished = state.finished
+            results.append(self._make_output(state, finished))
+            if finished:
                 self._forget(state)
         return results, stopped_by_string
 
@@ -147,22 +152,23 @@ class OutputProcessor:
                 out.new_text = tail
                 out.text += tail
         self._forget(state)
-        return self._make_output(state)
+        return self._make_output(state, state.finished)
 
     def _forget(self, state: _RequestState) -> None:
         self.requests.pop(state.request_id, None)
         for child_id in state.samples:
             self.parent_of.pop(child_id, None)
 
-    def _make_output(self, state: _RequestState) -> RequestOutput:
+    @staticmethod
+    def _make_output(state: _RequestState, finished: bool) -> RequestOutput:
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids,
-            outputs=[state.samples[c].output for c in state.outputs_order],
+            outputs=list(state.outputs),
             prompt_logprobs=state.prompt_logprobs,
             num_cached_tokens=state.num_cached_tokens,
-            finished=state.finished,
+            finished=finished,
         )
 
     def _position(self, ids: list[int], lps: list[float], rank: int) -> PositionLogprobs:
