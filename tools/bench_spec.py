@@ -15,12 +15,13 @@ draft is a tiny model of the target's architecture built with the target's token
 random weights again, so its drafts are (almost) never accepted and the row measures
 what running a small draft model costs per step.
 
-CUDA graphs: `--graphs on` (the default: captured where the device and settings allow,
-i.e. on CUDA), `off` (enforce_eager) or `both` (the whole table with graphs, then
-without, in one process: the A/B a GPU session reports). The "graph steps" column says
-how many of a run's steps replayed a decode graph, so a verify step that fell back to
-eager shows there. On CPU graphs are never captured; `--emulate-graphs` runs them
-emulated (tests' mode: a check of the path, not a speed figure).
+CUDA graphs: `--graphs on` (the default; rows "default": captured where the device and
+settings allow, i.e. on CUDA), `off` (rows "eager": enforce_eager) or `both` (the whole
+table each way, in one process: the A/B a GPU session reports). The "plain graphs" and
+"spec graphs" columns say how many of a run's steps replayed a decode graph, so a verify
+step that fell back to eager shows there. On CPU graphs are never captured;
+`--emulate-graphs` runs them emulated (tests' mode: a check of the path, not a speed
+figure).
 
     python -m llmd_tools.bench_spec [--model small-llama] [--draft DIR] [--dtype float32] [--device auto]
                                     [--k 4] [--tokens 96] [--batches 1,16] [--graphs on|off|both]
@@ -152,7 +153,7 @@ def run_table(args: argparse.Namespace, engines: dict[str, LLM], mode: str) -> N
             stats = llm.engine.scheduler.spec_stats
             # No verifying step at all (no draft ever proposed): no length to average.
             mean_len = f"{stats.mean_accepted_length:9.2f}" if stats.num_drafts else f"{'-':>9}"
-            print(f"{mode:>6} {batch:>5} {name:>7} {base:12.1f} {rate:11.1f} {rate / base:8.2f}x "
+            print(f"{mode:>7} {batch:>5} {name:>7} {base:12.1f} {rate:11.1f} {rate / base:8.2f}x "
                   f"{stats.acceptance_rate:9.1%} {mean_len} {stats.num_draft_tokens:>8} "
                   f"{base_graphs:>12} {graph_steps:>12}", flush=True)
 
@@ -172,10 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--emulate-graphs", action="store_true", help="CPU: run the graph path emulated")
     args = ap.parse_args(argv)
     model = args.model if os.path.isdir(args.model) else str(fixture_path(args.model))
-    modes = {"on": ["graphs"], "off": ["eager"], "both": ["graphs", "eager"]}[args.graphs]
+    # "default": graphs wherever the runner captures them (CUDA); "eager": enforce_eager.
+    modes = {"on": ["default"], "off": ["eager"], "both": ["default", "eager"]}[args.graphs]
     print(f"model {model}, {args.dtype}, device {args.device}, k={args.k}, {args.tokens} tokens per request; "
           f"load avg {os.getloadavg()[0]:.2f}")
-    print(f"{'mode':>6} {'batch':>5} {'drafts':>7} {'plain tok/s':>12} {'spec tok/s':>11} {'speed-up':>9} "
+    print(f"{'mode':>7} {'batch':>5} {'drafts':>7} {'plain tok/s':>12} {'spec tok/s':>11} {'speed-up':>9} "
           f"{'accepted':>9} {'mean len':>9} {'drafted':>8} {'plain graphs':>12} {'spec graphs':>12}")
     with tempfile.TemporaryDirectory() as tmp:
         draft = None if args.no_draft else args.draft or tiny_draft_for(model, tmp)
