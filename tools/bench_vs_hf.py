@@ -3,10 +3,15 @@ workload (issue 2's: N prompts of 96-160 random tokens, 128 new tokens, greedy,
 ignore_eos), at batch 1 and batch 32, fp32 and bf16.
 
     python -m llmd_tools.bench_vs_hf [--model small-llama] [--dtype float32 bfloat16]
-        [--batch 1 32] [--json]
+        [--batch 1 32] [--threads N] [--clock wall|cpu] [--json]
 
 Prints output tokens/s of both and the ratio, plus llmd's step breakdown (model forward
 vs everything else: scheduling, input prep, sampling, detokenization).
+
+`--clock cpu` times both with this thread's CPU time instead of the wall clock; with
+`--threads 1` every operator of both runs on this thread, so a busy machine's other
+processes do not count (their memory and cache traffic still does). The figures to
+publish are wall-clock ones on a quiet machine.
 """
 from __future__ import annotations
 
@@ -26,34 +31,38 @@ from llmd_tools.make_model import fixture_path
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+
 class StepTimer:
     """Wraps the engine's executor and model to split step time into model vs rest."""
 
-    def __init__(self, llm: LLM) -> None:
+    def __init__(self, llm: LLM, clock) -> None:
         self.forward_s = 0.0
         self.steps = 0
         model = llm.engine.executor.runner.model
         inner = model.forward
 
         def timed_forward(*args, **kwargs):
-            t = time.perf_counter()
+            t = clock()
             out = inner(*args, **kwargs)
-            self.forward_s += time.perf_counter() - t
+            self.forward_s += clock() - t
             self.steps += 1
             return out
 
         model.forward = timed_forward
 
 
-def run_llmd(model: str, dtype: str, prompts: list[list[int]], batch: int, new_tokens: int) -> dict:
+def run_llmd(model: str, dtype: str, prompts: list[list[int]], batch: int, new_tokens: int,
+             clock=time.perf_counter) -> dict:
     llm = LLM(model=model, dtype=dtype, max_num_seqs=batch, max_num_batched_tokens=max(2048, 160 * batch),
               max_model_len=512, kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
-    timer = StepTimer(llm)
-    start = time.perf_counter()
+    timer = StepTimer(llm, clock)
+    start = clock()
     outputs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
+    elapsed = clock() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert generated == len(prompts) * new_tokens
     return {"tokens": generated, "seconds": elapsed, "tok_s": generated / elapsed,
@@ -70,8 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch1-prompts", type=int, default=4, help="prompts for batch 1 (HF is slow there)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="cpu: this thread's CPU time")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = CLOCKS[args.clock]
 
     model = args.model if os.path.isdir(args.model) else str(fixture_path(args.model))
     from transformers import AutoConfig
@@ -82,19 +96,19 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in args.dtype:
         for batch in args.batch:
             subset = prompts[:args.batch1_prompts] if batch == 1 else prompts
-            ours = run_llmd(model, dtype, subset, batch, args.new_tokens)
+            ours = run_llmd(model, dtype, subset, batch, args.new_tokens, clock)
             ref = None
             if not args.no_hf:
-                hf = run_hf(model, DTYPES[dtype], "cpu", subset, [args.new_tokens] * len(subset), batch)
+                hf = run_hf(model, DTYPES[dtype], "cpu", subset, [args.new_tokens] * len(subset), batch, clock=clock)
                 ref = {"tokens": hf.output_tokens, "seconds": hf.seconds, "tok_s": hf.tok_s}
             rows.append({"dtype": dtype, "batch": batch, "prompts": len(subset), "llmd": ours, "hf": ref,
                          "ratio": None if ref is None else ours["tok_s"] / ref["tok_s"]})
-    meta = {"model": model, "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+    meta = {"model": model, "torch_threads": torch.get_num_threads(), "clock": args.clock, "cpu_count": os.cpu_count(),
             "loadavg_before": load, "cpu_percent_other": psutil.cpu_percent(interval=0.5)}
     if args.json:
         print(json.dumps({"meta": meta, "rows": rows}, indent=2))
         return 0
-    print(f"model {model}; torch threads {meta['torch_threads']}; load avg before {load:.2f}")
+    print(f"model {model}; torch threads {meta['torch_threads']}; {args.clock} clock; load avg before {load:.2f}")
     print(f"{'dtype':9} {'batch':>5} {'prompts':>7} {'llmd tok/s':>11} {'HF tok/s':>9} {'ratio':>6} "
           f"{'steps':>6} {'fwd ms/step':>11} {'overhead':>8}")
     for r in rows:

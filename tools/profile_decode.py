@@ -10,7 +10,7 @@ decode steps on every variant, so load from other processes and the contexts' gr
 weigh on all of them alike. Per variant it prints the median decode step over the rounds
 and its parts: the model forward split into linear layers, attention and the rest
 (norms, rotary, activation, residual adds, glue), the LM head, and the host's share
-(scheduling, input preparation, sampling, output processing). With `--prefill` it also
+(scheduling, input preparation, sampling, output processing), then the host's parts. With `--prefill` it also
 times the prefill steps, and `--table N` prints the torch profiler's top N operators of
 a few decode steps of each variant.
 
@@ -67,11 +67,24 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 clock = time.perf_counter
 
 
-class Probe:
-    """Seconds spent in a model's linear layers, attention, forward and LM head."""
+# The host's parts of a step: (name, path from the engine to the object, its method).
+HOST_PARTS = (("schedule", "scheduler", "schedule"), ("update", "scheduler", "update_from_output"),
+              ("outputs", "output_processor", "process"), ("inputs", "executor.runner.batch", "prepare"),
+              ("inputs", "executor.runner.batch", "eager_inputs"), ("sampling", "executor.runner.sampling", "sample"))
 
-    def __init__(self, model: nn.Module) -> None:
+
+class Probe:
+    """Seconds spent in a model's linear layers, attention, forward and LM head, and in
+    the host's parts of the step (HOST_PARTS)."""
+
+    def __init__(self, model: nn.Module, engine: Any) -> None:
         self.seconds = {"forward": 0.0, "linear": 0.0, "attention": 0.0, "lm_head": 0.0}
+        for key, path, method in HOST_PARTS:
+            owner = engine
+            for name in path.split("."):
+                owner = getattr(owner, name)
+            setattr(owner, method, self._timed(getattr(owner, method), key))
+            self.seconds[key] = 0.0
         for module in model.modules():
             if isinstance(module, nn.Linear) and module is not getattr(model, "lm_head", None):
                 module.forward = self._timed(module.forward, "linear")
@@ -120,7 +133,7 @@ class Variant:
         self.model = self.engine.executor.runner.model
         if adjust is not None:
             adjust(self.model)
-        self.probe = Probe(self.model)
+        self.probe = Probe(self.model, self.engine)
         params = SamplingParams(temperature=0, max_tokens=longest, ignore_eos=True)
         for i, prompt in enumerate(prompts):
             self.engine.add_request(f"{name}-{i}", prompt, params)
@@ -196,14 +209,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.dtype}, batch {args.batch}, prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens, "
           f"torch threads {torch.get_num_threads()}, {args.rounds} rounds of {args.steps} steps, "
           f"{args.clock} clock, load avg before {load:.2f}")
-    print(f"{'variant':10} {'step ms':>8} {'forward':>8} {'linear':>7} {'attn':>7} {'other':>7} {'lm head':>7} "
+    print(f"{'variant':16} {'step ms':>8} {'forward':>8} {'linear':>7} {'attn':>7} {'other':>7} {'lm head':>7} "
           f"{'host':>6} {'tok/s':>7} {'vs first':>8}")
     first = variants[0].median()["step"]
     for v in variants:
         parts = v.median()
-        print(f"{v.name:10} {breakdown(parts)} {args.batch / parts['step']:7.0f} {first / parts['step']:8.2f}")
+        print(f"{v.name:16} {breakdown(parts)} {args.batch / parts['step']:7.0f} {first / parts['step']:8.2f}")
     per_round = " ".join(f"{v.name}: " + ",".join(f"{1e3 * r['step']:.1f}" for r in v.rounds) for v in variants)
     print(f"per round (ms/step): {per_round}")
+    for v in variants:
+        parts = v.median()
+        host = ", ".join(f"{key} {1e3 * parts[key]:.2f}" for key in dict.fromkeys(k for k, _, _ in HOST_PARTS))
+        print(f"{v.name}: host parts (ms/step): {host} (sampling includes the sampler's own tensor work)")
     for v in variants if args.table else []:
         with torch.profiler.profile() as prof:
             for _ in range(3):

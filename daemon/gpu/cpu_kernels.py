@@ -60,8 +60,9 @@ def _load() -> Callable[..., torch.Tensor] | None:
              extra_cflags=["-O3", "-fopenmp", *ISA_FLAGS.get(isa, [])], extra_ldflags=["-fopenmp"],
              is_python_module=False, verbose=False)
     except Exception as exc:  # no compiler, no ninja, a failed build: the torch path stays
+        last_line = (str(exc).strip().splitlines() or [""])[-1]
         logger.warning("CPU kernels unavailable (%s: %s); attention runs its torch path",
-                       type(exc).__name__, str(exc).strip().splitlines()[-1:] or "")
+                       type(exc).__name__, last_line)
         return None
     return torch.ops.llmd_cpu.paged_decode
 
