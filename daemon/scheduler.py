@@ -126,6 +126,8 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         self.kv.free(request)
         self._worker_forget.add(request.request_id)
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)
         del self.requests[request.request_id]
 
     def has_unfinished_requests(self) -> bool:
@@ -350,7 +352,9 @@ class Scheduler:
         token its grammar refuses or that ends it. A draft-model draft is sampled, so
         dropping it for its value would bias what is emitted: the cut-off one becomes the
         tail, tested at the last verified position."""
-        drafts = self.proposer.propose(request.all_token_ids) if self.proposer is not None else model_drafts
+        drafts = model_drafts
+        if self.proposer is not None:  # its index of the request's tokens grows by this step's only
+            drafts = self.proposer.propose(request.all_token_ids, req_id=request.request_id)
         tail = None
         if drafts and request.grammar is not None:
             valid = self.structured.validate_drafts(request.grammar, drafts)

@@ -37,6 +37,13 @@ from llmd.gpu.runner_types import PendingStep, RunnerRequest
 from llmd.step_messages import SchedulerOutput
 
 
+def to_device(values: list[int] | np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host ints as an int64 tensor on `device`. Non-blocking: a plain copy from pageable
+    memory would wait for the stream, i.e. for the step before this one (on CUDA the
+    host buffer is staged at once, so the temporary may go right after)."""
+    return torch.as_tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+
 @dataclass
 class SamplePlan:
     """The rows of a step that sample: requests whose known tokens are all computed
@@ -76,10 +83,10 @@ class StepRows:
     def num_decode_rows(self) -> int:
         return len(self.input_ids)
 
-    def fits_graph(self, so: SchedulerOutput, graphs: DecodeGraphs | None) -> bool:
+    def fits_graph(self, graphs: DecodeGraphs | None) -> bool:
         """A step replays a graph when every row is a decode row (plain decodes and
         verify rows; no prefill chunk, no prompt logprobs to compute) and they fit a
-        captured size. (`so` is not read: the rows already hold what it scheduled.)"""
+        captured size."""
         if graphs is None or self.prefills or not self.input_ids or len(self.input_ids) > graphs.max_batch:
             return False
         return not any(r.sampling_params.prompt_logprobs is not None
@@ -174,8 +181,8 @@ class InputBatch:
             for i, token in enumerate(tokens):
                 self._decode_row(rows, req, s + i, token)
         if fix_rows:
-            index = torch.tensor(fix_src, dtype=torch.int64, device=self.device)
-            rows.fix = (torch.tensor(fix_rows, dtype=torch.int64, device=self.device),
+            index = to_device(fix_src, self.device)
+            rows.fix = (to_device(fix_rows, self.device),
                         chain.sampled.index_select(0, index))
         return rows
 
@@ -188,11 +195,9 @@ class InputBatch:
         rows.seq_lens.append(pos + 1)
         rows.tables.append(req.block_ids[:(pos + bs) // bs])
 
-    def eager_inputs(self, so: SchedulerOutput,
-                     rows: StepRows) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def eager_inputs(self, rows: StepRows) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Input ids, positions and attention metadata of the whole step, flattened:
-        the decode rows (verify rows included), then each prefill chunk. (`so` is not
-        read: the rows already hold what it scheduled.)"""
+        the decode rows (verify rows included), then each prefill chunk."""
         bs, dev = self.block_size, self.device
         input_ids = list(rows.input_ids)
         pieces_pos: list[np.ndarray] = [np.asarray(rows.positions, dtype=np.int64)]
@@ -207,14 +212,14 @@ class InputBatch:
                 req.block_ids_np = np.asarray(req.block_ids, dtype=np.int64)
             pieces_pos.append(pos)
             pieces_slot.append(req.block_ids_np[pos // bs] * bs + pos % bs)
-            block_tensor = torch.from_numpy(req.block_ids_np[:(s + n + bs - 1) // bs]).to(dev)
+            block_tensor = to_device(req.block_ids_np[:(s + n + bs - 1) // bs], dev)
             prefill_meta.append((start, n, s, block_tensor))
             start += n
-        ids_t = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        ids_t = to_device(input_ids, dev)
         if rows.fix is not None:
             ids_t.index_copy_(0, *rows.fix)
-        pos_t = torch.from_numpy(np.concatenate(pieces_pos)).to(dev)
-        md = AttentionMetadata(slot_mapping=torch.from_numpy(np.concatenate(pieces_slot)).to(dev),
+        pos_t = to_device(np.concatenate(pieces_pos), dev)
+        md = AttentionMetadata(slot_mapping=to_device(np.concatenate(pieces_slot), dev),
                                num_decodes=rows.num_decode_rows, decode_block_table=None, decode_seq_lens=None,
                                prefills=prefill_meta, workspace=self.workspace)
         if rows.input_ids:

@@ -95,7 +95,7 @@ class ModelRunner:
         s = self.settings
         graph_batch = 0
         if self._graphs_off_reason() is None:
-            graph_batch = capture_sizes(s.max_num_seqs, s.max_num_batched_tokens)[-1]
+            graph_batch = capture_sizes(s.max_sampled_rows, s.max_num_batched_tokens)[-1]
         subject = ProfileSubject(self.model, s, self.device, self.dtype, self._cuda_before_load,
                                  self.kv_cache_bytes_per_block(), graph_batch)
         return profile_kv_budget(subject, gpu_memory_utilization, extra_reserved_bytes)
@@ -123,8 +123,6 @@ class ModelRunner:
         if self.attention_backend == "torch":
             return ("the 'torch' attention backend builds its shapes on the host each step "
                     "(graphs need 'triton' or 'flash_attn')")
-        if self.drafter is not None:
-            return "the draft model runs its own forward every step"
         if self.world_size > 1:
             return "tensor parallelism is not captured"
         return None
@@ -143,7 +141,8 @@ class ModelRunner:
         decode_graphs None: eager steps). emulate=True (tests, any device) builds the
         same static buffers, padding and scratch-block rows but calls the forward."""
         self.release_decode_graphs()
-        sizes = capture_sizes(self.settings.max_num_seqs, self.settings.max_num_batched_tokens)
+        # A verify step runs 1 + k decode rows per request (input_batch): sizes up to every sequence verifying.
+        sizes = capture_sizes(self.settings.max_sampled_rows, self.settings.max_num_batched_tokens)
 
         def make() -> DecodeGraphs:
             return DecodeGraphs(self.model, self.kv_caches, sizes, self.block_size, self.settings.max_model_len,
@@ -151,6 +150,8 @@ class ModelRunner:
                                 emulate=emulate, sampling=self._graph_sampler(max(sizes)))
 
         self.decode_graphs = make() if emulate else build_decode_graphs(make, self.device)
+        if self.drafter is not None:
+            self.drafter.init_decode_graphs(sizes, emulate=emulate)
 
     def _graph_sampler(self, max_batch: int) -> GraphSampler | None:
         """The in-graph sampler of the decode graphs (graph_sampler), where this runner
@@ -164,6 +165,8 @@ class ModelRunner:
         if self.decode_graphs is not None:
             self.decode_graphs.release()
             self.decode_graphs = None
+        if self.drafter is not None:
+            self.drafter.release_decode_graphs()
 
     def release_kv_cache(self) -> None:
         self._pending = None
@@ -226,14 +229,17 @@ class ModelRunner:
         if not so.num_scheduled_tokens:
             return RunnerOutput(req_ids=[], sampled_token_ids=[])
         rows = self.batch.prepare(so, chain)
-        if rows.fits_graph(so, self.decode_graphs):
+        if rows.fits_graph(self.decode_graphs):
             sampled = self._sample_in_graph(so, rows, chain, defer)
             if sampled is not None:
                 return sampled
             hidden = self.decode_graphs.run(rows.input_ids, rows.positions, rows.slots, rows.seq_lens, rows.tables,
                                             fix=rows.fix)
+            if self.drafter is not None:
+                self.drafter.forward_decode_rows(rows.input_ids, rows.positions, rows.slots, rows.seq_lens,
+                                                 rows.tables, rows.fix)
         else:
-            ids_t, pos_t, md = self.batch.eager_inputs(so, rows)
+            ids_t, pos_t, md = self.batch.eager_inputs(rows)
             hidden = self.model(ids_t, pos_t, self.kv_caches, md)
             if self.drafter is not None:
                 self.drafter.forward(ids_t, pos_t, md)

@@ -42,7 +42,8 @@ class RunnerSettings:
     seed: int
     cpu_threads: int | None = None  # torch intra-op threads when running on CPU
     attention_backend: str = "auto"  # "auto", "torch", "triton" or "flash_attn" (see attention_backends)
-    # Draft-model speculation: the draft's directory and the drafts it makes per step.
+    # Speculative decoding: the drafts a request verifies per step (both methods: decode
+    # graphs and the memory profile size for them) and, with a draft model, its directory.
     draft_model: str | None = None
     num_speculative_tokens: int = 0
     # The scheduler's step limits: the shape of the largest step, which the CUDA memory
