@@ -148,6 +148,22 @@ def test_packed_linear_rows_do_not_depend_on_the_batch():
         assert torch.equal(linear(x[:rows]), full[:rows])
 
 
+def test_a_packed_linear_sees_its_weight_change():
+    """A weight replaced on the module, or written in place under no_grad, is packed again
+    (the tests that mutate a loaded model's weights rely on it)."""
+    torch.manual_seed(2)
+    linear = nn.Linear(16, 8)
+    pack_linears(linear)
+    x = torch.randn(3, 16)
+    linear(x)
+    linear.weight = nn.Parameter(torch.randn(8, 16))
+    torch.testing.assert_close(linear(x), F.linear(x, linear.weight, linear.bias))
+    with torch.no_grad():
+        linear.weight.mul_(-2)
+        linear.bias.zero_()
+    torch.testing.assert_close(linear(x), F.linear(x, linear.weight, linear.bias))
+
+
 def test_pack_linears_leaves_subclasses_alone():
     class Sharded(nn.Linear):
         pass

@@ -11,9 +11,14 @@ as MKL does; a row's result does not depend on how many rows share the call.
 `pack_linears` gives every plain `nn.Linear` of a model a packed forward. The checkpoint
 layout stays the module's `weight` (the tied embedding reads it, and so may anyone who
 inspects the model), so the packed copy is extra memory: one more copy of the linear
-weights. `unpack_linears` restores MKL's path (benchmarks compare the two in one process).
+weights. A weight changed after packing is packed again at the next call: a new
+parameter set on the module, or an in-place write that bumps its version (under
+`torch.no_grad()`); a write through `.data` is not seen. `unpack_linears` restores MKL's
+path (benchmarks compare the two in one process).
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch import nn
@@ -33,17 +38,30 @@ def packing_supported(dtype: torch.dtype) -> bool:
 
 class PackedLinearForward:
     """A linear's forward over its weight in oneDNN's packed layout; the bias is the
-    module's own parameter."""
+    module's own parameter. Re-packs when the module's weight changed (module doc)."""
 
     def __init__(self, linear: nn.Linear) -> None:
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
-        self.bias = linear.bias
+        self.module = weakref.ref(linear)  # the module holds this forward: no cycle
         self.out_features = linear.out_features
+        self._pack(linear)
+
+    def _pack(self, linear: nn.Linear) -> None:
+        self.source = linear.weight
+        self.version = _version(linear.weight)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        linear = self.module()
+        if linear.weight is not self.source or _version(linear.weight) != self.version:
+            self._pack(linear)
         if x.numel() == 0:
             return x.new_empty(*x.shape[:-1], self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, linear.bias, "none", [], "")
+
+
+def _version(weight: torch.Tensor) -> int | None:
+    """The tensor's in-place write counter (None for an inference tensor, which has none)."""
+    return None if weight.is_inference() else weight._version
 
 
 def pack_linears(model: nn.Module) -> int:
