@@ -79,12 +79,13 @@ def test_paged_decode_kernel_equals_the_torch_decode(decode_kernel, heads, kv_he
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_paged_decode_kernel_in_half_precision_is_float32_attention_rounded(decode_kernel, dtype):
+@pytest.mark.parametrize("head_dim", [64, 40])  # 40: rows off the 32-wide half-precision vector
+def test_paged_decode_kernel_in_half_precision_is_float32_attention_rounded(decode_kernel, dtype, head_dim):
     """Half-precision caches: the kernel widens each row and keeps scores, softmax and
     sums in float32, so it matches float32 attention over the same values to the output's
     rounding."""
-    q, cache, md = _decode_case(1, dtype, 6, 8, 2, 64, 16, 120, True)
-    attn = TorchAttention(8, 2, 64, 0.125, 40, None)
+    q, cache, md = _decode_case(1, dtype, 6, 8, 2, head_dim, 16, 120, True)
+    attn = TorchAttention(8, 2, head_dim, head_dim ** -0.5, 40, None)
     expected = attn._decode(q.float(), cache.float(), md)
     got = decode_kernel(q, cache, md.decode_block_table, md.decode_seq_lens, attn.scale, 0.0, 40)
     assert got.dtype == dtype
