@@ -149,6 +149,8 @@ def layer_ops(attention_backend: str) -> LayerOps:
         from llmd.gpu import fused_ops_triton
     except ImportError:
         return UNFUSED
-    if setting == "auto" and fused_ops_triton.INTERPRETED:
+    if setting == "auto" and (fused_ops_triton.INTERPRETED or not torch.cuda.is_available()):
+        # A kernel backend on a CPU-only machine is a test's fake (flash-attn stubs) or the
+        # interpreter: the compiled kernels have no device to run on.
         return UNFUSED
     return _fused_ops()
