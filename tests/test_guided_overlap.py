@@ -326,13 +326,14 @@ def _reference_rows(group, guard, words: int):
 
 
 def test_rows_applied_on_the_device_equal_a_bit_by_bit_reference():
-    """A step's rows go to the device as packed words, unguided rows all ones: on the CPU
-    xgrammar's kernel masks the logits, elsewhere the words are unpacked on the device
-    (here run on CPU tensors); both equal a bit-by-bit reference, padded vocab included."""
+    """A step's rows go to the device as packed words, unguided rows all ones, and are
+    applied as a 0 / -inf bias unpacked there: the masked logits equal a bit-by-bit
+    reference and xgrammar's own kernel, padded vocab included."""
     import numpy as np
     import torch
+    import xgrammar as xgr
 
-    from llmd.gpu.sampling_metadata import SamplingMetadata, unpack_bitmask
+    from llmd.gpu.sampling_metadata import SamplingMetadata
 
     num_rows, vocab, logit_width = 5, 70, 96  # the bitmask covers the logit width
     rng = np.random.default_rng(0)
@@ -348,6 +349,7 @@ def test_rows_applied_on_the_device_equal_a_bit_by_bit_reference():
             if not (int(words[i, token // 32]) >> (token % 32)) & 1:
                 expected[row, token] = float("-inf")
     assert torch.equal(md.mask_grammar(logits), expected)
-    unpacked = logits.masked_fill(~unpack_bitmask(md.grammar_bitmask, vocab), float("-inf"))
-    assert torch.equal(unpacked, expected)
+    by_xgrammar = logits.clone()
+    xgr.apply_token_bitmask_inplace(by_xgrammar, md.grammar_bitmask, vocab_size=vocab)
+    assert torch.equal(by_xgrammar, expected)
     assert torch.equal(logits, before)  # a new tensor: the logits themselves are left as they were

@@ -102,23 +102,18 @@ class SamplingMetadata:
         (xgrammar's layout: int32 words, bit b of word w = token 32*w + b). The words go to
         the device as they are, every other row all ones: the host never expands them."""
         given = np.frombuffer(bitmask, dtype=np.int32).reshape(len(rows), -1)
-        if given.shape[1] * 32 < self.vocab_limit:
-            raise ValueError(f"grammar bitmask covers {given.shape[1] * 32} tokens, fewer than {self.vocab_limit}")
         words = np.full((self.num_rows, given.shape[1]), -1, dtype=np.int32)
         words[np.asarray(rows, dtype=np.int64)] = given
         self.grammar_bitmask = torch.from_numpy(words).to(device, non_blocking=True)
 
     def mask_grammar(self, logits: torch.Tensor) -> torch.Tensor:
-        """[N, vocab_limit] float logits with the ids each row's grammar forbids at -inf
-        (a new tensor). On the CPU xgrammar's kernel writes them straight from the bits;
-        elsewhere the bits are unpacked on the device in one lookup and filled."""
-        if logits.device.type == "cpu":
-            import xgrammar as xgr
-
-            masked = logits.clone()
-            xgr.apply_token_bitmask_inplace(masked, self.grammar_bitmask, vocab_size=self.vocab_limit)
-            return masked
-        return logits.masked_fill(~unpack_bitmask(self.grammar_bitmask, self.vocab_limit), float("-inf"))
+        """[N, vocab_limit] float32 logits plus the grammar's bias: -inf on the ids each
+        row's grammar forbids, 0 elsewhere (a new tensor; the logits are finite). One
+        lookup unpacks the words on the device and one add applies them: no branch per
+        token, so it costs the same whatever share of the vocabulary a grammar allows
+        (xgrammar's CPU kernel and a masked_fill both slow down several-fold on typical
+        masks, see docs/benchmarks.md)."""
+        return logits + unpack_bitmask(self.grammar_bitmask, self.vocab_limit, as_bias=True)
 
     @property
     def has_penalties(self) -> bool:
@@ -139,23 +134,27 @@ class SamplingMetadata:
             self.output_counts.scatter_add_(1, sampled_token_ids.view(-1, 1).long(), ones)
 
 
-def unpack_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[R, W] int32 bitmask words -> [R, vocab] bool (bit b of word w is token 32*w + b):
-    every byte of the words looked up in a 256 x 8 table, one gather on their device.
+def unpack_bitmask(words: torch.Tensor, vocab: int, *, as_bias: bool = False) -> torch.Tensor:
+    """[R, W] int32 bitmask words -> [R, vocab] (bit b of word w is token 32*w + b): bool,
+    True where allowed, or with `as_bias` float32, 0 where allowed and -inf where not.
+    Every byte of the words is looked up in a 256 x 8 table, one gather on their device.
     Byte k of word w holds tokens 32*w + 8*k .. + 7 in memory on a little-endian machine
     (every CPU and GPU torch runs on here)."""
     if words.shape[1] * 32 < vocab:
         raise ValueError(f"grammar bitmask covers {words.shape[1] * 32} tokens, fewer than {vocab}")
-    table = _BYTE_BITS.get(words.device)
+    key = (words.device, as_bias)
+    table = _BYTE_BITS.get(key)
     if table is None:
-        table = _BYTE_BITS[words.device] = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool().to(
-            words.device)
+        allowed = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool()
+        table = torch.where(allowed, 0.0, float("-inf")) if as_bias else allowed
+        table = _BYTE_BITS[key] = table.to(words.device)
     data = words.contiguous().view(torch.uint8).view(-1)
     return table.index_select(0, data.int()).view(words.shape[0], -1)[:, :vocab]
 
 
-# unpack_bitmask's table, per device: row b is the 8 bits of byte value b, lowest first.
-_BYTE_BITS: dict[torch.device, torch.Tensor] = {}
+# unpack_bitmask's tables, per device and kind: row b is the 8 bits of byte value b,
+# lowest first (as bools, or as 0 / -inf).
+_BYTE_BITS: dict[tuple[torch.device, bool], torch.Tensor] = {}
 
 
 def _column(values: list[float], device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
