@@ -264,7 +264,7 @@ def test_sigterm_drains_running_requests(model, tmp_path, extra):
 
 
 def test_new_clients_during_drain_are_told_it_is_shutting_down(model, tmp_path):
-    d = Daemon(model, tmp_path / "s.sock", "--drain-timeout-s", "20", "--max-model-len", "1024").wait_ready()
+    d = Daemon(model, tmp_path / "s.sock", "--drain-timeout-s", "60", "--max-model-len", "1024").wait_ready()
     with RawConn(d.sock) as conn:  # long enough to outlast the late client even on a fast machine
         conn.send({"type": "submit", "id": "a", "prompt": "hi", "sampling": {"max_tokens": 600, "ignore_eos": True}})
         assert conn.recv()["type"] == "accepted"
