@@ -54,7 +54,8 @@ class LLMEngine:
         self._progress = None  # a restarted executor does not report a load
         structured = StructuredOutputManager(GrammarCompilerService(
             self.tokenizer, self.vocab_size, sorted({self.eos_token_id} - {None} | self.extra_stop_token_ids),
-            timeout_s=config.guided_decoding_compile_timeout_s))
+            timeout_s=config.guided_decoding_compile_timeout_s),
+            fill_beside_forward=self.device.type != "cpu")  # a CPU model's threads hold the cores
         self.core = EngineCore(config, executor, self._make_executor, self.num_blocks, structured)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.input_processor = InputProcessor(

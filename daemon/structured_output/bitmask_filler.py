@@ -4,6 +4,11 @@ step to the executor at once and whoever samples waits for the rows just before 
 (SchedulerOutput.wait_grammar_bitmask). xgrammar releases the GIL while it fills, so the
 fill really runs beside the forward.
 
+That pays where the host is idle while the device computes (a GPU). When the model runs
+on the CPU its threads hold the cores the fill would need: the hand-off cost more than
+the fraction of a millisecond it hid (docs/benchmarks.md), so there the rows are filled
+in the scheduler's thread before the step is launched (`beside_forward=False`).
+
 One thread fills, one step after another (a step's rows never depend on a later step's),
 and never waits for anything but xgrammar: a step cannot be blocked by the engine thread
 it runs beside. Each fill is one batched xgrammar call per verified position
@@ -41,22 +46,32 @@ class RowGroup:
 
 
 class BitmaskFiller:
-    """Fills the rows of one step at a time on its own thread; `utf8_guard()` gives the
-    Utf8Guard (made with the grammar compiler, before any matcher exists)."""
+    """Fills the rows of one step at a time, on its own thread (`beside_forward`) or at
+    once in the caller's; `utf8_guard()` gives the Utf8Guard (made with the grammar
+    compiler, before any matcher exists)."""
 
-    def __init__(self, words_per_row: int, utf8_guard: Callable[[], Any], max_threads: int | str = "auto") -> None:
+    def __init__(self, words_per_row: int, utf8_guard: Callable[[], Any], *, beside_forward: bool = True,
+                 max_threads: int | str = "auto") -> None:
         self.words_per_row = words_per_row
+        self.beside_forward = beside_forward  # may change only while no step is in flight
         self._utf8_guard = utf8_guard
         self._max_threads = max_threads
-        self._batch = None  # xgrammar.BatchGrammarMatcher, made on the fill thread
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmd-bitmask")
-        self.fill_seconds = 0.0  # total time spent filling rows (on the fill thread)
+        self._batch = None  # xgrammar.BatchGrammarMatcher, made at the first fill
+        self._pool: ThreadPoolExecutor | None = None  # the fill thread, started at the first fill beside a forward
+        self.fill_seconds = 0.0  # total time spent filling rows
         self.wait_seconds = 0.0  # total time samplers waited for rows not yet filled
 
     def submit(self, groups: list[RowGroup]) -> Future:
-        """Start filling; the future's result is the rows' bytes (int32 words, bit i of
-        word j = token 32*j + i; the groups' rows in order). It never fails: a matcher
-        that raises gets rows that allow everything, and its group's on_error is called."""
+        """Start filling (beside_forward; else fill now); the future's result is the rows'
+        bytes (int32 words, bit i of word j = token 32*j + i; the groups' rows in order).
+        It never fails: a matcher that raises gets rows that allow everything, and its
+        group's on_error is called."""
+        if not self.beside_forward:
+            future: Future = Future()
+            future.set_result(self.fill(groups))
+            return future
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmd-bitmask")
         return self._pool.submit(self.fill, groups)
 
     def wait(self, future: Future) -> bytes:
@@ -141,4 +156,5 @@ class BitmaskFiller:
             rows[index[keep]] = guarded[keep]
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)

@@ -44,10 +44,13 @@ class RequestGrammar:
 class StructuredOutputManager:
     """The scheduler's view: start compiles, make matchers, fill bitmasks, accept tokens."""
 
-    def __init__(self, service: GrammarCompilerService) -> None:
+    def __init__(self, service: GrammarCompilerService, fill_beside_forward: bool = True) -> None:
+        """`fill_beside_forward`: fill each step's rows while its forward runs (see
+        bitmask_filler.py for when that pays), else before the step is launched."""
         self.service = service
         self.vocab_size = service.vocab_size
-        self.filler = BitmaskFiller((self.vocab_size + 31) // 32, lambda: service.utf8_guard)
+        self.filler = BitmaskFiller((self.vocab_size + 31) // 32, lambda: service.utf8_guard,
+                                    beside_forward=fill_beside_forward)
 
     @property
     def fill_seconds(self) -> float:
@@ -89,9 +92,9 @@ class StructuredOutputManager:
 
     def fill_bitmask(self, output: SchedulerOutput, grammars: list[RequestGrammar | None],
                      drafts: list[list[int]]) -> Future:
-        """Start filling `output`'s grammar rows on the filler's thread and make them the
-        rows it waits for (SchedulerOutput.wait_grammar_bitmask): the step can be handed to
-        the executor at once. Per grammar, in order, one row for each position it samples
+        """Start filling `output`'s grammar rows (on the filler's thread, or at once) and
+        make them the rows it waits for (SchedulerOutput.wait_grammar_bitmask): the step
+        can be handed to the executor at once. Per grammar, in order, one row for each position it samples
         at: 1 + its drafts. A None grammar (its request finished) gets rows that allow
         every token. The matchers and tails are read now, when the scheduler holds them."""
         groups = [RowGroup(None, b"", list(d)) if g is None
