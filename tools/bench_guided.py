@@ -1,15 +1,18 @@
 """What guided decoding costs: decode throughput with a JSON-schema grammar on every
-request vs the same requests unconstrained, at batch 1 and 32 in the same run, and where
-the bitmask time goes: the time spent filling each step's rows (on the filler's thread,
-while the step's forward runs) and the time sampling waited for them (the part of the
-fill the forward did not hide).
+request vs the same requests unconstrained, at batch 1 and 32 in the same run, with the
+grammar rows filled before each step is launched (what a CPU engine does) and while its
+forward runs (what a GPU engine does), and where the bitmask time goes: the time spent
+filling each step's rows, and the time sampling waited for them (the part of the fill
+the forward did not hide; none when they were filled before the launch).
 
 The schema is an array of at least 10,000 "person" objects, so no guided request ends
 before max_tokens: both runs decode exactly the same number of tokens (the unguided
 ones with ignore_eos), and the figure compares like with like. The grammar is compiled
-before timing starts (its compile time is printed on its own). Plain and guided runs
-alternate, `--rounds` of each per batch size: the cost is the median over the pairs of
-1 - guided/plain, so a shared machine's load weighs on both runs of a pair alike.
+before timing starts (its compile time is printed on its own). The plain run and the
+guided ones take turns, `--rounds` rounds per batch size (the order rotating): a cost is
+the median over the rounds of 1 - guided/plain, so a shared machine's load weighs on
+the runs of a round alike. An engine from before the overlap (an A/B run against an
+older commit) has one guided way, before the launch, and no wait figure.
 
     python -m llmd_tools.bench_guided [--model small-llama] [--dtype float32] [--tokens 64] [--rounds 3]
                                       [--cpu-threads N] [--apply]
@@ -51,8 +54,17 @@ class Run:
     wait_s: float | None
 
 
-def run(llm: LLM, batch: int, tokens: int, guided: bool) -> Run:
+# How a guided run has its rows filled: the engine's BitmaskFiller.beside_forward.
+WAYS = {"before the launch": False, "beside the forward": True}
+
+
+def run(llm: LLM, batch: int, tokens: int, way: str | None) -> Run:
+    """One run of `batch` requests (way None: unguided)."""
     engine = llm.engine
+    guided = way is not None
+    filler = getattr(engine.structured, "filler", None)
+    if guided and filler is not None:
+        filler.beside_forward = WAYS[way]
     rng = random.Random(0)
     params = SamplingParams(temperature=0.8, seed=1, max_tokens=tokens, ignore_eos=True,
                             guided=GuidedDecodingParams(json_schema=SCHEMA) if guided else None)
@@ -73,6 +85,33 @@ def run(llm: LLM, batch: int, tokens: int, guided: bool) -> Run:
                None if wait_before is None else structured.wait_seconds - wait_before)
 
 
+def measure(llm: LLM, batch: int, tokens: int, rounds: int) -> list[str]:
+    """The table's rows for one batch size: each guided way against the plain runs of
+    the same rounds."""
+    ways = list(WAYS) if hasattr(llm.engine.structured, "filler") else ["before the launch"]
+    kinds: list[str | None] = [None, *ways]
+    for kind in kinds:
+        run(llm, batch, 8, kind)  # warm-up at this batch size
+    runs: dict[str | None, list[Run]] = {kind: [] for kind in kinds}
+    for i in range(rounds):
+        for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
+            runs[kind].append(run(llm, batch, tokens, kind))
+    plain = runs[None]
+    plain_tps = statistics.median(r.tokens_per_s for r in plain)
+    lines = []
+    for way in ways:
+        guided = runs[way]
+        guided_tps = statistics.median(r.tokens_per_s for r in guided)
+        cost = 1 - statistics.median(g.tokens_per_s / p.tokens_per_s for g, p in zip(guided, plain))
+        steps = sum(r.steps for r in guided)
+        fill_ms = 1e3 * sum(r.fill_s for r in guided) / steps
+        wait = "-" if not WAYS[way] or guided[0].wait_s is None else \
+            f"{1e3 * sum(r.wait_s for r in guided) / steps:.3f}"
+        lines.append(f"{batch:>5} {way:>18} {plain_tps:12.1f} {guided_tps:13.1f} {cost:7.1%} "
+                     f"{1e3 * batch / guided_tps:8.2f} {fill_ms:13.3f} {wait:>13}")
+    return lines
+
+
 def apply_costs(llm: LLM, batch: int, tokens: int, repeats: int = 5) -> dict[str, float]:
     """Milliseconds to apply one step's grammar rows to [batch, vocab] float32 logits on the
     engine's device, three ways, with the rows a guided run really filled (JSON masks
@@ -87,7 +126,7 @@ def apply_costs(llm: LLM, batch: int, tokens: int, repeats: int = 5) -> dict[str
     fill = filler.fill
     filler.fill = lambda groups: filled.append(fill(groups)) or filled[-1]
     try:
-        run(llm, batch, tokens, guided=True)
+        run(llm, batch, tokens, "beside the forward")
     finally:
         del filler.fill  # the method again
     device, vocab = llm.engine.device, llm.engine.vocab_size
@@ -118,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="small-llama")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
-    ap.add_argument("--rounds", type=int, default=3, help="plain and guided runs per batch size, alternating")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of a plain run and each guided way per batch size")
     ap.add_argument("--cpu-threads", type=int, default=None, help="the model's torch threads on the CPU")
     ap.add_argument("--apply", action="store_true", help="also time ways to apply a step's rows (batch 32)")
     args = ap.parse_args(argv)
@@ -130,24 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {model}, {args.dtype}, {args.tokens} tokens per request, {args.rounds} rounds; "
           f"load avg {os.getloadavg()[0]:.2f}")
     print(f"first guided request (tokenizer info + compile + 2 tokens): {time.perf_counter() - start:.2f} s")
-    print(f"{'batch':>5} {'plain tok/s':>12} {'guided tok/s':>13} {'cost':>7} {'step ms':>8} "
-          f"{'fill ms/step':>13} {'wait ms/step':>13} {'fill share':>11}")
+    print(f"{'batch':>5} {'rows filled':>18} {'plain tok/s':>12} {'guided tok/s':>13} {'cost':>7} {'step ms':>8} "
+          f"{'fill ms/step':>13} {'wait ms/step':>13}")
     for batch in (1, 32):
-        run(llm, batch, 8, guided=False)  # warm-up at this batch size
-        run(llm, batch, 8, guided=True)
-        plain, guided = [], []
-        for i in range(args.rounds):  # in pairs, the first of each pair alternating
-            for is_guided in (i % 2 == 1, i % 2 == 0):
-                (guided if is_guided else plain).append(run(llm, batch, args.tokens, guided=is_guided))
-        plain_tps = statistics.median(r.tokens_per_s for r in plain)
-        guided_tps = statistics.median(r.tokens_per_s for r in guided)
-        cost = 1 - statistics.median(g.tokens_per_s / p.tokens_per_s for g, p in zip(guided, plain))
-        steps = sum(r.steps for r in guided)
-        step_ms = 1e3 * batch / guided_tps
-        fill_ms = 1e3 * sum(r.fill_s for r in guided) / steps
-        wait = "-" if guided[0].wait_s is None else f"{1e3 * sum(r.wait_s for r in guided) / steps:.3f}"
-        print(f"{batch:>5} {plain_tps:12.1f} {guided_tps:13.1f} {cost:7.1%} {step_ms:8.2f} "
-              f"{fill_ms:13.3f} {wait:>13} {fill_ms / step_ms:11.1%}")
+        print("\n".join(measure(llm, batch, args.tokens, args.rounds)))
     if args.apply:
         costs = apply_costs(llm, 32, args.tokens)
         print("applying one step's rows at batch 32: " + ", ".join(f"{k} {v:.3f} ms" for k, v in costs.items()))
