@@ -300,16 +300,5 @@ def test_the_switch_and_the_torch_backend(monkeypatch) -> None:
         fused_ops.fused_ops_setting()
 
 
-def test_cpu_models_keep_the_unfused_ops(tiny_qwen3: Path) -> None:
-    from llmd.gpu.model_runner import ModelRunner
-    from llmd.gpu.runner_types import RunnerSettings
-
-    settings = RunnerSettings(block_size=16, max_model_len=64, valid_vocab_size=1024, eos_token_id=None, seed=0)
-    model = ModelRunner(str(tiny_qwen3), settings, torch.device("cpu"), torch.float32).model
-    assert model.ops is UNFUSED
-    assert all(layer.ops is UNFUSED and layer.self_attn.ops is UNFUSED and layer.mlp.ops is UNFUSED
-               for layer in model.layers)
-
-
 if __name__ == "__main__":
     main(sys.argv[1:])

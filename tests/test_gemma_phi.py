@@ -311,6 +311,7 @@ def _each_attention(attribute: str, value: Callable) -> Callable:
 
 def _plain_norms(model, monkeypatch) -> None:
     monkeypatch.setattr(GemmaRMSNorm, "forward", RMSNorm.forward)  # w instead of 1 + w
+    monkeypatch.setattr(GemmaRMSNorm, "gemma_scale", False)  # the same in the fused ops
 
 
 def _no_final_cap(model, monkeypatch) -> None:

@@ -39,6 +39,7 @@ from torch import nn
 from llmd import LLM, SamplingParams
 from llmd.gpu.attention import AttentionLayer, TorchAttention
 from llmd.gpu.cpu_linear import unpack_linears
+from llmd.gpu.fused_ops import UNFUSED, LayerOps
 from llmd_tools.bench.workloads import make_prompts
 from llmd_tools.make_model import fixture_path
 
@@ -49,16 +50,27 @@ def torch_attention(model: nn.Module) -> None:
             module.attn.decode_kernel = None
 
 
+def unfused(model: nn.Module) -> None:
+    """The layers' norms, rotary, K/V write and activation back on their torch ops (no
+    C++ fused ops; what LLMD_FUSED_OPS=0 loads)."""
+    for module in model.modules():
+        if isinstance(getattr(module, "ops", None), LayerOps):
+            module.ops = UNFUSED
+
+
 def before(model: nn.Module) -> None:
-    """The CPU step as it was before oneDNN packing and the C++ decode kernel."""
+    """The CPU step as it was before issue 13: no oneDNN packing, C++ decode kernel or
+    fused ops."""
     unpack_linears(model)
     torch_attention(model)
+    unfused(model)
 
 
 VARIANTS: dict[str, tuple[dict[str, Any], Callable[[nn.Module], None] | None]] = {
     "default": ({}, None),
     "mkl": ({}, unpack_linears),
     "torch-attention": ({}, torch_attention),
+    "unfused": ({}, unfused),
     "before": ({}, before),
 }
 

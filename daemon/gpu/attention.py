@@ -203,9 +203,12 @@ class TorchAttention(AttentionLayer):
     decode_kernel: Callable[..., torch.Tensor] | None = None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 kv_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KVH, D]. Returns [T, H, D]."""
-        write_kv(kv_cache, k, v, md.slot_mapping)
+                 kv_cache: torch.Tensor, md: AttentionMetadata, kv_written: bool = False) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D] (a prefill with no cached tokens attends over
+        them directly). kv_written: the caller's fused op already wrote them to the cache.
+        Returns [T, H, D]."""
+        if not kv_written:
+            write_kv(kv_cache, k, v, md.slot_mapping)
         out = torch.empty_like(q)
         if md.num_decodes and self.decode_kernel is not None:
             out[:md.num_decodes] = self.decode_kernel(q[:md.num_decodes].contiguous(), kv_cache, md.decode_block_table,

@@ -1,15 +1,19 @@
 """llmd's C++ CPU kernels (cpu_kernels.cpp), built when first asked for and cached on disk.
 
-Today one kernel: decode attention over the paged KV cache read in place. The torch
-path (attention.py, TorchAttention._decode) gathers every decode row's blocks into a
-padded buffer each layer and step, then runs two batched GEMMs; the kernel reads each
-cached row once. Measured 3-5x faster per layer call on CPU in float32, ~2x in bfloat16
-(docs/benchmarks.md, "CPU model step"). The loader hands it to every TorchAttention
-layer of a model on CPU (`attach_cpu_kernels`).
+Two sets, one extension:
+- decode attention over the paged KV cache read in place (cpu_kernels.cpp). The torch
+  path (attention.py, TorchAttention._decode) gathers every decode row's blocks into a
+  padded buffer each layer and step, then runs two batched GEMMs; the kernel reads each
+  cached row once. Measured 3-5x faster per layer call on CPU in float32, ~2x in
+  bfloat16 (docs/benchmarks.md, "CPU model step").
+- the fused layer ops (cpu_fused_ops.cpp, wrapped by cpu_fused_ops.CpuFusedLayerOps):
+  residual add + RMSNorm, q/k norm + rotary + K/V write, act(gate) * up.
+The loader hands both to a model on CPU whose layers attend with TorchAttention
+(`attach_cpu_kernels`).
 
 Built with torch.utils.cpp_extension for this CPU's vector ISA (AVX-512, AVX2, or
 generic), into `$TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions/`), one build
-per ISA; a later start with the same source, flags and torch loads the cached library
+per ISA and version of the sources (their digest is in the build's name); a later start with the same source, flags and torch loads the cached library
 (~0.3 s) instead of compiling it (~10-20 s on two cores). It needs a C++ compiler and
 ninja; without them, or if the build fails, attention keeps its torch path and the
 reason is logged once. LLMD_CPU_KERNELS=0 keeps the torch path on purpose (the A/B
@@ -21,6 +25,7 @@ no Python binding layer.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from collections.abc import Callable
@@ -30,10 +35,12 @@ import torch
 from torch import nn
 
 from llmd.gpu.attention import TorchAttention
+from llmd.gpu.cpu_fused_ops import use_cpu_fused_ops
+from llmd.gpu.fused_ops import fused_ops_setting
 
 logger = logging.getLogger("llmd.cpu_kernels")
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_fused_ops.cpp")]
 CPU_KERNELS_ENV = "LLMD_CPU_KERNELS"
 # Compiler flags of each vector ISA (as inductor builds its CPU kernels for them).
 ISA_FLAGS = {
@@ -49,22 +56,32 @@ def vector_isa() -> str:
     return capability if capability in ISA_FLAGS else "DEFAULT"
 
 
+def source_digest() -> str:
+    """8 hex digits of the kernels' sources: part of the build's name, so that two llmd
+    versions on one machine (a test run beside a daemon) keep separate builds in the
+    cache instead of rebuilding over each other's."""
+    digest = hashlib.sha256()
+    for path in SOURCES:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:8]
+
+
 @functools.cache
-def _load() -> Callable[..., torch.Tensor] | None:
+def _load() -> bool:
     from torch.utils.cpp_extension import load
 
     isa = vector_isa()
     logger.info("loading llmd's CPU kernels for %s (compiled on the first start only)", isa)
     try:
-        load(name=f"llmd_cpu_kernels_{isa.lower()}", sources=[str(SOURCE)],
+        load(name=f"llmd_cpu_kernels_{isa.lower()}_{source_digest()}", sources=[str(path) for path in SOURCES],
              extra_cflags=["-O3", "-fopenmp", *ISA_FLAGS.get(isa, [])], extra_ldflags=["-fopenmp"],
              is_python_module=False, verbose=False)
     except Exception as exc:  # no compiler, no ninja, a failed build: the torch path stays
         last_line = (str(exc).strip().splitlines() or [""])[-1]
-        logger.warning("CPU kernels unavailable (%s: %s); attention runs its torch path",
+        logger.warning("CPU kernels unavailable (%s: %s); the layers run their torch path",
                        type(exc).__name__, last_line)
-        return None
-    return torch.ops.llmd_cpu.paged_decode
+        return False
+    return True
 
 
 def paged_decode_op() -> Callable[..., torch.Tensor] | None:
@@ -73,7 +90,7 @@ def paged_decode_op() -> Callable[..., torch.Tensor] | None:
     softcap (0: none), window (0: none)) -> [B, H, D]: decode attention over the
     paged cache read in place (cpu_kernels.cpp). Built on first call; None if it
     cannot be."""
-    return _load()
+    return torch.ops.llmd_cpu.paged_decode if _load() else None
 
 
 def cpu_kernels_enabled() -> bool:
@@ -85,9 +102,10 @@ def cpu_kernels_enabled() -> bool:
 
 
 def attach_cpu_kernels(model: nn.Module) -> int:
-    """Give every TorchAttention layer of a CPU model the paged decode kernel; returns
-    how many layers got it (0 when none attend with torch, the kernels are switched off
-    or cannot be built)."""
+    """Give every TorchAttention layer of a CPU model the paged decode kernel, and its
+    modules the fused layer ops (unless LLMD_FUSED_OPS=0); returns how many layers got
+    the kernel (0 when none attend with torch, the kernels are switched off or cannot
+    be built)."""
     layers = [m.attn for m in model.modules() if isinstance(getattr(m, "attn", None), TorchAttention)]
     if not layers or not cpu_kernels_enabled():
         return 0
@@ -96,4 +114,6 @@ def attach_cpu_kernels(model: nn.Module) -> int:
         return 0
     for attn in layers:
         attn.decode_kernel = kernel
+    if fused_ops_setting() != "off":
+        use_cpu_fused_ops(model)
     return len(layers)

@@ -19,8 +19,9 @@ environment variable LLMD_FUSED_OPS, read then, decides:
 - "0" (or "off"): never fused: the A/B switch for measuring fusion on a GPU;
 - "1" (or "on"): fused with any kernel backend, also on CPU under Triton's interpreter
   (TRITON_INTERPRET=1), which is how the tests run the fused path.
-The "torch" attention backend always keeps the unfused ops: its attention writes the
-cache itself.
+layer_ops gives the "torch" attention backend the unfused ops; on CPU the loader then
+hands the layers cpu_fused_ops' C++ versions of the same ops (attach_cpu_kernels; the
+same LLMD_FUSED_OPS=0 keeps them unfused).
 """
 from __future__ import annotations
 

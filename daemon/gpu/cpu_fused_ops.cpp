@@ -1,0 +1,344 @@
+// llmd's fused layer ops for CPU, built with cpu_kernels.cpp into one extension
+// (cpu_kernels.py). The CPU counterparts of fused_ops_triton: each replaces a chain of
+// small torch operators, and at decode sizes a layer's chains cost more in per-operator
+// overhead (~5-15 us each, ~30 a layer) than in arithmetic.
+//
+// Each computes what its reference in fused_ops.LayerOps computes, rounding where the
+// reference rounds: the reference runs in the activations' dtype, so in bfloat16/float16
+// every intermediate it materialises is rounded to that dtype here too (the float32
+// path rounds nothing). Reductions are summed in float32 in another order than torch's,
+// so float32 results agree to a few ulps, not bit for bit.
+//
+// rms_norm(x [T, N], w [N], eps, gemma) -> [T, N]
+//   Llama: w * (x * rsqrt(mean(x^2) + eps)).to(dtype); gemma: (x * rsqrt(..) * (1 + w)).to(dtype).
+// add_rms_norm_(x [T, N], residual [T, N], w, eps, gemma) -> [T, N]
+//   x becomes x + residual (the new residual; x is the caller's fresh projection output),
+//   returns its norm.
+// act_and_mul(gate_up [T, 2I], act) -> [T, I]: act(gate) * up; act 0 silu, 1 gelu (erf),
+//   2 gelu (tanh approximation).
+// qk_rope_cache_(qkv [T, (H + 2 KVH) D], heads, kv_heads, cos [T, R], sin [T, R], kv_cache
+//   [2, KVH, blocks, block_size, D], slot_mapping [T], q_norm_w, k_norm_w, eps, gemma):
+//   in place, q and k of each token normed per head (when norm weights are given) and
+//   rotated neox-style over their first R dimensions; then k and v written to the cache
+//   at the token's slot (a negative slot is skipped).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include <c10/util/Optional.h>
+
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using at::vec::Vectorized;
+using fVec = Vectorized<float>;
+constexpr int64_t kLanes = fVec::size();
+
+template <typename T>
+constexpr bool kFloat = std::is_same_v<T, float>;
+
+// n values of T as float32 in dst.
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  if constexpr (kFloat<T>) {
+    std::copy(src, src + n, dst);
+    return;
+  } else {
+    using tVec = Vectorized<T>;
+    for (; i + tVec::size() <= n; i += tVec::size()) {
+      auto [lo, hi] = at::vec::convert_to_float<T>(tVec::loadu(src + i));
+      lo.store(dst + i);
+      hi.store(dst + i + kLanes);
+    }
+  }
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// n float32 values rounded to T in dst.
+template <typename T>
+inline void store_row(const float* src, T* dst, int64_t n) {
+  int64_t i = 0;
+  if constexpr (kFloat<T>) {
+    std::copy(src, src + n, dst);
+    return;
+  } else {
+    using tVec = Vectorized<T>;
+    for (; i + tVec::size() <= n; i += tVec::size()) {
+      at::vec::convert_from_float<T>(fVec::loadu(src + i), fVec::loadu(src + i + kLanes)).store(dst + i);
+    }
+  }
+  for (; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+// In place: buf rounded to T and back (what materialising it in the reference's dtype does).
+template <typename T>
+inline void round_row(float* buf, int64_t n, std::vector<T>& tmp) {
+  if constexpr (!kFloat<T>) {
+    tmp.resize(n);
+    store_row<T>(buf, tmp.data(), n);
+    load_row<T>(tmp.data(), buf, n);
+  }
+}
+
+inline float sum_of_squares(const float* x, int64_t n) {
+  fVec acc(0.f);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    fVec v = fVec::loadu(x + i);
+    acc = at::vec::fmadd(v, v, acc);
+  }
+  float sum = at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, acc);
+  for (; i < n; ++i) sum += x[i] * x[i];
+  return sum;
+}
+
+// Scratch of one thread: float rows and a T row for rounding.
+template <typename T>
+struct Scratch {
+  std::vector<float> a, b, w;
+  std::vector<T> t;
+};
+
+// In place on buf (a row as float32): RMSNorm with weight wf (as float32), the result
+// rounded as the reference rounds it; out gets it in T.
+template <typename T>
+inline void norm_in_place(float* buf, const float* wf, int64_t n, float eps, bool gemma, std::vector<T>& tmp) {
+  const float r = 1.f / std::sqrt(sum_of_squares(buf, n) / static_cast<float>(n) + eps);
+  if (gemma) {
+    for (int64_t i = 0; i < n; ++i) buf[i] = buf[i] * r * (1.f + wf[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) buf[i] *= r;
+    round_row<T>(buf, n, tmp);  // .to(dtype) before the weight
+    for (int64_t i = 0; i < n; ++i) buf[i] *= wf[i];
+  }
+}
+
+void check_rows(const at::Tensor& x, const at::Tensor& w, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.is_contiguous() && w.numel() == x.size(1), op,
+              ": contiguous x [T, N] and weight [N] expected");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), op, ": x and weight differ in dtype");
+}
+
+template <typename T>
+void norm_rows(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& w, float eps, bool gemma,
+               at::Tensor& out) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  std::vector<float> wf(n);
+  load_row<T>(w.const_data_ptr<T>(), wf.data(), n);
+  T* xp = residual ? x.data_ptr<T>() : nullptr;
+  const T* xin = x.const_data_ptr<T>();
+  const T* rp = residual ? residual->const_data_ptr<T>() : nullptr;
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / n), [&](int64_t begin, int64_t end) {
+    Scratch<T> s;
+    s.a.resize(n);
+    s.b.resize(n);
+    for (int64_t row = begin; row < end; ++row) {
+      load_row<T>(xin + row * n, s.a.data(), n);
+      if (rp) {  // x + residual, rounded to T: the new residual, and what is normed
+        load_row<T>(rp + row * n, s.b.data(), n);
+        for (int64_t i = 0; i < n; ++i) s.a[i] += s.b[i];
+        store_row<T>(s.a.data(), xp + row * n, n);
+        round_row<T>(s.a.data(), n, s.t);
+      }
+      norm_in_place<T>(s.a.data(), wf.data(), n, eps, gemma, s.t);
+      store_row<T>(s.a.data(), op + row * n, n);
+    }
+  });
+}
+
+template <typename F>
+void dispatch_float_types(at::ScalarType type, const char* op, F&& f) {
+  switch (type) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    default: TORCH_CHECK(false, op, ": float32, bfloat16 or float16 expected, got ", type);
+  }
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool gemma) {
+  check_rows(x, w, "rms_norm");
+  auto out = at::empty_like(x);
+  dispatch_float_types(x.scalar_type(), "rms_norm", [&](auto tag) {
+    norm_rows<decltype(tag)>(x, nullptr, w, static_cast<float>(eps), gemma, out);
+  });
+  return out;
+}
+
+at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& residual, const at::Tensor& w, double eps, bool gemma) {
+  check_rows(x, w, "add_rms_norm_");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() && residual.scalar_type() == x.scalar_type(),
+              "add_rms_norm_: residual must be contiguous, of x's shape and dtype");
+  auto out = at::empty_like(x);
+  dispatch_float_types(x.scalar_type(), "add_rms_norm_", [&](auto tag) {
+    norm_rows<decltype(tag)>(x, &residual, w, static_cast<float>(eps), gemma, out);
+  });
+  return out;
+}
+
+// act(g) for a vector of gates: 0 silu, 1 gelu (erf), 2 gelu (tanh).
+inline fVec activate(const fVec& g, int64_t act) {
+  if (act == 0) return g / (fVec(1.f) + g.neg().exp());
+  if (act == 1) return g * fVec(0.5f) * (fVec(1.f) + (g * fVec(static_cast<float>(M_SQRT1_2))).erf());
+  const fVec inner = fVec(0.7978845608028654f) * (g + fVec(0.044715f) * g * g * g);
+  return fVec(0.5f) * g * (fVec(1.f) + inner.tanh());
+}
+
+inline float activate(float g, int64_t act) {
+  if (act == 0) return g / (1.f + std::exp(-g));
+  if (act == 1) return g * 0.5f * (1.f + std::erf(g * static_cast<float>(M_SQRT1_2)));
+  return 0.5f * g * (1.f + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+}
+
+template <typename T>
+void act_rows(const at::Tensor& gate_up, int64_t act, at::Tensor& out) {
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  const T* in = gate_up.const_data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / inter), [&](int64_t begin, int64_t end) {
+    Scratch<T> s;
+    s.a.resize(inter);
+    s.b.resize(inter);
+    for (int64_t row = begin; row < end; ++row) {
+      load_row<T>(in + row * 2 * inter, s.a.data(), inter);
+      load_row<T>(in + row * 2 * inter + inter, s.b.data(), inter);
+      int64_t i = 0;
+      for (; i + kLanes <= inter; i += kLanes) activate(fVec::loadu(s.a.data() + i), act).store(s.a.data() + i);
+      for (; i < inter; ++i) s.a[i] = activate(s.a[i], act);
+      round_row<T>(s.a.data(), inter, s.t);  // act(gate) is materialised, then multiplied by up
+      for (i = 0; i < inter; ++i) s.a[i] *= s.b[i];
+      store_row<T>(s.a.data(), op + row * inter, inter);
+    }
+  });
+}
+
+at::Tensor act_and_mul(const at::Tensor& gate_up, int64_t act) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "act_and_mul: contiguous gate_up [T, 2I] expected");
+  TORCH_CHECK(act >= 0 && act <= 2, "act_and_mul: act must be 0 (silu), 1 (gelu) or 2 (gelu tanh)");
+  auto out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  dispatch_float_types(gate_up.scalar_type(), "act_and_mul", [&](auto tag) {
+    act_rows<decltype(tag)>(gate_up, act, out);
+  });
+  return out;
+}
+
+struct RopeShape {
+  int64_t heads, kv_heads, dim, rot, slots;
+};
+
+// One head row in place: normed (when wf is given), then rotated over its first rot
+// dimensions with the token's cos/sin (as T, rounded as the reference's x * cos +
+// rotate_half(x) * sin in T).
+template <typename T>
+inline void rope_head(T* x, const float* wf, float eps, bool gemma, const float* cos, const float* sin,
+                      const RopeShape& s, Scratch<T>& sc) {
+  float* a = sc.a.data();
+  float* b = sc.b.data();
+  load_row<T>(x, a, s.dim);
+  if (wf) {
+    norm_in_place<T>(a, wf, s.dim, eps, gemma, sc.t);
+    round_row<T>(a, s.dim, sc.t);
+  }
+  const int64_t half = s.rot / 2;
+  for (int64_t i = 0; i < s.rot; ++i) b[i] = (i < half ? -a[i + half] : a[i - half]) * sin[i];
+  for (int64_t i = 0; i < s.rot; ++i) a[i] *= cos[i];
+  round_row<T>(a, s.rot, sc.t);
+  round_row<T>(b, s.rot, sc.t);
+  for (int64_t i = 0; i < s.rot; ++i) a[i] += b[i];
+  store_row<T>(a, x, s.dim);
+}
+
+template <typename T>
+void rope_rows(at::Tensor& qkv, const RopeShape& s, const at::Tensor& cos, const at::Tensor& sin,
+               at::Tensor& kv_cache, const at::Tensor& slots, const at::Tensor* qw, const at::Tensor* kw, float eps,
+               bool gemma) {
+  const int64_t rows = qkv.size(0), width = qkv.size(1), d = s.dim;
+  std::vector<float> qwf(qw ? d : 0), kwf(kw ? d : 0);
+  if (qw) load_row<T>(qw->const_data_ptr<T>(), qwf.data(), d);
+  if (kw) load_row<T>(kw->const_data_ptr<T>(), kwf.data(), d);
+  T* base = qkv.data_ptr<T>();
+  T* kc = kv_cache.data_ptr<T>();
+  T* vc = kc + s.kv_heads * s.slots * d;
+  const T* cp = cos.const_data_ptr<T>();
+  const T* sp = sin.const_data_ptr<T>();
+  const int64_t* slot = slots.const_data_ptr<int64_t>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / width), [&](int64_t begin, int64_t end) {
+    Scratch<T> sc;
+    sc.a.resize(d);
+    sc.b.resize(d);
+    std::vector<float> c(s.rot), sn(s.rot);
+    for (int64_t row = begin; row < end; ++row) {
+      load_row<T>(cp + row * s.rot, c.data(), s.rot);
+      load_row<T>(sp + row * s.rot, sn.data(), s.rot);
+      T* q = base + row * width;
+      T* k = q + s.heads * d;
+      const T* v = k + s.kv_heads * d;
+      for (int64_t h = 0; h < s.heads; ++h) rope_head<T>(q + h * d, qw ? qwf.data() : nullptr, eps, gemma,
+                                                          c.data(), sn.data(), s, sc);
+      for (int64_t h = 0; h < s.kv_heads; ++h) rope_head<T>(k + h * d, kw ? kwf.data() : nullptr, eps, gemma,
+                                                             c.data(), sn.data(), s, sc);
+      if (slot[row] < 0) continue;
+      for (int64_t h = 0; h < s.kv_heads; ++h) {
+        std::copy(k + h * d, k + (h + 1) * d, kc + (h * s.slots + slot[row]) * d);
+        std::copy(v + h * d, v + (h + 1) * d, vc + (h * s.slots + slot[row]) * d);
+      }
+    }
+  });
+}
+
+void qk_rope_cache_(at::Tensor& qkv, int64_t heads, int64_t kv_heads, const at::Tensor& cos, const at::Tensor& sin,
+                    at::Tensor& kv_cache, const at::Tensor& slot_mapping, const c10::optional<at::Tensor>& q_norm_w,
+                    const c10::optional<at::Tensor>& k_norm_w, double eps, bool gemma) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.size(1) == kv_heads &&
+              kv_cache.is_contiguous(), "qk_rope_cache_: contiguous kv_cache [2, KVH, blocks, block_size, D] expected");
+  const int64_t d = kv_cache.size(4), rows = qkv.size(0);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.size(1) == (heads + 2 * kv_heads) * d,
+              "qk_rope_cache_: contiguous qkv [T, (H + 2 KVH) D] expected");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == sin.numel() && cos.size(0) == rows &&
+              cos.numel() % std::max<int64_t>(rows, 1) == 0, "qk_rope_cache_: contiguous cos, sin [T, R] expected");
+  const int64_t rot = rows ? cos.numel() / rows : 0;
+  TORCH_CHECK(rot <= d && rot % 2 == 0, "qk_rope_cache_: rotary width must be even and at most the head size");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == rows && slot_mapping.is_contiguous(),
+              "qk_rope_cache_: int64 slot_mapping [T] expected");
+  const auto type = qkv.scalar_type();
+  TORCH_CHECK(kv_cache.scalar_type() == type && cos.scalar_type() == type && sin.scalar_type() == type,
+              "qk_rope_cache_: qkv, cos, sin and the cache differ in dtype");
+  TORCH_CHECK(q_norm_w.has_value() == k_norm_w.has_value(), "qk_rope_cache_: q and k norms come together");
+  for (const auto* w : {&q_norm_w, &k_norm_w}) {
+    TORCH_CHECK(!w->has_value() || ((*w)->numel() == d && (*w)->is_contiguous() && (*w)->scalar_type() == type),
+                "qk_rope_cache_: q/k norm weights [D] of qkv's dtype expected");
+  }
+  const RopeShape s{heads, kv_heads, d, rot, kv_cache.size(2) * kv_cache.size(3)};
+  dispatch_float_types(type, "qk_rope_cache_", [&](auto tag) {
+    rope_rows<decltype(tag)>(qkv, s, cos, sin, kv_cache, slot_mapping, q_norm_w ? &*q_norm_w : nullptr,
+                             k_norm_w ? &*k_norm_w : nullptr, static_cast<float>(eps), gemma);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llmd_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps, bool gemma) -> Tensor");
+  m.def("add_rms_norm_(Tensor(a!) x, Tensor residual, Tensor w, float eps, bool gemma) -> Tensor");
+  m.def("act_and_mul(Tensor gate_up, int act) -> Tensor");
+  m.def("qk_rope_cache_(Tensor(a!) qkv, int heads, int kv_heads, Tensor cos, Tensor sin, Tensor(b!) kv_cache, "
+        "Tensor slot_mapping, Tensor? q_norm_w, Tensor? k_norm_w, float eps, bool gemma) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(llmd_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm_", &add_rms_norm_);
+  m.impl("act_and_mul", &act_and_mul);
+  m.impl("qk_rope_cache_", &qk_rope_cache_);
+}
