@@ -302,3 +302,44 @@ def test_cpu_kv_cache_is_zero_and_resident_only_where_written():
     cache[:, :, :100].fill_(1.0)
     assert float(cache[0, 3, 50, 7, 9]) == 1.0 and float(cache[1, 7, 16383, 15, 63]) == 0.0
     assert float(cache[:, :, 100:200].abs().max()) == 0.0
+
+
+def test_a_draft_models_graph_pool_is_kept_free_too(monkeypatch):
+    """With a draft model and decode graphs, the draft's forward over the largest step is
+    profiled as well (forward only, its own throwaway cache) and room for its graphs'
+    own pool is kept: its peak scaled to the largest graph batch plus its static
+    buffers; no sampling tails (the draft's graphs have none). Without graphs nothing
+    of the draft is profiled."""
+    import torch
+
+    from llmd.gpu.cuda_graphs import capture_sizes
+    from llmd.gpu.model_runner import ModelRunner
+    from llmd_tools.make_model import fixture_path
+
+    path = str(fixture_path("tiny-llama"))
+    runner = ModelRunner(path, _runner_settings(max_num_batched_tokens=100, max_num_seqs=8, draft_model=path,
+                                                num_speculative_tokens=2), torch.device("cpu"), torch.float32)
+    runner._cuda_before_load = (9 * GiB, 0, 0)
+    peaks = iter([130 * MiB, 110 * MiB] * 2)  # target, draft; twice
+    counters = {"memory_allocated": lambda device=None: 100 * MiB, "memory_reserved": lambda device=None: 120 * MiB,
+                "max_memory_allocated": lambda device=None: next(peaks),
+                "mem_get_info": lambda device=None: (9 * GiB - 170 * MiB, 10 * GiB)}
+    for name, fake in counters.items():
+        monkeypatch.setattr(torch.cuda, name, fake)
+    for name in ("reset_peak_memory_stats", "synchronize", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda device=None: None)
+    draft_calls = []
+    runner.drafter.model.register_forward_hook(lambda module, args, out: draft_calls.append(args[0].shape[0]))
+
+    monkeypatch.setattr(runner, "_graphs_off_reason", lambda: "off")
+    plain = runner.profile_kv_budget(0.9)
+    assert draft_calls == [] and plain.activations == 30 * MiB
+    monkeypatch.setattr(runner, "_graphs_off_reason", lambda: None)
+    with_graphs = runner.profile_kv_budget(0.9)
+    assert draft_calls == [100]
+    largest = capture_sizes(runner.settings.max_sampled_rows, 100)[-1]
+    draft_pool = int(10 * MiB * min(1.0, largest / 100)) + largest * (4 + -(-256 // 16)) * 8
+    target_only = runner.profile_kv_budget  # the target's share: the same arithmetic without a draft
+    monkeypatch.setattr(runner, "drafter", None)
+    peaks = iter([130 * MiB])
+    assert with_graphs.reserved == target_only(0.9).reserved + draft_pool

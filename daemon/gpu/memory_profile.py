@@ -28,6 +28,7 @@ class ProfileSubject:
     before_load: tuple[int, int, int] | None  # CUDA free, allocated, reserved bytes before the weights
     bytes_per_block: int  # KV bytes per block, the draft model's included
     graph_batch: int  # the largest decode graph batch, captured after the KV cache; 0: no graphs
+    draft: torch.nn.Module | None = None  # the draft model, whose decode graphs have a pool of their own
 
 
 @dataclass
@@ -73,8 +74,9 @@ def profile_kv_budget(subject: ProfileSubject, gpu_memory_utilization: float,
     rows that sample) on a throwaway KV cache just big enough for it, measure its
     peak, and size the KV cache from what is left (kv_budget.kv_cache_budget).
     Call before initialize_kv_cache. With tensor parallelism every rank calls it
-    together (the forward has collectives). A draft model's forward is not profiled:
-    it runs after the target's and its activations are smaller."""
+    together (the forward has collectives). A draft model's activations are not added
+    to the peak (its forward runs after the target's and is smaller), but with decode
+    graphs its forward is profiled too: its graphs keep a memory pool of their own."""
     if subject.before_load is None:
         raise ValueError(f"the KV cache budget is profiled on CUDA devices only, not {subject.device}")
     dev = subject.device
@@ -84,6 +86,9 @@ def profile_kv_budget(subject: ProfileSubject, gpu_memory_utilization: float,
     weights = max(torch.cuda.memory_allocated(dev) - allocated_before, _tensor_bytes(subject.model))
     step = _LargestStep.of(subject.settings)
     activations = _peak_activation_bytes(subject, step)
+    draft_activations = 0
+    if subject.draft is not None and subject.graph_batch:
+        draft_activations = _peak_activation_bytes(subject, step, subject.draft)
     free_now, device_total = torch.cuda.mem_get_info(dev)
     # Grown outside torch's allocator since before the load: NCCL, cuBLAS/cuDNN handles.
     non_torch = (device_total - free_now) - (device_total - free_before) \
@@ -93,7 +98,8 @@ def profile_kv_budget(subject: ProfileSubject, gpu_memory_utilization: float,
                            non_torch_bytes=max(0, non_torch), gpu_memory_utilization=gpu_memory_utilization,
                            bytes_per_block=subject.bytes_per_block,
                            extra_reserved_bytes=extra_reserved_bytes
-                           + _graph_pool_estimate(subject, activations, step.num_tokens))
+                           + _graph_pool_estimate(subject, activations, step.num_tokens)
+                           + _graph_pool_estimate(subject, draft_activations, step.num_tokens, tails=False))
 
 
 def _tensor_bytes(model: torch.nn.Module) -> int:
@@ -104,10 +110,12 @@ def _tensor_bytes(model: torch.nn.Module) -> int:
     return sum(storages.values())
 
 
-def _peak_activation_bytes(subject: ProfileSubject, step: _LargestStep) -> int:
+def _peak_activation_bytes(subject: ProfileSubject, step: _LargestStep, draft: torch.nn.Module | None = None) -> int:
     """Run `step` (forward, LM head, a sampler of its own) on a throwaway KV cache and
-    return the allocator's peak above what was allocated before it; frees all it made."""
-    dev, settings, model = subject.device, subject.settings, subject.model
+    return the allocator's peak above what was allocated before it; frees all it made.
+    With `draft`, the draft model's forward alone over the same step."""
+    dev, settings = subject.device, subject.settings
+    model = subject.model if draft is None else draft
     total, num_rows = step.num_tokens, len(step.sample_rows)
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, logprobs=20)
     try:
@@ -120,6 +128,9 @@ def _peak_activation_bytes(subject: ProfileSubject, step: _LargestStep) -> int:
         baseline = torch.cuda.memory_allocated(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         hidden = model(ids, positions, kv_caches, md)
+        if draft is not None:
+            torch.cuda.synchronize(dev)
+            return torch.cuda.max_memory_allocated(dev) - baseline
         logits = model.compute_logits(hidden.index_select(0, rows))
         del hidden
         sampling = SamplingMetadata.build([params] * num_rows, [[0]] * num_rows, [[]] * num_rows,
@@ -136,14 +147,16 @@ def _peak_activation_bytes(subject: ProfileSubject, step: _LargestStep) -> int:
         torch.cuda.empty_cache()
 
 
-def _graph_pool_estimate(subject: ProfileSubject, activations: int, profiled_tokens: int) -> int:
+def _graph_pool_estimate(subject: ProfileSubject, activations: int, profiled_tokens: int, tails: bool = True) -> int:
     """Bytes to keep free for the decode graphs, which are captured after the KV cache
     takes its budget: the profiled activation peak scaled to the largest captured batch
     (an over-estimate: the profile also held the LM head's and the sampler's buffers),
-    plus the graphs' static input buffers and their sampling tails (graph_sampler)."""
+    plus the graphs' static input buffers and (`tails`: the target's graphs) their
+    sampling tails (graph_sampler). Called again for the draft model's graphs with its
+    own activation peak (0 when it has none: no graphs)."""
     largest = subject.graph_batch
-    if largest == 0:
+    if largest == 0 or (not tails and activations == 0):
         return 0
     width = -(-subject.settings.max_model_len // subject.settings.block_size)
-    return (int(activations * min(1.0, largest / max(1, profiled_tokens))) + largest * (4 + width) * 8
-            + tail_pool_bytes(largest, subject.settings.valid_vocab_size))
+    estimate = int(activations * min(1.0, largest / max(1, profiled_tokens))) + largest * (4 + width) * 8
+    return estimate + (tail_pool_bytes(largest, subject.settings.valid_vocab_size) if tails else 0)

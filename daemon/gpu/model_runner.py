@@ -97,7 +97,8 @@ class ModelRunner:
         if self._graphs_off_reason() is None:
             graph_batch = capture_sizes(s.max_sampled_rows, s.max_num_batched_tokens)[-1]
         subject = ProfileSubject(self.model, s, self.device, self.dtype, self._cuda_before_load,
-                                 self.kv_cache_bytes_per_block(), graph_batch)
+                                 self.kv_cache_bytes_per_block(), graph_batch,
+                                 None if self.drafter is None else self.drafter.model)
         return profile_kv_budget(subject, gpu_memory_utilization, extra_reserved_bytes)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
