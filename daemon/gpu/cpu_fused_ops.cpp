@@ -200,24 +200,36 @@ inline float activate(float g, int64_t act) {
   return 0.5f * g * (1.f + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g)));
 }
 
+// One row: out = act(g) * u, act(g) rounded to T first (the reference materialises it),
+// a vector at a time straight from the inputs.
+template <typename T>
+inline void act_mul_row(const T* g, const T* u, T* out, int64_t n, int64_t act) {
+  int64_t i = 0;
+  if constexpr (kFloat<T>) {
+    for (; i + kLanes <= n; i += kLanes) (activate(fVec::loadu(g + i), act) * fVec::loadu(u + i)).store(out + i);
+  } else {
+    using tVec = Vectorized<T>;
+    for (; i + tVec::size() <= n; i += tVec::size()) {
+      auto [g0, g1] = at::vec::convert_to_float<T>(tVec::loadu(g + i));
+      auto [u0, u1] = at::vec::convert_to_float<T>(tVec::loadu(u + i));
+      auto [a0, a1] = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(activate(g0, act), activate(g1, act)));
+      at::vec::convert_from_float<T>(a0 * u0, a1 * u1).store(out + i);
+    }
+  }
+  for (; i < n; ++i) {
+    const float a = static_cast<float>(static_cast<T>(activate(static_cast<float>(g[i]), act)));
+    out[i] = static_cast<T>(a * static_cast<float>(u[i]));
+  }
+}
+
 template <typename T>
 void act_rows(const at::Tensor& gate_up, int64_t act, at::Tensor& out) {
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
   const T* in = gate_up.const_data_ptr<T>();
   T* op = out.data_ptr<T>();
   at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / inter), [&](int64_t begin, int64_t end) {
-    Scratch<T> s;
-    s.a.resize(inter);
-    s.b.resize(inter);
     for (int64_t row = begin; row < end; ++row) {
-      load_row<T>(in + row * 2 * inter, s.a.data(), inter);
-      load_row<T>(in + row * 2 * inter + inter, s.b.data(), inter);
-      int64_t i = 0;
-      for (; i + kLanes <= inter; i += kLanes) activate(fVec::loadu(s.a.data() + i), act).store(s.a.data() + i);
-      for (; i < inter; ++i) s.a[i] = activate(s.a[i], act);
-      round_row<T>(s.a.data(), inter, s.t);  // act(gate) is materialised, then multiplied by up
-      for (i = 0; i < inter; ++i) s.a[i] *= s.b[i];
-      store_row<T>(s.a.data(), op + row * inter, inter);
+      act_mul_row<T>(in + row * 2 * inter, in + row * 2 * inter + inter, op + row * inter, inter, act);
     }
   });
 }
