@@ -191,3 +191,12 @@ def test_switched_off_kernels_keep_the_unfused_ops(model_dirs, monkeypatch):
     monkeypatch.setenv(CPU_KERNELS_ENV, "0")
     _, _, ops = _cpu_model_step(model_dirs["tiny-llama"], True, torch.float32, monkeypatch)
     assert ops == {LayerOps}
+
+
+def test_the_benchmark_runs_both_sides(capsys):
+    from llmd_tools.bench_cpu_fused_ops import main
+
+    assert main(["--rows", "3", "--dtype", "float32", "--iters", "1", "--rounds", "1"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("float32")]
+    assert [line.split()[2] for line in lines] == ["add", "SiLU", "rotary"]
+    assert all(float(line.split()[-3]) > 0 and float(line.split()[-2]) > 0 for line in lines)
