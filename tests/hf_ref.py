@@ -3,7 +3,9 @@ HF's own forward (so EOS handling and padded-vocab masking are explicit), and vL
 `check_logprobs_close` way of comparing two greedy runs."""
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -24,10 +26,36 @@ def _hf_model(path: str, dtype: torch.dtype, device: str, attn_implementation: s
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     if path.endswith(".gguf"):
         path, kwargs["gguf_file"] = str(Path(path).parent), Path(path).name
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(device).eval()
-    kwargs.pop("attn_implementation", None)
-    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    with _one_gguf_reader():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(device).eval()
+        kwargs.pop("attn_implementation", None)
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     return model, tokenizer
+
+
+@contextlib.contextmanager
+def _one_gguf_reader() -> Iterator[None]:
+    """transformers opens a GGUF file once for the config, once for the tokenizer and once
+    for the weights, and each open parses the whole vocabulary element by element (~10 s
+    for Gemma 3's 262k tokens on this machine): inside this block one reader per file
+    serves them all. The reader is read-only (a memory map); llmd's own loader is not
+    affected (it runs outside the block)."""
+    import gguf
+
+    real = gguf.GGUFReader
+    readers: dict[tuple[str, str], object] = {}
+
+    def reader(path, mode: str = "r"):
+        key = (str(path), mode)
+        if key not in readers:
+            readers[key] = real(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real
 
 
 @torch.inference_mode()
