@@ -15,9 +15,9 @@ import torch
 from llmd.gpu.attention import TorchAttention
 from llmd.gpu.cpu_fused_ops import CPU_FUSED
 from llmd.gpu.cpu_kernels import CPU_KERNELS_ENV, paged_decode_op
-from llmd.gpu.fused_ops import FUSED_OPS_ENV, UNFUSED, LayerOps, attention_inputs_reference
+from llmd.gpu.fused_ops import FUSED_OPS_ENV, UNFUSED, attention_inputs_reference
 from llmd.gpu.norms import GemmaRMSNorm, RMSNorm
-from test_fused_ops import MODEL_TOL, MODELS, _norm, _randn, compare
+from test_fused_ops import MODEL_TOL, MODELS, _model_step, _norm, _randn, compare
 from triton_attention_cases import step_metadata
 
 DTYPES = ["float32", "bfloat16", "float16"]
@@ -145,24 +145,10 @@ def test_inputs_the_ops_do_not_take_go_to_the_reference():
 
 
 def _cpu_model_step(model_dir: Path, fused: bool, dtype: torch.dtype, monkeypatch) -> tuple:
-    """(hidden states, caches, the set of ops the modules hold) of one mixed step on CPU
-    (torch attention), the fused ops on or off."""
-    from llmd.gpu.model_runner import ModelRunner
-    from llmd.gpu.runner_types import RunnerSettings
-
-    monkeypatch.setenv(FUSED_OPS_ENV, "auto" if fused else "0")
-    md, num_blocks, positions = step_metadata((1, 17, 40), ((0, 7), (20, 3)), 16, torch.Generator().manual_seed(1))
-    settings = RunnerSettings(block_size=16, max_model_len=256, valid_vocab_size=1024, eos_token_id=None, seed=0)
-    runner = ModelRunner(str(model_dir), settings, torch.device("cpu"), dtype)
-    runner.initialize_kv_cache(num_blocks)
-    fill = torch.Generator().manual_seed(2)
-    for cache in runner.kv_caches:
-        cache.copy_(torch.randn(cache.shape, generator=fill))
-    ids = torch.randint(runner.vocab_size, positions.shape, generator=torch.Generator().manual_seed(3))
-    with torch.inference_mode():
-        hidden = runner.model(ids, positions, runner.kv_caches, md)
-    ops = {type(m.ops) for m in runner.model.modules() if isinstance(getattr(m, "ops", None), LayerOps)}
-    return hidden, torch.stack(runner.kv_caches), ops
+    """test_fused_ops' mixed step with the torch backend on CPU: (hidden states, caches,
+    the modules' ops.fused flags), the fused ops on or off."""
+    monkeypatch.setenv(FUSED_OPS_ENV, "")  # restored after the test: _model_step sets it
+    return _model_step(str(model_dir), fused, dtype, backend="torch")
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -172,7 +158,7 @@ def test_a_cpu_model_step_with_the_fused_ops_matches_without(model_dirs, name, m
     LLMD_FUSED_OPS=0, and the step's hidden states and caches agree."""
     hidden_on, caches_on, ops_on = _cpu_model_step(model_dirs[name], True, torch.float32, monkeypatch)
     hidden_off, caches_off, ops_off = _cpu_model_step(model_dirs[name], False, torch.float32, monkeypatch)
-    assert {t.__name__ for t in ops_on} == {"CpuFusedLayerOps"} and ops_off == {LayerOps}
+    assert ops_on == [True] and ops_off == [False]  # with the torch backend only the C++ ops are fused
     tol = MODEL_TOL.get(name, 1e-4)
     torch.testing.assert_close(hidden_on, hidden_off, atol=tol, rtol=tol)
     torch.testing.assert_close(caches_on, caches_off, atol=tol, rtol=tol)
@@ -190,7 +176,7 @@ def test_a_bfloat16_step_is_bit_identical(model_dirs, monkeypatch):
 def test_switched_off_kernels_keep_the_unfused_ops(model_dirs, monkeypatch):
     monkeypatch.setenv(CPU_KERNELS_ENV, "0")
     _, _, ops = _cpu_model_step(model_dirs["tiny-llama"], True, torch.float32, monkeypatch)
-    assert ops == {LayerOps}
+    assert ops == [False]
 
 
 def test_the_benchmark_runs_both_sides(capsys):

@@ -27,7 +27,6 @@ import subprocess
 import sys
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
@@ -130,9 +129,11 @@ def qkv_case(tokens: int, heads: int, kv_heads: int, head_dim: int, rotary_dim: 
     return result
 
 
-def _model_step(model_dir: str, fused: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
+def _model_step(model_dir: str, fused: bool, dtype: torch.dtype, backend: str = "triton"
+                ) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
     """(hidden states, every layer's cache, each layer's ops.fused) of one mixed step of
-    the model with the Triton backend, fusion forced on or off, from a random cache."""
+    the model with the Triton backend (or `backend`: test_cpu_fused_ops runs "torch"),
+    fusion forced on or off, from a random cache."""
     from llmd.gpu.model_runner import ModelRunner
     from llmd.gpu.runner_types import RunnerSettings
     from triton_attention_cases import step_metadata
@@ -140,7 +141,7 @@ def _model_step(model_dir: str, fused: bool, dtype: torch.dtype) -> tuple[torch.
     os.environ[FUSED_OPS_ENV] = "1" if fused else "0"
     md, num_blocks, positions = step_metadata((1, 17, 40), ((0, 7), (20, 3)), 16, torch.Generator().manual_seed(1))
     settings = RunnerSettings(block_size=16, max_model_len=256, valid_vocab_size=1024, eos_token_id=None, seed=0,
-                              attention_backend="triton")
+                              attention_backend=backend)
     runner = ModelRunner(model_dir, settings, torch.device("cpu"), dtype)
     runner.initialize_kv_cache(num_blocks)
     fill = torch.Generator().manual_seed(2)

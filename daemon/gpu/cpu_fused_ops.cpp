@@ -32,6 +32,8 @@
 
 #include <c10/util/Optional.h>
 
+#include "cpu_vec.h"
+
 #include <cmath>
 #include <type_traits>
 #include <vector>
@@ -39,53 +41,19 @@
 namespace {
 
 using at::vec::Vectorized;
-using fVec = Vectorized<float>;
-constexpr int64_t kLanes = fVec::size();
+using llmd_cpu_vec::fVec;
+using llmd_cpu_vec::kLanes;
 
 template <typename T>
 constexpr bool kFloat = std::is_same_v<T, float>;
-
-// n values of T as float32 in dst.
-template <typename T>
-inline void load_row(const T* src, float* dst, int64_t n) {
-  int64_t i = 0;
-  if constexpr (kFloat<T>) {
-    std::copy(src, src + n, dst);
-    return;
-  } else {
-    using tVec = Vectorized<T>;
-    for (; i + tVec::size() <= n; i += tVec::size()) {
-      auto [lo, hi] = at::vec::convert_to_float<T>(tVec::loadu(src + i));
-      lo.store(dst + i);
-      hi.store(dst + i + kLanes);
-    }
-  }
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-// n float32 values rounded to T in dst.
-template <typename T>
-inline void store_row(const float* src, T* dst, int64_t n) {
-  int64_t i = 0;
-  if constexpr (kFloat<T>) {
-    std::copy(src, src + n, dst);
-    return;
-  } else {
-    using tVec = Vectorized<T>;
-    for (; i + tVec::size() <= n; i += tVec::size()) {
-      at::vec::convert_from_float<T>(fVec::loadu(src + i), fVec::loadu(src + i + kLanes)).store(dst + i);
-    }
-  }
-  for (; i < n; ++i) dst[i] = static_cast<T>(src[i]);
-}
 
 // In place: buf rounded to T and back (what materialising it in the reference's dtype does).
 template <typename T>
 inline void round_row(float* buf, int64_t n, std::vector<T>& tmp) {
   if constexpr (!kFloat<T>) {
     tmp.resize(n);
-    store_row<T>(buf, tmp.data(), n);
-    load_row<T>(tmp.data(), buf, n);
+    llmd_cpu_vec::narrow<T>(buf, tmp.data(), n);
+    llmd_cpu_vec::widen<T>(tmp.data(), buf, n);
   }
 }
 
@@ -133,7 +101,7 @@ void norm_rows(const at::Tensor& x, const at::Tensor* residual, const at::Tensor
                at::Tensor& out) {
   const int64_t rows = x.size(0), n = x.size(1);
   std::vector<float> wf(n);
-  load_row<T>(w.const_data_ptr<T>(), wf.data(), n);
+  llmd_cpu_vec::widen<T>(w.const_data_ptr<T>(), wf.data(), n);
   T* xp = residual ? x.data_ptr<T>() : nullptr;
   const T* xin = x.const_data_ptr<T>();
   const T* rp = residual ? residual->const_data_ptr<T>() : nullptr;
@@ -143,15 +111,15 @@ void norm_rows(const at::Tensor& x, const at::Tensor* residual, const at::Tensor
     s.a.resize(n);
     s.b.resize(n);
     for (int64_t row = begin; row < end; ++row) {
-      load_row<T>(xin + row * n, s.a.data(), n);
+      llmd_cpu_vec::widen<T>(xin + row * n, s.a.data(), n);
       if (rp) {  // x + residual, rounded to T: the new residual, and what is normed
-        load_row<T>(rp + row * n, s.b.data(), n);
+        llmd_cpu_vec::widen<T>(rp + row * n, s.b.data(), n);
         for (int64_t i = 0; i < n; ++i) s.a[i] += s.b[i];
-        store_row<T>(s.a.data(), xp + row * n, n);
+        llmd_cpu_vec::narrow<T>(s.a.data(), xp + row * n, n);
         round_row<T>(s.a.data(), n, s.t);
       }
       norm_in_place<T>(s.a.data(), wf.data(), n, eps, gemma, s.t);
-      store_row<T>(s.a.data(), op + row * n, n);
+      llmd_cpu_vec::narrow<T>(s.a.data(), op + row * n, n);
     }
   });
 }
@@ -257,7 +225,7 @@ inline void rope_head(T* x, const float* wf, float eps, bool gemma, const float*
                       const RopeShape& s, Scratch<T>& sc) {
   float* a = sc.a.data();
   float* b = sc.b.data();
-  load_row<T>(x, a, s.dim);
+  llmd_cpu_vec::widen<T>(x, a, s.dim);
   if (wf) {
     norm_in_place<T>(a, wf, s.dim, eps, gemma, sc.t);
     round_row<T>(a, s.dim, sc.t);
@@ -268,7 +236,7 @@ inline void rope_head(T* x, const float* wf, float eps, bool gemma, const float*
   round_row<T>(a, s.rot, sc.t);
   round_row<T>(b, s.rot, sc.t);
   for (int64_t i = 0; i < s.rot; ++i) a[i] += b[i];
-  store_row<T>(a, x, s.dim);
+  llmd_cpu_vec::narrow<T>(a, x, s.dim);
 }
 
 template <typename T>
@@ -277,8 +245,8 @@ void rope_rows(at::Tensor& qkv, const RopeShape& s, const at::Tensor& cos, const
                bool gemma) {
   const int64_t rows = qkv.size(0), width = qkv.size(1), d = s.dim;
   std::vector<float> qwf(qw ? d : 0), kwf(kw ? d : 0);
-  if (qw) load_row<T>(qw->const_data_ptr<T>(), qwf.data(), d);
-  if (kw) load_row<T>(kw->const_data_ptr<T>(), kwf.data(), d);
+  if (qw) llmd_cpu_vec::widen<T>(qw->const_data_ptr<T>(), qwf.data(), d);
+  if (kw) llmd_cpu_vec::widen<T>(kw->const_data_ptr<T>(), kwf.data(), d);
   T* base = qkv.data_ptr<T>();
   T* kc = kv_cache.data_ptr<T>();
   T* vc = kc + s.kv_heads * s.slots * d;
@@ -291,8 +259,8 @@ void rope_rows(at::Tensor& qkv, const RopeShape& s, const at::Tensor& cos, const
     sc.b.resize(d);
     std::vector<float> c(s.rot), sn(s.rot);
     for (int64_t row = begin; row < end; ++row) {
-      load_row<T>(cp + row * s.rot, c.data(), s.rot);
-      load_row<T>(sp + row * s.rot, sn.data(), s.rot);
+      llmd_cpu_vec::widen<T>(cp + row * s.rot, c.data(), s.rot);
+      llmd_cpu_vec::widen<T>(sp + row * s.rot, sn.data(), s.rot);
       T* q = base + row * width;
       T* k = q + s.heads * d;
       const T* v = k + s.kv_heads * d;

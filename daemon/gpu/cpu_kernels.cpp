@@ -20,6 +20,8 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
+#include "cpu_vec.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -29,26 +31,12 @@
 namespace {
 
 using at::vec::Vectorized;
-using fVec = Vectorized<float>;
-constexpr int64_t kLanes = fVec::size();
+using llmd_cpu_vec::fVec;
+using llmd_cpu_vec::kLanes;
+using llmd_cpu_vec::widen;
 
 inline float lane_sum(const fVec& v) {
   return at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, v);
-}
-
-// `n` values of T as float32 in dst.
-template <typename T>
-inline void widen(const T* src, float* dst, int64_t n) {
-  int64_t i = 0;
-  if constexpr (!std::is_same_v<T, float>) {
-    using tVec = Vectorized<T>;
-    for (; i + tVec::size() <= n; i += tVec::size()) {
-      auto [lo, hi] = at::vec::convert_to_float<T>(tVec::loadu(src + i));
-      lo.store(dst + i);
-      hi.store(dst + i + kLanes);
-    }
-  }
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
 // `rows` cached rows of width d as float32: in place for float, else widened into buf.

@@ -41,6 +41,7 @@ from llmd.gpu.fused_ops import fused_ops_setting
 logger = logging.getLogger("llmd.cpu_kernels")
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_fused_ops.cpp")]
+HEADERS = [Path(__file__).with_name("cpu_vec.h")]  # included by both: part of the digest
 CPU_KERNELS_ENV = "LLMD_CPU_KERNELS"
 # Compiler flags of each vector ISA (as inductor builds its CPU kernels for them).
 ISA_FLAGS = {
@@ -61,7 +62,7 @@ def source_digest() -> str:
     versions on one machine (a test run beside a daemon) keep separate builds in the
     cache instead of rebuilding over each other's."""
     digest = hashlib.sha256()
-    for path in SOURCES:
+    for path in (*SOURCES, *HEADERS):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:8]
 
