@@ -8,8 +8,8 @@ ignore_eos), at batch 1 and batch 32, fp32 and bf16.
 Prints output tokens/s of both and the ratio, plus llmd's step breakdown (model forward
 vs everything else: scheduling, input prep, sampling, detokenization).
 
-`--before` also runs llmd with its CPU step as it was before oneDNN-packed linears and the
-C++ decode kernel (profile_decode's `before` variant), in the same rounds, and prints
+`--before` also runs llmd with its CPU step as it was before oneDNN-packed linears, the
+C++ decode kernel and the C++ fused layer ops (profile_decode's `before` variant), in the same rounds, and prints
 now / before. `--rounds N` runs llmd and HF alternately N times per row and reports the medians and
 the spread of the per-round ratio. `--clock cpu` times both with this thread's CPU time instead of the wall clock; with
 `--threads 1` every operator of both runs on this thread, so a busy machine's other
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--rounds", type=int, default=1, help="llmd and HF alternately, this many times per row")
-    ap.add_argument("--before", action="store_true", help="also llmd's CPU step before packing and the C++ kernel")
+    ap.add_argument("--before", action="store_true", help="also llmd's CPU step before packing and the C++ kernels")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="cpu: this thread's CPU time")
     ap.add_argument("--json", action="store_true")
