@@ -72,7 +72,7 @@ inline float sum_of_squares(const float* x, int64_t n) {
 // Scratch of one thread: float rows and a T row for rounding.
 template <typename T>
 struct Scratch {
-  std::vector<float> a, b, w;
+  std::vector<float> a, b;
   std::vector<T> t;
 };
 

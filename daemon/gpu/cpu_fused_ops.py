@@ -72,13 +72,11 @@ class CpuFusedLayerOps(LayerOps):
                kv_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         if not _fits_rope(attn, qkv, cos, kv_cache):
             return UNFUSED.attend(attn, qkv, cos, sin, kv_cache, md)
-        q_norm, k_norm = attn.q_norm, attn.k_norm  # both or neither, as rotated_qkv reads them
-        if q_norm is None:
-            self.kernels.qk_rope_cache_(qkv, attn.num_heads, attn.num_kv_heads, cos, sin, kv_cache, md.slot_mapping,
-                                        None, None, 1e-6, False)
-        else:
-            self.kernels.qk_rope_cache_(qkv, attn.num_heads, attn.num_kv_heads, cos, sin, kv_cache, md.slot_mapping,
-                                        q_norm.weight, k_norm.weight, q_norm.eps, q_norm.gemma_scale)
+        q_norm = attn.q_norm  # q and k norms both or neither, as rotated_qkv reads them
+        norms = (None, None, 1e-6, False) if q_norm is None else (q_norm.weight, attn.k_norm.weight, q_norm.eps,
+                                                                   q_norm.gemma_scale)
+        self.kernels.qk_rope_cache_(qkv, attn.num_heads, attn.num_kv_heads, cos, sin, kv_cache, md.slot_mapping,
+                                    *norms)
         t, d = qkv.shape[0], attn.head_dim
         q, k, v = qkv.split([attn.num_heads * d, attn.num_kv_heads * d, attn.num_kv_heads * d], dim=-1)
         return attn.attn(q.view(t, attn.num_heads, d), k.view(t, attn.num_kv_heads, d),

@@ -13,8 +13,9 @@ The loader hands both to a model on CPU whose layers attend with TorchAttention
 
 Built with torch.utils.cpp_extension for this CPU's vector ISA (AVX-512, AVX2, or
 generic), into `$TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions/`), one build
-per ISA and version of the sources (their digest is in the build's name); a later start with the same source, flags and torch loads the cached library
-(~0.3 s) instead of compiling it (~10-20 s on two cores). It needs a C++ compiler and
+per ISA and version of the sources (their digest is in the build's name); a later start
+with the same sources, flags and torch loads the cached library (~0.3 s) instead of
+compiling it (~10-20 s on two cores). It needs a C++ compiler and
 ninja; without them, or if the build fails, attention keeps its torch path and the
 reason is logged once. LLMD_CPU_KERNELS=0 keeps the torch path on purpose (the A/B
 switch; read when a model loads).

@@ -86,9 +86,10 @@ def profile_kv_budget(subject: ProfileSubject, gpu_memory_utilization: float,
     weights = max(torch.cuda.memory_allocated(dev) - allocated_before, _tensor_bytes(subject.model))
     step = _LargestStep.of(subject.settings)
     activations = _peak_activation_bytes(subject, step)
-    draft_activations = 0
-    if subject.draft is not None and subject.graph_batch:
-        draft_activations = _peak_activation_bytes(subject, step, subject.draft)
+    graphs = _graph_pool_estimate(subject, activations, step.num_tokens)
+    if subject.draft is not None and subject.graph_batch:  # the draft's graphs: their own pool, no tails
+        graphs += _graph_pool_estimate(subject, _peak_activation_bytes(subject, step, subject.draft),
+                                       step.num_tokens, tails=False)
     free_now, device_total = torch.cuda.mem_get_info(dev)
     # Grown outside torch's allocator since before the load: NCCL, cuBLAS/cuDNN handles.
     non_torch = (device_total - free_now) - (device_total - free_before) \
@@ -97,9 +98,7 @@ def profile_kv_budget(subject: ProfileSubject, gpu_memory_utilization: float,
                            weights_bytes=weights, peak_activation_bytes=activations,
                            non_torch_bytes=max(0, non_torch), gpu_memory_utilization=gpu_memory_utilization,
                            bytes_per_block=subject.bytes_per_block,
-                           extra_reserved_bytes=extra_reserved_bytes
-                           + _graph_pool_estimate(subject, activations, step.num_tokens)
-                           + _graph_pool_estimate(subject, draft_activations, step.num_tokens, tails=False))
+                           extra_reserved_bytes=extra_reserved_bytes + graphs)
 
 
 def _tensor_bytes(model: torch.nn.Module) -> int:
@@ -153,9 +152,9 @@ def _graph_pool_estimate(subject: ProfileSubject, activations: int, profiled_tok
     (an over-estimate: the profile also held the LM head's and the sampler's buffers),
     plus the graphs' static input buffers and (`tails`: the target's graphs) their
     sampling tails (graph_sampler). Called again for the draft model's graphs with its
-    own activation peak (0 when it has none: no graphs)."""
+    own activation peak."""
     largest = subject.graph_batch
-    if largest == 0 or (not tails and activations == 0):
+    if largest == 0:
         return 0
     width = -(-subject.settings.max_model_len // subject.settings.block_size)
     estimate = int(activations * min(1.0, largest / max(1, profiled_tokens))) + largest * (4 + width) * 8

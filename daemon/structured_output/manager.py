@@ -94,9 +94,10 @@ class StructuredOutputManager:
                      drafts: list[list[int]]) -> Future:
         """Start filling `output`'s grammar rows (on the filler's thread, or at once) and
         make them the rows it waits for (SchedulerOutput.wait_grammar_bitmask): the step
-        can be handed to the executor at once. Per grammar, in order, one row for each position it samples
-        at: 1 + its drafts. A None grammar (its request finished) gets rows that allow
-        every token. The matchers and tails are read now, when the scheduler holds them."""
+        can be handed to the executor at once. Per grammar, in order, one row for each
+        position it samples at: 1 + its drafts. A None grammar (its request finished) gets
+        rows that allow every token. The matchers and tails are read now, when the
+        scheduler holds them."""
         groups = [RowGroup(None, b"", list(d)) if g is None
                   else RowGroup(g.matcher, g.utf8_tail, list(d), g.set_fill_error)
                   for g, d in zip(grammars, drafts)]
