@@ -12,7 +12,8 @@ a fresh process with TRITON_INTERPRET=1:
 
     TRITON_INTERPRET=1 python tests/fused_moe_cases.py [--model DIR] [CASE ...]
 
-prints one JSON line per case: {"case", "err", "tol", ...} or {"case", "error"}.
+or, where a GPU is present, compiled (`--device cuda`, no interpreter; kernel_runs.py),
+and prints one JSON line per case: {"case", "err", "tol", ...} or {"case", "error"}.
 Importing this module (for the case names) does not import triton.
 """
 from __future__ import annotations
@@ -24,7 +25,9 @@ import traceback
 from dataclasses import dataclass
 
 import torch
+from kernel_runs import script_device
 
+DEVICE = torch.device("cpu")  # where the cases run (main sets it from --device)
 
 @dataclass(frozen=True)
 class MoeCase:
@@ -87,7 +90,7 @@ def build(case: MoeCase, seed: int = 0) -> tuple[torch.Tensor, ...]:
     w13 = torch.randn(case.experts, 2 * case.inter, case.hidden, generator=gen) / case.hidden ** 0.5
     w2 = torch.randn(case.experts, case.hidden, case.inter, generator=gen) / case.inter ** 0.5
     weights, ids = routing(case, gen)
-    return x.to(dtype), w13.to(dtype), w2.to(dtype), weights, ids
+    return tuple(t.to(DEVICE) for t in (x.to(dtype), w13.to(dtype), w2.to(dtype), weights, ids))
 
 
 def counting_ops(fused: bool):
@@ -143,14 +146,14 @@ def run_model(model_dir: str, fused: bool, tokens: int = 29) -> dict:
     from llmd.gpu.loader import load_model
 
     os.environ[FUSED_OPS_ENV] = "1" if fused else "0"
-    model = load_model(model_dir, torch.float32, torch.device("cpu"), 128,
+    model = load_model(model_dir, torch.float32, DEVICE, 128,
                        attention_backend="triton" if fused else "torch")
     gen = torch.Generator().manual_seed(5)
     err, blocks = 0.0, model.sparse_blocks()
     fused_blocks = sum(block.ops.fused for block in blocks.values())
     with torch.inference_mode():
         for block in blocks.values():
-            x = torch.randn(tokens, model.config.hidden_size, generator=gen)
+            x = torch.randn(tokens, model.config.hidden_size, generator=gen).to(DEVICE)
             ops = block.ops
             ref = _run_block(block, x, False, UNFUSED)
             err = max(err, (_run_block(block, x, True, ops) - ref).abs().max().item())
@@ -159,9 +162,9 @@ def run_model(model_dir: str, fused: bool, tokens: int = 29) -> dict:
 
 def main(args: list[str]) -> None:
     """Args: case names (default: all); `--model DIR` adds the "model" and
-    "model-fused" checks."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("run with TRITON_INTERPRET=1 (the kernel needs Triton's interpreter on CPU)")
+    "model-fused" checks; `--device cpu|cuda` (kernel_runs.script_device)."""
+    global DEVICE
+    DEVICE = script_device(args)
     jobs = {}
     if "--model" in args:
         i = args.index("--model")

@@ -10,7 +10,8 @@ script,
 
     TRITON_INTERPRET=1 python tests/test_fused_ops.py [--model NAME=DIR ...] [CASE ...]
 
-prints one JSON line per case, and each case's result becomes one test here.
+prints one JSON line per case, and each case's result becomes one test here. Where a GPU
+is present the same cases also run compiled (`--device cuda`, kernel_runs.py).
 
 Tolerances. float32: within 1e-5 (absolute and relative): the kernels and torch round
 the same fp32 operations but sum, rsqrt and exp in their own order. bfloat16: every
@@ -23,13 +24,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
+from kernel_runs import DEVICES, case_result, run_case_scripts, script_device
 
 from llmd.gpu import fused_ops
 from llmd.gpu.fused_ops import FUSED_OPS_ENV, UNFUSED, LayerOps, attention_inputs_reference, layer_ops
@@ -44,8 +46,11 @@ MODELS = ("tiny-llama", "tiny-qwen3", "tiny-gemma3-sw16", "tiny-phi3-longrope")
 MODEL_TOL = {"tiny-gemma3-sw16": 1e-3}
 
 
+DEVICE = torch.device("cpu")  # where the cases run (main sets it from --device)
+
+
 def _randn(gen: torch.Generator, *shape: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
-    return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(DEVICE)
 
 
 def compare(out: torch.Tensor, ref: torch.Tensor, dtype: str) -> dict[str, float]:
@@ -62,7 +67,7 @@ def _norm(cls: type[RMSNorm], n: int, dtype: torch.dtype, gen: torch.Generator) 
     norm = cls(n, 1e-6)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(n, generator=gen))
-    return norm.to(dtype)
+    return norm.to(dtype).to(DEVICE)
 
 
 def norm_case(tokens: int, hidden: int, dtype: str, gemma: bool, add: bool) -> dict:
@@ -103,13 +108,14 @@ def qkv_case(tokens: int, heads: int, kv_heads: int, head_dim: int, rotary_dim: 
     freqs = torch.outer(torch.randint(0, 500, (tokens,), generator=gen).float(),
                         torch.rand(rotary_dim // 2, generator=gen))
     emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos().to(dt).unsqueeze(1), emb.sin().to(dt).unsqueeze(1)  # as rotary.cos_sin gives them
+    cos, sin = (t.to(dt).unsqueeze(1).to(DEVICE) for t in (emb.cos(), emb.sin()))  # as rotary.cos_sin gives them
     norms = (None, None) if qk_norm is None else (_norm(qk_norm, head_dim, dt, gen), _norm(qk_norm, head_dim, dt, gen))
     blocks, block_size = tokens // 4 + 3, 4
     cache = _randn(gen, 2, kv_heads, blocks, block_size, head_dim, dtype=dt)
     slots = torch.randperm(blocks * block_size, generator=gen)[:tokens]
     if tokens > 1:
         slots[tokens // 2] = -1
+    slots = slots.to(DEVICE)
     fused_cache = cache.clone()
     kernel_norm = None if qk_norm is None else (norms[0].weight, norms[1].weight, 1e-6, norms[0].gemma_scale)
     q = fused_ops_triton.qkv_rope_cache(qkv, heads, kv_heads, head_dim, cos, sin, fused_cache, slots, kernel_norm)
@@ -119,7 +125,7 @@ def qkv_case(tokens: int, heads: int, kv_heads: int, head_dim: int, rotary_dim: 
                                        slots[real])
     result = compare(q[real], ref_q, dtype)
     flat = (2, kv_heads, blocks * block_size, head_dim)
-    named = torch.zeros(blocks * block_size, dtype=torch.bool)
+    named = torch.zeros(blocks * block_size, dtype=torch.bool, device=DEVICE)
     named[slots[real]] = True
     fused_flat, ref_flat, old_flat = (c.view(flat) for c in (fused_cache, ref_cache, cache))
     result["untouched_changed"] = (fused_flat[:, :, ~named] != old_flat[:, :, ~named]).sum().item()
@@ -142,14 +148,14 @@ def _model_step(model_dir: str, fused: bool, dtype: torch.dtype, backend: str = 
     md, num_blocks, positions = step_metadata((1, 17, 40), ((0, 7), (20, 3)), 16, torch.Generator().manual_seed(1))
     settings = RunnerSettings(block_size=16, max_model_len=256, valid_vocab_size=1024, eos_token_id=None, seed=0,
                               attention_backend=backend)
-    runner = ModelRunner(model_dir, settings, torch.device("cpu"), dtype)
+    runner = ModelRunner(model_dir, settings, DEVICE, dtype)
     runner.initialize_kv_cache(num_blocks)
     fill = torch.Generator().manual_seed(2)
     for cache in runner.kv_caches:
         cache.copy_(torch.randn(cache.shape, generator=fill))
     ids = torch.randint(runner.vocab_size, positions.shape, generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
-        hidden = runner.model(ids, positions, runner.kv_caches, md)
+        hidden = runner.model(ids.to(DEVICE), positions, runner.kv_caches, md)
     modules = [m for m in runner.model.modules() if isinstance(getattr(m, "ops", None), LayerOps)]
     return hidden, torch.stack(runner.kv_caches), sorted({m.ops.fused for m in modules})
 
@@ -206,9 +212,12 @@ CASES = kernel_cases()
 def main(args: list[str]) -> None:
     """Args: case names, `--kernels` for every kernel case (also the default when no
     case and no model is named), `--model NAME=DIR` for the model cases of that fixture
-    ("model-NAME"; for tiny-llama also "model-NAME-bf16" and "graph-NAME")."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("run with TRITON_INTERPRET=1 (the kernels need Triton's interpreter on CPU)")
+    ("model-NAME"; for tiny-llama also "model-NAME-bf16" and "graph-NAME"), `--device
+    cpu|cuda` (kernel_runs.script_device)."""
+    global DEVICE
+    import triton_attention_cases
+
+    DEVICE = triton_attention_cases.DEVICE = script_device(args)
     jobs: dict[str, Callable[[], dict]] = {}
     while "--model" in args:
         i = args.index("--model")
@@ -233,32 +242,19 @@ def main(args: list[str]) -> None:
 # --- the tests ------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def interpreted(model_dirs) -> dict[str, dict]:
-    """case name -> its result in Triton's interpreter (the cases split between two
-    processes running side by side: the kernels and two models, the other two models)."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env.pop(FUSED_OPS_ENV, None)
+@pytest.fixture(scope="module", params=DEVICES)
+def interpreted(request, model_dirs) -> dict[str, dict]:
+    """case name -> its result in Triton's interpreter ("cpu"), or compiled on a GPU
+    ("cuda", skipped without one); the cases split between two processes running side
+    by side: the kernels and two models, the other two models."""
     models = [["--model", f"{name}={model_dirs(name)}"] for name in MODELS]
     halves = (["--kernels", *models[2], *models[3]], [*models[0], *models[1]])
-    procs = [subprocess.Popen([sys.executable, __file__, *args], env=env, text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE) for args in halves]
-    results = {}
-    for proc in procs:
-        stdout, stderr = proc.communicate(timeout=600)
-        assert proc.returncode == 0, stderr[-4000:]
-        for line in stdout.splitlines():
-            if line.startswith("{"):
-                result = json.loads(line)
-                results[result["case"]] = result
-    return results
+    return run_case_scripts([(Path(__file__), args) for args in halves], request.param)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_kernels_match_their_references(interpreted: dict[str, dict], name: str) -> None:
-    result = interpreted[name]
-    assert "error" not in result, result["error"]
+    result = case_result(interpreted, name)
     assert result["excess"] <= 0, result
     assert result["mismatch"] <= result["max_mismatch"], result
     if name.startswith("norm") and "-add" in name:
@@ -273,16 +269,14 @@ def test_kernels_match_their_references(interpreted: dict[str, dict], name: str)
 def test_model_step_with_fusion_matches_without(interpreted: dict[str, dict], job: str) -> None:
     """Every layer's ops follow the switch, and the fused step gives the unfused step's
     hidden states and caches."""
-    result = interpreted[job]
-    assert "error" not in result, result["error"]
+    result = case_result(interpreted, job)
     assert result["fused"] == [[True], [False]], result
     assert result["out_err"] <= result["tol"], result
     assert result["cache_err"] <= result["tol"], result
 
 
 def test_fused_padded_graph_step_matches_torch(interpreted: dict[str, dict]) -> None:
-    result = interpreted["graph-tiny-llama"]
-    assert "error" not in result, result["error"]
+    result = case_result(interpreted, "graph-tiny-llama")
     assert result["out_err"] <= result["tol"], result
     assert result["cache_err"] <= result["tol"], result
 

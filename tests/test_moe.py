@@ -23,16 +23,13 @@ transformers no longer agrees.
 from __future__ import annotations
 
 import functools
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from fused_moe_cases import CASES
+from kernel_runs import DEVICES, case_result, run_case_scripts
 from hf_ref import check_logprobs_close, engine_result, hf_greedy
 from safetensors.torch import load_file, save_file
 from transformers import MixtralConfig, Qwen3MoeConfig
@@ -302,16 +299,12 @@ def test_align_block_size_groups_pairs_by_expert(block_size: int, rank_by: str, 
     assert total == int(((counts + block_size - 1) // block_size * block_size).sum())
 
 
-@pytest.fixture(scope="module")
-def interpreted() -> dict[str, dict]:
-    """case name -> its result in Triton's interpreter (one fresh process)."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, str(CASES_SCRIPT), "--model", str(fixture_path(QWEN2_MOE)), *CASES],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return {r["case"]: r for r in map(json.loads, filter(lambda line: line.startswith("{"),
-                                                          proc.stdout.splitlines()))}
+@pytest.fixture(scope="module", params=DEVICES)
+def interpreted(request) -> dict[str, dict]:
+    """case name -> its result in Triton's interpreter ("cpu", one fresh process), or
+    compiled on a GPU ("cuda", skipped without one)."""
+    return run_case_scripts([(CASES_SCRIPT, ["--model", str(fixture_path(QWEN2_MOE)), *CASES])], request.param,
+                            timeout=300)
 
 
 @pytest.mark.parametrize("name", ["model", "model-fused", *CASES])
@@ -321,8 +314,7 @@ def test_fused_triton_kernel_matches_the_reference(interpreted: dict[str, dict],
     decode token, sizes off the tiles, bf16/fp16, the activation in torch or fused; "model"
     runs every sparse block of tiny-qwen2-moe (router, experts, shared expert) both ways,
     "model-fused" the same blocks of the model built with fused ops."""
-    result = interpreted[name]
-    assert "error" not in result, result["error"]
+    result = case_result(interpreted, name)
     assert result["err"] <= result["tol"], result
     if name in CASES and CASES[name].load is not None:
         assert 0 in result["expert_counts"], result  # the case has experts that get no token

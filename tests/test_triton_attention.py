@@ -8,7 +8,6 @@ runner are in triton_attention_cases.py), and each case's result becomes one tes
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
+from kernel_runs import DEVICES, case_result, run_case_scripts
 from triton_attention_cases import CASES
 
 from llmd.config import EngineConfig, load_engine_config
@@ -35,35 +35,23 @@ def runner_settings(**kw) -> RunnerSettings:
     return RunnerSettings(block_size=16, max_model_len=256, valid_vocab_size=1024, eos_token_id=None, seed=0, **kw)
 
 
-@pytest.fixture(scope="module")
-def interpreted(tiny_llama: Path, model_dirs) -> dict[str, dict]:
-    """case name -> result of that case in Triton's interpreter (the cases split between
-    two processes running side by side)."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+@pytest.fixture(scope="module", params=DEVICES)
+def interpreted(request, tiny_llama: Path, model_dirs) -> dict[str, dict]:
+    """case name -> result of that case in Triton's interpreter ("cpu"), or compiled on
+    a GPU ("cuda", skipped without one); the cases split between two processes running
+    side by side."""
     names = list(CASES)
     halves = [["--model", str(tiny_llama), "--softcap-model", str(model_dirs(SOFTCAP_MODEL)),
                *names[:len(names) // 4]],
               ["--sliding-model", str(model_dirs(SLIDING_MODEL)), *names[len(names) // 4:]]]
-    procs = [subprocess.Popen([sys.executable, str(CASES_SCRIPT), *args], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for args in halves]
-    results = {}
-    for proc in procs:
-        stdout, stderr = proc.communicate(timeout=300)
-        assert proc.returncode == 0, stderr[-4000:]
-        for line in stdout.splitlines():
-            if line.startswith("{"):
-                result = json.loads(line)
-                results[result["case"]] = result
-    return results
+    return run_case_scripts([(CASES_SCRIPT, args) for args in halves], request.param, timeout=300)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_kernels_match_the_torch_reference(interpreted: dict[str, dict], name: str) -> None:
     """One layer call from the same cache: the same output (to the case's tolerance)
     and, after the cache write, bit for bit the same whole cache."""
-    result = interpreted[name]
-    assert "error" not in result, result["error"]
+    result = case_result(interpreted, name)
     assert result["cache_err"] == 0.0, result
     assert result["out_err"] <= result["tol"], result
 
@@ -81,8 +69,7 @@ def test_model_runner_with_the_triton_backend_matches_torch(interpreted: dict[st
     prefixes) of tiny-llama, of a model with sliding-window layers and of Gemma 2
     (soft-capped scores, its own attention scale), gives the torch backend's hidden
     states and caches."""
-    result = interpreted[job]
-    assert "error" not in result, result["error"]
+    result = case_result(interpreted, job)
     assert result["windows"] == windows
     assert result["softcaps"] == softcaps
     assert result["out_err"] <= result["tol"], result
@@ -92,11 +79,10 @@ def test_model_runner_with_the_triton_backend_matches_torch(interpreted: dict[st
 @pytest.mark.parametrize("job", ["model-graph", "model-graph-sliding", "model-graph-softcap"])
 def test_padded_graph_step_with_the_triton_backend_matches_torch(interpreted: dict[str, dict], job: str) -> None:
     """The decode-graph path (emulated on CPU: static buffers, padding to a captured
-    size, scratch-block rows) with the Triton kernels gives the torch backend's eager
+    size, scratch-block rows; captured and replayed on CUDA) with the Triton kernels gives the torch backend's eager
     hidden states, and leaves every real cache block as eager does (tiny-llama, and a
     model with sliding-window layers)."""
-    result = interpreted[job]
-    assert "error" not in result, result["error"]
+    result = case_result(interpreted, job)
     assert result["out_err"] <= result["tol"], result
     assert result["cache_err"] <= result["tol"], result
 

@@ -8,21 +8,24 @@ a fresh process with TRITON_INTERPRET=1:
     TRITON_INTERPRET=1 python tests/triton_attention_cases.py [--model DIR] [--sliding-model DIR]
         [--softcap-model DIR] [CASE ...]
 
-prints one JSON line per case: {"case", "out_err", "cache_err", "tol"} (model checks
+or, where a GPU is present, compiled (`--device cuda`, no interpreter; kernel_runs.py),
+and prints one JSON line per case: {"case", "out_err", "cache_err", "tol"} (model checks
 add "windows" and "softcaps", the Triton layers' sliding windows and soft-caps) or
 {"case", "error"}. Importing this module (for the case names) does not import triton.
 """
 from __future__ import annotations
 
 import json
-import os
 import sys
 import traceback
 from dataclasses import dataclass
 
 import torch
+from kernel_runs import script_device
 
 from llmd.gpu.attention import AttentionMetadata, TorchAttention, build_decode_mask
+
+DEVICE = torch.device("cpu")  # where the cases run (main sets it from --device)
 
 
 @dataclass(frozen=True)
@@ -131,7 +134,18 @@ def step_metadata(decodes: tuple[int, ...], prefills: tuple[tuple[int, int], ...
     for (cached, new), table in zip(prefills, tables[num_real:]):
         md.prefills.append((start, new, cached, torch.tensor(table, dtype=torch.int64)))
         start += new
-    return md, num_blocks, torch.tensor(positions, dtype=torch.int64)
+    return metadata_to(md, DEVICE), num_blocks, torch.tensor(positions, dtype=torch.int64, device=DEVICE)
+
+
+def metadata_to(md: AttentionMetadata, device: torch.device) -> AttentionMetadata:
+    """md with its tensors on `device` (the step's metadata is built on the CPU)."""
+    def move(t):
+        return None if t is None else t.to(device)
+    return AttentionMetadata(slot_mapping=md.slot_mapping.to(device), num_decodes=md.num_decodes,
+                             decode_block_table=move(md.decode_block_table),
+                             decode_seq_lens=move(md.decode_seq_lens),
+                             prefills=[(s, n, c, t.to(device)) for s, n, c, t in md.prefills],
+                             decode_mask=move(md.decode_mask))
 
 
 def build(case: Case, seed: int = 0):
@@ -143,7 +157,7 @@ def build(case: Case, seed: int = 0):
                                               case.table_blocks)
 
     def randn(*shape):
-        return torch.randn(*shape, generator=gen).to(dtype)
+        return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
 
     tokens = positions.numel()
     q = randn(tokens, case.heads, case.head_dim)
@@ -185,7 +199,7 @@ def run_model(model_dir: str, tol: float = 1e-4) -> dict[str, float]:
     for backend in ("torch", "triton"):
         settings = RunnerSettings(block_size=16, max_model_len=256, valid_vocab_size=1024, eos_token_id=None,
                                   seed=0, attention_backend=backend)
-        runner = ModelRunner(model_dir, settings, torch.device("cpu"), torch.float32)
+        runner = ModelRunner(model_dir, settings, DEVICE, torch.float32)
         attn = runner.model.layers[0].self_attn.attn
         assert isinstance(attn, TritonAttention) == (backend == "triton"), type(attn)
         windows = [layer.self_attn.attn.sliding_window for layer in runner.model.layers]
@@ -196,7 +210,7 @@ def run_model(model_dir: str, tol: float = 1e-4) -> dict[str, float]:
             cache.copy_(torch.randn(cache.shape, generator=fill))
         ids = torch.randint(runner.vocab_size, positions.shape, generator=torch.Generator().manual_seed(3))
         with torch.inference_mode():
-            hidden[backend] = runner.model(ids, positions, runner.kv_caches, md)
+            hidden[backend] = runner.model(ids.to(DEVICE), positions, runner.kv_caches, md)
         caches[backend] = torch.stack(runner.kv_caches)
     return {"out_err": (hidden["triton"] - hidden["torch"]).abs().max().item(),
             "cache_err": (caches["triton"] - caches["torch"]).abs().max().item(),
@@ -204,8 +218,9 @@ def run_model(model_dir: str, tol: float = 1e-4) -> dict[str, float]:
 
 
 def run_model_graph(model_dir: str, tol: float = 1e-4) -> dict[str, float]:
-    """A decode step of tiny-llama through the runner's graph path (emulated: the same
-    static buffers, padding and scratch block, the forward called) with the Triton
+    """A decode step of tiny-llama through the runner's graph path (on CPU emulated: the
+    same static buffers, padding and scratch block, the forward called; on CUDA a
+    captured graph replayed) with the Triton
     backend, against the torch backend's eager forward over the same rows: the same
     hidden states, and the same cache outside the scratch block."""
     from llmd.gpu.model_runner import ModelRunner
@@ -215,12 +230,12 @@ def run_model_graph(model_dir: str, tol: float = 1e-4) -> dict[str, float]:
     gen = torch.Generator().manual_seed(4)
     md, num_blocks, positions = step_metadata(decodes, (), 16, gen)
     tables = [row[:-(-length // 16)] for row, length in zip(md.decode_block_table.tolist(), decodes)]
-    ids = torch.randint(1000, (len(decodes),), generator=gen)
+    ids = torch.randint(1000, (len(decodes),), generator=gen).to(DEVICE)
     hidden, caches = {}, {}
     for backend in ("torch", "triton"):
         settings = RunnerSettings(block_size=16, max_model_len=256, valid_vocab_size=1024, eos_token_id=None,
                                   seed=0, attention_backend=backend, max_num_seqs=8)
-        runner = ModelRunner(model_dir, settings, torch.device("cpu"), torch.float32)
+        runner = ModelRunner(model_dir, settings, DEVICE, torch.float32)
         runner.initialize_kv_cache(num_blocks)
         fill = torch.Generator().manual_seed(2)
         for cache in runner.kv_caches:
@@ -229,10 +244,10 @@ def run_model_graph(model_dir: str, tol: float = 1e-4) -> dict[str, float]:
             if backend == "torch":
                 hidden[backend] = runner.model(ids, positions, runner.kv_caches, md)
             else:
-                runner.init_decode_graphs(emulate=True)
+                runner.init_decode_graphs(emulate=DEVICE.type != "cuda")
                 graphs = runner.decode_graphs
                 hidden[backend] = graphs.run(ids.tolist(), positions.tolist(), md.slot_mapping.tolist(),
-                                             list(decodes), tables)
+                                             list(decodes), tables).clone()
                 assert graphs.padded_sizes == {4: 1}, graphs.padded_sizes
         caches[backend] = torch.stack(runner.kv_caches)[:, :, :, :num_blocks]
     return {"out_err": (hidden["triton"] - hidden["torch"]).abs().max().item(),
@@ -244,9 +259,10 @@ def main(args: list[str]) -> None:
     """Args: case names (default: all), `--model DIR` to add the "model" and
     "model-graph" checks, `--sliding-model DIR` to add them for a model with
     sliding-window layers ("model-sliding", "model-graph-sliding"), `--softcap-model
-    DIR` for one with soft-capped attention ("model-softcap", "model-graph-softcap")."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("run with TRITON_INTERPRET=1 (the kernels need Triton's interpreter on CPU)")
+    DIR` for one with soft-capped attention ("model-softcap", "model-graph-softcap");
+    `--device cpu|cuda` (kernel_runs.script_device)."""
+    global DEVICE
+    DEVICE = script_device(args)
     jobs = {}
     # The Gemma fixture's final norm scales by ~80 (its (1 + w) set for the logits' spread),
     # so its hidden states reach ~300: 1e-3 is ~3e-6 of them. Before that norm the two

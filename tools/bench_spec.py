@@ -7,8 +7,10 @@ The fixture models have random weights: they never copy their prompt, so n-gram 
 are (almost) never accepted and that row measures the pure cost of proposing and
 verifying. The "oracle" row stands in for a model that does copy: its drafts are the
 plain run's own output with every 8th draft token wrong (87% correct, as an edit-heavy
-rewrite might be), through the same verification path. Greedy outputs of all three
-runs are checked equal before any figure is printed.
+rewrite might be; `--oracle-every 4`: 75%), through the same verification path. Greedy
+outputs of all three runs are checked equal before any figure is printed (in float32; in
+bf16/fp16 a verify step's k+1-token forward may round differently from one-token steps,
+so a difference there is counted and printed instead of stopping the run).
 
 The "draft" row runs draft-model speculation. With a fixture target and no --draft, the
 draft is a tiny model of the target's architecture built with the target's tokenizer:
@@ -25,6 +27,7 @@ figure).
 
     python -m llmd_tools.bench_spec [--model small-llama] [--draft DIR] [--dtype float32] [--device auto]
                                     [--k 4] [--tokens 96] [--batches 1,16] [--graphs on|off|both]
+                                    [--oracle-every 8]
     # on a GPU (tools/gpu_session.sh builds /tmp/tinyllama):
     python -m llmd_tools.bench_spec --model /tmp/tinyllama --device cuda --dtype bfloat16 --graphs both
 """
@@ -140,7 +143,8 @@ def run_table(args: argparse.Namespace, engines: dict[str, LLM], mode: str) -> N
         for llm in engines.values():
             llm.generate(prompts[:1], SamplingParams(max_tokens=4))  # warm-up
         base, ref, base_graphs = timed(plain, prompts, params)
-        runs = [("ngram", spec, ngram), ("oracle", spec, OracleDrafts(spec, prompts, ref, args.k))]
+        oracle = OracleDrafts(spec, prompts, ref, args.k, args.oracle_every)
+        runs = [("ngram", spec, ngram), ("oracle", spec, oracle)]
         if "draft" in engines:
             runs.append(("draft", engines["draft"], None))
         for name, llm, proposer in runs:
@@ -149,7 +153,11 @@ def run_table(args: argparse.Namespace, engines: dict[str, LLM], mode: str) -> N
             llm.engine.scheduler.spec_stats = SpecDecodeStats()
             rate, tokens, graph_steps = timed(llm, prompts, params)
             if tokens != ref:
-                raise SystemExit(f"speculative output differs from plain decoding ({name}, batch {batch})")
+                differ = sum(t != r for t, r in zip(tokens, ref))
+                if args.dtype == "float32":
+                    raise SystemExit(f"speculative output differs from plain decoding ({name}, batch {batch})")
+                print(f"note: {differ} of {len(ref)} outputs differ from plain decoding ({name}, batch {batch}, "
+                      f"{args.dtype} rounding)", flush=True)
             stats = llm.engine.scheduler.spec_stats
             # No verifying step at all (no draft ever proposed): no length to average.
             mean_len = f"{stats.mean_accepted_length:9.2f}" if stats.num_drafts else f"{'-':>9}"
@@ -171,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--graphs", choices=["on", "off", "both"], default="on",
                     help="CUDA graphs: captured (on), enforce_eager (off), or the table with each")
     ap.add_argument("--emulate-graphs", action="store_true", help="CPU: run the graph path emulated")
+    ap.add_argument("--oracle-every", type=int, default=8,
+                    help="the oracle's every N-th draft token is wrong (8: 87%% correct, 4: 75%%)")
     args = ap.parse_args(argv)
     model = args.model if os.path.isdir(args.model) else str(fixture_path(args.model))
     # "default": graphs wherever the runner captures them (CUDA); "eager": enforce_eager.

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# The GPU checks and figures in as few device calls as possible, for a session that is
-# lent a GPU machine (it has Python 3.12, torch, triton, transformers, tokenizers,
-# safetensors, uvloop, psutil, click, numpy, pytest; no internet). Each phase fits one
-# 10-minute call; logs and JSON reports go to $OUT (or ./gpu-out).
+# The GPU checks and figures for a session that is lent a GPU machine (Python 3.12, torch,
+# triton, transformers, tokenizers, safetensors, uvloop, psutil, click, numpy, pytest,
+# pytest-timeout; no internet), in as few device calls as a 15-minute lease allows.
 #
 # Here, once, fetch the packages that machine lacks (cp312 wheels) into .whl/ (ignored):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
@@ -10,109 +9,165 @@
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
 #     msgspec==0.22.0 xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 pydantic==2.14.3 \
 #     pydantic-core==2.50.4 annotated-types typing-inspection typing-extensions==4.16.0 \
-#     jsonschema==4.26.0 jsonschema-specifications referencing rpds-py
-# Then run with the device tool, carrying .whl. A session has ~30 device minutes, so
-# in this order (the model step first, issue 13):
-#   bash tools/gpu_session.sh latency   # batch-1 decode: graphs (sampling in the graph), fused
-#                                       # ops off, eager, async; per-step breakdown and roofline
-#   bash tools/gpu_session.sh tests     # GPU tests (graphs, in-graph sampling, fused ops,
-#                                       # spec graphs, bf16 vs HF, sizing, sampler)
-#   bash tools/gpu_session.sh kernels   # fused ops vs unfused, a decoder layer; MoE vs dense
-#   bash tools/gpu_session.sh spec      # speculative decoding, graphs on vs off (oracle, n-gram, draft)
-#   bash tools/gpu_session.sh guided    # JSON-schema guided vs plain at batch 1 and 32
-#   bash tools/gpu_session.sh throughput  # nano-vllm workload vs HF generate
-#   bash tools/gpu_session.sh serve     # the daemon under llmd bench serve at 4 and 16 req/s
-#   bash tools/gpu_session.sh async     # async scheduling on vs off
+#     jsonschema==4.26.0 jsonschema-specifications referencing rpds-py gguf==0.19.0
+# Then, with the device tool, carrying .whl (timeout_s a little over the phases' sum):
+#   bash tools/gpu_session.sh all        # every phase below in this order, ~8 minutes
+#   bash tools/gpu_session.sh PHASE ...  # some of them: tests, latency, throughput, spec,
+#                                        # guided, kernels, serve, hf
+#
+# Each step runs under its own time limit (`step NAME SECONDS CMD`), so one that hangs or
+# runs long costs its limit and the later ones still run. Every step's output goes to
+# $LOGS/NAME.log and the list of steps with their exit status and seconds to steps.txt;
+# after each step all of it is packed into $OUT/logs.tgz (the device tool brings back at
+# most 8 files), and the end prints a short summary (the tool returns the output's tail).
+# LLMD_GPU_QUICK=1 shrinks every workload (a check of the script itself, e.g. on CPU with
+# DEVICE=cpu; figures from it mean nothing).
 set -uo pipefail
-phase=${1:-tests}
 OUT=${OUT:-$PWD/gpu-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
+LOGS=${LOGS:-/tmp/gpu-logs}
+DEVICE=${DEVICE:-cuda}
+QUICK=${LLMD_GPU_QUICK:-0}
+mkdir -p "$OUT" "$LOGS"
+export PYTHONUNBUFFERED=1
+PY=${PY:-python3}
 
-# The project and the carried wheels into /tmp/site (the machine's torch stays).
-if [ ! -d /tmp/site/llmd ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl || exit 1
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir \
-        --target /tmp/site . || exit 1
-fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
-python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/device.txt"
+pack() { tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null; }
 
-MODEL=/tmp/tinyllama
-if [ "$phase" != tests ] && [ ! -f $MODEL/model.safetensors ]; then
-    python3 -m llmd_tools.make_model --arch llama --preset tinyllama --no-llama3-rope --out $MODEL || exit 1
-fi
-llmd() { python3 -m llmd.cli "$@"; }
+step() {  # step NAME SECONDS CMD...: CMD under its own time limit, output to $LOGS/NAME.log
+    local name=$1 secs=$2 t0=$SECONDS rc
+    shift 2
+    echo "== $name (limit ${secs}s): $*" >"$LOGS/$name.log"
+    timeout -k 10 "$secs" "$@" >>"$LOGS/$name.log" 2>&1
+    rc=$?
+    echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$LOGS/steps.txt"
+    pack
+    return 0
+}
 
-case "$phase" in
-tests)
-    # Most of the suite is written for the CPU (fp32, exact equality with HF): on this
-    # machine "auto" picks CUDA and bf16, so only these files run here.
-    python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda_graphs.py tests/test_memory_sizing.py \
-        tests/test_graph_sampling.py tests/test_spec_graphs.py tests/test_fused_ops.py tests/test_profile_step.py \
-        2>&1 | tee "$OUT/tests.log"
-    python3 -m pytest -q -rs -p no:cacheprovider tests/test_moe.py tests/test_triton_attention.py \
-        -k "cuda or triton" 2>&1 | tee -a "$OUT/tests.log"
-    python3 -m pytest -q -rs -p no:cacheprovider tests/test_sampler.py tests/test_engine_vs_hf.py \
-        -k "cuda or bfloat16" 2>&1 | tee -a "$OUT/tests.log"
-    python3 -m pytest -q -rs -p no:cacheprovider tests/test_async_scheduling.py 2>&1 | tee -a "$OUT/tests.log"
-    ;;
-latency)
-    # Graphs (default: forward, LM head and sampling captured, fused layer ops), the same
-    # with fusion off (LLMD_FUSED_OPS=0), eager, and graphs with chained async steps in
-    # a worker process; then the per-step breakdown (kernel vs wall time, kernels and
-    # memcpys per step, roofline) at batch 1 and 32, fused and unfused.
-    for mode in default "--enforce-eager" "--async-scheduling --distributed-executor-backend mp"; do
-        name=$(echo "$mode" | tr -c 'a-z\n' '-' | cut -c1-40)
-        llmd bench latency --model $MODEL --device cuda --dtype bfloat16 --batch-size 1 --input-len 32 \
-            --output-len 256 --num-iters 5 --max-model-len 2048 ${mode#default} --json \
-            | tee "$OUT/latency-$name.json"
-    done
-    LLMD_FUSED_OPS=0 llmd bench latency --model $MODEL --device cuda --dtype bfloat16 --batch-size 1 \
-        --input-len 32 --output-len 256 --num-iters 5 --max-model-len 2048 --json | tee "$OUT/latency-unfused.json"
-    for b in 1 32; do
-        python3 -m llmd_tools.profile_step --model $MODEL --device cuda --dtype bfloat16 --batch $b --steps 50 \
-            --json | tee "$OUT/profile-b$b.json"
-        LLMD_FUSED_OPS=0 python3 -m llmd_tools.profile_step --model $MODEL --device cuda --dtype bfloat16 \
-            --batch $b --steps 50 --json | tee "$OUT/profile-b$b-unfused.json"
-    done
-    ;;
-kernels)
-    python3 -m llmd_tools.bench_fused_ops --json | tee "$OUT/fused-ops.txt"
-    python3 -m llmd_tools.bench_moe --device cuda --dtype bfloat16 --batch 1 16 --json | tee "$OUT/moe.txt"
-    ;;
-spec)
-    python3 -m llmd_tools.bench_spec --model $MODEL --device cuda --dtype bfloat16 --graphs both \
-        | tee "$OUT/spec.txt"
-    ;;
-guided)
-    python3 -m llmd_tools.bench_guided --model $MODEL --dtype bfloat16 | tee "$OUT/guided.txt"
-    ;;
-serve)
-    sock=/tmp/llmd-bench.sock
-    python3 -m llmd.cli serve --model $MODEL --device cuda --dtype bfloat16 --max-model-len 2048 \
-        --socket $sock >"$OUT/daemon.log" 2>&1 &
-    daemon=$!
-    for _ in $(seq 120); do
-        python3 -m llmd_client.llmctl --socket $sock status >/dev/null 2>&1 && break
+setup() {
+    # The project and the carried wheels into /tmp/site (the machine's torch stays).
+    if [ "$DEVICE" = cuda ] && [ ! -d /tmp/site/llmd ]; then
+        $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site .whl/*.whl || exit 1
+        $PY -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir \
+            --target /tmp/site . || exit 1
+    fi
+    [ "$DEVICE" = cuda ] && export PYTHONPATH=/tmp/site
+    { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem,utilization.gpu \
+          --format=csv,noheader 2>/dev/null
+      $PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+      nproc; uptime; } | tee "$LOGS/device.txt"
+    MODEL=${MODEL:-/tmp/tinyllama}
+    if [ ! -f "$MODEL/model.safetensors" ]; then
+        preset=tinyllama
+        [ "$QUICK" = 1 ] && preset=small
+        step make-model 120 $PY -m llmd_tools.make_model --arch llama --preset $preset --no-llama3-rope --out "$MODEL"
+    fi
+}
+
+tests() {
+    # Most of the suite is written for the CPU (fp32, exact equality with HF); on this
+    # machine "auto" picks CUDA and bf16, so these run here: the files about graphs,
+    # sizing and profiling whole, and of the rest the CUDA cases (the Triton kernels
+    # compiled, the sampler on CUDA, bf16 vs HF on CUDA).
+    local pt=($PY -m pytest -q -rfEs -p no:cacheprovider --timeout 90)
+    step tests-graphs 140 "${pt[@]}" --junitxml="$LOGS/tests-graphs.xml" tests/test_cuda_graphs.py \
+        tests/test_graph_sampling.py tests/test_spec_graphs.py tests/test_memory_sizing.py \
+        tests/test_profile_step.py tests/test_flash_attention.py
+    step tests-kernels 100 "${pt[@]}" --junitxml="$LOGS/tests-kernels.xml" tests/test_fused_ops.py \
+        tests/test_triton_attention.py tests/test_moe.py tests/test_sampler.py tests/test_engine_vs_hf.py -k cuda
+}
+
+latency() {
+    # Batch-1 decode: graphs with fused ops (the default), fused ops off, eager; then
+    # batch 32. Each: wall vs kernel time per step, kernels per step, roofline.
+    local steps=40
+    [ "$QUICK" = 1 ] && steps=4
+    local ps=($PY -m llmd_tools.profile_step --model "$MODEL" --device "$DEVICE" --dtype bfloat16 --steps $steps)
+    step profile-b1 40 "${ps[@]}" --batch 1
+    LLMD_FUSED_OPS=0 step profile-b1-unfused 40 "${ps[@]}" --batch 1
+    step profile-b1-eager 40 "${ps[@]}" --batch 1 --enforce-eager
+    step profile-b32 40 "${ps[@]}" --batch 32
+}
+
+throughput() {
+    # The nano-vllm workload (256 requests, lengths uniform in [100, 1024]), llmd only.
+    local n=256
+    [ "$QUICK" = 1 ] && n=8
+    step throughput 60 $PY -m llmd.cli bench throughput --model "$MODEL" --device "$DEVICE" --dtype bfloat16 --dataset nano \
+        --num-prompts $n --max-len 1024 --max-model-len 2048 --max-num-seqs 256
+}
+
+hf() {
+    # The same workload through HF generate (llmd's figures are printed first, on stderr).
+    local n=256
+    [ "$QUICK" = 1 ] && n=8
+    step throughput-hf 120 $PY -m llmd.cli bench throughput --model "$MODEL" --device "$DEVICE" --dtype bfloat16 --dataset nano \
+        --num-prompts $n --max-len 1024 --max-model-len 2048 --max-num-seqs 256 --hf-baseline --hf-batch-size $n
+}
+
+spec() {
+    # n-gram on prompts it never matches (its pure cost), oracle drafts 75% right, a
+    # tiny draft model; graphs on.
+    local tokens=96
+    [ "$QUICK" = 1 ] && tokens=8
+    step spec 60 $PY -m llmd_tools.bench_spec --model "$MODEL" --device "$DEVICE" --dtype bfloat16 --graphs on \
+        --oracle-every 4 --tokens $tokens --batches 1,16
+}
+
+guided() {
+    local tokens=64 rounds=3
+    [ "$QUICK" = 1 ] && tokens=4 rounds=1
+    step guided 40 $PY -m llmd_tools.bench_guided --model "$MODEL" --dtype bfloat16 --tokens $tokens --rounds $rounds
+}
+
+kernels() {
+    [ "$DEVICE" = cuda ] && step fused-ops 30 $PY -m llmd_tools.bench_fused_ops --rounds 3
+    step moe 45 $PY -m llmd_tools.bench_moe --device "$DEVICE" --dtype bfloat16 --batch 1 16
+}
+
+serve() {
+    local sock=/tmp/llmd-bench.sock n=48
+    [ "$QUICK" = 1 ] && n=4
+    setsid $PY -m llmd.cli serve --model "$MODEL" --device "$DEVICE" --dtype bfloat16 --max-model-len 2048 \
+        --socket $sock >"$LOGS/daemon.log" 2>&1 &
+    local daemon=$!
+    for _ in $(seq 90); do
+        $PY -m llmd_client.llmctl --socket $sock status >/dev/null 2>&1 && break
         sleep 1
     done
-    llmd bench serve --socket $sock --input-len 256 --output-len 128 --num-prompts 200 \
-        --request-rate 4,16 --json | tee "$OUT/serve.json"
-    kill -TERM $daemon; wait $daemon
-    ;;
-throughput)
-    llmd bench throughput --model $MODEL --device cuda --dtype bfloat16 --dataset nano --num-prompts 256 \
-        --max-len 1024 --max-model-len 2048 --max-num-seqs 256 --hf-baseline --hf-batch-size 64 --json \
-        | tee "$OUT/throughput.json"
-    ;;
-async)
-    python3 -m llmd_tools.bench_async --model $MODEL --dtype bfloat16 --tokens 128 --repeats 2 \
-        | tee "$OUT/async.txt"
-    ;;
-*)
-    echo "unknown phase $phase (latency, tests, kernels, spec, guided, throughput, serve, async)" >&2
-    exit 2
-    ;;
-esac
+    step serve 50 $PY -m llmd.cli bench serve --socket $sock --input-len 256 --output-len 128 --num-prompts $n \
+        --request-rate 4,16
+    kill -TERM -- -$daemon 2>/dev/null
+    timeout 30 tail --pid=$daemon -f /dev/null
+    kill -KILL -- -$daemon 2>/dev/null
+}
+
+phases=("$@")
+[ ${#phases[@]} -eq 0 ] && phases=(all)
+[ "${phases[0]}" = all ] && phases=(tests latency throughput spec guided kernels serve hf)
+for phase in "${phases[@]}"; do
+    case "$phase" in
+    tests | latency | throughput | spec | guided | kernels | serve | hf) ;;
+    *) echo "unknown phase $phase (all, tests, latency, throughput, spec, guided, kernels, serve, hf)" >&2; exit 2 ;;
+    esac
+done
+setup
+for phase in "${phases[@]}"; do
+    "$phase"
+done
+
+# The summary: the steps, the tests' outcome lines and failures, each figure's key lines.
+echo "===== summary"
+cat "$LOGS/steps.txt"
+for f in "$LOGS"/tests-*.log; do
+    [ -f "$f" ] && { echo "--- $(basename "$f")"; grep -E "^(FAILED|ERROR)|passed|failed|Timeout" "$f" | cut -c1-300 | tail -25; }
+done
+for f in "$LOGS"/profile-*.log; do
+    [ -f "$f" ] && { echo "--- $(basename "$f")"; grep -E -A8 "^profile_step:" "$f" | cut -c1-220; tail -2 "$f"; }
+done
+for name in throughput throughput-hf spec guided fused-ops moe serve; do
+    f="$LOGS/$name.log"
+    [ -f "$f" ] && { echo "--- $name"; grep -v "^{" "$f" | grep -v -E "it/s\]|%\|" | tail -14 | cut -c1-220; }
+done
+pack

@@ -5,6 +5,7 @@ so the two never share the device)."""
 from __future__ import annotations
 
 import gc
+import sys
 import time
 
 import msgspec
@@ -91,6 +92,9 @@ def run_throughput(llm: LLM, reqs: list[workloads.Req], dataset: str, hf_batch_s
         output_tokens_per_s=rate(n_out, elapsed), total_tokens_per_s=rate(n_in + n_out, elapsed),
         steps=counter.steps, roofline=roofline(llm.engine, counter.steps, kv_tokens, elapsed), env=env)
     if hf_batch_size:
+        # llmd's figures first (stderr, beside the progress bars): an HF run cut short by a
+        # time limit still leaves them.
+        print(report.text(), file=sys.stderr, flush=True)
         report.hf = _hf_baseline(llm, reqs, hf_batch_size, report.total_tokens_per_s)
     return report
 
