@@ -582,6 +582,20 @@ def test_empty_batch():
     assert out.sampled_token_ids.shape == (0,)
 
 
+@pytest.mark.parametrize("names", [("cpu", "cpu:0"), pytest.param(("cuda", "cuda:0"), marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_one_generator_per_device_whatever_its_name(names: tuple[str, str]):
+    """A runner made with device "cuda" registers the batch generator with its graphs
+    while its tensors say "cuda:0": both names must give the one generator (on the H100
+    two generators made every sampling tail's capture fail)."""
+    sampler = Sampler(seed=0)
+    plain, indexed = (torch.device(name) for name in names)
+    assert sampler.batch_generator(plain) is sampler.batch_generator(indexed)
+    md = metadata([SamplingParams(temperature=1.0)] * 2, 8)
+    sampler.uniform(torch.zeros(2, 8, device=indexed), md)
+    assert list(sampler._batch_generators) == [sampler.batch_generator(plain).device]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_sampling_makes_no_host_sync():
     """On a GPU the sampler never waits for the device: every filter (top-p sorts), the

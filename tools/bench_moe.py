@@ -58,7 +58,11 @@ def llmd_decode(model: str, dtype: str, device: str, prompts: list[list[int]], b
     llm = LLM(model=model, dtype=dtype, device=device, max_num_seqs=batch, max_model_len=256,
               max_num_batched_tokens=max(512, PROMPT_LEN * batch), kv_cache_memory_bytes=1 << 28,
               enable_prefix_caching=False)
-    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    # Warm-up at the batch's own size: its prefill and decode steps are the shapes timed,
+    # so the kernels they pick (the Triton MoE kernel's tiles for that many token-expert
+    # pairs) are compiled here, not inside timed(1) (on an H100 that compile made the
+    # 1-token run outlast the 64-token one: a negative decode rate).
+    llm.generate(prompts[:batch], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
 
     def timed(tokens: int) -> float:
         params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)

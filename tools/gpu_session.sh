@@ -56,7 +56,10 @@ setup() {
     { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem,utilization.gpu \
           --format=csv,noheader 2>/dev/null
       $PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
-      nproc; uptime; } | tee "$LOGS/device.txt"
+      nproc; uptime; } | tee -a "$LOGS/device.txt"
+}
+
+need_model() {  # the TinyLlama-shaped fixture the figures are taken on (~30 s to build there)
     MODEL=${MODEL:-/tmp/tinyllama}
     if [ ! -f "$MODEL/model.safetensors" ]; then
         preset=tinyllama
@@ -78,7 +81,16 @@ tests() {
         tests/test_triton_attention.py tests/test_moe.py tests/test_sampler.py tests/test_engine_vs_hf.py -k cuda
 }
 
+pytests() {
+    # The tests named in $PYTEST_ARGS (files or node ids): a rerun of what failed or was
+    # cut short, e.g. PYTEST_ARGS="tests/test_graph_sampling.py tests/test_sampler.py::test_x".
+    local pt=($PY -m pytest -q -rfEs -p no:cacheprovider --timeout 90)
+    # shellcheck disable=SC2086
+    step tests-rerun-${RERUN:-1} "${PYTEST_LIMIT:-150}" "${pt[@]}" $PYTEST_ARGS
+}
+
 latency() {
+    need_model
     # Batch-1 decode: graphs with fused ops (the default), fused ops off, eager; then
     # batch 32. Each: wall vs kernel time per step, kernels per step, roofline.
     local steps=40
@@ -90,7 +102,14 @@ latency() {
     step profile-b32 40 "${ps[@]}" --batch 32
 }
 
+latency1() {  # batch-1 decode with the defaults alone
+    need_model
+    local ps=($PY -m llmd_tools.profile_step --model "$MODEL" --device "$DEVICE" --dtype bfloat16 --steps 40)
+    step profile-b1 40 "${ps[@]}" --batch 1
+}
+
 throughput() {
+    need_model
     # The nano-vllm workload (256 requests, lengths uniform in [100, 1024]), llmd only.
     local n=256
     [ "$QUICK" = 1 ] && n=8
@@ -99,6 +118,7 @@ throughput() {
 }
 
 hf() {
+    need_model
     # The same workload through HF generate (llmd's figures are printed first, on stderr).
     local n=256
     [ "$QUICK" = 1 ] && n=8
@@ -107,6 +127,7 @@ hf() {
 }
 
 spec() {
+    need_model
     # n-gram on prompts it never matches (its pure cost), oracle drafts 75% right, a
     # tiny draft model; graphs on.
     local tokens=96
@@ -116,6 +137,7 @@ spec() {
 }
 
 guided() {
+    need_model
     local tokens=64 rounds=3
     [ "$QUICK" = 1 ] && tokens=4 rounds=1
     step guided 40 $PY -m llmd_tools.bench_guided --model "$MODEL" --dtype bfloat16 --tokens $tokens --rounds $rounds
@@ -123,10 +145,15 @@ guided() {
 
 kernels() {
     [ "$DEVICE" = cuda ] && step fused-ops 30 $PY -m llmd_tools.bench_fused_ops --rounds 3
+    moe
+}
+
+moe() {
     step moe 45 $PY -m llmd_tools.bench_moe --device "$DEVICE" --dtype bfloat16 --batch 1 16
 }
 
 serve() {
+    need_model
     local sock=/tmp/llmd-bench.sock n=48
     [ "$QUICK" = 1 ] && n=4
     setsid $PY -m llmd.cli serve --model "$MODEL" --device "$DEVICE" --dtype bfloat16 --max-model-len 2048 \
@@ -148,8 +175,9 @@ phases=("$@")
 [ "${phases[0]}" = all ] && phases=(tests latency throughput spec guided kernels serve hf)
 for phase in "${phases[@]}"; do
     case "$phase" in
-    tests | latency | throughput | spec | guided | kernels | serve | hf) ;;
-    *) echo "unknown phase $phase (all, tests, latency, throughput, spec, guided, kernels, serve, hf)" >&2; exit 2 ;;
+    tests | pytests | latency | latency1 | throughput | spec | guided | kernels | moe | serve | hf) ;;
+    *) echo "unknown phase $phase (all, tests, pytests, latency, latency1, throughput, spec, guided, kernels," \
+            "moe, serve, hf)" >&2; exit 2 ;;
     esac
 done
 setup
@@ -161,7 +189,7 @@ done
 echo "===== summary"
 cat "$LOGS/steps.txt"
 for f in "$LOGS"/tests-*.log; do
-    [ -f "$f" ] && { echo "--- $(basename "$f")"; grep -E "^(FAILED|ERROR)|passed|failed|Timeout" "$f" | cut -c1-300 | tail -25; }
+    [ -f "$f" ] && { echo "--- $(basename "$f")"; grep -E "^(FAILED|ERROR)|passed|failed|Timeout|^E  " "$f" | cut -c1-300 | tail -25; }
 done
 for f in "$LOGS"/profile-*.log; do
     [ -f "$f" ] && { echo "--- $(basename "$f")"; grep -E -A8 "^profile_step:" "$f" | cut -c1-220; tail -2 "$f"; }

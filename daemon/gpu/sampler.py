@@ -179,11 +179,25 @@ class Sampler:
     @staticmethod
     def _generator(table: dict[torch.device, torch.Generator], device: torch.device,
                    seed: int) -> torch.Generator:
+        device = device_key(device)
         gen = table.get(device)
         if gen is None:
             gen = table[device] = torch.Generator(device=device)
             gen.manual_seed(seed)
         return gen
+
+
+def device_key(device: torch.device) -> torch.device:
+    """One name per device: "cuda" and "cuda:0" (the current device) are one device, but
+    unequal as dict keys. A runner made with torch.device("cuda") registers the generator
+    of "cuda" with its graphs, while its tensors say "cuda:0": without this they drew from
+    two generators, and a capture failed on the unregistered one ("Attempt to increase
+    offset for a CUDA generator not in capture mode"). CPU indexes mean nothing: "cpu"."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cpu":
+        return torch.device("cpu")
+    return device
 
 
 def apply_min_tokens(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
