@@ -41,6 +41,21 @@ def graph_compare(waves, graph_settings: dict | None = None, **settings):
     return llm, watch, graphs
 
 
+def test_the_switch_turns_the_tails_off(monkeypatch) -> None:
+    """LLMD_GRAPH_SAMPLING=0: the graphs sample eagerly (the A/B of the in-graph
+    sampling's figures), the same tokens; anything but 0/1/off/on is refused."""
+    waves = {0: [(f"a{i}", PROMPTS[i], greedy(6)) for i in range(3)]}
+    monkeypatch.setenv(graph_sampler.GRAPH_SAMPLING_ENV, "0")
+    llm, _, graphs = graph_compare(waves)
+    assert graphs.sampling is None and not graphs.sampled_steps
+    monkeypatch.setenv(graph_sampler.GRAPH_SAMPLING_ENV, "yes")
+    with pytest.raises(ValueError, match="LLMD_GRAPH_SAMPLING must be 0 or 1"):
+        graph_sampler.graph_sampling_enabled()
+    for value, enabled in (("", True), ("1", True), ("on", True), ("off", False)):
+        monkeypatch.setenv(graph_sampler.GRAPH_SAMPLING_ENV, value)
+        assert graph_sampler.graph_sampling_enabled() is enabled
+
+
 # -- greedy: the same tokens as the eager sampler ----------------------------------------------
 @pytest.mark.parametrize("batch", [3, 13])
 def test_greedy_in_graph_matches_eager(batch_invariant_linear, batch: int) -> None:

@@ -38,6 +38,10 @@ SAMPLE_TAIL_CELLS): the graph pool holds its logits and, for the sampling varian
 sort's buffers, private to the pool; larger batches sample eagerly after the forward
 graph (their launches are a small share of a large step).
 
+LLMD_GRAPH_SAMPLING=0 (read when a runner captures its graphs) turns the tails off:
+every graph step samples eagerly after the forward graph, the A/B switch of the in-graph
+sampling's figures (as LLMD_FUSED_OPS is the fused ops').
+
 Per-row parameters are staged by the host (graph_sampling_plan) into the decode graphs'
 pinned int64 buffer after the forward's inputs, field by field: NUM_INTS int64 rows,
 then the float32 fields packed two to a word, so one non-blocking copy takes all of a
@@ -45,6 +49,7 @@ step's inputs to the device.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -55,6 +60,15 @@ from llmd.gpu.sampling_filters import apply_top_k_top_p_sorted, apply_min_p
 from llmd_client.protocol import SamplingParams
 
 GREEDY, SAMPLE, PENALIZED = "greedy", "sample", "penalized"
+GRAPH_SAMPLING_ENV = "LLMD_GRAPH_SAMPLING"
+
+
+def graph_sampling_enabled() -> bool:
+    """False when LLMD_GRAPH_SAMPLING is 0/off (the A/B switch), True when unset, 1 or on."""
+    value = os.environ.get(GRAPH_SAMPLING_ENV, "").strip().lower()
+    if value not in ("", "0", "1", "off", "on"):
+        raise ValueError(f"{GRAPH_SAMPLING_ENV} must be 0 or 1 (or off, on), got {value!r}")
+    return value not in ("0", "off")
 
 # Budgets of rows x vocab for a captured tail: the greedy tail holds the logits (bf16 and
 # float32: 6 bytes a cell, ~100 MB at the cap), the sampling tails the sort's buffers too

@@ -20,7 +20,7 @@ from llmd.gpu.attention import GatherWorkspace, model_kv_bytes_per_block, new_mo
 from llmd.gpu.attention_backends import resolve_attention_backend
 from llmd.gpu.cuda_graphs import DecodeGraphs, build_decode_graphs, capture_sizes
 from llmd.gpu.draft_model import DraftModel
-from llmd.gpu.graph_sampler import PENALIZED, GraphSampler
+from llmd.gpu.graph_sampler import PENALIZED, GraphSampler, graph_sampling_enabled
 from llmd.gpu.graph_sampling_plan import plan_graph_sampling
 from llmd.gpu.input_batch import InputBatch, StepRows
 from llmd.gpu.kv_budget import MemoryBreakdown
@@ -157,8 +157,8 @@ class ModelRunner:
     def _graph_sampler(self, max_batch: int) -> GraphSampler | None:
         """The in-graph sampler of the decode graphs (graph_sampler), where this runner
         samples alone and nothing reads the tokens in the step: no draft model (it drafts
-        from the step's tokens on the host), one rank."""
-        if self.drafter is not None or self.world_size > 1:
+        from the step's tokens on the host), one rank; not with LLMD_GRAPH_SAMPLING=0."""
+        if self.drafter is not None or self.world_size > 1 or not graph_sampling_enabled():
             return None
         return GraphSampler(self.sampler, self.settings.valid_vocab_size, max_batch, self.device)
 
