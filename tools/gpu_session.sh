@@ -11,9 +11,15 @@
 #     pydantic-core==2.50.4 annotated-types typing-inspection typing-extensions==4.16.0 \
 #     jsonschema==4.26.0 jsonschema-specifications referencing rpds-py gguf==0.19.0
 # Then, with the device tool, carrying .whl (timeout_s a little over the phases' sum):
-#   bash tools/gpu_session.sh all        # every phase below in this order, ~8 minutes
-#   bash tools/gpu_session.sh PHASE ...  # some of them: tests, latency, throughput, spec,
-#                                        # guided, kernels, serve, hf
+#   bash tools/gpu_session.sh all        # every phase below in this order: > 8 minutes
+#   bash tools/gpu_session.sh PHASE ...  # some of them: tests, pytests, latency, latency1,
+#                                        # throughput, spec, guided, kernels, moe, serve, hf
+# What the steps took on an H100 (2026-11-26; the machine started and took the tree in
+# ~30 s): pip ~10 s, make-model 33 s, tests-graphs > 140 s (34 of 57 tests), tests-kernels
+# > 100 s (79 of ~89), each profile_step 14-20 s, each throughput 27-33 s, spec 20 s,
+# guided 17 s, fused-ops 14 s, moe 29-34 s, serve 25 s with the daemon's start,
+# throughput-hf > 80 s. A 15-minute lease holds one ~8-minute call and one ~4-minute
+# call: split the tests over them (pytests with PYTEST_ARGS), figures in between.
 #
 # Each step runs under its own time limit (`step NAME SECONDS CMD`), so one that hangs or
 # runs long costs its limit and the later ones still run. Every step's output goes to
