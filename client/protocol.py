@@ -1,8 +1,14 @@
 """Messages shared by the daemon and its clients (msgspec Structs, defined once)."""
 from __future__ import annotations
 
+import math
+
 import msgspec
 
+# Every integer a request carries fits a signed 32-bit int (the engine keeps counts, ids
+# and priorities in int32/int64 tensors and msgpack frames): larger values are refused at
+# the door with the field's name, never left to overflow inside a step.
+INT32_MAX = 2**31 - 1
 # Largest number of top logprobs a request may ask for; the engine may lower it.
 MAX_LOGPROBS = 20
 # Guided decoding: the largest spec (schema, regex or grammar text) and choice list.
@@ -96,14 +102,18 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, o
             self.stop_token_ids = []
         if self.top_k == -1:
             self.top_k = 0
-        _check(1 <= self.n <= 64, "n", f"must be in [1, 64], got {self.n}")
-        _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        _check(1 <= self.n <= 64, "n", f"must be in [1, 64], got {_short(self.n)}")
+        _check(self.temperature >= 0.0 and math.isfinite(self.temperature), "temperature",
+               f"must be >= 0 and finite, got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(self.top_k >= 0, "top_k", f"must be 0 or -1 (disabled) or >= 1, got {self.top_k}")
+        _check(0 <= self.top_k <= INT32_MAX, "top_k",
+               f"must be 0 or -1 (disabled) or in [1, {INT32_MAX}], got {_short(self.top_k)}")
         _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
         if self.max_tokens is not None:
-            _check(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
-        _check(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
+            _check(1 <= self.max_tokens <= INT32_MAX, "max_tokens",
+                   f"must be in [1, {INT32_MAX}], got {_short(self.max_tokens)}")
+        _check(0 <= self.min_tokens <= INT32_MAX, "min_tokens",
+               f"must be in [0, {INT32_MAX}], got {_short(self.min_tokens)}")
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens",
                    f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
@@ -116,14 +126,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, o
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
-                _check(0 <= value <= MAX_LOGPROBS, name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
+                _check(0 <= value <= MAX_LOGPROBS, name, f"must be in [0, {MAX_LOGPROBS}], got {_short(value)}")
         _check(len(self.stop) <= 16, "stop", f"at most 16 stop strings, got {len(self.stop)}")
         for s in self.stop:
             _check(0 < len(s) <= 256, "stop", "each stop string must have 1 to 256 characters")
         _check(len(self.stop_token_ids) <= 64, "stop_token_ids",
                f"at most 64 stop token ids, got {len(self.stop_token_ids)}")
         for t in self.stop_token_ids:
-            _check(t >= 0, "stop_token_ids", "token ids must be >= 0")
+            _check(0 <= t <= INT32_MAX, "stop_token_ids", f"token ids must be in [0, {INT32_MAX}]")
         if self.seed is not None:
             _check(0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)")
 
@@ -135,6 +145,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, o
 def _check(ok: bool, field: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{field} {message}")
+
+
+def _short(value: int) -> str:
+    """An integer for an error message: a huge one is not echoed whole."""
+    text = str(value)
+    return text if len(text) <= 12 else f"{text[:8]}...({len(text)} digits)"
 
 
 # -- wire messages ----------------------------------------------------------------------
@@ -173,6 +189,10 @@ class Submit(msgspec.Struct, tag="submit", forbid_unknown_fields=True, kw_only=T
     # equal. The daemon always adds the sender's uid unless its operator shares the
     # cache across users (prefix_cache_scope = "shared").
     cache_salt: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(-INT32_MAX - 1 <= self.priority <= INT32_MAX, "priority",
+               f"must be in [{-INT32_MAX - 1}, {INT32_MAX}], got {_short(self.priority)}")
 
 
 class Abort(msgspec.Struct, tag="abort", forbid_unknown_fields=True):

@@ -113,6 +113,8 @@ class InputProcessor:
                              "and at least one token must be generated")
         if any(not 0 <= t < self.vocab_size for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}) (the model's vocabulary)")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > self.max_logprobs:

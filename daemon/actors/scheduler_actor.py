@@ -96,7 +96,13 @@ class SchedulerActor(Actor):
                 self.detokenizer.send(RequestsAborted([rid], reason="error", error=self._dead_error))
             case AddRequest(request_id=rid, children=children):
                 self.children[rid] = [c.request_id for c in children]
-                self.core.add_requests(children)
+                try:
+                    self.core.add_requests(children)
+                except Exception as exc:  # this request's own fault (a gap in intake's checks): it alone fails
+                    logger.error("request %s could not be queued (%s); it ends with an error", rid,
+                                 type(exc).__name__)
+                    self._fail_requests([c.request_id for c in children],
+                                        f"the request could not be queued ({type(exc).__name__})")
             case AbortRequest(request_ids=ids):
                 aborted = []
                 for rid in ids:
@@ -119,7 +125,11 @@ class SchedulerActor(Actor):
 
     async def _step(self, loop: asyncio.AbstractEventLoop) -> None:
         start = time.monotonic()
-        begun = self.core.begin_step()
+        try:
+            begun = self.core.begin_step()
+        except Exception as exc:
+            self._step_failed(exc)
+            return
         if isinstance(begun, Idle):
             await self._idle_step(begun, start)
             return
@@ -129,9 +139,16 @@ class SchedulerActor(Actor):
         except ExecutorError as exc:
             self._failure = str(exc)  # run() recovers before anything else
             return
+        except Exception as exc:
+            self._step_failed(exc)
+            return
         finally:
             self._step_deadline = None
-        result = self.core.end_step(runner_output)
+        try:
+            result = self.core.end_step(runner_output)
+        except Exception as exc:
+            self._step_failed(exc)
+            return
         for parent in result.newly_scheduled:
             # Its queue time ends here (the metrics actor keeps only the first, not a resume).
             self.metrics.send(RequestEvent(parent, "scheduled", result.step.scheduled_at))
@@ -155,6 +172,17 @@ class SchedulerActor(Actor):
             self._handle(await asyncio.wait_for(self.inbox.get(), timeout))
         except TimeoutError:
             pass
+
+    def _step_failed(self, exc: Exception) -> None:
+        """A step raised outside the executor's own failure path (a bug, or a request's
+        value no check caught): the daemon goes on. The step's requests fail and the
+        worker restarts from a clean state, as after a worker crash (run() recovers). The
+        log names the exception's type; its message may quote request data, so it and
+        the traceback go to the debug log only."""
+        logger.error("a step failed (%s); failing the requests in flight and restarting the worker",
+                     type(exc).__name__)
+        logger.debug("the failed step's traceback", exc_info=exc)
+        self._failure = f"a step failed ({type(exc).__name__})"
 
     # -- executor failures ------------------------------------------------------------
     async def _recover(self, loop: asyncio.AbstractEventLoop) -> None:
