@@ -12,11 +12,15 @@ The loader hands both to a model on CPU whose layers attend with TorchAttention
 (`attach_cpu_kernels`).
 
 Built with torch.utils.cpp_extension for this CPU's vector ISA (AVX-512, AVX2, or
-generic), into `$TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions/`), one build
-per ISA and version of the sources (their digest is in the build's name); a later start
-with the same sources, flags and torch loads the cached library (~0.3 s) instead of
-compiling it (~10-20 s on two cores). It needs a C++ compiler and
-ninja; without them, or if the build fails, attention keeps its torch path and the
+generic) through kernel_build: into `$TORCH_EXTENSIONS_DIR` (default
+`~/.cache/torch_extensions/`), one folder per key — the sources' digest, the ISA's flags,
+torch, the Python executable and prefix (the venv), the compiler — so two installs on
+one machine keep their own builds; the build runs in a child process under an flock that
+dies with its holder, within LLMD_KERNEL_BUILD_TIMEOUT seconds (default 300, a wait for
+another process's build of the same folder included); a daemon stopped meanwhile kills
+it and exits. A later start with the same key loads the built library (~20 ms) instead
+of compiling it (~40 s on two cores). It needs a C++ compiler and ninja; without them,
+if the build fails or the time limit passes, attention keeps its torch path and the
 reason is logged once. LLMD_CPU_KERNELS=0 keeps the torch path on purpose (the A/B
 switch; read when a model loads).
 
@@ -38,12 +42,15 @@ from torch import nn
 from llmd.gpu.attention import TorchAttention
 from llmd.gpu.cpu_fused_ops import use_cpu_fused_ops
 from llmd.gpu.fused_ops import fused_ops_setting
+from llmd.gpu.kernel_build import ExtensionBuild, KernelBuildCancelled, KernelBuildError, build_library
 
 logger = logging.getLogger("llmd.cpu_kernels")
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_fused_ops.cpp")]
 HEADERS = [Path(__file__).with_name("cpu_vec.h")]  # included by both: part of the digest
 CPU_KERNELS_ENV = "LLMD_CPU_KERNELS"
+KERNEL_BUILD_TIMEOUT_ENV = "LLMD_KERNEL_BUILD_TIMEOUT"
+DEFAULT_KERNEL_BUILD_TIMEOUT_S = 300.0
 # Compiler flags of each vector ISA (as inductor builds its CPU kernels for them).
 ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma", "-DCPU_CAPABILITY_AVX512"],
@@ -59,26 +66,48 @@ def vector_isa() -> str:
 
 
 def source_digest() -> str:
-    """8 hex digits of the kernels' sources: part of the build's name, so that two llmd
-    versions on one machine (a test run beside a daemon) keep separate builds in the
-    cache instead of rebuilding over each other's."""
+    """8 hex digits of the kernels' sources (their full digest is part of the build's key)."""
     digest = hashlib.sha256()
     for path in (*SOURCES, *HEADERS):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:8]
 
 
+def kernels_build() -> ExtensionBuild:
+    """The kernels' build for this CPU: its folder is `kernels_build().directory()`."""
+    isa = vector_isa()
+    return ExtensionBuild(name=f"llmd_cpu_kernels_{isa.lower()}_{source_digest()}", sources=tuple(SOURCES),
+                          headers=tuple(HEADERS), cflags=("-O3", "-fopenmp", *ISA_FLAGS.get(isa, [])),
+                          ldflags=("-fopenmp",))
+
+
+def kernel_build_timeout() -> float:
+    """Seconds the kernels may take to be ready (LLMD_KERNEL_BUILD_TIMEOUT, default 300)."""
+    value = os.environ.get(KERNEL_BUILD_TIMEOUT_ENV, "").strip()
+    if not value:
+        return DEFAULT_KERNEL_BUILD_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"{KERNEL_BUILD_TIMEOUT_ENV} must be a number of seconds > 0, got {value!r}")
+    return seconds
+
+
 @functools.cache
 def _load() -> bool:
-    from torch.utils.cpp_extension import load
-
-    isa = vector_isa()
-    logger.info("loading llmd's CPU kernels for %s (compiled on the first start only)", isa)
+    timeout = kernel_build_timeout()
+    logger.info("loading llmd's CPU kernels for %s (compiled on the first start only)", vector_isa())
     try:
-        load(name=f"llmd_cpu_kernels_{isa.lower()}_{source_digest()}", sources=[str(path) for path in SOURCES],
-             extra_cflags=["-O3", "-fopenmp", *ISA_FLAGS.get(isa, [])], extra_ldflags=["-fopenmp"],
-             is_python_module=False, verbose=False)
-    except Exception as exc:  # no compiler, no ninja, a failed build: the torch path stays
+        library = build_library(kernels_build(), timeout)
+        torch.ops.load_library(str(library))
+    except KernelBuildCancelled:
+        raise  # the process exits: the load stops here
+    except KernelBuildError as exc:
+        logger.warning("CPU kernels unavailable: %s; the layers run their torch path", exc)
+        return False
+    except Exception as exc:  # no compiler, no ninja, an unwritable cache: the torch path stays
         last_line = (str(exc).strip().splitlines() or [""])[-1]
         logger.warning("CPU kernels unavailable (%s: %s); the layers run their torch path",
                        type(exc).__name__, last_line)
