@@ -161,6 +161,7 @@ def _short(value: int) -> str:
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 8 << 20
 MAX_CACHE_SALT_CHARS = 256
+MAX_ID_CHARS = 128  # a request id (a client's own, or the server's) is never longer
 
 
 class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True, kw_only=True):

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from typing import Any, Generic, TypeVar
 
 from llmd_client.errors import LlmdError, ProtocolError, RequestError
-from llmd_client.protocol import Abort, Accepted, Error, MetricsReply, Output, StatusReply, Welcome
+from llmd_client.protocol import MAX_ID_CHARS, Abort, Accepted, Error, MetricsReply, Output, StatusReply, Welcome
 from llmd_client.results import is_last
 
 Inbox = TypeVar("Inbox")
@@ -134,7 +134,12 @@ class Router(Generic[Inbox, Pending]):
     def _abort_other(self, request_id: str) -> Iterator[None]:
         """Abort another connection's request by its server id. The daemon answers only
         a failed Abort, so the caller makes a Status round trip inside the block: an Error
-        not routed by then never comes. Raises RequestError "unknown_id" or "forbidden"."""
+        not routed by then never comes. Raises RequestError "unknown_id" (no such request,
+        or another user's). An id longer than any request's is refused here: the daemon's
+        answer would name it cut short, and never reach this caller."""
+        if len(request_id) > MAX_ID_CHARS:
+            raise RequestError("unknown_id", f"no request id has more than {MAX_ID_CHARS} characters",
+                               request_id[:MAX_ID_CHARS])
         self._abort_errors[request_id] = None
         try:
             self._send(Abort(id=request_id))

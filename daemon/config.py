@@ -88,6 +88,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             if not ok:
                 raise ValueError(f"{field} {msg}")
 
+        for name in self.__struct_fields__:  # no integer setting past 64 bits (an OverflowError later)
+            value = getattr(self, name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                check(-2**63 <= value < 2**63, name, f"must fit a 64-bit integer ({len(str(value))} digits given)")
+        check(0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)")
         check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512), "block_size",
               f"must be a power of two in [1, 512], got {self.block_size}")
         check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")

@@ -23,7 +23,6 @@ matchers: they are filled after update_from_output(N) (fill_deferred_bitmask).
 """
 from __future__ import annotations
 
-import logging
 import time
 
 import msgspec
@@ -36,8 +35,6 @@ from llmd.request import Request, RequestStatus
 from llmd.request_queue import make_queue
 from llmd.spec_decode import NgramProposer, SpecDecodeStats
 from llmd.stop_checks import append_sampled_tokens
-
-logger = logging.getLogger(__name__)
 
 
 class RequestUpdate(msgspec.Struct):
@@ -160,17 +157,11 @@ class Scheduler:
         for request in self.waiting_for_grammar:
             try:
                 ready = self.structured.poll(request.grammar, request.matcher_stop_token_ids, now)
-            except Exception as exc:  # of any type: this request's grammar, so this request fails
-                if isinstance(exc, ValueError):
-                    error = str(exc)  # ours: it names the field and the limit
-                else:
-                    logger.warning("a grammar matcher failed to start (%s); its request ends with an error",
-                                   type(exc).__name__)
-                    error = f"guided decoding could not start for this request ({type(exc).__name__})"
+            except ValueError as exc:  # poll turns a failure of any type into a GrammarError
                 request.status = RequestStatus.FINISHED_ERROR
                 self._release(request)
                 self._pending_updates.append(RequestUpdate(request.request_id, [], finish_reason="error",
-                                                           error=error))
+                                                           error=str(exc)))
                 continue
             if ready:
                 request.status = RequestStatus.WAITING

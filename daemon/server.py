@@ -143,7 +143,10 @@ async def _load_engine(engine_config: EngineConfig, daemon: DaemonConfig, sock: 
     # Clients that connect while the model loads get hello and status answered
     # ("loading (n%)"); what they submit waits for the intake.
     responder = LoadingResponder(sock, progress, model=Path(engine_config.model or "built-in model").name,
-                                 server_version=SERVER_VERSION, listen_backlog=daemon.listen_backlog)
+                                 server_version=SERVER_VERSION, listen_backlog=daemon.listen_backlog,
+                                 max_connections=daemon.max_connections,
+                                 max_connections_per_user=daemon.max_connections_per_user,
+                                 idle_timeout_s=daemon.idle_timeout_s)
     await responder.start()
     load = asyncio.get_running_loop().run_in_executor(model_thread,
                                                       functools.partial(LLMEngine, engine_config, progress))

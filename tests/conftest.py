@@ -81,3 +81,13 @@ def tiny_qwen3(model_dirs: ModelDirs) -> Path:
 def tiny_model(request: pytest.FixtureRequest, model_dirs: ModelDirs) -> Path:
     """Parametrised over every tiny fixture."""
     return model_dirs(request.param)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _stop_leftover_daemons():
+    """A module's daemons are stopped at its end even where a fixture or test forgot one
+    (or failed before its own stop): no `llmd serve` outlives the tests that started it."""
+    yield
+    import daemon_util
+
+    daemon_util.stop_all()

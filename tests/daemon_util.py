@@ -16,6 +16,13 @@ import msgspec
 from llmd_client.protocol import ServerMessage
 
 LLMD = [sys.executable, "-m", "llmd.cli"]
+# Every daemon started and not yet stopped: conftest stops what a test left behind.
+LIVE: set[Daemon] = set()
+
+
+def stop_all() -> None:
+    for daemon in list(LIVE):
+        daemon.stop(timeout=10.0)
 
 
 class Daemon:
@@ -30,8 +37,18 @@ class Daemon:
         cmd = self.command(model, self.sock, *args)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log.open("wb"),
                                      env={**os.environ, **(env or {})}, start_new_session=True)
+        LIVE.add(self)
 
     def wait_ready(self, timeout: float = 60.0) -> Daemon:
+        """Self once it serves; a daemon that exits or is not ready in time is stopped
+        (its whole process group) before the error is raised."""
+        try:
+            return self._wait_ready(timeout)
+        except BaseException:
+            self.stop(timeout=10.0)
+            raise
+
+    def _wait_ready(self, timeout: float) -> Daemon:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -48,6 +65,8 @@ class Daemon:
         raise TimeoutError(f"daemon not ready:\n{self.log.read_text()}")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """Signal the daemon and wait for it; past `timeout` it is killed. Then whatever
+        is left of its process group (worker processes of a daemon that died) is killed."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
             try:
@@ -55,6 +74,11 @@ class Daemon:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        LIVE.discard(self)
         return self.proc.returncode
 
     def stderr(self) -> str:

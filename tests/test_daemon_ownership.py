@@ -29,6 +29,7 @@ def send(m): f.write(json.dumps(m).encode() + b"\n"); f.flush()
 def recv(): return json.loads(f.readline())
 out = {}
 send({"type": "abort", "id": victim}); out["abort_other"] = recv()
+send({"type": "abort", "id": "r000000000000"}); out["abort_missing"] = recv()
 send({"type": "status"}); out["status"] = recv()
 send({"type": "submit", "id": "mine", "prompt": "hi", "sampling": {"max_tokens": 200, "ignore_eos": True}})
 accepted = recv(); out["accepted"] = accepted
@@ -56,7 +57,9 @@ def test_users_cannot_see_or_abort_each_others_requests():
                                   capture_output=True, text=True, timeout=60, cwd="/")
             assert proc.returncode == 0, proc.stderr
             other = json.loads(proc.stdout)
-            assert other["abort_other"]["code"] == "forbidden"
+            # Another user's request answers as a missing one would: its existence is not told.
+            assert other["abort_other"]["code"] == "unknown_id"
+            assert other["abort_missing"] == {**other["abort_other"], "id": other["abort_missing"]["id"]}
             assert victim not in {r["request_id"] for r in other["status"]["requests"]}
             assert other["own_final"]["finish_reason"] == "abort"  # one's own: allowed
             # Root is an admin: sees and may abort anyone's; its own request is still running.

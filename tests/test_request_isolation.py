@@ -172,12 +172,12 @@ def test_a_grammar_matcher_that_raises_fails_its_request_alone(llm: LLM, monkeyp
     """xgrammar's matcher raised RuntimeError (a stop id outside the vocabulary) where
     only ValueError was caught: the scheduler actor died. Any exception type now fails
     that request alone, and the message names no internals."""
-    structured = llm.engine.core.scheduler.structured
+    import xgrammar
 
-    def poll(grammar, stop_token_ids, now):
+    def matcher(*args, **kwargs):
         raise RuntimeError("GrammarMatcher: internal detail")
 
-    monkeypatch.setattr(structured, "poll", poll)
+    monkeypatch.setattr(xgrammar, "GrammarMatcher", matcher)
     guided = SamplingParams(temperature=0, max_tokens=4, guided=GuidedDecodingParams(regex="[a-z]+"))
     finals = run_actor(llm, {"plain": greedy(6), "guided": guided}, lambda r: len(r.finals()) == 2).finals()
     assert finals["guided"] == ("error", "guided decoding could not start for this request (RuntimeError)")
@@ -255,3 +255,27 @@ def test_hostile_requests_fail_alone_over_the_socket(daemon: Daemon) -> None:
         assert final["finish_reason"] == "length"
     assert daemon.proc.poll() is None
     assert "Traceback" not in daemon.stderr()
+
+
+def test_llmctl_abort_tells_the_truth(daemon: Daemon) -> None:
+    """An id no request has (a 10,000-character one included: the daemon's answer named
+    it cut short, the client never matched it, and llmctl printed "aborted", exit 0) is
+    an error with a non-zero exit; ids are random, not a count of the daemon's requests."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    llmctl = str(Path(sys.executable).parent / "llmctl")
+    for ident in ("x" * 10_000, "r000000000000"):
+        proc = subprocess.run([llmctl, "--socket", daemon.sock, "abort", ident], capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode != 0 and "unknown_id" in proc.stderr and "aborted" not in proc.stdout, proc
+        assert "Traceback" not in proc.stderr and len(proc.stderr) < 500
+    ids = set()
+    with RawConn(daemon.sock) as conn:
+        for i in range(3):
+            conn.send({"type": "submit", "id": f"q{i}", "prompt": "hi", "stream": False,
+                       "sampling": {"max_tokens": 1}})
+            ids.add(next(m for m in conn.until_final(f"q{i}") if m["type"] == "accepted")["request_id"])
+    assert len(ids) == 3 and all(len(i) == 13 and i[0] == "r" for i in ids)
+    assert len({int(i[1:], 16) // 1000 for i in ids}) == 3  # not consecutive

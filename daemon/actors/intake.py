@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import itertools
 import logging
+import secrets
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -56,7 +56,6 @@ class IntakeActor(Actor):
                                          tokens_per_user=config.max_pending_tokens_per_user))
         self.registry: dict[str, tuple[RequestSink, int]] = {}
         self.connections = OpenConnections(max_connections, config.max_connections_per_user)
-        self.request_counter = itertools.count(1)
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="llmd-tokenize")
         self.large_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmd-tokenize-long")
         self.draining = False
@@ -140,7 +139,7 @@ class IntakeActor(Actor):
 
     async def _prepare(self, submit: Submit, uid: int, chars: int, strict_max_tokens: bool
                        ) -> PreparedRequest | Error:
-        request_id = f"r{next(self.request_counter)}"
+        request_id = self._new_request_id()
         # Long texts are tokenized on a pool of their own, so they never hold up short ones.
         pool = self.large_pool if chars > LARGE_PROMPT_CHARS else self.pool
         try:
@@ -149,6 +148,13 @@ class IntakeActor(Actor):
                 time.monotonic(), strict_max_tokens)
         except ValueError as exc:
             return Error(code="invalid_params", message=safe_message(exc))
+
+    def _new_request_id(self) -> str:
+        """A server request id: random, so an id says nothing about other users' activity
+        (sequential ids told how many requests the daemon had served, and when)."""
+        while (request_id := f"r{secrets.token_hex(6)}") in self.registry:
+            pass
+        return request_id
 
     def _release(self, request_id: str, uid: int, connection: object | None, tokens: int) -> None:
         self.registry.pop(request_id, None)

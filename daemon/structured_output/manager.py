@@ -5,6 +5,7 @@ with the request: preemption (recompute) does not touch them, abort drops them.
 """
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
@@ -12,7 +13,9 @@ from typing import TYPE_CHECKING
 
 from llmd.structured_output.bitmask_filler import BitmaskFiller, RowGroup
 from llmd.structured_output.compiler import CompileJob, GrammarCompilerService
-from llmd.structured_output.spec import GrammarSpec
+from llmd.structured_output.spec import GrammarError, GrammarSpec
+
+logger = logging.getLogger("llmd.structured_output")
 
 if TYPE_CHECKING:
     from llmd.step_messages import SchedulerOutput
@@ -67,13 +70,20 @@ class StructuredOutputManager:
         grammar.job = self.service.submit(grammar.spec)
 
     def poll(self, grammar: RequestGrammar, stop_token_ids: list[int], now: float) -> bool:
-        """True once the grammar is compiled and the matcher made; raises GrammarError."""
+        """True once the grammar is compiled and the matcher made; raises GrammarError,
+        for a failure of any type (xgrammar's matcher raised RuntimeError on a stop id
+        outside the vocabulary, and only ValueError failed the request alone)."""
         compiled = self.service.check(grammar.job, grammar.submitted_at, now)
         if compiled is None:
             return False
         import xgrammar as xgr
 
-        grammar.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids)
+        try:
+            grammar.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids)
+        except Exception as exc:
+            logger.warning("a grammar matcher failed to start (%s); its request ends with an error",
+                           type(exc).__name__)
+            raise GrammarError(f"guided decoding could not start for this request ({type(exc).__name__})") from exc
         return True
 
     @staticmethod

@@ -1,0 +1,98 @@
+"""Clients while the model loads (issue 25, rows 4 and 5): the serving limits hold, a
+client that goes away frees its descriptor at once, and every connection made during
+the load goes on after the hand-over to the intake (hello- and status-only ones were
+closed there: `llmctl chat` started during a load failed on its first line)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from pathlib import Path
+
+import msgspec
+
+from daemon_util import Daemon, RawConn
+from llmd.actors.loading import LoadingResponder
+from llmd.load_progress import LoadProgress
+from llmd_tools.make_model import fixture_path
+
+
+def test_connections_made_during_the_load_survive_the_hand_over(tmp_path: Path) -> None:
+    path = tmp_path / "s.sock"
+    d = Daemon(str(fixture_path("small-llama")), path)
+    try:
+        deadline = time.monotonic() + 60
+        while not path.exists():
+            assert time.monotonic() < deadline and d.proc.poll() is None
+            time.sleep(0.01)
+        with RawConn(str(path)) as hello, RawConn(str(path), json_mode=True) as status:
+            hello.send({"type": "hello", "protocol_version": 1})
+            assert hello.recv()["type"] == "welcome"
+            status.send({"type": "status"})
+            assert status.recv()["engine_state"] == "loading"  # the hand-over is ahead
+            d.wait_ready(120)
+            hello.send({"type": "submit", "id": "a", "prompt": "hi", "sampling": {"max_tokens": 3}})
+            assert hello.until_final("a")[-1]["usage"]["completion_tokens"] == 3
+            status.send({"type": "status"})
+            assert status.recv()["engine_state"] == "serving"
+    finally:
+        assert d.stop() == 0, d.stderr()
+
+
+def _submit_frame() -> bytes:
+    body = msgspec.msgpack.encode({"type": "submit", "prompt": "x" * 1000, "sampling": {"max_tokens": 3}})
+    return len(body).to_bytes(4, "big") + body
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_the_serving_limits_hold_while_loading(tmp_path: Path) -> None:
+    """In-process, against the responder alone: 300 clients that submit and hang up are
+    forgotten at once (no descriptor, no frame kept); one that stays keeps its frames
+    for the intake; a silent one meets the idle timeout; past the per-user limit a
+    client is told `overloaded`."""
+    async def main() -> None:
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(str(tmp_path / "l.sock"))
+        listener.listen(512)
+        responder = LoadingResponder(listener, LoadProgress(), model="m", server_version="v",
+                                     max_connections=1000, max_connections_per_user=310, idle_timeout_s=0.5)
+        await responder.start()
+        try:
+            before = _open_fds()
+            stays_r, stays_w = await asyncio.open_unix_connection(str(tmp_path / "l.sock"))
+            stays_w.write(_submit_frame() * 2)
+            await stays_w.drain()
+            silent = await asyncio.open_unix_connection(str(tmp_path / "l.sock"))
+            for _ in range(300):
+                _, w = await asyncio.open_unix_connection(str(tmp_path / "l.sock"))
+                w.write(_submit_frame())
+                await w.drain()
+                w.close()
+            deadline = time.monotonic() + 10
+            while len(responder._connections) > 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert len(responder._connections) == 2  # the one that stays, the silent one
+            assert sum(len(h.frames) for h in responder._connections) == 2
+            await asyncio.sleep(1.0)  # past the idle timeout: the silent one goes, the other stays
+            assert [len(h.frames) for h in responder._connections] == [2]
+            assert await silent[0].read() == b""
+            # Descriptors: the test's own client end of the one that stays, and its server end.
+            assert _open_fds() <= before + 4
+            # The per-user limit (310; this test's connections are all one user's).
+            extra = [await asyncio.open_unix_connection(str(tmp_path / "l.sock")) for _ in range(310)]
+            for _, w in extra:
+                w.write(b"{")
+            reply = await asyncio.wait_for(extra[-1][0].readline(), 5)
+            assert b'"overloaded"' in reply and b"too many connections from this user" in reply
+            for _, w in extra:
+                w.close()
+            stays_w.close()
+        finally:
+            responder.close()
+            listener.close()
+
+    asyncio.run(main())
