@@ -51,6 +51,13 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     api_key: str | None = None
     api_key_file: str | None = None
     http_require_api_key: bool = True
+    # Web pages (browser origins, e.g. "https://chat.example.com", "chrome-extension://*";
+    # `*` matches any text) that may call the HTTP APIs, beside the default: localhost,
+    # 127.0.0.1, 0.0.0.0 and [::1] on any port, and app://, file://, tauri://,
+    # vscode-webview://, vscode-file:// (as Ollama's OLLAMA_ORIGINS). Other origins are
+    # refused, as are TCP requests whose Host is neither loopback, an IP address,
+    # http_host nor an http(s) host listed here (DNS rebinding).
+    http_allowed_origins: list[str] = []
     # /health answers 503 when requests wait and no engine step has ended for this long.
     health_stall_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
     # A failed worker (died, or hung past its step deadline) is restarted after

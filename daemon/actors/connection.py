@@ -18,12 +18,12 @@ from llmd.actors.error_text import frame_error_message, safe_message
 from llmd.actors.peer_credentials import peer_ids
 from llmd.actors.request_sink import RequestSink
 from llmd.input_processor import PreparedRequest
-from llmd_client.framing import FrameError, JsonLinesCodec, MsgpackCodec
-from llmd_client.protocol import (PROTOCOL_VERSION, Abort, Accepted, ClientMessage, Error, Hello, Metrics,
-                                  MetricsReply, Status, Submit, Welcome)
+from llmd_client.framing import MAX_NESTING_DEPTH, FrameError, JsonLinesCodec, MsgpackCodec, NestingError
+from llmd_client.protocol import (MAX_ID_CHARS, PROTOCOL_VERSION, Abort, Accepted, ClientMessage, Error, Hello,
+                                  Metrics, MetricsReply, Status, Submit, Welcome)
 
 logger = logging.getLogger("llmd.intake")
-MAX_CLIENT_ID_CHARS = 128
+MAX_CLIENT_ID_CHARS = MAX_ID_CHARS
 
 
 class ConnectionOwner(Protocol):
@@ -118,11 +118,15 @@ class Connection:
                 data = await self._read(1)
                 if not data:
                     return
-                self.codec = (JsonLinesCodec if data == b"{" else MsgpackCodec)(ClientMessage)
+                self.codec = (JsonLinesCodec if data == b"{" else MsgpackCodec)(ClientMessage,
+                                                                                max_depth=MAX_NESTING_DEPTH)
             else:
                 self.codec, data = codec, b""
+                self.codec.max_depth = MAX_NESTING_DEPTH
+            # A connection handed over from the load may hold no frame at all (it said hello
+            # or asked for status, and waits to submit): it is read from, not closed.
             pending = list(held)
-            while data or pending:
+            while True:
                 try:
                     frames = pending + self.codec.feed(data)
                     pending = []
@@ -135,6 +139,8 @@ class Connection:
                         return
                 await self.writer.drain()
                 data = await self._read(1 << 16)
+                if not data:
+                    break
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         except Exception:
@@ -145,6 +151,9 @@ class Connection:
     async def _dispatch_frame(self, body: bytes) -> None:
         try:
             message = self.codec.decode(body)
+        except NestingError as exc:  # the frame is intact: say why, and go on serving
+            self.send(Error(code="bad_frame", message=str(exc)))
+            return
         except msgspec.ValidationError as exc:
             text = frame_error_message(exc)
             if text.endswith("at `$.type`") or "missing required field `type`" in text:
@@ -208,14 +217,13 @@ class Connection:
         sink = self.requests.get(ident)
         if sink is None:
             entry = self.intake.registry.get(ident)
-            if entry is None:
-                self.send(Error(code="unknown_id", id=ident[:MAX_CLIENT_ID_CHARS], message="no such request in flight"))
+            # Another user's request answers as a missing one: whether an id exists is
+            # none of this user's business (an administrator may abort any request).
+            if entry is None or (entry[1] != self.uid and not self.admin):
+                self.send(Error(code="unknown_id", id=ident[:MAX_CLIENT_ID_CHARS],
+                                message="no such request of yours in flight"))
                 return
-            sink, owner = entry
-            if owner != self.uid and not self.admin:
-                self.send(Error(code="forbidden", id=ident[:MAX_CLIENT_ID_CHARS],
-                                message="the request belongs to another user"))
-                return
+            sink = entry[0]
         self.intake.abort([sink.request_id])
 
     async def _close(self) -> None:

@@ -12,6 +12,7 @@ from aiohttp import web
 
 from llmd.http.errors import ApiError
 from llmd.http.fim import FimTokens
+from llmd_client.framing import NestingError, decode_json
 
 T = TypeVar("T")
 
@@ -87,7 +88,13 @@ class ServedModel:
         return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
+@functools.cache
+def _decoder(kind: type[T]) -> msgspec.json.Decoder:
+    return msgspec.json.Decoder(kind)
+
+
 async def decode_body(request: web.Request, kind: type[T]) -> T:
+    check_json_content_type(request)
     try:
         body = await request.read()
     except web.HTTPRequestEntityTooLarge:
@@ -95,7 +102,9 @@ async def decode_body(request: web.Request, kind: type[T]) -> T:
     if not body:
         raise ApiError(400, "request body is empty; send a JSON object", code="bad_request")
     try:
-        return msgspec.json.decode(body, type=kind)
+        return decode_json(body, _decoder(kind))
+    except NestingError as exc:
+        raise ApiError(400, f"request body {str(exc).removeprefix('message ')}", code="bad_request") from None
     except msgspec.ValidationError as exc:
         text = _QUOTED_VALUE.sub("<value>", str(exc))[:300]
         match = _FIELD.search(text)
@@ -103,6 +112,29 @@ async def decode_body(request: web.Request, kind: type[T]) -> T:
         raise ApiError(400, text, param=param, code="invalid_params") from None
     except (msgspec.DecodeError, UnicodeDecodeError):
         raise ApiError(400, "request body is not valid UTF-8 JSON", code="bad_request") from None
+
+
+def from_browser(request: web.Request) -> bool:
+    """Whether a browser sent the request: browsers put Origin on every cross-origin
+    request and every POST, and Sec-Fetch-* headers on every request; curl, SDKs and
+    scripts send neither."""
+    headers = request.headers
+    return "Origin" in headers or "Sec-Fetch-Mode" in headers or "Sec-Fetch-Site" in headers
+
+
+def check_json_content_type(request: web.Request) -> None:
+    """JSON bodies come as `application/json` (or `application/<x>+json`): a web page can
+    send any other type (text/plain, a form) cross-origin without asking first, this one
+    only after a CORS preflight the daemon answers for allowed origins alone. A body
+    with no Content-Type, or curl -d's form type, is taken as JSON from a client that
+    is not a browser (curl -d without -H, scripts), never from a browser."""
+    header = request.headers.get("Content-Type")
+    media = header.split(";", 1)[0].strip().lower() if header is not None else None
+    if media == "application/json" or (media and media.startswith("application/") and media.endswith("+json")):
+        return
+    if media in (None, "", "application/x-www-form-urlencoded") and not from_browser(request):
+        return
+    raise ApiError(415, "Content-Type must be application/json", code="unsupported_media_type")
 
 
 def describe_model(engine) -> ServedModel:
