@@ -5,12 +5,19 @@ socket protocol's (validation, tokenizing in the pool, per-user cache salt, limi
 both faces feed one scheduler.
 
 Who is asking: on the Unix socket the peer's uid (SO_PEERCRED); on TCP the uid that
-owns the client's end of the loopback connection (from /proc/net/tcp), and the request
-must carry a bearer token unless the operator turned that off. `/health` answers 200
-only while the engine makes progress; `/metrics` is the Prometheus text."""
+owns the client's end of the loopback connection, and the request must carry a bearer
+token unless the operator turned that off (a key says "let in", not who: every key
+is the same to the daemon, so the uid still comes from the connection). The uid is
+looked up only for the routes that start generations (it keys quotas and the prefix
+cache salt); `/health`, `/metrics` and the informational routes need none. On TCP the
+lookup is one NETLINK_SOCK_DIAG query (a /proc/net/tcp scan where netlink is
+unavailable), made in a thread of its own, once per connection: nothing per
+connection on the event loop grows with the machine's connection count. `/health`
+answers 200 only while the engine makes progress; `/metrics` is the Prometheus text."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hmac
 import logging
 import socket
@@ -26,11 +33,16 @@ from llmd.actors.runtime import Actor
 from llmd.http import llamacpp_api, ollama_api, openai_api
 from llmd.http.context import ServedModel
 from llmd.http.errors import ApiError
+from llmd.http.guard import BrowserGuard
+from llmd.http.malformed import QuietAppRunner
 from llmd_client.protocol import MAX_FRAME_BYTES
 
 logger = logging.getLogger("llmd.http")
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+MAX_API_KEY_BYTES = 4096  # a longer Authorization token is refused unread
+# The allowed origin a request came from, for its response's CORS headers.
+CORS_ORIGIN = web.RequestKey("cors_origin", str) if hasattr(web, "RequestKey") else "cors_origin"
 
 
 class HttpIntakeActor(Actor):
@@ -47,13 +59,22 @@ class HttpIntakeActor(Actor):
         self.served = served
         self.api_keys = [k.encode() for k in api_keys] if api_keys is not None else None
         self.listen_backlog = listen_backlog
+        config = getattr(intake, "config", None)  # Host/Origin checks, CORS: llmd.http.guard
+        self.guard = BrowserGuard(getattr(config, "http_allowed_origins", None) or [],
+                                  getattr(config, "http_host", None))
+        # transport -> the future of its client's uid, for the connection's lifetime.
         self._tcp_uids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._lookups = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="llmd-peer")
+        # Handlers that never read request["uid"]: no lookup for them (a new route gets one).
+        self._anonymous = {self._health, self._metrics, openai_api.models, ollama_api.tags, ollama_api.ps,
+                           ollama_api.show, ollama_api.version, ollama_api.root}
 
     def make_app(self) -> web.Application:
         app = web.Application(middlewares=[self._middleware], client_max_size=MAX_FRAME_BYTES)
         app["served"] = self.served
         app["intake"] = self.intake
         app["max_body"] = MAX_FRAME_BYTES
+        app.on_response_prepare.append(_cors_headers)
         routes = [("GET", "/health", self._health), ("GET", "/metrics", self._metrics)]
         for method, path, handler in routes + openai_api.ROUTES + ollama_api.ROUTES + llamacpp_api.ROUTES:
             app.router.add_route(method, path, handler)
@@ -64,7 +85,8 @@ class HttpIntakeActor(Actor):
     async def run(self) -> None:
         # handler_cancellation: a client that hangs up cancels its handler, which aborts
         # its requests (llmd.http.bridge.Generation) within one engine step.
-        runner = web.AppRunner(self.make_app(), handler_cancellation=True, access_log=None)
+        # QuietAppRunner: a malformed request gets a 400 that echoes nothing, and no traceback.
+        runner = QuietAppRunner(self.make_app(), handler_cancellation=True, access_log=None)
         await runner.setup()
         try:
             for sock in self.sockets:
@@ -72,15 +94,19 @@ class HttpIntakeActor(Actor):
             await asyncio.Event().wait()
         finally:
             await runner.cleanup()
+            self._lookups.shutdown(wait=False, cancel_futures=True)
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         errors = _error_shape(request.path)
         try:
             tcp = isinstance(request.transport.get_extra_info("sockname"), tuple) if request.transport else False
+            if (preflight := self._browser_check(request, tcp)) is not None:
+                return preflight
             if tcp and self.api_keys is not None and request.path != "/health":
                 self._authenticate(request)
-            request["uid"] = self._peer_uid(request, tcp)
+            if request.match_info.http_exception is None and request.match_info.handler not in self._anonymous:
+                request["uid"] = await self._peer_uid(request, tcp)
             return await handler(request)
         except ApiError as exc:
             return errors(exc)
@@ -95,25 +121,50 @@ class HttpIntakeActor(Actor):
             logger.exception("internal error handling %s %s", request.method, route)
             return errors(ApiError(500, "internal error; see the daemon log", code="internal"))
 
+    def _browser_check(self, request: web.Request, tcp: bool) -> web.Response | None:
+        """Refuse a TCP request whose Host is not this machine's (DNS rebinding) and any
+        request from an origin that is not allowed (403); answer an allowed origin's CORS
+        preflight (before the key check: browsers send no credentials on a preflight).
+        An allowed origin's other responses get their CORS headers in _cors_headers."""
+        if tcp and not self.guard.host_allowed(request.headers.get("Host")):
+            raise ApiError(403, "the Host header names no host this daemon serves (DNS rebinding protection): "
+                                "use localhost or an IP address, or list the origin in http_allowed_origins",
+                           code="forbidden")
+        origin = request.headers.get("Origin")
+        if origin is None:
+            return None
+        if not self.guard.origin_allowed(origin):
+            raise ApiError(403, "requests from this origin are not allowed: list it in http_allowed_origins",
+                           code="forbidden")
+        request[CORS_ORIGIN] = origin
+        if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+            return web.Response(status=204, headers=self.guard.preflight_headers(origin, request.headers))
+        return None
+
     def _authenticate(self, request: web.Request) -> None:
         header = request.headers.get("Authorization", "")
         scheme, _, token = header.partition(" ")
-        given = token.strip().encode()
-        if scheme.lower() != "bearer" or not any(hmac.compare_digest(given, key) for key in self.api_keys):
+        # The header's bytes as sent (aiohttp keeps bytes that are not UTF-8 as surrogates).
+        given = token.strip().encode("utf-8", "surrogateescape")
+        if scheme.lower() != "bearer" or not 0 < len(given) <= MAX_API_KEY_BYTES or \
+                not any(hmac.compare_digest(given, key) for key in self.api_keys):
             raise ApiError(401, "a valid API key is required: send Authorization: Bearer <key>",
                            code="invalid_api_key")
 
-    def _peer_uid(self, request: web.Request, tcp: bool) -> int:
+    async def _peer_uid(self, request: web.Request, tcp: bool) -> int:
         transport = request.transport
         if transport is None:
             return -1
         if not tcp:
-            return peer_ids(transport.get_extra_info("socket"))[0]
-        uid = self._tcp_uids.get(transport)
-        if uid is None:
-            uid = tcp_peer_uid(transport.get_extra_info("peername"), transport.get_extra_info("sockname"))
-            self._tcp_uids[transport] = uid
-        return uid
+            return peer_ids(transport.get_extra_info("socket"))[0]  # one getsockopt
+        lookup = self._tcp_uids.get(transport)
+        if lookup is None:
+            lookup = asyncio.get_running_loop().run_in_executor(
+                self._lookups, tcp_peer_uid, transport.get_extra_info("peername"),
+                transport.get_extra_info("sockname"))
+            self._tcp_uids[transport] = lookup
+        # shield: a handler cancelled by its client's hang-up leaves the shared answer be.
+        return await asyncio.shield(lookup)
 
     async def _query(self, kind: str):
         reply = asyncio.get_running_loop().create_future()
@@ -130,6 +181,14 @@ class HttpIntakeActor(Actor):
     async def _metrics(self, request: web.Request) -> web.Response:
         text = await self._query("metrics")
         return web.Response(body=text.encode(), headers={"Content-Type": PROMETHEUS_CONTENT_TYPE})
+
+
+async def _cors_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """An allowed origin may read the response (set before a stream's headers go out)."""
+    origin = request.get(CORS_ORIGIN)
+    if origin is not None and "Access-Control-Allow-Origin" not in response.headers:
+        response.headers["Access-Control-Allow-Origin"] = origin
+        response.headers.add("Vary", "Origin")
 
 
 def _error_shape(path: str) -> Callable[[ApiError], web.Response]:
