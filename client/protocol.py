@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import struct
 
 import msgspec
 
@@ -127,6 +128,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, o
             value = getattr(self, name)
             if value is not None:
                 _check(0 <= value <= MAX_LOGPROBS, name, f"must be in [0, {MAX_LOGPROBS}], got {_short(value)}")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            _check(_fits_float32(getattr(self, name)), name, "must be representable as a 32-bit float "
+                   "(the sampler's type): not past 3.4e38, and not so close to 0 that it rounds to 0")
         _check(len(self.stop) <= 16, "stop", f"at most 16 stop strings, got {len(self.stop)}")
         for s in self.stop:
             _check(0 < len(s) <= 256, "stop", "each stop string must have 1 to 256 characters")
@@ -145,6 +149,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, o
 def _check(ok: bool, field: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{field} {message}")
+
+
+def _fits_float32(value: float) -> bool:
+    """Finite in float32 and zero there only where it is zero (temperature 1e39 became
+    inf and repetition_penalty 5e-324 became 0 in the sampler: they unmasked what a grammar
+    masked)."""
+    try:
+        narrowed = struct.unpack("<f", struct.pack("<f", value))[0]
+    except OverflowError:
+        return False
+    return math.isfinite(narrowed) and (narrowed == 0.0) == (value == 0.0)
 
 
 def _short(value: int) -> str:
@@ -233,8 +248,17 @@ class Usage(msgspec.Struct, kw_only=True):
 
 class TokenLogprob(msgspec.Struct, array_like=True):
     token_id: int
-    logprob: float
+    logprob: float  # >= MIN_WIRE_LOGPROB
     rank: int | None = None
+
+
+# JSON has no -inf and clients read numbers: a token the grammar (or top-k/top-p) ruled
+# out, -inf in the engine, leaves the daemon as this (vLLM's value), on every face.
+MIN_WIRE_LOGPROB = -9999.0
+
+
+def wire_logprob(logprob: float) -> float:
+    return max(logprob, MIN_WIRE_LOGPROB)
 
 
 class Output(msgspec.Struct, tag="output", kw_only=True, omit_defaults=True):

@@ -8,7 +8,7 @@ from llmd.actors.messages import RegisterRequest, RequestEvent, RequestsAborted,
 from llmd.actors.runtime import Actor
 from llmd.detokenizer.output_processor import OutputProcessor
 from llmd.outputs import CompletionOutput, RequestOutput
-from llmd_client.protocol import Output, TokenLogprob, Usage
+from llmd_client.protocol import Output, TokenLogprob, Usage, wire_logprob
 
 
 class DetokenizerActor(Actor):
@@ -96,7 +96,8 @@ class DetokenizerActor(Actor):
             positions = completion.logprobs
         logprobs = None
         if positions is not None:
-            logprobs = [[TokenLogprob(t, lp.logprob, lp.rank) for t, lp in pos.items()] for pos in positions]
+            logprobs = [[TokenLogprob(t, wire_logprob(lp.logprob), lp.rank) for t, lp in pos.items()]
+                        for pos in positions]
         return Output(id=sink.client_id, index=completion.index, text=text, token_ids=list(token_ids),
                       logprobs=logprobs,
                       finish_reason=completion.finish_reason if newly_finished else None,
@@ -112,5 +113,5 @@ def _prompt_logprobs(positions: list) -> list[list[TokenLogprob]]:
         if position is None:
             out.append([])
         else:
-            out.append([TokenLogprob(t, lp.logprob, lp.rank) for t, lp in position.items()])
+            out.append([TokenLogprob(t, wire_logprob(lp.logprob), lp.rank) for t, lp in position.items()])
     return out
