@@ -31,7 +31,12 @@ def kernels_built():
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: str) -> None:
     result = compare(out, ref, "bfloat16" if dtype == "float16" else dtype)
-    assert result["excess"] <= 0 and result["mismatch"] <= result["max_mismatch"], result
+    # float16 keeps 3 more mantissa bits than bfloat16, so the same last-bit differences of
+    # erf (the kernel's against torch's, which depends on the CPU torch dispatches for)
+    # show as more non-identical elements: up to 2.7 % for gelu on this project's CI
+    # machine, each within 4e-6 of the reference; the error bound (excess) is unchanged.
+    max_mismatch = 0.05 if dtype == "float16" else result["max_mismatch"]
+    assert result["excess"] <= 0 and result["mismatch"] <= max_mismatch, result
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -74,8 +74,12 @@ class LoadingResponder:
         held.task = asyncio.current_task()
         self._open.add(held)
         self._connections.append(held)
-        with contextlib.suppress(asyncio.CancelledError):
+        try:
             await self._serve(held)
+        except asyncio.CancelledError:
+            pass  # the hand-over: the connection goes on with the intake
+        except (ConnectionError, OSError):  # the client went away mid-write
+            self._drop(held)
 
     async def _read(self, held: _Held, size: int) -> bytes:
         """The next bytes; b"" at the end, or after the idle timeout with nothing held."""
