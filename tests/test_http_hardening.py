@@ -25,29 +25,13 @@ import msgspec
 import pytest
 
 from daemon_util import Daemon, RawConn
+from test_http_api import UnixHTTPConnection, free_port
 from llmd_tools.make_model import fixture_path
 
 ALLOWED = "https://ok.example"
 EVIL = "https://attacker.example"
 CHROME = {"User-Agent": "Mozilla/5.0 (X11; Linux x86_64) AppleWebKit/537.36 (KHTML, like Gecko) Chrome/131.0 "
                         "Safari/537.36", "Accept": "*/*", "Accept-Language": "en-US,en;q=0.9"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float = 30.0) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self.unix_path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(self.timeout)
-        self.sock.connect(self.unix_path)
 
 
 def request(target: int | str, method: str, path: str, headers: dict[str, str], body: bytes | str | None = None,
