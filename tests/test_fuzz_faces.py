@@ -647,40 +647,53 @@ def test_extreme_requests_get_clear_answers(daemon, innocent, face, data):
     run_case(case, daemon)
 
 
-# Cases the fuzzer found, kept as they are (each fails until its bug is fixed): the face
-# and the body of a valid request that gets a wrong answer.
+# Cases the fuzzer found, kept as they are (each fails until its bug is fixed): the face,
+# the body, and the fields that make it invalid (none: a valid request).
 FOUND = {
     # The top logprobs include tokens the grammar masks, with logprob -inf, which JSON
     # writes as null (the socket's JSON lines break the schema; OpenAI's are not numbers).
     "masked-logprobs-socket-json": ("socket-json", {"type": "submit", "id": "fz", "prompt": "hi", "sampling": {
-        "max_tokens": 1, "temperature": 0, "logprobs": 2, "guided": {"json_object": True}}}),
+        "max_tokens": 1, "temperature": 0, "logprobs": 2, "guided": {"json_object": True}}}, []),
     "masked-logprobs-completions": ("openai-completions", {"prompt": "hi", "max_tokens": 1, "temperature": 0,
-                                                           "logprobs": 2, "response_format": {"type": "json_object"}}),
+                                                           "logprobs": 2, "response_format": {"type": "json_object"}},
+                                    []),
     "masked-logprobs-chat": ("openai-chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
                                              "temperature": 0, "logprobs": True, "top_logprobs": 2,
-                                             "response_format": {"type": "json_object"}}),
+                                             "response_format": {"type": "json_object"}}, []),
     # Floats past float32's range (temperature 1e39 is inf there, repetition_penalty
     # 5e-324 is 0) unmasked what the grammar masks: "internal error: the sampled token broke
     # the grammar", a 500 over HTTP. Now refused at intake, naming the field.
     "float32-temperature-guided": ("socket-msgpack", {"type": "submit", "id": "fz", "prompt": "hi", "sampling": {
-        "max_tokens": 1, "temperature": 1e39, "guided": {"json_object": True}}}),
+        "max_tokens": 1, "temperature": 1e39, "guided": {"json_object": True}}}, [("sampling", "temperature")]),
     "float32-repetition-penalty-guided": ("socket-json", {"type": "submit", "id": "fz", "prompt": "hi", "sampling": {
-        "max_tokens": 1, "temperature": 0, "repetition_penalty": 5e-324, "guided": {"regex": "[a-z]{1,8}"}}}),
+        "max_tokens": 1, "temperature": 0, "repetition_penalty": 5e-324, "guided": {"regex": "[a-z]{1,8}"}}},
+        [("sampling", "repetition_penalty")]),
     "float32-temperature-ollama-format": ("ollama-chat", {"messages": [{"role": "user", "content": "hi"}],
                                                           "format": "json", "stream": False, "model": "MODEL",
-                                                          "options": {"temperature": 1e308, "num_predict": 1}}),
+                                                          "options": {"temperature": 1e308, "num_predict": 1}},
+                                          [("options", "temperature")]),
+    # A priority past int32 passes the HTTP body's type, then Submit() refuses it with a
+    # ValueError the handler does not catch: a 500 and a traceback in the log.
+    "priority-past-int32-completions": ("openai-completions", {"prompt": "hi", "max_tokens": 1, "priority": 2**31},
+                                        [("priority",)]),
+    "priority-past-int32-chat": ("openai-chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                                                 "priority": -2**31 - 1}, [("priority",)]),
+    # "Object missing required field `type` - at `$.response_format`" came with param
+    # "type" (the missing key), not the request's parameter, response_format.
+    "missing-type-param-chat": ("openai-chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                                                "response_format": {}}, [("response_format",)]),
     # Checking that a grammar can complete takes time quadratic in its rules (a pass per
     # rule of a chain): 62 KB (CHAIN_GRAMMAR) take tens of seconds of a tokenizer thread
     # before `accepted`; these 30 KB, seconds where milliseconds would do.
     "grammar-chain-admission": ("socket-msgpack", {"type": "submit", "id": "fz", "prompt": "hi", "sampling": {
         "max_tokens": 1, "guided": {"grammar": "root ::= r0\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(2000))
-                                    + 'r2000 ::= "a"'}}}),
+                                    + 'r2000 ::= "a"'}}}, []),
 }
 
 
 @pytest.mark.parametrize("name", list(FOUND))
 def test_cases_the_fuzzer_found(daemon, name):
-    face, body = FOUND[name]
+    face, body, mutated = FOUND[name]
     if name == "grammar-chain-admission":
         if daemon.name != "plain":
             pytest.skip("the intake's check, the same with any executor (and costly while it fails)")
@@ -688,8 +701,6 @@ def test_cases_the_fuzzer_found(daemon, name):
         pytest.xfail("a 2,000-rule chain grammar takes seconds to admit")
     if "model" in body:
         body = {**body, "model": daemon.model}
-    # The float32 cases are refused at the door now, by the field's name.
-    mutated = [("sampling", "temperature")] if "float32" in name else []
     run_case(Case(face, body, mutated), daemon, admission_s=2.0)
 
 

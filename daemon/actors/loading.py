@@ -58,6 +58,7 @@ class LoadingResponder:
         self.started = time.monotonic()
         self._connections: list[_Held] = []
         self._open = OpenConnections(max_connections, max_connections_per_user)
+        self._adopt = None  # the intake's adopt, once the hand-over has begun
         self.idle_timeout_s = idle_timeout_s
         self._server: asyncio.base_events.Server | None = None
 
@@ -66,6 +67,9 @@ class LoadingResponder:
                                                        backlog=self.listen_backlog)
 
     async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._adopt is not None:  # accepted as the hand-over began: the intake serves it alone
+            await self._adopt(reader, writer)
+            return
         held = _Held(reader, writer)
         refusal = self._open.refusal(held.uid)
         if refusal is not None:
@@ -160,13 +164,17 @@ class LoadingResponder:
     async def hand_over(self, adopt) -> None:
         """Stop accepting (new clients wait in the backlog for the intake) and give every
         connection, with the frames it holds, to `adopt(reader, writer, codec, frames)`."""
+        self._adopt = adopt
         if self._server is not None:
             self._server.close()
-        for held in list(self._connections):
-            if held.task is not None and held.task is not asyncio.current_task():
+        # Until no task of ours reads any more: a connection whose task began during these
+        # awaits is cancelled too (handed over uncancelled, it had two readers: "read()
+        # called while another coroutine is already waiting").
+        while live := [h for h in self._connections if h.task is not None and not h.task.done()
+                       and h.task is not asyncio.current_task()]:
+            for held in live:
                 held.task.cancel()  # it waits on a read: nothing read is lost
-                with contextlib.suppress(asyncio.CancelledError):
-                    await held.task
+            await asyncio.gather(*(held.task for held in live), return_exceptions=True)
         handed, self._connections = self._connections, []
         for held in handed:
             self._open.discard(held)

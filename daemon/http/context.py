@@ -107,7 +107,9 @@ async def decode_body(request: web.Request, kind: type[T]) -> T:
         raise ApiError(400, f"request body {str(exc).removeprefix('message ')}", code="bad_request") from None
     except msgspec.ValidationError as exc:
         text = _QUOTED_VALUE.sub("<value>", str(exc))[:300]
-        match = _FIELD.search(text)
+        # The top-level parameter (`$.response_format`) before a field inside it (`type`).
+        matches = list(_FIELD.finditer(text))
+        match = next((m for m in matches if m.group(1)), matches[0] if matches else None)
         param = (match.group(1) or match.group(2)) if match else None
         raise ApiError(400, text, param=param, code="invalid_params") from None
     except (msgspec.DecodeError, UnicodeDecodeError):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from aiohttp import web
@@ -16,7 +16,8 @@ from llmd.http.context import ServedModel, decode_body
 from llmd.http.errors import ApiError
 from llmd.http.sampling import CommonSampling, build_sampling
 from llmd.http.streams import EventStream, json_response
-from llmd_client.protocol import ChatMessage, GuidedDecodingParams, Output, SamplingParams, Submit, TokenLogprob
+from llmd_client.protocol import (INT32_MAX, ChatMessage, GuidedDecodingParams, Output, SamplingParams, Submit,
+                                  TokenLogprob)
 
 
 class StreamOptions(msgspec.Struct):
@@ -54,7 +55,8 @@ class _SamplingFields(CommonSampling, kw_only=True):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     cache_salt: str | None = None
-    priority: int = 0
+    # Submit's range: a 400 naming the field, not the ValueError of building a Submit (a 500).
+    priority: Annotated[int, msgspec.Meta(ge=-INT32_MAX - 1, le=INT32_MAX)] = 0
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
