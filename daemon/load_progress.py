@@ -14,14 +14,21 @@ from typing import TypeVar
 T = TypeVar("T")
 logger = logging.getLogger("llmd.load")
 
+class LoadCancelled(Exception):
+    """The daemon stopped while the model loaded: the load gave up at its next step."""
+
+
 PHASES = {"tokenizer": 0.05, "workers": 0.05, "weights": 0.75, "kv cache": 0.05, "cuda graphs": 0.10}
 
 
 class LoadProgress:
-    """Thread-safe: the model thread advances it, the event loop reads it."""
+    """Thread-safe: the model thread advances it, the event loop reads it (and may cancel
+    the load: the next phase or tensor then raises LoadCancelled, and worker processes
+    still loading are killed, see llmd.gpu.mp_executor)."""
 
     def __init__(self, show_bar: bool | None = None) -> None:
         self._lock = threading.Lock()
+        self.cancelled = threading.Event()
         self.phase = "starting"
         self._done_weight = 0.0  # of finished phases
         self._phase_fraction = 0.0
@@ -34,7 +41,16 @@ class LoadProgress:
         with self._lock:
             return min(1.0, self._done_weight + PHASES.get(self.phase, 0.0) * self._phase_fraction)
 
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def check(self) -> None:
+        if self.cancelled.is_set():
+            self._close_bar()
+            raise LoadCancelled("the daemon stopped while the model loaded")
+
     def begin(self, phase: str, total: int | None = None) -> None:
+        self.check()
         with self._lock:
             self._done_weight += PHASES.get(self.phase, 0.0)  # the phase that ends
             self.phase, self._phase_fraction, self._logged_quarter = phase, 0.0, -1
@@ -45,6 +61,7 @@ class LoadProgress:
         logger.info("loading: %s", phase)
 
     def advance(self, done: int, total: int) -> None:
+        self.check()
         with self._lock:
             self._phase_fraction = done / total if total else 1.0
         if self._bar is not None:

@@ -27,7 +27,7 @@ from llmd.actors.scheduler_actor import SchedulerActor
 from llmd.config import EngineConfig
 from llmd.daemon_config import DaemonConfig
 from llmd.engine import LLMEngine
-from llmd.load_progress import LoadProgress
+from llmd.load_progress import LoadCancelled, LoadProgress
 from llmd.restart_policy import RestartPolicy
 from llmd.unix_socket import bind_path, bind_socket, close_socket, socket_name
 from llmd.watchdog import feed_watchdog
@@ -40,6 +40,7 @@ except importlib.metadata.PackageNotFoundError:  # run from a source tree that i
     SERVER_VERSION = "0+unknown"
 # The actors in the order they stop: the faces first, so nothing new comes in.
 STOP_ORDER = ["http", "intake", "scheduler", "detokenizer", "metrics"]
+LOAD_CANCEL_WAIT_S = 10.0  # a stopped load: how long its model thread may take to give up
 
 
 @dataclass
@@ -154,6 +155,7 @@ async def _load_engine(engine_config: EngineConfig, daemon: DaemonConfig, sock: 
     if load not in done:
         logger.info("stopped while loading the model")
         responder.close(Error(code="shutting_down", message="the daemon stopped while loading its model"))
+        await _cancel_load(load, progress)
         model_thread.shutdown(wait=False, cancel_futures=True)
         return None, responder
     try:
@@ -161,6 +163,22 @@ async def _load_engine(engine_config: EngineConfig, daemon: DaemonConfig, sock: 
     except BaseException:
         responder.close(Error(code="internal", message="the model failed to load; see the daemon log"))
         raise
+
+
+async def _cancel_load(load: asyncio.Future, progress: LoadProgress) -> None:
+    """End a load the daemon stopped during: the model thread gives up at its next tensor
+    or phase, worker processes still loading are killed, a kernel build is killed (else
+    the process, exiting, would wait for all of it on the model thread)."""
+    from llmd.gpu.kernel_build import cancel_builds
+    progress.cancel()
+    cancel_builds()
+    done, _ = await asyncio.wait([load], timeout=LOAD_CANCEL_WAIT_S)
+    if not done:
+        logger.warning("the model load did not stop within %.0f s of the cancel; exiting after it", LOAD_CANCEL_WAIT_S)
+        return
+    exc = load.exception()
+    if exc is not None and not isinstance(exc, LoadCancelled):
+        logger.info("the cancelled load ended with %s", type(exc).__name__)
 
 
 @dataclass
@@ -241,12 +259,14 @@ async def _wait_until(done, timeout: float, supervisor: Supervisor) -> None:
         await asyncio.sleep(0.02)
 
 
-async def _serve_metrics(listeners: Listeners, metrics: MetricsActor, port: int | None) -> asyncio.Server | None:
+async def _serve_metrics(listeners: Listeners, metrics: MetricsActor, daemon: DaemonConfig) -> asyncio.Server | None:
     if listeners.metrics is None:
         return None
     from llmd.actors.metrics_http import serve_metrics
-    server = await serve_metrics(listeners.metrics, metrics)
-    logger.info("Prometheus metrics on http://127.0.0.1:%d/metrics", port)
+    from llmd.http.guard import BrowserGuard
+    guard = BrowserGuard(daemon.http_allowed_origins or [], daemon.http_host)
+    server = await serve_metrics(listeners.metrics, metrics, guard)
+    logger.info("Prometheus metrics on http://127.0.0.1:%d/metrics", daemon.metrics_port)
     return server
 
 
@@ -267,7 +287,7 @@ async def _serve(daemon: DaemonConfig, engine_config: EngineConfig) -> int:
     actors = _start_actors(engine, model_name, daemon, listeners, model_thread, open_files)
     await asyncio.sleep(0)  # the intake's run() starts serving the socket
     await responder.hand_over(actors.intake.adopt)
-    metrics_server = await _serve_metrics(listeners, actors.metrics, daemon.metrics_port)
+    metrics_server = await _serve_metrics(listeners, actors.metrics, daemon)
     watchdog = asyncio.ensure_future(feed_watchdog(actors.scheduler.making_progress))
     sd_notify.ready(f"serving {model_name}")
     logger.info("serving %s on %s (%s, %s)", model_name, listeners.protocol_path or "the adopted socket",

@@ -244,6 +244,25 @@ def test_bad_specs_are_named(guided, message):
     assert "/project/" not in text and ".cc:" not in text and "\n" not in text
 
 
+@pytest.mark.parametrize("grammar, completes", [
+    ('root ::= a b\na ::= "x"\nb ::= "y" b', False),       # a sequence with one endless part
+    ('root ::= a | b\na ::= a "x"\nb ::= "y"', True),      # one way out is enough
+    ('root ::= a*\na ::= a "x"', True),                      # a repeat may be empty
+    ('root ::= a+\na ::= a "x"', False),                     # ... but not when it needs one
+    ('root ::= a{2,3}\na ::= "x" | a', True),
+    ('root ::= "" | root', True),
+    ('root ::= (a a a)\na ::= b\nb ::= c\nc ::= a', False),  # a cycle with no way out
+    ("root ::= r0\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(3000)) + 'r3000 ::= "a"', True),
+    ("root ::= r0\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(3000)) + "r3000 ::= r0", False),
+])
+def test_can_complete_finds_a_way_out_or_none(grammar, completes):
+    if completes:
+        assert parse_guided(GuidedDecodingParams(grammar=grammar)).kind == "grammar"
+    else:
+        with pytest.raises(GrammarError, match="guided.grammar can never complete"):
+            parse_guided(GuidedDecodingParams(grammar=grammar))
+
+
 def test_deeply_nested_schema_is_refused_before_any_work():
     schema: dict = {"type": "integer"}
     for _ in range(200):

@@ -222,11 +222,14 @@ def test_an_exiting_process_kills_its_build(tmp_path, tiny, slow_cxx, cleanup):
     assert _processes_under(tmp_path) == []
 
 
-def test_sigterm_while_the_daemon_builds_its_kernels(tmp_path, tiny_llama, slow_cxx, cleanup):
+@pytest.mark.parametrize("executor", ["uni", "mp"])
+def test_sigterm_while_the_daemon_builds_its_kernels(tmp_path, tiny_llama, slow_cxx, cleanup, executor):
     """`llmd serve` stopped during the first-start compile: it exits in seconds, the
-    compile killed with it."""
+    compile killed with it; with worker processes too (the compile in a loading worker,
+    which the stop kills: it would read no Shutdown before it had loaded)."""
     _, marker = slow_cxx
     daemon = Daemon(str(tiny_llama), tmp_path / "llmd.sock", "--device", "cpu", "--no-http",
+                    "--distributed-executor-backend", executor,
                     env={SLOW_ENV: str(marker), "LLMD_CPU_KERNELS": "1"})
     cleanup.append(daemon.proc)
     _wait_for(lambda: marker.exists() or daemon.proc.poll() is not None, 90, "the compile did not start")
@@ -235,4 +238,5 @@ def test_sigterm_while_the_daemon_builds_its_kernels(tmp_path, tiny_llama, slow_
     assert daemon.stop(signal.SIGTERM, timeout=30) == 0, daemon.stderr()
     assert time.monotonic() - started < 10, daemon.stderr()  # not the compile's 120 s
     assert "stopped while loading the model" in daemon.stderr()
+    assert "did not stop within" not in daemon.stderr()  # the load itself gave up
     assert _processes_under(tmp_path) == []

@@ -1,12 +1,12 @@
 """The optional Prometheus listener: `llmd serve --metrics-port N` answers GET /metrics
 on 127.0.0.1 only with the same counters as `llmctl metrics` (read with prometheus_client's
 parser), 404 for other paths, 405 for other methods, 400 for garbage; a busy port is
-reported before the model loads."""
+reported before the model loads; a rebinding Host (a page's own name pointed at
+127.0.0.1) is refused."""
 from __future__ import annotations
 
 import socket
 import subprocess
-import sys
 import tempfile
 import urllib.error
 import urllib.request
@@ -74,6 +74,14 @@ def test_metrics_over_http():
         status, headers, _ = get(url + "/metrics", method="POST")
         assert status == 405 and headers["Allow"] == "GET"
         assert raw_request(port, b"nonsense\r\n\r\n").startswith(b"HTTP/1.1 400 ")
+        # What a browser sends after DNS rebinding: the attacker's name in Host.
+        for host, code in [("evil.example", 403), ("evil.example:%d" % port, 403), ("localhost:%d" % port, 200),
+                           ("127.0.0.1", 200), ("[::1]:%d" % port, 200), ("app.localhost", 200)]:
+            reply = raw_request(port, f"GET /metrics HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+            assert reply.startswith(f"HTTP/1.1 {code} ".encode()), (host, reply[:80])
+            assert (b"llmd:generation_tokens_total" in reply) == (code == 200)
+        two_hosts = b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nHOST: evil.example\r\n\r\n"
+        assert raw_request(port, two_hosts).startswith(b"HTTP/1.1 400 ")
         listening = [c.laddr for c in psutil.Process(d.proc.pid).net_connections("tcp")
                      if c.status == psutil.CONN_LISTEN]
         assert [(a.ip, a.port) for a in listening] == [("127.0.0.1", port)]

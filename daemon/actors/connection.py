@@ -68,6 +68,34 @@ class ConnectionSink(RequestSink):
         super().finished()
 
 
+def codec_for(first: bytes, **options) -> MsgpackCodec | JsonLinesCodec:
+    """The codec of a peer whose first byte is `first`: JSON lines start with `{`."""
+    return (JsonLinesCodec if first == b"{" else MsgpackCodec)(ClientMessage, **options)
+
+
+async def read_or_idle(reader: asyncio.StreamReader, size: int, idle_timeout_s: float | None) -> bytes:
+    """The next bytes; b"" at the peer's end or after `idle_timeout_s` of silence (None:
+    no limit)."""
+    if idle_timeout_s is None:
+        return await reader.read(size)
+    try:
+        return await asyncio.wait_for(reader.read(size), idle_timeout_s)
+    except TimeoutError:
+        return b""
+
+
+async def tell_peer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, error: Error) -> None:
+    """Send `error` in the peer's framing (known from its first byte, awaited 2 s at
+    most), for a peer that cannot stay; the caller closes."""
+    try:
+        first = await asyncio.wait_for(reader.read(1), 2.0)
+        if first:
+            writer.write(codec_for(first).encode(error))
+            await asyncio.wait_for(writer.drain(), 2.0)
+    except (TimeoutError, ConnectionError):
+        pass
+
+
 class Connection:
     def __init__(self, intake: ConnectionOwner, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.intake = intake
@@ -90,23 +118,12 @@ class Connection:
     async def _read(self, size: int) -> bytes:
         """The next bytes from the peer; b"" at its end, or when it stayed silent for the
         idle timeout with no request in flight (an idle connection holds a descriptor)."""
-        if self.requests:
-            return await self.reader.read(size)
-        try:
-            return await asyncio.wait_for(self.reader.read(size), self.intake.idle_timeout_s)
-        except TimeoutError:
-            return b""
+        return await read_or_idle(self.reader, size, None if self.requests else self.intake.idle_timeout_s)
 
     async def refuse(self, error: Error) -> None:
         """Tell the peer why it cannot stay (in its own framing), then close."""
         try:
-            first = await asyncio.wait_for(self.reader.read(1), 2.0)
-            if first:
-                self.codec = (JsonLinesCodec if first == b"{" else MsgpackCodec)(ClientMessage)
-                self.send(error)
-                await asyncio.wait_for(self.writer.drain(), 2.0)
-        except (TimeoutError, ConnectionError):
-            pass
+            await tell_peer(self.reader, self.writer, error)
         finally:
             await self._close()
 
@@ -118,8 +135,7 @@ class Connection:
                 data = await self._read(1)
                 if not data:
                     return
-                self.codec = (JsonLinesCodec if data == b"{" else MsgpackCodec)(ClientMessage,
-                                                                                max_depth=MAX_NESTING_DEPTH)
+                self.codec = codec_for(data, max_depth=MAX_NESTING_DEPTH)
             else:
                 self.codec, data = codec, b""
                 self.codec.max_depth = MAX_NESTING_DEPTH

@@ -22,11 +22,11 @@ import time
 import msgspec
 import psutil
 
-from llmd.actors.connection import OpenConnections
+from llmd.actors.connection import OpenConnections, codec_for, read_or_idle, tell_peer
 from llmd.actors.peer_credentials import peer_ids
 from llmd.load_progress import LoadProgress
-from llmd_client.framing import FrameError, JsonLinesCodec, MsgpackCodec
-from llmd_client.protocol import (MAX_FRAME_BYTES, PROTOCOL_VERSION, ClientMessage, Error, Hello, Status,
+from llmd_client.framing import MAX_NESTING_DEPTH, FrameError, JsonLinesCodec, MsgpackCodec
+from llmd_client.protocol import (MAX_FRAME_BYTES, PROTOCOL_VERSION, Error, Hello, Status,
                                   StatusReply, Welcome)
 
 logger = logging.getLogger("llmd.loading")
@@ -87,12 +87,7 @@ class LoadingResponder:
 
     async def _read(self, held: _Held, size: int) -> bytes:
         """The next bytes; b"" at the end, or after the idle timeout with nothing held."""
-        if held.frames:
-            return await held.reader.read(size)
-        try:
-            return await asyncio.wait_for(held.reader.read(size), self.idle_timeout_s)
-        except TimeoutError:
-            return b""
+        return await read_or_idle(held.reader, size, None if held.frames else self.idle_timeout_s)
 
     async def _serve(self, held: _Held) -> None:
         """Answer hello/status until a frame that needs the engine arrives; from then on
@@ -100,7 +95,7 @@ class LoadingResponder:
         data = await self._read(held, 1)
         if not data:
             return self._drop(held)
-        held.codec = (JsonLinesCodec if data == b"{" else MsgpackCodec)(ClientMessage)
+        held.codec = codec_for(data, max_depth=MAX_NESTING_DEPTH)
         while data:
             try:
                 frames = held.codec.feed(data)
@@ -120,12 +115,7 @@ class LoadingResponder:
     async def _refuse(self, held: _Held, error: Error) -> None:
         """Tell the peer (in its framing) that it cannot stay, then close."""
         try:
-            first = await asyncio.wait_for(held.reader.read(1), 2.0)
-            if first:
-                held.writer.write((JsonLinesCodec if first == b"{" else MsgpackCodec)(ClientMessage).encode(error))
-                await asyncio.wait_for(held.writer.drain(), 2.0)
-        except (TimeoutError, ConnectionError):
-            pass
+            await tell_peer(held.reader, held.writer, error)
         finally:
             held.writer.close()
 

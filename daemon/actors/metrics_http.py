@@ -2,7 +2,10 @@
 metrics actor's Prometheus text (asked for by a Query message, like `llmctl metrics`).
 
 Minimal HTTP/1.1: one request per connection (`Connection: close`), GET only (405
-otherwise), 404 for any other path, 400 for anything unreadable."""
+otherwise), 404 for any other path, 400 for anything unreadable, 403 for a `Host` that
+names no host of this machine: a web page that re-points its own name at 127.0.0.1
+(DNS rebinding) must not read the counters, the same rule as the HTTP faces
+(llmd.http.guard)."""
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +14,7 @@ import socket
 
 from llmd.actors.messages import Query
 from llmd.actors.runtime import Actor
+from llmd.http.guard import BrowserGuard
 
 logger = logging.getLogger("llmd.metrics_http")
 
@@ -18,7 +22,7 @@ HOST = "127.0.0.1"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 HEADER_TIMEOUT_S = 10.0
 MAX_HEADER_LINES = 100
-REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed"}
+REASONS = {200: "OK", 400: "Bad Request", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed"}
 
 
 def bind_metrics_socket(port: int) -> socket.socket:
@@ -36,12 +40,12 @@ def bind_metrics_socket(port: int) -> socket.socket:
     return sock
 
 
-async def serve_metrics(sock: socket.socket, metrics: Actor) -> asyncio.Server:
+async def serve_metrics(sock: socket.socket, metrics: Actor, guard: BrowserGuard) -> asyncio.Server:
     """Serve /metrics on the bound socket; close the returned server to stop."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            status, body, extra = await _respond(reader, metrics)
+            status, body, extra = await _respond(reader, metrics, guard)
             head = [f"HTTP/1.1 {status} {REASONS[status]}", f"Content-Type: {CONTENT_TYPE}",
                     f"Content-Length: {len(body)}", "Connection: close", *extra]
             writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + body)
@@ -54,14 +58,20 @@ async def serve_metrics(sock: socket.socket, metrics: Actor) -> asyncio.Server:
     return await asyncio.start_server(handle, sock=sock)
 
 
-async def _respond(reader: asyncio.StreamReader, metrics: Actor) -> tuple[int, bytes, list[str]]:
+async def _respond(reader: asyncio.StreamReader, metrics: Actor,
+                   guard: BrowserGuard) -> tuple[int, bytes, list[str]]:
     """(status, body, extra header lines) for one request."""
+    hosts = []
     try:
         async with asyncio.timeout(HEADER_TIMEOUT_S):
             request_line = (await reader.readline()).decode("latin-1").rstrip("\r\n")
             for _ in range(MAX_HEADER_LINES):
-                if (await reader.readline()) in (b"\r\n", b"\n", b""):
+                line = await reader.readline()
+                if line in (b"\r\n", b"\n", b""):
                     break
+                name, colon, value = line.decode("latin-1").partition(":")
+                if colon and name.strip().lower() == "host":
+                    hosts.append(value.strip())
             else:
                 return 400, b"too many header lines\n", []
     except ValueError:  # a line longer than the stream's limit
@@ -70,6 +80,11 @@ async def _respond(reader: asyncio.StreamReader, metrics: Actor) -> tuple[int, b
     if len(parts) != 3 or not parts[2].startswith("HTTP/"):
         return 400, b"malformed request line\n", []
     method, target, _ = parts
+    if len(hosts) > 1:
+        return 400, b"more than one Host header\n", []
+    if hosts and not guard.host_allowed(hosts[0]):
+        return 403, (b"the Host header names no host this daemon serves (DNS rebinding protection): "
+                     b"use localhost or an IP address\n"), []
     if method != "GET":
         return 405, b"only GET is allowed\n", ["Allow: GET"]
     if target.split("?", 1)[0] != "/metrics":

@@ -19,5 +19,6 @@ def make_executor(config: EngineConfig, model_dir: str, settings: RunnerSettings
         if progress is not None:  # the workers load the weights, unseen from here
             progress.begin("workers")
         return MultiprocExecutor(model_dir, settings, device, dtype, world_size=config.tensor_parallel_size,
-                                 step_deadline=config.step_deadline_s)
+                                 step_deadline=config.step_deadline_s,
+                                 cancelled=progress.cancelled if progress is not None else None)
     return InProcessExecutor(model_dir, settings, device, dtype, progress=progress)

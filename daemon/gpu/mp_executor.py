@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from multiprocessing.connection import Connection, wait
 from typing import Callable
@@ -35,12 +36,14 @@ import msgspec
 from llmd.executor import ExecutorError
 from llmd.gpu.kv_budget import MemoryBreakdown
 from llmd.gpu.runner_types import RunnerSettings
+from llmd.load_progress import LoadCancelled
 from llmd.gpu.worker import (ChainedResult, Execute, ExecuteChained, Flush, FromWorker, GrammarRows, InitKVCache,
                              KVBudget, KVReady, ProfileKV, Shutdown, StepResult, WorkerFailed, WorkerInit,
                              WorkerReady)
 from llmd.step_messages import RunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("llmd.executor")
+CANCEL_POLL_S = 0.1  # how often a load's wait for its workers looks at the cancel
 
 
 class WorkerError(ExecutorError):
@@ -50,9 +53,12 @@ class WorkerError(ExecutorError):
 class MultiprocExecutor:
     def __init__(self, model_dir: str, settings: RunnerSettings, device, dtype, world_size: int = 1,
                  start_timeout: float = 600.0,
-                 step_deadline: Callable[[int], float | None] = lambda num_tokens: None) -> None:
+                 step_deadline: Callable[[int], float | None] = lambda num_tokens: None,
+                 cancelled: threading.Event | None = None) -> None:
         """`step_deadline(num_tokens)`: seconds a step may go unanswered before its
-        workers count as hung and are killed (None: no limit)."""
+        workers count as hung and are killed (None: no limit). `cancelled`, once set,
+        ends a wait for the workers' start, KV profile or KV cache: they are killed and
+        LoadCancelled raised (the daemon stopped while it loaded)."""
         if world_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {world_size}")
         self._encoder = msgspec.msgpack.Encoder()
@@ -61,6 +67,7 @@ class MultiprocExecutor:
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
         self._step_deadline = step_deadline
+        self._cancelled = cancelled
         self._tokens_in_flight = 0  # chained: the step launched before, not yet read back
         self._pidfds: list[int] = []
         self._rendezvous_dir: str | None = None
@@ -89,10 +96,7 @@ class MultiprocExecutor:
                                   torch_threads=torch_threads, dist_backend=backend,
                                   dist_init_method=init_method)
                 conn.send_bytes(msgspec.msgpack.encode(init))
-            if world_size == 1:
-                ready = [self._recv(0, start_timeout)]
-            else:
-                ready = self._recv_all(start_timeout)
+            ready = self._recv_all(start_timeout)
             for rank, message in enumerate(ready):
                 if not isinstance(message, WorkerReady):
                     raise WorkerError(f"worker {rank} did not start: unexpected {type(message).__name__}")
@@ -122,13 +126,20 @@ class MultiprocExecutor:
     def _recv_all(self, timeout: float, check=None) -> list[object]:
         """One message from every rank, in whatever order they come: a rank that fails
         is reported at once (the others may be blocked waiting for it in a collective).
-        `check(rank, message)`, when given, sees each message as it comes and may raise."""
+        `check(rank, message)`, when given, sees each message as it comes and may raise.
+        The load's cancel ends the wait (LoadCancelled)."""
         messages: dict[int, object] = {}
         deadline = time.monotonic() + timeout
         while len(messages) < len(self.conns):
             pending = [c for r, c in enumerate(self.conns) if r not in messages]
             left = deadline - time.monotonic()
+            if self._cancelled is not None:
+                if self._cancelled.is_set():
+                    raise LoadCancelled("the daemon stopped while the workers loaded")
+                left = min(left, CANCEL_POLL_S)
             ready = wait(pending, max(left, 0.0))
+            if not ready and time.monotonic() < deadline:
+                continue
             if not ready:
                 rank = next(r for r in range(len(self.conns)) if r not in messages)
                 raise WorkerError(f"worker {rank} did not answer within {timeout:.0f} s")
@@ -202,6 +213,19 @@ class MultiprocExecutor:
                 return f"worker process {rank} (pid {proc.pid}) {exit_text(proc.returncode)}"
         return None
 
+    def _stop_loading(self) -> None:
+        """SIGTERM the workers (one building kernels kills its compilers and exits); SIGKILL
+        those still there after 5 s."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        until = time.monotonic() + 5.0
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.0, until - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
     def kill(self) -> None:
         """SIGKILL every worker (it reaches a stopped process too)."""
         for proc in self.procs:
@@ -226,16 +250,12 @@ class MultiprocExecutor:
             if reply.error is not None:
                 raise ValueError(f"tensor-parallel rank {rank}: {reply.error}" if many else reply.error)
 
-        if not many:
-            replies = [self._recv(0, 600.0)]
-            check(0, replies[0])
-        else:
-            replies = self._recv_all(600.0, check)
+        replies = self._recv_all(600.0, check)
         return [reply.breakdown for reply in replies]
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self._broadcast(InitKVCache(num_blocks))
-        replies = [self._recv(0, 600.0)] if len(self.conns) == 1 else self._recv_all(600.0)
+        replies = self._recv_all(600.0)
         for rank, reply in enumerate(replies):
             if not isinstance(reply, KVReady):
                 raise WorkerError(f"worker {rank} did not confirm its KV cache")
@@ -274,6 +294,8 @@ class MultiprocExecutor:
         return message.output
 
     def shutdown(self) -> None:
+        if self._cancelled is not None and self._cancelled.is_set():
+            self._stop_loading()  # still loading: they would read the Shutdown only once loaded
         for conn in self.conns:
             try:
                 conn.send_bytes(self._encoder.encode(Shutdown()))

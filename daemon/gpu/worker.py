@@ -109,11 +109,20 @@ def _die_with_parent() -> None:
             pass
 
 
+def _stop_loading(signum, frame) -> None:
+    """SIGTERM (the parent stopped while this worker loaded): end a kernel build with its
+    compilers (killed outright, they would go on) and exit."""
+    from llmd.gpu.kernel_build import cancel_builds
+    cancel_builds()
+    raise SystemExit(128 + signum)
+
+
 def worker_main(conn) -> None:
     """Serve one parent over `conn` (a multiprocessing Connection): the first message is
     the WorkerInit, then ToWorker messages until Shutdown or EOF."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    signal.signal(signal.SIGTERM, _stop_loading)
     encoder = msgspec.msgpack.Encoder()
     decoder = msgspec.msgpack.Decoder(ToWorker)
     try:

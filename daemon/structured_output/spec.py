@@ -155,33 +155,52 @@ def _can_complete(grammar: Any) -> bool:
     """Whether the root rule derives at least one finite string (the classic
     "productive symbols" fixpoint). A grammar that fails this would let a request run
     to max_tokens without ever producing valid output. Unknown formats or expression
-    kinds count as productive: this check only ever rejects what is certainly endless."""
+    kinds count as productive: this check only ever rejects what is certainly endless.
+
+    Linear in the grammar's size: expressions and rules are the nodes of an AND/OR graph
+    (a sequence needs every part, a choice, a reference or a rule one), each node counts
+    the parts it still lacks, and a node that becomes productive tells only its parents
+    (a pass per rule until nothing changes took seconds for a 2,000-rule chain)."""
     data = json.loads(grammar.serialize_json())
     if data.get("__VERSION__") != "v16":
         return True
     flat, starts, rules = data["grammar_expr_data"], data["grammar_expr_indptr"], data["rules"]
-    bounds = list(zip(starts, starts[1:] + [len(flat)]))
-    productive = [False] * len(rules)
+    n_exprs = len(starts)
+    ends = starts[1:] + [len(flat)]
+    # Node ids: expressions 0..n_exprs-1, then rule r as n_exprs + r.
+    lacking = [0] * (n_exprs + len(rules))
+    parents: list[list[int]] = [[] for _ in lacking]
+    ready = []
 
-    def derives(expr_id: int) -> bool:
-        lo, hi = bounds[expr_id]
+    def needs(node: int, children: list[int], all_of: bool) -> None:
+        for child in children:
+            parents[child].append(node)
+        lacking[node] = len(children) if all_of else 1
+        if all_of and not children:
+            ready.append(node)
+
+    for expr_id, (lo, hi) in enumerate(zip(starts, ends)):
         kind, payload = flat[lo], flat[lo + 2:hi]
-        if kind in (_BYTES, _CLASS, _CLASS_STAR, _EMPTY):
-            return True
         if kind == _RULE_REF:
-            return productive[payload[0]]
-        if kind == _SEQUENCE:
-            return all(derives(e) for e in payload)
-        if kind == _CHOICES:
-            return any(derives(e) for e in payload)
-        if kind == _REPEAT:
-            return payload[1] == 0 or productive[payload[0]]
-        return True
+            needs(expr_id, [n_exprs + payload[0]], all_of=False)
+        elif kind == _SEQUENCE:
+            needs(expr_id, payload, all_of=True)
+        elif kind == _CHOICES:
+            needs(expr_id, payload, all_of=False)
+        elif kind == _REPEAT and payload[1] != 0:
+            needs(expr_id, [n_exprs + payload[0]], all_of=False)
+        else:  # bytes, character classes, empty, a repeat that may be empty, unknown kinds
+            ready.append(expr_id)
+    for index, rule in enumerate(rules):
+        needs(n_exprs + index, [rule[1]], all_of=False)
 
-    changed = True
-    while changed:
-        changed = False
-        for index, rule in enumerate(rules):
-            if not productive[index] and derives(rule[1]):
-                productive[index] = changed = True
-    return productive[data["root_rule_id"]]
+    productive = [False] * len(lacking)
+    for node in ready:
+        productive[node] = True
+    while ready:
+        for parent in parents[ready.pop()]:
+            lacking[parent] -= 1
+            if lacking[parent] == 0 and not productive[parent]:
+                productive[parent] = True
+                ready.append(parent)
+    return productive[n_exprs + data["root_rule_id"]]
