@@ -125,7 +125,7 @@ def main() -> None:
 def serve(socket_path, config_file, **settings) -> None:
     """Load a model and serve it on a Unix socket."""
     from llmd.daemon_config import load_settings
-    from llmd.server import serve as run
+    from llmd.server.serve import serve as run
 
     settings["socket"] = socket_path
     try:

@@ -15,13 +15,13 @@ from typing import Any
 
 from llmd.config import EngineConfig
 from llmd.detokenizer.output_processor import OutputProcessor
-from llmd.engine_core import EngineCore, Idle
+from llmd.core.engine_core import EngineCore, Idle
 from llmd.engine_setup import num_kv_blocks, prepare_model
-from llmd.executor import Executor, ExecutorError
+from llmd.core.executor import Executor, ExecutorError
 from llmd.input_processor import InputProcessor
 from llmd.load_progress import LoadProgress
 from llmd.outputs import RequestOutput
-from llmd.request import RequestStatus
+from llmd.core.request import RequestStatus
 from llmd.structured_output import GrammarCompilerService, StructuredOutputManager
 from llmd_client.protocol import SamplingParams
 
@@ -67,7 +67,7 @@ class LLMEngine:
             _warn_if_scheduler_competes_for_cores(config)
 
     def _make_executor(self) -> Executor:
-        from llmd.gpu.executors import make_executor  # torch: loaded with the model, not with this module
+        from llmd.gpu.worker.executors import make_executor  # torch: loaded with the model, not with this module
 
         return make_executor(self.config, self.model_dir, self._runner_settings, self.device, self.dtype,
                              progress=self._progress)

@@ -12,7 +12,7 @@ import psutil
 
 from llmd.builtin_model import builtin_model_path
 from llmd.config import EngineConfig
-from llmd.executor import Executor
+from llmd.core.executor import Executor
 from llmd.load_progress import LoadProgress
 
 CPU_KV_DEFAULT_CAP = 4 << 30
@@ -38,14 +38,14 @@ def prepare_model(config: EngineConfig, progress: LoadProgress | None = None) ->
     """Read the model's config and tokenizer, resolve device and dtype, check limits."""
     import torch
 
-    from llmd.gpu.loader import load_hf_config, load_tokenizer, resolve_dtype, stop_token_ids
+    from llmd.gpu.models.loader import load_hf_config, load_tokenizer, resolve_dtype, stop_token_ids
 
     # An HF directory or a GGUF file; none given: the built-in model (fetched once).
     model_dir = str(config.model or builtin_model_path())
     hf_config = load_hf_config(model_dir)
     _refuse_quantized(hf_config, model_dir)
     if config.tensor_parallel_size > 1:
-        from llmd.gpu.tp import check_tp_config
+        from llmd.gpu.layers.tp import check_tp_config
         check_tp_config(hf_config, config.tensor_parallel_size)
     if progress is not None:
         progress.begin("tokenizer")
@@ -70,7 +70,7 @@ def prepare_model(config: EngineConfig, progress: LoadProgress | None = None) ->
 
 
 def _runner_settings(config: EngineConfig, hf_config: Any, tokenizer: Any, max_model_len: int) -> Any:
-    from llmd.gpu.runner_types import RunnerSettings
+    from llmd.gpu.worker.runner_types import RunnerSettings
 
     spec = config.speculative_config
     draft_model = spec.draft_model if spec is not None and spec.method == "draft_model" else None
@@ -144,7 +144,7 @@ def _profiled_cuda_blocks(config: EngineConfig, executor: Executor) -> int:
 def _check_draft_model(draft_dir: str, target_config, target_tokenizer, max_model_len: int) -> None:
     """A draft model must share the target's vocabulary (the same logit width, the same
     tokens under the same ids, the same EOS) and reach max_model_len."""
-    from llmd.gpu.loader import load_hf_config, load_tokenizer
+    from llmd.gpu.models.loader import load_hf_config, load_tokenizer
 
     what = f"speculative_config.draft_model {draft_dir!r}"
     if not Path(draft_dir).is_dir():

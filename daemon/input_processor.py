@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from llmd.request import Request, child_request_id
+from llmd.core.request import Request, child_request_id
 from llmd.structured_output import RequestGrammar, parse_guided
 from llmd_client.protocol import SamplingParams
 

@@ -24,7 +24,7 @@ PHASES = {"tokenizer": 0.05, "workers": 0.05, "weights": 0.75, "kv cache": 0.05,
 class LoadProgress:
     """Thread-safe: the model thread advances it, the event loop reads it (and may cancel
     the load: the next phase or tensor then raises LoadCancelled, and worker processes
-    still loading are killed, see llmd.gpu.mp_executor)."""
+    still loading are killed, see llmd.gpu.worker.mp_executor)."""
 
     def __init__(self, show_bar: bool | None = None) -> None:
         self._lock = threading.Lock()

@@ -1,5 +1,5 @@
 """The cases tests/test_moe.py checks for the fused MoE Triton kernel: its experts'
-output against llmd.gpu.fused_moe.moe_reference on the same routing, with loads that
+output against llmd.gpu.layers.fused_moe.moe_reference on the same routing, with loads that
 are ragged on purpose (experts that get no token, one expert with several row blocks,
 a single decode token, sizes that are not multiples of the tiles). The "fused-" cases
 run act(gate) * up between the two grouped GEMMs as the fused layer ops' Triton kernel
@@ -96,7 +96,7 @@ def build(case: MoeCase, seed: int = 0) -> tuple[torch.Tensor, ...]:
 def counting_ops(fused: bool):
     """The layer ops a case runs the Triton path with (fused: the kernel, else torch),
     counting their act_and_mul calls, so a case shows which ran."""
-    from llmd.gpu.fused_ops import FusedLayerOps, LayerOps
+    from llmd.gpu.layers.fused_ops import FusedLayerOps, LayerOps
 
     class Counting(FusedLayerOps if fused else LayerOps):
         calls = 0
@@ -109,8 +109,8 @@ def counting_ops(fused: bool):
 
 
 def run_case(case: MoeCase) -> dict:
-    from llmd.gpu.fused_moe import moe_reference
-    from llmd.gpu.fused_moe_triton import triton_fused_experts
+    from llmd.gpu.layers.fused_moe import moe_reference
+    from llmd.gpu.layers.fused_moe_triton import triton_fused_experts
 
     x, w13, w2, weights, ids = build(case)
     ops = counting_ops(case.fused_activation)
@@ -142,8 +142,8 @@ def run_model(model_dir: str, fused: bool, tokens: int = 29) -> dict:
     model is built as a CUDA one would be with fused ops (LLMD_FUSED_OPS=1, the Triton
     attention backend), so its blocks run act * up as the fused kernel; the reference
     then runs with the torch ops."""
-    from llmd.gpu.fused_ops import FUSED_OPS_ENV, UNFUSED
-    from llmd.gpu.loader import load_model
+    from llmd.gpu.layers.fused_ops import FUSED_OPS_ENV, UNFUSED
+    from llmd.gpu.models.loader import load_model
 
     os.environ[FUSED_OPS_ENV] = "1" if fused else "0"
     model = load_model(model_dir, torch.float32, DEVICE, 128,

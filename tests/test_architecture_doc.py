@@ -34,4 +34,4 @@ def test_every_path_on_the_map_exists():
 
 def test_a_missing_module_would_be_noticed():
     assert not _mentioned(ROOT / "daemon" / "no_such_module.py")
-    assert _mentioned(ROOT / "daemon" / "engine_core.py")
+    assert _mentioned(ROOT / "daemon" / "core" / "engine_core.py")

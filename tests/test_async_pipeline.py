@@ -11,10 +11,10 @@ import random
 import pytest
 
 from llmd.config import EngineConfig
-from llmd.kv_cache_manager import KVCacheManager
-from llmd.request import Request, RequestStatus
-from llmd.scheduler import Scheduler
-from llmd.step_pipeline import StepPipeline, run_now
+from llmd.core.kv_cache_manager import KVCacheManager
+from llmd.core.request import Request, RequestStatus
+from llmd.core.scheduler import Scheduler
+from llmd.core.step_pipeline import StepPipeline, run_now
 from llmd_client.protocol import SamplingParams
 from test_scheduler import BS, FakeRunner, hash_sample, reference_decode
 

@@ -47,7 +47,7 @@ def test_unwritable_cache_is_a_clear_error(monkeypatch, tmp_path):
 
 
 def test_daemon_does_not_need_the_test_tools():
-    code = ("import sys, llmd.engine, llmd.server, llmd.builtin_model\n"
+    code = ("import sys, llmd.engine, llmd.server.serve, llmd.builtin_model\n"
             "print([m for m in sys.modules if m.startswith('llmd_tools')])\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

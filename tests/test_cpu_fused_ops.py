@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmd.gpu.attention import TorchAttention
-from llmd.gpu.cpu_fused_ops import CPU_FUSED
-from llmd.gpu.cpu_kernels import CPU_KERNELS_ENV, paged_decode_op
-from llmd.gpu.fused_ops import FUSED_OPS_ENV, UNFUSED, attention_inputs_reference
-from llmd.gpu.norms import GemmaRMSNorm, RMSNorm
+from llmd.gpu.layers.attention import TorchAttention
+from llmd.gpu.layers.cpu.cpu_fused_ops import CPU_FUSED
+from llmd.gpu.layers.cpu.cpu_kernels import CPU_KERNELS_ENV, paged_decode_op
+from llmd.gpu.layers.fused_ops import FUSED_OPS_ENV, UNFUSED, attention_inputs_reference
+from llmd.gpu.layers.norms import GemmaRMSNorm, RMSNorm
 from test_fused_ops import MODEL_TOL, MODELS, _model_step, _norm, _randn, compare
 from triton_attention_cases import step_metadata
 

@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmd.gpu.attention import AttentionMetadata, GatherWorkspace, TorchAttention, set_decode_rows
-from llmd.gpu.cpu_kernels import CPU_KERNELS_ENV, attach_cpu_kernels, paged_decode_op
-from llmd.gpu.cpu_linear import PackedLinearForward, pack_linears, packing_supported, unpack_linears
-from llmd.gpu.loader import load_model
+from llmd.gpu.layers.attention import AttentionMetadata, GatherWorkspace, TorchAttention, set_decode_rows
+from llmd.gpu.layers.cpu.cpu_kernels import CPU_KERNELS_ENV, attach_cpu_kernels, paged_decode_op
+from llmd.gpu.layers.cpu.cpu_linear import PackedLinearForward, pack_linears, packing_supported, unpack_linears
+from llmd.gpu.models.loader import load_model
 
 CPU = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps (llmd.gpu.cuda_graphs).
+"""CUDA graphs for decode steps (llmd.gpu.worker.cuda_graphs).
 
 On CPU the graph path runs emulated (`init_decode_graphs(emulate=True)`): the same
 static buffers, padding to captured sizes and scratch-block rows, with the forward
@@ -15,7 +15,7 @@ from torch import nn
 
 from llmd import LLM, SamplingParams
 from llmd.config import SpeculativeConfig
-from llmd.gpu.cuda_graphs import capture_sizes
+from llmd.gpu.worker.cuda_graphs import capture_sizes
 from llmd_tools.make_model import fixture_path
 
 TEXT = "def parse(path):\n    with open(path) as f:\n        return json.load(f)\n"
@@ -222,7 +222,7 @@ def test_failed_capture_frees_and_runs_eagerly(monkeypatch, caplog) -> None:
     """A capture that raises (out of memory, say) is released, logged with its cause,
     and the runner keeps decode_graphs None. The CUDA calls around it are stubbed so
     the handling runs on CPU."""
-    from llmd.gpu import cuda_graphs
+    from llmd.gpu.worker import cuda_graphs
 
     for name in ("synchronize", "empty_cache"):
         monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)

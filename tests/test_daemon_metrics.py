@@ -15,7 +15,7 @@ from prometheus_client import parser
 from daemon_util import Daemon, RawConn
 from llmd.actors.messages import RequestEvent, StepStats
 from llmd.actors.metrics import MetricsActor
-from llmd.spec_decode import SpecDecodeStats
+from llmd.core.spec_decode import SpecDecodeStats
 from llmd_tools.make_model import fixture_path
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from daemon_util import Daemon, RawConn
 from llmd.actors.messages import EngineState
-from llmd.restart_policy import RestartPolicy
+from llmd.core.restart_policy import RestartPolicy
 from llmd_tools.make_model import fixture_path
 
 STEP_TIMEOUT_S = 3.0  # the hang test's deadline; a tiny-model step takes milliseconds
@@ -48,7 +48,7 @@ def daemon(tmp_path_factory):
 
 
 def workers(d: Daemon) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", "llmd.gpu.worker", "-P", str(d.proc.pid)],
+    out = subprocess.run(["pgrep", "-f", "llmd.gpu.worker.process", "-P", str(d.proc.pid)],
                          capture_output=True, text=True).stdout
     return [int(pid) for pid in out.split()]
 
@@ -283,8 +283,8 @@ def test_health_and_status_say_restarting_and_dead():
 
 
 def test_watchdog_is_fed_only_while_the_engine_makes_progress(monkeypatch, caplog):
-    from llmd import sd_notify
-    from llmd.watchdog import feed_watchdog as _watchdog
+    from llmd.server import sd_notify
+    from llmd.server.watchdog import feed_watchdog as _watchdog
 
     fed: list[float] = []
     monkeypatch.setattr(sd_notify, "watchdog", lambda: fed.append(time.monotonic()))

@@ -1,4 +1,4 @@
-"""The flash-attn backend (llmd.gpu.flash_attention) against the PyTorch reference, and
+"""The flash-attn backend (llmd.gpu.layers.flash_attention) against the PyTorch reference, and
 its choice at start-up.
 
 flash-attn has no CPU build, so on CPU the backend calls a stand-in written from
@@ -20,11 +20,11 @@ from hf_ref import check_logprobs_close, engine_result
 from triton_attention_cases import TOLERANCE, Case, build, step_metadata
 
 from llmd import LLM, SamplingParams
-from llmd.gpu import attention_backends
-from llmd.gpu.attention import TorchAttention
-from llmd.gpu.attention_backends import resolve_attention_backend
-from llmd.gpu.model_runner import ModelRunner
-from llmd.gpu.runner_types import RunnerSettings
+from llmd.gpu.layers import attention_backends
+from llmd.gpu.layers.attention import TorchAttention
+from llmd.gpu.layers.attention_backends import resolve_attention_backend
+from llmd.gpu.worker.model_runner import ModelRunner
+from llmd.gpu.worker.runner_types import RunnerSettings
 
 FAKES = str(Path(__file__).with_name("fakes"))
 CPU = torch.device("cpu")
@@ -84,7 +84,7 @@ def flash_on_cpu(fake_flash, monkeypatch):
 
 def compare(case: Case, device: torch.device) -> tuple[float, float]:
     """(output error, cache error) of FlashAttention against TorchAttention on one step."""
-    from llmd.gpu.flash_attention import FlashAttention
+    from llmd.gpu.layers.flash_attention import FlashAttention
 
     q, k, v, kv_cache, md = (t.to(device) if isinstance(t, torch.Tensor) else t for t in build(case))
     md.slot_mapping = md.slot_mapping.to(device)
@@ -112,7 +112,7 @@ def test_flash_backend_matches_the_torch_reference(fake_flash, name: str) -> Non
 
 
 def test_step_arguments_are_built_once_and_in_token_order(fake_flash) -> None:
-    from llmd.gpu.flash_attention import _flash_rows
+    from llmd.gpu.layers.flash_attention import _flash_rows
 
     gen = torch.Generator().manual_seed(0)
     md, _, _ = step_metadata((5, 300), ((256, 10), (0, 3)), BS, gen)
@@ -139,7 +139,7 @@ def test_model_runner_step_and_graph_path_match_torch(flash_on_cpu, model_dirs, 
                                                       windows: list[tuple[int, int]]) -> None:
     """A mixed step of a fixture (fp16) through every layer, and a padded decode step
     through the emulated graph path: the torch backend's hidden states and caches."""
-    from llmd.gpu.flash_attention import FlashAttention
+    from llmd.gpu.layers.flash_attention import FlashAttention
 
     gen = torch.Generator().manual_seed(1)
     md, num_blocks, positions = step_metadata(DECODES, PREFILLS, BS, gen)
@@ -201,7 +201,7 @@ def test_engine_greedy_tokens_match_torch(flash_on_cpu, tiny_llama: Path) -> Non
 
 
 def test_flash_attn_choice_and_refusals(fake_flash) -> None:
-    from llmd.gpu.flash_attention import FlashAttention
+    from llmd.gpu.layers.flash_attention import FlashAttention
 
     cuda = torch.device("cuda")  # only the checks run: nothing is allocated there
     assert resolve_attention_backend("auto", CPU, BS, torch.bfloat16) == "torch"

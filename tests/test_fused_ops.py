@@ -1,5 +1,5 @@
-"""The fused layer ops (llmd.gpu.fused_ops_triton) against their torch references
-(llmd.gpu.fused_ops.LayerOps and attention_inputs_reference, which compute what the
+"""The fused layer ops (llmd.gpu.layers.fused_ops_triton) against their torch references
+(llmd.gpu.layers.fused_ops.LayerOps and attention_inputs_reference, which compute what the
 unfused layers compute), and model steps with fusion on against the same steps with it
 off, both with the Triton attention backend; and the choice of ops (LLMD_FUSED_OPS).
 
@@ -33,9 +33,9 @@ import pytest
 import torch
 from kernel_runs import DEVICES, case_result, run_case_scripts, script_device
 
-from llmd.gpu import fused_ops
-from llmd.gpu.fused_ops import FUSED_OPS_ENV, UNFUSED, LayerOps, attention_inputs_reference, layer_ops
-from llmd.gpu.norms import GemmaRMSNorm, RMSNorm
+from llmd.gpu.layers import fused_ops
+from llmd.gpu.layers.fused_ops import FUSED_OPS_ENV, UNFUSED, LayerOps, attention_inputs_reference, layer_ops
+from llmd.gpu.layers.norms import GemmaRMSNorm, RMSNorm
 
 TOLERANCE = {"float32": (1e-5, 1e-5, 1.0), "bfloat16": (1e-5, 2.0 ** -7, 0.02)}  # atol, rtol, mismatch share
 # Model fixtures the model-level cases run: Llama, Qwen3 (q/k norms), Gemma 3 (Gemma
@@ -71,7 +71,7 @@ def _norm(cls: type[RMSNorm], n: int, dtype: torch.dtype, gen: torch.Generator) 
 
 
 def norm_case(tokens: int, hidden: int, dtype: str, gemma: bool, add: bool) -> dict:
-    from llmd.gpu import fused_ops_triton
+    from llmd.gpu.layers import fused_ops_triton
 
     gen = torch.Generator().manual_seed(tokens * hidden)
     dt = getattr(torch, dtype)
@@ -87,7 +87,7 @@ def norm_case(tokens: int, hidden: int, dtype: str, gemma: bool, add: bool) -> d
 
 
 def act_case(tokens: int, inter: int, dtype: str, activation: str) -> dict:
-    from llmd.gpu import fused_ops_triton
+    from llmd.gpu.layers import fused_ops_triton
 
     gen = torch.Generator().manual_seed(tokens + inter)
     gate_up = _randn(gen, tokens, 2 * inter, dtype=getattr(torch, dtype), scale=2.0)
@@ -100,7 +100,7 @@ def qkv_case(tokens: int, heads: int, kv_heads: int, head_dim: int, rotary_dim: 
     """One layer's attention inputs: q against the reference's, and the cache: the K and
     V of the named slots as the reference wrote them, every other element untouched. A
     padding row (slot -1) writes nothing; the step's slots are scattered over the pool."""
-    from llmd.gpu import fused_ops_triton
+    from llmd.gpu.layers import fused_ops_triton
 
     gen = torch.Generator().manual_seed(tokens * head_dim + heads)
     dt = getattr(torch, dtype)
@@ -140,8 +140,8 @@ def _model_step(model_dir: str, fused: bool, dtype: torch.dtype, backend: str = 
     """(hidden states, every layer's cache, each layer's ops.fused) of one mixed step of
     the model with the Triton backend (or `backend`: test_cpu_fused_ops runs "torch"),
     fusion forced on or off, from a random cache."""
-    from llmd.gpu.model_runner import ModelRunner
-    from llmd.gpu.runner_types import RunnerSettings
+    from llmd.gpu.worker.model_runner import ModelRunner
+    from llmd.gpu.worker.runner_types import RunnerSettings
     from triton_attention_cases import step_metadata
 
     os.environ[FUSED_OPS_ENV] = "1" if fused else "0"

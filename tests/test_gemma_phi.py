@@ -17,7 +17,7 @@ Whole requests give its greedy tokens and logprobs for all MAX_TOKENS steps in e
 mode: plain batches, prefix-cache hits, chunked prefill, preemption, an emulated decode
 graph, TP=2 over gloo. Phi-3's prompts fit in its original 48 positions and generation
 crosses them, so the short and then the long factors are used (a prompt longer than
-that is checked against transformers fed the prompt in pieces: llmd.gpu.rotary says
+that is checked against transformers fed the prompt in pieces: llmd.gpu.layers.rotary says
 why). Each comparison can fail: with one feature of a model taken away, the same check
 fails.
 """
@@ -39,11 +39,11 @@ from transformers import (Gemma2Config, Gemma3Config, Gemma3TextConfig, LlamaCon
 from triton_attention_cases import CASES, build
 
 from llmd import LLM, SamplingParams
-from llmd.gpu.attention import AttentionMetadata, TorchAttention, build_decode_mask, new_kv_cache
-from llmd.gpu.norms import GemmaRMSNorm, RMSNorm
-from llmd.gpu.loader import load_hf_config, load_model
+from llmd.gpu.layers.attention import AttentionMetadata, TorchAttention, build_decode_mask, new_kv_cache
+from llmd.gpu.layers.norms import GemmaRMSNorm, RMSNorm
+from llmd.gpu.models.loader import load_hf_config, load_model
 from llmd.gpu.models.gemma import Gemma2ForCausalLM
-from llmd.gpu.rotary import RotaryEmbedding
+from llmd.gpu.layers.rotary import RotaryEmbedding
 from llmd_tools.make_model import fixture_path
 
 GEMMA2, GEMMA3, PHI3 = "tiny-gemma2-sw16", "tiny-gemma3-sw16", "tiny-phi3-longrope"

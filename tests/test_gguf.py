@@ -21,9 +21,9 @@ from gguf_fixtures import write_gguf
 from hf_ref import check_logprobs_close, engine_result, hf_greedy, hf_model
 from llmd import LLM, SamplingParams
 from llmd.builtin_model import BuiltinModelUnavailable, builtin_model_path
-from llmd.gpu.gguf_arch import gemma3_config_fields
-from llmd.gpu.gguf_loader import gguf_summary
-from llmd.gpu.loader import load_hf_config, load_model, load_tokenizer
+from llmd.gpu.models.gguf_arch import gemma3_config_fields
+from llmd.gpu.models.gguf_loader import gguf_summary
+from llmd.gpu.models.loader import load_hf_config, load_model, load_tokenizer
 from llmd_tools.make_model import build_model
 from real_ggufs import RealModelUnavailable, gemma3_270m_gguf
 from test_engine_vs_hf import TEXTS

@@ -1,4 +1,4 @@
-"""Sampling inside the decode graphs (llmd.gpu.graph_sampler, graph_sampling_plan,
+"""Sampling inside the decode graphs (llmd.gpu.sample.graph_sampler, graph_sampling_plan,
 graph_penalties).
 
 On CPU the graphs run emulated: the same static buffers, staging and tail code, called
@@ -18,13 +18,13 @@ import torch
 from test_cuda_graphs import PROMPTS, TEXT, batch_invariant_linear, compare, make_llm  # noqa: F401 (fixture)
 
 from llmd import LLM, SamplingParams
-from llmd.gpu import graph_sampler
-from llmd.gpu.graph_penalties import PenaltyTables
-from llmd.gpu.graph_sampler import GREEDY, PENALIZED, SAMPLE, WORDS_PER_ROW, GraphSampler, RowParams
-from llmd.gpu.graph_sampling_plan import GraphSamplingPlan, SampledRow
-from llmd.gpu.runner_types import RunnerRequest
-from llmd.gpu.sampler import Sampler
-from llmd.gpu.sampling_filters import apply_top_k_top_p
+from llmd.gpu.sample import graph_sampler
+from llmd.gpu.sample.graph_penalties import PenaltyTables
+from llmd.gpu.sample.graph_sampler import GREEDY, PENALIZED, SAMPLE, WORDS_PER_ROW, GraphSampler, RowParams
+from llmd.gpu.worker.graph_sampling_plan import GraphSamplingPlan, SampledRow
+from llmd.gpu.worker.runner_types import RunnerRequest
+from llmd.gpu.sample.sampler import Sampler
+from llmd.gpu.sample.filters import apply_top_k_top_p
 from llmd_tools.make_model import fixture_path
 
 

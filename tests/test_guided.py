@@ -16,7 +16,7 @@ import torch
 from llmd import LLM, GuidedDecodingParams, SamplingParams
 from llmd.engine import LLMEngine
 from llmd.config import EngineConfig
-from llmd.gpu.sampling_metadata import unpack_bitmask
+from llmd.gpu.sample.metadata import unpack_bitmask
 from llmd.structured_output import GrammarError, parse_guided
 from llmd_tools.make_model import fixture_path
 from engine_util import drain

@@ -340,7 +340,7 @@ def test_rows_applied_on_the_device_equal_a_bit_by_bit_reference():
     import torch
     import xgrammar as xgr
 
-    from llmd.gpu.sampling_metadata import SamplingMetadata
+    from llmd.gpu.sample.metadata import SamplingMetadata
 
     num_rows, vocab, logit_width = 5, 70, 96  # the bitmask covers the logit width
     rng = np.random.default_rng(0)

@@ -24,14 +24,14 @@ import pytest
 import torch
 
 from daemon_util import Daemon
-from llmd.gpu import cpu_kernels
-from llmd.gpu.kernel_build import (LOCK_FILE, SID_FILE, TORCH_LOCK_FILE, ExtensionBuild, build_library,
+from llmd.gpu.layers.cpu import cpu_kernels
+from llmd.gpu.layers.cpu.kernel_build import (LOCK_FILE, SID_FILE, TORCH_LOCK_FILE, ExtensionBuild, build_library,
                                    build_processes)
 
 SLOW_ENV = "LLMD_TEST_SLOW_CXX"  # the wrapper's marker file: touched, then each compile sleeps
 
 # Builds the one-line library in a process of its own; the path on stdout.
-LOADER = ("import sys; from pathlib import Path; from llmd.gpu.kernel_build import ExtensionBuild, build_library; "
+LOADER = ("import sys; from pathlib import Path; from llmd.gpu.layers.cpu.kernel_build import ExtensionBuild, build_library; "
           "print(build_library(ExtensionBuild('tiny', (Path(sys.argv[1]),)), float(sys.argv[2])), flush=True)")
 # As the daemon loads: the build on a pool thread; the main thread returns (its stop)
 # once the compile has started, leaving the pool as server.py does.
@@ -39,7 +39,7 @@ EXITING_LOADER = """
 import sys, time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from llmd.gpu.kernel_build import ExtensionBuild, build_library
+from llmd.gpu.layers.cpu.kernel_build import ExtensionBuild, build_library
 pool = ThreadPoolExecutor(max_workers=1)
 pool.submit(build_library, ExtensionBuild("tiny", (Path(sys.argv[1]),)), 120.0)
 while not Path(sys.argv[2]).exists():

@@ -13,10 +13,10 @@ import sys
 
 import pytest
 
-from llmd import kv_cache_manager
-from llmd.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
-from llmd.kv_cache_manager import KVCacheManager, hash_block_tokens
-from llmd.request import Request
+from llmd.core import kv_cache_manager
+from llmd.core.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
+from llmd.core.kv_cache_manager import KVCacheManager, hash_block_tokens
+from llmd.core.request import Request
 from llmd_client.protocol import SamplingParams
 
 BS = 4  # small blocks keep the token lists readable
@@ -269,7 +269,7 @@ def test_chained_hashes_depend_on_the_prefix():
 
 
 def test_hashes_are_the_same_in_another_process():
-    code = ("from llmd.kv_cache_manager import hash_block_tokens as h;"
+    code = ("from llmd.core.kv_cache_manager import hash_block_tokens as h;"
             "print(h(h(None, [1, 2, 3], ('salt',)), [4, 5, 6], None))")
     outputs = set()
     for seed in ("1", "2"):

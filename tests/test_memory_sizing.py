@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmd.gpu.kv_budget import GiB, MiB, MemoryBreakdown, fmt_bytes, kv_cache_budget
+from llmd.gpu.worker.kv_budget import GiB, MiB, MemoryBreakdown, fmt_bytes, kv_cache_budget
 
 
 def budget(**kw) -> MemoryBreakdown:
@@ -108,7 +108,7 @@ def test_pure_module_imports_no_torch():
     import subprocess
     import sys
 
-    code = "import sys, llmd.gpu.kv_budget; print('torch' in sys.modules)"
+    code = "import sys, llmd.gpu.worker.kv_budget; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "False"
 
@@ -116,7 +116,7 @@ def test_pure_module_imports_no_torch():
 # -- the profile run ----------------------------------------------------------------------
 
 def _runner_settings(**kw):
-    from llmd.gpu.runner_types import RunnerSettings
+    from llmd.gpu.worker.runner_types import RunnerSettings
 
     args = dict(block_size=16, max_model_len=256, valid_vocab_size=1024, eos_token_id=1, seed=0)
     args.update(kw)
@@ -135,7 +135,7 @@ def test_profile_step_shape_and_arithmetic_with_fake_cuda_counters(monkeypatch, 
     known exactly."""
     import torch
 
-    from llmd.gpu.model_runner import ModelRunner
+    from llmd.gpu.worker.model_runner import ModelRunner
     from llmd_tools.make_model import fixture_path
 
     runner = ModelRunner(str(fixture_path("tiny-llama")),
@@ -169,8 +169,8 @@ def test_profile_step_shape_and_arithmetic_with_fake_cuda_counters(monkeypatch, 
     # With decode graphs to capture after the KV cache, room for their pool stays free:
     # the activation peak scaled to the largest graph batch, plus the static buffers and
     # the sampling tails: their logits and sort buffers, penalty tables, per-row buffers.
-    from llmd.gpu.cuda_graphs import capture_sizes
-    from llmd.gpu.graph_sampler import GREEDY_TAIL_CELLS, SAMPLE_TAIL_CELLS, WORDS_PER_ROW
+    from llmd.gpu.worker.cuda_graphs import capture_sizes
+    from llmd.gpu.sample.graph_sampler import GREEDY_TAIL_CELLS, SAMPLE_TAIL_CELLS, WORDS_PER_ROW
 
     monkeypatch.setattr(runner, "_graphs_off_reason", lambda: None)
     largest = capture_sizes(seqs, runner.settings.max_num_batched_tokens)[-1]
@@ -186,7 +186,7 @@ def test_profile_step_shape_and_arithmetic_with_fake_cuda_counters(monkeypatch, 
 
 def test_engine_on_cpu_does_not_profile(monkeypatch):
     from llmd import LLM
-    from llmd.gpu.model_runner import ModelRunner
+    from llmd.gpu.worker.model_runner import ModelRunner
     from llmd_tools.make_model import fixture_path
 
     monkeypatch.setattr(ModelRunner, "profile_kv_budget", lambda *a, **k: pytest.fail("profiled on CPU"))
@@ -210,7 +210,7 @@ needs_two_gpus = pytest.mark.skipif(_cuda_devices() < 2, reason="needs two CUDA 
 def test_cuda_profile_gives_a_sane_breakdown():
     import torch
 
-    from llmd.gpu.model_runner import ModelRunner
+    from llmd.gpu.worker.model_runner import ModelRunner
     from llmd_tools.make_model import fixture_path
 
     dev = torch.device("cuda:0")
@@ -295,7 +295,7 @@ def test_cpu_kv_cache_is_zero_and_resident_only_where_written():
     import psutil
     import torch
 
-    from llmd.gpu.attention import new_kv_cache
+    from llmd.gpu.layers.attention import new_kv_cache
 
     process = psutil.Process()
     before = process.memory_info().rss
@@ -315,8 +315,8 @@ def test_a_draft_models_graph_pool_is_kept_free_too(monkeypatch):
     of the draft is profiled."""
     import torch
 
-    from llmd.gpu.cuda_graphs import capture_sizes
-    from llmd.gpu.model_runner import ModelRunner
+    from llmd.gpu.worker.cuda_graphs import capture_sizes
+    from llmd.gpu.worker.model_runner import ModelRunner
     from llmd_tools.make_model import fixture_path
 
     path = str(fixture_path("tiny-llama"))

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from llmd.gpu.attention import AttentionMetadata, build_decode_mask, new_kv_cache
-from llmd.gpu.loader import load_model
+from llmd.gpu.layers.attention import AttentionMetadata, build_decode_mask, new_kv_cache
+from llmd.gpu.models.loader import load_model
 
 BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=300, max_position_embeddings=256)

@@ -35,13 +35,13 @@ from safetensors.torch import load_file, save_file
 from transformers import MixtralConfig, Qwen3MoeConfig
 
 from llmd import LLM, SamplingParams
-from llmd.gpu.fused_moe import moe_reference, select_experts
-from llmd.gpu.loader import load_hf_config, load_model
+from llmd.gpu.layers.fused_moe import moe_reference, select_experts
+from llmd.gpu.models.loader import load_hf_config, load_model
 from llmd.gpu.models.llama import DecoderMLP
 from llmd.gpu.models.moe import SparseMoeBlock
-from llmd.gpu import moe_align
-from llmd.gpu.moe_align import moe_align_block_size, padded_capacity
-from llmd.gpu.tp import check_tp_config
+from llmd.gpu.layers import moe_align
+from llmd.gpu.layers.moe_align import moe_align_block_size, padded_capacity
+from llmd.gpu.layers.tp import check_tp_config
 from llmd_tools.make_model import fixture_path
 
 QWEN3_MOE, QWEN2_MOE, MIXTRAL = "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral"

@@ -111,8 +111,8 @@ def test_killed_worker_fails_requests_then_a_new_worker_serves(async_scheduling)
 
 
 def test_worker_start_up_error_is_a_clear_message(tmp_path):
-    from llmd.gpu.mp_executor import MultiprocExecutor, WorkerError
-    from llmd.gpu.runner_types import RunnerSettings
+    from llmd.gpu.worker.mp_executor import MultiprocExecutor, WorkerError
+    from llmd.gpu.worker.runner_types import RunnerSettings
 
     bad = tmp_path / "model"
     bad.mkdir()
@@ -124,7 +124,7 @@ def test_worker_start_up_error_is_a_clear_message(tmp_path):
 
 
 def _settings():
-    from llmd.gpu.runner_types import RunnerSettings
+    from llmd.gpu.worker.runner_types import RunnerSettings
 
     return RunnerSettings(block_size=16, max_model_len=256, valid_vocab_size=1024, eos_token_id=1, seed=0)
 
@@ -132,7 +132,7 @@ def _settings():
 def test_tp_rendezvous_is_a_private_file_removed_at_shutdown(tmp_path, monkeypatch):
     """No TCP port to race for: the ranks meet through a file in a 0700 directory the
     executor makes, and it is gone after shutdown."""
-    from llmd.gpu.mp_executor import MultiprocExecutor
+    from llmd.gpu.worker.mp_executor import MultiprocExecutor
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     executor = MultiprocExecutor(str(fixture_path("tiny-llama")), _settings(), "cpu", "float32", world_size=2)
@@ -147,7 +147,7 @@ def test_tp_rendezvous_is_a_private_file_removed_at_shutdown(tmp_path, monkeypat
 
 
 def test_tp_rendezvous_is_removed_when_start_fails(tmp_path, monkeypatch):
-    from llmd.gpu.mp_executor import MultiprocExecutor, WorkerError
+    from llmd.gpu.worker.mp_executor import MultiprocExecutor, WorkerError
 
     bad = tmp_path / "model"
     bad.mkdir()
@@ -165,7 +165,7 @@ def test_more_ranks_than_cuda_devices_is_refused_before_spawning(monkeypatch):
 
     import torch
 
-    from llmd.gpu import mp_executor
+    from llmd.gpu.worker import mp_executor
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(sp, "Popen", lambda *a, **k: pytest.fail("a worker was spawned"))
@@ -206,7 +206,7 @@ def test_daemon_survives_a_worker_crash(extra):
     d = Daemon(str(fixture_path("tiny-llama")), base / "s.sock", "--distributed-executor-backend", "mp",
                *extra).wait_ready()
     try:
-        workers = subprocess.run(["pgrep", "-f", "llmd.gpu.worker", "-P", str(d.proc.pid)],
+        workers = subprocess.run(["pgrep", "-f", "llmd.gpu.worker.process", "-P", str(d.proc.pid)],
                                  capture_output=True, text=True).stdout.split()
         assert len(workers) == 1
         with RawConn(d.sock) as conn:

@@ -25,7 +25,7 @@ from llmd import LLM
 from llmd.actors.messages import AddRequest, RequestsAborted, StepTokens
 from llmd.actors.runtime import Actor
 from llmd.actors.scheduler_actor import SchedulerActor
-from llmd.restart_policy import RestartPolicy
+from llmd.core.restart_policy import RestartPolicy
 from llmd_client.protocol import INT32_MAX, ClientMessage, GuidedDecodingParams, SamplingParams, Submit
 from llmd_tools.make_model import fixture_path
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from llmd.request import Request
-from llmd.request_queue import make_queue
+from llmd.core.request import Request
+from llmd.core.request_queue import make_queue
 from llmd_client.protocol import SamplingParams
 
 

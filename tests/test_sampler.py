@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from llmd.gpu import sampling_filters as sampler_module
-from llmd.gpu.sampler import Sampler, SamplingMetadata, apply_penalties, gather_logprobs
-from llmd.gpu.sampling_filters import apply_top_k_top_p_sorted, apply_top_k_top_p
+from llmd.gpu.sample import filters as sampler_module
+from llmd.gpu.sample.sampler import Sampler, SamplingMetadata, apply_penalties, gather_logprobs
+from llmd.gpu.sample.filters import apply_top_k_top_p_sorted, apply_top_k_top_p
 from llmd_client.protocol import SamplingParams
 
 NEG_INF = float("-inf")

@@ -26,10 +26,10 @@ import msgspec
 import pytest
 
 from llmd.config import EngineConfig
-from llmd.kv_cache_manager import KVCacheManager
-from llmd.step_messages import NewRequestData, RunnerOutput, SchedulerOutput
-from llmd.request import Request, RequestStatus
-from llmd.scheduler import Scheduler
+from llmd.core.kv_cache_manager import KVCacheManager
+from llmd.core.step_messages import NewRequestData, RunnerOutput, SchedulerOutput
+from llmd.core.request import Request, RequestStatus
+from llmd.core.scheduler import Scheduler
 from llmd_client.protocol import SamplingParams
 
 BS = 4  # small blocks: a few tokens cross a block boundary

@@ -1,4 +1,4 @@
-"""llmd.sd_notify against real sockets: the sd_notify(3) datagram protocol on a path and
+"""llmd.server.sd_notify against real sockets: the sd_notify(3) datagram protocol on a path and
 an abstract AF_UNIX socket, watchdog settings, and sd_listen_fds(3) adoption of a
 listening socket passed as fd 3 to a process whose pid is LISTEN_PID."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from llmd import sd_notify
+from llmd.server import sd_notify
 
 SOURCE = Path(sd_notify.__file__)
 
@@ -122,7 +122,7 @@ def test_unusable_notify_socket_is_a_noop(clean_env, value):
 
 def test_send_failure_never_raises(clean_env, short_dir, caplog):
     clean_env.setenv("NOTIFY_SOCKET", str(short_dir / "nobody-listens"))
-    with caplog.at_level(logging.DEBUG, logger="llmd.sd_notify"):
+    with caplog.at_level(logging.DEBUG, logger="llmd.server.sd_notify"):
         assert sd_notify.ready("x") is False
     assert any("failed" in r.getMessage() for r in caplog.records)
     clean_env.setenv("NOTIFY_SOCKET", "@llmd-test-nobody-" + uuid.uuid4().hex)
@@ -205,7 +205,7 @@ WRAPPER = textwrap.dedent("""
 
 CHILD = textwrap.dedent("""
     import json, os, socket, sys
-    from llmd import sd_notify
+    from llmd.server import sd_notify
     found = sd_notify.listen_fds_with_names()
     info = {
         "n": len(found),

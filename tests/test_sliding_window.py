@@ -26,8 +26,8 @@ from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 from triton_attention_cases import CASES, Case, build
 
 from llmd import LLM, SamplingParams
-from llmd.gpu.attention import AttentionMetadata, TorchAttention
-from llmd.gpu.loader import load_hf_config, load_model
+from llmd.gpu.layers.attention import AttentionMetadata, TorchAttention
+from llmd.gpu.models.loader import load_hf_config, load_model
 from llmd.gpu.models import get_model_class
 from llmd.gpu.models.llama import MistralForCausalLM
 from llmd_tools.make_model import fixture_path

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from llmd import LLM, GuidedDecodingParams, SamplingParams
-from llmd.gpu.rejection_sampler import verify
-from llmd.gpu.sampler import Sampler, SamplingMetadata
-from llmd.spec_decode import NgramProposer, SpecDecodeStats
+from llmd.gpu.sample.rejection_sampler import verify
+from llmd.gpu.sample.sampler import Sampler, SamplingMetadata
+from llmd.core.spec_decode import NgramProposer, SpecDecodeStats
 from llmd_tools.make_model import fixture_path
 from test_sampler import chi_square_pvalue, reference_probs
 

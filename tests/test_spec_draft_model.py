@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from llmd import LLM, GuidedDecodingParams, SamplingParams
-from llmd.gpu.rejection_sampler import verify
-from llmd.gpu.sampler import Sampler, SamplingMetadata
+from llmd.gpu.sample.rejection_sampler import verify
+from llmd.gpu.sample.sampler import Sampler, SamplingMetadata
 from llmd_tools.make_model import fixture_path
 from test_sampler import chi_square_pvalue, reference_probs
 from test_spec_decode import PROMPTS, ROW0, ROW1, greedy, outputs
@@ -87,7 +87,7 @@ def test_draft_equal_to_the_target_has_q_equal_to_p(model, monkeypatch):
     """Sampling with the target as its own draft: the q kept for every verified draft is
     the target's p at that row (the same position, filters, penalties and min_tokens),
     so min(1, p/q) accepts (nearly) all."""
-    import llmd.gpu.sampling_step as sampling_step
+    import llmd.gpu.worker.sampling_step as sampling_step
 
     num_checked = []
 

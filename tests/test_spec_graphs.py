@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from llmd import LLM
-from llmd.gpu.attention import AttentionMetadata, TorchAttention, set_decode_rows
-from llmd.spec_decode import SpecDecodeStats
+from llmd.gpu.layers.attention import AttentionMetadata, TorchAttention, set_decode_rows
+from llmd.core.spec_decode import SpecDecodeStats
 from llmd_tools.make_model import fixture_path
 from test_cuda_graphs import PROMPTS, TEXT, KVWatch, batch_invariant_linear, greedy, run_waves  # noqa: F401
 from test_spec_decode import OracleProposer

@@ -127,3 +127,27 @@ def test_file_and_function_sizes(path: Path):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
             and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
     assert long == []
+
+
+# -- the worker side's packages (issue 26) -------------------------------------------------
+
+def test_sampling_knows_nothing_of_the_runner():
+    """gpu/sample takes logits and SamplingMetadata: it imports no worker module (the
+    runner, its batch and types, the draft model) and no model."""
+    graph = _import_graph()
+    offenders = {m: sorted(t for t in targets if t.startswith(("llmd.gpu.worker", "llmd.gpu.models")))
+                 for m, targets in graph.items() if m.startswith("llmd.gpu.sample")}
+    assert {m: t for m, t in offenders.items() if t} == {}
+
+
+def test_no_module_left_flat_beside_the_gpu_packages():
+    flat = sorted(p.name for p in (ROOT / "daemon/gpu").glob("*.py") if p.name != "__init__.py")
+    assert flat == []
+
+
+def test_layers_import_no_worker_and_no_model():
+    graph = _import_graph()
+    offenders = {m: sorted(t for t in targets if t.startswith(("llmd.gpu.worker", "llmd.gpu.models")))
+                 for m, targets in graph.items() if m.startswith("llmd.gpu.layers")}
+    assert {m: t for m, t in offenders.items() if t} == {}
+

@@ -1,4 +1,4 @@
-"""The Triton paged-attention backend (llmd.gpu.triton_attention) against the PyTorch
+"""The Triton paged-attention backend (llmd.gpu.layers.triton_attention) against the PyTorch
 reference, and the choice of attention backend at start-up.
 
 With no GPU here the kernels run in Triton's interpreter, which is chosen when triton is
@@ -20,10 +20,10 @@ from kernel_runs import DEVICES, case_result, run_case_scripts
 from triton_attention_cases import CASES
 
 from llmd.config import EngineConfig, load_engine_config
-from llmd.gpu.attention import TorchAttention
-from llmd.gpu.attention_backends import resolve_attention_backend
-from llmd.gpu.model_runner import ModelRunner
-from llmd.gpu.runner_types import RunnerSettings
+from llmd.gpu.layers.attention import TorchAttention
+from llmd.gpu.layers.attention_backends import resolve_attention_backend
+from llmd.gpu.worker.model_runner import ModelRunner
+from llmd.gpu.worker.runner_types import RunnerSettings
 
 CASES_SCRIPT = Path(__file__).with_name("triton_attention_cases.py")
 SLIDING_MODEL = "tiny-qwen2-sw24"  # layer 0 full attention, layers 1-2 a 24-token window
@@ -114,12 +114,12 @@ def test_unknown_backends_are_refused() -> None:
 
 
 def test_the_torch_path_never_imports_the_triton_module() -> None:
-    """Only selecting triton loads llmd.gpu.triton_attention (and so triton itself)."""
+    """Only selecting triton loads llmd.gpu.layers.triton_attention (and so triton itself)."""
     code = ("import sys, torch\n"
-            "from llmd.gpu.attention_backends import make_attention, resolve_attention_backend\n"
-            "import llmd.gpu.model_runner, llmd.gpu.models.llama\n"
+            "from llmd.gpu.layers.attention_backends import make_attention, resolve_attention_backend\n"
+            "import llmd.gpu.worker.model_runner, llmd.gpu.models.llama\n"
             "make_attention(resolve_attention_backend('auto', torch.device('cpu')), 4, 2, 16, 0.25)\n"
-            "assert 'llmd.gpu.triton_attention' not in sys.modules\n")
+            "assert 'llmd.gpu.layers.triton_attention' not in sys.modules\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from kernel_runs import script_device
 
-from llmd.gpu.attention import AttentionMetadata, TorchAttention, build_decode_mask
+from llmd.gpu.layers.attention import AttentionMetadata, TorchAttention, build_decode_mask
 
 DEVICE = torch.device("cpu")  # where the cases run (main sets it from --device)
 
@@ -173,7 +173,7 @@ def build(case: Case, seed: int = 0):
 
 
 def run_case(case: Case) -> dict[str, float]:
-    from llmd.gpu.triton_attention import TritonAttention
+    from llmd.gpu.layers.triton_attention import TritonAttention
 
     q, k, v, kv_cache, md = build(case)
     args = (case.heads, case.kv_heads, case.head_dim, case.head_dim ** -0.5, case.sliding_window, case.softcap)
@@ -189,9 +189,9 @@ def run_model(model_dir: str, tol: float = 1e-4) -> dict[str, float]:
     """Two model runners on the same checkpoint, RunnerSettings attention_backend "torch"
     and "triton": one mixed step over the same random cache gives the same hidden states
     and leaves the same cache in every layer."""
-    from llmd.gpu.model_runner import ModelRunner
-    from llmd.gpu.runner_types import RunnerSettings
-    from llmd.gpu.triton_attention import TritonAttention
+    from llmd.gpu.worker.model_runner import ModelRunner
+    from llmd.gpu.worker.runner_types import RunnerSettings
+    from llmd.gpu.layers.triton_attention import TritonAttention
 
     gen = torch.Generator().manual_seed(1)
     md, num_blocks, positions = step_metadata(MIXED_DECODES, MIXED_PREFILLS, 16, gen)
@@ -223,8 +223,8 @@ def run_model_graph(model_dir: str, tol: float = 1e-4) -> dict[str, float]:
     captured graph replayed) with the Triton
     backend, against the torch backend's eager forward over the same rows: the same
     hidden states, and the same cache outside the scratch block."""
-    from llmd.gpu.model_runner import ModelRunner
-    from llmd.gpu.runner_types import RunnerSettings
+    from llmd.gpu.worker.model_runner import ModelRunner
+    from llmd.gpu.worker.runner_types import RunnerSettings
 
     decodes = (1, 17, 45)  # three rows, padded to four
     gen = torch.Generator().manual_seed(4)

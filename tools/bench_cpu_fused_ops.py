@@ -1,5 +1,5 @@
-"""CPU: each fused layer op as llmd's C++ operator (llmd.gpu.cpu_fused_ops) against the
-unfused torch ops it replaces (llmd.gpu.fused_ops.LayerOps, what LLMD_FUSED_OPS=0 runs),
+"""CPU: each fused layer op as llmd's C++ operator (llmd.gpu.layers.cpu.cpu_fused_ops) against the
+unfused torch ops it replaces (llmd.gpu.layers.fused_ops.LayerOps, what LLMD_FUSED_OPS=0 runs),
 at small-llama's shapes (hidden 512, 8 heads, 4 kv heads, head_dim 64, intermediate
 1376) and at Llama-3-8B-like ones (`--shape 8b`: 4096, 32, 8, 128, 14336).
 
@@ -19,11 +19,11 @@ from collections.abc import Callable
 
 import torch
 
-from llmd.gpu.attention import AttentionMetadata, write_kv
-from llmd.gpu.cpu_fused_ops import CPU_FUSED
-from llmd.gpu.cpu_kernels import paged_decode_op
-from llmd.gpu.fused_ops import UNFUSED, LayerOps
-from llmd.gpu.norms import RMSNorm
+from llmd.gpu.layers.attention import AttentionMetadata, write_kv
+from llmd.gpu.layers.cpu.cpu_fused_ops import CPU_FUSED
+from llmd.gpu.layers.cpu.cpu_kernels import paged_decode_op
+from llmd.gpu.layers.fused_ops import UNFUSED, LayerOps
+from llmd.gpu.layers.norms import RMSNorm
 
 SHAPES = {"small": (512, 8, 4, 64, 1376), "8b": (4096, 32, 8, 128, 14336)}
 BLOCK_SIZE = 16

@@ -1,5 +1,5 @@
-"""CUDA only: each fused layer op (llmd.gpu.fused_ops_triton) against its unfused torch
-reference (llmd.gpu.fused_ops), and one decoder layer's decode step with fusion on and
+"""CUDA only: each fused layer op (llmd.gpu.layers.fused_ops_triton) against its unfused torch
+reference (llmd.gpu.layers.fused_ops), and one decoder layer's decode step with fusion on and
 off, in bf16 at TinyLlama-1.1B's shapes (hidden 2048, 32 heads, 4 kv heads, head_dim 64,
 intermediate 5632).
 
@@ -89,7 +89,7 @@ def count_kernels(fn: Callable[[], object]) -> int:
 
 
 def _norm(dim: int, device: torch.device):
-    from llmd.gpu.norms import RMSNorm
+    from llmd.gpu.layers.norms import RMSNorm
 
     norm = RMSNorm(dim, 1e-5).to(device, DTYPE)
     with torch.no_grad():
@@ -99,9 +99,9 @@ def _norm(dim: int, device: torch.device):
 
 def op_cases(batch: int, device: torch.device) -> dict[str, tuple[dict[str, Callable[[], object]], int]]:
     """op name -> ({"unfused": call, "fused": call}, bytes the fused op moves)."""
-    from llmd.gpu import fused_ops_triton as kernels
-    from llmd.gpu.attention import new_kv_cache
-    from llmd.gpu.fused_ops import UNFUSED, FusedLayerOps, attention_inputs_reference
+    from llmd.gpu.layers import fused_ops_triton as kernels
+    from llmd.gpu.layers.attention import new_kv_cache
+    from llmd.gpu.layers.fused_ops import UNFUSED, FusedLayerOps, attention_inputs_reference
 
     fused = FusedLayerOps()
     e = torch.empty((), dtype=DTYPE).element_size()
@@ -142,10 +142,10 @@ def layer_case(batch: int, context: int, device: torch.device) -> tuple[dict[str
     over `batch` rows of `context` tokens each, Triton attention, the same weights."""
     from transformers import LlamaConfig
 
-    from llmd.gpu.attention import AttentionMetadata, new_kv_cache, set_decode_rows
-    from llmd.gpu.fused_ops import FUSED_OPS_ENV
+    from llmd.gpu.layers.attention import AttentionMetadata, new_kv_cache, set_decode_rows
+    from llmd.gpu.layers.fused_ops import FUSED_OPS_ENV
     from llmd.gpu.models.llama import DecoderLayer
-    from llmd.gpu.rotary import RotaryEmbedding
+    from llmd.gpu.layers.rotary import RotaryEmbedding
 
     config = LlamaConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
                          head_dim=HEAD_DIM, intermediate_size=INTER, rms_norm_eps=1e-5, hidden_act="silu",

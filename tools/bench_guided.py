@@ -119,7 +119,7 @@ def apply_costs(llm: LLM, batch: int, tokens: int, repeats: int = 5) -> dict[str
     import torch
     import xgrammar as xgr
 
-    from llmd.gpu.sampling_metadata import SamplingMetadata, unpack_bitmask
+    from llmd.gpu.sample.metadata import SamplingMetadata, unpack_bitmask
 
     filler = llm.engine.structured.filler
     filled: list[bytes] = []

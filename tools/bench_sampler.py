@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from llmd.gpu.sampling_filters import apply_top_k_top_p_sorted, apply_top_k_top_p
+from llmd.gpu.sample.filters import apply_top_k_top_p_sorted, apply_top_k_top_p
 
 
 def timed(fn, reps: int = 30) -> float:

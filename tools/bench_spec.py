@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 from llmd import LLM, SamplingParams
-from llmd.spec_decode import SpecDecodeStats
+from llmd.core.spec_decode import SpecDecodeStats
 from llmd_tools.make_model import build_model, fixture_path
 
 SNIPPET = '''def load_rows(path, sep=","):

@@ -37,9 +37,9 @@ import torch
 from torch import nn
 
 from llmd import LLM, SamplingParams
-from llmd.gpu.attention import AttentionLayer, TorchAttention
-from llmd.gpu.cpu_linear import unpack_linears
-from llmd.gpu.fused_ops import UNFUSED, LayerOps
+from llmd.gpu.layers.attention import AttentionLayer, TorchAttention
+from llmd.gpu.layers.cpu.cpu_linear import unpack_linears
+from llmd.gpu.layers.fused_ops import UNFUSED, LayerOps
 from llmd_tools.bench.workloads import make_prompts
 from llmd_tools.make_model import fixture_path
 

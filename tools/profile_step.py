@@ -33,7 +33,7 @@ inside another op on the same thread), busy is the union of their intervals, the
 no memcpy or graph figures, and the roofline's bandwidth is a host memory copy's (a
 model small enough to stay in the CPU caches can beat it: a fraction above 1).
 
-LLMD_FUSED_OPS (llmd.gpu.fused_ops) passes through to the engine: run with =0 and
+LLMD_FUSED_OPS (llmd.gpu.layers.fused_ops) passes through to the engine: run with =0 and
 unset for the fused ops' A/B. The profiler costs host time per op, so the profiled
 wall is longer than the timed one; kernel durations are not affected.
 """

@@ -6,15 +6,15 @@ from typing import Any
 
 import msgspec
 
-from llmd.engine_core import EngineStats
-from llmd.scheduler import RequestUpdate
+from llmd.core.engine_core import EngineStats
+from llmd.core.scheduler import RequestUpdate
 
 
 class AddRequest(msgspec.Struct):
     """intake -> scheduler: a validated request and its samples."""
 
     request_id: str
-    children: list[Any]  # llmd.request.Request, one per sample
+    children: list[Any]  # llmd.core.request.Request, one per sample
 
 
 class AbortRequest(msgspec.Struct):

@@ -17,8 +17,8 @@ from prometheus_client.utils import floatToGoString
 
 from llmd.actors.messages import Draining, EngineState, Query, RequestEvent, StepStats
 from llmd.actors.runtime import Actor
-from llmd.request import parent_request_id
-from llmd.spec_decode import SpecDecodeStats
+from llmd.core.request import parent_request_id
+from llmd.core.spec_decode import SpecDecodeStats
 from llmd_client.protocol import RequestInfo, SpecDecodeInfo, StatusReply
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,

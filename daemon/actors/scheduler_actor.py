@@ -23,11 +23,11 @@ import msgspec
 from llmd.actors.messages import (AbortRequest, AddRequest, EngineState, GrammarCompiled, RequestEvent,
                                   RequestsAborted, StepStats, StepTokens, StopSamples, WorkerExited)
 from llmd.actors.runtime import Actor
-from llmd.engine_core import EngineCore, Idle, StepResult
-from llmd.executor import ExecutorError
-from llmd.request import RequestStatus
-from llmd.restart_policy import RestartPolicy
-from llmd.scheduler import StepShape
+from llmd.core.engine_core import EngineCore, Idle, StepResult
+from llmd.core.executor import ExecutorError
+from llmd.core.request import RequestStatus
+from llmd.core.restart_policy import RestartPolicy
+from llmd.core.scheduler import StepShape
 
 logger = logging.getLogger("llmd.scheduler")
 # The executor kills a hung worker at the step's deadline; only a step that outlives it

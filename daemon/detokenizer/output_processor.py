@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llmd.detokenizer.incremental import IncrementalDetokenizer
-from llmd.step_messages import Logprobs, PromptLogprobs
+from llmd.core.step_messages import Logprobs, PromptLogprobs
 from llmd.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-from llmd.scheduler import RequestUpdate
+from llmd.core.scheduler import RequestUpdate
 from llmd_client.protocol import SamplingParams
 
 

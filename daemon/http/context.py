@@ -153,7 +153,7 @@ def describe_model(engine) -> ServedModel:
 
     model_path = Path(engine.model_dir)
     if model_path.is_file():  # a GGUF checkpoint
-        from llmd.gpu.gguf_loader import gguf_summary
+        from llmd.gpu.models.gguf_loader import gguf_summary
 
         summary = gguf_summary(model_path)
         architecture, num_params, size_bytes = summary.architecture, summary.num_params, summary.size_bytes

@@ -10,7 +10,7 @@ import socket
 from pathlib import Path
 
 from llmd.daemon_config import DaemonConfig
-from llmd.unix_socket import bind_socket
+from llmd.server.unix_socket import bind_socket
 from llmd_client.socket_path import http_socket_path
 
 logger = logging.getLogger("llmd.http")

@@ -18,7 +18,7 @@ from llmd.structured_output.spec import GrammarError, GrammarSpec
 logger = logging.getLogger("llmd.structured_output")
 
 if TYPE_CHECKING:
-    from llmd.step_messages import SchedulerOutput
+    from llmd.core.step_messages import SchedulerOutput
 
 
 class RequestGrammar:

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, NoReturn
 
-from llmd.gpu.norms import ACTIVATIONS
-from llmd.gpu.rotary import ROPE_TYPES, rope_parameters, rotary_dim
+from llmd.gpu.layers.norms import ACTIVATIONS
+from llmd.gpu.layers.rotary import ROPE_TYPES, rope_parameters, rotary_dim
 
 # Fields of Gemma 2 (all) and Gemma 3 (some) that other architectures' transformers
 # models do not read: a config carrying them is refused rather than run without them.

@@ -28,13 +28,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmd.gpu.attention import AttentionMetadata
-from llmd.gpu.fused_ops import layer_ops
-from llmd.gpu.norms import GemmaRMSNorm
+from llmd.gpu.layers.attention import AttentionMetadata
+from llmd.gpu.layers.fused_ops import layer_ops
+from llmd.gpu.layers.norms import GemmaRMSNorm
 from llmd.gpu.models.config_checks import check_activation, check_heads, check_rope, refuse
 from llmd.gpu.models.llama import DecoderAttention, DecoderMLP, LlamaForCausalLM, windows_from_layer_types
-from llmd.gpu.rotary import RotaryEmbedding
-from llmd.gpu.tp import TPShape
+from llmd.gpu.layers.rotary import RotaryEmbedding
+from llmd.gpu.layers.tp import TPShape
 
 FLAT_ROPE = "all layers"  # rotary key of a model with one set of rope parameters
 

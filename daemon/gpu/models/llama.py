@@ -15,13 +15,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmd.gpu.attention import AttentionMetadata
-from llmd.gpu.attention_backends import make_attention
-from llmd.gpu.fused_ops import UNFUSED, LayerOps, layer_ops
-from llmd.gpu.norms import RMSNorm
+from llmd.gpu.layers.attention import AttentionMetadata
+from llmd.gpu.layers.attention_backends import make_attention
+from llmd.gpu.layers.fused_ops import UNFUSED, LayerOps, layer_ops
+from llmd.gpu.layers.norms import RMSNorm
 from llmd.gpu.models.config_checks import GEMMA_FIELDS, check_activation, check_heads, check_rope, check_unread
-from llmd.gpu.rotary import RotaryEmbedding
-from llmd.gpu.tp import (ParallelLMHead, RowParallelLinear, TPShape, VocabParallelEmbedding,
+from llmd.gpu.layers.rotary import RotaryEmbedding
+from llmd.gpu.layers.tp import (ParallelLMHead, RowParallelLinear, TPShape, VocabParallelEmbedding,
                          shard_checkpoint_tensor, tp_shape)
 
 

@@ -5,7 +5,7 @@ Each is its dense relative with the MLP of some layers replaced by a sparse bloc
 attention, norms, rotary and windows are Llama's classes (Qwen3-MoE: Qwen3's q/k norms
 and Mistral's one window for every layer; Qwen2-MoE: Qwen2's layer types, q/k/v bias
 from `qkv_bias`; Mixtral: Mistral's). The sparse block routes each token to `top_k`
-experts (llmd.gpu.fused_moe: softmax over the experts, the top_k, renormalised when the
+experts (llmd.gpu.layers.fused_moe: softmax over the experts, the top_k, renormalised when the
 architecture does) and sums their outputs by the routing weights; Qwen2-MoE adds a
 shared expert that every token runs, scaled by sigmoid(shared_expert_gate(x)). Which
 layers are sparse: every layer for Mixtral; for Qwen, those not in `mlp_only_layers`
@@ -38,14 +38,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from llmd.gpu.fused_moe import fused_experts, select_experts
-from llmd.gpu.fused_ops import UNFUSED, LayerOps, layer_ops
+from llmd.gpu.layers.fused_moe import fused_experts, select_experts
+from llmd.gpu.layers.fused_ops import UNFUSED, LayerOps, layer_ops
 from llmd.gpu.models.config_checks import refuse
 from llmd.gpu.models.llama import (DecoderAttention, DecoderLayer, DecoderMLP, LlamaForCausalLM,
                                    MistralForCausalLM, Qwen2ForCausalLM)
 from llmd.gpu.models.moe_weights import ExpertTensorNames, ExpertWeightLoader
-from llmd.gpu.norms import RMSNorm
-from llmd.gpu.tp import TPShape
+from llmd.gpu.layers.norms import RMSNorm
+from llmd.gpu.layers.tp import TPShape
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmd.gpu.tp import TPShape
+from llmd.gpu.layers.tp import TPShape
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ Llama's decoder, with three differences that matter here:
   them as they are; with tensor parallelism each rank cuts its q, k and v rows (its
   gate and up rows) out of the fused tensor and joins them in the same order;
 - longrope ("su") rope scaling with short and long factors, and partial rotary
-  (`partial_rotary_factor`, Phi-4-mini) — both in llmd.gpu.rotary, where the choice
+  (`partial_rotary_factor`, Phi-4-mini) — both in llmd.gpu.layers.rotary, where the choice
   between the short and long factors is described;
 - one sliding window on every layer when `sliding_window` is set, as Mistral.
 """

@@ -1,0 +1,1 @@
+"""The scheduler side, torch-free: requests and their queues, the scheduler and the step it builds, the KV cache manager and its block pool, the engine loop, the step messages to the workers and the executor they sit behind."""

@@ -1,0 +1,150 @@
+"""llmd's C++ CPU kernels (cpu_kernels.cpp), built when first asked for and cached on disk.
+
+Two sets, one extension:
+- decode attention over the paged KV cache read in place (cpu_kernels.cpp). The torch
+  path (attention.py, TorchAttention._decode) gathers every decode row's blocks into a
+  padded buffer each layer and step, then runs two batched GEMMs; the kernel reads each
+  cached row once. Measured 3-5x faster per layer call on CPU in float32, ~2x in
+  bfloat16 (docs/benchmarks.md, "CPU model step").
+- the fused layer ops (cpu_fused_ops.cpp, wrapped by cpu_fused_ops.CpuFusedLayerOps):
+  residual add + RMSNorm, q/k norm + rotary + K/V write, act(gate) * up.
+The loader hands both to a model on CPU whose layers attend with TorchAttention
+(`attach_cpu_kernels`).
+
+Built with torch.utils.cpp_extension for this CPU's vector ISA (AVX-512, AVX2, or
+generic) through kernel_build: into `$TORCH_EXTENSIONS_DIR` (default
+`~/.cache/torch_extensions/`), one folder per key — the sources' digest, the ISA's flags,
+torch, the Python executable and prefix (the venv), the compiler — so two installs on
+one machine keep their own builds; the build runs in a child process under an flock that
+dies with its holder, within LLMD_KERNEL_BUILD_TIMEOUT seconds (default 300, a wait for
+another process's build of the same folder included); a daemon stopped meanwhile kills
+it and exits. A later start with the same key loads the built library (~20 ms) instead
+of compiling it (~40 s on two cores). It needs a C++ compiler and ninja; without them,
+if the build fails or the time limit passes, attention keeps its torch path and the
+reason is logged once. LLMD_CPU_KERNELS=0 keeps the torch path on purpose (the A/B
+switch; read when a model loads).
+
+The kernels register as torch operators (`torch.ops.llmd_cpu.*`): tensors in and out,
+no Python binding layer.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from llmd.gpu.layers.attention import TorchAttention
+from llmd.gpu.layers.cpu.cpu_fused_ops import use_cpu_fused_ops
+from llmd.gpu.layers.fused_ops import fused_ops_setting
+from llmd.gpu.layers.cpu.kernel_build import ExtensionBuild, KernelBuildCancelled, KernelBuildError, build_library
+
+logger = logging.getLogger("llmd.cpu_kernels")
+
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_fused_ops.cpp")]
+HEADERS = [Path(__file__).with_name("cpu_vec.h")]  # included by both: part of the digest
+CPU_KERNELS_ENV = "LLMD_CPU_KERNELS"
+KERNEL_BUILD_TIMEOUT_ENV = "LLMD_KERNEL_BUILD_TIMEOUT"
+DEFAULT_KERNEL_BUILD_TIMEOUT_S = 300.0
+# Compiler flags of each vector ISA (as inductor builds its CPU kernels for them).
+ISA_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma", "-DCPU_CAPABILITY_AVX512"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"],
+}
+
+
+def vector_isa() -> str:
+    """The vector ISA the kernels are built for: torch's own choice for this CPU,
+    "DEFAULT" (portable C++) where we have no flags for it."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return capability if capability in ISA_FLAGS else "DEFAULT"
+
+
+def source_digest() -> str:
+    """8 hex digits of the kernels' sources (their full digest is part of the build's key)."""
+    digest = hashlib.sha256()
+    for path in (*SOURCES, *HEADERS):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:8]
+
+
+def kernels_build() -> ExtensionBuild:
+    """The kernels' build for this CPU: its folder is `kernels_build().directory()`."""
+    isa = vector_isa()
+    return ExtensionBuild(name=f"llmd_cpu_kernels_{isa.lower()}_{source_digest()}", sources=tuple(SOURCES),
+                          headers=tuple(HEADERS), cflags=("-O3", "-fopenmp", *ISA_FLAGS.get(isa, [])),
+                          ldflags=("-fopenmp",))
+
+
+def kernel_build_timeout() -> float:
+    """Seconds the kernels may take to be ready (LLMD_KERNEL_BUILD_TIMEOUT, default 300)."""
+    value = os.environ.get(KERNEL_BUILD_TIMEOUT_ENV, "").strip()
+    if not value:
+        return DEFAULT_KERNEL_BUILD_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"{KERNEL_BUILD_TIMEOUT_ENV} must be a number of seconds > 0, got {value!r}")
+    return seconds
+
+
+@functools.cache
+def _load() -> bool:
+    timeout = kernel_build_timeout()
+    logger.info("loading llmd's CPU kernels for %s (compiled on the first start only)", vector_isa())
+    try:
+        library = build_library(kernels_build(), timeout)
+        torch.ops.load_library(str(library))
+    except KernelBuildCancelled:
+        raise  # the process exits: the load stops here
+    except KernelBuildError as exc:
+        logger.warning("CPU kernels unavailable: %s; the layers run their torch path", exc)
+        return False
+    except Exception as exc:  # no compiler, no ninja, an unwritable cache: the torch path stays
+        last_line = (str(exc).strip().splitlines() or [""])[-1]
+        logger.warning("CPU kernels unavailable (%s: %s); the layers run their torch path",
+                       type(exc).__name__, last_line)
+        return False
+    return True
+
+
+def paged_decode_op() -> Callable[..., torch.Tensor] | None:
+    """torch.ops.llmd_cpu.paged_decode(q [B, H, D], kv_cache [2, KVH, blocks,
+    block_size, D], block_table [B, max_blocks] int64, seq_lens [B] int64, scale,
+    softcap (0: none), window (0: none)) -> [B, H, D]: decode attention over the
+    paged cache read in place (cpu_kernels.cpp). Built on first call; None if it
+    cannot be."""
+    return torch.ops.llmd_cpu.paged_decode if _load() else None
+
+
+def cpu_kernels_enabled() -> bool:
+    """False when LLMD_CPU_KERNELS is "0" or "off" (module docstring)."""
+    value = os.environ.get(CPU_KERNELS_ENV, "").strip().lower()
+    if value not in ("", "1", "on", "0", "off"):
+        raise ValueError(f"{CPU_KERNELS_ENV} must be one of 0, 1 (or off, on), got {value!r}")
+    return value not in ("0", "off")
+
+
+def attach_cpu_kernels(model: nn.Module) -> int:
+    """Give every TorchAttention layer of a CPU model the paged decode kernel, and its
+    modules the fused layer ops (unless LLMD_FUSED_OPS=0); returns how many layers got
+    the kernel (0 when none attend with torch, the kernels are switched off or cannot
+    be built)."""
+    layers = [m.attn for m in model.modules() if isinstance(getattr(m, "attn", None), TorchAttention)]
+    if not layers or not cpu_kernels_enabled():
+        return 0
+    kernel = paged_decode_op()
+    if kernel is None:
+        return 0
+    for attn in layers:
+        attn.decode_kernel = kernel
+    if fused_ops_setting() != "off":
+        use_cpu_fused_ops(model)
+    return len(layers)

@@ -1,0 +1,367 @@
+"""Load a GGUF checkpoint (llama.cpp's one-file format) behind the same interface as an
+HF directory: its metadata becomes a transformers config, its vocabulary a fast
+tokenizer, its tensors the model's weights under HF names, dequantized at load with the
+`gguf` package (every type that package can dequantize: F32, F16, BF16, Q4_0 ... Q8_0,
+the K-quants, the IQ types).
+
+What llmd cannot run as llama.cpp would is refused naming the metadata key or tensor:
+an architecture other than llama, qwen2, qwen3 and gemma3 (gguf_arch.py says what each
+means), mixture-of-experts, per-frequency rope factors (`rope_freqs.weight`), partial
+rotary, an unknown rope scaling type, or any `{arch}.*` key this module does not know.
+
+llama.cpp's converter reorders the rows of every llama q/k projection head so that its
+rotary embedding can rotate adjacent pairs; llmd (like transformers) rotates halves, so
+those rows are put back in HF order here (transformers' GGUF loader undoes the same).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from llmd.gpu.models.gguf_arch import ARCHITECTURES, BLOCK_TENSORS, GLOBAL_TENSORS, GGUFArchitecture
+from llmd.gpu.models import get_model_class
+
+GGUF_MAGIC = b"GGUF"
+
+
+_BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Rotary inverse frequencies some old converters stored; derived from the config instead,
+# as the HF loader skips `rotary_emb.inv_freq`.
+_SKIPPED_BLOCK_TENSORS = {"attn_rot_embd"}
+
+
+def is_gguf_path(path: str | Path) -> bool:
+    """A model path that is a file (not an HF directory) is read as GGUF."""
+    return Path(path).is_file()
+
+
+class GGUFFile:
+    """An opened GGUF file: its metadata fields and tensors (memory-mapped)."""
+
+    def __init__(self, path: Path) -> None:
+        from gguf import GGUFReader
+
+        self.path = path
+        with path.open("rb") as f:
+            magic = f.read(4)
+        if magic != GGUF_MAGIC:
+            raise ValueError(f"{str(path)!r} is not a GGUF file: it starts with {magic!r}, "
+                             f"not the GGUF magic {GGUF_MAGIC!r}")
+        try:
+            self.reader = GGUFReader(str(path), "r")
+        except (ValueError, IndexError, OverflowError, KeyError) as exc:
+            raise ValueError(f"{str(path)!r} is a truncated or corrupt GGUF file ({exc})") from None
+        size = path.stat().st_size
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        for t in self.reader.tensors:
+            if t.data_offset + t.n_bytes > size:
+                raise ValueError(f"{str(path)!r} is truncated: tensor {t.name!r} ends at byte "
+                                 f"{t.data_offset + t.n_bytes}, the file has {size}")
+        arch = self.get("general.architecture")
+        if not isinstance(arch, str):
+            raise ValueError(f"{str(path)!r} has no general.architecture: not a model GGUF")
+        self.architecture = arch
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise ValueError(f"{str(self.path)!r}: GGUF metadata {key} is missing")
+        return value
+
+
+@functools.lru_cache(maxsize=4)
+def _open_cached(path: str, mtime_ns: int, size: int) -> GGUFFile:
+    return GGUFFile(Path(path))
+
+
+def open_gguf(path: str | Path) -> GGUFFile:
+    """The opened file, shared by every reader in this process (reading the metadata
+    of a 49k-token vocabulary takes the gguf package seconds) until the file changes."""
+    p = Path(path).resolve()
+    st = p.stat()
+    return _open_cached(str(p), st.st_mtime_ns, st.st_size)
+
+
+@dataclass(frozen=True)
+class GGUFSummary:
+    """What a listing of models says about a GGUF, read from its header only."""
+
+    architecture: str  # the HF architecture llmd runs it as, else the GGUF's own name
+    num_params: int
+    size_bytes: int
+    header_sha256: str  # of the metadata and tensor table: names the model without reading its weights
+
+
+def gguf_summary(path: str | Path) -> GGUFSummary:
+    g = open_gguf(path)
+    spec = ARCHITECTURES.get(g.architecture)
+    data_start = min((t.data_offset for t in g.tensors.values()), default=g.path.stat().st_size)
+    with g.path.open("rb") as f:
+        header_sha256 = hashlib.sha256(f.read(data_start)).hexdigest()
+    return GGUFSummary(architecture=spec.hf_architecture if spec else g.architecture,
+                       num_params=sum(int(t.n_elements) for t in g.tensors.values()),
+                       size_bytes=g.path.stat().st_size, header_sha256=header_sha256)
+
+
+def supported_tensor_types() -> list[str]:
+    """Names of the GGML tensor types the installed gguf package can dequantize."""
+    return [t.name for t in _dequantizable_types()]
+
+
+@functools.cache
+def _dequantizable_types() -> tuple[Any, ...]:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    ok = []
+    for qtype in GGMLQuantizationType:
+        _, type_size = GGML_QUANT_SIZES[qtype]
+        try:  # one block of zeros
+            dequantize(np.zeros((1, type_size), dtype=np.uint8), qtype)
+        except NotImplementedError:
+            continue
+        ok.append(qtype)
+    return tuple(ok)
+
+
+def load_gguf_config(path: str | Path):
+    """The transformers config the GGUF's metadata describes (`architectures` set to the
+    llmd model that runs it), or ValueError naming what llmd does not implement."""
+    from transformers import AutoConfig
+
+    g = open_gguf(path)
+    where = repr(str(path))
+    spec = _supported_architecture(g, where)
+    a = g.architecture
+    heads, kv_heads, hidden, head_dim = _attention_sizes(g, a, where)
+    fields: dict[str, Any] = dict(
+        architectures=[spec.hf_architecture],
+        vocab_size=_vocab_size(g, a, where),
+        hidden_size=hidden,
+        intermediate_size=_int(g, f"{a}.feed_forward_length"),
+        num_hidden_layers=_int(g, f"{a}.block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=_int(g, f"{a}.context_length"),
+        rms_norm_eps=float(g.require(f"{a}.attention.layer_norm_rms_epsilon")),
+        rope_parameters=_rope_parameters(g, a, where),
+        tie_word_embeddings="output.weight" not in g.tensors,
+        hidden_act="silu",
+        bos_token_id=g.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=g.get("tokenizer.ggml.eos_token_id"),
+        pad_token_id=g.get("tokenizer.ggml.padding_token_id"),
+    )
+    if a == "llama":
+        fields["attention_bias"] = "blk.0.attn_q.bias" in g.tensors
+        fields["mlp_bias"] = "blk.0.ffn_up.bias" in g.tensors
+    if a == "qwen2":
+        fields.pop("head_dim")  # Qwen2Config derives it; key_length must agree
+        if head_dim != hidden // heads:
+            raise ValueError(f"{where}: GGUF metadata {a}.attention.key_length={head_dim} differs from "
+                             f"embedding_length / head_count = {hidden // heads}: not implemented for qwen2")
+    if spec.config_fields is not None:
+        fields.pop("hidden_act")  # the architecture names its own
+        fields.update(spec.config_fields(g.get, a, fields))
+    config = AutoConfig.for_model(spec.model_type, **fields)
+    get_model_class(spec.hf_architecture).check_config(config)
+    return config
+
+
+def _supported_architecture(g: GGUFFile, where: str) -> GGUFArchitecture:
+    """The file's architecture, after checking from the header alone that llmd runs it as
+    llama.cpp would: every `{arch}.*` key known, no experts, every tensor placeable."""
+    spec = ARCHITECTURES.get(g.architecture)
+    if spec is None:
+        raise ValueError(f"{where}: GGUF architecture {g.architecture!r} is not implemented by llmd "
+                         f"(supported: {', '.join(sorted(ARCHITECTURES))})")
+    a = g.architecture
+    unknown = sorted(k for k in g.reader.fields
+                     if k.startswith(a + ".") and k[len(a) + 1:] not in spec.known_keys)
+    if unknown:
+        raise ValueError(f"{where}: GGUF metadata {', '.join(unknown)} is not implemented by llmd for "
+                         f"architecture {a!r}; refusing rather than running the model differently")
+    for key in ("expert_count", "expert_used_count"):
+        if g.get(f"{a}.{key}", 0):
+            raise ValueError(f"{where}: GGUF metadata {a}.{key}={g.get(f'{a}.{key}')}: mixture-of-experts "
+                             "models are not implemented by llmd")
+    _check_tensors(g, where, spec.block_tensors)
+    return spec
+
+
+def _attention_sizes(g: GGUFFile, a: str, where: str) -> tuple[int, int, int, int]:
+    """(heads, kv heads, hidden size, head size); refuses value heads of another size and
+    partial rotary, which llmd's attention does not implement."""
+    heads = _int(g, f"{a}.attention.head_count")
+    kv_heads = _int(g, f"{a}.attention.head_count_kv", heads)
+    hidden = _int(g, f"{a}.embedding_length")
+    head_dim = _int(g, f"{a}.attention.key_length", hidden // heads)
+    value_dim = _int(g, f"{a}.attention.value_length", head_dim)
+    if value_dim != head_dim:
+        raise ValueError(f"{where}: GGUF metadata {a}.attention.value_length={value_dim} differs from the key "
+                         f"length {head_dim}: not implemented by llmd")
+    rotary_dim = _int(g, f"{a}.rope.dimension_count", head_dim)
+    if rotary_dim != head_dim:
+        raise ValueError(f"{where}: GGUF metadata {a}.rope.dimension_count={rotary_dim} differs from the head "
+                         f"size {head_dim} (partial rotary): not implemented by llmd")
+    return heads, kv_heads, hidden, head_dim
+
+
+def _vocab_size(g: GGUFFile, a: str, where: str) -> int:
+    """The rows of the embedding, which `{arch}.vocab_size` must agree with when given."""
+    embed = g.tensors.get("token_embd.weight")
+    if embed is None:
+        raise ValueError(f"{where}: GGUF has no token_embd.weight tensor")
+    vocab_size = int(embed.shape[1])  # ggml shapes list the fastest-varying dimension first
+    declared_vocab = g.get(f"{a}.vocab_size")
+    if declared_vocab is not None and int(declared_vocab) != vocab_size:
+        raise ValueError(f"{where}: GGUF metadata {a}.vocab_size={declared_vocab} but token_embd.weight has "
+                         f"{vocab_size} rows")
+    return vocab_size
+
+
+def _int(g: GGUFFile, key: str, default: int | None = None) -> int:
+    value = g.get(key, default)
+    if value is None:
+        raise ValueError(f"{str(g.path)!r}: GGUF metadata {key} is missing")
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise ValueError(f"{str(g.path)!r}: GGUF metadata {key} differs between layers ({value}): "
+                             "per-layer sizes are not implemented by llmd")
+        value = value[0]
+    return int(value)
+
+
+def _rope_parameters(g: GGUFFile, a: str, where: str) -> dict[str, Any]:
+    """transformers' rope_parameters from llama.cpp's rope keys (which transformers' own
+    GGUF loader ignores; llama.cpp applies them, so llmd does too)."""
+    params: dict[str, Any] = {"rope_type": "default", "rope_theta": float(g.get(f"{a}.rope.freq_base", 10000.0))}
+    scaling = g.get(f"{a}.rope.scaling.type")
+    factor = g.get(f"{a}.rope.scaling.factor")
+    if scaling is None and g.get(f"{a}.rope.scale_linear") is not None:
+        scaling, factor = "linear", g.get(f"{a}.rope.scale_linear")
+    if scaling in (None, "none"):
+        return params
+    if factor is None:
+        raise ValueError(f"{where}: GGUF metadata {a}.rope.scaling.type={scaling!r} without "
+                         f"{a}.rope.scaling.factor")
+    if scaling == "linear":
+        return {**params, "rope_type": "linear", "factor": float(factor)}
+    if scaling == "yarn":
+        params.update(rope_type="yarn", factor=float(factor))
+        original = g.get(f"{a}.rope.scaling.original_context_length")
+        if original is not None:
+            params["original_max_position_embeddings"] = int(original)
+        for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            if g.get(f"{a}.rope.scaling.{key}") is not None:
+                params[name] = float(g.get(f"{a}.rope.scaling.{key}"))
+        return params
+    raise ValueError(f"{where}: GGUF metadata {a}.rope.scaling.type={scaling!r} is not implemented by llmd "
+                     "(supported: none, linear, yarn)")
+
+
+def _check_tensors(g: GGUFFile, where: str, block_tensors: dict[str, str]) -> None:
+    """Every tensor has an llmd parameter to go to and a type the gguf package can
+    dequantize: checked from the header, before any weight is read."""
+    types = _dequantizable_types()
+    for name, t in g.tensors.items():
+        if name == "rope_freqs.weight":
+            raise ValueError(f"{where}: GGUF tensor rope_freqs.weight (per-frequency rope factors, as llama.cpp "
+                             "writes for Llama 3.1-style rope scaling) is not implemented by llmd")
+        if hf_tensor_name(name, block_tensors) is None and not _is_skipped(name):
+            raise ValueError(f"{where}: GGUF tensor {name!r} has no counterpart in llmd's "
+                             f"{g.architecture} model")
+        if t.tensor_type not in types:
+            raise ValueError(f"{where}: GGUF tensor {name!r} has type {t.tensor_type.name}, which llmd cannot "
+                             f"dequantize (supported: {', '.join(supported_tensor_types())})")
+
+
+def _is_skipped(name: str) -> bool:
+    m = _BLOCK_NAME.fullmatch(name)
+    return m is not None and m.group(2) in _SKIPPED_BLOCK_TENSORS
+
+
+def hf_tensor_name(name: str, block_tensors: dict[str, str] = BLOCK_TENSORS) -> str | None:
+    """The HF checkpoint name of GGUF tensor `name` (None: no counterpart), block
+    tensors named by the architecture's `block_tensors`."""
+    if name in GLOBAL_TENSORS:
+        return GLOBAL_TENSORS[name]
+    m = _BLOCK_NAME.fullmatch(name)
+    if m is None or m.group(2) not in block_tensors:
+        return None
+    return f"model.layers.{m.group(1)}.{block_tensors[m.group(2)]}.{m.group(3)}"
+
+
+def unpermute_rotary_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's `permute` (convert_hf_to_gguf.py): within each head, rows
+    were reordered from HF's [first half, second half] to interleaved pairs."""
+    rest = w.shape[1:]
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_gguf_weights(path: str | Path, config: Any,
+                      shard: Callable[[str, Any], torch.Tensor] | None = None
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every weight of the GGUF, dequantized one tensor at
+    a time. With `shard(name, tensor)` (tensor parallelism) each rank dequantizes the
+    whole tensor and keeps the piece `shard` picks."""
+    from gguf.quants import dequantize
+
+    g = open_gguf(path)
+    spec = ARCHITECTURES[g.architecture]
+    for name, t in g.tensors.items():
+        if _is_skipped(name):
+            continue
+        hf_name = hf_tensor_name(name, spec.block_tensors)
+        if hf_name is None:
+            raise ValueError(f"{str(path)!r}: GGUF tensor {name!r} has no counterpart in llmd's model")
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        try:
+            array = dequantize(t.data, t.tensor_type)
+        except NotImplementedError as exc:
+            raise ValueError(f"{str(path)!r}: GGUF tensor {name!r} of type {t.tensor_type.name}: {exc}") from None
+        array = np.asarray(array, dtype=np.float32).reshape(shape)
+        if spec.norm_offset and name.endswith("norm.weight"):
+            array = array - np.float32(spec.norm_offset)
+        if spec.permuted_rotary:
+            if ".attn_q." in name:
+                array = unpermute_rotary_rows(array, config.num_attention_heads)
+            elif ".attn_k." in name:
+                array = unpermute_rotary_rows(array, config.num_key_value_heads)
+        if not (array.flags.writeable and array.flags.c_contiguous):
+            array = np.array(array, order="C")  # F32 data is a read-only view of the file's map
+        tensor = torch.from_numpy(array)
+        yield hf_name, (tensor if shard is None else shard(hf_name, tensor))
+
+
+def load_gguf_tokenizer(path: str | Path):
+    """The fast tokenizer transformers builds from the GGUF's vocabulary, merges,
+    special tokens and chat template (the class AutoTokenizer gives a llama GGUF,
+    without AutoTokenizer's second, slow read of the whole metadata for a config)."""
+    from transformers import PreTrainedTokenizerFast
+
+    p = Path(path).resolve()
+    try:
+        return PreTrainedTokenizerFast.from_pretrained(str(p.parent), gguf_file=p.name, local_files_only=True)
+    except (ValueError, KeyError) as exc:
+        raise ValueError(f"{str(path)!r}: cannot build a tokenizer from the GGUF's vocabulary ({exc})") from None
+
+
+def gguf_stop_token_ids(path: str | Path) -> set[int]:
+    """End-of-generation ids beside EOS that llama.cpp stops on: end of turn and end of
+    message."""
+    g = open_gguf(path)
+    ids = (g.get("tokenizer.ggml.eot_token_id"), g.get("tokenizer.ggml.eom_token_id"))
+    return {int(i) for i in ids if i is not None}

@@ -1,0 +1,54 @@
+"""Executors run SchedulerOutputs on the model. The in-process one calls the runner
+directly (offline engine, tests, debugging); worker processes are behind the same methods
+(mp_executor.py). Here the runner samples from the scheduler's own SchedulerOutput: its
+grammar rows are waited for on the thread that fills them (wait_grammar_bitmask)."""
+from __future__ import annotations
+
+import torch
+
+from llmd.gpu.worker.kv_budget import MemoryBreakdown
+from llmd.gpu.worker.model_runner import ModelRunner
+from llmd.gpu.worker.runner_types import RunnerSettings
+from llmd.load_progress import LoadProgress
+from llmd.core.step_messages import RunnerOutput, SchedulerOutput
+
+
+class InProcessExecutor:
+    def __init__(self, model_dir: str, settings: RunnerSettings, device: torch.device,
+                 dtype: torch.dtype, progress: LoadProgress | None = None) -> None:
+        self.runner = ModelRunner(model_dir, settings, device, dtype, progress=progress)
+
+    def kv_cache_bytes_per_block(self) -> int:
+        return self.runner.kv_cache_bytes_per_block()
+
+    def profile_kv_budget(self, gpu_memory_utilization: float,
+                          extra_reserved_bytes: int = 0) -> list[MemoryBreakdown]:
+        """CUDA: one breakdown (one rank), as MultiprocExecutor gives one per rank."""
+        return [self.runner.profile_kv_budget(gpu_memory_utilization, extra_reserved_bytes)]
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        return self.runner.execute_model(scheduler_output)
+
+    @property
+    def supports_chaining(self) -> bool:
+        return self.runner.supports_chaining
+
+    def execute_model_chained(self, scheduler_output: SchedulerOutput) -> RunnerOutput | None:
+        """Launch this step; the output of the one before (see ModelRunner)."""
+        return self.runner.execute_model_chained(scheduler_output)
+
+    def flush(self) -> RunnerOutput | None:
+        return self.runner.flush()
+
+    def exit_fds(self) -> list[int]:
+        """No worker process to watch: the model runs in this one."""
+        return []
+
+    def exit_cause(self) -> str | None:
+        return None
+
+    def shutdown(self) -> None:
+        self.runner.release_kv_cache()

@@ -1,0 +1,296 @@
+"""The model runner: the worker's model, its KV cache and decode graphs, and the
+lifecycle of a step. A SchedulerOutput updates the worker's copy of every running request
+(input_batch), becomes one flattened forward pass over the paged KV cache (or a decode
+graph's replay), and its sampling rows go to the sampling step (sampling_step); with a
+draft model, the draft proposes after it. Chained steps (async scheduling) leave a step's
+tokens on the device while the next one launches.
+
+Rows are ordered decodes first (one new token each, attended in one batch), then
+prefill chunks. Logits are computed only for rows that sample (and for prompt
+positions of requests that asked for prompt logprobs).
+"""
+from __future__ import annotations
+
+import gc
+import logging
+
+import torch
+
+from llmd.gpu.layers.attention import GatherWorkspace, model_kv_bytes_per_block, new_model_kv_caches
+from llmd.gpu.layers.attention_backends import resolve_attention_backend
+from llmd.gpu.worker.cuda_graphs import DecodeGraphs, build_decode_graphs, capture_sizes
+from llmd.gpu.worker.draft_model import DraftModel
+from llmd.gpu.sample.graph_sampler import PENALIZED, GraphSampler, graph_sampling_enabled
+from llmd.gpu.worker.graph_sampling_plan import plan_graph_sampling
+from llmd.gpu.worker.input_batch import InputBatch, StepRows
+from llmd.gpu.worker.kv_budget import MemoryBreakdown
+from llmd.gpu.models.loader import load_model
+from llmd.gpu.worker.memory_profile import ProfileSubject, profile_kv_budget
+from llmd.gpu.worker.runner_types import PendingStep, RunnerSettings
+from llmd.gpu.sample.sampler import Sampler
+from llmd.gpu.worker.sampling_step import SamplingStep, record_sampled
+from llmd.load_progress import LoadProgress
+from llmd.core.step_messages import RunnerOutput, SchedulerOutput
+
+logger = logging.getLogger("llmd.model_runner")
+
+
+class ModelRunner:
+    decode_graphs: DecodeGraphs | None = None  # set by initialize_kv_cache when graphs are on
+
+    def __init__(self, model_dir: str, settings: RunnerSettings, device: torch.device,
+                 dtype: torch.dtype, rank: int = 0, world_size: int = 1,
+                 progress: LoadProgress | None = None) -> None:
+        """With world_size > 1 (tensor parallelism, process group already initialised)
+        this runner holds rank `rank`'s shard: its own q/kv heads, so its KV cache holds
+        only its kv heads. Every rank runs every step; rank 0 samples and the sampled
+        tokens are broadcast to the others."""
+        self.settings = settings
+        self.block_size = settings.block_size
+        self.device = device
+        self.dtype = dtype
+        self.rank = rank
+        self.world_size = world_size
+        if settings.cpu_threads and device.type == "cpu":
+            torch.set_num_threads(settings.cpu_threads)
+        self.attention_backend = resolve_attention_backend(settings.attention_backend, device, settings.block_size,
+                                                           dtype)
+        # CUDA: what the device held before our weights (profile_kv_budget's baseline).
+        self._cuda_before_load: tuple[int, int, int] | None = None  # free, allocated, reserved
+        if device.type == "cuda":
+            # Garbage from an earlier engine in this process (a reference cycle holding its
+            # tensors) would otherwise be freed during the load and make the weights'
+            # allocator difference come out short, even negative.
+            gc.collect()
+            torch.cuda.empty_cache()
+            self._cuda_before_load = (torch.cuda.mem_get_info(device)[0], torch.cuda.memory_allocated(device),
+                                      torch.cuda.memory_reserved(device))
+        self.model = load_model(model_dir, dtype, device, settings.max_model_len, rank, world_size,
+                                self.attention_backend, progress)
+        self.vocab_size = self.model.config.vocab_size
+        self.sampler = Sampler(seed=settings.seed)
+        self._pending: PendingStep | None = None  # chained steps: the last step, not yet collected
+        self.kv_caches: list[torch.Tensor] = []
+        self.workspace = GatherWorkspace()
+        self.batch = InputBatch(self.block_size, device, self.workspace, self.attention_backend)
+        self.drafter: DraftModel | None = None
+        if settings.draft_model:
+            if world_size > 1:
+                raise ValueError("a draft model does not run with tensor parallelism yet")
+            self.drafter = DraftModel(settings, device, dtype, self.attention_backend, self.sampler,
+                                      self.workspace)
+        self.sampling = SamplingStep(self.model, self.sampler, settings, self.drafter, rank, world_size)
+
+    # -- KV cache -------------------------------------------------------------------
+    def kv_cache_bytes_per_block(self) -> int:
+        """Both models' bytes when there is a draft model: its cache has as many blocks."""
+        total = model_kv_bytes_per_block(self.model, self.block_size, self.dtype)
+        if self.drafter is not None:
+            total += self.drafter.kv_cache_bytes_per_block()
+        return total
+
+    def profile_kv_budget(self, gpu_memory_utilization: float, extra_reserved_bytes: int = 0) -> MemoryBreakdown:
+        """CUDA: the KV cache budget from a profile of the largest step (memory_profile),
+        keeping room for the decode graphs when they will be captured."""
+        s = self.settings
+        graph_batch = 0
+        if self._graphs_off_reason() is None:
+            graph_batch = capture_sizes(s.max_sampled_rows, s.max_num_batched_tokens)[-1]
+        subject = ProfileSubject(self.model, s, self.device, self.dtype, self._cuda_before_load,
+                                 self.kv_cache_bytes_per_block(), graph_batch,
+                                 None if self.drafter is None else self.drafter.model)
+        return profile_kv_budget(subject, gpu_memory_utilization, extra_reserved_bytes)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """num_blocks are the block pool's; the cache has one more, the scratch block
+        that padded rows of a graph step write and read (the pool never hands it out)."""
+        self.release_decode_graphs()
+        self.kv_caches = new_model_kv_caches(self.model, num_blocks + 1, self.block_size, self.dtype, self.device)
+        if self.drafter is not None:  # the same blocks as the target's, scratch included
+            self.drafter.initialize_kv_cache(num_blocks + 1)
+        if self._decode_graphs_wanted():
+            self.init_decode_graphs()
+
+    @property
+    def scratch_block(self) -> int:
+        return self.kv_caches[0].shape[2] - 1
+
+    def _graphs_off_reason(self) -> str | None:
+        """Why decode steps will not use CUDA graphs on this runner (None: they will)."""
+        if self.device.type != "cuda":
+            return "not a CUDA device"
+        if self.settings.enforce_eager:
+            return "enforce_eager is set"
+        if self.attention_backend == "torch":
+            return ("the 'torch' attention backend builds its shapes on the host each step "
+                    "(graphs need 'triton' or 'flash_attn')")
+        if self.world_size > 1:
+            return "tensor parallelism is not captured"
+        return None
+
+    def _decode_graphs_wanted(self) -> bool:
+        reason = self._graphs_off_reason()
+        if reason is None:
+            return True
+        if self.device.type == "cuda":
+            log = logger.info if self.settings.enforce_eager else logger.warning
+            log("CUDA graphs off: %s; decode steps run eagerly", reason)
+        return False
+
+    def init_decode_graphs(self, emulate: bool = False) -> None:
+        """Capture the decode graphs over the current KV cache (a failure leaves
+        decode_graphs None: eager steps). emulate=True (tests, any device) builds the
+        same static buffers, padding and scratch-block rows but calls the forward."""
+        self.release_decode_graphs()
+        # A verify step runs 1 + k decode rows per request (input_batch): sizes up to every sequence verifying.
+        sizes = capture_sizes(self.settings.max_sampled_rows, self.settings.max_num_batched_tokens)
+
+        def make() -> DecodeGraphs:
+            return DecodeGraphs(self.model, self.kv_caches, sizes, self.block_size, self.settings.max_model_len,
+                                self.scratch_block, self.attention_backend, self.device, self.workspace,
+                                emulate=emulate, sampling=self._graph_sampler(max(sizes)))
+
+        self.decode_graphs = make() if emulate else build_decode_graphs(make, self.device)
+        if self.drafter is not None:
+            self.drafter.init_decode_graphs(sizes, emulate=emulate)
+
+    def _graph_sampler(self, max_batch: int) -> GraphSampler | None:
+        """The in-graph sampler of the decode graphs (graph_sampler), where this runner
+        samples alone and nothing reads the tokens in the step: no draft model (it drafts
+        from the step's tokens on the host), one rank; not with LLMD_GRAPH_SAMPLING=0."""
+        if self.drafter is not None or self.world_size > 1 or not graph_sampling_enabled():
+            return None
+        return GraphSampler(self.sampler, self.settings.valid_vocab_size, max_batch, self.device)
+
+    def release_decode_graphs(self) -> None:
+        if self.decode_graphs is not None:
+            self.decode_graphs.release()
+            self.decode_graphs = None
+        if self.drafter is not None:
+            self.drafter.release_decode_graphs()
+
+    def release_kv_cache(self) -> None:
+        self._pending = None
+        self.release_decode_graphs()
+        self.kv_caches = []
+        if self.drafter is not None:
+            self.drafter.kv_caches = []
+
+    # -- one step -------------------------------------------------------------------
+    def _apply_scheduler_output(self, so: SchedulerOutput) -> None:
+        self.batch.apply(so)
+        if self.drafter is not None:
+            self.drafter.forget(so.finished_req_ids)
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> RunnerOutput:
+        if self._pending is not None:  # a chained step before this one: its tokens first
+            self.sampling.collect(self._pending)
+            self._pending = None
+        return self._execute(so, None, defer=False)
+
+    @property
+    def supports_chaining(self) -> bool:
+        """Whether execute_model_chained can leave a step's tokens on the device: one rank
+        (no token broadcast), no draft model (it drafts from the host tokens)."""
+        return self.world_size == 1 and self.drafter is None
+
+    @torch.inference_mode()
+    def execute_model_chained(self, so: SchedulerOutput) -> RunnerOutput | None:
+        """Async scheduling: launch `so` without waiting for its sampled tokens, then
+        return the output of the step before it (None if there was none). Decode rows
+        whose last token that earlier step sampled read it on the device, so the device
+        goes from one step to the next while the host reads the earlier one's tokens.
+        A step that cannot go that way (drafts to verify) has the earlier step's tokens
+        collected first."""
+        prev, self._pending = self._pending, None
+        earlier = None
+        defer = self._can_defer(so)
+        if prev is not None and not defer:
+            earlier, prev = self.sampling.collect(prev), None
+        result = self._execute(so, prev, defer=defer)
+        self._pending = result if isinstance(result, PendingStep) else PendingStep(result, [], [], None)
+        if prev is not None:
+            earlier = self.sampling.collect(prev)
+        return earlier
+
+    def flush(self) -> RunnerOutput | None:
+        """The output of the last chained step (None if it was already returned)."""
+        prev, self._pending = self._pending, None
+        return self.sampling.collect(prev) if prev is not None else None
+
+    def _can_defer(self, so: SchedulerOutput) -> bool:
+        return (self.supports_chaining and self.rank == 0 and not so.scheduled_spec_decode_tokens
+                and not so.scheduled_spec_tail_tokens)
+
+    def _execute(self, so: SchedulerOutput, chain: PendingStep | None, defer: bool) -> RunnerOutput | PendingStep:
+        """One step: the forward (a decode graph's replay when every row is a plain
+        decode), then _finish_step. `chain`: the step before, its tokens on the device."""
+        self._apply_scheduler_output(so)
+        if not so.num_scheduled_tokens:
+            return RunnerOutput(req_ids=[], sampled_token_ids=[])
+        rows = self.batch.prepare(so, chain)
+        if rows.fits_graph(self.decode_graphs):
+            sampled = self._sample_in_graph(so, rows, chain, defer)
+            if sampled is not None:
+                return sampled
+            hidden = self.decode_graphs.run(rows.input_ids, rows.positions, rows.slots, rows.seq_lens, rows.tables,
+                                            fix=rows.fix)
+            if self.drafter is not None:
+                self.drafter.forward_decode_rows(rows.input_ids, rows.positions, rows.slots, rows.seq_lens,
+                                                 rows.tables, rows.fix)
+        else:
+            ids_t, pos_t, md = self.batch.eager_inputs(rows)
+            hidden = self.model(ids_t, pos_t, self.kv_caches, md)
+            if self.drafter is not None:
+                self.drafter.forward(ids_t, pos_t, md)
+        return self._finish_step(so, hidden, rows, chain, defer)
+
+    def _sample_in_graph(self, so: SchedulerOutput, rows: StepRows, chain: PendingStep | None,
+                         defer: bool) -> RunnerOutput | PendingStep | None:
+        """A graph step whose graph samples too: the forward's graph and its sampling tail
+        replayed, the tokens copied to pinned memory behind an event (and, with `defer`,
+        left there for the next step). None when a row needs the eager sampler or no tail
+        fits the batch: the caller then replays the forward graph alone."""
+        graphs = self.decode_graphs
+        if graphs.sampling is None:
+            return None
+        plan = plan_graph_sampling(so, rows.decodes, chain, self.settings.eos_token_id, graphs.sampling.vocab_limit)
+        if plan is None or (plan.variant == PENALIZED and not graphs.enable_penalties()) \
+                or not graphs.has_tail(graphs.padded_size(len(rows.input_ids)), plan.variant):
+            return None
+        sample_reqs = rows.advance(so.scheduled_spec_decode_tokens).reqs
+        tokens = graphs.run(rows.input_ids, rows.positions, rows.slots, rows.seq_lens, rows.tables, fix=rows.fix,
+                            sample=plan)
+        return self.sampling.graph_step(self._new_output(), [r for r, _ in rows.ordered], sample_reqs,
+                                        {r.req.req_id: r.row for r in plan.rows}, tokens, graphs.sampling, defer)
+
+    def _new_output(self) -> RunnerOutput:
+        out = RunnerOutput(req_ids=[], sampled_token_ids=[], logprobs={}, prompt_logprobs={})
+        if self.device.type == "cuda":
+            out.device_memory_bytes = torch.cuda.memory_reserved(self.device)
+        return out
+
+    def _finish_step(self, so: SchedulerOutput, hidden: torch.Tensor, rows: StepRows,
+                     chain: PendingStep | None = None, defer: bool = False) -> RunnerOutput | PendingStep:
+        """Logits of the rows that sample (and prompt logprobs), sampling, bookkeeping,
+        then the draft model's proposals. With `defer`, the sampled tokens stay on the
+        device (see PendingStep)."""
+        plan = rows.advance(so.scheduled_spec_decode_tokens)
+        out = self._new_output()
+        for req, row0, first, count in plan.prompt_logprobs:
+            out.prompt_logprobs[req.req_id] = self.sampling.prompt_logprobs(hidden, req, row0, first, count)
+        ordered = [r for r, _ in rows.ordered]
+        sampled: list[list[int]] = []
+        if plan.reqs:
+            logits = self.sampling.logits(hidden, plan.rows)
+            if defer:
+                return self.sampling.sample_deferred(so, logits, plan.reqs, ordered, out, chain)
+            sampled = self.sampling.sample(so, logits, plan.reqs, plan.drafts, out)
+        record_sampled(out, ordered, plan.reqs, sampled)
+        if self.drafter is not None:
+            # A request that sampled has used (or dropped) its proposal: only new ones count.
+            self.drafter.forget([r.req_id for r in plan.reqs])
+            if so.draft_max_num_tokens:
+                out.draft_token_ids = self.drafter.propose(plan.reqs, so.draft_max_num_tokens)
+        return out

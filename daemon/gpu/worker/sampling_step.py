@@ -1,0 +1,260 @@
+"""The sampling half of a step: from the hidden states of the rows that sample to the
+tokens each request emits, with their logprobs.
+
+Per request one row is sampled, or (verifying k drafts) k + 1 rows go through the
+rejection sampler. The sampling metadata is built from the worker's copy of each request
+(penalties see its output so far; a grammar's bitmask rows are set). With tensor
+parallelism rank 0 samples and broadcasts the tokens, the other ranks take them. With
+chained steps (async scheduling) the tokens may stay on the device for the next step
+(`sample_deferred`), the host reading them later (`collect`). Prompt logprobs are
+computed here too, in slices no wider than a sampling step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmd.gpu.worker.draft_model import DraftModel
+from llmd.gpu.sample.graph_sampler import GraphSampler
+from llmd.gpu.sample.rejection_sampler import VerifyOutput, verify
+from llmd.gpu.worker.runner_types import PendingStep, RunnerRequest, RunnerSettings
+from llmd.gpu.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs
+from llmd.core.step_messages import Logprobs, PromptLogprobs, RunnerOutput, SchedulerOutput
+
+
+@dataclass(eq=False)  # compared by identity: it holds the model
+class SamplingStep:
+    """Samples for the runner holding `model` (its LM head computes the logits); with
+    `drafter`, verifies the draft model's proposals against the q it kept."""
+
+    model: torch.nn.Module
+    sampler: Sampler
+    settings: RunnerSettings
+    drafter: DraftModel | None
+    rank: int = 0  # tensor-parallel rank: rank 0 samples
+    world_size: int = 1
+
+    def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """The LM head on `rows` of `hidden` only (distinct and ascending)."""
+        if len(rows) == hidden.shape[0]:  # every row samples
+            return self.model.compute_logits(hidden)
+        idx = _to_device(rows, hidden.device)
+        return self.model.compute_logits(hidden.index_select(0, idx))
+
+    def sample(self, so: SchedulerOutput, logits: torch.Tensor, reqs: list[RunnerRequest],
+               drafts: list[list[int]], out: RunnerOutput) -> list[list[int]]:
+        """The tokens each request emits, the same on every tensor-parallel rank: rank 0
+        samples (logprobs into `out`) and broadcasts them, the others receive them."""
+        dev = logits.device
+        if self.rank == 0:
+            sampled = self._sample(so, logits, reqs, drafts, out)
+            if self.world_size > 1:
+                _broadcast_tokens(_pad_rows(sampled, len(reqs), drafts, dev))
+            return sampled
+        tokens = _pad_rows([], len(reqs), drafts, dev)
+        _broadcast_tokens(tokens)
+        return [[t for t in row if t >= 0] for row in tokens.tolist()]
+
+    def _sample(self, so: SchedulerOutput, logits: torch.Tensor, reqs: list[RunnerRequest],
+                drafts: list[list[int]], out: RunnerOutput) -> list[list[int]]:
+        """One sampled token per request, or (verifying drafts) the accepted drafts and
+        one more. Logprobs go into `out`."""
+        if so.scheduled_spec_decode_tokens or so.scheduled_spec_tail_tokens:
+            return self._verify(so, logits, reqs, drafts, out)
+        result = self.sampler(logits, self._metadata(so, reqs, logits.device))
+        tokens = [[t] for t in result.sampled_token_ids.tolist()]
+        if result.logprobs_token_ids is not None:
+            _collect_logprobs(out, reqs, [[i] for i in range(len(reqs))], result)
+        return tokens
+
+    def _verify(self, so: SchedulerOutput, logits: torch.Tensor, reqs: list[RunnerRequest],
+                drafts: list[list[int]], out: RunnerOutput) -> list[list[int]]:
+        """Rejection sampling of each request's drafts (and the tail the scheduler
+        named): one row per verified position, row i of a request sees drafts[:i] as
+        output."""
+        dev = logits.device
+        settings = self.settings
+        params, prompts, outputs, rows_of = [], [], [], {}
+        for req, d in zip(reqs, drafts):
+            rows_of[req.req_id] = range(len(params), len(params) + len(d) + 1)
+            for i in range(len(d) + 1):
+                params.append(req.sampling_params)
+                prompts.append(req.token_ids[:req.num_prompt_tokens])
+                outputs.append(req.output_token_ids + d[:i])
+        md = SamplingMetadata.build(params, prompts, outputs, valid_vocab_size=settings.valid_vocab_size,
+                                    eos_token_id=settings.eos_token_id, device=dev)
+        if so.grammar_req_ids:  # a guided request's bitmask has a row for each of its positions
+            md.set_grammar_bitmask([r for rid in so.grammar_req_ids for r in rows_of[rid]],
+                                   so.wait_grammar_bitmask(), dev)
+        tails = [so.scheduled_spec_tail_tokens.get(r.req_id) for r in reqs]
+        draft_probs = None  # n-gram drafts: point masses (and greedy rows need no q)
+        if self.drafter is not None and not md.all_greedy:
+            draft_probs = self.drafter.take_probs([r.req_id for r in reqs], drafts, tails, md.num_rows,
+                                                  md.vocab_limit)
+        result = verify(self.sampler, logits, md, drafts, draft_probs, tails)
+        if result.logprobs_token_ids is not None:
+            flat, rows = 0, []
+            for ts in result.token_ids:
+                rows.append(list(range(flat, flat + len(ts))))
+                flat += len(ts)
+            _collect_logprobs(out, reqs, rows, result)
+        return result.token_ids
+
+    def _metadata(self, so: SchedulerOutput, reqs: list[RunnerRequest], dev: torch.device,
+                  chain: PendingStep | None = None) -> SamplingMetadata:
+        """One sampling row per request (no drafts), grammar rows included. A request
+        whose previous token a chained step still holds counts it as output: its length
+        through a -1 stand-in (positions for seeds and min_tokens), its value added to the
+        penalty counts on the device."""
+        settings = self.settings
+        in_flight = chain.row_of if chain is not None else {}
+        md = SamplingMetadata.build(
+            [r.sampling_params for r in reqs], [r.token_ids[:r.num_prompt_tokens] for r in reqs],
+            [r.output_token_ids + [-1] if r.req_id in in_flight else r.output_token_ids for r in reqs],
+            valid_vocab_size=settings.valid_vocab_size, eos_token_id=settings.eos_token_id, device=dev)
+        rows = [i for i, r in enumerate(reqs) if r.req_id in in_flight]
+        if md.output_counts is not None and rows:
+            src = _to_device([in_flight[reqs[i].req_id] for i in rows], dev)
+            md.output_counts.index_put_((_to_device(rows, dev),
+                                         chain.sampled.index_select(0, src)),
+                                        torch.ones(len(rows), dtype=md.output_counts.dtype, device=dev),
+                                        accumulate=True)
+        if so.grammar_req_ids:
+            row_of = {r.req_id: i for i, r in enumerate(reqs)}
+            md.set_grammar_bitmask([row_of[rid] for rid in so.grammar_req_ids], so.wait_grammar_bitmask(), dev)
+        return md
+
+    # -- chained steps: tokens left on the device -----------------------------------------
+    def sample_deferred(self, so: SchedulerOutput, logits: torch.Tensor, reqs: list[RunnerRequest],
+                        ordered: list[RunnerRequest], out: RunnerOutput, chain: PendingStep | None) -> PendingStep:
+        """Sample without reading the tokens back: start their copy to the host and
+        return the step as pending."""
+        dev = logits.device
+        result = self.sampler(logits, self._metadata(so, reqs, dev, chain))
+        host, ready = result, None
+        if dev.type == "cuda":
+            # Into pinned memory, behind this step's kernels only: the next step's work,
+            # queued after, is not waited for.
+            host = SamplerOutput(*(t.to("cpu", non_blocking=True) if t is not None else None
+                                   for t in (result.sampled_token_ids, result.logprobs_token_ids,
+                                             result.logprobs, result.ranks)))
+            ready = torch.cuda.Event()
+            ready.record()
+        return PendingStep(out, ordered, reqs, result.sampled_token_ids, host, ready,
+                           {r.req_id: i for i, r in enumerate(reqs)})
+
+    def graph_step(self, out: RunnerOutput, ordered: list[RunnerRequest], reqs: list[RunnerRequest],
+                   row_of: dict[str, int], tokens: torch.Tensor, sampler: GraphSampler,
+                   defer: bool) -> RunnerOutput | PendingStep:
+        """A step its decode graph sampled: `tokens` [padded batch] on the device, row_of[i]
+        the row of reqs[i]'s token. Their copy to pinned memory starts behind this step's
+        kernels; with `defer` the step is returned pending, else the host waits for that
+        copy (an event, not a blocking device-to-host copy) and reads it once."""
+        host, ready = sampler.read_back(tokens)
+        pending = PendingStep(out, ordered, reqs, tokens, SamplerOutput(host), ready, row_of)
+        return pending if defer else self.collect(pending)
+
+    @staticmethod
+    def collect(p: PendingStep) -> RunnerOutput:
+        """Wait for a deferred step's tokens, append them, and complete its output."""
+        if p.sampled is None:
+            return p.out
+        if p.ready is not None:
+            p.ready.synchronize()
+        tokens = p.host.sampled_token_ids.tolist()
+        if p.host.logprobs_token_ids is not None:
+            _collect_logprobs(p.out, p.sample_reqs, [[i] for i in range(len(p.sample_reqs))], p.host)
+        record_sampled(p.out, p.ordered, p.sample_reqs, [[tokens[p.row_of[r.req_id]]] for r in p.sample_reqs])
+        return p.out
+
+    # -- prompt logprobs ------------------------------------------------------------------
+    def prompt_logprobs(self, hidden: torch.Tensor, req: RunnerRequest, row0: int, first: int,
+                        count: int) -> PromptLogprobs:
+        """Logprobs of `count` prompt tokens from position first + 1, whose predicting
+        rows start at row0 of `hidden`."""
+        k = req.sampling_params.prompt_logprobs
+        out = Logprobs(token_ids=[], logprobs=[], ranks=[])
+        # In slices no wider than the rows a step samples: a chunk's full-vocab logits,
+        # their fp32 log-softmax and rank masks would otherwise take ~9 bytes x vocab per
+        # prompt token, more than the memory profile (which samples that many rows) saw.
+        width = self.settings.max_sampled_rows
+        for lo in range(0, count, width):
+            n = min(width, count - lo)
+            logits = self.model.compute_logits(hidden[row0 + lo:row0 + lo + n])
+            logprobs = torch.log_softmax(self._mask_padded_vocab(logits), dim=-1)
+            targets = torch.tensor(req.token_ids[first + 1 + lo:first + 1 + lo + n], dtype=torch.int64,
+                                   device=logits.device)
+            ids, lps, ranks = gather_logprobs(logprobs, targets, k)
+            out.token_ids += ids.tolist()
+            out.logprobs += lps.tolist()
+            out.ranks += ranks.tolist()
+        return PromptLogprobs(start=first, logprobs=out)
+
+    def _mask_padded_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        valid = self.settings.valid_vocab_size
+        if valid < logits.shape[-1]:
+            logits[:, valid:] = float("-inf")
+        return logits
+
+
+def record_sampled(out: RunnerOutput, ordered: list[RunnerRequest], sample_reqs: list[RunnerRequest],
+                   sampled: list[list[int]]) -> None:
+    """Append each request's emitted tokens (sampled[i] is sample_reqs[i]'s) to its
+    token ids and, one entry per row's request in row order, to `out`."""
+    sampled_by_req = {r.req_id: t for r, t in zip(sample_reqs, sampled)}
+    for req in ordered:
+        tokens = sampled_by_req.get(req.req_id, [])
+        req.token_ids.extend(tokens)
+        out.req_ids.append(req.req_id)
+        out.sampled_token_ids.append(tokens)
+
+
+def _collect_logprobs(out: RunnerOutput, reqs: list[RunnerRequest], rows: list[list[int]],
+                      result: SamplerOutput | VerifyOutput) -> None:
+    """rows[i]: the result rows of request i's emitted tokens, in order."""
+    ids = result.logprobs_token_ids.tolist()
+    lps = result.logprobs.tolist()
+    ranks = result.ranks.tolist()
+    for req, req_rows in zip(reqs, rows):
+        k = req.sampling_params.logprobs
+        if k is None:
+            continue
+        out.logprobs[req.req_id] = Logprobs(token_ids=[ids[r][:k + 1] for r in req_rows],
+                                            logprobs=[lps[r][:k + 1] for r in req_rows],
+                                            ranks=[ranks[r] for r in req_rows])
+
+
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """int64 indices on `device` without waiting for it: torch.tensor(..., device=cuda)
+    copies blocking, which also waits for the stream (and would stall a chained step
+    behind the step before it); a non-blocking copy from pageable memory is staged at once."""
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+
+def _pad_rows(tokens: list[list[int]], num_reqs: int, drafts: list[list[int]],
+              device: torch.device) -> torch.Tensor:
+    """[num_reqs, 1 + most drafts] int64, -1 padded: the same shape on every TP rank."""
+    width = 1 + max((len(d) for d in drafts), default=0)
+    padded = torch.full((num_reqs, width), -1, dtype=torch.int64)
+    for i, row in enumerate(tokens):
+        padded[i, :len(row)] = torch.tensor(row, dtype=torch.int64)
+    return padded.to(device)
+
+
+def _broadcast_tokens(tokens: torch.Tensor) -> None:
+    """Rank 0's sampled tokens to every tensor-parallel rank (in place on the others).
+    NCCL moves only tensors on this rank's CUDA device and gloo here only CPU ones, so a
+    tensor elsewhere travels through a copy on the right device."""
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        home = torch.device("cuda", torch.cuda.current_device())
+    else:
+        home = torch.device("cpu")
+    if tokens.dtype != torch.int64 or not tokens.is_contiguous() or tokens.device != home:
+        buf = tokens.to(device=home, dtype=torch.int64).contiguous()
+        dist.broadcast(buf, src=0)
+        tokens.copy_(buf)
+    else:
+        dist.broadcast(tokens, src=0)
