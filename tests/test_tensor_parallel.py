@@ -103,7 +103,7 @@ def test_killed_rank_fails_requests_then_new_workers_serve(engines):
     os.kill(old[1], signal.SIGKILL)  # rank 1: rank 0 is the one that replies
     start = time.monotonic()
     finished = drain(engine)
-    assert time.monotonic() - start < 15
+    assert time.monotonic() - start < 30  # failed at once, restarted (two workers loading: ~8 s quiet)
     assert {o.outputs[0].finish_reason for o in finished.values()} == {"error"}
     assert set(engine.executor.pids).isdisjoint(old)
     engine.kv_cache_manager.assert_all_free()

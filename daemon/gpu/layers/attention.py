@@ -103,17 +103,34 @@ def new_model_kv_caches(model: torch.nn.Module, num_blocks: int, block_size: int
             for _ in model.layers]
 
 
-def set_decode_rows(md: AttentionMetadata, tables: list[list[int]], seq_lens: list[int], block_size: int,
-                    device: torch.device, mask: bool = True) -> None:
-    """The decode rows' block tables (padded to the longest), context lengths and, with
-    `mask` (the torch backend reads it; the kernels do not), the additive mask."""
-    table_np = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int64)
+def pad_tables(tables: list[list[int]]) -> np.ndarray:
+    """Block tables of different lengths as one [rows, longest] int64 array (0 past a
+    row's end: never read, the context lengths stop before)."""
+    table = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int64)
     for i, t in enumerate(tables):
-        table_np[i, :len(t)] = t
-    md.decode_block_table = torch.from_numpy(table_np).to(device)
-    md.decode_seq_lens = torch.tensor(seq_lens, dtype=torch.int64, device=device)
+        table[i, :len(t)] = t
+    return table
+
+
+def set_decode_rows(md: AttentionMetadata, tables: np.ndarray | list[list[int]], seq_lens: np.ndarray | list[int],
+                    block_size: int, device: torch.device, mask: bool = True) -> None:
+    """The decode rows' block tables ([rows, blocks] int64, columns past a row's context
+    never read; or one list per row), context lengths and, with `mask` (the torch
+    backend reads it; the kernels do not), the additive mask."""
+    if isinstance(tables, list):
+        tables = pad_tables(tables)
+    md.decode_block_table = torch.from_numpy(np.ascontiguousarray(tables, dtype=np.int64)).to(device)
+    md.decode_seq_lens = torch.from_numpy(np.asarray(seq_lens, dtype=np.int64)).to(device)
     if mask:
         build_decode_mask(md, block_size)
+
+
+def reads_decode_mask(model: torch.nn.Module) -> bool:
+    """Whether some attention layer of `model` attends decode rows through
+    AttentionMetadata.decode_mask (a TorchAttention with no decode kernel), so a step's
+    metadata must carry it; otherwise building it would be wasted host and device work."""
+    return any(isinstance(getattr(m, "attn", None), TorchAttention) and m.attn.decode_kernel is None
+               for m in model.modules())
 
 
 def build_decode_mask(md: AttentionMetadata, block_size: int) -> None:
@@ -282,6 +299,8 @@ class TorchAttention(AttentionLayer):
         scores = torch.bmm(query, keys.transpose(1, 2)).float().mul_(self.scale)
         if self.softcap is not None:
             soft_cap(scores, self.softcap)
+        if md.decode_mask is None:  # a model reads_decode_mask did not foresee: built here, once per step
+            build_decode_mask(md, block_size)
         mask = md.decode_mask if self.sliding_window is None else decode_window_mask(md, self.sliding_window)
         scores = scores.view(kvh, n, group, length).add_(mask)
         probs = torch.softmax(scores, dim=-1).to(q.dtype).view(kvh * n, group, length)

@@ -40,9 +40,10 @@ import logging
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
-from llmd.gpu.layers.attention import AttentionMetadata, GatherWorkspace, build_decode_mask
+from llmd.gpu.layers.attention import AttentionMetadata, GatherWorkspace, build_decode_mask, pad_tables
 from llmd.gpu.sample.graph_sampler import GREEDY, PENALIZED, SAMPLE, WORDS_PER_ROW, GraphSampler, RowParams, tail_fits
 from llmd.gpu.worker.graph_sampling_plan import GraphSamplingPlan
 
@@ -121,8 +122,8 @@ class DecodeGraphs:
             return tail_fits(variant, b, self.sampling.vocab_limit)
         return (b, variant) in self.tails
 
-    def _stage(self, b: int, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
-               tables: list[list[int]]) -> int:
+    def _stage(self, b: int, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
+               tables: np.ndarray | list[list[int]]) -> int:
         """Write size b's inputs into the pinned buffer (real rows, then padded rows);
         returns how many elements the step copies."""
         n = len(input_ids)
@@ -137,8 +138,9 @@ class DecodeGraphs:
             buf[i * b + n:(i + 1) * b] = pad
         table = buf[4 * b:4 * b + b * self.width].reshape(b, self.width)
         table.fill(self.scratch_block)  # columns past a row's context are never attended
-        for i, t in enumerate(tables):
-            table[i, :len(t)] = t
+        if isinstance(tables, list):  # one list per row
+            tables = pad_tables(tables)
+        table[:n, :tables.shape[1]] = tables
         return 4 * b + b * self.width
 
     def _copy_in(self, count: int) -> None:
@@ -251,8 +253,8 @@ class DecodeGraphs:
         self.pool = None
 
     # -- one step -----------------------------------------------------------------------------
-    def run(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
-            tables: list[list[int]], fix: tuple[torch.Tensor, torch.Tensor] | None = None,
+    def run(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
+            tables: np.ndarray | list[list[int]], fix: tuple[torch.Tensor, torch.Tensor] | None = None,
             sample: GraphSamplingPlan | None = None) -> torch.Tensor:
         """Hidden states [n, hidden] of the n real decode rows (n <= max_batch). With real
         graphs the result is a view of the graph's output: valid until the next run.

@@ -32,11 +32,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from llmd.gpu.layers.attention import (AttentionMetadata, GatherWorkspace, model_kv_bytes_per_block,
-                                new_model_kv_caches, set_decode_rows)
+                                new_model_kv_caches, pad_tables, set_decode_rows)
 from llmd.gpu.worker.cuda_graphs import DecodeGraphs, build_decode_graphs
 from llmd.gpu.models.loader import load_model
 from llmd.gpu.worker.runner_types import RunnerRequest, RunnerSettings
@@ -112,8 +113,8 @@ class DraftModel:
         """The target's forward over the step's tokens: fills the draft's cache."""
         self.model(input_ids, positions, self.kv_caches, md)
 
-    def forward_decode_rows(self, input_ids: list[int], positions: list[int], slots: list[int],
-                            seq_lens: list[int], tables: list[list[int]],
+    def forward_decode_rows(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+                            seq_lens: np.ndarray, tables: np.ndarray,
                             fix: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The hidden states of decode rows given as DecodeGraphs.run takes them (`fix`
         included): a replay of the draft's graph when one holds them, else the eager
@@ -123,14 +124,14 @@ class DraftModel:
         if graphs is not None and len(input_ids) <= graphs.max_batch:
             return graphs.run(input_ids, positions, slots, seq_lens, tables, fix=fix)
         dev = self.device
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        ids = torch.from_numpy(input_ids).to(dev)
         if fix is not None:
             ids.index_copy_(0, *fix)
-        md = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+        md = AttentionMetadata(slot_mapping=torch.from_numpy(slots).to(dev),
                                num_decodes=len(input_ids), decode_block_table=None, decode_seq_lens=None,
                                prefills=[], workspace=self.workspace)
         set_decode_rows(md, tables, seq_lens, self.settings.block_size, dev, mask=self.attention_backend == "torch")
-        return self.model(ids, torch.tensor(positions, dtype=torch.int64, device=dev), self.kv_caches, md)
+        return self.model(ids, torch.from_numpy(positions).to(dev), self.kv_caches, md)
 
     def take_probs(self, req_ids: list[str], drafts: list[list[int]], tails: list[int | None],
                    num_rows: int, width: int) -> torch.Tensor:
@@ -206,5 +207,7 @@ class DraftModel:
             slots.append(r.block_ids[pos // bs] * bs + pos % bs)
             tables.append(r.block_ids[:pos // bs + 1])
         input_ids = [r.token_ids[-1] for r in reqs] if j == 0 else [0] * len(reqs)
-        hidden = self.forward_decode_rows(input_ids, positions, slots, [p + 1 for p in positions], tables, fix)
+        hidden = self.forward_decode_rows(np.asarray(input_ids, dtype=np.int64), np.asarray(positions, dtype=np.int64),
+                                          np.asarray(slots, dtype=np.int64),
+                                          np.asarray(positions, dtype=np.int64) + 1, pad_tables(tables), fix)
         return self.model.compute_logits(hidden)

@@ -59,18 +59,20 @@ class SamplePlan:
 
 @dataclass
 class StepRows:
-    """One step's rows in order, and the decode rows' inputs as host lists (the graph
+    """One step's rows in order, and the decode rows' inputs as host arrays (the graph
     path stages them into its own buffers): one row per plain decode, then 1 + k rows per
     request verifying k drafts."""
 
     decodes: list[RunnerRequest]
     prefills: list[tuple[RunnerRequest, int]]  # request, tokens it computes this step
     verifies: list[tuple[RunnerRequest, int]] = field(default_factory=list)  # request, 1 + its drafts
-    input_ids: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
-    seq_lens: list[int] = field(default_factory=list)
-    tables: list[list[int]] = field(default_factory=list)
+    input_ids: np.ndarray = field(default_factory=lambda: _EMPTY)
+    positions: np.ndarray = field(default_factory=lambda: _EMPTY)
+    slots: np.ndarray = field(default_factory=lambda: _EMPTY)
+    seq_lens: np.ndarray = field(default_factory=lambda: _EMPTY)
+    tables: np.ndarray = field(default_factory=lambda: _EMPTY.reshape(0, 0))
+    """[rows, blocks] int64: each decode row's block table, as wide as the longest row
+    needs; columns past a row's context hold whatever its batch row held (never read)."""
     fix: tuple[torch.Tensor, torch.Tensor] | None = None
     """(rows, ids on the device): decode rows whose input token a chained step before
     this one sampled and the host does not have yet."""
@@ -87,7 +89,7 @@ class StepRows:
         """A step replays a graph when every row is a decode row (plain decodes and
         verify rows; no prefill chunk, no prompt logprobs to compute) and they fit a
         captured size."""
-        if graphs is None or self.prefills or not self.input_ids or len(self.input_ids) > graphs.max_batch:
+        if graphs is None or self.prefills or not len(self.input_ids) or len(self.input_ids) > graphs.max_batch:
             return False
         return not any(r.sampling_params.prompt_logprobs is not None
                        and r.num_computed_tokens < r.num_prompt_tokens - 1 for r in self.decodes)
@@ -112,40 +114,80 @@ class StepRows:
         return plan
 
 
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
 class InputBatch:
     """The worker's copy of every running request (`requests`, by id) and the step
-    inputs built from it."""
+    inputs built from it.
+
+    Persistent: each request holds a row of `block_table` (a host array kept across
+    steps, grown when a row or a column more is needed) from the step it arrives to the
+    step it finishes; the scheduler's diff writes only the new blocks into it. A decode
+    step's rows are then gathered from the table with a few array operations (slots,
+    block tables, context lengths), whatever the batch and the contexts' lengths: the
+    host work per step grows with the batch by a few list reads per row, not with its
+    blocks."""
 
     def __init__(self, block_size: int, device: torch.device, workspace: GatherWorkspace,
-                 attention_backend: str) -> None:
+                 decode_mask: bool) -> None:
+        """`decode_mask`: the model's attention reads the decode rows' additive mask
+        (attention.reads_decode_mask)."""
         self.block_size = block_size
         self.device = device
         self.workspace = workspace
-        self.decode_mask = attention_backend == "torch"  # the torch backend attends through a mask
+        self.decode_mask = decode_mask
         self.requests: dict[str, RunnerRequest] = {}
+        self.block_table = np.zeros((8, 16), dtype=np.int64)  # [row, block index] -> block id
+        self.num_blocks = np.zeros(8, dtype=np.int64)  # per row: blocks the request holds
+        self._free_rows: list[int] = list(range(7, -1, -1))
 
     def apply(self, so: SchedulerOutput) -> None:
         """The scheduler's diff: drop finished requests, add new ones, extend the blocks
         and computed counts of the others."""
         for req_id in so.finished_req_ids:
-            self.requests.pop(req_id, None)
+            req = self.requests.pop(req_id, None)
+            if req is not None:
+                self._free_rows.append(req.row)
         for new in so.scheduled_new_reqs:
-            self.requests[new.req_id] = RunnerRequest(
+            old = self.requests.pop(new.req_id, None)  # resumed without a finish in between
+            req = self.requests[new.req_id] = RunnerRequest(
                 req_id=new.req_id,
                 token_ids=new.prompt_token_ids + new.output_token_ids,
                 num_prompt_tokens=len(new.prompt_token_ids),
                 sampling_params=new.sampling_params,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
+                row=old.row if old is not None else self._take_row(),
             )
+            self.num_blocks[req.row] = 0
+            self._add_blocks(req.row, new.block_ids)
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids,
                                                     cached.num_computed_tokens):
             req = self.requests[req_id]
             if new_blocks:
                 req.block_ids.extend(new_blocks)
-                req.block_ids_np = None
+                self._add_blocks(req.row, new_blocks)
             req.num_computed_tokens = num_computed
+
+    def _take_row(self) -> int:
+        if not self._free_rows:
+            rows = len(self.num_blocks)
+            self.block_table = np.concatenate([self.block_table, np.zeros_like(self.block_table)])
+            self.num_blocks = np.concatenate([self.num_blocks, np.zeros_like(self.num_blocks)])
+            self._free_rows = list(range(2 * rows - 1, rows - 1, -1))
+        return self._free_rows.pop()
+
+    def _add_blocks(self, row: int, blocks: list[int]) -> None:
+        start = int(self.num_blocks[row])
+        end = start + len(blocks)
+        if end > self.block_table.shape[1]:
+            wider = np.zeros((len(self.block_table), max(end, 2 * self.block_table.shape[1])), dtype=np.int64)
+            wider[:, :self.block_table.shape[1]] = self.block_table
+            self.block_table = wider
+        self.block_table[row, start:end] = blocks
+        self.num_blocks[row] = end
 
     def prepare(self, so: SchedulerOutput, chain: PendingStep | None) -> StepRows:
         """The step's rows (decodes, verifying requests, prefill chunks) with the decode
@@ -154,74 +196,75 @@ class InputBatch:
         device through `fix`. A verifying request's rows are its last token and drafts."""
         rows = StepRows(decodes=[], prefills=[])
         spec = so.scheduled_spec_decode_tokens
+        requests = self.requests
         for req_id, n in so.num_scheduled_tokens.items():
-            req = self.requests[req_id]
+            req = requests[req_id]
             if n == 1:
                 rows.decodes.append(req)
             elif req_id in spec:
                 rows.verifies.append((req, n))
             else:
                 rows.prefills.append((req, n))
-        fix_rows: list[int] = []
-        fix_src: list[int] = []
-        for req in rows.decodes:
-            pos = req.num_computed_tokens
-            if pos < len(req.token_ids):
-                self._decode_row(rows, req, pos, req.token_ids[pos])
-            else:  # still on the device: taken from the earlier step's sampled tokens
-                fix_rows.append(len(rows.input_ids))
-                fix_src.append(chain.row_of[req.req_id])
-                self._decode_row(rows, req, pos, 0)
+        batch_rows = [r.row for r in rows.decodes]
+        positions = [r.num_computed_tokens for r in rows.decodes]
+        # A decode's token is known unless the chained step before sampled it (then 0
+        # here, the device's value through `fix`).
+        ids = [t[p] if p < len(t) else 0 for t, p in zip((r.token_ids for r in rows.decodes), positions)]
+        fix_rows = [i for i, (r, p) in enumerate(zip(rows.decodes, positions)) if p >= len(r.token_ids)]
         for req, n in rows.verifies:
             s = req.num_computed_tokens
             tokens = req.token_ids[s:] + spec[req.req_id]
             if len(tokens) != n:
                 raise RuntimeError(f"request {req.req_id}: {n} tokens scheduled to verify, but {len(tokens)} "
                                    "known after its computed ones (its last token and the drafts)")
-            for i, token in enumerate(tokens):
-                self._decode_row(rows, req, s + i, token)
+            batch_rows += [req.row] * n
+            positions += range(s, s + n)
+            ids += tokens
+        if ids:
+            self._decode_rows(rows, np.asarray(batch_rows, dtype=np.int64), np.asarray(positions, dtype=np.int64),
+                              np.asarray(ids, dtype=np.int64))
         if fix_rows:
-            index = to_device(fix_src, self.device)
-            rows.fix = (to_device(fix_rows, self.device),
-                        chain.sampled.index_select(0, index))
+            index = to_device([chain.row_of[rows.decodes[i].req_id] for i in fix_rows], self.device)
+            rows.fix = (to_device(fix_rows, self.device), chain.sampled.index_select(0, index))
         return rows
 
-    def _decode_row(self, rows: StepRows, req: RunnerRequest, pos: int, token: int) -> None:
-        """One decode row: `token` at position `pos` of `req`, attending to keys 0 .. pos."""
+    def _decode_rows(self, rows: StepRows, batch_rows: np.ndarray, positions: np.ndarray, ids: np.ndarray) -> None:
+        """Decode row i: token ids[i] at position positions[i] of the request in batch row
+        batch_rows[i], attending to keys 0 .. positions[i]."""
         bs = self.block_size
-        rows.input_ids.append(token)
-        rows.positions.append(pos)
-        rows.slots.append(req.block_ids[pos // bs] * bs + pos % bs)
-        rows.seq_lens.append(pos + 1)
-        rows.tables.append(req.block_ids[:(pos + bs) // bs])
+        rows.input_ids = ids
+        rows.positions = positions
+        rows.slots = self.block_table[batch_rows, positions // bs] * bs + positions % bs
+        rows.seq_lens = positions + 1
+        width = int(positions.max()) // bs + 1
+        rows.tables = self.block_table[batch_rows, :width]
 
     def eager_inputs(self, rows: StepRows) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Input ids, positions and attention metadata of the whole step, flattened:
         the decode rows (verify rows included), then each prefill chunk."""
         bs, dev = self.block_size, self.device
-        input_ids = list(rows.input_ids)
-        pieces_pos: list[np.ndarray] = [np.asarray(rows.positions, dtype=np.int64)]
-        pieces_slot: list[np.ndarray] = [np.asarray(rows.slots, dtype=np.int64)]
+        pieces_ids: list[np.ndarray] = [rows.input_ids]
+        pieces_pos: list[np.ndarray] = [rows.positions]
+        pieces_slot: list[np.ndarray] = [rows.slots]
         prefill_meta = []
         start = rows.num_decode_rows
         for req, n in rows.prefills:
             s = req.num_computed_tokens
-            input_ids.extend(req.token_ids[s:s + n])
+            pieces_ids.append(np.asarray(req.token_ids[s:s + n], dtype=np.int64))
             pos = np.arange(s, s + n, dtype=np.int64)
-            if req.block_ids_np is None:
-                req.block_ids_np = np.asarray(req.block_ids, dtype=np.int64)
+            blocks = self.block_table[req.row]
             pieces_pos.append(pos)
-            pieces_slot.append(req.block_ids_np[pos // bs] * bs + pos % bs)
-            block_tensor = to_device(req.block_ids_np[:(s + n + bs - 1) // bs], dev)
+            pieces_slot.append(blocks[pos // bs] * bs + pos % bs)
+            block_tensor = to_device(blocks[:(s + n + bs - 1) // bs], dev)
             prefill_meta.append((start, n, s, block_tensor))
             start += n
-        ids_t = to_device(input_ids, dev)
+        ids_t = to_device(np.concatenate(pieces_ids), dev)
         if rows.fix is not None:
             ids_t.index_copy_(0, *rows.fix)
         pos_t = to_device(np.concatenate(pieces_pos), dev)
         md = AttentionMetadata(slot_mapping=to_device(np.concatenate(pieces_slot), dev),
                                num_decodes=rows.num_decode_rows, decode_block_table=None, decode_seq_lens=None,
                                prefills=prefill_meta, workspace=self.workspace)
-        if rows.input_ids:
+        if rows.num_decode_rows:
             set_decode_rows(md, rows.tables, rows.seq_lens, bs, dev, mask=self.decode_mask)
         return ids_t, pos_t, md

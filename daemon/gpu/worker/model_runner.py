@@ -16,7 +16,8 @@ import logging
 
 import torch
 
-from llmd.gpu.layers.attention import GatherWorkspace, model_kv_bytes_per_block, new_model_kv_caches
+from llmd.gpu.layers.attention import (GatherWorkspace, model_kv_bytes_per_block, new_model_kv_caches,
+                                       reads_decode_mask)
 from llmd.gpu.layers.attention_backends import resolve_attention_backend
 from llmd.gpu.worker.cuda_graphs import DecodeGraphs, build_decode_graphs, capture_sizes
 from llmd.gpu.worker.draft_model import DraftModel
@@ -72,7 +73,7 @@ class ModelRunner:
         self._pending: PendingStep | None = None  # chained steps: the last step, not yet collected
         self.kv_caches: list[torch.Tensor] = []
         self.workspace = GatherWorkspace()
-        self.batch = InputBatch(self.block_size, device, self.workspace, self.attention_backend)
+        self.batch = InputBatch(self.block_size, device, self.workspace, reads_decode_mask(self.model))
         self.drafter: DraftModel | None = None
         if settings.draft_model:
             if world_size > 1:

@@ -12,7 +12,6 @@ from llmd.core.step_messages import RunnerOutput
 from llmd_client.protocol import SamplingParams
 
 if TYPE_CHECKING:
-    import numpy as np
     import torch
 
     from llmd.gpu.sample.sampler import SamplerOutput
@@ -26,7 +25,7 @@ class RunnerRequest:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
-    block_ids_np: np.ndarray | None = field(default=None, repr=False)
+    row: int = -1  # its row of the input batch's persistent block table
 
     @property
     def output_token_ids(self) -> list[int]:

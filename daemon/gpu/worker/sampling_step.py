@@ -23,6 +23,16 @@ from llmd.gpu.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, ga
 from llmd.core.step_messages import Logprobs, PromptLogprobs, RunnerOutput, SchedulerOutput
 
 
+@dataclass
+class _LastMetadata:
+    """The metadata the last eager sampling step built, while it may serve the next."""
+
+    req_ids: tuple[str, ...]  # its rows' requests, in row order
+    num_outputs: list[int]  # each row's output tokens it counts (in-flight ones included)
+    md: SamplingMetadata
+    sampled: torch.Tensor | None = None  # [rows] the tokens it sampled, on the device
+
+
 @dataclass(eq=False)  # compared by identity: it holds the model
 class SamplingStep:
     """Samples for the runner holding `model` (its LM head computes the logits); with
@@ -34,6 +44,7 @@ class SamplingStep:
     drafter: DraftModel | None
     rank: int = 0  # tensor-parallel rank: rank 0 samples
     world_size: int = 1
+    _last: _LastMetadata | None = None
 
     def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """The LM head on `rows` of `hidden` only (distinct and ascending)."""
@@ -63,6 +74,7 @@ class SamplingStep:
         if so.scheduled_spec_decode_tokens or so.scheduled_spec_tail_tokens:
             return self._verify(so, logits, reqs, drafts, out)
         result = self.sampler(logits, self._metadata(so, reqs, logits.device))
+        self._last.sampled = result.sampled_token_ids
         tokens = [[t] for t in result.sampled_token_ids.tolist()]
         if result.logprobs_token_ids is not None:
             _collect_logprobs(out, reqs, [[i] for i in range(len(reqs))], result)
@@ -106,7 +118,31 @@ class SamplingStep:
         """One sampling row per request (no drafts), grammar rows included. A request
         whose previous token a chained step still holds counts it as output: its length
         through a -1 stand-in (positions for seeds and min_tokens), its value added to the
-        penalty counts on the device."""
+        penalty counts on the device.
+
+        A steady batch builds nothing: when the rows are the last eager step's requests in
+        the same order, each one token further (the one that step sampled), its metadata
+        is advanced by those tokens on the device (SamplingMetadata.append_sampled)
+        instead of rebuilt from every row's prompt and output."""
+        in_flight = chain.row_of if chain is not None else {}
+        req_ids = tuple(r.req_id for r in reqs)
+        num_outputs = [len(r.token_ids) - r.num_prompt_tokens + (r.req_id in in_flight) for r in reqs]
+        last, self._last = self._last, None
+        if last is not None and last.sampled is not None and last.req_ids == req_ids \
+                and all(now == before + 1 for now, before in zip(num_outputs, last.num_outputs)):
+            md = last.md
+            md.append_sampled(last.sampled)
+            md.grammar_bitmask = None
+        else:
+            md = self._build_metadata(reqs, dev, chain)
+        self._last = _LastMetadata(req_ids, num_outputs, md)
+        if so.grammar_req_ids:
+            row_of = {r.req_id: i for i, r in enumerate(reqs)}
+            md.set_grammar_bitmask([row_of[rid] for rid in so.grammar_req_ids], so.wait_grammar_bitmask(), dev)
+        return md
+
+    def _build_metadata(self, reqs: list[RunnerRequest], dev: torch.device,
+                        chain: PendingStep | None) -> SamplingMetadata:
         settings = self.settings
         in_flight = chain.row_of if chain is not None else {}
         md = SamplingMetadata.build(
@@ -120,9 +156,6 @@ class SamplingStep:
                                          chain.sampled.index_select(0, src)),
                                         torch.ones(len(rows), dtype=md.output_counts.dtype, device=dev),
                                         accumulate=True)
-        if so.grammar_req_ids:
-            row_of = {r.req_id: i for i, r in enumerate(reqs)}
-            md.set_grammar_bitmask([row_of[rid] for rid in so.grammar_req_ids], so.wait_grammar_bitmask(), dev)
         return md
 
     # -- chained steps: tokens left on the device -----------------------------------------
@@ -132,6 +165,7 @@ class SamplingStep:
         return the step as pending."""
         dev = logits.device
         result = self.sampler(logits, self._metadata(so, reqs, dev, chain))
+        self._last.sampled = result.sampled_token_ids
         host, ready = result, None
         if dev.type == "cuda":
             # Into pinned memory, behind this step's kernels only: the next step's work,
