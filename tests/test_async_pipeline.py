@@ -14,11 +14,21 @@ from llmd.config import EngineConfig
 from llmd.core.kv_cache_manager import KVCacheManager
 from llmd.core.request import Request, RequestStatus
 from llmd.core.scheduler import Scheduler
-from llmd.core.step_pipeline import StepPipeline, run_now
+from llmd.core.step_pipeline import StepPipeline, output_of, run_now
 from llmd_client.protocol import SamplingParams
 from test_scheduler import BS, FakeRunner, hash_sample, reference_decode
 
 EOS = 7
+
+
+class Finished:
+    """The handle of a step the fake runner ran when it was launched."""
+
+    def __init__(self, output) -> None:
+        self._output = output
+
+    def output(self):
+        return self._output
 
 
 def run_workload(seed: int, overlap: bool) -> tuple[dict, set[str], StepPipeline]:
@@ -30,7 +40,8 @@ def run_workload(seed: int, overlap: bool) -> tuple[dict, set[str], StepPipeline
     kv = KVCacheManager(num_blocks, BS, True)
     scheduler = Scheduler(config, kv)
     runner = FakeRunner(num_blocks, hash_sample)
-    pipeline = StepPipeline(scheduler, run_now(runner.execute), overlap=overlap)
+    pipeline = StepPipeline(scheduler, run_now(lambda so: Finished(runner.execute(so))), run_now(output_of),
+                            overlap=overlap)
     shared = [rng.randrange(10, 1000) for _ in range(12)]
     arrivals: dict[int, list[Request]] = {}
     for i in range(24):

@@ -107,7 +107,7 @@ class ForwardFirst:
             self.cond.notify_all()
 
     def _watch_runner(self, runner) -> None:
-        for name in ("execute_model", "execute_model_chained"):
+        for name in ("execute_model",):
             run = getattr(runner, name)
 
             def running(so, run=run):

@@ -151,3 +151,11 @@ def test_layers_import_no_worker_and_no_model():
                  for m, targets in graph.items() if m.startswith("llmd.gpu.layers")}
     assert {m: t for m, t in offenders.items() if t} == {}
 
+
+
+def test_the_scheduler_side_imports_no_worker_actor_or_server():
+    graph = _import_graph()
+    banned = ("llmd.gpu", "llmd.actors", "llmd.server", "llmd.http")
+    offenders = {m: sorted(t for t in targets if t.startswith(banned))
+                 for m, targets in graph.items() if m.startswith("llmd.core")}
+    assert {m: t for m, t in offenders.items() if t} == {}

@@ -28,7 +28,7 @@ from llmd.core.request import Request, RequestStatus, parent_request_id
 from llmd.core.scheduler import RequestUpdate, Scheduler
 from llmd.core.spec_decode import SpecDecodeStats
 from llmd.core.step_messages import RunnerOutput, SchedulerOutput
-from llmd.core.step_pipeline import Step, StepPipeline, run_now
+from llmd.core.step_pipeline import Step, StepPipeline, output_of, run_now
 from llmd.structured_output import StructuredOutputManager
 
 logger = logging.getLogger("llmd.engine")
@@ -96,11 +96,7 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.kv_cache_manager, structured)
         self._model_thread: ThreadPoolExecutor | None = None
         self._owns_model_thread = False
-        submit = self._submit_step if config.async_scheduling else run_now(lambda so: self.executor.execute_model(so))
-        # Chained steps: the executor launches step N+1 before reading N's tokens back.
-        self._chained = config.async_scheduling and executor.supports_chaining
-        self.pipeline = StepPipeline(self.scheduler, submit, overlap=config.async_scheduling,
-                                     flush=self._submit_flush if self._chained else None)
+        self.pipeline = StepPipeline(self.scheduler, self._launch, self._collect, overlap=config.async_scheduling)
 
     # -- requests -------------------------------------------------------------------
     def add_requests(self, requests: list[Request]) -> None:
@@ -217,23 +213,24 @@ class EngineCore:
         """Run every step on `pool`, whatever the scheduling (the daemon's model thread,
         which loaded the model: one OpenMP team for all torch work)."""
         self._model_thread, self._owns_model_thread = pool, False
-        self.pipeline.submit = self._submit_step
 
-    def _on_model_thread(self, fn: Callable[[], RunnerOutput | None]) -> Future:
+    def _run(self, fn: Callable[[], object]) -> Future:
+        """`fn` on the model thread: with async scheduling (the caller schedules the next
+        step meanwhile) or once a model thread was given; else at once, on this thread."""
+        if self._model_thread is None and not self.config.async_scheduling:
+            return run_now(fn)()
         if self._model_thread is None:
             self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmd-model")
             self._owns_model_thread = True
         return self._model_thread.submit(fn)
 
-    def _submit_step(self, scheduler_output: SchedulerOutput) -> Future:
-        """Run the step on the model thread. The executor is looked up when the step
-        starts: a failed one is replaced."""
-        if self._chained:
-            return self._on_model_thread(lambda: self.executor.execute_model_chained(scheduler_output))
-        return self._on_model_thread(lambda: self.executor.execute_model(scheduler_output))
+    def _launch(self, scheduler_output: SchedulerOutput) -> Future:
+        """Launch the step; the executor is looked up when it starts (a failed one is
+        replaced)."""
+        return self._run(lambda: self.executor.execute_model(scheduler_output))
 
-    def _submit_flush(self) -> Future:
-        return self._on_model_thread(lambda: self.executor.flush())
+    def _collect(self, handle: Future) -> Future:
+        return self._run(lambda: output_of(handle))
 
     def shutdown(self, ignore: type[BaseException] | tuple = ()) -> None:
         """Stop the executor (worker processes exit) and drop the KV cache."""

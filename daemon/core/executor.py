@@ -1,6 +1,7 @@
 """What the engine asks of whatever runs the model, and how it gets one.
 
-An executor runs SchedulerOutputs on the model and returns RunnerOutputs. Two exist,
+An executor runs SchedulerOutputs on the model: `execute_model` returns a StepHandle per
+step, whose `output()` is the step's RunnerOutput. Two exist,
 both in daemon/gpu (they hold torch): `InProcessExecutor` calls the model runner in this
 process (offline engine, tests, debugging); `MultiprocExecutor` drives one worker
 process per device (tensor parallelism; the daemon's default). `make_executor` picks
@@ -20,12 +21,20 @@ class ExecutorError(RuntimeError):
     the cause (which worker, its exit code or exception)."""
 
 
-class Executor(Protocol):
-    """Steps run in the order they are submitted, one at a time."""
+class StepHandle(Protocol):
+    """A launched step (vLLM's AsyncModelRunnerOutput): its output is read when asked
+    for, which may wait for the device. Outputs are asked for in launch order."""
 
-    supports_chaining: bool
-    """True when execute_model_chained/flush may be used: the executor launches step
-    N+1 before it reads step N's tokens back (see ModelRunner.execute_model_chained)."""
+    def output(self) -> RunnerOutput:
+        """The step's RunnerOutput; raises ExecutorError when the executor failed."""
+
+
+class Executor(Protocol):
+    """Steps run in the order they are launched, one at a time. One step contract:
+    execute_model launches a step and returns its handle at once or after the step ran
+    (whichever the executor can do); a step launched before the output of the one before
+    was read takes that one's tokens on the device. How many steps are in flight is the
+    engine's choice (StepPipeline), not the executor's."""
 
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes one KV block takes on every rank (all layers, K and V)."""
@@ -36,14 +45,8 @@ class Executor(Protocol):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache (and on CUDA capture the decode graphs)."""
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        """Run one step; raises ExecutorError when the executor failed."""
-
-    def execute_model_chained(self, scheduler_output: SchedulerOutput) -> RunnerOutput | None:
-        """Launch this step; return the output of the one launched before (None first)."""
-
-    def flush(self) -> RunnerOutput | None:
-        """The output of the last chained step, when nothing follows it."""
+    def execute_model(self, scheduler_output: SchedulerOutput) -> StepHandle:
+        """Launch one step; raises ExecutorError when the executor failed."""
 
     def exit_fds(self) -> list[int]:
         """Descriptors that become readable when a worker process exits (none in process)."""

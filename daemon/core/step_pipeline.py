@@ -1,19 +1,20 @@
 """Steps in flight: schedule, launch on the executor, apply the result.
 
-Without async scheduling a step is scheduled, run and applied before the next is
-scheduled. With it, while step N runs the pipeline schedules step N+1 and submits it at
-once (the executor runs steps in order, so it starts N+1 as soon as N ends, without a
-round trip through this side); N's tokens are applied while N+1 runs (see the
-scheduler's docstring for the placeholder rules). A step whose grammar rows need N's
-tokens is held back until they are applied: a chained worker samples N+1 before it hands
-N's tokens back, so N+1 could not wait there for rows filled from them. Like every
-step's, its rows are then filled while its own forward runs: the scheduler starts the
-fill, the step is launched at once, and sampling waits for the rows (bitmask_filler.py).
-With a chained executor the worker even
-launches N+1 before reading N's tokens back: N+1's decode rows take them on the device
-(ModelRunner.execute_model_chained), so the device never waits for the host in between.
-The offline engine waits on the futures; the daemon's scheduler actor awaits them.
-No torch here.
+Every step is launched the same way (Executor.execute_model returns its handle) and its
+output is read from the handle (StepHandle.output). Without async scheduling a step's
+output is asked for as soon as it is launched: scheduled, run and applied before the
+next is scheduled. With it (overlap), while step N runs the pipeline schedules step N+1
+and launches it at once, and only then asks for N's output: the executor starts N+1 as
+soon as N ends, and N+1's decode rows take N's tokens on the device (the runner keeps
+them there until N's output is read), so the device never waits for the host in
+between. N's tokens are applied while N+1 runs (see the scheduler's docstring for the
+placeholder rules). A step whose grammar rows need N's tokens is held back until they
+are applied: its rows could not be filled from tokens the host does not have. Like
+every step's, its rows are then filled while its own forward runs: the scheduler starts
+the fill, the step is launched at once, and sampling waits for the rows
+(bitmask_filler.py). The depth of overlap is this pipeline's alone: the executors have
+one code path. The offline engine waits on the futures; the daemon's scheduler actor
+awaits them. No torch here.
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ class Step:
     shape: StepShape
     num_cached: dict[str, int]  # prompt tokens from the prefix cache, by newly admitted request
     scheduled_at: float
-    future: Future | None = None
+    handle: Future | None = None  # of the executor's StepHandle, once launched
+    future: Future | None = None  # of its RunnerOutput, once asked for
     launched_at: float = 0.0
 
 
@@ -48,20 +50,16 @@ class PipelineStats:
 
 
 class StepPipeline:
-    def __init__(self, scheduler: Scheduler, submit: Callable[[SchedulerOutput], Future],
-                 overlap: bool, flush: Callable[[], Future] | None = None) -> None:
-        """`submit(output)` starts the step on the executor and returns its future (it
-        may run the step before returning). Steps run in the order submitted.
-
-        Chained executors (`flush` given; with overlap only): the future of submit(N+1)
-        holds step N's output (None for the first step), since the executor reads N's
-        tokens back only after launching N+1; `flush()` returns a future of the last
-        step's output when nothing follows it."""
+    def __init__(self, scheduler: Scheduler, launch: Callable[[SchedulerOutput], Future],
+                 collect: Callable[[Future], Future], overlap: bool) -> None:
+        """`launch(output)` starts the step on the executor and returns a future of its
+        StepHandle (it may run the step before returning); `collect(handle_future)` a
+        future of the handle's RunnerOutput. Both keep the order they are called in."""
         self.scheduler = scheduler
-        self.submit = submit
-        self.flush = flush
+        self.launch = launch
+        self.collect = collect
         self.overlap = overlap
-        self._tasks: list[Future] = []  # every submit and flush not known to be done
+        self._tasks: list[Future] = []  # every launch and collect not known to be done
         self.launched: collections.deque[Step] = collections.deque()  # oldest first, at most 2
         self.deferred: Step | None = None  # scheduled; its grammar rows wait for the oldest's tokens
         self.stats = PipelineStats()
@@ -91,8 +89,8 @@ class StepPipeline:
                     self._launch(upcoming)
                     self.stats.overlapped += 1
         head = self.launched[0]
-        if head.future is None:  # chained, and nothing launched after it
-            head.future = self._track(self.flush())
+        if head.future is None:  # nothing launched after it: its output now
+            head.future = self._track(self.collect(head.handle))
         return head
 
     def finish(self, runner_output: RunnerOutput) -> tuple[Step, list[RequestUpdate]]:
@@ -107,10 +105,6 @@ class StepPipeline:
             self.stats.deferred += 1
             self._launch(upcoming)
         return done, updates
-
-    @property
-    def chained(self) -> bool:
-        return self.overlap and self.flush is not None
 
     def _track(self, future: Future) -> Future:
         self._tasks = [task for task in self._tasks if not task.done()]
@@ -145,24 +139,32 @@ class StepPipeline:
 
     def _launch(self, step: Step) -> None:
         step.launched_at = time.monotonic()
-        future = self._track(self.submit(step.output))
-        if self.chained:
-            if self.launched and self.launched[-1].future is None:
-                self.launched[-1].future = future  # the step before's output
-        else:
-            step.future = future
+        step.handle = self._track(self.launch(step.output))
+        if self.launched and self.launched[-1].future is None:
+            # The step before's output, asked for after this one launched: the executor
+            # went on to this step without waiting for that read.
+            self.launched[-1].future = self._track(self.collect(self.launched[-1].handle))
+        if not self.overlap:
+            step.future = self._track(self.collect(step.handle))
         self.launched.append(step)
         self.stats.steps += 1
         self.stats.tokens += step.shape.num_tokens
 
 
-def run_now(execute: Callable[[SchedulerOutput], RunnerOutput]) -> Callable[[SchedulerOutput], Future]:
-    """A submit function that runs the step at once, in the caller's thread."""
-    def submit(output: SchedulerOutput) -> Future:
+def run_now(fn: Callable[..., object]) -> Callable[..., Future]:
+    """A function that runs `fn` at once, in the caller's thread, its result (or error)
+    in the future it returns."""
+    def submit(*args) -> Future:
         future: Future = Future()
         try:
-            future.set_result(execute(output))
+            future.set_result(fn(*args))
         except BaseException as exc:  # the caller sees it from future.result()
             future.set_exception(exc)
         return future
     return submit
+
+
+def output_of(handle: Future) -> RunnerOutput:
+    """The RunnerOutput of a launched step (raises what its launch raised)."""
+    return handle.result().output()
+

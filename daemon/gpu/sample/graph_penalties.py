@@ -8,7 +8,7 @@ to the device. The host remembers which request each row holds and how many of i
 output tokens the row has counted; a row whose request or count differs (the batch
 changed, the row's last step sampled eagerly or without the penalties) is rebuilt before
 the replay from the request's tokens (one zero fill and one scatter over all rebuilt
-rows, plus its token still on the device when a chained step sampled it). The eager
+rows, plus its token still on the device when a pending step sampled it). The eager
 sampler instead rebuilds [rows, vocab] tables from every row's whole history each step;
 here a steady batch costs nothing and a change costs the changed rows' tokens.
 Rows of requests without penalties are left as they are: their neutral parameters make
@@ -45,7 +45,7 @@ class PenaltyTables:
 
     def refresh(self, rows: Sequence[tuple[int, PenaltyRow, int | None]], in_flight: torch.Tensor | None) -> None:
         """Make rows hold their request's tokens: `rows` are (row, request, index of its
-        last token in `in_flight`, the earlier chained step's tokens on the device, or None
+        last token in `in_flight`, the earlier pending step's tokens on the device, or None
         when the host has all of them). Only rows whose table is stale are rebuilt."""
         stale, new_owner = [], []
         for row, req, src in rows:
@@ -70,11 +70,11 @@ class PenaltyTables:
         self.counts.index_fill_(0, self._index([row for row, _, _ in stale]), 0.0)
         flat = self._flat([row for row, _, _ in stale], [r.token_ids[r.num_prompt_tokens:] for _, r, _ in stale])
         self.counts.view(-1).index_add_(0, flat, torch.ones(flat.numel(), dtype=torch.float32, device=self.device))
-        chained = [(row, src) for row, _, src in stale if src is not None]
-        if chained:
-            tokens = in_flight.index_select(0, self._index([src for _, src in chained]))
-            self.counts.index_put_((self._index([row for row, _ in chained]), tokens),
-                                   torch.ones(len(chained), dtype=torch.float32, device=self.device),
+        pending = [(row, src) for row, _, src in stale if src is not None]
+        if pending:
+            tokens = in_flight.index_select(0, self._index([src for _, src in pending]))
+            self.counts.index_put_((self._index([row for row, _ in pending]), tokens),
+                                   torch.ones(len(pending), dtype=torch.float32, device=self.device),
                                    accumulate=True)
 
     def sampled(self, rows: Sequence[tuple[int, str]]) -> None:

@@ -141,7 +141,7 @@ class GraphSampler:
         self.device = device
         self.tokens = torch.zeros(max_batch, dtype=torch.int64, device=device)
         pin = device.type == "cuda"
-        # Two host buffers: with chained steps a step's copy lands while the host still
+        # Two host buffers: with pending steps a step's copy lands while the host still
         # reads the one before it.
         self._host = [torch.zeros(max_batch, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._ready = [torch.cuda.Event() for _ in range(2)] if pin else [None, None]

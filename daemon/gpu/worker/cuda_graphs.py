@@ -259,7 +259,7 @@ class DecodeGraphs:
         """Hidden states [n, hidden] of the n real decode rows (n <= max_batch). With real
         graphs the result is a view of the graph's output: valid until the next run.
         `fix` (rows, ids on the device) overwrites those rows' input ids after the copy
-        in: tokens a chained step before this one sampled and the host does not have yet.
+        in: tokens a pending step before this one sampled and the host does not have yet.
         With `sample` (has_tail must be true for it) the tail samples too, and the result
         is the tokens [b] of the padded batch (a view of the static token buffer, valid
         until the next sampling run; the real rows' tokens come first)."""

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from llmd.gpu.sample.graph_sampler import FLOAT_FIELDS, GREEDY, INT_FIELDS, NUM_STOP_IDS, PENALIZED, SAMPLE, RowParams
-from llmd.gpu.worker.runner_types import PendingStep, RunnerRequest
+from llmd.gpu.worker.runner_types import StepHandle, RunnerRequest
 from llmd.gpu.sample.metadata import SAMPLING_EPS
 from llmd.core.step_messages import SchedulerOutput
 from llmd_client.protocol import SamplingParams
@@ -28,7 +28,7 @@ class SampledRow:
     row: int
     req: RunnerRequest
     num_output: int  # output tokens before this step, a token still on the device included
-    in_flight: int | None  # index of the request's last token in the chained step's tokens, or None
+    in_flight: int | None  # index of the request's last token in the pending step's tokens, or None
     stop_ids: tuple[int, ...]  # min_tokens: ids masked while num_output < min_tokens; () when none pending
 
     @property
@@ -52,7 +52,7 @@ class GraphSamplingPlan:
     variant: str
     rows: list[SampledRow]
     vocab: int  # the sampled vocab: top-k "off" is top_k = vocab
-    in_flight: torch.Tensor | None  # the chained step's tokens on the device (PendingStep.sampled)
+    in_flight: torch.Tensor | None  # the pending step's tokens on the device (StepHandle.sampled)
 
     def stage(self, params: RowParams) -> None:
         """Write every row's parameters (neutral where a row does not sample, padding
@@ -91,7 +91,7 @@ class GraphSamplingPlan:
             presence_penalty=[r.params.presence_penalty for r in self.rows])
 
 
-def plan_graph_sampling(so: SchedulerOutput, decodes: list[RunnerRequest], chain: PendingStep | None,
+def plan_graph_sampling(so: SchedulerOutput, decodes: list[RunnerRequest], chain: StepHandle | None,
                         eos_token_id: int | None, vocab: int) -> GraphSamplingPlan | None:
     """The tail a step of `decodes` (all plain decode rows, in row order) samples with,
     or None when a row that samples needs the eager sampler."""

@@ -8,9 +8,9 @@ import torch
 
 from llmd.gpu.worker.kv_budget import MemoryBreakdown
 from llmd.gpu.worker.model_runner import ModelRunner
-from llmd.gpu.worker.runner_types import RunnerSettings
+from llmd.gpu.worker.runner_types import RunnerSettings, StepHandle
 from llmd.load_progress import LoadProgress
-from llmd.core.step_messages import RunnerOutput, SchedulerOutput
+from llmd.core.step_messages import SchedulerOutput
 
 
 class InProcessExecutor:
@@ -29,19 +29,9 @@ class InProcessExecutor:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> StepHandle:
+        """Launch the step; its output from the handle (see ModelRunner.execute_model)."""
         return self.runner.execute_model(scheduler_output)
-
-    @property
-    def supports_chaining(self) -> bool:
-        return self.runner.supports_chaining
-
-    def execute_model_chained(self, scheduler_output: SchedulerOutput) -> RunnerOutput | None:
-        """Launch this step; the output of the one before (see ModelRunner)."""
-        return self.runner.execute_model_chained(scheduler_output)
-
-    def flush(self) -> RunnerOutput | None:
-        return self.runner.flush()
 
     def exit_fds(self) -> list[int]:
         """No worker process to watch: the model runs in this one."""

@@ -33,7 +33,7 @@ import torch
 
 from llmd.gpu.layers.attention import AttentionMetadata, GatherWorkspace, set_decode_rows
 from llmd.gpu.worker.cuda_graphs import DecodeGraphs
-from llmd.gpu.worker.runner_types import PendingStep, RunnerRequest
+from llmd.gpu.worker.runner_types import StepHandle, RunnerRequest
 from llmd.core.step_messages import SchedulerOutput
 
 
@@ -74,7 +74,7 @@ class StepRows:
     """[rows, blocks] int64: each decode row's block table, as wide as the longest row
     needs; columns past a row's context hold whatever its batch row held (never read)."""
     fix: tuple[torch.Tensor, torch.Tensor] | None = None
-    """(rows, ids on the device): decode rows whose input token a chained step before
+    """(rows, ids on the device): decode rows whose input token a pending step before
     this one sampled and the host does not have yet."""
 
     @property
@@ -189,7 +189,7 @@ class InputBatch:
         self.block_table[row, start:end] = blocks
         self.num_blocks[row] = end
 
-    def prepare(self, so: SchedulerOutput, chain: PendingStep | None) -> StepRows:
+    def prepare(self, so: SchedulerOutput, chain: StepHandle | None) -> StepRows:
         """The step's rows (decodes, verifying requests, prefill chunks) with the decode
         rows' inputs. A decode row whose last token `chain` (the step before, still on the
         device) sampled reads it from there: its id is a placeholder, overwritten on the
@@ -207,7 +207,7 @@ class InputBatch:
                 rows.prefills.append((req, n))
         batch_rows = [r.row for r in rows.decodes]
         positions = [r.num_computed_tokens for r in rows.decodes]
-        # A decode's token is known unless the chained step before sampled it (then 0
+        # A decode's token is known unless the pending step before sampled it (then 0
         # here, the device's value through `fix`).
         ids = [t[p] if p < len(t) else 0 for t, p in zip((r.token_ids for r in rows.decodes), positions)]
         fix_rows = [i for i, (r, p) in enumerate(zip(rows.decodes, positions)) if p >= len(r.token_ids)]

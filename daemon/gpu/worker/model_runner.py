@@ -2,8 +2,9 @@
 lifecycle of a step. A SchedulerOutput updates the worker's copy of every running request
 (input_batch), becomes one flattened forward pass over the paged KV cache (or a decode
 graph's replay), and its sampling rows go to the sampling step (sampling_step); with a
-draft model, the draft proposes after it. Chained steps (async scheduling) leave a step's
-tokens on the device while the next one launches.
+draft model, the draft proposes after it. Every step returns a StepHandle (the step
+contract); its tokens may stay on the device until the handle's output() is asked for,
+and a step launched before that reads them there.
 
 Rows are ordered decodes first (one new token each, attended in one batch), then
 prefill chunks. Logits are computed only for rows that sample (and for prompt
@@ -27,9 +28,9 @@ from llmd.gpu.worker.input_batch import InputBatch, StepRows
 from llmd.gpu.worker.kv_budget import MemoryBreakdown
 from llmd.gpu.models.loader import load_model
 from llmd.gpu.worker.memory_profile import ProfileSubject, profile_kv_budget
-from llmd.gpu.worker.runner_types import PendingStep, RunnerSettings
+from llmd.gpu.worker.runner_types import RunnerSettings, StepHandle, record_sampled
 from llmd.gpu.sample.sampler import Sampler
-from llmd.gpu.worker.sampling_step import SamplingStep, record_sampled
+from llmd.gpu.worker.sampling_step import SamplingStep
 from llmd.load_progress import LoadProgress
 from llmd.core.step_messages import RunnerOutput, SchedulerOutput
 
@@ -70,7 +71,7 @@ class ModelRunner:
                                 self.attention_backend, progress)
         self.vocab_size = self.model.config.vocab_size
         self.sampler = Sampler(seed=settings.seed)
-        self._pending: PendingStep | None = None  # chained steps: the last step, not yet collected
+        self._last: StepHandle | None = None  # the last step launched (its tokens may be pending)
         self.kv_caches: list[torch.Tensor] = []
         self.workspace = GatherWorkspace()
         self.batch = InputBatch(self.block_size, device, self.workspace, reads_decode_mask(self.model))
@@ -171,7 +172,7 @@ class ModelRunner:
             self.drafter.release_decode_graphs()
 
     def release_kv_cache(self) -> None:
-        self._pending = None
+        self._last = None
         self.release_decode_graphs()
         self.kv_caches = []
         if self.drafter is not None:
@@ -184,47 +185,31 @@ class ModelRunner:
             self.drafter.forget(so.finished_req_ids)
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> RunnerOutput:
-        if self._pending is not None:  # a chained step before this one: its tokens first
-            self.sampling.collect(self._pending)
-            self._pending = None
-        return self._execute(so, None, defer=False)
-
-    @property
-    def supports_chaining(self) -> bool:
-        """Whether execute_model_chained can leave a step's tokens on the device: one rank
-        (no token broadcast), no draft model (it drafts from the host tokens)."""
-        return self.world_size == 1 and self.drafter is None
-
-    @torch.inference_mode()
-    def execute_model_chained(self, so: SchedulerOutput) -> RunnerOutput | None:
-        """Async scheduling: launch `so` without waiting for its sampled tokens, then
-        return the output of the step before it (None if there was none). Decode rows
-        whose last token that earlier step sampled read it on the device, so the device
-        goes from one step to the next while the host reads the earlier one's tokens.
-        A step that cannot go that way (drafts to verify) has the earlier step's tokens
-        collected first."""
-        prev, self._pending = self._pending, None
-        earlier = None
+    def execute_model(self, so: SchedulerOutput) -> StepHandle:
+        """Launch one step; its handle gives the RunnerOutput (StepHandle.output). When
+        the step before is still pending (its tokens on the device: nobody asked for its
+        output yet), this step's decode rows read those tokens there, so the device goes
+        from one step to the next while the host reads the earlier one's. A step that
+        cannot go that way (drafts to verify, a draft model, tensor parallelism) has the
+        earlier step's tokens read first, and comes back complete."""
+        prev, self._last = self._last, None
         defer = self._can_defer(so)
-        if prev is not None and not defer:
-            earlier, prev = self.sampling.collect(prev), None
-        result = self._execute(so, prev, defer=defer)
-        self._pending = result if isinstance(result, PendingStep) else PendingStep(result, [], [], None)
-        if prev is not None:
-            earlier = self.sampling.collect(prev)
-        return earlier
-
-    def flush(self) -> RunnerOutput | None:
-        """The output of the last chained step (None if it was already returned)."""
-        prev, self._pending = self._pending, None
-        return self.sampling.collect(prev) if prev is not None else None
+        if prev is not None and prev.pending and not defer:
+            prev.output()
+        chain = prev if prev is not None and prev.pending else None
+        result = self._execute(so, chain, defer)
+        handle = result if isinstance(result, StepHandle) else StepHandle(result)
+        handle.before = chain
+        self._last = handle
+        return handle
 
     def _can_defer(self, so: SchedulerOutput) -> bool:
-        return (self.supports_chaining and self.rank == 0 and not so.scheduled_spec_decode_tokens
+        """Whether this step's tokens may stay on the device: one rank (no token
+        broadcast), no draft model (it drafts from the host tokens), no drafts to verify."""
+        return (self.world_size == 1 and self.drafter is None and not so.scheduled_spec_decode_tokens
                 and not so.scheduled_spec_tail_tokens)
 
-    def _execute(self, so: SchedulerOutput, chain: PendingStep | None, defer: bool) -> RunnerOutput | PendingStep:
+    def _execute(self, so: SchedulerOutput, chain: StepHandle | None, defer: bool) -> RunnerOutput | StepHandle:
         """One step: the forward (a decode graph's replay when every row is a plain
         decode), then _finish_step. `chain`: the step before, its tokens on the device."""
         self._apply_scheduler_output(so)
@@ -247,8 +232,8 @@ class ModelRunner:
                 self.drafter.forward(ids_t, pos_t, md)
         return self._finish_step(so, hidden, rows, chain, defer)
 
-    def _sample_in_graph(self, so: SchedulerOutput, rows: StepRows, chain: PendingStep | None,
-                         defer: bool) -> RunnerOutput | PendingStep | None:
+    def _sample_in_graph(self, so: SchedulerOutput, rows: StepRows, chain: StepHandle | None,
+                         defer: bool) -> RunnerOutput | StepHandle | None:
         """A graph step whose graph samples too: the forward's graph and its sampling tail
         replayed, the tokens copied to pinned memory behind an event (and, with `defer`,
         left there for the next step). None when a row needs the eager sampler or no tail
@@ -263,8 +248,9 @@ class ModelRunner:
         sample_reqs = rows.advance(so.scheduled_spec_decode_tokens).reqs
         tokens = graphs.run(rows.input_ids, rows.positions, rows.slots, rows.seq_lens, rows.tables, fix=rows.fix,
                             sample=plan)
-        return self.sampling.graph_step(self._new_output(), [r for r, _ in rows.ordered], sample_reqs,
-                                        {r.req.req_id: r.row for r in plan.rows}, tokens, graphs.sampling, defer)
+        handle = self.sampling.graph_step(self._new_output(), [r for r, _ in rows.ordered], sample_reqs,
+                                          {r.req.req_id: r.row for r in plan.rows}, tokens, graphs.sampling)
+        return handle if defer else handle.output()
 
     def _new_output(self) -> RunnerOutput:
         out = RunnerOutput(req_ids=[], sampled_token_ids=[], logprobs={}, prompt_logprobs={})
@@ -273,10 +259,10 @@ class ModelRunner:
         return out
 
     def _finish_step(self, so: SchedulerOutput, hidden: torch.Tensor, rows: StepRows,
-                     chain: PendingStep | None = None, defer: bool = False) -> RunnerOutput | PendingStep:
+                     chain: StepHandle | None = None, defer: bool = False) -> RunnerOutput | StepHandle:
         """Logits of the rows that sample (and prompt logprobs), sampling, bookkeeping,
         then the draft model's proposals. With `defer`, the sampled tokens stay on the
-        device (see PendingStep)."""
+        device (see StepHandle)."""
         plan = rows.advance(so.scheduled_spec_decode_tokens)
         out = self._new_output()
         for req, row0, first, count in plan.prompt_logprobs:

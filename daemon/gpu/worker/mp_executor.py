@@ -1,10 +1,11 @@
 """The multiprocess executor: one worker process per device (`python -m
-llmd.gpu.worker.process`, started fresh: nothing is pickled and the parent's __main__ is never
-re-imported), SchedulerOutputs broadcast as msgpack bytes over socketpairs,
-RunnerOutputs from rank 0. A step's grammar bitmask rows follow it to rank 0 (the rank
+llmd.gpu.worker.process`, started fresh: nothing is pickled and the parent's __main__ is
+never re-imported), SchedulerOutputs broadcast as msgpack bytes over socketpairs,
+RunnerOutputs from rank 0, one per step in order, read when a step's handle is asked
+for its output (RemoteStep). A step's grammar bitmask rows follow it to rank 0 (the rank
 that samples) in a second message, sent once they are filled: the worker's forward runs
-meanwhile, and it reads them just before sampling. Rank r runs on cuda:r on CUDA (cuda:(i + r) when given
-cuda:i), on the CPU otherwise. With world_size > 1 (tensor parallelism) the workers also
+meanwhile, and it reads them just before sampling. Rank r runs on cuda:r on CUDA
+(cuda:(i + r) when given cuda:i), on the CPU otherwise. With world_size > 1 (tensor parallelism) the workers also
 form a process group, NCCL on CUDA and gloo on CPU, that meets through a file in a
 private (0700) temporary directory made here: no TCP port, so nothing to race for, and
 nobody else on the machine can join. Every rank runs every step. A worker that dies
@@ -17,6 +18,7 @@ The parent never touches CUDA beyond counting devices: the model, its memory pro
 and the KV cache live in the workers only."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -37,9 +39,8 @@ from llmd.core.executor import ExecutorError
 from llmd.gpu.worker.kv_budget import MemoryBreakdown
 from llmd.gpu.worker.runner_types import RunnerSettings
 from llmd.load_progress import LoadCancelled
-from llmd.gpu.worker.process import (ChainedResult, Execute, ExecuteChained, Flush, FromWorker, GrammarRows, InitKVCache,
-                             KVBudget, KVReady, ProfileKV, Shutdown, StepResult, WorkerFailed, WorkerInit,
-                             WorkerReady)
+from llmd.gpu.worker.process import (Execute, Flush, FromWorker, GrammarRows, InitKVCache, KVBudget, KVReady,
+                                     ProfileKV, Shutdown, StepResult, WorkerFailed, WorkerInit, WorkerReady)
 from llmd.core.step_messages import RunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("llmd.executor")
@@ -48,6 +49,22 @@ CANCEL_POLL_S = 0.1  # how often a load's wait for its workers looks at the canc
 
 class WorkerError(ExecutorError):
     """A worker failed to start, raised, or died. The message names the cause."""
+
+
+class RemoteStep:
+    """A step sent to the workers (the step contract's handle): `output()` reads its
+    RunnerOutput back, after those of the steps launched before it."""
+
+    def __init__(self, executor: MultiprocExecutor, num_tokens: int) -> None:
+        self._executor = executor
+        self.num_tokens = num_tokens
+        self.result: RunnerOutput | None = None
+        self.flushed = False
+
+    def output(self) -> RunnerOutput:
+        if self.result is None:
+            self._executor._read_until(self)
+        return self.result
 
 
 class MultiprocExecutor:
@@ -68,7 +85,7 @@ class MultiprocExecutor:
         self.conns: list[Connection] = []
         self._step_deadline = step_deadline
         self._cancelled = cancelled
-        self._tokens_in_flight = 0  # chained: the step launched before, not yet read back
+        self._unread: collections.deque[RemoteStep] = collections.deque()  # launched, result not read yet
         self._pidfds: list[int] = []
         self._rendezvous_dir: str | None = None
         dtype_name = str(dtype).removeprefix("torch.")
@@ -104,7 +121,6 @@ class MultiprocExecutor:
             self.shutdown()
             raise
         self._bytes_per_block = min(m.bytes_per_block for m in ready)
-        self._draft_model = settings.draft_model
         self.pids = [p.pid for p in self.procs]
 
     def _recv(self, rank: int, timeout: float | None) -> object:
@@ -260,38 +276,31 @@ class MultiprocExecutor:
             if not isinstance(reply, KVReady):
                 raise WorkerError(f"worker {rank} did not confirm its KV cache")
 
-    @property
-    def supports_chaining(self) -> bool:
-        """Chained steps (async scheduling) on one worker without a draft model."""
-        return len(self.conns) == 1 and not self._draft_model
-
-    def execute_model_chained(self, scheduler_output: SchedulerOutput) -> RunnerOutput | None:
-        """Launch this step in the worker; the output of the step before (ModelRunner)."""
-        return self._chained(ExecuteChained(scheduler_output))
-
-    def flush(self) -> RunnerOutput | None:
-        return self._chained(Flush())
-
-    def _chained(self, message: object) -> RunnerOutput | None:
-        self._broadcast(message)
-        if isinstance(message, ExecuteChained):
-            self._send_grammar_rows(message.scheduler_output)
-        # The reply is the step before's output, read back after this one launched:
-        # both steps' tokens are within the deadline.
-        num_tokens = message.scheduler_output.total_num_scheduled_tokens if isinstance(message, ExecuteChained) else 0
-        reply = self._recv_step(self._tokens_in_flight + num_tokens)
-        self._tokens_in_flight = num_tokens
-        if not isinstance(reply, ChainedResult):
-            raise WorkerError(f"worker 0 sent {type(reply).__name__} instead of a step result")
-        return reply.output
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> RemoteStep:
+        """Send the step to every rank (and its grammar rows to rank 0 once filled); its
+        output comes from the handle, read back in step order (RemoteStep.output)."""
         self._broadcast(Execute(scheduler_output))
         self._send_grammar_rows(scheduler_output)
-        message = self._recv_step(scheduler_output.total_num_scheduled_tokens)
-        if not isinstance(message, StepResult):
-            raise WorkerError(f"worker 0 sent {type(message).__name__} instead of a step result")
-        return message.output
+        step = RemoteStep(self, scheduler_output.total_num_scheduled_tokens)
+        self._unread.append(step)
+        return step
+
+    def _read_until(self, step: RemoteStep) -> None:
+        """Read rank 0's step results, one per step in launch order, until `step` has its
+        own. The worker sends a step's result once its tokens are on the host or the next
+        step launched: for the newest step, a Flush asks for it (a worker that sent it
+        already ignores the Flush). Every unread step's tokens count for the deadline."""
+        while step.result is None:
+            if self._unread[-1] is step and not step.flushed:
+                step.flushed = True
+                self._broadcast_to_rank0(Flush())
+            reply = self._recv_step(sum(s.num_tokens for s in self._unread))
+            if not isinstance(reply, StepResult):
+                raise WorkerError(f"worker 0 sent {type(reply).__name__} instead of a step result")
+            self._unread.popleft().result = reply.output
+
+    def _broadcast_to_rank0(self, message: object) -> None:
+        self._send(0, self._encoder.encode(message))
 
     def shutdown(self) -> None:
         if self._cancelled is not None and self._cancelled.is_set():

@@ -1,6 +1,8 @@
 """A worker process: one per device (rank = TP rank). It loads the model, sizes its KV
 cache when told, then runs SchedulerOutputs as they arrive on its pipe and (rank 0)
-replies with RunnerOutputs. A step's grammar bitmask rows come to rank 0 as the next
+replies with one RunnerOutput per step, in order: at once when the step's tokens are on
+the host, else once the next step has launched (its decode rows read them on the
+device) or the parent asks (Flush). A step's grammar bitmask rows come to rank 0 as the next
 message after the step (GrammarRows), sent once filled; the runner reads it just before
 sampling, after the forward. Messages are msgspec-encoded bytes, never pickles.
 
@@ -75,14 +77,9 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-class ExecuteChained(msgspec.Struct, tag="execute_chained"):
-    """Async scheduling: launch this step, reply with the step before's output."""
-
-    scheduler_output: SchedulerOutput
-
-
 class Flush(msgspec.Struct, tag="flush"):
-    """Reply with the last chained step's output."""
+    """Send the output of the step launched last, if it is still held (nothing, if it
+    was sent already)."""
 
 
 class KVReady(msgspec.Struct, tag="kv_ready"):
@@ -93,12 +90,10 @@ class StepResult(msgspec.Struct, tag="result"):
     output: RunnerOutput
 
 
-class ChainedResult(msgspec.Struct, tag="chained_result"):
-    output: RunnerOutput | None  # None: no step was waiting for its tokens
 
 
-ToWorker = ProfileKV | InitKVCache | Execute | ExecuteChained | Flush | GrammarRows | Shutdown
-FromWorker = WorkerReady | WorkerFailed | KVBudget | KVReady | StepResult | ChainedResult
+ToWorker = ProfileKV | InitKVCache | Execute | Flush | GrammarRows | Shutdown
+FromWorker = WorkerReady | WorkerFailed | KVBudget | KVReady | StepResult
 
 
 def _die_with_parent() -> None:
@@ -168,6 +163,11 @@ def worker_main(conn) -> None:
 
 
 def _serve(conn, init: WorkerInit, runner, encoder, decoder) -> None:
+    """Answer the parent's messages until Shutdown or EOF. Steps: each Execute launches
+    one (ModelRunner.execute_model) and rank 0 sends one StepResult per step, in order:
+    a complete step's at once, a pending one's (its tokens still on the device) after
+    the next step launched or when a Flush asks for it."""
+    held = None  # rank 0: the last step's handle, its output not yet sent
     while True:
         try:
             message = decoder.decode(conn.recv_bytes())
@@ -175,18 +175,31 @@ def _serve(conn, init: WorkerInit, runner, encoder, decoder) -> None:
             return  # the parent is gone
         if isinstance(message, Shutdown):
             return
-        step = message.scheduler_output if isinstance(message, (Execute, ExecuteChained)) else None
+        step = message.scheduler_output if isinstance(message, Execute) else None
         if step is not None and init.rank == 0 and step.grammar_req_ids:
             _follow_grammar_rows(step, conn, decoder)
         try:
-            reply = _handle(message, runner, init.rank)
+            replies: list = []
             if step is not None:
+                handle = runner.execute_model(step)
                 step.wait_grammar_bitmask()  # read if sampling did not: the next message is not the rows
+                if init.rank == 0:
+                    if held is not None:
+                        replies.append(StepResult(held.output()))
+                    held = handle if handle.pending else None
+                    if held is None:
+                        replies.append(StepResult(handle.output()))
+            elif isinstance(message, Flush):
+                if held is not None:
+                    replies.append(StepResult(held.output()))
+                    held = None
+            else:
+                replies.append(_handle(message, runner))
         except Exception as exc:  # the worker is done: the parent fails what it had in flight
             traceback.print_exc()
             conn.send_bytes(encoder.encode(WorkerFailed(f"{type(exc).__name__}: {exc}")))
             return
-        if reply is not None:
+        for reply in replies:
             conn.send_bytes(encoder.encode(reply))
 
 
@@ -202,8 +215,8 @@ def _follow_grammar_rows(step: SchedulerOutput, conn, decoder) -> None:
     step.follow_grammar_bitmask(read)
 
 
-def _handle(message: ToWorker, runner, rank: int) -> FromWorker | None:
-    """The reply to one message (None: this rank sends none)."""
+def _handle(message: ToWorker, runner) -> FromWorker:
+    """The reply to a message that is not a step."""
     match message:
         case ProfileKV(gpu_memory_utilization=util, extra_reserved_bytes=extra):
             try:
@@ -213,13 +226,6 @@ def _handle(message: ToWorker, runner, rank: int) -> FromWorker | None:
         case InitKVCache(num_blocks=n):
             runner.initialize_kv_cache(n)
             return KVReady()
-        case Execute(scheduler_output=so):
-            output = runner.execute_model(so)
-            return StepResult(output) if rank == 0 else None
-        case ExecuteChained(scheduler_output=so):  # chaining runs on one rank only
-            return ChainedResult(runner.execute_model_chained(so))
-        case Flush():
-            return ChainedResult(runner.flush())
     raise TypeError(f"worker got {type(message).__name__}")
 
 if __name__ == "__main__":

@@ -1,19 +1,21 @@
 """The model runner's own types: its settings (what the engine decides for the worker),
-the worker's copy of a running request, and a step whose sampled tokens are still on
-the device. They sit apart from the runner so that its parts (input batch, sampling
-step, draft model, memory profile) and the executors name them without importing it.
+the worker's copy of a running request, and the handle of a launched step (whose
+sampled tokens may still be on the device). They sit apart from the runner so that its
+parts (input batch, sampling step, draft model, memory profile) and the executors name
+them without importing it.
 Importing this module loads no torch."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from llmd.core.step_messages import RunnerOutput
+from llmd.core.step_messages import Logprobs, RunnerOutput
 from llmd_client.protocol import SamplingParams
 
 if TYPE_CHECKING:
     import torch
 
+    from llmd.gpu.sample.rejection_sampler import VerifyOutput
     from llmd.gpu.sample.sampler import SamplerOutput
 
 
@@ -58,16 +60,72 @@ class RunnerSettings:
         return min(self.max_num_batched_tokens, self.max_num_seqs * (1 + self.num_speculative_tokens))
 
 
-@dataclass
-class PendingStep:
-    """A step whose sampled tokens are still on their way to the host (async scheduling
-    with chained steps): the next step takes its decode inputs from `sampled` on the
-    device, and the output is completed by SamplingStep.collect once the copy is done."""
+@dataclass(eq=False)
+class StepHandle:
+    """A launched step (the step contract: execute_model returns one for every step).
+
+    Its sampled tokens may still be on the device (`sampled`, copying to `host` behind
+    the `ready` event): the next step launched before `output()` takes its decode inputs
+    from `sampled` there, so the device goes from one step to the next without waiting
+    for the host. `output()` waits for the copy once, appends the tokens to the worker's
+    copy of each request and returns the RunnerOutput (vLLM's AsyncModelRunnerOutput).
+    A step whose tokens are already on the host (with a draft model, with tensor
+    parallelism, verifying drafts) comes back complete: `output()` just returns it."""
 
     out: RunnerOutput
-    ordered: list[RunnerRequest]  # the step's rows' requests, in row order
-    sample_reqs: list[RunnerRequest]
-    sampled: torch.Tensor | None  # [len(sample_reqs)] int64 on the device; None: out is complete
+    ordered: list[RunnerRequest] = field(default_factory=list)  # the step's rows' requests, in row order
+    sample_reqs: list[RunnerRequest] = field(default_factory=list)
+    sampled: torch.Tensor | None = None  # [len(sample_reqs)] int64 on the device; None: out is complete
     host: SamplerOutput | None = None  # the sampler's output, copied (or copying) to the host
     ready: object | None = None  # torch.cuda.Event recorded after the copies
     row_of: dict[str, int] = field(default_factory=dict)  # req_id -> index in sampled
+    collected: bool = False
+    before: StepHandle | None = None  # the pending step whose tokens this one read on the device
+
+
+    @property
+    def pending(self) -> bool:
+        """Its tokens are not yet on the host (the next step may read them on the device)."""
+        return self.sampled is not None and not self.collected
+
+    def output(self) -> RunnerOutput:
+        if self.before is not None:  # its tokens precede ours in every request
+            before, self.before = self.before, None
+            before.output()
+        if self.pending:
+            self.collected = True
+            if self.ready is not None:
+                self.ready.synchronize()
+            tokens = self.host.sampled_token_ids.tolist()
+            if self.host.logprobs_token_ids is not None:
+                collect_logprobs(self.out, self.sample_reqs, [[i] for i in range(len(self.sample_reqs))], self.host)
+            record_sampled(self.out, self.ordered, self.sample_reqs,
+                           [[tokens[self.row_of[r.req_id]]] for r in self.sample_reqs])
+        return self.out
+
+
+def record_sampled(out: RunnerOutput, ordered: list[RunnerRequest], sample_reqs: list[RunnerRequest],
+                   sampled: list[list[int]]) -> None:
+    """Append each request's emitted tokens (sampled[i] is sample_reqs[i]'s) to its
+    token ids and, one entry per row's request in row order, to `out`."""
+    sampled_by_req = {r.req_id: t for r, t in zip(sample_reqs, sampled)}
+    for req in ordered:
+        tokens = sampled_by_req.get(req.req_id, [])
+        req.token_ids.extend(tokens)
+        out.req_ids.append(req.req_id)
+        out.sampled_token_ids.append(tokens)
+
+
+def collect_logprobs(out: RunnerOutput, reqs: list[RunnerRequest], rows: list[list[int]],
+                     result: SamplerOutput | VerifyOutput) -> None:
+    """rows[i]: the result rows of request i's emitted tokens, in order."""
+    ids = result.logprobs_token_ids.tolist()
+    lps = result.logprobs.tolist()
+    ranks = result.ranks.tolist()
+    for req, req_rows in zip(reqs, rows):
+        k = req.sampling_params.logprobs
+        if k is None:
+            continue
+        out.logprobs[req.req_id] = Logprobs(token_ids=[ids[r][:k + 1] for r in req_rows],
+                                            logprobs=[lps[r][:k + 1] for r in req_rows],
+                                            ranks=[ranks[r] for r in req_rows])

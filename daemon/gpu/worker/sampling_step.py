@@ -4,10 +4,11 @@ tokens each request emits, with their logprobs.
 Per request one row is sampled, or (verifying k drafts) k + 1 rows go through the
 rejection sampler. The sampling metadata is built from the worker's copy of each request
 (penalties see its output so far; a grammar's bitmask rows are set). With tensor
-parallelism rank 0 samples and broadcasts the tokens, the other ranks take them. With
-chained steps (async scheduling) the tokens may stay on the device for the next step
-(`sample_deferred`), the host reading them later (`collect`). Prompt logprobs are
-computed here too, in slices no wider than a sampling step.
+parallelism rank 0 samples and broadcasts the tokens, the other ranks take them. On one
+rank without a draft model the tokens stay on the device for the next step
+(`sample_deferred`, `graph_step`), the host reading them when the step's handle is asked
+for its output (StepHandle.output). Prompt logprobs are computed here too, in slices no
+wider than a sampling step.
 """
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ import torch
 
 from llmd.gpu.worker.draft_model import DraftModel
 from llmd.gpu.sample.graph_sampler import GraphSampler
-from llmd.gpu.sample.rejection_sampler import VerifyOutput, verify
-from llmd.gpu.worker.runner_types import PendingStep, RunnerRequest, RunnerSettings
+from llmd.gpu.sample.rejection_sampler import verify
+from llmd.gpu.worker.runner_types import RunnerRequest, RunnerSettings, StepHandle, collect_logprobs
 from llmd.gpu.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs
 from llmd.core.step_messages import Logprobs, PromptLogprobs, RunnerOutput, SchedulerOutput
 
@@ -77,7 +78,7 @@ class SamplingStep:
         self._last.sampled = result.sampled_token_ids
         tokens = [[t] for t in result.sampled_token_ids.tolist()]
         if result.logprobs_token_ids is not None:
-            _collect_logprobs(out, reqs, [[i] for i in range(len(reqs))], result)
+            collect_logprobs(out, reqs, [[i] for i in range(len(reqs))], result)
         return tokens
 
     def _verify(self, so: SchedulerOutput, logits: torch.Tensor, reqs: list[RunnerRequest],
@@ -110,13 +111,13 @@ class SamplingStep:
             for ts in result.token_ids:
                 rows.append(list(range(flat, flat + len(ts))))
                 flat += len(ts)
-            _collect_logprobs(out, reqs, rows, result)
+            collect_logprobs(out, reqs, rows, result)
         return result.token_ids
 
     def _metadata(self, so: SchedulerOutput, reqs: list[RunnerRequest], dev: torch.device,
-                  chain: PendingStep | None = None) -> SamplingMetadata:
+                  chain: StepHandle | None = None) -> SamplingMetadata:
         """One sampling row per request (no drafts), grammar rows included. A request
-        whose previous token a chained step still holds counts it as output: its length
+        whose previous token a pending step still holds counts it as output: its length
         through a -1 stand-in (positions for seeds and min_tokens), its value added to the
         penalty counts on the device.
 
@@ -142,7 +143,7 @@ class SamplingStep:
         return md
 
     def _build_metadata(self, reqs: list[RunnerRequest], dev: torch.device,
-                        chain: PendingStep | None) -> SamplingMetadata:
+                        chain: StepHandle | None) -> SamplingMetadata:
         settings = self.settings
         in_flight = chain.row_of if chain is not None else {}
         md = SamplingMetadata.build(
@@ -158,11 +159,11 @@ class SamplingStep:
                                         accumulate=True)
         return md
 
-    # -- chained steps: tokens left on the device -----------------------------------------
+    # -- tokens left on the device -----------------------------------------------------------
     def sample_deferred(self, so: SchedulerOutput, logits: torch.Tensor, reqs: list[RunnerRequest],
-                        ordered: list[RunnerRequest], out: RunnerOutput, chain: PendingStep | None) -> PendingStep:
+                        ordered: list[RunnerRequest], out: RunnerOutput, chain: StepHandle | None) -> StepHandle:
         """Sample without reading the tokens back: start their copy to the host and
-        return the step as pending."""
+        return the step's handle, its tokens pending."""
         dev = logits.device
         result = self.sampler(logits, self._metadata(so, reqs, dev, chain))
         self._last.sampled = result.sampled_token_ids
@@ -175,32 +176,17 @@ class SamplingStep:
                                              result.logprobs, result.ranks)))
             ready = torch.cuda.Event()
             ready.record()
-        return PendingStep(out, ordered, reqs, result.sampled_token_ids, host, ready,
+        return StepHandle(out, ordered, reqs, result.sampled_token_ids, host, ready,
                            {r.req_id: i for i, r in enumerate(reqs)})
 
     def graph_step(self, out: RunnerOutput, ordered: list[RunnerRequest], reqs: list[RunnerRequest],
-                   row_of: dict[str, int], tokens: torch.Tensor, sampler: GraphSampler,
-                   defer: bool) -> RunnerOutput | PendingStep:
+                   row_of: dict[str, int], tokens: torch.Tensor, sampler: GraphSampler) -> StepHandle:
         """A step its decode graph sampled: `tokens` [padded batch] on the device, row_of[i]
         the row of reqs[i]'s token. Their copy to pinned memory starts behind this step's
-        kernels; with `defer` the step is returned pending, else the host waits for that
-        copy (an event, not a blocking device-to-host copy) and reads it once."""
+        kernels; the handle's output() waits for that copy (an event, not a blocking
+        device-to-host copy) and reads it once."""
         host, ready = sampler.read_back(tokens)
-        pending = PendingStep(out, ordered, reqs, tokens, SamplerOutput(host), ready, row_of)
-        return pending if defer else self.collect(pending)
-
-    @staticmethod
-    def collect(p: PendingStep) -> RunnerOutput:
-        """Wait for a deferred step's tokens, append them, and complete its output."""
-        if p.sampled is None:
-            return p.out
-        if p.ready is not None:
-            p.ready.synchronize()
-        tokens = p.host.sampled_token_ids.tolist()
-        if p.host.logprobs_token_ids is not None:
-            _collect_logprobs(p.out, p.sample_reqs, [[i] for i in range(len(p.sample_reqs))], p.host)
-        record_sampled(p.out, p.ordered, p.sample_reqs, [[tokens[p.row_of[r.req_id]]] for r in p.sample_reqs])
-        return p.out
+        return StepHandle(out, ordered, reqs, tokens, SamplerOutput(host), ready, row_of)
 
     # -- prompt logprobs ------------------------------------------------------------------
     def prompt_logprobs(self, hidden: torch.Tensor, req: RunnerRequest, row0: int, first: int,
@@ -232,36 +218,9 @@ class SamplingStep:
         return logits
 
 
-def record_sampled(out: RunnerOutput, ordered: list[RunnerRequest], sample_reqs: list[RunnerRequest],
-                   sampled: list[list[int]]) -> None:
-    """Append each request's emitted tokens (sampled[i] is sample_reqs[i]'s) to its
-    token ids and, one entry per row's request in row order, to `out`."""
-    sampled_by_req = {r.req_id: t for r, t in zip(sample_reqs, sampled)}
-    for req in ordered:
-        tokens = sampled_by_req.get(req.req_id, [])
-        req.token_ids.extend(tokens)
-        out.req_ids.append(req.req_id)
-        out.sampled_token_ids.append(tokens)
-
-
-def _collect_logprobs(out: RunnerOutput, reqs: list[RunnerRequest], rows: list[list[int]],
-                      result: SamplerOutput | VerifyOutput) -> None:
-    """rows[i]: the result rows of request i's emitted tokens, in order."""
-    ids = result.logprobs_token_ids.tolist()
-    lps = result.logprobs.tolist()
-    ranks = result.ranks.tolist()
-    for req, req_rows in zip(reqs, rows):
-        k = req.sampling_params.logprobs
-        if k is None:
-            continue
-        out.logprobs[req.req_id] = Logprobs(token_ids=[ids[r][:k + 1] for r in req_rows],
-                                            logprobs=[lps[r][:k + 1] for r in req_rows],
-                                            ranks=[ranks[r] for r in req_rows])
-
-
 def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
     """int64 indices on `device` without waiting for it: torch.tensor(..., device=cuda)
-    copies blocking, which also waits for the stream (and would stall a chained step
+    copies blocking, which also waits for the stream (and would stall a pending step
     behind the step before it); a non-blocking copy from pageable memory is staged at once."""
     return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
