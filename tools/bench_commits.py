@@ -13,12 +13,14 @@ spread (min..max), and NEW's median relative to OLD's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 PACKAGES = {"llmd": "daemon", "llmd_client": "client", "llmd_tools": "tools"}
@@ -40,8 +42,32 @@ def _checkout(repo: Path, rev: str, where: Path) -> Path:
     return links
 
 
+@contextlib.contextmanager
+def checkouts(revs: Sequence[str], prefix: str) -> Iterator[dict[str, Path]]:
+    """Each commit of `revs` in a temporary worktree of this repository, as a folder of
+    links to put first on PYTHONPATH (see env_for); the worktrees are removed on exit."""
+    repo = _repo_root()
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        paths: dict[str, Path] = {}
+        try:
+            for rev in revs:
+                where = Path(tmp) / rev.replace("/", "_")
+                where.mkdir()
+                paths[rev] = _checkout(repo, rev, where)
+            yield paths
+        finally:
+            for rev in paths:
+                subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force",
+                                str(paths[rev].parent / "tree")], check=False)
+
+
+def env_for(path: Path) -> dict[str, str]:
+    """The environment of a process that imports the commit behind `path`."""
+    return dict(os.environ, PYTHONPATH=f"{path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+
+
 def _run_once(path: Path, options: list[str]) -> dict:
-    env = dict(os.environ, PYTHONPATH=f"{path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env = env_for(path)
     code = "import sys; from llmd.cli import main; sys.exit(main())"
     out = subprocess.run([sys.executable, "-c", code, "bench", "throughput", "--json", *options],
                          capture_output=True, text=True, env=env)
@@ -62,24 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ours, options = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     args = parser.parse_args(ours)
-    repo = _repo_root()
-    with tempfile.TemporaryDirectory(prefix="llmd-bench-commits-") as tmp:
-        paths = {}
-        try:
+    figures: dict[str, list[float]] = {args.old: [], args.new: []}
+    with checkouts((args.old, args.new), "llmd-bench-commits-") as paths:
+        for round_ in range(args.rounds):
             for rev in (args.old, args.new):
-                where = Path(tmp) / rev.replace("/", "_")
-                where.mkdir()
-                paths[rev] = _checkout(repo, rev, where)
-            figures: dict[str, list[float]] = {args.old: [], args.new: []}
-            for round_ in range(args.rounds):
-                for rev in (args.old, args.new):
-                    tok_s = _output_tokens_per_s(_run_once(paths[rev], options))
-                    figures[rev].append(tok_s)
-                    print(f"round {round_ + 1}  {rev:>12}  {tok_s:9.1f} output tok/s", flush=True)
-        finally:
-            for rev in paths:
-                subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force",
-                                str(paths[rev].parent / "tree")], check=False)
+                tok_s = _output_tokens_per_s(_run_once(paths[rev], options))
+                figures[rev].append(tok_s)
+                print(f"round {round_ + 1}  {rev:>12}  {tok_s:9.1f} output tok/s", flush=True)
     medians = {rev: statistics.median(v) for rev, v in figures.items()}
     for rev, values in figures.items():
         print(f"{rev:>12}: median {medians[rev]:.1f} output tok/s (min {min(values):.1f}, max {max(values):.1f})")

@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-from llmd_tools.bench_commits import _checkout, _repo_root
+from llmd_tools.bench_commits import checkouts, env_for
 
 # Run inside each commit's process: only the public offline API, which both commits share.
 _WORKLOAD = r"""
@@ -57,9 +55,8 @@ print(json.dumps(result))
 
 
 def _run(path: Path, model: str, prompts: int, max_tokens: int, extra: dict) -> list[dict]:
-    env = dict(os.environ, PYTHONPATH=f"{path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     out = subprocess.run([sys.executable, "-c", _WORKLOAD, model, str(prompts), str(max_tokens), json.dumps(extra)],
-                         capture_output=True, text=True, env=env)
+                         capture_output=True, text=True, env=env_for(path))
     if out.returncode != 0:
         raise SystemExit(f"the workload failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -81,29 +78,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=48)
     parser.add_argument("--max-tokens", type=int, default=48)
     args = parser.parse_args(argv)
-    repo = _repo_root()
     settings = {"sync": {"async_scheduling": False}, "async": {"async_scheduling": True}}
     failed = False
-    with tempfile.TemporaryDirectory(prefix="llmd-same-tokens-") as tmp:
-        paths = {}
-        try:
-            for rev in (args.old, args.new):
-                where = Path(tmp) / rev.replace("/", "_")
-                where.mkdir()
-                paths[rev] = _checkout(repo, rev, where)
-            for name, extra in settings.items():
-                old, new = (_run(paths[rev], args.model, args.prompts, args.max_tokens, extra)
-                            for rev in (args.old, args.new))
-                same = sum(a["tokens"] == b["tokens"] for a, b in zip(old, new))
-                close = sum(_close(a["logprobs"], b["logprobs"]) for a, b in zip(old, new))
-                tokens = sum(len(a["tokens"]) for a in old)
-                print(f"{name:>6}: {same}/{len(old)} sequences with the same tokens ({tokens} tokens), "
-                      f"{close}/{len(old)} with the same logprobs")
-                failed |= same != len(old) or close != len(old) or len(old) != len(new)
-        finally:
-            for rev in paths:
-                subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force",
-                                str(paths[rev].parent / "tree")], check=False)
+    with checkouts((args.old, args.new), "llmd-same-tokens-") as paths:
+        for name, extra in settings.items():
+            old, new = (_run(paths[rev], args.model, args.prompts, args.max_tokens, extra)
+                        for rev in (args.old, args.new))
+            same = sum(a["tokens"] == b["tokens"] for a, b in zip(old, new))
+            close = sum(_close(a["logprobs"], b["logprobs"]) for a, b in zip(old, new))
+            tokens = sum(len(a["tokens"]) for a in old)
+            print(f"{name:>6}: {same}/{len(old)} sequences with the same tokens ({tokens} tokens), "
+                  f"{close}/{len(old)} with the same logprobs")
+            failed |= same != len(old) or close != len(old) or len(old) != len(new)
     print("identical" if not failed else "DIFFERENT")
     return 1 if failed else 0
 
