@@ -134,7 +134,7 @@ def test_penalty_tables_follow_their_rows() -> None:
     vocab = 16
     tables = PenaltyTables(4, vocab, torch.device("cpu"))
     reqs = {name: RunnerRequest(req_id=name, token_ids=prompt + out, num_prompt_tokens=len(prompt),
-                                sampling_params=SamplingParams(), block_ids=[], num_computed_tokens=0)
+                                sampling_params=SamplingParams(), num_computed_tokens=0)
             for name, prompt, out in (("a", [1, 2, 2], [3]), ("b", [4], [5, 5, 15]), ("c", [6, 7], []))}
     in_flight = torch.tensor([9, 11, 12])
 
@@ -170,7 +170,7 @@ def test_penalty_tables_follow_their_rows() -> None:
 # -- random sampling: the distribution its parameters define -----------------------------------
 def _row(row: int, params: SamplingParams, num_output: int = 0, stop_ids: tuple[int, ...] = ()) -> SampledRow:
     req = RunnerRequest(req_id=f"r{row}", token_ids=[0] * (3 + num_output), num_prompt_tokens=3,
-                        sampling_params=params, block_ids=[], num_computed_tokens=2 + num_output)
+                        sampling_params=params, num_computed_tokens=2 + num_output)
     return SampledRow(row, req, num_output, None, stop_ids)
 
 

@@ -24,15 +24,16 @@ BS = 4
 CPU = torch.device("cpu")
 
 
-def _reference_rows(batch: InputBatch, decodes) -> tuple[list, list, list, list]:
+def _reference_rows(blocks_of: dict[str, list[int]], decodes) -> tuple[list, list, list, list]:
     """slots, seq_lens, positions and tables of decode rows, from each request's list."""
     slots, seq_lens, positions, tables = [], [], [], []
     for req in decodes:
         pos = req.num_computed_tokens
-        slots.append(req.block_ids[pos // BS] * BS + pos % BS)
+        block_ids = blocks_of[req.req_id]
+        slots.append(block_ids[pos // BS] * BS + pos % BS)
         seq_lens.append(pos + 1)
         positions.append(pos)
-        tables.append(req.block_ids[:pos // BS + 1])
+        tables.append(block_ids[:pos // BS + 1])
     return slots, seq_lens, positions, tables
 
 
@@ -73,7 +74,7 @@ def test_decode_rows_follow_every_diff():
                              {r: 1 for r in live}, len(live), finished)
         batch.apply(so)
         rows = batch.prepare(so, None)
-        slots, seq_lens, positions, tables = _reference_rows(batch, rows.decodes)
+        slots, seq_lens, positions, tables = _reference_rows({r: b for r, (_, b) in live.items()}, rows.decodes)
         assert rows.slots.tolist() == slots and rows.seq_lens.tolist() == seq_lens
         assert rows.positions.tolist() == positions
         for got, want in zip(rows.tables.tolist(), tables):

@@ -33,7 +33,7 @@ from llmd.actors.runtime import Actor
 from llmd.http import llamacpp_api, ollama_api, openai_api
 from llmd.http.context import ServedModel
 from llmd.http.errors import ApiError
-from llmd.http.guard import BrowserGuard
+from llmd.http.guard import HOST_REFUSED, BrowserGuard
 from llmd.http.malformed import QuietAppRunner
 from llmd_client.protocol import MAX_FRAME_BYTES
 
@@ -127,9 +127,7 @@ class HttpIntakeActor(Actor):
         preflight (before the key check: browsers send no credentials on a preflight).
         An allowed origin's other responses get their CORS headers in _cors_headers."""
         if tcp and not self.guard.host_allowed(request.headers.get("Host")):
-            raise ApiError(403, "the Host header names no host this daemon serves (DNS rebinding protection): "
-                                "use localhost or an IP address, or list the origin in http_allowed_origins",
-                           code="forbidden")
+            raise ApiError(403, HOST_REFUSED, code="forbidden")
         origin = request.headers.get("Origin")
         if origin is None:
             return None

@@ -14,7 +14,7 @@ import socket
 
 from llmd.actors.messages import Query
 from llmd.actors.runtime import Actor
-from llmd.http.guard import BrowserGuard
+from llmd.http.guard import HOST_REFUSED, BrowserGuard
 
 logger = logging.getLogger("llmd.metrics_http")
 
@@ -83,8 +83,7 @@ async def _respond(reader: asyncio.StreamReader, metrics: Actor,
     if len(hosts) > 1:
         return 400, b"more than one Host header\n", []
     if hosts and not guard.host_allowed(hosts[0]):
-        return 403, (b"the Host header names no host this daemon serves (DNS rebinding protection): "
-                     b"use localhost or an IP address\n"), []
+        return 403, HOST_REFUSED.encode() + b"\n", []
     if method != "GET":
         return 405, b"only GET is allowed\n", ["Allow: GET"]
     if target.split("?", 1)[0] != "/metrics":

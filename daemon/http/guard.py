@@ -30,6 +30,8 @@ DEFAULT_ORIGINS = tuple(f"{scheme}://{host}{port}" for host in ("localhost", "12
                         for scheme in ("http", "https") for port in ("", ":*")) + \
     ("app://*", "file://*", "tauri://*", "vscode-webview://*", "vscode-file://*")
 ALLOWED_METHODS = "GET, POST, HEAD, OPTIONS"
+HOST_REFUSED = ("the Host header names no host this daemon serves (DNS rebinding protection): use localhost "
+                "or an IP address, or list the origin in http_allowed_origins")
 PREFLIGHT_MAX_AGE_S = 600
 # What a preflight may ask to send: header names (RFC 9110 tokens) separated by commas.
 _HEADER_LIST = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+(?:[ \t]*,[ \t]*[!#$%&'*+.^_`|~0-9A-Za-z-]+)*")

@@ -37,8 +37,9 @@ import torch
 import torch.nn.functional as F
 
 from llmd.gpu.layers.attention import (AttentionMetadata, GatherWorkspace, model_kv_bytes_per_block,
-                                new_model_kv_caches, pad_tables, set_decode_rows)
+                                       new_model_kv_caches, set_decode_rows)
 from llmd.gpu.worker.cuda_graphs import DecodeGraphs, build_decode_graphs
+from llmd.gpu.worker.input_batch import InputBatch
 from llmd.gpu.models.loader import load_model
 from llmd.gpu.worker.runner_types import RunnerRequest, RunnerSettings
 from llmd.gpu.sample.sampler import SAMPLING_EPS, Sampler, SamplingMetadata
@@ -58,8 +59,10 @@ class DraftModel:
     decode_graphs: DecodeGraphs | None = None  # set by init_decode_graphs
 
     def __init__(self, settings: RunnerSettings, device: torch.device, dtype: torch.dtype,
-                 attention_backend: str, sampler: Sampler, workspace: GatherWorkspace) -> None:
+                 attention_backend: str, sampler: Sampler, workspace: GatherWorkspace, batch: InputBatch) -> None:
+        """`batch`: the target's input batch, whose block tables the draft's rows read."""
         self.settings = settings
+        self.batch = batch
         self.device = device
         self.dtype = dtype
         self.k = settings.num_speculative_tokens
@@ -196,18 +199,11 @@ class DraftModel:
         """Draft step j: request i's input at position len(token_ids) - 1 + j (its last
         token at j = 0, after that the token drafted at j - 1, on the device in `fix`).
         Returns the logits [len(reqs), vocab]."""
-        bs = self.settings.block_size
-        positions, slots, tables = [], [], []
-        for r in reqs:
-            pos = len(r.token_ids) - 1 + j
-            if pos // bs >= len(r.block_ids):
-                raise RuntimeError(f"draft position {pos} of request {r.req_id} is past its "
-                                   f"{len(r.block_ids)} KV blocks: the scheduler reserved no slot for it")
-            positions.append(pos)
-            slots.append(r.block_ids[pos // bs] * bs + pos % bs)
-            tables.append(r.block_ids[:pos // bs + 1])
-        input_ids = [r.token_ids[-1] for r in reqs] if j == 0 else [0] * len(reqs)
-        hidden = self.forward_decode_rows(np.asarray(input_ids, dtype=np.int64), np.asarray(positions, dtype=np.int64),
-                                          np.asarray(slots, dtype=np.int64),
-                                          np.asarray(positions, dtype=np.int64) + 1, pad_tables(tables), fix)
+        n = len(reqs)
+        positions = np.fromiter((len(r.token_ids) - 1 + j for r in reqs), dtype=np.int64, count=n)
+        rows = np.fromiter((r.row for r in reqs), dtype=np.int64, count=n)
+        slots, seq_lens, tables = self.batch.decode_rows(rows, positions)
+        input_ids = np.fromiter((r.token_ids[-1] for r in reqs), dtype=np.int64, count=n) if j == 0 \
+            else np.zeros(n, dtype=np.int64)
+        hidden = self.forward_decode_rows(input_ids, positions, slots, seq_lens, tables, fix)
         return self.model.compute_logits(hidden)

@@ -156,7 +156,6 @@ class InputBatch:
                 token_ids=new.prompt_token_ids + new.output_token_ids,
                 num_prompt_tokens=len(new.prompt_token_ids),
                 sampling_params=new.sampling_params,
-                block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 row=old.row if old is not None else self._take_row(),
             )
@@ -167,7 +166,6 @@ class InputBatch:
                                                     cached.num_computed_tokens):
             req = self.requests[req_id]
             if new_blocks:
-                req.block_ids.extend(new_blocks)
                 self._add_blocks(req.row, new_blocks)
             req.num_computed_tokens = num_computed
 
@@ -221,23 +219,31 @@ class InputBatch:
             positions += range(s, s + n)
             ids += tokens
         if ids:
-            self._decode_rows(rows, np.asarray(batch_rows, dtype=np.int64), np.asarray(positions, dtype=np.int64),
-                              np.asarray(ids, dtype=np.int64))
+            rows.input_ids = np.asarray(ids, dtype=np.int64)
+            rows.positions = np.asarray(positions, dtype=np.int64)
+            rows.slots, rows.seq_lens, rows.tables = self.decode_rows(np.asarray(batch_rows, dtype=np.int64),
+                                                                      rows.positions)
         if fix_rows:
             index = to_device([chain.row_of[rows.decodes[i].req_id] for i in fix_rows], self.device)
             rows.fix = (to_device(fix_rows, self.device), chain.sampled.index_select(0, index))
         return rows
 
-    def _decode_rows(self, rows: StepRows, batch_rows: np.ndarray, positions: np.ndarray, ids: np.ndarray) -> None:
-        """Decode row i: token ids[i] at position positions[i] of the request in batch row
-        batch_rows[i], attending to keys 0 .. positions[i]."""
+    def decode_rows(self, batch_rows: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Slots, context lengths and block tables of decode rows: row i is position
+        positions[i] of the request in batch row batch_rows[i], attending to keys 0 ..
+        positions[i] (the draft model's rows too: its cache has the same blocks). Raises
+        RuntimeError for a position past its request's blocks."""
         bs = self.block_size
-        rows.input_ids = ids
-        rows.positions = positions
-        rows.slots = self.block_table[batch_rows, positions // bs] * bs + positions % bs
-        rows.seq_lens = positions + 1
-        width = int(positions.max()) // bs + 1
-        rows.tables = self.block_table[batch_rows, :width]
+        block = positions // bs
+        past = block >= self.num_blocks[batch_rows]
+        if past.any():
+            i = int(np.argmax(past))
+            owner = next(r.req_id for r in self.requests.values() if r.row == batch_rows[i])
+            raise RuntimeError(f"position {positions[i]} of request {owner} is past its "
+                               f"{self.num_blocks[batch_rows[i]]} KV blocks: the scheduler reserved no slot for it")
+        slots = self.block_table[batch_rows, block] * bs + positions % bs
+        width = int(block.max()) + 1 if len(block) else 0
+        return slots, positions + 1, self.block_table[batch_rows, :width]
 
     def eager_inputs(self, rows: StepRows) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Input ids, positions and attention metadata of the whole step, flattened:

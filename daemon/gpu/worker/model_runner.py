@@ -80,7 +80,7 @@ class ModelRunner:
             if world_size > 1:
                 raise ValueError("a draft model does not run with tensor parallelism yet")
             self.drafter = DraftModel(settings, device, dtype, self.attention_backend, self.sampler,
-                                      self.workspace)
+                                      self.workspace, self.batch)
         self.sampling = SamplingStep(self.model, self.sampler, settings, self.drafter, rank, world_size)
 
     # -- KV cache -------------------------------------------------------------------

@@ -293,14 +293,11 @@ class MultiprocExecutor:
         while step.result is None:
             if self._unread[-1] is step and not step.flushed:
                 step.flushed = True
-                self._broadcast_to_rank0(Flush())
+                self._send(0, self._encoder.encode(Flush()))  # rank 0 alone replies
             reply = self._recv_step(sum(s.num_tokens for s in self._unread))
             if not isinstance(reply, StepResult):
                 raise WorkerError(f"worker 0 sent {type(reply).__name__} instead of a step result")
             self._unread.popleft().result = reply.output
-
-    def _broadcast_to_rank0(self, message: object) -> None:
-        self._send(0, self._encoder.encode(message))
 
     def shutdown(self) -> None:
         if self._cancelled is not None and self._cancelled.is_set():

@@ -184,10 +184,10 @@ def _serve(conn, init: WorkerInit, runner, encoder, decoder) -> None:
                 handle = runner.execute_model(step)
                 step.wait_grammar_bitmask()  # read if sampling did not: the next message is not the rows
                 if init.rank == 0:
-                    if held is not None:
+                    if held is not None:  # the step before: its tokens were read on the device
                         replies.append(StepResult(held.output()))
                     held = handle if handle.pending else None
-                    if held is None:
+                    if not handle.pending:
                         replies.append(StepResult(handle.output()))
             elif isinstance(message, Flush):
                 if held is not None:

@@ -25,9 +25,8 @@ class RunnerRequest:
     token_ids: list[int]
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    block_ids: list[int]
     num_computed_tokens: int
-    row: int = -1  # its row of the input batch's persistent block table
+    row: int = -1  # its row of the input batch's persistent block table (its KV blocks)
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -135,17 +135,16 @@ class SamplingStep:
             md.append_sampled(last.sampled)
             md.grammar_bitmask = None
         else:
-            md = self._build_metadata(reqs, dev, chain)
+            md = self._build_metadata(reqs, dev, chain, in_flight)
         self._last = _LastMetadata(req_ids, num_outputs, md)
         if so.grammar_req_ids:
             row_of = {r.req_id: i for i, r in enumerate(reqs)}
             md.set_grammar_bitmask([row_of[rid] for rid in so.grammar_req_ids], so.wait_grammar_bitmask(), dev)
         return md
 
-    def _build_metadata(self, reqs: list[RunnerRequest], dev: torch.device,
-                        chain: StepHandle | None) -> SamplingMetadata:
+    def _build_metadata(self, reqs: list[RunnerRequest], dev: torch.device, chain: StepHandle | None,
+                        in_flight: dict[str, int]) -> SamplingMetadata:
         settings = self.settings
-        in_flight = chain.row_of if chain is not None else {}
         md = SamplingMetadata.build(
             [r.sampling_params for r in reqs], [r.token_ids[:r.num_prompt_tokens] for r in reqs],
             [r.output_token_ids + [-1] if r.req_id in in_flight else r.output_token_ids for r in reqs],
