@@ -16,6 +16,7 @@ from torch import nn
 
 from llmd.gpu.layers.attention import AttentionMetadata, GatherWorkspace, TorchAttention, set_decode_rows
 from llmd.gpu.layers.cpu.cpu_kernels import CPU_KERNELS_ENV, attach_cpu_kernels, paged_decode_op
+from llmd.gpu.layers.linear import LinearBase, ParallelLMHead
 from llmd.gpu.layers.cpu.cpu_linear import PackedLinearForward, pack_linears, packing_supported, unpack_linears
 from llmd.gpu.models.loader import load_model
 
@@ -177,9 +178,10 @@ def test_pack_linears_leaves_subclasses_alone():
 def test_a_cpu_model_loads_with_packed_linears_and_the_decode_kernel(tiny_llama, monkeypatch):
     model = load_model(tiny_llama, torch.float32, CPU, 128)
     attn = [layer.self_attn.attn for layer in model.layers]
-    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    linears = [m for m in model.modules() if isinstance(m, (LinearBase, ParallelLMHead))]
+    assert len(linears) == 1 + 4 * len(model.layers)  # the LM head; each layer's qkv, o, gate_up, down
     if packing_supported(torch.float32):
-        assert all(isinstance(m.forward, PackedLinearForward) for m in linears)
+        assert all(isinstance(m.kernel, PackedLinearForward) for m in linears)
     if paged_decode_op() is not None:
         assert all(a.decode_kernel is paged_decode_op() for a in attn)
     monkeypatch.setenv(CPU_KERNELS_ENV, "0")

@@ -28,10 +28,12 @@ import functools
 import json
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 from hf_ref import check_logprobs_close, engine_result, hf_greedy
 from test_sliding_window import plain_attention
 from transformers import (Gemma2Config, Gemma3Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config,
@@ -41,8 +43,8 @@ from triton_attention_cases import CASES, build
 from llmd import LLM, SamplingParams
 from llmd.gpu.layers.attention import AttentionMetadata, TorchAttention, build_decode_mask, new_kv_cache
 from llmd.gpu.layers.norms import GemmaRMSNorm, RMSNorm
+from llmd.gpu.models.decoder import FLAT_ROPE
 from llmd.gpu.models.loader import load_hf_config, load_model
-from llmd.gpu.models.gemma import Gemma2ForCausalLM
 from llmd.gpu.layers.rotary import RotaryEmbedding
 from llmd_tools.make_model import fixture_path
 
@@ -198,14 +200,14 @@ def test_layers_follow_the_config() -> None:
     assert [layer.self_attn.attn.sliding_window for layer in phi3.layers] == [16] * 3
     cfg = phi3.config.rope_parameters
     rotated = 12  # partial_rotary_factor 0.75 of head_dim 16
-    assert phi3.rotary.cos_cache.shape == (128, rotated)
+    assert phi3.rotary[FLAT_ROPE].cos_cache.shape == (128, rotated)
     factor = phi3.config.max_position_embeddings / PHI3_ORIGINAL_MAX
     mscale = math.sqrt(1 + math.log(factor) / math.log(PHI3_ORIGINAL_MAX))
     base = 10000.0 ** (torch.arange(0, rotated, 2) / rotated)
     for p in (0, 30, 47, 48, 100):  # p + 1 > 48: the long factors
         factors = torch.tensor(cfg["long_factor"] if p + 1 > PHI3_ORIGINAL_MAX else cfg["short_factor"])
         angles = p / (factors * base)
-        assert torch.allclose(phi3.rotary.cos_cache[p], torch.cat([angles, angles]).cos() * mscale, atol=1e-5), p
+        assert torch.allclose(phi3.rotary[FLAT_ROPE].cos_cache[p], torch.cat([angles, angles]).cos() * mscale, atol=1e-5), p
 
 
 @pytest.mark.parametrize("case_name", ["softcap-mixed", "softcap-sliding-chunked"])
@@ -319,7 +321,7 @@ def _no_final_cap(model, monkeypatch) -> None:
 
 
 def _no_embed_scale(model, monkeypatch) -> None:
-    monkeypatch.setattr(Gemma2ForCausalLM, "_embed_scale", lambda self, dtype: 1.0)
+    monkeypatch.setattr(model, "arch", replace(model.arch, embed_scale=False))
 
 
 def _no_qk_norms(model, monkeypatch) -> None:
@@ -352,7 +354,7 @@ def _phi3_rotary(long_from: int | None):
             long = table(model, "long_factor")
             mixed.cos_cache[long_from:] = long.cos_cache[long_from:]
             mixed.sin_cache[long_from:] = long.sin_cache[long_from:]
-        monkeypatch.setattr(model, "rotary", mixed)
+        monkeypatch.setattr(model, "rotary", nn.ModuleDict({FLAT_ROPE: mixed}))
     return mutate
 
 

@@ -37,8 +37,7 @@ from transformers import MixtralConfig, Qwen3MoeConfig
 from llmd import LLM, SamplingParams
 from llmd.gpu.layers.fused_moe import moe_reference, select_experts
 from llmd.gpu.models.loader import load_hf_config, load_model
-from llmd.gpu.models.llama import DecoderMLP
-from llmd.gpu.models.moe import SparseMoeBlock
+from llmd.gpu.layers.mlp import GatedMLP, SparseMoeBlock
 from llmd.gpu.layers import moe_align
 from llmd.gpu.layers.moe_align import moe_align_block_size, padded_capacity
 from llmd.gpu.layers.tp import check_tp_config
@@ -176,7 +175,7 @@ def test_layers_follow_the_config(engines) -> None:
         return [layer.mlp for layer in engines(name, "default").engine.executor.runner.model.layers]
 
     qwen3 = blocks(QWEN3_MOE)
-    assert [type(m) for m in qwen3] == [SparseMoeBlock, DecoderMLP, SparseMoeBlock]  # mlp_only_layers=[1]
+    assert [type(m) for m in qwen3] == [SparseMoeBlock, GatedMLP, SparseMoeBlock]  # mlp_only_layers=[1]
     assert qwen3[0].experts.w13.shape == (8, 64, 64) and qwen3[0].experts.w2.shape == (8, 64, 32)
     assert [(m.top_k, m.renormalize, m.shared_expert) for m in (qwen3[0], qwen3[2])] == [(2, True, None)] * 2
     qwen2 = blocks(QWEN2_MOE)
@@ -193,8 +192,8 @@ def test_a_missing_expert_is_refused(tmp_path: Path) -> None:
     tensors = load_file(source / "model.safetensors")
     del tensors["model.layers.2.block_sparse_moe.experts.5.w3.weight"]
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"checkpoint is missing 1 expert weight\(s\), e.g. part 1 of "
-                                         r"'layers.2.mlp.experts.w13\[5\]'"):
+    with pytest.raises(ValueError, match=r"checkpoint is missing 1 weight\(s\), e.g. "
+                                         r"'layers.2.mlp.experts.w13' \(shard \(5, 1\)\)"):
         load_model(tmp_path, torch.float32, CPU, 128)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -28,8 +29,7 @@ from triton_attention_cases import CASES, Case, build
 from llmd import LLM, SamplingParams
 from llmd.gpu.layers.attention import AttentionMetadata, TorchAttention
 from llmd.gpu.models.loader import load_hf_config, load_model
-from llmd.gpu.models import get_model_class
-from llmd.gpu.models.llama import MistralForCausalLM
+from llmd.gpu.models.architectures import ARCHITECTURES, get_architecture
 from llmd_tools.make_model import fixture_path
 
 MISTRAL = "tiny-mistral-sw16"  # every layer: window 16
@@ -130,7 +130,7 @@ def test_each_layer_gets_the_window_transformers_gives_it(tmp_path: Path) -> Non
     }
     for name, (config, arch, windows) in cases.items():
         config = load_hf_config(save_config(config, tmp_path / name, arch))
-        assert get_model_class(arch).attention_windows(config) == windows, name
+        assert get_architecture(arch).attention_windows(config) == windows, name
 
 
 def test_configs_llmd_cannot_honour_are_refused(tmp_path: Path) -> None:
@@ -257,8 +257,9 @@ def test_tensor_parallel_matches_hf() -> None:
 def test_the_comparison_fails_when_the_window_is_ignored(monkeypatch) -> None:
     """The checks above can fail: with every layer in full attention the engine's
     logprobs leave HF's at the first token of each prompt longer than the window."""
-    monkeypatch.setattr(MistralForCausalLM, "attention_windows",
-                        classmethod(lambda cls, config: [None] * config.num_hidden_layers))
+    mistral = ARCHITECTURES["MistralForCausalLM"]
+    monkeypatch.setitem(ARCHITECTURES, mistral.name,
+                        replace(mistral, windows=lambda name, config: [None] * config.num_hidden_layers))
     llm = make_llm(MISTRAL)
     assert layer_windows(llm.engine.executor.runner.model) == [None] * 3
     outputs = llm.generate([list(p) for p in prompts()], GREEDY)

@@ -117,7 +117,7 @@ def test_the_torch_path_never_imports_the_triton_module() -> None:
     """Only selecting triton loads llmd.gpu.layers.triton_attention (and so triton itself)."""
     code = ("import sys, torch\n"
             "from llmd.gpu.layers.attention_backends import make_attention, resolve_attention_backend\n"
-            "import llmd.gpu.worker.model_runner, llmd.gpu.models.llama\n"
+            "import llmd.gpu.worker.model_runner, llmd.gpu.models.decoder\n"
             "make_attention(resolve_attention_backend('auto', torch.device('cpu')), 4, 2, 16, 0.25)\n"
             "assert 'llmd.gpu.layers.triton_attention' not in sys.modules\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

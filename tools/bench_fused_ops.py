@@ -143,8 +143,10 @@ def layer_case(batch: int, context: int, device: torch.device) -> tuple[dict[str
     from transformers import LlamaConfig
 
     from llmd.gpu.layers.attention import AttentionMetadata, new_kv_cache, set_decode_rows
-    from llmd.gpu.layers.fused_ops import FUSED_OPS_ENV
-    from llmd.gpu.models.llama import DecoderLayer
+    from llmd.gpu.layers.fused_ops import FUSED_OPS_ENV, layer_ops
+    from llmd.gpu.layers.mlp import GatedMLP
+    from llmd.gpu.models.architectures import ARCHITECTURES
+    from llmd.gpu.models.decoder import DecoderLayer
     from llmd.gpu.layers.rotary import RotaryEmbedding
 
     config = LlamaConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
@@ -155,7 +157,9 @@ def layer_case(batch: int, context: int, device: torch.device) -> tuple[dict[str
     for name, setting in (("unfused", "0"), ("fused", "1")):
         os.environ[FUSED_OPS_ENV] = setting
         with torch.device(device):
-            layers[name] = DecoderLayer(config, False, False, None, "triton").to(DTYPE).eval()
+            mlp = GatedMLP(HIDDEN, INTER, False, "silu", ops=layer_ops("triton"))
+            layers[name] = DecoderLayer(ARCHITECTURES["LlamaForCausalLM"], config, mlp, None, "triton", None)
+            layers[name] = layers[name].to(DTYPE).eval()
     if saved is None:
         del os.environ[FUSED_OPS_ENV]
     else:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from llmd.gpu.models.gguf_arch import ARCHITECTURES, BLOCK_TENSORS, GLOBAL_TENSORS, GGUFArchitecture
-from llmd.gpu.models import get_model_class
+from llmd.gpu.models.architectures import get_architecture
 
 GGUF_MAGIC = b"GGUF"
 
@@ -176,7 +176,7 @@ def load_gguf_config(path: str | Path):
         fields.pop("hidden_act")  # the architecture names its own
         fields.update(spec.config_fields(g.get, a, fields))
     config = AutoConfig.for_model(spec.model_type, **fields)
-    get_model_class(spec.hf_architecture).check_config(config)
+    get_architecture(spec.hf_architecture).check_config(config)
     return config
 
 
@@ -311,12 +311,10 @@ def unpermute_rotary_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf_weights(path: str | Path, config: Any,
-                      shard: Callable[[str, Any], torch.Tensor] | None = None
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(path: str | Path, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 tensor) for every weight of the GGUF, dequantized one tensor at
-    a time. With `shard(name, tensor)` (tensor parallelism) each rank dequantizes the
-    whole tensor and keeps the piece `shard` picks."""
+    a time (with tensor parallelism each rank dequantizes the whole tensor and its layer
+    keeps its piece)."""
     from gguf.quants import dequantize
 
     g = open_gguf(path)
@@ -343,7 +341,7 @@ def iter_gguf_weights(path: str | Path, config: Any,
         if not (array.flags.writeable and array.flags.c_contiguous):
             array = np.array(array, order="C")  # F32 data is a read-only view of the file's map
         tensor = torch.from_numpy(array)
-        yield hf_name, (tensor if shard is None else shard(hf_name, tensor))
+        yield hf_name, tensor
 
 
 def load_gguf_tokenizer(path: str | Path):

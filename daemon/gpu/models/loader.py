@@ -4,7 +4,8 @@ transformers, weights from safetensors through our own name mapping) or from a G
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +15,11 @@ from torch import nn
 
 from llmd.gpu.layers.cpu.cpu_kernels import attach_cpu_kernels
 from llmd.gpu.layers.cpu.cpu_linear import pack_linears
+from llmd.gpu.layers.linear import Shard, WeightLoading
+from llmd.gpu.models.architectures import get_architecture
+from llmd.gpu.models.decoder import CausalLM
 from llmd.gpu.models.gguf_loader import (gguf_stop_token_ids, is_gguf_path, iter_gguf_weights, load_gguf_config,
-                                  load_gguf_tokenizer, open_gguf)
-from llmd.gpu.models import get_model_class
+                                         load_gguf_tokenizer, open_gguf)
 from llmd.load_progress import LoadProgress
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -52,7 +55,7 @@ def load_hf_config(model_dir: str | Path):
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model directory {str(path)!r} has no config.json")
     config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    get_model_class(_architecture(config)).check_config(config)
+    get_architecture(_architecture(config)).check_config(config)
     return config
 
 
@@ -84,22 +87,16 @@ def _architecture(config: Any) -> str:
     return archs[0]
 
 
-def iter_safetensors(model_dir: str | Path,
-                     shard: Callable[[str, Any], torch.Tensor] | None = None
-                     ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every checkpoint tensor. With `shard(name, slice)` (tensor
-    parallelism) each tensor is read through safetensors' get_slice and only the piece
-    `shard` picks is materialised."""
+def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, Any]]:
+    """(name, safetensors slice) for every checkpoint tensor: a layer reads only the
+    piece it keeps (with tensor parallelism, this rank's rows or columns)."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {str(model_dir)!r}")
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                if shard is None:
-                    yield name, f.get_tensor(name)
-                else:
-                    yield name, shard(name, f.get_slice(name))
+                yield name, f.get_slice(name)
 
 
 def _count_safetensors(model_dir: str | Path) -> int:
@@ -110,29 +107,90 @@ def _count_safetensors(model_dir: str | Path) -> int:
     return total
 
 
+# Checkpoint projections the layers fuse: checkpoint name part -> (fused name part, shard).
+FUSED_SHARDS = {
+    ".q_proj.": (".qkv_proj.", "q"), ".k_proj.": (".qkv_proj.", "k"), ".v_proj.": (".qkv_proj.", "v"),
+    ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+def checkpoint_target(model: CausalLM, name: str) -> tuple[str, Shard] | None:
+    """(parameter, shard) checkpoint tensor `name` loads into (shard None: all of it);
+    None for a tensor the model does not keep (rotary caches, a tied LM head)."""
+    name = name.removeprefix("model.")
+    for old, new in model.arch.checkpoint_renames:
+        name = name.replace(old, new)
+    if "rotary_emb.inv_freq" in name or (name.startswith("lm_head.") and model.tie_word_embeddings):
+        return None
+    gate, up, down = model.arch.expert_projections
+    m = re.fullmatch(rf"(layers\.\d+\.mlp\.experts)\.(\d+)\.({gate}|{up}|{down})\.weight", name)
+    if m is not None:
+        expert = int(m.group(2))
+        if m.group(3) == down:
+            return f"{m.group(1)}.w2", expert
+        return f"{m.group(1)}.w13", (expert, 0 if m.group(3) == gate else 1)
+    for part, (fused, shard) in FUSED_SHARDS.items():
+        if part in name:
+            return name.replace(part, fused), shard
+    return name, None
+
+
+def load_weights(model: CausalLM, weights: Iterable[tuple[str, Any]]) -> None:
+    """Each checkpoint tensor through the layer that holds it (layers/linear.py: the
+    layer takes its piece); raise on unexpected, misshapen or missing weights so a wrong
+    checkpoint fails loudly."""
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters(remove_duplicate=False))
+    plain = WeightLoading()  # a norm's weight: copied whole
+
+    def owner(param: str) -> tuple[WeightLoading, str]:
+        module, _, attr = param.rpartition(".")
+        layer = modules.get(module)
+        return (layer if isinstance(layer, WeightLoading) else plain), attr
+
+    loaded: set[tuple[str, Shard]] = set()
+    for name, source in weights:
+        target = checkpoint_target(model, name)
+        if target is None:
+            continue
+        param, shard = target
+        if param not in params:
+            raise ValueError(f"unexpected weight {name!r} in checkpoint")
+        layer, attr = owner(param)
+        try:
+            layer.load(attr, params[param], source, shard)
+        except ValueError as exc:
+            raise ValueError(f"weight {name!r} {exc}") from None
+        loaded.update((param, s) for s in (layer.shards(attr) if shard is None else (shard,)))
+    missing = [(param, shard) for param in params if not (param == "lm_head.weight" and model.tie_word_embeddings)
+               for shard in owner(param)[0].shards(owner(param)[1]) if (param, shard) not in loaded]
+    if missing:
+        param, shard = missing[0]
+        where = repr(param) if shard is None else f"{param!r} (shard {shard!r})"
+        raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {where}")
+
+
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                max_positions: int, tp_rank: int = 0, tp_size: int = 1,
                attention_backend: str = "torch", progress: LoadProgress | None = None) -> nn.Module:
     """The model, or with tp_size > 1 this rank's tensor-parallel shard of it; its layers
     attend with `attention_backend` (a name resolve_attention_backend returned). From a
-    GGUF file each rank dequantizes every tensor and keeps its shard. On CPU its linear
+    GGUF file each rank dequantizes every tensor and its layers keep their share. On CPU its linear
     layers run on oneDNN-packed weights (cpu_linear) and its torch attention layers
     decode through the C++ paged kernel (cpu_kernels)."""
     config = load_hf_config(model_dir)
-    cls = get_model_class(_architecture(config))
     # Build on meta (no random init, no memory), then materialize and fill from disk.
     with torch.device("meta"):
-        model = cls(config, max_positions, tp_rank, tp_size, attention_backend=attention_backend)
+        model = CausalLM(config, max_positions, tp_rank, tp_size, attention_backend=attention_backend)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.reset_rotary(device)
     if model.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    shard = model.shard_checkpoint_tensor if tp_size > 1 else None
     if is_gguf_path(model_dir):
-        weights, total = iter_gguf_weights(model_dir, config, shard), len(open_gguf(model_dir).tensors)
+        weights, total = iter_gguf_weights(model_dir, config), len(open_gguf(model_dir).tensors)
     else:
-        weights, total = iter_safetensors(model_dir, shard), _count_safetensors(model_dir)
-    model.load_weights(progress.track("weights", weights, total) if progress is not None else weights)
+        weights, total = iter_safetensors(model_dir), _count_safetensors(model_dir)
+    load_weights(model, progress.track("weights", weights, total) if progress is not None else weights)
     model.eval()
     model.requires_grad_(False)
     if device.type == "cpu":

@@ -8,7 +8,10 @@ layout: measured 1.4-1.9x faster per GEMM at 1-32 rows and 1.3-1.6x at 2,048 (fl
 1.1-2.2x in bfloat16 (docs/benchmarks.md, "CPU model step"). It accumulates in float32
 as MKL does; a row's result does not depend on how many rows share the call.
 
-`pack_linears` gives every plain `nn.Linear` of a model a packed forward. The checkpoint
+`pack_linears` gives every linear of a model a packed matmul: the model's own layers
+(layers/linear.py: LinearBase and the LM head) take it as their `kernel`, so a
+row-parallel layer still reduces and adds its bias after; a plain `nn.Linear` gets a
+packed forward. The checkpoint
 layout stays the module's `weight` (the tied embedding reads it, and so may anyone who
 inspects the model), so the packed copy is extra memory: one more copy of the linear
 weights. A weight changed after packing is packed again at the next call: a new
@@ -22,6 +25,8 @@ import weakref
 
 import torch
 from torch import nn
+
+from llmd.gpu.layers.linear import LinearBase, ParallelLMHead
 
 
 def packing_supported(dtype: torch.dtype) -> bool:
@@ -38,11 +43,13 @@ def packing_supported(dtype: torch.dtype) -> bool:
 
 class PackedLinearForward:
     """A linear's forward over its weight in oneDNN's packed layout; the bias is the
-    module's own parameter. Re-packs when the module's weight changed (module doc)."""
+    module's own parameter (`with_bias=False`: none, a reducing layer adds it after).
+    Re-packs when the module's weight changed (module doc)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Module, with_bias: bool = True) -> None:
         self.module = weakref.ref(linear)  # the module holds this forward: no cycle
-        self.out_features = linear.out_features
+        self.out_features = linear.weight.shape[0]
+        self.with_bias = with_bias
         self._pack(linear)
 
     def _pack(self, linear: nn.Linear) -> None:
@@ -56,7 +63,8 @@ class PackedLinearForward:
             self._pack(linear)
         if x.numel() == 0:
             return x.new_empty(*x.shape[:-1], self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, linear.bias, "none", [], "")
+        bias = linear.bias if self.with_bias else None
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, bias, "none", [], "")
 
 
 def _version(weight: torch.Tensor) -> int | None:
@@ -64,24 +72,35 @@ def _version(weight: torch.Tensor) -> int | None:
     return None if weight.is_inference() else weight._version
 
 
+def _kernel_slot(module: nn.Module) -> bool:
+    """Whether `module` is one of the model's linears, which take a matmul `kernel`."""
+    return isinstance(module, (LinearBase, ParallelLMHead))
+
+
 def pack_linears(model: nn.Module) -> int:
-    """Give every plain nn.Linear of `model` (on CPU, of a dtype oneDNN packs) a packed
-    forward; returns how many were packed. Subclasses (tensor-parallel layers with their
-    own forward) keep theirs."""
+    """Give every linear of `model` (on CPU, of a dtype oneDNN packs) a packed matmul
+    (module doc); returns how many were packed. Subclasses of nn.Linear (with their own
+    forward) keep theirs."""
     count = 0
     for module in model.modules():
-        if type(module) is not nn.Linear or module.weight.device.type != "cpu":
+        slot = _kernel_slot(module)
+        if not (slot or type(module) is nn.Linear) or module.weight.device.type != "cpu":
             continue
         if not packing_supported(module.weight.dtype):
             continue
-        module.forward = PackedLinearForward(module)
+        if slot:
+            module.kernel = PackedLinearForward(module, with_bias=not getattr(module, "reduce", False))
+        else:
+            module.forward = PackedLinearForward(module)
         count += 1
     return count
 
 
 def unpack_linears(model: nn.Module) -> None:
-    """Back to nn.Linear's own forward (F.linear) for every packed linear of `model`."""
+    """Back to F.linear for every packed linear of `model`."""
     for module in model.modules():
-        if isinstance(module.__dict__.get("forward"), PackedLinearForward):
+        if _kernel_slot(module):
+            module.kernel = None
+        elif isinstance(module.__dict__.get("forward"), PackedLinearForward):
             del module.forward
 

@@ -1,0 +1,273 @@
+"""The model's weight-bearing layers, each of which loads its own piece of a checkpoint
+tensor (nano-vllm's and vLLM's `weight_loader`).
+
+A layer is built with this rank's share (`TPShape`, or None on a single rank) and knows
+how a checkpoint tensor maps onto it: which rows or columns are this rank's, where in a
+fused parameter a q, k, v, gate or up projection goes. So the model's loader
+(models/loader.py) needs no per-architecture code: it names the parameter and the shard
+(`"q"`, `"k"`, `"v"`, 0 / 1 of gate and up, an expert) and the layer does the rest.
+
+* `ReplicatedLinear`: every rank holds it all (routers, the shared-expert gate);
+* `MergedColumnParallelLinear` ([gate | up]) and `QKVParallelLinear` ([q | k | v]): the
+  output rows split by rank (column parallel: no communication); a checkpoint that
+  stores the projection already fused (Phi-3) is cut into its parts and each part's
+  rows taken, so a fused tensor loads as its pieces would;
+* `RowParallelLinear` (o_proj, down_proj): the input columns split by rank, partial
+  sums all-reduced and the bias added once after (`reduce=False`: the caller reduces,
+  as a MoE block sums its shared expert with its experts first);
+* `VocabParallelEmbedding` and `ParallelLMHead`: vocabulary rows split by rank, the last
+  rank's slice padded with zero rows.
+
+A source is anything sliced like a tensor: a torch tensor, or a safetensors slice (only
+the piece a rank takes is read from disk). A layer's matmul is `kernel` (None: F.linear);
+on CPU cpu_linear sets oneDNN's packed one.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+import torch.nn.functional as F
+
+from llmd.gpu.layers.tp import TPShape
+
+Shard = Any  # a shard id: "q" / "k" / "v", 0 / 1 (gate / up), an expert index or (expert, part)
+
+
+def shape_of(source: Any) -> tuple[int, ...]:
+    """A tensor's or safetensors slice's shape."""
+    if isinstance(source, torch.Tensor):
+        return tuple(source.shape)
+    return tuple(source.get_shape())
+
+
+def read(source: Any, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None) -> torch.Tensor:
+    """The rows [a, b) or columns [a, b) of a source (whole when neither is given)."""
+    if rows is not None:
+        return source[rows[0]:rows[1]]
+    if cols is not None:
+        return source[:, cols[0]:cols[1]]
+    return source[:]
+
+
+def copy_checked(target: torch.Tensor, tensor: torch.Tensor) -> None:
+    """target <- tensor, or ValueError saying the two shapes."""
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise ValueError(f"has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+    with torch.no_grad():
+        target.copy_(tensor)
+
+
+class WeightLoading:
+    """What every weight-bearing layer offers the loader: `load(name, param, source,
+    shard)` copies its piece of `source` into `param` (its attribute `name`), and
+    `shards(name)` lists the pieces a checkpoint must supply ((None,): one, the whole)."""
+
+    def load(self, name: str, param: nn.Parameter, source: Any, shard: Shard = None) -> None:
+        copy_checked(param.data, read(source))
+
+    def shards(self, name: str) -> Sequence[Shard]:
+        return (None,)
+
+
+def _rank_world(tp: TPShape | None) -> tuple[int, int]:
+    return (0, 1) if tp is None else (tp.rank, tp.world_size)
+
+
+class LinearBase(WeightLoading, nn.Module):
+    """y = x W^T + b over this rank's [out, in] share of W; `reduce`: all-reduce the
+    partial sums (row parallel) and add the bias after."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPShape | None = None,
+                 reduce: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.rank, self.world_size = _rank_world(tp)
+        self.reduce = reduce and self.world_size > 1
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.kernel: Callable[[torch.Tensor], torch.Tensor] | None = None  # x -> x W^T (+ b unless reduce)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            out = self.kernel(x)
+        else:
+            out = F.linear(x, self.weight, None if self.reduce else self.bias)
+        if self.reduce:
+            dist.all_reduce(out)
+            if self.bias is not None:
+                out = out + self.bias
+        return out
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class ReplicatedLinear(LinearBase):
+    """Every rank holds the whole weight."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias)
+
+
+class ColumnSplitLinear(LinearBase):
+    """Output rows made of parts ([gate | up], [q | k | v]); each part's rows are split
+    by rank. Subclasses say where each part of this rank lies in the checkpoint's tensor
+    (`source_rows`) and in the parameter (`part_rows`)."""
+
+    parts: tuple[Shard, ...]
+
+    def __init__(self, in_features: int, part_sizes: Sequence[int], bias: bool, tp: TPShape | None) -> None:
+        """`part_sizes`: this rank's rows of each part, in `parts` order."""
+        self.part_sizes = tuple(part_sizes)
+        super().__init__(in_features, sum(self.part_sizes), bias, tp)
+
+    def shards(self, name: str) -> Sequence[Shard]:
+        return self.parts
+
+    def part_rows(self, shard: Shard) -> tuple[int, int]:
+        i = self.parts.index(shard)
+        start = sum(self.part_sizes[:i])
+        return start, start + self.part_sizes[i]
+
+    def source_rows(self, shard: Shard) -> tuple[int, int]:
+        """This rank's rows of part `shard` within that part's checkpoint tensor."""
+        size = self.part_sizes[self.parts.index(shard)]
+        return self.rank * size, (self.rank + 1) * size
+
+    def full_sizes(self) -> list[int]:
+        """Every part's rows in the whole (unsplit) projection."""
+        return [size * self.world_size for size in self.part_sizes]
+
+    def load(self, name: str, param: nn.Parameter, source: Any, shard: Shard = None) -> None:
+        if shard is None:  # stored fused: each part's rows of the fused tensor
+            if self.world_size == 1:
+                copy_checked(param.data, read(source))
+                return
+            offset, pieces = 0, []
+            for part, full in zip(self.parts, self.full_sizes()):
+                a, b = self.source_rows(part)
+                pieces.append(read(source, rows=(offset + a, offset + b)))
+                offset += full
+            copy_checked(param.data, torch.cat(pieces))
+            return
+        if shard not in self.parts:
+            raise ValueError(f"is not one of this projection's parts {self.parts}")
+        a, b = self.part_rows(shard)
+        copy_checked(param.data[a:b], read(source, rows=self.source_rows(shard)) if self.world_size > 1
+                     else read(source))
+
+
+class MergedColumnParallelLinear(ColumnSplitLinear):
+    """[gate | up] of a gated MLP: `size` rows each (whole), split by rank."""
+
+    parts = (0, 1)
+
+    def __init__(self, in_features: int, size: int, bias: bool, tp: TPShape | None = None) -> None:
+        local = size // _rank_world(tp)[1]
+        super().__init__(in_features, (local, local), bias, tp)
+
+
+class QKVParallelLinear(ColumnSplitLinear):
+    """[q | k | v] of an attention block with this rank's heads (TPShape: q heads split,
+    kv heads split or, when fewer than the ranks, replicated)."""
+
+    parts = ("q", "k", "v")
+
+    def __init__(self, in_features: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+                 tp: TPShape | None = None) -> None:
+        self.head_dim = head_dim
+        self.total_heads, self.total_kv_heads = num_heads, num_kv_heads
+        local_heads, local_kv = (num_heads, num_kv_heads) if tp is None else (tp.num_heads, tp.num_kv_heads)
+        self.kv_head_start = 0 if tp is None else tp.kv_head_start
+        super().__init__(in_features, (local_heads * head_dim, local_kv * head_dim, local_kv * head_dim), bias, tp)
+
+    def source_rows(self, shard: Shard) -> tuple[int, int]:
+        if shard == "q":
+            return super().source_rows(shard)
+        start = self.kv_head_start * self.head_dim
+        return start, start + self.part_sizes[1]
+
+    def full_sizes(self) -> list[int]:
+        kv = self.total_kv_heads * self.head_dim
+        return [self.total_heads * self.head_dim, kv, kv]
+
+
+class RowParallelLinear(LinearBase):
+    """W split along its input columns; partial sums all-reduced unless `reduce=False`
+    (the caller reduces); the bias whole on every rank, added once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPShape | None = None,
+                 reduce: bool = True) -> None:
+        world = _rank_world(tp)[1]
+        if bias and not reduce and world > 1:
+            raise ValueError("a row-parallel linear whose caller reduces cannot add a bias on every rank")
+        super().__init__(in_features // world, out_features, bias, tp, reduce=reduce)
+
+    def load(self, name: str, param: nn.Parameter, source: Any, shard: Shard = None) -> None:
+        if name == "weight" and self.world_size > 1:
+            n = self.in_features
+            copy_checked(param.data, read(source, cols=(self.rank * n, (self.rank + 1) * n)))
+        else:
+            copy_checked(param.data, read(source))
+
+
+class VocabRows(WeightLoading, nn.Module):
+    """A [vocab, hidden] table split by vocabulary rows; the last rank's slice is padded
+    with zero rows to the common size."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPShape | None = None) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.rank, self.world_size = _rank_world(tp)
+        self.start, self.end = (0, vocab_size) if tp is None else (tp.vocab_start, tp.vocab_end)
+        rows = vocab_size if tp is None else tp.vocab_per_rank
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size))
+
+    def load(self, name: str, param: nn.Parameter, source: Any, shard: Shard = None) -> None:
+        if self.world_size == 1:
+            copy_checked(param.data, read(source))
+            return
+        piece = read(source, rows=(self.start, self.end))
+        n = self.end - self.start
+        copy_checked(param.data[:n], piece)
+        with torch.no_grad():
+            param.data[n:].zero_()
+
+
+class VocabParallelEmbedding(VocabRows):
+    """A rank looks up the ids in its range, zeros the others, and the all-reduce
+    assembles the full rows (sums with zeros: exact)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.start) | (ids >= self.end)
+        local = (ids - self.start).masked_fill_(outside, 0)
+        out = F.embedding(local, self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        dist.all_reduce(out)
+        return out
+
+
+class ParallelLMHead(VocabRows):
+    """Each rank's vocabulary rows of the logits; an all-gather gives every rank all of
+    them (width vocab_size). A linear: `kernel` as LinearBase's."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPShape | None = None) -> None:
+        super().__init__(vocab_size, hidden_size, tp)
+        self.bias = None
+        self.out_features = self.weight.shape[0]
+        self.kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        local = self.kernel(hidden) if self.kernel is not None else F.linear(hidden, self.weight)
+        if self.world_size == 1:
+            return local
+        local = local.contiguous()
+        parts = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(parts, local)
+        return torch.cat(parts, dim=-1)[..., :self.vocab_size]
