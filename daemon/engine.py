@@ -67,7 +67,7 @@ class LLMEngine:
             _warn_if_scheduler_competes_for_cores(config)
 
     def _make_executor(self) -> Executor:
-        from llmd.gpu.worker.executors import make_executor  # torch: loaded with the model, not with this module
+        from llmd.gpu.worker.executor_factory import make_executor  # torch: loaded with the model, not with this module
 
         return make_executor(self.config, self.model_dir, self._runner_settings, self.device, self.dtype,
                              progress=self._progress)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmd.gpu.layers.attention import AttentionMetadata, GatherWorkspace, TorchAttention, set_decode_rows
+from triton_attention_cases import attend
 from llmd.gpu.layers.cpu.cpu_kernels import CPU_KERNELS_ENV, attach_cpu_kernels, paged_decode_op
 from llmd.gpu.layers.linear import LinearBase, ParallelLMHead
 from llmd.gpu.layers.cpu.cpu_linear import PackedLinearForward, pack_linears, packing_supported, unpack_linears
@@ -54,7 +55,7 @@ def _decode_case(seed: int, dtype: torch.dtype, batch: int, heads: int, kv_heads
     q = torch.randn(batch, heads, head_dim, generator=gen).to(dtype)
     md = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.int64), num_decodes=batch,
                            decode_block_table=None, decode_seq_lens=None, prefills=[], workspace=GatherWorkspace())
-    set_decode_rows(md, tables, seq_lens, block_size, CPU)
+    set_decode_rows(md, tables, seq_lens, CPU)
     return q, cache, md
 
 
@@ -74,6 +75,7 @@ def test_paged_decode_kernel_equals_the_torch_decode(decode_kernel, heads, kv_he
                                                      window, softcap, shuffle):
     q, cache, md = _decode_case(0, torch.float32, 5, heads, kv_heads, head_dim, block_size, max_len, shuffle)
     attn = TorchAttention(heads, kv_heads, head_dim, head_dim ** -0.5, window, softcap)
+    TorchAttention.metadata_builder([attn], cache.shape[3], CPU).build(md)  # its window's decode mask
     expected = attn._decode(q, cache, md)
     got = decode_kernel(q, cache, md.decode_block_table, md.decode_seq_lens, attn.scale, softcap or 0.0, window or 0)
     torch.testing.assert_close(got, expected, atol=2e-6, rtol=1e-5)
@@ -87,6 +89,7 @@ def test_paged_decode_kernel_in_half_precision_is_float32_attention_rounded(deco
     rounding."""
     q, cache, md = _decode_case(1, dtype, 6, 8, 2, head_dim, 16, 120, True)
     attn = TorchAttention(8, 2, head_dim, head_dim ** -0.5, 40, None)
+    TorchAttention.metadata_builder([attn], cache.shape[3], CPU).build(md)  # its window's decode mask
     expected = attn._decode(q.float(), cache.float(), md)
     got = decode_kernel(q, cache, md.decode_block_table, md.decode_seq_lens, attn.scale, 0.0, 40)
     assert got.dtype == dtype
@@ -103,8 +106,8 @@ def test_torch_attention_decodes_through_the_kernel_it_was_given(decode_kernel):
     plain = TorchAttention(8, 4, 32, 32 ** -0.5)
     fast = TorchAttention(8, 4, 32, 32 ** -0.5)
     fast.decode_kernel = decode_kernel
-    expected = plain(q, k, v, cache.clone(), md)
-    torch.testing.assert_close(fast(q, k, v, cache.clone(), md), expected, atol=2e-6, rtol=1e-5)
+    expected = attend(plain, q, k, v, cache.clone(), md)
+    torch.testing.assert_close(attend(fast, q, k, v, cache.clone(), md), expected, atol=2e-6, rtol=1e-5)
 
 
 def test_paged_decode_kernel_refuses_mismatched_inputs(decode_kernel):

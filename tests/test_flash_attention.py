@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from hf_ref import check_logprobs_close, engine_result
-from triton_attention_cases import TOLERANCE, Case, build, step_metadata
+from triton_attention_cases import TOLERANCE, Case, attend, build, step_metadata
 
 from llmd import LLM, SamplingParams
 from llmd.gpu.layers import attention_backends
@@ -95,9 +95,8 @@ def compare(case: Case, device: torch.device) -> tuple[float, float]:
     md.prefills = [(s, n, c, ids.to(device)) for s, n, c, ids in md.prefills]
     args = (case.heads, case.kv_heads, case.head_dim, case.head_dim ** -0.5, case.sliding_window, case.softcap)
     ref_cache = kv_cache.clone()
-    ref = TorchAttention(*args)(q, k, v, ref_cache, md)
-    md.flash_rows = None
-    out = FlashAttention(*args)(q, k, v, kv_cache, md)
+    ref = attend(TorchAttention(*args), q, k, v, ref_cache, md)
+    out = attend(FlashAttention(*args), q, k, v, kv_cache, md)
     return (out.float() - ref.float()).abs().max().item(), (kv_cache.float() - ref_cache.float()).abs().max().item()
 
 
@@ -112,19 +111,21 @@ def test_flash_backend_matches_the_torch_reference(fake_flash, name: str) -> Non
 
 
 def test_step_arguments_are_built_once_and_in_token_order(fake_flash) -> None:
-    from llmd.gpu.layers.flash_attention import _flash_rows
+    from llmd.gpu.layers.flash_attention import FlashMetadataBuilder, flash_rows
 
     gen = torch.Generator().manual_seed(0)
     md, _, _ = step_metadata((5, 300), ((256, 10), (0, 3)), BS, gen)
-    cu_q, cu_k, max_q, max_k, table = _flash_rows(md, BS, CPU)
+    FlashMetadataBuilder(BS, CPU).build(md)
+    cu_q, cu_k, max_q, max_k, table = md.flash_rows
     assert cu_q.tolist() == [0, 1, 2, 12, 15] and cu_k.tolist() == [0, 5, 305, 571, 574]
     assert (max_q, max_k) == (10, 512) and table.dtype == torch.int32 and table.shape == (4, 2)
     assert table[2].tolist() == md.prefills[0][3].tolist() and table[3, 0] == md.prefills[1][3][0]
-    assert _flash_rows(md, BS, CPU) is md.flash_rows  # later layers reuse the first layer's
-    md.flash_rows = None
+    built = md.flash_rows
+    FlashMetadataBuilder(BS, CPU).build(md)
+    assert md.flash_rows is built  # built once per step: a second build (a draft model's) keeps it
     md.prefills[1] = (11, *md.prefills[1][1:])  # a gap between rows: refused, never misread
     with pytest.raises(ValueError, match="token order"):
-        _flash_rows(md, BS, CPU)
+        flash_rows(md, BS, CPU)
 
 
 def runner_settings(**kw) -> RunnerSettings:
@@ -159,6 +160,7 @@ def test_model_runner_step_and_graph_path_match_torch(flash_on_cpu, model_dirs, 
             cache.copy_(torch.randn(cache.shape, generator=torch.Generator().manual_seed(i)))
         md.flash_rows = None
         with torch.inference_mode():
+            runner.attention_metadata.build(md)
             hidden[backend] = runner.model(ids, positions, runner.kv_caches, md)
             runner.init_decode_graphs(emulate=True)
             tables = [row[:-(-n // BS)] for row, n in zip(graph_md.decode_block_table.tolist(), graph_rows)]

@@ -155,6 +155,7 @@ def _model_step(model_dir: str, fused: bool, dtype: torch.dtype, backend: str = 
         cache.copy_(torch.randn(cache.shape, generator=fill))
     ids = torch.randint(runner.vocab_size, positions.shape, generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
+        runner.attention_metadata.build(md)
         hidden = runner.model(ids.to(DEVICE), positions, runner.kv_caches, md)
     modules = [m for m in runner.model.modules() if isinstance(getattr(m, "ops", None), LayerOps)]
     return hidden, torch.stack(runner.kv_caches), sorted({m.ops.fused for m in modules})

@@ -38,10 +38,11 @@ from hf_ref import check_logprobs_close, engine_result, hf_greedy
 from test_sliding_window import plain_attention
 from transformers import (Gemma2Config, Gemma3Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config,
                           Qwen2Config)
-from triton_attention_cases import CASES, build
+from triton_attention_cases import CASES, attend, build
 
 from llmd import LLM, SamplingParams
-from llmd.gpu.layers.attention import AttentionMetadata, TorchAttention, build_decode_mask, new_kv_cache
+from llmd.gpu.layers.attention import AttentionMetadata, TorchAttention, new_kv_cache
+from llmd.gpu.layers.attention_backends import metadata_builder
 from llmd.gpu.layers.norms import GemmaRMSNorm, RMSNorm
 from llmd.gpu.models.decoder import FLAT_ROPE
 from llmd.gpu.models.loader import load_hf_config, load_model
@@ -219,7 +220,7 @@ def test_torch_backend_soft_caps_as_a_plain_masked_softmax(case_name: str) -> No
     q, k, v, kv_cache, md = build(case)
     attn = TorchAttention(case.heads, case.kv_heads, case.head_dim, case.head_dim ** -0.5, case.sliding_window,
                           case.softcap)
-    out = attn(q, k, v, kv_cache, md)
+    out = attend(attn, q, k, v, kv_cache, md)
     ref = plain_attention(q, kv_cache, md, case.sliding_window, case.softcap)
     assert (out.double() - ref).abs().max().item() < 1e-5
     uncapped = plain_attention(q, kv_cache, md, case.sliding_window)
@@ -293,9 +294,9 @@ def paged_logits(model, tokens: torch.Tensor, pieces: list[tuple[int, int]]) -> 
         table = blocks[:(end + bs - 1) // bs]
         if end - start == 1:
             md = AttentionMetadata(slots, 1, table[None], torch.tensor([end]), [])
-            build_decode_mask(md, bs)
         else:
             md = AttentionMetadata(slots, 0, None, None, [(0, end - start, start, table)])
+        metadata_builder(model, bs, md.slot_mapping.device).build(md)
         with torch.no_grad():
             logits.append(model.compute_logits(model(tokens[start:end], pos, caches, md)))
     return logits

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from llmd.core.step_messages import CachedRequestData, NewRequestData, SchedulerOutput
-from llmd.gpu.layers.attention import GatherWorkspace
+from llmd.gpu.layers.attention import GatherWorkspace, MetadataBuilder, TorchMetadataBuilder
 from llmd.gpu.sample.metadata import SamplingMetadata
 from llmd.gpu.sample.sampler import Sampler
 from llmd.gpu.worker.input_batch import InputBatch
@@ -42,7 +42,7 @@ def test_decode_rows_follow_every_diff():
     decode rows equal those computed from the requests' own block lists, whatever rows
     the requests were given and however the table grew."""
     rng = random.Random(0)
-    batch = InputBatch(BS, CPU, GatherWorkspace(), decode_mask=True)
+    batch = InputBatch(BS, CPU, GatherWorkspace(), TorchMetadataBuilder(BS, True, set()))
     next_block, live, serial = 0, {}, 0
     for step in range(300):
         new, finished = [], []
@@ -134,7 +134,7 @@ def test_advanced_metadata_equals_a_fresh_build(seed):
     vocab = 50
     settings = RunnerSettings(block_size=BS, max_model_len=512, valid_vocab_size=vocab, eos_token_id=2, seed=0)
     sampling = SamplingStep(None, Sampler(seed=0), settings, None)
-    batch = InputBatch(BS, CPU, GatherWorkspace(), decode_mask=False)
+    batch = InputBatch(BS, CPU, GatherWorkspace(), MetadataBuilder())
     reqs = []
     built = reused = 0
     for step in range(40):
@@ -171,7 +171,7 @@ def test_a_step_sampled_elsewhere_is_not_counted_twice():
     step's): the rows are each two tokens further, and the metadata is rebuilt."""
     settings = RunnerSettings(block_size=BS, max_model_len=64, valid_vocab_size=20, eos_token_id=None, seed=0)
     sampling = SamplingStep(None, Sampler(seed=0), settings, None)
-    batch = InputBatch(BS, CPU, GatherWorkspace(), decode_mask=False)
+    batch = InputBatch(BS, CPU, GatherWorkspace(), MetadataBuilder())
     params = SamplingParams(temperature=0.5, frequency_penalty=1.0)
     batch.apply(SchedulerOutput([NewRequestData("a", [1, 2], [], params, [0], 0)],
                                 CachedRequestData([], [], []), {}, 0, []))

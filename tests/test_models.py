@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from llmd.gpu.layers.attention import AttentionMetadata, build_decode_mask, new_kv_cache
+from llmd.gpu.layers.attention import AttentionMetadata, new_kv_cache
+from llmd.gpu.layers.attention_backends import metadata_builder
 from llmd.gpu.models.loader import load_model
 
 BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -52,9 +53,9 @@ def test_logits_match_hf_through_the_paged_cache(name, tmp_path):
         table = blocks[:(end + bs - 1) // bs]
         if end - start == 1:
             md = AttentionMetadata(slots, 1, table[None], torch.tensor([end]), [])
-            build_decode_mask(md, bs)
         else:
             md = AttentionMetadata(slots, 0, None, None, [(0, end - start, start, table)])
+        metadata_builder(model, bs, md.slot_mapping.device).build(md)
         with torch.no_grad():
             return model.compute_logits(model(tokens[start:end], pos, caches, md))
 

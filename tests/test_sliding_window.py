@@ -24,7 +24,7 @@ import pytest
 import torch
 from hf_ref import check_logprobs_close, engine_result, hf_greedy
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
-from triton_attention_cases import CASES, Case, build
+from triton_attention_cases import CASES, Case, attend, build
 
 from llmd import LLM, SamplingParams
 from llmd.gpu.layers.attention import AttentionMetadata, TorchAttention
@@ -84,7 +84,7 @@ def test_torch_backend_matches_a_plain_masked_softmax(name: str) -> None:
     case = BACKEND_CASES[name]
     q, k, v, kv_cache, md = build(case)
     attn = TorchAttention(case.heads, case.kv_heads, case.head_dim, case.head_dim ** -0.5, case.sliding_window)
-    out = attn(q, k, v, kv_cache, md)
+    out = attend(attn, q, k, v, kv_cache, md)
     real = [i for i in range(q.shape[0]) if not len(case.decodes) <= i < md.num_decodes]  # not padding rows
     ref = plain_attention(q, kv_cache, md, case.sliding_window)
     assert (out[real].double() - ref[real]).abs().max().item() < 1e-5

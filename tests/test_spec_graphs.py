@@ -23,6 +23,7 @@ from llmd.core.spec_decode import SpecDecodeStats
 from llmd_tools.make_model import fixture_path
 from test_cuda_graphs import PROMPTS, TEXT, KVWatch, batch_invariant_linear, greedy, run_waves  # noqa: F401
 from test_spec_decode import OracleProposer
+from triton_attention_cases import attend
 from test_spec_draft_model import model, noisy_draft  # noqa: F401
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -49,14 +50,14 @@ def test_verify_rows_attend_as_the_prefill_row(window, softcap) -> None:
 
     def run(md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         kv = cache.clone()
-        return attention(q, k, v, kv, md), kv
+        return attend(attention, q, k, v, kv, md), kv
 
     as_prefill = AttentionMetadata(torch.tensor(slots), 1, None, None,
                                    [(1, n, cached, torch.tensor(blocks[:-(-(cached + n) // bs)]))])
-    set_decode_rows(as_prefill, [other], [other_len], bs, torch.device("cpu"))
+    set_decode_rows(as_prefill, [other], [other_len], torch.device("cpu"))
     as_decodes = AttentionMetadata(torch.tensor(slots), 1 + n, None, None, [])
     set_decode_rows(as_decodes, [other] + [blocks[:(p + bs) // bs] for p in positions],
-                    [other_len] + [p + 1 for p in positions], bs, torch.device("cpu"))
+                    [other_len] + [p + 1 for p in positions], torch.device("cpu"))
     (out_a, kv_a), (out_b, kv_b) = run(as_prefill), run(as_decodes)
     torch.testing.assert_close(out_b, out_a, rtol=1e-5, atol=1e-5)
     assert torch.equal(kv_a, kv_b)

@@ -148,6 +148,13 @@ def metadata_to(md: AttentionMetadata, device: torch.device) -> AttentionMetadat
                              decode_mask=move(md.decode_mask))
 
 
+def attend(layer, q, k, v, kv_cache, md, **kw):
+    """One attention layer's call on a step, its backend's metadata built first (as the
+    runner builds it before the forward)."""
+    type(layer).metadata_builder([layer], kv_cache.shape[3], q.device).build(md)
+    return layer(q, k, v, kv_cache, md, **kw)
+
+
 def build(case: Case, seed: int = 0):
     """(q, k, v, kv_cache, md) of one step. The cache holds random values everywhere:
     the requests' context, and stale data the kernels must not read."""
@@ -178,8 +185,8 @@ def run_case(case: Case) -> dict[str, float]:
     q, k, v, kv_cache, md = build(case)
     args = (case.heads, case.kv_heads, case.head_dim, case.head_dim ** -0.5, case.sliding_window, case.softcap)
     ref_cache = kv_cache.clone()
-    ref = TorchAttention(*args)(q, k, v, ref_cache, md)
-    out = TritonAttention(*args, decode_splits=case.decode_splits)(q, k, v, kv_cache, md)
+    ref = attend(TorchAttention(*args), q, k, v, ref_cache, md)
+    out = attend(TritonAttention(*args, decode_splits=case.decode_splits), q, k, v, kv_cache, md)
     return {"out_err": (out.float() - ref.float()).abs().max().item(),
             "cache_err": (kv_cache.float() - ref_cache.float()).abs().max().item(),
             "tol": TOLERANCE[case.dtype]}
@@ -210,6 +217,7 @@ def run_model(model_dir: str, tol: float = 1e-4) -> dict[str, float]:
             cache.copy_(torch.randn(cache.shape, generator=fill))
         ids = torch.randint(runner.vocab_size, positions.shape, generator=torch.Generator().manual_seed(3))
         with torch.inference_mode():
+            runner.attention_metadata.build(md)
             hidden[backend] = runner.model(ids.to(DEVICE), positions, runner.kv_caches, md)
         caches[backend] = torch.stack(runner.kv_caches)
     return {"out_err": (hidden["triton"] - hidden["torch"]).abs().max().item(),
@@ -242,6 +250,7 @@ def run_model_graph(model_dir: str, tol: float = 1e-4) -> dict[str, float]:
             cache.copy_(torch.randn(cache.shape, generator=fill))
         with torch.inference_mode():
             if backend == "torch":
+                runner.attention_metadata.build(md)
                 hidden[backend] = runner.model(ids, positions, runner.kv_caches, md)
             else:
                 runner.init_decode_graphs(emulate=DEVICE.type != "cuda")

@@ -171,7 +171,8 @@ def layer_case(batch: int, context: int, device: torch.device) -> tuple[dict[str
     md = AttentionMetadata(slot_mapping=torch.tensor([t[last // BLOCK_SIZE] * BLOCK_SIZE + last % BLOCK_SIZE
                                                       for t in tables], device=device),
                            num_decodes=batch, decode_block_table=None, decode_seq_lens=None, prefills=[])
-    set_decode_rows(md, tables, [context] * batch, BLOCK_SIZE, device, mask=False)
+    set_decode_rows(md, tables, [context] * batch, device)
+    layers["unfused"].self_attn.attn.metadata_builder([], BLOCK_SIZE, device).build(md)
     cache = new_kv_cache(batch * per_row, BLOCK_SIZE, KV_HEADS, HEAD_DIM, DTYPE, device)
     cos, sin = RotaryEmbedding(config, HEAD_DIM, config.max_position_embeddings).to(device).cos_sin(
         torch.full((batch,), last, device=device), DTYPE)

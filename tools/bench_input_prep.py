@@ -19,7 +19,7 @@ import time
 import torch
 
 from llmd.core.step_messages import CachedRequestData, NewRequestData, SchedulerOutput
-from llmd.gpu.layers.attention import GatherWorkspace
+from llmd.gpu.layers.attention import GatherWorkspace, MetadataBuilder, TorchMetadataBuilder
 from llmd.gpu.sample.sampler import Sampler
 from llmd.gpu.worker.input_batch import InputBatch
 from llmd.gpu.worker.runner_types import RunnerSettings
@@ -52,7 +52,8 @@ def measure(num_reqs: int, context: int, steps: int, block_size: int, penalties:
     """Seconds of input preparation for each of `steps` steady decode steps."""
     # CPU: the C++ decode kernel reads no mask (where it cannot be built, the gather path
     # would need one: --mask measures that).
-    batch = InputBatch(block_size, device, GatherWorkspace(), decode_mask)
+    batch = InputBatch(block_size, device, GatherWorkspace(),
+                       TorchMetadataBuilder(block_size, True, set()) if decode_mask else MetadataBuilder())
     settings = RunnerSettings(block_size=block_size, max_model_len=context + steps + block_size,
                               valid_vocab_size=VOCAB, eos_token_id=None, seed=0)
     sampling = SamplingStep(None, Sampler(seed=0), settings, None)

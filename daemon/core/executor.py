@@ -5,7 +5,7 @@ step, whose `output()` is the step's RunnerOutput. Two exist,
 both in daemon/gpu (they hold torch): `InProcessExecutor` calls the model runner in this
 process (offline engine, tests, debugging); `MultiprocExecutor` drives one worker
 process per device (tensor parallelism; the daemon's default). `make_executor` picks
-one from the engine settings (gpu/worker/executors.py); the engine sees only the `Executor`
+one from the engine settings (gpu/worker/executor_factory.py); the engine sees only the `Executor`
 protocol. This module imports no torch, so the scheduler side can catch ExecutorError
 without it."""
 from __future__ import annotations

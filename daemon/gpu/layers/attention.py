@@ -44,15 +44,47 @@ class AttentionMetadata:
     # Prefill rows, one entry each: (start in the flattened tokens, new tokens,
     # tokens already in the cache, block ids tensor covering the whole context).
     prefills: list[tuple[int, int, int, torch.Tensor]]
-    decode_mask: torch.Tensor | None = None  # [1, num_decodes, 1, L] float additive, once per step
-    # The torch backend's decode masks of sliding-window layers, by window, built by the
-    # step's first layer with that window (decode_mask with the keys before it masked too).
-    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     workspace: GatherWorkspace | None = None
-    # Kernel backends' device copy of `prefills`, built by the step's first layer.
+    # What a backend derives for all its layers, filled in before the forward by its
+    # MetadataBuilder (a layer only reads them):
+    # the torch backend's decode mask, [1, num_decodes, 1, L] float additive, and those of
+    # its sliding-window layers, by window (the keys before the window masked too);
+    decode_mask: torch.Tensor | None = None
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    # the Triton backend's device copy of `prefills`;
     prefill_rows: tuple[torch.Tensor, torch.Tensor, int] | None = None
-    # The flash-attn backend's arguments for the whole step, built by its first layer.
+    # the flash-attn backend's arguments for the whole step.
     flash_rows: tuple | None = None
+
+
+class MetadataBuilder:
+    """What one attention backend derives from a step's AttentionMetadata for all its
+    layers, built once per step before the forward (inside a captured graph when the
+    forward is one: the runner's and the graphs' code call `build` right after making
+    the metadata). Building twice changes nothing (a draft model's forward over the
+    target's step builds what it needs beside the target's). This base derives nothing."""
+
+    def build(self, md: AttentionMetadata) -> None:
+        pass
+
+
+class TorchMetadataBuilder(MetadataBuilder):
+    """The decode mask (when some layer decodes through it, `decode_mask`) and one per
+    sliding window of those layers."""
+
+    def __init__(self, block_size: int, decode_mask: bool, windows: set[int]) -> None:
+        self.block_size = block_size
+        self.decode_mask = decode_mask
+        self.windows = sorted(windows)
+
+    def build(self, md: AttentionMetadata) -> None:
+        if not (self.decode_mask and md.num_decodes):
+            return
+        if md.decode_mask is None:
+            build_decode_mask(md, self.block_size)
+        for window in self.windows:
+            if window not in md.window_masks:  # a draft model's forward over the target's step adds its own
+                md.window_masks[window] = decode_window_mask(md, window)
 
 
 class GatherWorkspace:
@@ -113,24 +145,14 @@ def pad_tables(tables: list[list[int]]) -> np.ndarray:
 
 
 def set_decode_rows(md: AttentionMetadata, tables: np.ndarray | list[list[int]], seq_lens: np.ndarray | list[int],
-                    block_size: int, device: torch.device, mask: bool = True) -> None:
+                    device: torch.device) -> None:
     """The decode rows' block tables ([rows, blocks] int64, columns past a row's context
-    never read; or one list per row), context lengths and, with `mask` (the torch
-    backend reads it; the kernels do not), the additive mask."""
+    never read; or one list per row) and context lengths (what a backend derives from
+    them, its MetadataBuilder adds)."""
     if isinstance(tables, list):
         tables = pad_tables(tables)
     md.decode_block_table = torch.from_numpy(np.ascontiguousarray(tables, dtype=np.int64)).to(device)
     md.decode_seq_lens = torch.from_numpy(np.asarray(seq_lens, dtype=np.int64)).to(device)
-    if mask:
-        build_decode_mask(md, block_size)
-
-
-def reads_decode_mask(model: torch.nn.Module) -> bool:
-    """Whether some attention layer of `model` attends decode rows through
-    AttentionMetadata.decode_mask (a TorchAttention with no decode kernel), so a step's
-    metadata must carry it; otherwise building it would be wasted host and device work."""
-    return any(isinstance(getattr(m, "attn", None), TorchAttention) and m.attn.decode_kernel is None
-               for m in model.modules())
 
 
 def build_decode_mask(md: AttentionMetadata, block_size: int) -> None:
@@ -147,14 +169,10 @@ def decode_window_mask(md: AttentionMetadata, window: int) -> torch.Tensor:
     """The additive decode mask of a layer with sliding window `window`: the decode
     mask, and -inf on keys at or before seq_len - 1 - window (out of the window of the
     row's query, which sits at position seq_len - 1)."""
-    mask = md.window_masks.get(window)
-    if mask is None:
-        length = md.decode_mask.shape[-1]
-        positions = torch.arange(length, device=md.decode_seq_lens.device)
-        stale = positions[None, :] < (md.decode_seq_lens[:, None] - window)
-        mask = md.decode_mask.masked_fill(stale.view(1, md.num_decodes, 1, length), float("-inf"))
-        md.window_masks[window] = mask
-    return mask
+    length = md.decode_mask.shape[-1]
+    positions = torch.arange(length, device=md.decode_seq_lens.device)
+    stale = positions[None, :] < (md.decode_seq_lens[:, None] - window)
+    return md.decode_mask.masked_fill(stale.view(1, md.num_decodes, 1, length), float("-inf"))
 
 
 def causal_mask(q_start: int, q_end: int, k_start: int, k_end: int, window: int | None,
@@ -210,6 +228,11 @@ class AttentionLayer:
         self.sliding_window = sliding_window
         self.softcap = softcap
 
+    @staticmethod
+    def metadata_builder(layers: list[AttentionLayer], block_size: int, device: torch.device) -> MetadataBuilder:
+        """The builder of a model whose attention layers are `layers` (all of this class)."""
+        return MetadataBuilder()
+
 
 class TorchAttention(AttentionLayer):
     """Reference paged attention in PyTorch (SDPA). With `decode_kernel` set (on CPU the
@@ -218,6 +241,14 @@ class TorchAttention(AttentionLayer):
     soft-cap, GQA), softmax and sums in float32."""
 
     decode_kernel: Callable[..., torch.Tensor] | None = None
+
+    @staticmethod
+    def metadata_builder(layers: list[TorchAttention], block_size: int, device: torch.device) -> MetadataBuilder:
+        """The builder of a model whose attention layers are `layers`: masks for those
+        that decode through the gather and GEMMs (no decode kernel)."""
+        masked = [layer for layer in layers if layer.decode_kernel is None]
+        return TorchMetadataBuilder(block_size, bool(masked),
+                                    {layer.sliding_window for layer in masked if layer.sliding_window is not None})
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv_cache: torch.Tensor, md: AttentionMetadata, kv_written: bool = False) -> torch.Tensor:
@@ -299,9 +330,10 @@ class TorchAttention(AttentionLayer):
         scores = torch.bmm(query, keys.transpose(1, 2)).float().mul_(self.scale)
         if self.softcap is not None:
             soft_cap(scores, self.softcap)
-        if md.decode_mask is None:  # a model reads_decode_mask did not foresee: built here, once per step
-            build_decode_mask(md, block_size)
-        mask = md.decode_mask if self.sliding_window is None else decode_window_mask(md, self.sliding_window)
+        mask = md.decode_mask if self.sliding_window is None else md.window_masks.get(self.sliding_window)
+        if mask is None:
+            raise RuntimeError("the step's attention metadata was not built (TorchMetadataBuilder.build) before the "
+                               "forward: no decode mask")
         scores = scores.view(kvh, n, group, length).add_(mask)
         probs = torch.softmax(scores, dim=-1).to(q.dtype).view(kvh * n, group, length)
         out = torch.bmm(probs, values)  # [KVH * B, G, D]

@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from llmd.gpu.layers.attention import TorchAttention
+from llmd.gpu.layers.attention import AttentionLayer, MetadataBuilder, TorchAttention
 
 logger = logging.getLogger("llmd.attention")
 
@@ -94,3 +94,15 @@ def make_attention(backend: str, num_heads: int, num_kv_heads: int, head_dim: in
     if backend == "torch":
         return TorchAttention(num_heads, num_kv_heads, head_dim, scale, sliding_window, softcap)
     raise ValueError(f"unknown attention backend {backend!r} (resolve the setting first)")
+
+
+def metadata_builder(model: torch.nn.Module, block_size: int, device: torch.device) -> MetadataBuilder:
+    """The MetadataBuilder of `model`'s attention backend (its layers are all of one,
+    as make_attention built them), for steps over a cache of `block_size`-token blocks
+    on `device`. Made after the model is loaded: on CPU the loader's decode kernel
+    changes what the torch backend needs."""
+    layers = [m.attn for m in model.modules() if isinstance(getattr(m, "attn", None), AttentionLayer)]
+    kinds = {type(layer) for layer in layers}
+    if len(kinds) != 1:
+        raise ValueError(f"a model attends with one backend, not {sorted(k.__name__ for k in kinds)}")
+    return kinds.pop().metadata_builder(layers, block_size, device)

@@ -19,9 +19,10 @@ a multiple of 8 up to 256, and a block size that is a multiple of 256 (upstream
 flash-attn's paged kernels read whole 256-token pages; vLLM's fork lowers that, which
 upstream has not).
 
-Everything the call needs is built once per step, by the first layer, from shapes and
-device tensors (no host sync), and kept on the metadata: a captured decode graph
-(cuda_graphs) replays it with its static buffers.
+Everything the call needs is built once per step before the forward, by
+FlashMetadataBuilder, from shapes and device tensors (no host sync), and kept on the
+metadata; a decode graph (cuda_graphs) captures the build with the forward and replays
+both with its static buffers.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from llmd.gpu.layers.attention import AttentionLayer, AttentionMetadata, write_kv
+from llmd.gpu.layers.attention import AttentionLayer, AttentionMetadata, MetadataBuilder, write_kv
 
 FLASH_PAGE_MULTIPLE = 256
 
@@ -42,14 +43,12 @@ def flash_varlen():
     return flash_attn_varlen_func
 
 
-def _flash_rows(md: AttentionMetadata, block_size: int, device: torch.device) -> tuple:
+def flash_rows(md: AttentionMetadata, block_size: int, device: torch.device) -> tuple:
     """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table) of the step.
 
     Rows are the decode rows (one query each) then the prefill rows, in token order. The
     decode rows' lengths stay on the device; max_seqlen_k, which only sizes the launch,
     is the decode table's width in tokens (an upper bound known from its shape)."""
-    if md.flash_rows is not None:
-        return md.flash_rows
     n = md.num_decodes
     offsets = list(range(n + 1))  # cu_seqlens_q: decode rows hold one query each
     for start, num_new, _, _ in md.prefills:
@@ -79,12 +78,26 @@ def _flash_rows(md: AttentionMetadata, block_size: int, device: torch.device) ->
         for i, (_, _, _, ids) in enumerate(md.prefills):
             table[n + i, :ids.numel()] = ids
     cu_k = F.pad(torch.cumsum(seq_lens, 0, dtype=torch.int32), (1, 0))
-    md.flash_rows = (cu_q, cu_k, max_q, max_k, table)
-    return md.flash_rows
+    return cu_q, cu_k, max_q, max_k, table
+
+
+class FlashMetadataBuilder(MetadataBuilder):
+    """The step's varlen arguments (flash_rows), once per step for every layer."""
+
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        self.block_size, self.device = block_size, device
+
+    def build(self, md: AttentionMetadata) -> None:
+        if md.flash_rows is None:
+            md.flash_rows = flash_rows(md, self.block_size, self.device)
 
 
 class FlashAttention(AttentionLayer):
     """Paged attention through flash-attn's varlen kernel; the contract of TorchAttention."""
+
+    @staticmethod
+    def metadata_builder(layers: list[AttentionLayer], block_size: int, device: torch.device) -> MetadataBuilder:
+        return FlashMetadataBuilder(block_size, device)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None, softcap: float | None = None) -> None:
@@ -108,12 +121,14 @@ class FlashAttention(AttentionLayer):
                  kv_cache: torch.Tensor, md: AttentionMetadata, kv_written: bool = False) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D], or None with kv_written (the caller's fused
         kernel, fused_ops, already wrote them at md.slot_mapping). Returns [T, H, D]."""
-        block_size = kv_cache.shape[3]
         if not kv_written:
             write_kv(kv_cache, k, v, md.slot_mapping)
         if q.shape[0] == 0:
             return torch.empty_like(q)
-        cu_q, cu_k, max_q, max_k, table = _flash_rows(md, block_size, q.device)
+        if md.flash_rows is None:
+            raise RuntimeError("the step's attention metadata was not built (FlashMetadataBuilder.build) before "
+                               "the forward: no flash rows")
+        cu_q, cu_k, max_q, max_k, table = md.flash_rows
         if q.stride(-1) != 1:
             q = q.contiguous()
         # [blocks, block_size, kv_heads, D] views of the head-major cache.

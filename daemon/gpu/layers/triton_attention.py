@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmd.gpu.layers.attention import AttentionLayer, AttentionMetadata
+from llmd.gpu.layers.attention import AttentionLayer, AttentionMetadata, MetadataBuilder
 
 # Whether the kernels below run in Triton's interpreter. Decided when they were
 # decorated (this module's import), from TRITON_INTERPRET.
@@ -244,20 +244,29 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _prefill_rows(md: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """md.prefills as kernel inputs, built by the first layer of the step and kept on md:
-    ([P, 4] int32 rows, every row's block ids in one tensor, most new tokens of a row)."""
-    if md.prefill_rows is None:
-        rows: list[int] = []
-        tables: list[torch.Tensor] = []
-        offset = 0
-        for start, num_new, num_cached, block_ids in md.prefills:
-            rows += [start, num_new, num_cached, offset]
-            tables.append(block_ids)
-            offset += block_ids.numel()
-        md.prefill_rows = (torch.tensor(rows, dtype=torch.int32).to(device), torch.cat(tables).to(device),
-                           max(n for _, n, _, _ in md.prefills))
-    return md.prefill_rows
+def prefill_rows(md: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """md.prefills as kernel inputs: ([P, 4] int32 rows, every row's block ids in one
+    tensor, most new tokens of a row)."""
+    rows: list[int] = []
+    tables: list[torch.Tensor] = []
+    offset = 0
+    for start, num_new, num_cached, block_ids in md.prefills:
+        rows += [start, num_new, num_cached, offset]
+        tables.append(block_ids)
+        offset += block_ids.numel()
+    return (torch.tensor(rows, dtype=torch.int32).to(device), torch.cat(tables).to(device),
+            max(n for _, n, _, _ in md.prefills))
+
+
+class TritonMetadataBuilder(MetadataBuilder):
+    """The prefill rows' kernel inputs, once per step for every layer."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def build(self, md: AttentionMetadata) -> None:
+        if md.prefills and md.prefill_rows is None:
+            md.prefill_rows = prefill_rows(md, self.device)
 
 
 class TritonAttention(AttentionLayer):
@@ -267,6 +276,11 @@ class TritonAttention(AttentionLayer):
     logit soft-cap (None: none). decode_splits: how many slices a decode row's context
     is cut into (flash-decoding); None picks by the GPU's size and the step's shape (1
     off CUDA)."""
+
+    @staticmethod
+    def metadata_builder(layers: list[AttentionLayer], block_size: int, device: torch.device) -> MetadataBuilder:
+        return TritonMetadataBuilder(device)
+
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None, softcap: float | None = None,
@@ -317,7 +331,10 @@ class TritonAttention(AttentionLayer):
         if md.num_decodes:
             self._decode(q, out, cache_args, strides, scale_log2, window, cap_log2, md, shared)
         if md.prefills:
-            rows, tables, max_new = _prefill_rows(md, q.device)
+            if md.prefill_rows is None:
+                raise RuntimeError("the step's attention metadata was not built (TritonMetadataBuilder.build) "
+                                   "before the forward: no prefill rows")
+            rows, tables, max_new = md.prefill_rows
             grid = (len(md.prefills), triton.cdiv(max_new, self.block_q), kvh)
             _prefill[grid](q, out, *cache_args, rows, tables, *strides, scale_log2, window, cap_log2,
                            G=self.group, BLOCK_Q=self.block_q, BLOCK_M=self.prefill_block_m, **shared)

@@ -43,7 +43,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from llmd.gpu.layers.attention import AttentionMetadata, GatherWorkspace, build_decode_mask, pad_tables
+from llmd.gpu.layers.attention import AttentionMetadata, GatherWorkspace, MetadataBuilder, pad_tables
 from llmd.gpu.sample.graph_sampler import GREEDY, PENALIZED, SAMPLE, WORDS_PER_ROW, GraphSampler, RowParams, tail_fits
 from llmd.gpu.worker.graph_sampling_plan import GraphSamplingPlan
 
@@ -64,7 +64,7 @@ class DecodeGraphs:
     over `kv_caches` (whose last block, `scratch_block`, is the padded rows')."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], sizes: list[int], block_size: int,
-                 max_model_len: int, scratch_block: int, attention_backend: str, device: torch.device,
+                 max_model_len: int, scratch_block: int, metadata: MetadataBuilder, device: torch.device,
                  workspace: GatherWorkspace | None = None, emulate: bool = False,
                  sampling: GraphSampler | None = None) -> None:
         if not sizes:
@@ -79,8 +79,7 @@ class DecodeGraphs:
         self.device = device
         self.workspace = workspace
         self.emulate = emulate
-        # The torch backend builds its decode mask from the table; the kernels need none.
-        self.needs_mask = attention_backend == "torch"
+        self.metadata = metadata  # the backend's builder: in the captured forward, before the model
         self.sampling = sampling  # None: the graphs end at the hidden states
         self.penalties_off = False  # set when the penalty tables found no room
         numel = self.max_batch * (4 + self.width + (WORDS_PER_ROW if sampling is not None else 0))
@@ -155,8 +154,7 @@ class DecodeGraphs:
         ids, positions, slots, seq_lens, table = self._views(b)
         md = AttentionMetadata(slot_mapping=slots, num_decodes=b, decode_block_table=table, decode_seq_lens=seq_lens,
                                prefills=[], workspace=self.workspace)
-        if self.needs_mask:
-            build_decode_mask(md, self.block_size)
+        self.metadata.build(md)
         return self.model(ids, positions, self.kv_caches, md)
 
     def _tail(self, b: int, variant: str, params: RowParams | None = None, out: torch.Tensor | None = None) -> None:

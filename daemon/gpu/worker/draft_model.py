@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from llmd.gpu.layers.attention import (AttentionMetadata, GatherWorkspace, model_kv_bytes_per_block,
                                        new_model_kv_caches, set_decode_rows)
+from llmd.gpu.layers.attention_backends import metadata_builder
 from llmd.gpu.worker.cuda_graphs import DecodeGraphs, build_decode_graphs
 from llmd.gpu.worker.input_batch import InputBatch
 from llmd.gpu.models.loader import load_model
@@ -69,6 +70,7 @@ class DraftModel:
         self.attention_backend = attention_backend
         self.model = load_model(settings.draft_model, dtype, device, settings.max_model_len,
                                 attention_backend=attention_backend)
+        self.attention_metadata = metadata_builder(self.model, settings.block_size, device)
         self.sampler = sampler
         self.workspace = workspace
         self.kv_caches: list[torch.Tensor] = []
@@ -97,7 +99,7 @@ class DraftModel:
 
         def make() -> DecodeGraphs:
             return DecodeGraphs(self.model, self.kv_caches, sizes, self.settings.block_size,
-                                self.settings.max_model_len, self.scratch_block, self.attention_backend,
+                                self.settings.max_model_len, self.scratch_block, self.attention_metadata,
                                 self.device, self.workspace, emulate=emulate)
 
         self.decode_graphs = make() if emulate else build_decode_graphs(make, self.device)
@@ -114,6 +116,7 @@ class DraftModel:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> None:
         """The target's forward over the step's tokens: fills the draft's cache."""
+        self.attention_metadata.build(md)
         self.model(input_ids, positions, self.kv_caches, md)
 
     def forward_decode_rows(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
@@ -133,7 +136,8 @@ class DraftModel:
         md = AttentionMetadata(slot_mapping=torch.from_numpy(slots).to(dev),
                                num_decodes=len(input_ids), decode_block_table=None, decode_seq_lens=None,
                                prefills=[], workspace=self.workspace)
-        set_decode_rows(md, tables, seq_lens, self.settings.block_size, dev, mask=self.attention_backend == "torch")
+        set_decode_rows(md, tables, seq_lens, dev)
+        self.attention_metadata.build(md)
         return self.model(ids, torch.from_numpy(positions).to(dev), self.kv_caches, md)
 
     def take_probs(self, req_ids: list[str], drafts: list[list[int]], tails: list[int | None],

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from llmd.gpu.layers.attention import AttentionMetadata, GatherWorkspace, set_decode_rows
+from llmd.gpu.layers.attention import AttentionMetadata, GatherWorkspace, MetadataBuilder, set_decode_rows
 from llmd.gpu.worker.cuda_graphs import DecodeGraphs
 from llmd.gpu.worker.runner_types import StepHandle, RunnerRequest
 from llmd.core.step_messages import SchedulerOutput
@@ -130,13 +130,13 @@ class InputBatch:
     blocks."""
 
     def __init__(self, block_size: int, device: torch.device, workspace: GatherWorkspace,
-                 decode_mask: bool) -> None:
-        """`decode_mask`: the model's attention reads the decode rows' additive mask
-        (attention.reads_decode_mask)."""
+                 metadata: MetadataBuilder) -> None:
+        """`metadata`: the model's attention backend's builder, run on each step's
+        metadata once it is made."""
         self.block_size = block_size
         self.device = device
         self.workspace = workspace
-        self.decode_mask = decode_mask
+        self.metadata = metadata
         self.requests: dict[str, RunnerRequest] = {}
         self.block_table = np.zeros((8, 16), dtype=np.int64)  # [row, block index] -> block id
         self.num_blocks = np.zeros(8, dtype=np.int64)  # per row: blocks the request holds
@@ -272,5 +272,6 @@ class InputBatch:
                                num_decodes=rows.num_decode_rows, decode_block_table=None, decode_seq_lens=None,
                                prefills=prefill_meta, workspace=self.workspace)
         if rows.num_decode_rows:
-            set_decode_rows(md, rows.tables, rows.seq_lens, bs, dev, mask=self.decode_mask)
+            set_decode_rows(md, rows.tables, rows.seq_lens, dev)
+        self.metadata.build(md)
         return ids_t, pos_t, md

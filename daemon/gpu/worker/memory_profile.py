@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from llmd.gpu.layers.attention import AttentionMetadata, GatherWorkspace, new_model_kv_caches
+from llmd.gpu.layers.attention_backends import metadata_builder
 from llmd.gpu.sample.graph_sampler import tail_pool_bytes
 from llmd.gpu.worker.kv_budget import MemoryBreakdown, kv_cache_budget
 from llmd.gpu.worker.runner_types import RunnerSettings
@@ -120,6 +121,7 @@ def _peak_activation_bytes(subject: ProfileSubject, step: _LargestStep, draft: t
     try:
         kv_caches = new_model_kv_caches(model, int(step.first_block[-1]), settings.block_size, subject.dtype, dev)
         md = step.attention_metadata(settings.block_size, dev)
+        metadata_builder(model, settings.block_size, dev).build(md)
         ids = torch.zeros(total, dtype=torch.int64, device=dev)
         positions = torch.from_numpy(np.concatenate([np.arange(n, dtype=np.int64) for n in step.seq_lens])).to(dev)
         rows = torch.from_numpy(step.sample_rows).to(dev)

@@ -17,9 +17,8 @@ import logging
 
 import torch
 
-from llmd.gpu.layers.attention import (GatherWorkspace, model_kv_bytes_per_block, new_model_kv_caches,
-                                       reads_decode_mask)
-from llmd.gpu.layers.attention_backends import resolve_attention_backend
+from llmd.gpu.layers.attention import GatherWorkspace, model_kv_bytes_per_block, new_model_kv_caches
+from llmd.gpu.layers.attention_backends import metadata_builder, resolve_attention_backend
 from llmd.gpu.worker.cuda_graphs import DecodeGraphs, build_decode_graphs, capture_sizes
 from llmd.gpu.worker.draft_model import DraftModel
 from llmd.gpu.sample.graph_sampler import PENALIZED, GraphSampler, graph_sampling_enabled
@@ -74,7 +73,8 @@ class ModelRunner:
         self._last: StepHandle | None = None  # the last step launched (its tokens may be pending)
         self.kv_caches: list[torch.Tensor] = []
         self.workspace = GatherWorkspace()
-        self.batch = InputBatch(self.block_size, device, self.workspace, reads_decode_mask(self.model))
+        self.attention_metadata = metadata_builder(self.model, self.block_size, device)
+        self.batch = InputBatch(self.block_size, device, self.workspace, self.attention_metadata)
         self.drafter: DraftModel | None = None
         if settings.draft_model:
             if world_size > 1:
@@ -149,7 +149,7 @@ class ModelRunner:
 
         def make() -> DecodeGraphs:
             return DecodeGraphs(self.model, self.kv_caches, sizes, self.block_size, self.settings.max_model_len,
-                                self.scratch_block, self.attention_backend, self.device, self.workspace,
+                                self.scratch_block, self.attention_metadata, self.device, self.workspace,
                                 emulate=emulate, sampling=self._graph_sampler(max(sizes)))
 
         self.decode_graphs = make() if emulate else build_decode_graphs(make, self.device)

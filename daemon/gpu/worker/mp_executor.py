@@ -40,7 +40,7 @@ from llmd.gpu.worker.kv_budget import MemoryBreakdown
 from llmd.gpu.worker.runner_types import RunnerSettings
 from llmd.load_progress import LoadCancelled
 from llmd.gpu.worker.process import (Execute, Flush, FromWorker, GrammarRows, InitKVCache, KVBudget, KVReady,
-                                     ProfileKV, Shutdown, StepResult, WorkerFailed, WorkerInit, WorkerReady)
+                                     ProfileKV, Shutdown, StepReply, WorkerFailed, WorkerInit, WorkerReady)
 from llmd.core.step_messages import RunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("llmd.executor")
@@ -295,7 +295,7 @@ class MultiprocExecutor:
                 step.flushed = True
                 self._send(0, self._encoder.encode(Flush()))  # rank 0 alone replies
             reply = self._recv_step(sum(s.num_tokens for s in self._unread))
-            if not isinstance(reply, StepResult):
+            if not isinstance(reply, StepReply):
                 raise WorkerError(f"worker 0 sent {type(reply).__name__} instead of a step result")
             self._unread.popleft().result = reply.output
 

@@ -86,14 +86,17 @@ class KVReady(msgspec.Struct, tag="kv_ready"):
     pass
 
 
-class StepResult(msgspec.Struct, tag="result"):
+class StepReply(msgspec.Struct, tag="result"):
+    """Rank 0's answer to one Execute: the step's RunnerOutput, in step order (what the
+    engine then makes of it is core.engine_core.StepResult)."""
+
     output: RunnerOutput
 
 
 
 
 ToWorker = ProfileKV | InitKVCache | Execute | Flush | GrammarRows | Shutdown
-FromWorker = WorkerReady | WorkerFailed | KVBudget | KVReady | StepResult
+FromWorker = WorkerReady | WorkerFailed | KVBudget | KVReady | StepReply
 
 
 def _die_with_parent() -> None:
@@ -164,7 +167,7 @@ def worker_main(conn) -> None:
 
 def _serve(conn, init: WorkerInit, runner, encoder, decoder) -> None:
     """Answer the parent's messages until Shutdown or EOF. Steps: each Execute launches
-    one (ModelRunner.execute_model) and rank 0 sends one StepResult per step, in order:
+    one (ModelRunner.execute_model) and rank 0 sends one StepReply per step, in order:
     a complete step's at once, a pending one's (its tokens still on the device) after
     the next step launched or when a Flush asks for it."""
     held = None  # rank 0: the last step's handle, its output not yet sent
@@ -185,13 +188,13 @@ def _serve(conn, init: WorkerInit, runner, encoder, decoder) -> None:
                 step.wait_grammar_bitmask()  # read if sampling did not: the next message is not the rows
                 if init.rank == 0:
                     if held is not None:  # the step before: its tokens were read on the device
-                        replies.append(StepResult(held.output()))
+                        replies.append(StepReply(held.output()))
                     held = handle if handle.pending else None
                     if not handle.pending:
-                        replies.append(StepResult(handle.output()))
+                        replies.append(StepReply(handle.output()))
             elif isinstance(message, Flush):
                 if held is not None:
-                    replies.append(StepResult(held.output()))
+                    replies.append(StepReply(held.output()))
                     held = None
             else:
                 replies.append(_handle(message, runner))
