@@ -64,6 +64,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # between ranks). Fewer than the cores leaves room for other work: with OpenMP,
     # threads competing with other busy processes make every op wait a time slice.
     cpu_threads: int | None = None
+    # GGUF on CPU: dequantize every weight at load instead of keeping the quantized types
+    # llmd runs packed (gguf_quant) packed.
+    dequantize: bool = False
     speculative_config: SpeculativeConfig | None = None
     seed: int = 0
     max_logprobs: int = 20
@@ -156,6 +159,7 @@ SETTING_HELP: dict[str, str] = {
     "async_scheduling": "Schedule the next step while the model runs this one.",
     "attention_backend": "Paged attention kernels; auto: flash-attn or Triton on CUDA, PyTorch on CPU.",
     "cpu_threads": "CPU: torch threads for the model per rank (default: all cores).",
+    "dequantize": "GGUF: dequantize every weight at load instead of running Q4_0/Q4_1/Q8_0 packed (more memory).",
     "speculative_config": "Speculative decoding as JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'.",
     "seed": "Seed of the engine's random generator (a request's own seed overrides it).",
     "max_logprobs": "Largest number of logprobs a request may ask for (1..20).",

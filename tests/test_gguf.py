@@ -184,12 +184,13 @@ def test_gguf_rope_scaling_metadata(hf_dirs, tmp_path):
 
 
 def test_tp2_shards_after_dequantizing(ggufs):
-    """TP=2 over a GGUF: each rank dequantizes whole tensors and keeps its shard; greedy
-    tokens equal TP=1, logprobs within 1e-4."""
+    """TP=2 over a GGUF: each rank dequantizes whole tensors and keeps its shard (packed
+    weights are one rank's only); greedy tokens equal TP=1 dequantized, logprobs within
+    1e-4."""
     path = ggufs("llama", T.Q8_0)
     _, tokenizer = hf_model(path)
     prompts = [tokenizer(t).input_ids for t in TEXTS[:2]]
-    ref = LLM(model=path, **SETTINGS).generate(prompts, GREEDY)
+    ref = LLM(model=path, dequantize=True, **SETTINGS).generate(prompts, GREEDY)
     tp = LLM(model=path, tensor_parallel_size=2, **SETTINGS)
     try:
         got = tp.generate(prompts, GREEDY)

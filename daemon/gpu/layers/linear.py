@@ -21,6 +21,11 @@ fused parameter a q, k, v, gate or up projection goes. So the model's loader
 A source is anything sliced like a tensor: a torch tensor, or a safetensors slice (only
 the piece a rank takes is read from disk). A layer's matmul is `kernel` (None: F.linear);
 on CPU cpu_linear sets oneDNN's packed one.
+
+A layer may instead keep its weight quantized (`use_packed`, before the weights are
+loaded: the GGUF loader's plan): `weight` is then the packed rows, uint8 [rows, row
+bytes] (gguf_quant), `quant` names the format, and the rows of a checkpoint's packed
+tensor are copied in as they are (a fused projection's parts must share the format).
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 import torch.nn.functional as F
 
+from llmd.gpu.layers.gguf_quant import dequantize, row_bytes
 from llmd.gpu.layers.tp import TPShape
 
 Shard = Any  # a shard id: "q" / "k" / "v", 0 / 1 (gate / up), an expert index or (expert, part)
@@ -64,13 +70,22 @@ def copy_checked(target: torch.Tensor, tensor: torch.Tensor) -> None:
 class WeightLoading:
     """What every weight-bearing layer offers the loader: `load(name, param, source,
     shard)` copies its piece of `source` into `param` (its attribute `name`), and
-    `shards(name)` lists the pieces a checkpoint must supply ((None,): one, the whole)."""
+    `shards(name)` lists the pieces a checkpoint must supply ((None,): one, the whole).
+    `quant`: the format its weight is kept packed in (None: dense)."""
+
+    quant: str | None = None
 
     def load(self, name: str, param: nn.Parameter, source: Any, shard: Shard = None) -> None:
         copy_checked(param.data, read(source))
 
     def shards(self, name: str) -> Sequence[Shard]:
         return (None,)
+
+
+def packed_weight(rows: int, cols: int, quant: str, device: torch.device) -> nn.Parameter:
+    """An empty packed weight of `rows` rows of `cols` weights in format `quant`."""
+    return nn.Parameter(torch.empty(rows, row_bytes(quant, cols), dtype=torch.uint8, device=device),
+                        requires_grad=False)
 
 
 def _rank_world(tp: TPShape | None) -> tuple[int, int]:
@@ -91,9 +106,16 @@ class LinearBase(WeightLoading, nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.kernel: Callable[[torch.Tensor], torch.Tensor] | None = None  # x -> x W^T (+ b unless reduce)
 
+    def use_packed(self, quant: str) -> None:
+        """Keep the weight packed in GGUF format `quant` (module doc); before loading."""
+        self.weight = packed_weight(self.out_features, self.in_features, quant, self.weight.device)
+        self.quant = quant
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
             out = self.kernel(x)
+        elif self.quant is not None:
+            raise RuntimeError(f"a linear layer packed as {self.quant} has no kernel (gguf_quant.attach_gguf_kernels)")
         else:
             out = F.linear(x, self.weight, None if self.reduce else self.bias)
         if self.reduce:
@@ -225,7 +247,15 @@ class VocabRows(WeightLoading, nn.Module):
         self.rank, self.world_size = _rank_world(tp)
         self.start, self.end = (0, vocab_size) if tp is None else (tp.vocab_start, tp.vocab_end)
         rows = vocab_size if tp is None else tp.vocab_per_rank
+        self.in_features = hidden_size
         self.weight = nn.Parameter(torch.empty(rows, hidden_size))
+
+    def use_packed(self, quant: str) -> None:
+        """Keep the table packed in GGUF format `quant` (module doc); before loading."""
+        if self.world_size > 1:
+            raise ValueError("a packed vocabulary table is not split across ranks")
+        self.weight = packed_weight(self.weight.shape[0], self.in_features, quant, self.weight.device)
+        self.quant = quant
 
     def load(self, name: str, param: nn.Parameter, source: Any, shard: Shard = None) -> None:
         if self.world_size == 1:
@@ -242,7 +272,13 @@ class VocabParallelEmbedding(VocabRows):
     """A rank looks up the ids in its range, zeros the others, and the all-reduce
     assembles the full rows (sums with zeros: exact)."""
 
+    # The compute dtype a packed table's rows are dequantized to (set with its kernels).
+    compute_dtype: torch.dtype = torch.float32
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            rows = self.weight.index_select(0, ids.reshape(-1))
+            return dequantize(rows, self.quant, self.in_features).to(self.compute_dtype).reshape(*ids.shape, -1)
         if self.world_size == 1:
             return F.embedding(ids, self.weight)
         outside = (ids < self.start) | (ids >= self.end)
@@ -264,6 +300,8 @@ class ParallelLMHead(VocabRows):
         self.kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.kernel is None and self.quant is not None:
+            raise RuntimeError(f"an LM head packed as {self.quant} has no kernel (gguf_quant.attach_gguf_kernels)")
         local = self.kernel(hidden) if self.kernel is not None else F.linear(hidden, self.weight)
         if self.world_size == 1:
             return local

@@ -142,8 +142,14 @@ class CausalLM(nn.Module):
         self.ops = ops  # the final norm's
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """With tied embeddings the LM head reads the embedding table (packed or not);
+        again after the parameters were materialized."""
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+            self.lm_head.quant = self.embed_tokens.quant
 
     def sparse_blocks(self) -> dict[int, SparseMoeBlock]:
         """Layer index -> its sparse block (none in a dense model)."""

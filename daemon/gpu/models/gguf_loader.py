@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from llmd.gpu.layers.gguf_quant import PackedSource
 from llmd.gpu.models.gguf_arch import ARCHITECTURES, BLOCK_TENSORS, GLOBAL_TENSORS, GGUFArchitecture
 from llmd.gpu.models.architectures import get_architecture
 
@@ -311,10 +312,20 @@ def unpermute_rotary_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf_weights(path: str | Path, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_tensor_types(path: str | Path) -> dict[str, str]:
+    """HF name -> GGUF type name (F32, Q4_1, ...) of every weight of the file."""
+    g = open_gguf(path)
+    spec = ARCHITECTURES[g.architecture]
+    return {hf: t.tensor_type.name for name, t in g.tensors.items()
+            if not _is_skipped(name) and (hf := hf_tensor_name(name, spec.block_tensors)) is not None}
+
+
+def iter_gguf_weights(path: str | Path, config: Any,
+                      packed: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor | PackedSource]]:
     """(HF name, float32 tensor) for every weight of the GGUF, dequantized one tensor at
     a time (with tensor parallelism each rank dequantizes the whole tensor and its layer
-    keeps its piece)."""
+    keeps its piece); a weight named in `packed` comes as its packed rows instead
+    (PackedSource: the model keeps it quantized), q and k rows unpermuted the same way."""
     from gguf.quants import dequantize
 
     g = open_gguf(path)
@@ -326,6 +337,10 @@ def iter_gguf_weights(path: str | Path, config: Any) -> Iterator[tuple[str, torc
         if hf_name is None:
             raise ValueError(f"{str(path)!r}: GGUF tensor {name!r} has no counterpart in llmd's model")
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if hf_name in packed:
+            rows = np.asarray(t.data, dtype=np.uint8).reshape(shape[0], -1)
+            yield hf_name, PackedSource(t.tensor_type.name, _unpermuted(rows, name, spec, config), shape)
+            continue
         try:
             array = dequantize(t.data, t.tensor_type)
         except NotImplementedError as exc:
@@ -333,15 +348,22 @@ def iter_gguf_weights(path: str | Path, config: Any) -> Iterator[tuple[str, torc
         array = np.asarray(array, dtype=np.float32).reshape(shape)
         if spec.norm_offset and name.endswith("norm.weight"):
             array = array - np.float32(spec.norm_offset)
-        if spec.permuted_rotary:
-            if ".attn_q." in name:
-                array = unpermute_rotary_rows(array, config.num_attention_heads)
-            elif ".attn_k." in name:
-                array = unpermute_rotary_rows(array, config.num_key_value_heads)
+        array = _unpermuted(array, name, spec, config)
         if not (array.flags.writeable and array.flags.c_contiguous):
             array = np.array(array, order="C")  # F32 data is a read-only view of the file's map
         tensor = torch.from_numpy(array)
         yield hf_name, tensor
+
+
+def _unpermuted(rows: np.ndarray, name: str, spec: GGUFArchitecture, config: Any) -> np.ndarray:
+    """q and k rows (dequantized or packed: whole rows either way) back in HF's order
+    where the architecture permuted them; any other tensor as it is."""
+    if spec.permuted_rotary:
+        if ".attn_q." in name:
+            return unpermute_rotary_rows(rows, config.num_attention_heads)
+        if ".attn_k." in name:
+            return unpermute_rotary_rows(rows, config.num_key_value_heads)
+    return rows
 
 
 def load_gguf_tokenizer(path: str | Path):

@@ -15,11 +15,12 @@ from torch import nn
 
 from llmd.gpu.layers.cpu.cpu_kernels import attach_cpu_kernels
 from llmd.gpu.layers.cpu.cpu_linear import pack_linears
+from llmd.gpu.layers.gguf_quant import PackedSource, attach_gguf_kernels, packable
 from llmd.gpu.layers.linear import Shard, WeightLoading
 from llmd.gpu.models.architectures import get_architecture
 from llmd.gpu.models.decoder import CausalLM
-from llmd.gpu.models.gguf_loader import (gguf_stop_token_ids, is_gguf_path, iter_gguf_weights, load_gguf_config,
-                                         load_gguf_tokenizer, open_gguf)
+from llmd.gpu.models.gguf_loader import (gguf_stop_token_ids, gguf_tensor_types, is_gguf_path, iter_gguf_weights,
+                                         load_gguf_config, load_gguf_tokenizer, open_gguf)
 from llmd.load_progress import LoadProgress
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -157,6 +158,14 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, Any]]) -> None:
         if param not in params:
             raise ValueError(f"unexpected weight {name!r} in checkpoint")
         layer, attr = owner(param)
+        quant = layer.quant if attr == "weight" else None
+        if isinstance(source, PackedSource) and source.quant != quant:
+            if quant is not None:
+                raise ValueError(f"weight {name!r} is {source.quant}, but its layer keeps {quant} (the parts of a "
+                                 f"fused projection must share one type to stay packed)")
+            source = source.dequantize()  # a layer kept dense
+        elif quant is not None and not isinstance(source, PackedSource):
+            raise ValueError(f"weight {name!r} is not packed, but its layer keeps {quant}")
         try:
             layer.load(attr, params[param], source, shard)
         except ValueError as exc:
@@ -170,24 +179,59 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, Any]]) -> None:
         raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {where}")
 
 
+def packed_params(model: CausalLM, types: dict[str, str]) -> dict[str, str]:
+    """Parameter -> GGUF type for the weights `model` can keep packed, from the
+    checkpoint's types (HF name -> type name): a linear layer's or the vocabulary's
+    weight whose checkpoint tensors (every part of a fused projection) share one type
+    llmd runs packed (gguf_quant.PACKED_TYPES), rows a whole number of blocks wide."""
+    modules = dict(model.named_modules())
+    parts: dict[str, dict[Shard, str]] = {}
+    for name, quant in types.items():
+        target = checkpoint_target(model, name)
+        if target is not None:
+            parts.setdefault(target[0], {})[target[1]] = quant
+    plan = {}
+    for param, shards in parts.items():
+        module, _, attr = param.rpartition(".")
+        layer = modules.get(module)
+        quants = set(shards.values())
+        if attr != "weight" or not hasattr(layer, "use_packed") or len(quants) != 1:
+            continue
+        quant = quants.pop()
+        expected = set(layer.shards(attr))
+        if packable(quant, layer.in_features) and (set(shards) == expected or set(shards) == {None}):
+            plan[param] = quant
+    return plan
+
+
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                max_positions: int, tp_rank: int = 0, tp_size: int = 1,
-               attention_backend: str = "torch", progress: LoadProgress | None = None) -> nn.Module:
+               attention_backend: str = "torch", progress: LoadProgress | None = None,
+               dequantize: bool = False) -> nn.Module:
     """The model, or with tp_size > 1 this rank's tensor-parallel shard of it; its layers
     attend with `attention_backend` (a name resolve_attention_backend returned). From a
-    GGUF file each rank dequantizes every tensor and its layers keep their share. On CPU its linear
+    GGUF file on CPU on one rank, the weights of a type llmd runs packed stay packed
+    (gguf_quant; `dequantize`: none do); every other tensor is dequantized (each rank
+    dequantizes it whole and its layers keep their share). On CPU its dense linear
     layers run on oneDNN-packed weights (cpu_linear) and its torch attention layers
     decode through the C++ paged kernel (cpu_kernels)."""
     config = load_hf_config(model_dir)
+    gguf = is_gguf_path(model_dir)
     # Build on meta (no random init, no memory), then materialize and fill from disk.
     with torch.device("meta"):
         model = CausalLM(config, max_positions, tp_rank, tp_size, attention_backend=attention_backend)
+    plan: dict[str, str] = {}
+    if gguf and device.type == "cpu" and tp_size == 1 and not dequantize:
+        types = gguf_tensor_types(model_dir)
+        plan = packed_params(model, types)
+        for param, quant in plan.items():
+            model.get_submodule(param.rpartition(".")[0]).use_packed(quant)
+        packed = {name for name in types if (checkpoint_target(model, name) or ("",))[0] in plan}
     model = model.to(dtype=dtype).to_empty(device=device)
     model.reset_rotary(device)
-    if model.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    if is_gguf_path(model_dir):
-        weights, total = iter_gguf_weights(model_dir, config), len(open_gguf(model_dir).tensors)
+    model.tie_weights()
+    if gguf:
+        weights, total = iter_gguf_weights(model_dir, config, packed if plan else ()), len(open_gguf(model_dir).tensors)
     else:
         weights, total = iter_safetensors(model_dir), _count_safetensors(model_dir)
     load_weights(model, progress.track("weights", weights, total) if progress is not None else weights)
@@ -196,4 +240,6 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     if device.type == "cpu":
         pack_linears(model)  # oneDNN's blocked weights: faster GEMMs than MKL's on plain ones (cpu_linear)
         attach_cpu_kernels(model)  # decode attention over the paged cache in place (cpu_kernels)
+    if plan:
+        attach_gguf_kernels(model, dtype)
     return model

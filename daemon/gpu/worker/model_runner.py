@@ -67,7 +67,7 @@ class ModelRunner:
             self._cuda_before_load = (torch.cuda.mem_get_info(device)[0], torch.cuda.memory_allocated(device),
                                       torch.cuda.memory_reserved(device))
         self.model = load_model(model_dir, dtype, device, settings.max_model_len, rank, world_size,
-                                self.attention_backend, progress)
+                                self.attention_backend, progress, dequantize=settings.dequantize)
         self.vocab_size = self.model.config.vocab_size
         self.sampler = Sampler(seed=settings.seed)
         self._last: StepHandle | None = None  # the last step launched (its tokens may be pending)

@@ -42,6 +42,7 @@ class RunnerSettings:
     seed: int
     cpu_threads: int | None = None  # torch intra-op threads when running on CPU
     attention_backend: str = "auto"  # "auto", "torch", "triton" or "flash_attn" (see attention_backends)
+    dequantize: bool = False  # GGUF: every weight dequantized at load, none kept packed
     # Speculative decoding: the drafts a request verifies per step (both methods: decode
     # graphs and the memory profile size for them) and, with a draft model, its directory.
     draft_model: str | None = None

@@ -1,13 +1,15 @@
 """llmd's C++ CPU kernels (cpu_kernels.cpp), built when first asked for and cached on disk.
 
-Two sets, one extension:
+Three sets, one extension:
 - decode attention over the paged KV cache read in place (cpu_kernels.cpp). The torch
   path (attention.py, TorchAttention._decode) gathers every decode row's blocks into a
   padded buffer each layer and step, then runs two batched GEMMs; the kernel reads each
   cached row once. Measured 3-5x faster per layer call on CPU in float32, ~2x in
   bfloat16 (docs/benchmarks.md, "CPU model step").
 - the fused layer ops (cpu_fused_ops.cpp, wrapped by cpu_fused_ops.CpuFusedLayerOps):
-  residual add + RMSNorm, q/k norm + rotary + K/V write, act(gate) * up.
+  residual add + RMSNorm, q/k norm + rotary + K/V write, act(gate) * up;
+- the product of a few rows with a GGUF block-quantized weight kept packed
+  (cpu_quant.cpp, used by gguf_quant.GGUFMatmul).
 The loader hands both to a model on CPU whose layers attend with TorchAttention
 (`attach_cpu_kernels`).
 
@@ -42,11 +44,12 @@ from torch import nn
 from llmd.gpu.layers.attention import TorchAttention
 from llmd.gpu.layers.cpu.cpu_fused_ops import use_cpu_fused_ops
 from llmd.gpu.layers.fused_ops import fused_ops_setting
+from llmd.gpu.layers.gguf_quant import GGUFOps
 from llmd.gpu.layers.cpu.kernel_build import ExtensionBuild, KernelBuildCancelled, KernelBuildError, build_library
 
 logger = logging.getLogger("llmd.cpu_kernels")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_fused_ops.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_fused_ops.cpp", "cpu_quant.cpp")]
 HEADERS = [Path(__file__).with_name("cpu_vec.h")]  # included by both: part of the digest
 CPU_KERNELS_ENV = "LLMD_CPU_KERNELS"
 KERNEL_BUILD_TIMEOUT_ENV = "LLMD_KERNEL_BUILD_TIMEOUT"
@@ -122,6 +125,16 @@ def paged_decode_op() -> Callable[..., torch.Tensor] | None:
     paged cache read in place (cpu_kernels.cpp). Built on first call; None if it
     cannot be."""
     return torch.ops.llmd_cpu.paged_decode if _load() else None
+
+
+def gguf_ops() -> GGUFOps | None:
+    """torch.ops.llmd_cpu.gguf_mm(x [M, K], w uint8 [N, K / 32 * block bytes], quant
+    (gguf_quant.TYPE_CODES), K) -> [M, N], x times a packed GGUF weight, and
+    gguf_dequantize(w, quant, K) -> float32 [N, K] (cpu_quant.cpp). None when the
+    kernels are switched off (LLMD_CPU_KERNELS=0) or cannot be built."""
+    if not cpu_kernels_enabled() or not _load():
+        return None
+    return GGUFOps(torch.ops.llmd_cpu.gguf_mm, torch.ops.llmd_cpu.gguf_dequantize)
 
 
 def cpu_kernels_enabled() -> bool:

@@ -1,0 +1,153 @@
+"""One GGUF file, several engines, side by side: batch-1 decode speed, time to first
+token and peak memory of llmd running the file packed (gguf_quant), llmd with every
+weight dequantized at load (float32 and bfloat16), and llama.cpp through
+llama-cpp-python when it is installed (the optional peer; `pip install
+llama-cpp-python`, built for this CPU).
+
+    python -m llmd_tools.bench_gguf [--model PATH] [--rounds 3] [--prompt 128] [--tokens 128]
+        [--threads 2] [--engines llmd llmd-f32 llmd-bf16 llama.cpp] [--json]
+
+Each measurement runs in a fresh process (so its peak RSS is its own), the engines in
+alternated rounds; reported: the median over rounds of decode tokens/s (the tokens after
+the first over the time after the first), TTFT (a prompt of `--prompt` random token ids,
+no prefix cache) and peak RSS, with the machine's other load while it ran. Greedy, end
+of text ignored, the same prompt for every engine. Default model: the built-in one.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import psutil
+
+ENGINES = ("llmd", "llmd-f32", "llmd-bf16", "llama.cpp")
+
+# Run in a fresh process per measurement: prints one JSON line. llama.cpp: TTFT is the
+# prompt's evaluation and the first greedy pick, decode the next `tokens` steps.
+_CHILD = r"""
+import json, random, resource, sys, time
+engine, model, prompt_len, tokens, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+rng = random.Random(0)
+if engine == "llama.cpp":
+    import numpy as np
+    import llama_cpp
+    from llama_cpp import Llama
+    llm = Llama(model_path=model, n_ctx=prompt_len + tokens + 8, n_threads=threads, n_threads_batch=threads,
+                n_batch=prompt_len, verbose=False)
+    vocab = llm.n_vocab()
+    prompt = [rng.randrange(100, vocab) for _ in range(prompt_len)]
+    def greedy():  # the last evaluated token's logits, read in place
+        return int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(vocab,))))
+    def run(n):
+        llm.reset()
+        llm._ctx.kv_cache_clear()
+        start = time.perf_counter()
+        llm.eval(prompt)
+        token = greedy()
+        first = time.perf_counter()
+        for _ in range(n):
+            llm.eval([token])
+            token = greedy()
+        return first - start, time.perf_counter() - first
+    run(4)  # warm-up
+    ttft, decode = run(tokens)
+else:
+    from llmd import LLM, SamplingParams
+    settings = {"llmd": dict(dtype="auto"), "llmd-f32": dict(dtype="float32", dequantize=True),
+                "llmd-bf16": dict(dtype="bfloat16", dequantize=True)}[engine]
+    llm = LLM(model, device="cpu", max_model_len=prompt_len + tokens + 8, max_num_seqs=1, cpu_threads=threads,
+              enable_prefix_caching=False, num_gpu_blocks_override=(prompt_len + tokens) // 16 + 4, **settings)
+    vocab = llm.engine.vocab_size
+    prompt = [rng.randrange(100, vocab) for _ in range(prompt_len)]
+    def timed(n):
+        start = time.perf_counter()
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        return time.perf_counter() - start
+    timed(4)  # warm-up
+    ttft = timed(1)
+    decode = timed(tokens + 1) - ttft
+print(json.dumps({"engine": engine, "ttft_s": ttft, "decode_tok_s": tokens / decode,
+                  "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def available(engine: str) -> bool:
+    if engine != "llama.cpp":
+        return True
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def measure(engine: str, model: str, prompt: int, tokens: int, threads: int) -> dict:
+    out = subprocess.run([sys.executable, "-c", _CHILD, engine, model, str(prompt), str(tokens), str(threads)],
+                         capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
+    if out.returncode != 0:
+        raise SystemExit(f"{engine} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="", help="a .gguf file (default: the built-in model)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    model = args.model
+    if not model:
+        from llmd.builtin_model import builtin_model_path
+
+        model = str(builtin_model_path())
+    engines = [e for e in args.engines if available(e)]
+    skipped = sorted(set(args.engines) - set(engines))
+    runs: dict[str, list[dict]] = {e: [] for e in engines}
+    _other_load()  # starts each process's CPU counter
+    started = time.monotonic()
+    others = []
+    for _ in range(args.rounds):
+        for engine in engines:  # alternated: each round runs every engine once
+            runs[engine].append(measure(engine, model, args.prompt, args.tokens, args.threads))
+            others.append(_other_load())
+    report = {"model": model, "threads": args.threads, "prompt": args.prompt, "tokens": args.tokens,
+              "rounds": args.rounds, "skipped": skipped, "seconds": round(time.monotonic() - started, 1),
+              "other_load_cores_max": max(others, default=0.0),
+              "engines": {e: {key: statistics.median(r[key] for r in rs)
+                              for key in ("decode_tok_s", "ttft_s", "peak_rss_mib")}
+                          for e, rs in runs.items()}}
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"{model}: prompt {args.prompt}, {args.tokens} greedy tokens, {args.threads} threads, "
+          f"{args.rounds} alternated rounds (medians); other load up to {report['other_load_cores_max']:.2f} cores")
+    print(f"{'engine':<12} {'decode tok/s':>13} {'TTFT ms':>9} {'peak RSS MiB':>13}")
+    for engine, r in report["engines"].items():
+        print(f"{engine:<12} {r['decode_tok_s']:>13.1f} {r['ttft_s'] * 1000:>9.1f} {r['peak_rss_mib']:>13.0f}")
+    if skipped:
+        print(f"not run (not installed): {', '.join(skipped)}")
+    return 0
+
+
+def _other_load() -> float:
+    """Cores busy with processes other than this one and its children, sampled now."""
+    me = psutil.Process()
+    mine = {me.pid, *(c.pid for c in me.children(recursive=True))}
+    busy = 0.0
+    for proc in psutil.process_iter(["pid", "cpu_percent"]):
+        if proc.info["pid"] not in mine and proc.info["cpu_percent"]:
+            busy += proc.info["cpu_percent"] / 100
+    return busy
+
+
+if __name__ == "__main__":
+    sys.exit(main())
