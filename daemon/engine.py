@@ -57,6 +57,9 @@ class LLMEngine:
             timeout_s=config.guided_decoding_compile_timeout_s),
             fill_beside_forward=self.device.type != "cpu")  # a CPU model's threads hold the cores
         self.core = EngineCore(config, executor, self._make_executor, self.num_blocks, structured)
+        from llmd.gpu.models.gguf_loader import release_gguf_readers
+
+        release_gguf_readers()  # a GGUF's metadata was read (config, tokenizer, summary); the weights are loaded
         self.output_processor = OutputProcessor(self.tokenizer)
         self.input_processor = InputProcessor(
             self.tokenizer, max_model_len=self.max_model_len, vocab_size=self.vocab_size,

@@ -38,6 +38,7 @@ def prepare_model(config: EngineConfig, progress: LoadProgress | None = None) ->
     """Read the model's config and tokenizer, resolve device and dtype, check limits."""
     import torch
 
+    from llmd.gpu.models.gguf_loader import gguf_summary, is_gguf_path
     from llmd.gpu.models.loader import load_hf_config, load_tokenizer, resolve_dtype, stop_token_ids
 
     # An HF directory or a GGUF file; none given: the built-in model (fetched once).
@@ -50,6 +51,8 @@ def prepare_model(config: EngineConfig, progress: LoadProgress | None = None) ->
     if progress is not None:
         progress.begin("tokenizer")
     tokenizer = _tokenizer(load_tokenizer, config.tokenizer or model_dir)
+    if is_gguf_path(model_dir):
+        gguf_summary(model_dir)  # kept for the model listings; the file's reader is released after the load
     device = config.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"

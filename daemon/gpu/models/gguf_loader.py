@@ -89,10 +89,17 @@ def _open_cached(path: str, mtime_ns: int, size: int) -> GGUFFile:
 
 def open_gguf(path: str | Path) -> GGUFFile:
     """The opened file, shared by every reader in this process (reading the metadata
-    of a 49k-token vocabulary takes the gguf package seconds) until the file changes."""
+    of a 49k-token vocabulary takes the gguf package seconds) until the file changes or
+    release_gguf_readers is called."""
     p = Path(path).resolve()
     st = p.stat()
     return _open_cached(str(p), st.st_mtime_ns, st.st_size)
+
+
+def release_gguf_readers() -> None:
+    """Forget the opened files: the gguf package keeps every metadata value as numpy
+    pieces (a 49k-token vocabulary: ~160 MiB), which a loaded model no longer needs."""
+    _open_cached.cache_clear()
 
 
 @dataclass(frozen=True)
@@ -106,6 +113,14 @@ class GGUFSummary:
 
 
 def gguf_summary(path: str | Path) -> GGUFSummary:
+    """The file's summary, kept (it is small) until the file changes."""
+    p = Path(path).resolve()
+    st = p.stat()
+    return _summary(str(p), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _summary(path: str, mtime_ns: int, size: int) -> GGUFSummary:
     g = open_gguf(path)
     spec = ARCHITECTURES.get(g.architecture)
     data_start = min((t.data_offset for t in g.tensors.values()), default=g.path.stat().st_size)

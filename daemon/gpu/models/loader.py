@@ -19,8 +19,9 @@ from llmd.gpu.layers.gguf_quant import PackedSource, attach_gguf_kernels, packab
 from llmd.gpu.layers.linear import Shard, WeightLoading
 from llmd.gpu.models.architectures import get_architecture
 from llmd.gpu.models.decoder import CausalLM
-from llmd.gpu.models.gguf_loader import (gguf_stop_token_ids, gguf_tensor_types, is_gguf_path, iter_gguf_weights,
-                                         load_gguf_config, load_gguf_tokenizer, open_gguf)
+from llmd.gpu.models.gguf_loader import (gguf_stop_token_ids, gguf_tensor_types, is_gguf_path,
+                                         iter_gguf_weights, load_gguf_config, load_gguf_tokenizer, open_gguf,
+                                         release_gguf_readers)
 from llmd.load_progress import LoadProgress
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -242,4 +243,6 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
         attach_cpu_kernels(model)  # decode attention over the paged cache in place (cpu_kernels)
     if plan:
         attach_gguf_kernels(model, dtype)
+    if gguf:
+        release_gguf_readers()  # the model holds what it needs of the file
     return model

@@ -21,7 +21,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -36,7 +36,11 @@ constexpr int64_t kMaxRows = 8;
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, sizeof bits);
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);  // one instruction; the portable conversion is a dozen
+#else
   return c10::detail::fp16_ieee_to_fp32_value(bits);
+#endif
 }
 
 template <int Q>
@@ -102,23 +106,41 @@ inline void block_vectors(const uint8_t* b, __m512& lo, __m512& hi) {
   }
 }
 
-// out[r, j] for rows r < tile (<= kMaxRows) of x: each block dequantized in registers
-// and multiplied with every row, two accumulators per row (weights 0..15 and 16..31).
-template <int Q>
-inline void dot_rows(const uint8_t* row, int64_t blocks, const float* x, int64_t tile, int64_t cols,
-                     float* out, int64_t stride) {
-  __m512 acc_lo[kMaxRows], acc_hi[kMaxRows];
-  for (int64_t r = 0; r < tile; ++r) acc_lo[r] = acc_hi[r] = _mm512_setzero_ps();
+// out[r, j] for the T rows of x (T <= kMaxRows, a compile-time count so the accumulators
+// stay in registers): each block dequantized in registers and multiplied with every row,
+// two accumulators per row (weights 0..15 and 16..31).
+template <int Q, int T>
+inline void dot_tile(const uint8_t* row, int64_t blocks, const float* x, int64_t cols, float* out, int64_t stride) {
+  __m512 acc_lo[T], acc_hi[T];
+#pragma GCC unroll 8
+  for (int r = 0; r < T; ++r) acc_lo[r] = acc_hi[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     __m512 lo, hi;
     block_vectors<Q>(row + b * Format<Q>::kBytes, lo, hi);
     const float* xb = x + b * kBlock;
-    for (int64_t r = 0; r < tile; ++r) {
+#pragma GCC unroll 8
+    for (int r = 0; r < T; ++r) {
       acc_lo[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb + r * cols), acc_lo[r]);
       acc_hi[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + r * cols + 16), acc_hi[r]);
     }
   }
-  for (int64_t r = 0; r < tile; ++r) out[r * stride] = _mm512_reduce_add_ps(_mm512_add_ps(acc_lo[r], acc_hi[r]));
+#pragma GCC unroll 8
+  for (int r = 0; r < T; ++r) out[r * stride] = _mm512_reduce_add_ps(_mm512_add_ps(acc_lo[r], acc_hi[r]));
+}
+
+template <int Q>
+inline void dot_rows(const uint8_t* row, int64_t blocks, const float* x, int64_t tile, int64_t cols,
+                     float* out, int64_t stride) {
+  switch (tile) {
+    case 1: dot_tile<Q, 1>(row, blocks, x, cols, out, stride); break;
+    case 2: dot_tile<Q, 2>(row, blocks, x, cols, out, stride); break;
+    case 3: dot_tile<Q, 3>(row, blocks, x, cols, out, stride); break;
+    case 4: dot_tile<Q, 4>(row, blocks, x, cols, out, stride); break;
+    case 5: dot_tile<Q, 5>(row, blocks, x, cols, out, stride); break;
+    case 6: dot_tile<Q, 6>(row, blocks, x, cols, out, stride); break;
+    case 7: dot_tile<Q, 7>(row, blocks, x, cols, out, stride); break;
+    default: dot_tile<Q, 8>(row, blocks, x, cols, out, stride); break;
+  }
 }
 #else
 // Portable: each block dequantized into a float32 buffer, then multiplied with every row.
