@@ -1,8 +1,8 @@
 """One GGUF file, several engines, side by side: batch-1 decode speed, time to first
 token and peak memory of llmd running the file packed (gguf_quant), llmd with every
 weight dequantized at load (float32 and bfloat16), and llama.cpp through
-llama-cpp-python when it is installed (the optional peer; `pip install
-llama-cpp-python`, built for this CPU).
+llama-cpp-python when it is installed (the optional peer: `pip install -e '.[llamacpp]'`,
+best with CMAKE_ARGS="-DGGML_NATIVE=ON" so it is built for this CPU).
 
     python -m llmd_tools.bench_gguf [--model PATH] [--rounds 3] [--prompt 128] [--tokens 128]
         [--threads 2] [--engines llmd llmd-f32 llmd-bf16 llama.cpp] [--json]

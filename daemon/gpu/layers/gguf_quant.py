@@ -22,8 +22,8 @@ rows it looks up. `dequantize` (torch) is the reference every path is tested aga
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -88,21 +88,12 @@ def dequantize(blocks: torch.Tensor, quant: str, cols: int) -> torch.Tensor:
     return (d * q + m).reshape(rows, cols)
 
 
-@dataclass(frozen=True)
-class GGUFOps:
-    """The C++ operators (cpu/cpu_quant.cpp): `mm(x, w, code, cols)` and
-    `dequantize(w, code, cols)`."""
-
-    mm: Callable[..., torch.Tensor]
-    dequantize: Callable[..., torch.Tensor]
-
-
 class GGUFMatmul:
     """x -> x W^T (+ b unless the layer reduces) over a linear layer's packed weight
-    (module doc); `ops` are the C++ kernels (None: the torch reference, every product
-    through dequantized slices and a GEMM)."""
+    (module doc); `ops` are the C++ kernels (cpu_kernels.GGUFOps; None: the torch
+    reference, every product through dequantized slices and a GEMM)."""
 
-    def __init__(self, layer: torch.nn.Module, ops: GGUFOps | None) -> None:
+    def __init__(self, layer: torch.nn.Module, ops: Any) -> None:
         self.layer = layer
         self.ops = ops
         self.code = TYPE_CODES[layer.quant]
@@ -128,21 +119,3 @@ class GGUFMatmul:
             out = out + bias
         return out.reshape(*x.shape[:-1], out_features)
 
-
-def attach_gguf_kernels(model: torch.nn.Module, dtype: torch.dtype) -> int:
-    """Give every packed layer of a CPU model its matmul (GGUFMatmul, with the C++
-    kernel when it can be built) and every packed table the dtype its rows are
-    dequantized to; returns how many layers are packed."""
-    from llmd.gpu.layers.cpu.cpu_kernels import gguf_ops
-
-    ops = gguf_ops()
-    count = 0
-    for module in model.modules():
-        if getattr(module, "quant", None) is None:
-            continue
-        count += 1
-        if hasattr(module, "kernel"):
-            module.kernel = GGUFMatmul(module, ops)
-        else:
-            module.compute_dtype = dtype
-    return count

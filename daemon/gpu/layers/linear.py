@@ -115,7 +115,7 @@ class LinearBase(WeightLoading, nn.Module):
         if self.kernel is not None:
             out = self.kernel(x)
         elif self.quant is not None:
-            raise RuntimeError(f"a linear layer packed as {self.quant} has no kernel (gguf_quant.attach_gguf_kernels)")
+            raise RuntimeError(f"a linear layer packed as {self.quant} has no kernel (cpu_kernels.attach_gguf_kernels)")
         else:
             out = F.linear(x, self.weight, None if self.reduce else self.bias)
         if self.reduce:
@@ -301,7 +301,7 @@ class ParallelLMHead(VocabRows):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.kernel is None and self.quant is not None:
-            raise RuntimeError(f"an LM head packed as {self.quant} has no kernel (gguf_quant.attach_gguf_kernels)")
+            raise RuntimeError(f"an LM head packed as {self.quant} has no kernel (cpu_kernels.attach_gguf_kernels)")
         local = self.kernel(hidden) if self.kernel is not None else F.linear(hidden, self.weight)
         if self.world_size == 1:
             return local

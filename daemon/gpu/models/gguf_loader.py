@@ -1,8 +1,7 @@
 """Load a GGUF checkpoint (llama.cpp's one-file format) behind the same interface as an
 HF directory: its metadata becomes a transformers config, its vocabulary a fast
-tokenizer, its tensors the model's weights under HF names, dequantized at load with the
-`gguf` package (every type that package can dequantize: F32, F16, BF16, Q4_0 ... Q8_0,
-the K-quants, the IQ types).
+tokenizer, its tensors the model's weights under HF names: packed rows of the types the
+model keeps packed (gguf_quant), else dequantized at load by the `gguf` package.
 
 What llmd cannot run as llama.cpp would is refused naming the metadata key or tensor:
 an architecture other than llama, qwen2, qwen3 and gemma3 (gguf_arch.py says what each
@@ -97,8 +96,8 @@ def open_gguf(path: str | Path) -> GGUFFile:
 
 
 def release_gguf_readers() -> None:
-    """Forget the opened files: the gguf package keeps every metadata value as numpy
-    pieces (a 49k-token vocabulary: ~160 MiB), which a loaded model no longer needs."""
+    """Forget the opened files (their metadata as the gguf package keeps it: ~160 MiB for
+    a 49k-token vocabulary), which a loaded model no longer needs."""
     _open_cached.cache_clear()
 
 
@@ -371,8 +370,7 @@ def iter_gguf_weights(path: str | Path, config: Any,
 
 
 def _unpermuted(rows: np.ndarray, name: str, spec: GGUFArchitecture, config: Any) -> np.ndarray:
-    """q and k rows (dequantized or packed: whole rows either way) back in HF's order
-    where the architecture permuted them; any other tensor as it is."""
+    """q and k rows (dequantized or packed: whole rows either way) in HF's order."""
     if spec.permuted_rotary:
         if ".attn_q." in name:
             return unpermute_rotary_rows(rows, config.num_attention_heads)

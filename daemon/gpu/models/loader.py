@@ -13,9 +13,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from llmd.gpu.layers.cpu.cpu_kernels import attach_cpu_kernels
+from llmd.gpu.layers.cpu.cpu_kernels import attach_cpu_kernels, attach_gguf_kernels
 from llmd.gpu.layers.cpu.cpu_linear import pack_linears
-from llmd.gpu.layers.gguf_quant import PackedSource, attach_gguf_kernels, packable
+from llmd.gpu.layers.gguf_quant import PackedSource, packable
 from llmd.gpu.layers.linear import Shard, WeightLoading
 from llmd.gpu.models.architectures import get_architecture
 from llmd.gpu.models.decoder import CausalLM

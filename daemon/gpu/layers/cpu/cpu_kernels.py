@@ -36,6 +36,7 @@ import hashlib
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -44,7 +45,7 @@ from torch import nn
 from llmd.gpu.layers.attention import TorchAttention
 from llmd.gpu.layers.cpu.cpu_fused_ops import use_cpu_fused_ops
 from llmd.gpu.layers.fused_ops import fused_ops_setting
-from llmd.gpu.layers.gguf_quant import GGUFOps
+from llmd.gpu.layers.gguf_quant import GGUFMatmul
 from llmd.gpu.layers.cpu.kernel_build import ExtensionBuild, KernelBuildCancelled, KernelBuildError, build_library
 
 logger = logging.getLogger("llmd.cpu_kernels")
@@ -127,6 +128,15 @@ def paged_decode_op() -> Callable[..., torch.Tensor] | None:
     return torch.ops.llmd_cpu.paged_decode if _load() else None
 
 
+@dataclass(frozen=True)
+class GGUFOps:
+    """The C++ operators of packed GGUF weights (cpu_quant.cpp): `mm(x, w, code, cols)`
+    and `dequantize(w, code, cols)`."""
+
+    mm: Callable[..., torch.Tensor]
+    dequantize: Callable[..., torch.Tensor]
+
+
 def gguf_ops() -> GGUFOps | None:
     """torch.ops.llmd_cpu.gguf_mm(x [M, K], w uint8 [N, K / 32 * block bytes], quant
     (gguf_quant.TYPE_CODES), K) -> [M, N], x times a packed GGUF weight, and
@@ -161,3 +171,20 @@ def attach_cpu_kernels(model: nn.Module) -> int:
     if fused_ops_setting() != "off":
         use_cpu_fused_ops(model)
     return len(layers)
+
+
+def attach_gguf_kernels(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Give every packed layer of a CPU model its matmul (GGUFMatmul, with the C++
+    kernel when it can be built) and every packed table the dtype its rows are
+    dequantized to; returns how many layers are packed."""
+    ops = gguf_ops()
+    count = 0
+    for module in model.modules():
+        if getattr(module, "quant", None) is None:
+            continue
+        count += 1
+        if hasattr(module, "kernel"):
+            module.kernel = GGUFMatmul(module, ops)
+        else:
+            module.compute_dtype = dtype
+    return count
