@@ -1,11 +1,12 @@
 """One GGUF file, several engines, side by side: batch-1 decode speed, time to first
-token and peak memory of llmd running the file packed (gguf_quant), llmd with every
-weight dequantized at load (float32 and bfloat16), and llama.cpp through
+token and peak memory of llmd running the file packed (gguf_quant; float32 activations,
+or bfloat16 with `llmd-packed-bf16`), llmd with every weight dequantized at load
+(float32 and bfloat16), and llama.cpp through
 llama-cpp-python when it is installed (the optional peer: `pip install -e '.[llamacpp]'`,
 best with CMAKE_ARGS="-DGGML_NATIVE=ON" so it is built for this CPU).
 
     python -m llmd_tools.bench_gguf [--model PATH] [--rounds 3] [--prompt 128] [--tokens 128]
-        [--threads 2] [--engines llmd llmd-f32 llmd-bf16 llama.cpp] [--json]
+        [--threads 2] [--engines llmd llmd-packed-bf16 llmd-f32 llmd-bf16 llama.cpp] [--json]
 
 Each measurement runs in a fresh process (so its peak RSS is its own), the engines in
 alternated rounds; reported: the median over rounds of decode tokens/s (the tokens after
@@ -25,7 +26,7 @@ import time
 
 import psutil
 
-ENGINES = ("llmd", "llmd-f32", "llmd-bf16", "llama.cpp")
+ENGINES = ("llmd", "llmd-packed-bf16", "llmd-f32", "llmd-bf16", "llama.cpp")
 
 # Run in a fresh process per measurement: prints one JSON line. llama.cpp: TTFT is the
 # prompt's evaluation and the first greedy pick, decode the next `tokens` steps.
@@ -58,7 +59,8 @@ if engine == "llama.cpp":
     ttft, decode = run(tokens)
 else:
     from llmd import LLM, SamplingParams
-    settings = {"llmd": dict(dtype="auto"), "llmd-f32": dict(dtype="float32", dequantize=True),
+    settings = {"llmd": dict(dtype="auto"), "llmd-packed-bf16": dict(dtype="bfloat16"),
+                "llmd-f32": dict(dtype="float32", dequantize=True),
                 "llmd-bf16": dict(dtype="bfloat16", dequantize=True)}[engine]
     llm = LLM(model, device="cpu", max_model_len=prompt_len + tokens + 8, max_num_seqs=1, cpu_threads=threads,
               enable_prefix_caching=False, num_gpu_blocks_override=(prompt_len + tokens) // 16 + 4, **settings)
