@@ -1,0 +1,22 @@
+"""tools/bench_gguf.py runs each engine in a fresh process and reports medians: a tiny
+GGUF through the llmd engines it knows (llama.cpp is an optional extra, not run here)."""
+from __future__ import annotations
+
+import json
+
+from gguf import GGMLQuantizationType as T
+
+from gguf_fixtures import write_gguf
+from llmd_tools import bench_gguf
+from test_gguf import hf_dirs  # noqa: F401
+
+
+def test_bench_gguf_reports_every_engine_it_ran(hf_dirs, tmp_path, capsys):  # noqa: F811
+    path = write_gguf(hf_dirs("llama"), tmp_path / "q8.gguf", T.Q8_0)
+    engines = ["llmd", "llmd-f32"]  # packed and dequantized
+    assert bench_gguf.main(["--model", str(path), "--rounds", "1", "--prompt", "16", "--tokens", "4",
+                            "--engines", *engines, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert list(report["engines"]) == engines and report["skipped"] == []
+    for figures in report["engines"].values():
+        assert figures["decode_tok_s"] > 0 and figures["ttft_s"] > 0 and figures["peak_rss_mib"] > 50
