@@ -187,10 +187,8 @@ def packed_params(model: CausalLM, types: dict[str, str]) -> dict[str, str]:
     llmd runs packed (gguf_quant.PACKED_TYPES), rows a whole number of blocks wide."""
     modules = dict(model.named_modules())
     parts: dict[str, dict[Shard, str]] = {}
-    for name, quant in types.items():
-        target = checkpoint_target(model, name)
-        if target is not None:
-            parts.setdefault(target[0], {})[target[1]] = quant
+    for name, (param, shard) in _targets(model, types):
+        parts.setdefault(param, {})[shard] = types[name]
     plan = {}
     for param, shards in parts.items():
         module, _, attr = param.rpartition(".")
@@ -203,6 +201,11 @@ def packed_params(model: CausalLM, types: dict[str, str]) -> dict[str, str]:
         if packable(quant, layer.in_features) and (set(shards) == expected or set(shards) == {None}):
             plan[param] = quant
     return plan
+
+
+def _targets(model: CausalLM, names: Iterable[str]) -> list[tuple[str, tuple[str, Shard]]]:
+    """(checkpoint name, (parameter, shard)) of each name the model keeps."""
+    return [(name, target) for name in names if (target := checkpoint_target(model, name)) is not None]
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
@@ -222,17 +225,18 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     with torch.device("meta"):
         model = CausalLM(config, max_positions, tp_rank, tp_size, attention_backend=attention_backend)
     plan: dict[str, str] = {}
+    packed: list[str] = []  # the file's tensors read as packed rows
     if gguf and device.type == "cpu" and tp_size == 1 and not dequantize:
         types = gguf_tensor_types(model_dir)
         plan = packed_params(model, types)
         for param, quant in plan.items():
             model.get_submodule(param.rpartition(".")[0]).use_packed(quant)
-        packed = {name for name in types if (checkpoint_target(model, name) or ("",))[0] in plan}
+        packed = [name for name, (param, _) in _targets(model, types) if param in plan]
     model = model.to(dtype=dtype).to_empty(device=device)
     model.reset_rotary(device)
     model.tie_weights()
     if gguf:
-        weights, total = iter_gguf_weights(model_dir, config, packed if plan else ()), len(open_gguf(model_dir).tensors)
+        weights, total = iter_gguf_weights(model_dir, config, packed), len(open_gguf(model_dir).tensors)
     else:
         weights, total = iter_safetensors(model_dir), _count_safetensors(model_dir)
     load_weights(model, progress.track("weights", weights, total) if progress is not None else weights)

@@ -33,11 +33,9 @@ namespace {
 using at::vec::Vectorized;
 using llmd_cpu_vec::fVec;
 using llmd_cpu_vec::kLanes;
+using llmd_cpu_vec::lane_sum;
 using llmd_cpu_vec::widen;
 
-inline float lane_sum(const fVec& v) {
-  return at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, v);
-}
 
 // `rows` cached rows of width d as float32: in place for float, else widened into buf.
 template <typename T>

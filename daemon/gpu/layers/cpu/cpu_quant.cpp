@@ -19,7 +19,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <vector>
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(__F16C__)
 #include <immintrin.h>
@@ -29,6 +28,7 @@ namespace {
 
 using llmd_cpu_vec::fVec;
 using llmd_cpu_vec::kLanes;
+using llmd_cpu_vec::lane_sum;
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kMaxRows = 8;
@@ -81,10 +81,6 @@ struct Format<2> {  // Q4_1: fp16 d, fp16 m, 16 bytes of nibbles
     }
   }
 };
-
-inline float lane_sum(const fVec& v) {
-  return at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, v);
-}
 
 #if defined(CPU_CAPABILITY_AVX512)
 // One block of 32 weights as two float32 vectors (weights 0..15, 16..31), AVX-512.

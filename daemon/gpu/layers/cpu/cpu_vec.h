@@ -27,6 +27,11 @@ inline void widen(const T* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+// The sum of a vector's lanes.
+inline float lane_sum(const fVec& v) {
+  return at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, v);
+}
+
 // `n` float32 values rounded to T in dst.
 template <typename T>
 inline void narrow(const float* src, T* dst, int64_t n) {
