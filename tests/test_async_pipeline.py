@@ -40,7 +40,7 @@ def run_workload(seed: int, overlap: bool) -> tuple[dict, set[str], StepPipeline
     kv = KVCacheManager(num_blocks, BS, True)
     scheduler = Scheduler(config, kv)
     runner = FakeRunner(num_blocks, hash_sample)
-    pipeline = StepPipeline(scheduler, run_now(lambda so: Finished(runner.execute(so))), run_now(output_of),
+    pipeline = StepPipeline(scheduler, run_now(lambda so, grammar_rows: Finished(runner.execute(so))), run_now(output_of),
                             overlap=overlap)
     shared = [rng.randrange(10, 1000) for _ in range(12)]
     arrivals: dict[int, list[Request]] = {}

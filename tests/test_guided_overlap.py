@@ -12,6 +12,7 @@ the cores); the tests turn the overlap on, as a GPU engine has it, to prove it h
 from __future__ import annotations
 
 import collections
+import itertools
 import random
 import re
 import threading
@@ -74,21 +75,25 @@ class ForwardFirst:
 
     def __init__(self, engine) -> None:
         self.cond = threading.Condition()
-        self.begun: list = []  # SchedulerOutputs whose forward began
+        self.begun = 0  # guided steps whose forward began
         self.queued: collections.deque = collections.deque()  # fills started, oldest first
         self.current = None  # the step the in-process runner is running
         self.fills = 0
         structured = engine.structured
         start_fill, fill = structured.fill_bitmask, structured.filler.fill
+        started = itertools.count()
 
-        def queue_fill(output, grammars, drafts):
-            self.queued.append(output)  # before the fill is submitted: fills run in this order
-            return start_fill(output, grammars, drafts)
+        def queue_fill(grammars, drafts):
+            # Guided steps are launched in the order their fills start: the k-th fill
+            # is the k-th guided step's. Queued before the fill is submitted: fills run
+            # in this order.
+            self.queued.append(next(started))
+            return start_fill(grammars, drafts)
 
         def fill_after_forward(groups):
-            output = self.queued.popleft()
+            k = self.queued.popleft()
             with self.cond:
-                assert self.cond.wait_for(lambda: any(o is output for o in self.begun), 60), \
+                assert self.cond.wait_for(lambda: self.begun > k, 60), \
                     "the step's forward did not begin while its rows were being filled"
             self.fills += 1
             return fill(groups)
@@ -102,17 +107,19 @@ class ForwardFirst:
             self._watch_sends(executor)
 
     def _began(self, output) -> None:
+        if not output.grammar_req_ids:
+            return
         with self.cond:
-            self.begun.append(output)
+            self.begun += 1
             self.cond.notify_all()
 
     def _watch_runner(self, runner) -> None:
         for name in ("execute_model",):
             run = getattr(runner, name)
 
-            def running(so, run=run):
+            def running(so, grammar=None, run=run):
                 self.current = so
-                return run(so)
+                return run(so, grammar)
 
             setattr(runner, name, running)
         runner.model.register_forward_pre_hook(lambda module, args: self._began(self.current))

@@ -91,13 +91,13 @@ def test_draft_equal_to_the_target_has_q_equal_to_p(model, monkeypatch):
 
     num_checked = []
 
-    def checking_verify(sampler, logits, md, drafts, draft_probs=None, tails=None):
+    def checking_verify(sampler, logits, md, drafts, draft_probs=None):
         p = sampler.filter(sampler.prepare(sampler.mask(logits.clone(), md), md)[0], md).softmax(dim=-1)
         starts = np.cumsum([0] + [len(d) + 1 for d in drafts])
         rows = [r for start, d in zip(starts, drafts) for r in range(start, start + len(d))]
         torch.testing.assert_close(draft_probs[rows], p[rows], atol=1e-4, rtol=0)
         num_checked.append(len(rows))
-        return verify(sampler, logits, md, drafts, draft_probs, tails)
+        return verify(sampler, logits, md, drafts, draft_probs)
 
     monkeypatch.setattr(sampling_step, "verify", checking_verify)
     params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.2, min_tokens=30,
@@ -169,8 +169,9 @@ def test_mixed_batch_penalties_and_seeds(model, plain, noisy_draft):
 
 
 def test_guided_requests(model, plain, noisy_draft):
-    """Drafts are grammar-checked; the draft the grammar cuts off is tested, not dropped
-    (the tail). Greedy guided output is unchanged; sampled guided output stays valid."""
+    """Drafts are grammar-checked; the draft the grammar cuts off (refused, or ending the
+    grammar) is verified as the last draft, not dropped. Greedy guided output is
+    unchanged; sampled guided output stays valid."""
     from test_guided import PERSON, json_valid
 
     guided = GuidedDecodingParams(json_schema=PERSON)
@@ -178,17 +179,24 @@ def test_guided_requests(model, plain, noisy_draft):
     ref = outputs(plain, PROMPTS, params)
     llm = spec_llm(model, noisy_draft, 4)
     scheduler = llm.engine.scheduler
-    tails = []
-    schedule = scheduler.schedule
+    cut, verified = [], []
+    schedule, validate = scheduler.schedule, scheduler.structured.validate_drafts
+
+    def recording_validate(grammar, drafts):
+        valid = validate(grammar, drafts)
+        if len(valid) < len(drafts):
+            cut.append(drafts[:len(valid) + 1])
+        return valid
 
     def recording_schedule():
         so = schedule()
-        tails.extend(so.scheduled_spec_tail_tokens.values())
+        verified.extend(so.scheduled_spec_decode_tokens.values())
         return so
 
-    scheduler.schedule = recording_schedule
+    scheduler.schedule, scheduler.structured.validate_drafts = recording_schedule, recording_validate
     assert outputs(llm, PROMPTS, params) == ref
-    assert scheduler.spec_stats.num_accepted_tokens > 0 and tails
+    assert scheduler.spec_stats.num_accepted_tokens > 0
+    assert any(drafts in verified for drafts in cut), "no cut-off draft was verified"
     sampled = [SamplingParams(temperature=1.0, seed=s, max_tokens=192, guided=guided) for s in range(8)]
     for out in llm.generate(PROMPTS * 2, sampled):
         sample = out.outputs[0]
@@ -222,9 +230,9 @@ def test_a_draft_write_outside_the_requests_blocks_is_an_error(model):
     llm.engine.scheduler._draft_lookahead = lambda request, end: 0  # reserves nothing past the step
     execute = llm.engine.executor.execute_model
 
-    def overreaching(so):  # ... but lets the worker draft 3 anyway
+    def overreaching(so, grammar=None):  # ... but lets the worker draft 3 anyway
         so.draft_max_num_tokens = {r: n + 3 for r, n in so.draft_max_num_tokens.items()}
-        return execute(so)
+        return execute(so, grammar)
 
     llm.engine.executor.execute_model = overreaching
     with pytest.raises(RuntimeError, match="past its .* KV blocks"):
@@ -261,22 +269,18 @@ def test_bad_configs_are_clear_errors(model, tmp_path):
 Q0 = np.array([0.3, 1.2, -0.9, 1.9, -0.2, 0.6, 0.0, -1.4, 1.5, 0.4, 0.9, 1.1])
 
 
-def verify_sampled(n: int, params: SamplingParams, *, tail: bool = False,
+def verify_sampled(n: int, params: SamplingParams, *,
                    sampler: Sampler | None = None) -> tuple[list[list[int]], torch.Tensor]:
     """n requests, each with one draft d ~ q (Q0 after params' filters), verified over
-    ROW0 (then ROW1 after the draft), or with `tail` tested at ROW0 alone. Returns what
-    each emitted, and the drafts."""
+    ROW0, then ROW1 after the draft. Returns what each emitted, and the drafts."""
     q0 = torch.tensor(reference_probs(Q0, temperature=params.temperature, top_k=params.top_k),
                       dtype=torch.float32)
     d = torch.multinomial(q0, n, replacement=True, generator=torch.Generator().manual_seed(5))
-    if tail:
-        rows, seen, q, drafts, tails = [ROW0], [[]] * n, torch.stack([q0] * n), [[]] * n, d.tolist()
-    else:
-        rows, seen = [ROW0, ROW1], [o for t in d.tolist() for o in ([], [t])]
-        q, drafts, tails = torch.stack([q0, torch.zeros_like(q0)] * n), [[t] for t in d.tolist()], None
+    rows, seen = [ROW0, ROW1], [o for t in d.tolist() for o in ([], [t])]
+    q, drafts = torch.stack([q0, torch.zeros_like(q0)] * n), [[t] for t in d.tolist()]
     logits = torch.tensor(np.stack(rows * n), dtype=torch.float32)
     md = SamplingMetadata.build([params] * len(seen), [[]] * len(seen), seen, valid_vocab_size=len(ROW0))
-    result = verify(sampler or Sampler(seed=3), logits, md, drafts, q, tails)
+    result = verify(sampler or Sampler(seed=3), logits, md, drafts, q)
     return result.token_ids, d
 
 
@@ -296,10 +300,6 @@ def test_general_rule_output_follows_the_target(temperature, top_k):
     # After an accepted draft the bonus token follows the next position's distribution.
     second = torch.tensor([t[1] for t in emitted if len(t) == 2])
     assert chi_square_pvalue(second, reference_probs(ROW1, temperature=temperature, top_k=top_k)) > 1e-3
-    # A tail draft (tested at the last row, nothing after it) is emitted as p says too.
-    emitted, _ = verify_sampled(40000, params, tail=True)
-    assert all(len(t) == 1 for t in emitted)
-    assert chi_square_pvalue(torch.tensor([t[0] for t in emitted]), p0) > 1e-3
 
 
 def test_chi_square_catches_a_verifier_that_skips_the_residual():

@@ -27,7 +27,7 @@ from llmd.core.kv_cache_manager import KVCacheManager
 from llmd.core.request import Request, RequestStatus, parent_request_id
 from llmd.core.scheduler import RequestUpdate, Scheduler
 from llmd.core.spec_decode import SpecDecodeStats
-from llmd.core.step_messages import RunnerOutput, SchedulerOutput
+from llmd.core.step_messages import GrammarRows, RunnerOutput, SchedulerOutput
 from llmd.core.step_pipeline import Step, StepPipeline, output_of, run_now
 from llmd.structured_output import StructuredOutputManager
 
@@ -224,10 +224,10 @@ class EngineCore:
             self._owns_model_thread = True
         return self._model_thread.submit(fn)
 
-    def _launch(self, scheduler_output: SchedulerOutput) -> Future:
+    def _launch(self, scheduler_output: SchedulerOutput, grammar_rows: GrammarRows | None) -> Future:
         """Launch the step; the executor is looked up when it starts (a failed one is
         replaced)."""
-        return self._run(lambda: self.executor.execute_model(scheduler_output))
+        return self._run(lambda: self.executor.execute_model(scheduler_output, grammar_rows))
 
     def _collect(self, handle: Future) -> Future:
         return self._run(lambda: output_of(handle))

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from llmd.core.step_messages import RunnerOutput, SchedulerOutput
+    from llmd.core.step_messages import GrammarRows, RunnerOutput, SchedulerOutput
 
 
 class ExecutorError(RuntimeError):
@@ -45,8 +45,10 @@ class Executor(Protocol):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache (and on CUDA capture the decode graphs)."""
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> StepHandle:
-        """Launch one step; raises ExecutorError when the executor failed."""
+    def execute_model(self, scheduler_output: SchedulerOutput, grammar_rows: GrammarRows | None = None) -> StepHandle:
+        """Launch one step; `grammar_rows` (required when the step has grammar_req_ids)
+        are waited for just before sampling. Raises ExecutorError when the executor
+        failed."""
 
     def exit_fds(self) -> list[int]:
         """Descriptors that become readable when a worker process exits (none in process)."""

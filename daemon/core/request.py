@@ -93,11 +93,8 @@ class Request:
         self.stop_reason: int | str | None = None
         # Guided decoding: a llmd.structured_output.RequestGrammar (spec, then matcher).
         self.grammar = grammar
-        # Speculative decoding: draft tokens proposed for the next step, and (draft model,
-        # guided) the proposed draft after them that the grammar cut off (see
-        # SchedulerOutput.scheduled_spec_tail_tokens).
+        # Speculative decoding: draft tokens proposed for the next step.
         self.spec_token_ids: list[int] = []
-        self.spec_tail_token: int | None = None
         # Async scheduling: tokens being sampled by a step in flight, not yet known here.
         # The next step is scheduled as if they were (the worker has them by then).
         self.num_output_placeholders = 0

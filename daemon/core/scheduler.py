@@ -30,7 +30,7 @@ import msgspec
 from llmd.config import EngineConfig
 from llmd.core.kv_cache_manager import KVCacheManager
 from llmd.core.step_builder import StepBuilder, StepShape
-from llmd.core.step_messages import Logprobs, PromptLogprobs, RunnerOutput, SchedulerOutput
+from llmd.core.step_messages import GrammarRows, Logprobs, PromptLogprobs, RunnerOutput, SchedulerOutput
 from llmd.core.request import Request, RequestStatus
 from llmd.core.request_queue import make_queue
 from llmd.core.spec_decode import NgramProposer, SpecDecodeStats
@@ -84,6 +84,9 @@ class Scheduler:
         # The step whose grammar rows wait for the tokens of the step in flight.
         self._deferred_bitmask: tuple[SchedulerOutput, list[Request]] | None = None
         self.last_shape = StepShape(0, 0, 0, 0)
+        # The grammar rows of the step schedule() returned last, being filled (None: it
+        # has no guided request, or its rows wait for fill_deferred_bitmask).
+        self.last_grammar_rows: GrammarRows | None = None
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         # Ids the worker must forget at the next step (finished, aborted, preempted).
@@ -177,14 +180,14 @@ class Scheduler:
     def drop_deferred_bitmask(self) -> None:
         self._deferred_bitmask = None
 
-    def fill_deferred_bitmask(self, output: SchedulerOutput) -> None:
+    def fill_deferred_bitmask(self, output: SchedulerOutput) -> GrammarRows:
         """Start filling `output`'s grammar rows now that the matchers have every sampled
         token. A request finished meanwhile keeps its row (its token will be dropped)."""
         deferred, self._deferred_bitmask = self._deferred_bitmask, None
         assert deferred is not None and deferred[0] is output, "no deferred bitmask for this step"
         guided = deferred[1]
-        self.structured.fill_bitmask(output, [None if r.is_finished else r.grammar for r in guided],
-                                     [[] for _ in guided])
+        return self.structured.fill_bitmask([None if r.is_finished else r.grammar for r in guided],
+                                            [[] for _ in guided])
 
     # -- one step ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -212,22 +215,22 @@ class Scheduler:
         num_new = self._num_tokens_to_schedule(request, step.budget)
         if num_new == 0:
             return
-        drafts, tail = self._drafts_to_verify(request, num_new, step.budget)
+        drafts = self._drafts_to_verify(request, num_new, step.budget)
         drafting = self._drafts_for(request, request.num_computed_tokens + num_new)
         num_new += len(drafts)
         lookahead = self._draft_lookahead(request, request.num_computed_tokens + num_new) if drafting else 0
         while (new_blocks := self.kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)) is None:
-            if drafts or tail is not None or drafting:
+            if drafts or drafting:
                 # Drop the speculation before preempting anyone for it.
                 num_new -= len(drafts)
-                drafts, tail, drafting, lookahead = [], None, False, 0
+                drafts, drafting, lookahead = [], False, 0
                 continue
             victim = self._pick_victim()
             self._preempt(victim, step)
             if victim is request:
                 return
         draft_limit = request.num_computed_tokens + num_new + lookahead + 1 if drafting else None
-        step.add_running(request, num_new, [b.block_id for b in new_blocks], drafts, tail, draft_limit)
+        step.add_running(request, num_new, [b.block_id for b in new_blocks], drafts, draft_limit)
 
     def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
         if request.num_output_placeholders and \
@@ -259,7 +262,6 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0  # a token in flight is dropped and recomputed
         request.spec_token_ids = []
-        request.spec_tail_token = None
         request.num_preemptions += 1
         self.stats.num_preemptions_total += 1
         self.waiting.add_preempted(request)
@@ -307,28 +309,25 @@ class Scheduler:
             self._worker_forget.clear()
         self.stats.num_running = len(self.running)
         self.stats.num_waiting = len(self.waiting)
-        output = step.build(forget, [r.request_id for r in guided], b"")  # the rows follow
+        output = step.build(forget, [r.request_id for r in guided])
+        self.last_grammar_rows = None
         if deferred:
             self._deferred_bitmask = (output, guided)
         elif guided:
-            self.structured.fill_bitmask(output, [r.grammar for r in guided],
-                                         [step.spec_tokens.get(r.request_id, []) for r in guided])
+            self.last_grammar_rows = self.structured.fill_bitmask(
+                [r.grammar for r in guided], [step.spec_tokens.get(r.request_id, []) for r in guided])
         return output
 
     # -- speculation ------------------------------------------------------------------
-    def _drafts_to_verify(self, request: Request, num_new: int, budget: int) -> tuple[list[int], int | None]:
+    def _drafts_to_verify(self, request: Request, num_new: int, budget: int) -> list[int]:
         """The request's proposed drafts that fit this step: only in decode (one known
         token to compute), within the token budget, and never more than the request may
-        still emit (all accepted drafts plus the token sampled after them). Also its
-        tail draft (see SchedulerOutput.scheduled_spec_tail_tokens), unless the drafts
-        before it were cut short."""
+        still emit (all accepted drafts plus the token sampled after them)."""
         drafts, request.spec_token_ids = request.spec_token_ids, []
-        tail, request.spec_tail_token = request.spec_tail_token, None
-        if (not drafts and tail is None) or num_new != 1 or request.num_computed_tokens + 1 != request.num_tokens:
-            return [], None
+        if not drafts or num_new != 1 or request.num_computed_tokens + 1 != request.num_tokens:
+            return []
         room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1)
-        kept = drafts[:max(room, 0)]
-        return kept, tail if len(kept) == len(drafts) else None
+        return drafts[:max(room, 0)]
 
     def _drafts_for(self, request: Request, num_computed_after: int) -> bool:
         """Whether the worker drafts for the request after this step (draft model): it
@@ -350,18 +349,18 @@ class Scheduler:
         """The drafts to verify at the request's next step: the n-gram proposer's, or
         those the draft model made in the worker. A guided request's are cut at the first
         token its grammar refuses or that ends it. A draft-model draft is sampled, so
-        dropping it for its value would bias what is emitted: the cut-off one becomes the
-        tail, tested at the last verified position."""
+        dropping it for its value would bias what is emitted: the cut-off one stays, as
+        the last draft. Its row masks it out if the grammar refuses it (always rejected,
+        then), and if it ends the grammar and is accepted the request ends there; either
+        way the row after it is never used, and its rows allow every token
+        (bitmask_filler)."""
         drafts = model_drafts
         if self.proposer is not None:  # its index of the request's tokens grows by this step's only
             drafts = self.proposer.propose(request.all_token_ids, req_id=request.request_id)
-        tail = None
         if drafts and request.grammar is not None:
             valid = self.structured.validate_drafts(request.grammar, drafts)
-            if self.proposer is None and len(valid) < len(drafts):
-                tail = drafts[len(valid)]
-            drafts = valid
-        request.spec_token_ids, request.spec_tail_token = drafts, tail
+            drafts = valid if self.proposer is not None else drafts[:len(valid) + 1]
+        request.spec_token_ids = drafts
 
     # -- results ----------------------------------------------------------------------
     def update_from_output(self, output: SchedulerOutput, runner_output: RunnerOutput) -> list[RequestUpdate]:

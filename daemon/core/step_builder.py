@@ -41,7 +41,6 @@ class StepBuilder:
         self.new_reqs: list[NewRequestData] = []
         self._cached: dict[str, _CachedEntry] = {}
         self.spec_tokens: dict[str, list[int]] = {}
-        self.spec_tails: dict[str, int] = {}
         self.draft_limits: dict[str, int] = {}
 
     @property
@@ -56,14 +55,12 @@ class StepBuilder:
             self.draft_limits[request.request_id] = draft_limit
 
     def add_running(self, request: Request, num_new: int, new_block_ids: list[int], drafts: list[int],
-                    tail: int | None, draft_limit: int | None) -> None:
+                    draft_limit: int | None) -> None:
         """A running request computes `num_new` tokens (its drafts to verify included);
         `draft_limit`: the most tokens the worker's drafts for it may reach, if it drafts."""
         self._schedule(request, num_new, draft_limit)
         if drafts:
             self.spec_tokens[request.request_id] = drafts
-        if tail is not None:
-            self.spec_tails[request.request_id] = tail
         self._cached[request.request_id] = _CachedEntry(new_block_ids, request.num_computed_tokens)
 
     def add_new(self, request: Request, num_new: int, block_ids: list[int], draft_limit: int | None) -> None:
@@ -87,7 +84,6 @@ class StepBuilder:
             return
         self.budget += self.num_scheduled.pop(req_id)
         self.spec_tokens.pop(req_id, None)
-        self.spec_tails.pop(req_id, None)
         self.draft_limits.pop(req_id, None)
         self._cached.pop(req_id, None)
         self.new_reqs = [new for new in self.new_reqs if new.req_id != req_id]
@@ -115,7 +111,7 @@ class StepBuilder:
         shape = StepShape(len(self.num_scheduled), self.total_tokens, num_prefill_tokens, num_decode_reqs)
         return sampling, shape
 
-    def build(self, finished_req_ids: list[str], grammar_req_ids: list[str], grammar_bitmask: bytes) -> SchedulerOutput:
+    def build(self, finished_req_ids: list[str], grammar_req_ids: list[str]) -> SchedulerOutput:
         cached = CachedRequestData(list(self._cached), [e.new_block_ids for e in self._cached.values()],
                                    [e.num_computed_tokens for e in self._cached.values()])
         return SchedulerOutput(
@@ -125,8 +121,6 @@ class StepBuilder:
             total_num_scheduled_tokens=self.total_tokens,
             finished_req_ids=finished_req_ids,
             grammar_req_ids=grammar_req_ids,
-            grammar_bitmask=grammar_bitmask,
             scheduled_spec_decode_tokens=self.spec_tokens,
-            scheduled_spec_tail_tokens=self.spec_tails,
             draft_max_num_tokens=self.draft_limits,
         )

@@ -6,9 +6,12 @@ that a step names it with its new block ids and how many tokens to compute. The 
 keeps its own copy of each request's tokens and appends what it samples.
 
 A step's grammar bitmask rows are filled while its forward runs (only sampling needs
-them), so the step goes to the executor before they exist: whoever samples reads them
-through `SchedulerOutput.wait_grammar_bitmask`, which waits for them (in process, for the
-filling thread; in a worker, for the message that follows the step).
+them), so the step goes to the executor before they exist. The step names the requests
+whose rows it samples with (`grammar_req_ids`); the rows themselves are the step's second
+input, `GrammarRows`, handed to the executor beside it (Executor.execute_model) and
+waited for just before sampling: in process, for the thread that fills them; in a worker
+process, for the message that follows the step (vLLM's execute_model, then
+sample_tokens(grammar_output)).
 """
 from __future__ import annotations
 
@@ -35,45 +38,48 @@ class CachedRequestData(msgspec.Struct, array_like=True):
     num_computed_tokens: list[int]
 
 
-class SchedulerOutput(msgspec.Struct, array_like=True, dict=True):
+class GrammarRows:
+    """One step's grammar bitmask rows (int32 words over the logit width, bit i of word j
+    = token 32*j + i), each guided request's in `grammar_req_ids` order, one row for each
+    position it samples at. `wait()` returns them, blocking while they are being filled.
+    Lives in one process: a worker process is sent the bytes (worker/process.py)."""
+
+    __slots__ = ("_fill", "_rows")
+
+    def __init__(self, fill: Callable[[], bytes]) -> None:
+        """`fill()` returns the rows, waiting for them; it is called once."""
+        self._fill: Callable[[], bytes] | None = fill
+        self._rows = b""
+
+    @classmethod
+    def filled(cls, rows: bytes) -> GrammarRows:
+        return cls(lambda: rows)
+
+    def wait(self) -> bytes:
+        if self._fill is not None:
+            fill, self._fill = self._fill, None
+            self._rows = fill()
+        return self._rows
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True):
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: CachedRequestData
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     # Requests the worker must forget: finished, aborted or preempted since the last step.
     finished_req_ids: list[str]
-    # Guided decoding: the requests that sample under a grammar this step, and their
-    # allowed-token bitmask rows in that order (int32 words over the logit width). The
-    # rows are read with wait_grammar_bitmask(): they are filled after the step is sent.
+    # Guided decoding: the requests that sample under a grammar this step, in the order
+    # of their rows in the step's GrammarRows (which are filled while the step runs).
     grammar_req_ids: list[str] = []
-    grammar_bitmask: bytes = b""
     # Speculative decoding: draft tokens to verify, by request. Such a request's
     # scheduled tokens are its last sampled token followed by these drafts.
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
-    # Draft-model speculation, guided requests: the proposed draft right after the ones
-    # being verified, which the grammar refused or which ends the grammar. It is tested
-    # (at the request's last row) rather than dropped, since dropping a draft because of
-    # its value would bias sampling; if accepted it is the request's last token this step.
-    scheduled_spec_tail_tokens: dict[str, int] = {}
     # Draft-model speculation: the requests the worker drafts for after this step's
     # sampling, each with the most tokens (known + drafts) its drafts may reach. The
     # scheduler reserved KV slots for every position those drafts write, and the limit
     # keeps them within what the request may still emit (and max_model_len).
     draft_max_num_tokens: dict[str, int] = {}
-
-    # Where the grammar rows come from is state of this process, never sent: the struct
-    # keeps it in its __dict__ (dict=True), which msgspec does not encode.
-    def follow_grammar_bitmask(self, source: Callable[[], bytes]) -> None:
-        """The grammar rows are `source()`, which blocks until they are filled."""
-        self.__dict__["_grammar_bitmask_source"] = source
-
-    def wait_grammar_bitmask(self) -> bytes:
-        """The grammar rows, waiting for them if they are still being filled. Called just
-        before sampling: the forward ran meanwhile."""
-        source = self.__dict__.pop("_grammar_bitmask_source", None)
-        if source is not None:
-            self.grammar_bitmask = source()
-        return self.grammar_bitmask
 
 
 class Logprobs(msgspec.Struct, array_like=True):

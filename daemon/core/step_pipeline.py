@@ -1,7 +1,8 @@
 """Steps in flight: schedule, launch on the executor, apply the result.
 
-Every step is launched the same way (Executor.execute_model returns its handle) and its
-output is read from the handle (StepHandle.output). Without async scheduling a step's
+Every step is launched the same way (Executor.execute_model, with the step's grammar
+rows when it has guided requests, returns its handle) and its output is read from the
+handle (StepHandle.output). Without async scheduling a step's
 output is asked for as soon as it is launched: scheduled, run and applied before the
 next is scheduled. With it (overlap), while step N runs the pipeline schedules step N+1
 and launches it at once, and only then asks for N's output: the executor starts N+1 as
@@ -24,7 +25,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
 
-from llmd.core.step_messages import RunnerOutput, SchedulerOutput
+from llmd.core.step_messages import GrammarRows, RunnerOutput, SchedulerOutput
 from llmd.core.scheduler import RequestUpdate, Scheduler, StepShape
 
 
@@ -36,6 +37,7 @@ class Step:
     shape: StepShape
     num_cached: dict[str, int]  # prompt tokens from the prefix cache, by newly admitted request
     scheduled_at: float
+    grammar_rows: GrammarRows | None = None  # its guided requests' rows, once their fill started
     handle: Future | None = None  # of the executor's StepHandle, once launched
     future: Future | None = None  # of its RunnerOutput, once asked for
     launched_at: float = 0.0
@@ -50,10 +52,10 @@ class PipelineStats:
 
 
 class StepPipeline:
-    def __init__(self, scheduler: Scheduler, launch: Callable[[SchedulerOutput], Future],
+    def __init__(self, scheduler: Scheduler, launch: Callable[[SchedulerOutput, GrammarRows | None], Future],
                  collect: Callable[[Future], Future], overlap: bool) -> None:
-        """`launch(output)` starts the step on the executor and returns a future of its
-        StepHandle (it may run the step before returning); `collect(handle_future)` a
+        """`launch(output, grammar_rows)` starts the step on the executor and returns a
+        future of its StepHandle (it may run the step before returning); `collect(handle_future)` a
         future of the handle's RunnerOutput. Both keep the order they are called in."""
         self.scheduler = scheduler
         self.launch = launch
@@ -101,7 +103,7 @@ class StepPipeline:
         updates = self.scheduler.update_from_output(done.output, runner_output)
         if self.deferred is not None:
             upcoming, self.deferred = self.deferred, None
-            self.scheduler.fill_deferred_bitmask(upcoming.output)
+            upcoming.grammar_rows = self.scheduler.fill_deferred_bitmask(upcoming.output)
             self.stats.deferred += 1
             self._launch(upcoming)
         return done, updates
@@ -135,11 +137,11 @@ class StepPipeline:
         requests = self.scheduler.requests
         return Step(output, self.scheduler.last_shape,
                     {r.req_id: requests[r.req_id].num_cached_tokens for r in output.scheduled_new_reqs},
-                    time.monotonic())
+                    time.monotonic(), self.scheduler.last_grammar_rows)
 
     def _launch(self, step: Step) -> None:
         step.launched_at = time.monotonic()
-        step.handle = self._track(self.launch(step.output))
+        step.handle = self._track(self.launch(step.output, step.grammar_rows))
         if self.launched and self.launched[-1].future is None:
             # The step before's output, asked for after this one launched: the executor
             # went on to this step without waiting for that read.

@@ -1,7 +1,7 @@
 """Filling a step's grammar bitmask rows off the engine thread, while the step's forward
 runs: the forward does not need the rows, only sampling does, so the scheduler hands the
 step to the executor at once and whoever samples waits for the rows just before sampling
-(SchedulerOutput.wait_grammar_bitmask). xgrammar releases the GIL while it fills, so the
+(GrammarRows.wait). xgrammar releases the GIL while it fills, so the
 fill really runs beside the forward.
 
 That pays where the host is idle while the device computes (a GPU). When the model runs
@@ -111,7 +111,9 @@ class BitmaskFiller:
 
     def _fill_matchers(self, rows, groups: list[RowGroup]) -> None:
         """Round d fills row d of every group with at least d drafts, after accepting its
-        d-th draft: one batched call per round. The matchers end where they started."""
+        d-th draft: one batched call per round. A draft the grammar refuses or that ends
+        it can only be a request's last (Scheduler._take_drafts): the row after it, never
+        used, is left allowing every token. The matchers end where they started."""
         if not groups:
             return
         import xgrammar as xgr
@@ -119,17 +121,21 @@ class BitmaskFiller:
         if self._batch is None:
             self._batch = xgr.BatchGrammarMatcher(self._max_threads)
         accepted = [0] * len(groups)
+        ended: set[int] = set()
         try:
             for depth in range(1 + max(len(g.drafts) for g in groups)):
-                at = [i for i, g in enumerate(groups) if len(g.drafts) >= depth]
+                at = [i for i, g in enumerate(groups) if len(g.drafts) >= depth and i not in ended]
                 if depth:
-                    # Drafts were validated against the grammar when proposed.
                     ok = xgr.BatchGrammarMatcher.batch_accept_token(
                         [groups[i].matcher for i in at], [groups[i].drafts[depth - 1] for i in at])
                     for i, taken in zip(at, ok):
                         accepted[i] += taken
-                self._batch.batch_fill_next_token_bitmask(
-                    [groups[i].matcher for i in at], rows, [groups[i].first_row + depth for i in at])
+                        if not taken or groups[i].matcher.is_terminated():
+                            ended.add(i)
+                    at = [i for i in at if i not in ended]
+                if at:
+                    self._batch.batch_fill_next_token_bitmask(
+                        [groups[i].matcher for i in at], rows, [groups[i].first_row + depth for i in at])
         finally:
             back = [i for i, n in enumerate(accepted) if n]
             if back:

@@ -7,18 +7,15 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
-from typing import TYPE_CHECKING
 
+from llmd.core.step_messages import GrammarRows
 from llmd.structured_output.bitmask_filler import BitmaskFiller, RowGroup
 from llmd.structured_output.compiler import CompileJob, GrammarCompilerService
 from llmd.structured_output.spec import GrammarError, GrammarSpec
 
 logger = logging.getLogger("llmd.structured_output")
-
-if TYPE_CHECKING:
-    from llmd.core.step_messages import SchedulerOutput
 
 
 class RequestGrammar:
@@ -100,25 +97,22 @@ class StructuredOutputManager:
         """When the first of these requests runs out of time to wait for its grammar."""
         return min((g.submitted_at + self.service.timeout_s for g in grammars), default=None)
 
-    def fill_bitmask(self, output: SchedulerOutput, grammars: list[RequestGrammar | None],
-                     drafts: list[list[int]]) -> Future:
-        """Start filling `output`'s grammar rows (on the filler's thread, or at once) and
-        make them the rows it waits for (SchedulerOutput.wait_grammar_bitmask): the step
-        can be handed to the executor at once. Per grammar, in order, one row for each
-        position it samples at: 1 + its drafts. A None grammar (its request finished) gets
-        rows that allow every token. The matchers and tails are read now, when the
-        scheduler holds them."""
+    def fill_bitmask(self, grammars: list[RequestGrammar | None], drafts: list[list[int]]) -> GrammarRows:
+        """Start filling a step's grammar rows (on the filler's thread, or at once): the
+        step can be handed to the executor at once, with these rows to wait for. Per
+        grammar, in order, one row for each position it samples at: 1 + its drafts. A
+        None grammar (its request finished) gets rows that allow every token. The
+        matchers and tails are read now, when the scheduler holds them."""
         groups = [RowGroup(None, b"", list(d)) if g is None
                   else RowGroup(g.matcher, g.utf8_tail, list(d), g.set_fill_error)
                   for g, d in zip(grammars, drafts)]
         future = self.filler.submit(groups)
-        output.follow_grammar_bitmask(lambda: self.filler.wait(future))
-        return future
+        return GrammarRows(lambda: self.filler.wait(future))
 
     def validate_drafts(self, grammar: RequestGrammar, drafts: list[int]) -> list[int]:
         """The longest prefix of `drafts` the grammar (and UTF-8) allows from here, short
-        of a token that would end the grammar (that one is left to be sampled: a row after
-        it could not be masked); the matcher ends where it started."""
+        of a token that would end the grammar (a row after it could not be masked); the
+        matcher ends where it started."""
         guard = self.service.utf8_guard
         matcher = grammar.matcher
         tail, valid = grammar.utf8_tail, []

@@ -13,10 +13,6 @@ p_k. Each emitted token is then distributed exactly as under p. A draft model gi
 come without one: q is a point mass on d_i, and the rule reads: accept d_i with
 probability p_i(d_i); at the first rejection sample from p_i with d_i removed. Greedy
 rows reduce to: accept while d_i is the argmax, then emit the argmax.
-
-A request may also carry a tail draft, tested at its last row by the same rule: if
-accepted it is emitted with nothing after it (guided decoding, where the grammar cut
-the drafts there; see SchedulerOutput.scheduled_spec_tail_tokens).
 """
 from __future__ import annotations
 
@@ -41,16 +37,15 @@ class VerifyOutput:
 
 
 def verify(sampler: Sampler, logits: torch.Tensor, md: SamplingMetadata, drafts: list[list[int]],
-           draft_probs: torch.Tensor | None = None, tails: list[int | None] | None = None) -> VerifyOutput:
+           draft_probs: torch.Tensor | None = None) -> VerifyOutput:
     """logits/md: one row per position, request j owning len(drafts[j]) + 1 consecutive
     rows in order. draft_probs: None (point-mass drafts) or [rows, md.vocab_limit], row r
     the q of the draft tested at row r (ignored on rows without a draft and on greedy
-    rows). tails: per request, a draft tested at its last row, or None. Returns what
+    rows). Returns what
     each request emits this step."""
-    tails = tails or [None] * len(drafts)
     draft_of_row: list[int] = []
-    for d, tail in zip(drafts, tails):
-        draft_of_row += d + [-1 if tail is None else tail]
+    for d in drafts:
+        draft_of_row += d + [-1]
     if len(draft_of_row) != md.num_rows:
         raise ValueError(f"{md.num_rows} logit rows for {len(draft_of_row)} verify positions")
     device = logits.device
@@ -86,12 +81,11 @@ def verify(sampler: Sampler, logits: torch.Tensor, md: SamplingMetadata, drafts:
     recovered_ids = recovered.tolist()
     out = VerifyOutput(token_ids=[], rows=[])
     row = 0
-    for d, tail in zip(drafts, tails):
+    for d in drafts:
         n = 0
         while n < len(d) and accepted[row + n]:
             n += 1
-        last = tail if n == len(d) and tail is not None and accepted[row + n] else recovered_ids[row + n]
-        out.token_ids.append(d[:n] + [last])
+        out.token_ids.append(d[:n] + [recovered_ids[row + n]])
         out.rows.append(list(range(row, row + n + 1)))
         row += len(d) + 1
     if raw_logprobs is not None:

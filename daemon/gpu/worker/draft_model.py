@@ -140,21 +140,19 @@ class DraftModel:
         self.attention_metadata.build(md)
         return self.model(ids, torch.from_numpy(positions).to(dev), self.kv_caches, md)
 
-    def take_probs(self, req_ids: list[str], drafts: list[list[int]], tails: list[int | None],
-                   num_rows: int, width: int) -> torch.Tensor:
+    def take_probs(self, req_ids: list[str], drafts: list[list[int]], num_rows: int, width: int) -> torch.Tensor:
         """q for the verify rows (see rejection_sampler.verify: request j owns
         len(drafts[j]) + 1 rows), zero where no draft is tested or the request is greedy."""
         q = torch.zeros(num_rows, width, dtype=torch.float32, device=self.device)
         row = 0
-        for req_id, d, tail in zip(req_ids, drafts, tails):
-            tested = d + ([] if tail is None else [tail])
+        for req_id, d in zip(req_ids, drafts):
             proposal = self.proposals.get(req_id)
-            if tested:
-                if proposal is None or proposal.token_ids[:len(tested)] != tested:
-                    raise RuntimeError(f"request {req_id}: drafts to verify {tested} are not the draft "
+            if d:
+                if proposal is None or proposal.token_ids[:len(d)] != d:
+                    raise RuntimeError(f"request {req_id}: drafts to verify {d} are not the draft "
                                        "model's proposal")
                 if proposal.probs is not None:
-                    q[row:row + len(tested)] = proposal.probs[:len(tested)]
+                    q[row:row + len(d)] = proposal.probs[:len(d)]
             row += len(d) + 1
         return q
 

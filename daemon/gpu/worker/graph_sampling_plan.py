@@ -95,7 +95,7 @@ def plan_graph_sampling(so: SchedulerOutput, decodes: list[RunnerRequest], chain
                         eos_token_id: int | None, vocab: int) -> GraphSamplingPlan | None:
     """The tail a step of `decodes` (all plain decode rows, in row order) samples with,
     or None when a row that samples needs the eager sampler."""
-    if so.grammar_req_ids or so.scheduled_spec_decode_tokens or so.scheduled_spec_tail_tokens:
+    if so.grammar_req_ids or so.scheduled_spec_decode_tokens:
         return None
     in_flight = chain.row_of if chain is not None else {}
     rows = []

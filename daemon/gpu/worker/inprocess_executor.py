@@ -1,7 +1,7 @@
 """Executors run SchedulerOutputs on the model. The in-process one calls the runner
 directly (offline engine, tests, debugging); worker processes are behind the same methods
-(mp_executor.py). Here the runner samples from the scheduler's own SchedulerOutput: its
-grammar rows are waited for on the thread that fills them (wait_grammar_bitmask)."""
+(mp_executor.py). Here the runner waits for a step's grammar rows on the thread that
+fills them (GrammarRows.wait)."""
 from __future__ import annotations
 
 import torch
@@ -10,7 +10,7 @@ from llmd.gpu.worker.kv_budget import MemoryBreakdown
 from llmd.gpu.worker.model_runner import ModelRunner
 from llmd.gpu.worker.runner_types import RunnerSettings, StepHandle
 from llmd.load_progress import LoadProgress
-from llmd.core.step_messages import SchedulerOutput
+from llmd.core.step_messages import GrammarRows, SchedulerOutput
 
 
 class InProcessExecutor:
@@ -29,9 +29,9 @@ class InProcessExecutor:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> StepHandle:
+    def execute_model(self, scheduler_output: SchedulerOutput, grammar_rows: GrammarRows | None = None) -> StepHandle:
         """Launch the step; its output from the handle (see ModelRunner.execute_model)."""
-        return self.runner.execute_model(scheduler_output)
+        return self.runner.execute_model(scheduler_output, grammar_rows)
 
     def exit_fds(self) -> list[int]:
         """No worker process to watch: the model runs in this one."""

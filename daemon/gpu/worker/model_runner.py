@@ -31,7 +31,7 @@ from llmd.gpu.worker.runner_types import RunnerSettings, StepHandle, record_samp
 from llmd.gpu.sample.sampler import Sampler
 from llmd.gpu.worker.sampling_step import SamplingStep
 from llmd.load_progress import LoadProgress
-from llmd.core.step_messages import RunnerOutput, SchedulerOutput
+from llmd.core.step_messages import GrammarRows, RunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("llmd.model_runner")
 
@@ -185,8 +185,9 @@ class ModelRunner:
             self.drafter.forget(so.finished_req_ids)
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> StepHandle:
-        """Launch one step; its handle gives the RunnerOutput (StepHandle.output). When
+    def execute_model(self, so: SchedulerOutput, grammar: GrammarRows | None = None) -> StepHandle:
+        """Launch one step (`grammar`: its guided requests' rows, waited for just before
+        sampling); its handle gives the RunnerOutput (StepHandle.output). When
         the step before is still pending (its tokens on the device: nobody asked for its
         output yet), this step's decode rows read those tokens there, so the device goes
         from one step to the next while the host reads the earlier one's. A step that
@@ -197,7 +198,7 @@ class ModelRunner:
         if prev is not None and prev.pending and not defer:
             prev.output()
         chain = prev if prev is not None and prev.pending else None
-        result = self._execute(so, chain, defer)
+        result = self._execute(so, grammar, chain, defer)
         handle = result if isinstance(result, StepHandle) else StepHandle(result)
         handle.before = chain
         self._last = handle
@@ -206,10 +207,10 @@ class ModelRunner:
     def _can_defer(self, so: SchedulerOutput) -> bool:
         """Whether this step's tokens may stay on the device: one rank (no token
         broadcast), no draft model (it drafts from the host tokens), no drafts to verify."""
-        return (self.world_size == 1 and self.drafter is None and not so.scheduled_spec_decode_tokens
-                and not so.scheduled_spec_tail_tokens)
+        return self.world_size == 1 and self.drafter is None and not so.scheduled_spec_decode_tokens
 
-    def _execute(self, so: SchedulerOutput, chain: StepHandle | None, defer: bool) -> RunnerOutput | StepHandle:
+    def _execute(self, so: SchedulerOutput, grammar: GrammarRows | None, chain: StepHandle | None,
+                 defer: bool) -> RunnerOutput | StepHandle:
         """One step: the forward (a decode graph's replay when every row is a plain
         decode), then _finish_step. `chain`: the step before, its tokens on the device."""
         self._apply_scheduler_output(so)
@@ -230,7 +231,7 @@ class ModelRunner:
             hidden = self.model(ids_t, pos_t, self.kv_caches, md)
             if self.drafter is not None:
                 self.drafter.forward(ids_t, pos_t, md)
-        return self._finish_step(so, hidden, rows, chain, defer)
+        return self._finish_step(so, grammar, hidden, rows, chain, defer)
 
     def _sample_in_graph(self, so: SchedulerOutput, rows: StepRows, chain: StepHandle | None,
                          defer: bool) -> RunnerOutput | StepHandle | None:
@@ -258,7 +259,7 @@ class ModelRunner:
             out.device_memory_bytes = torch.cuda.memory_reserved(self.device)
         return out
 
-    def _finish_step(self, so: SchedulerOutput, hidden: torch.Tensor, rows: StepRows,
+    def _finish_step(self, so: SchedulerOutput, grammar: GrammarRows | None, hidden: torch.Tensor, rows: StepRows,
                      chain: StepHandle | None = None, defer: bool = False) -> RunnerOutput | StepHandle:
         """Logits of the rows that sample (and prompt logprobs), sampling, bookkeeping,
         then the draft model's proposals. With `defer`, the sampled tokens stay on the
@@ -272,8 +273,8 @@ class ModelRunner:
         if plan.reqs:
             logits = self.sampling.logits(hidden, plan.rows)
             if defer:
-                return self.sampling.sample_deferred(so, logits, plan.reqs, ordered, out, chain)
-            sampled = self.sampling.sample(so, logits, plan.reqs, plan.drafts, out)
+                return self.sampling.sample_deferred(so, grammar, logits, plan.reqs, ordered, out, chain)
+            sampled = self.sampling.sample(so, grammar, logits, plan.reqs, plan.drafts, out)
         record_sampled(out, ordered, plan.reqs, sampled)
         if self.drafter is not None:
             # A request that sampled has used (or dropped) its proposal: only new ones count.

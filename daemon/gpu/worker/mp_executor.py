@@ -39,9 +39,9 @@ from llmd.core.executor import ExecutorError
 from llmd.gpu.worker.kv_budget import MemoryBreakdown
 from llmd.gpu.worker.runner_types import RunnerSettings
 from llmd.load_progress import LoadCancelled
-from llmd.gpu.worker.process import (Execute, Flush, FromWorker, GrammarRows, InitKVCache, KVBudget, KVReady,
+from llmd.gpu.worker.process import (Execute, Flush, FromWorker, GrammarBitmask, InitKVCache, KVBudget, KVReady,
                                      ProfileKV, Shutdown, StepReply, WorkerFailed, WorkerInit, WorkerReady)
-from llmd.core.step_messages import RunnerOutput, SchedulerOutput
+from llmd.core.step_messages import GrammarRows, RunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("llmd.executor")
 CANCEL_POLL_S = 0.1  # how often a load's wait for its workers looks at the cancel
@@ -201,11 +201,10 @@ class MultiprocExecutor:
                 pass
             raise WorkerError(f"worker process {rank} (pid {proc.pid}) {exit_text(proc.returncode)}") from None
 
-    def _send_grammar_rows(self, scheduler_output: SchedulerOutput) -> None:
+    def _send_grammar_rows(self, grammar_rows: GrammarRows) -> None:
         """The step's grammar rows to rank 0 (the rank that samples), once they are filled:
         the step went first, so the workers' forward runs while they are."""
-        if scheduler_output.grammar_req_ids:
-            self._send(0, self._encoder.encode(GrammarRows(scheduler_output.wait_grammar_bitmask())))
+        self._send(0, self._encoder.encode(GrammarBitmask(grammar_rows.wait())))
 
     def exit_fds(self) -> list[int]:
         """One descriptor per worker that becomes readable when the worker process
@@ -276,11 +275,14 @@ class MultiprocExecutor:
             if not isinstance(reply, KVReady):
                 raise WorkerError(f"worker {rank} did not confirm its KV cache")
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> RemoteStep:
+    def execute_model(self, scheduler_output: SchedulerOutput, grammar_rows: GrammarRows | None = None) -> RemoteStep:
         """Send the step to every rank (and its grammar rows to rank 0 once filled); its
         output comes from the handle, read back in step order (RemoteStep.output)."""
+        if scheduler_output.grammar_req_ids and grammar_rows is None:
+            raise ValueError("a step with guided requests needs their grammar rows")
         self._broadcast(Execute(scheduler_output))
-        self._send_grammar_rows(scheduler_output)
+        if scheduler_output.grammar_req_ids:
+            self._send_grammar_rows(grammar_rows)
         step = RemoteStep(self, scheduler_output.total_num_scheduled_tokens)
         self._unread.append(step)
         return step

@@ -3,7 +3,7 @@ cache when told, then runs SchedulerOutputs as they arrive on its pipe and (rank
 replies with one RunnerOutput per step, in order: at once when the step's tokens are on
 the host, else once the next step has launched (its decode rows read them on the
 device) or the parent asks (Flush). A step's grammar bitmask rows come to rank 0 as the next
-message after the step (GrammarRows), sent once filled; the runner reads it just before
+message after the step (GrammarBitmask), sent once filled; the runner reads it just before
 sampling, after the forward. Messages are msgspec-encoded bytes, never pickles.
 
 The worker dies with its parent: PR_SET_PDEATHSIG on Linux, and an EOF on the pipe
@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 
 from llmd.gpu.worker.kv_budget import MemoryBreakdown
-from llmd.core.step_messages import RunnerOutput, SchedulerOutput
+from llmd.core.step_messages import GrammarRows, RunnerOutput, SchedulerOutput
 
 
 class WorkerInit(msgspec.Struct):
@@ -66,9 +66,9 @@ class Execute(msgspec.Struct, tag="execute"):
     scheduler_output: SchedulerOutput
 
 
-class GrammarRows(msgspec.Struct, tag="grammar_rows"):
-    """Rank 0 only: the grammar bitmask rows of the step just sent (SchedulerOutput.
-    grammar_bitmask), sent once filled; the worker reads it just before sampling."""
+class GrammarBitmask(msgspec.Struct, tag="grammar_bitmask"):
+    """Rank 0 only: the grammar rows of the step just sent (its GrammarRows), sent once
+    filled; the worker reads it just before sampling."""
 
     bitmask: bytes
 
@@ -95,7 +95,7 @@ class StepReply(msgspec.Struct, tag="result"):
 
 
 
-ToWorker = ProfileKV | InitKVCache | Execute | Flush | GrammarRows | Shutdown
+ToWorker = ProfileKV | InitKVCache | Execute | Flush | GrammarBitmask | Shutdown
 FromWorker = WorkerReady | WorkerFailed | KVBudget | KVReady | StepReply
 
 
@@ -179,13 +179,15 @@ def _serve(conn, init: WorkerInit, runner, encoder, decoder) -> None:
         if isinstance(message, Shutdown):
             return
         step = message.scheduler_output if isinstance(message, Execute) else None
+        rows = None
         if step is not None and init.rank == 0 and step.grammar_req_ids:
-            _follow_grammar_rows(step, conn, decoder)
+            rows = _grammar_rows(conn, decoder)
         try:
             replies: list = []
             if step is not None:
-                handle = runner.execute_model(step)
-                step.wait_grammar_bitmask()  # read if sampling did not: the next message is not the rows
+                handle = runner.execute_model(step, rows)
+                if rows is not None:
+                    rows.wait()  # read if sampling did not: the next message is not the rows
                 if init.rank == 0:
                     if held is not None:  # the step before: its tokens were read on the device
                         replies.append(StepReply(held.output()))
@@ -206,16 +208,16 @@ def _serve(conn, init: WorkerInit, runner, encoder, decoder) -> None:
             conn.send_bytes(encoder.encode(reply))
 
 
-def _follow_grammar_rows(step: SchedulerOutput, conn, decoder) -> None:
+def _grammar_rows(conn, decoder) -> GrammarRows:
     """The step's grammar rows are the next message on the pipe: the parent sends them
     once they are filled, so they are read when sampling needs them, not before the forward."""
     def read() -> bytes:
         message = decoder.decode(conn.recv_bytes())
-        if not isinstance(message, GrammarRows):
+        if not isinstance(message, GrammarBitmask):
             raise TypeError(f"worker expected the step's grammar rows, got {type(message).__name__}")
         return message.bitmask
 
-    step.follow_grammar_bitmask(read)
+    return GrammarRows(read)
 
 
 def _handle(message: ToWorker, runner) -> FromWorker:

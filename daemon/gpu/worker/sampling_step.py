@@ -21,7 +21,7 @@ from llmd.gpu.sample.graph_sampler import GraphSampler
 from llmd.gpu.sample.rejection_sampler import verify
 from llmd.gpu.worker.runner_types import RunnerRequest, RunnerSettings, StepHandle, collect_logprobs
 from llmd.gpu.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs
-from llmd.core.step_messages import Logprobs, PromptLogprobs, RunnerOutput, SchedulerOutput
+from llmd.core.step_messages import GrammarRows, Logprobs, PromptLogprobs, RunnerOutput, SchedulerOutput
 
 
 @dataclass
@@ -54,13 +54,14 @@ class SamplingStep:
         idx = _to_device(rows, hidden.device)
         return self.model.compute_logits(hidden.index_select(0, idx))
 
-    def sample(self, so: SchedulerOutput, logits: torch.Tensor, reqs: list[RunnerRequest],
-               drafts: list[list[int]], out: RunnerOutput) -> list[list[int]]:
+    def sample(self, so: SchedulerOutput, grammar: GrammarRows | None, logits: torch.Tensor,
+               reqs: list[RunnerRequest], drafts: list[list[int]], out: RunnerOutput) -> list[list[int]]:
         """The tokens each request emits, the same on every tensor-parallel rank: rank 0
-        samples (logprobs into `out`) and broadcasts them, the others receive them."""
+        samples (logprobs into `out`; `grammar`: the rows of so.grammar_req_ids) and
+        broadcasts them, the others receive them."""
         dev = logits.device
         if self.rank == 0:
-            sampled = self._sample(so, logits, reqs, drafts, out)
+            sampled = self._sample(so, grammar, logits, reqs, drafts, out)
             if self.world_size > 1:
                 _broadcast_tokens(_pad_rows(sampled, len(reqs), drafts, dev))
             return sampled
@@ -68,24 +69,23 @@ class SamplingStep:
         _broadcast_tokens(tokens)
         return [[t for t in row if t >= 0] for row in tokens.tolist()]
 
-    def _sample(self, so: SchedulerOutput, logits: torch.Tensor, reqs: list[RunnerRequest],
-                drafts: list[list[int]], out: RunnerOutput) -> list[list[int]]:
+    def _sample(self, so: SchedulerOutput, grammar: GrammarRows | None, logits: torch.Tensor,
+                reqs: list[RunnerRequest], drafts: list[list[int]], out: RunnerOutput) -> list[list[int]]:
         """One sampled token per request, or (verifying drafts) the accepted drafts and
         one more. Logprobs go into `out`."""
-        if so.scheduled_spec_decode_tokens or so.scheduled_spec_tail_tokens:
-            return self._verify(so, logits, reqs, drafts, out)
-        result = self.sampler(logits, self._metadata(so, reqs, logits.device))
+        if so.scheduled_spec_decode_tokens:
+            return self._verify(so, grammar, logits, reqs, drafts, out)
+        result = self.sampler(logits, self._metadata(so, reqs, logits.device, grammar=grammar))
         self._last.sampled = result.sampled_token_ids
         tokens = [[t] for t in result.sampled_token_ids.tolist()]
         if result.logprobs_token_ids is not None:
             collect_logprobs(out, reqs, [[i] for i in range(len(reqs))], result)
         return tokens
 
-    def _verify(self, so: SchedulerOutput, logits: torch.Tensor, reqs: list[RunnerRequest],
-                drafts: list[list[int]], out: RunnerOutput) -> list[list[int]]:
-        """Rejection sampling of each request's drafts (and the tail the scheduler
-        named): one row per verified position, row i of a request sees drafts[:i] as
-        output."""
+    def _verify(self, so: SchedulerOutput, grammar: GrammarRows | None, logits: torch.Tensor,
+                reqs: list[RunnerRequest], drafts: list[list[int]], out: RunnerOutput) -> list[list[int]]:
+        """Rejection sampling of each request's drafts: one row per verified position,
+        row i of a request sees drafts[:i] as output."""
         dev = logits.device
         settings = self.settings
         params, prompts, outputs, rows_of = [], [], [], {}
@@ -99,13 +99,12 @@ class SamplingStep:
                                     eos_token_id=settings.eos_token_id, device=dev)
         if so.grammar_req_ids:  # a guided request's bitmask has a row for each of its positions
             md.set_grammar_bitmask([r for rid in so.grammar_req_ids for r in rows_of[rid]],
-                                   so.wait_grammar_bitmask(), dev)
-        tails = [so.scheduled_spec_tail_tokens.get(r.req_id) for r in reqs]
+                                   _rows_of(grammar), dev)
         draft_probs = None  # n-gram drafts: point masses (and greedy rows need no q)
         if self.drafter is not None and not md.all_greedy:
-            draft_probs = self.drafter.take_probs([r.req_id for r in reqs], drafts, tails, md.num_rows,
+            draft_probs = self.drafter.take_probs([r.req_id for r in reqs], drafts, md.num_rows,
                                                   md.vocab_limit)
-        result = verify(self.sampler, logits, md, drafts, draft_probs, tails)
+        result = verify(self.sampler, logits, md, drafts, draft_probs)
         if result.logprobs_token_ids is not None:
             flat, rows = 0, []
             for ts in result.token_ids:
@@ -115,7 +114,7 @@ class SamplingStep:
         return result.token_ids
 
     def _metadata(self, so: SchedulerOutput, reqs: list[RunnerRequest], dev: torch.device,
-                  chain: StepHandle | None = None) -> SamplingMetadata:
+                  chain: StepHandle | None = None, grammar: GrammarRows | None = None) -> SamplingMetadata:
         """One sampling row per request (no drafts), grammar rows included. A request
         whose previous token a pending step still holds counts it as output: its length
         through a -1 stand-in (positions for seeds and min_tokens), its value added to the
@@ -139,7 +138,7 @@ class SamplingStep:
         self._last = _LastMetadata(req_ids, num_outputs, md)
         if so.grammar_req_ids:
             row_of = {r.req_id: i for i, r in enumerate(reqs)}
-            md.set_grammar_bitmask([row_of[rid] for rid in so.grammar_req_ids], so.wait_grammar_bitmask(), dev)
+            md.set_grammar_bitmask([row_of[rid] for rid in so.grammar_req_ids], _rows_of(grammar), dev)
         return md
 
     def _build_metadata(self, reqs: list[RunnerRequest], dev: torch.device, chain: StepHandle | None,
@@ -159,12 +158,13 @@ class SamplingStep:
         return md
 
     # -- tokens left on the device -----------------------------------------------------------
-    def sample_deferred(self, so: SchedulerOutput, logits: torch.Tensor, reqs: list[RunnerRequest],
-                        ordered: list[RunnerRequest], out: RunnerOutput, chain: StepHandle | None) -> StepHandle:
+    def sample_deferred(self, so: SchedulerOutput, grammar: GrammarRows | None, logits: torch.Tensor,
+                        reqs: list[RunnerRequest], ordered: list[RunnerRequest], out: RunnerOutput,
+                        chain: StepHandle | None) -> StepHandle:
         """Sample without reading the tokens back: start their copy to the host and
         return the step's handle, its tokens pending."""
         dev = logits.device
-        result = self.sampler(logits, self._metadata(so, reqs, dev, chain))
+        result = self.sampler(logits, self._metadata(so, reqs, dev, chain, grammar))
         self._last.sampled = result.sampled_token_ids
         host, ready = result, None
         if dev.type == "cuda":
@@ -215,6 +215,13 @@ class SamplingStep:
         if valid < logits.shape[-1]:
             logits[:, valid:] = float("-inf")
         return logits
+
+
+def _rows_of(grammar: GrammarRows | None) -> bytes:
+    """A guided step's grammar rows, waited for (they were filled beside the forward)."""
+    if grammar is None:
+        raise RuntimeError("a step with guided requests came without their grammar rows")
+    return grammar.wait()
 
 
 def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
