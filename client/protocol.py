@@ -312,6 +312,23 @@ class SpecDecodeInfo(msgspec.Struct, kw_only=True):
     mean_accepted_length: float  # tokens emitted per verifying step (accepted + 1)
 
 
+class MemoryInfo(msgspec.Struct, kw_only=True):
+    """Where the model's memory goes, in bytes."""
+
+    # The weights (every rank) by how they are kept: a GGUF type such as "Q4_1" (packed),
+    # a dtype such as "float32" (dense), "onednn" (the reordered copies CPU linear
+    # layers multiply with, beside the checkpoint layout).
+    weights: dict[str, int]
+    kv_cache: int  # the KV pool on every rank (on CPU its pages become resident as blocks are written)
+    kv_cache_used: int  # the blocks in use now
+    # The worker processes' resident memory (None: the model runs in the daemon's process).
+    workers_rss: int | None = None
+    # The rest of what holds memory for the model: activations, the runtime, caches. On a
+    # GPU the device memory reserved less weights and the KV pool; on CPU the resident
+    # memory (daemon and workers) less weights and the KV in use.
+    other: int = 0
+
+
 class StatusReply(msgspec.Struct, tag="status_reply", kw_only=True):
     model: str
     server_version: str
@@ -336,6 +353,7 @@ class StatusReply(msgspec.Struct, tag="status_reply", kw_only=True):
     grammar_compile_seconds_total: float = 0.0
     # Memory the model's device holds (rank 0's torch allocator, reserved); None on CPU.
     device_memory_bytes: int | None = None
+    memory: MemoryInfo | None = None  # None while loading
     spec_decode: SpecDecodeInfo | None = None  # None: speculative decoding is off
     # "loading" the model (requests wait); "serving"; "restarting" a failed worker
     # (requests wait); "dead" after too many worker failures (requests fail; the daemon

@@ -13,13 +13,18 @@ def format_status(s: StatusReply) -> str:
         f"engine       {_engine_state(s)}",
         f"device       {s.device} / {s.dtype}",
         f"requests     {s.num_running} running, {s.num_waiting} waiting, {s.requests_finished_total} finished",
-        f"kv cache     {s.kv_blocks_used} / {s.kv_blocks_total} blocks ({s.kv_usage:.1%})",
+        f"kv cache     {s.kv_blocks_used} / {s.kv_blocks_total} blocks ({s.kv_usage:.1%})"
+        + (f"; {_bytes(s.memory.kv_cache_used)} of {_bytes(s.memory.kv_cache)}" if s.memory is not None else ""),
         f"prefix hits  {s.prefix_cache_hit_rate:.1%}",
         f"throughput   {s.generation_tokens_per_s:.1f} tokens/s; {s.prompt_tokens_total} prompt and "
         f"{s.generation_tokens_total} generated tokens in total",
-        f"memory       {_bytes(s.rss_bytes)} RSS, CPU {s.cpu_percent:.0f}%"
-        + (f"; device {_bytes(s.device_memory_bytes)}" if s.device_memory_bytes is not None else ""),
+        _memory_line(s),
     ]
+    if s.memory is not None:
+        weights = sorted(s.memory.weights.items(), key=lambda kv: -kv[1])
+        lines.append(f"weights      {_bytes(sum(s.memory.weights.values()))}"
+                     + (": " + ", ".join(f"{kind} {_bytes(n)}" for kind, n in weights) if weights else ""))
+        lines.append(f"other        {_bytes(s.memory.other)} (activations, runtime, caches)")
     if s.num_preemptions_total:
         lines.append(f"preemptions  {s.num_preemptions_total}")
     if s.grammar_compiles_total:
@@ -68,6 +73,14 @@ def _duration(seconds: float) -> str:
     if hours:
         return f"{hours}h {minutes:02d}m {secs:02d}s"
     return f"{minutes}m {secs:02d}s"
+
+
+def _memory_line(s: StatusReply) -> str:
+    workers = s.memory.workers_rss if s.memory is not None else None
+    rss = (f"{_bytes(s.rss_bytes + workers)} RSS (daemon {_bytes(s.rss_bytes)}, workers {_bytes(workers)})"
+           if workers is not None else f"{_bytes(s.rss_bytes)} RSS")
+    device = f"; device {_bytes(s.device_memory_bytes)}" if s.device_memory_bytes is not None else ""
+    return f"memory       {rss}, CPU {s.cpu_percent:.0f}%{device}"
 
 
 def _bytes(n: int) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from llmd.config import EngineConfig
@@ -36,6 +37,17 @@ class _CoreAttribute:
 
     def __get__(self, engine: LLMEngine | None, owner: type | None = None) -> Any:
         return self if engine is None else getattr(engine.core, self.name)
+
+
+@dataclass(frozen=True)
+class ModelMemory:
+    """LLMEngine.memory: bytes of the weights (by how they are kept, every rank), of the
+    KV pool and of one block, and the worker processes' ids (none: in this process)."""
+
+    weights: dict[str, int]
+    kv_cache: int
+    bytes_per_block: int
+    worker_pids: list[int]
 
 
 class LLMEngine:
@@ -167,6 +179,13 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the executor (worker processes exit) and drop the KV cache."""
         self.core.shutdown(ignore=ExecutorError)
+
+    def memory(self) -> ModelMemory:
+        """The weights' bytes by how they are kept, the KV pool's, and the processes
+        holding them (the executor's now: a restarted one has new workers)."""
+        executor = self.core.executor
+        return ModelMemory(executor.weight_bytes(), self.num_blocks * executor.kv_cache_bytes_per_block(),
+                           executor.kv_cache_bytes_per_block(), executor.worker_pids())
 
     def get_stats(self) -> dict[str, Any]:
         stats = self.core.stats()

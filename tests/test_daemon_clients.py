@@ -102,8 +102,17 @@ def test_llmctl_submit_status_metrics(daemon, offline):
     assert piped.returncode == 0 and piped.stdout.rstrip("\n") == text
     status = llmctl(daemon, "status", "--json")
     assert status.returncode == 0 and json.loads(status.stdout)["kv_blocks_total"] == 128
+    reply = json.loads(status.stdout)
+    memory = reply["memory"]  # the model runs in the daemon's process (no workers)
+    assert memory["workers_rss"] is None and reply["rss_bytes"] > memory["weights"]["float32"] > 0
+    assert memory["kv_cache"] % 128 == 0 and 0 <= memory["kv_cache_used"] <= memory["kv_cache"]
+    shown = llmctl(daemon, "status").stdout
+    assert "weights      " in shown and "float32" in shown and "other        " in shown, shown
     metrics = llmctl(daemon, "metrics")
     assert metrics.returncode == 0 and "llmd:generation_tokens_total" in metrics.stdout
+    weights = {s.labels["storage"]: s.value for family in text_string_to_metric_families(metrics.stdout)
+               if family.name == "llmd:model_weights_bytes" for s in family.samples}
+    assert weights == memory["weights"]
     bad = llmctl(daemon, "abort", "r999999")
     assert bad.returncode == 1 and "unknown_id" in bad.stderr and "Traceback" not in bad.stderr
 

@@ -171,12 +171,22 @@ def test_a_fused_projection_of_mixed_types_stays_dense(hf_dirs, tmp_path):  # no
 
 
 def test_the_engine_setting_dequantize_keeps_every_weight_dense(hf_dirs, tmp_path):  # noqa: F811
+    """... and the engine's memory account (llmctl status) counts packed weights as the
+    file stores them: its Q8_0 bytes are the file's."""
     path = str(write_gguf(hf_dirs("llama"), tmp_path / "q8.gguf", T.Q8_0))
+    in_file: dict[str, int] = {}
+    for tensor in gguf.GGUFReader(path).tensors:
+        in_file[tensor.tensor_type.name] = in_file.get(tensor.tensor_type.name, 0) + int(tensor.n_bytes)
     packed = LLM(model=path, **SETTINGS)
     dense = LLM(model=path, dequantize=True, **SETTINGS)
     try:
         assert _packed(packed.engine.executor.runner.model)
         assert _packed(dense.engine.executor.runner.model) == {}
+        memory, dense_memory = packed.engine.memory(), dense.engine.memory()
+        assert memory.weights["Q8_0"] == in_file["Q8_0"] and memory.worker_pids == []
+        assert "Q8_0" not in dense_memory.weights
+        assert sum(dense_memory.weights.values()) > 3 * sum(memory.weights.values())
+        assert memory.kv_cache == SETTINGS["num_gpu_blocks_override"] * memory.bytes_per_block
     finally:
         packed.engine.shutdown()
         dense.engine.shutdown()

@@ -61,6 +61,9 @@ def test_multiprocess_equals_in_process(name, settings):
                 assert pa.keys() == pb.keys()
                 assert all(abs(pa[t].logprob - pb[t].logprob) < 1e-5 for t in pa)
         mp.engine.kv_cache_manager.assert_all_free()
+        # The worker's weights, as the in-process engine counts its own.
+        assert mp.engine.memory().weights == uni.engine.memory().weights
+        assert mp.engine.memory().worker_pids == mp.engine.executor.pids
         if settings["num_gpu_blocks_override"] == 6:
             assert mp.engine.get_stats()["num_preemptions"] > 0
         # Decode steps ship diffs only: a few dozen bytes per request, not its history.
@@ -222,5 +225,8 @@ def test_daemon_survives_a_worker_crash(extra):
                 "the request was lost"
             conn.send({"type": "submit", "id": "b", "prompt": "hi", "sampling": {"max_tokens": 4}})
             assert conn.until_final("b")[-1]["usage"]["completion_tokens"] == 4
+            conn.send({"type": "status"})
+            memory = conn.recv()["memory"]  # the new worker's, the model in it
+            assert memory["workers_rss"] > sum(memory["weights"].values()) > 0
     finally:
         assert d.stop() == 0, d.stderr()

@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     clock = CLOCKS[args.clock]
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = args.model if os.path.isdir(args.model) else str(fixture_path(args.model))
+    model = args.model if os.path.exists(args.model) else str(fixture_path(args.model))
     prompts = make_prompts(args.batch, *args.prompt_len, 1000, seed=0)
     load = os.getloadavg()[0]
     variants = []

@@ -6,8 +6,9 @@ from __future__ import annotations
 import bisect
 import collections
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import psutil
 from prometheus_client import CollectorRegistry, generate_latest
@@ -19,7 +20,10 @@ from llmd.actors.messages import Draining, EngineState, Query, RequestEvent, Ste
 from llmd.actors.runtime import Actor
 from llmd.core.request import parent_request_id
 from llmd.core.spec_decode import SpecDecodeStats
-from llmd_client.protocol import RequestInfo, SpecDecodeInfo, StatusReply
+from llmd_client.protocol import MemoryInfo, RequestInfo, SpecDecodeInfo, StatusReply
+
+if TYPE_CHECKING:
+    from llmd.engine import ModelMemory
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -81,8 +85,10 @@ class MetricsActor(Actor):
     name = "metrics"
 
     def __init__(self, *, model: str, server_version: str, device: str, dtype: str, kv_blocks_total: int,
-                 health_stall_s: float = 60.0) -> None:
+                 health_stall_s: float = 60.0, memory: Callable[[], ModelMemory] | None = None) -> None:
+        """`memory`: where the model's memory goes (LLMEngine.memory), asked at each status."""
         super().__init__()
+        self.memory = memory
         self.started = time.monotonic()
         self.health_stall_s = health_stall_s
         self.model = model
@@ -281,14 +287,42 @@ class MetricsActor(Actor):
             grammar_compiles_total=self.grammar_compile.count,
             grammar_compile_seconds_total=self.grammar_compile.sum,
             device_memory_bytes=self.device_memory_bytes,
+            memory=self._memory(step.kv_blocks_used if step else 0),
             spec_decode=_spec_info(self.spec),
             engine_state=self.engine_state(), engine_restarts=self.engine.restarts,
             engine_error=self.engine.error,
         )
 
+    def _memory(self, kv_blocks_used: int) -> MemoryInfo | None:
+        """The model's memory split (MemoryInfo): "other" is what the process(es) hold
+        beyond the weights and the KV cache. On a GPU that is rank 0's reserved device
+        memory less its share of the weights and of the KV pool (all allocated at start);
+        on CPU, the resident memory of the daemon and its workers less the weights and
+        the KV blocks in use (the pool's pages are touched only as blocks are written)."""
+        if self.memory is None:
+            return None
+        m = self.memory()
+        workers = sum(_rss(pid) for pid in m.worker_pids) if m.worker_pids else None
+        weights = sum(m.weights.values())
+        kv_used = kv_blocks_used * m.bytes_per_block
+        if self.device_memory_bytes is not None:
+            other = self.device_memory_bytes - (weights + m.kv_cache) // max(1, len(m.worker_pids))
+        else:
+            other = self.process.memory_info().rss + (workers or 0) - weights - kv_used
+        return MemoryInfo(weights=m.weights, kv_cache=m.kv_cache, kv_cache_used=kv_used, workers_rss=workers,
+                          other=max(0, other))
+
     def prometheus(self) -> str:
         """The Prometheus text exposition (format 0.0.4) of this daemon's registry."""
         return generate_latest(self.registry).decode()
+
+
+def _rss(pid: int) -> int:
+    """A process's resident memory (0 once it is gone: a worker being replaced)."""
+    try:
+        return psutil.Process(pid).memory_info().rss
+    except psutil.Error:
+        return 0
 
 
 def _spec_info(spec: SpecDecodeStats | None) -> SpecDecodeInfo | None:
@@ -333,6 +367,14 @@ class PrometheusCollector:
                                        "Device memory held by the model's torch allocator (rank 0).",
                                        labels=["model_name", "device"])
             family.add_metric([model, actor.device], actor.device_memory_bytes)
+            yield family
+        if actor.memory is not None:
+            family = GaugeMetricFamily("llmd:model_weights_bytes",
+                                       "The model's weights (every rank), by how they are kept: a GGUF type "
+                                       "(packed), a dtype (dense), onednn (CPU linears' reordered copies).",
+                                       labels=["model_name", "storage"])
+            for storage, n in actor.memory().weights.items():
+                family.add_metric([model, storage], n)
             yield family
 
     def _counters(self) -> Iterator[Metric]:

@@ -39,6 +39,13 @@ class Executor(Protocol):
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes one KV block takes on every rank (all layers, K and V)."""
 
+    def weight_bytes(self) -> dict[str, int]:
+        """The weights' bytes on all ranks, by how they are kept: a packed GGUF type,
+        a dense dtype, "onednn" for CPU linears' reordered copies."""
+
+    def worker_pids(self) -> list[int]:
+        """The worker processes holding the model (none when it is in this process)."""
+
     def profile_kv_budget(self, gpu_memory_utilization: float) -> list[Any]:
         """CUDA: one MemoryBreakdown per rank from profiling the largest step."""
 

@@ -197,7 +197,7 @@ def _start_actors(engine: LLMEngine, model_name: str, daemon: DaemonConfig, list
     reporting to metrics; the HTTP intake in front of the intake) and start them."""
     metrics = MetricsActor(model=model_name, server_version=SERVER_VERSION, device=str(engine.device),
                            dtype=str(engine.dtype).removeprefix("torch."), kv_blocks_total=engine.num_blocks,
-                           health_stall_s=daemon.health_stall_s)
+                           health_stall_s=daemon.health_stall_s, memory=engine.memory)
     detokenizer = DetokenizerActor(engine.tokenizer, metrics)
     scheduler = SchedulerActor(engine, detokenizer, metrics, model_thread, RestartPolicy(
         backoff_s=daemon.worker_restart_backoff_s, backoff_max_s=daemon.worker_restart_backoff_max_s,

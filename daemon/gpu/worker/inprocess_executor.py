@@ -21,6 +21,13 @@ class InProcessExecutor:
     def kv_cache_bytes_per_block(self) -> int:
         return self.runner.kv_cache_bytes_per_block()
 
+    def weight_bytes(self) -> dict[str, int]:
+        return self.runner.weight_bytes()
+
+    def worker_pids(self) -> list[int]:
+        """None: the model is in this process (its memory is this process's)."""
+        return []
+
     def profile_kv_budget(self, gpu_memory_utilization: float,
                           extra_reserved_bytes: int = 0) -> list[MemoryBreakdown]:
         """CUDA: one breakdown (one rank), as MultiprocExecutor gives one per rank."""

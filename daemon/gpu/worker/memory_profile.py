@@ -102,6 +102,32 @@ def profile_kv_budget(subject: ProfileSubject, gpu_memory_utilization: float,
                            extra_reserved_bytes=extra_reserved_bytes + graphs)
 
 
+def weight_storage(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes of the model's weights by how they are kept: a packed GGUF type's name, a
+    dense dtype's ("float32"; buffers such as rotary tables with them), and "onednn" for
+    the reordered copies CPU linear layers multiply with (cpu_linear: the checkpoint
+    layout stays beside them). Each storage counted once (tied embeddings share one)."""
+    seen: set[int] = set()
+    kinds: dict[str, int] = {}
+
+    def add(kind: str, key: int, nbytes: int) -> None:
+        if key not in seen:
+            seen.add(key)
+            kinds[kind] = kinds.get(kind, 0) + nbytes
+
+    for module in model.modules():
+        quant = getattr(module, "quant", None)
+        for name, t in (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)):
+            storage = t.untyped_storage()
+            kind = quant if quant is not None and name == "weight" else str(t.dtype).removeprefix("torch.")
+            add(kind, storage.data_ptr(), storage.nbytes())
+        for forward in (getattr(module, "kernel", None), module.__dict__.get("forward")):
+            packed = getattr(forward, "packed", None)
+            if isinstance(packed, torch.Tensor):  # an opaque oneDNN tensor: no storage to ask
+                add("onednn", id(packed), packed.numel() * packed.element_size())
+    return kinds
+
+
 def _tensor_bytes(model: torch.nn.Module) -> int:
     """Bytes of the storages behind the model's parameters and buffers, each storage
     once (tied embeddings share one)."""

@@ -26,7 +26,7 @@ from llmd.gpu.worker.graph_sampling_plan import plan_graph_sampling
 from llmd.gpu.worker.input_batch import InputBatch, StepRows
 from llmd.gpu.worker.kv_budget import MemoryBreakdown
 from llmd.gpu.models.loader import load_model
-from llmd.gpu.worker.memory_profile import ProfileSubject, profile_kv_budget
+from llmd.gpu.worker.memory_profile import ProfileSubject, profile_kv_budget, weight_storage
 from llmd.gpu.worker.runner_types import RunnerSettings, StepHandle, record_sampled
 from llmd.gpu.sample.sampler import Sampler
 from llmd.gpu.worker.sampling_step import SamplingStep
@@ -82,6 +82,15 @@ class ModelRunner:
             self.drafter = DraftModel(settings, device, dtype, self.attention_backend, self.sampler,
                                       self.workspace, self.batch)
         self.sampling = SamplingStep(self.model, self.sampler, settings, self.drafter, rank, world_size)
+
+    def weight_bytes(self) -> dict[str, int]:
+        """This rank's weight bytes by how they are kept (memory_profile.weight_storage),
+        the draft model's included."""
+        kinds = weight_storage(self.model)
+        if self.drafter is not None:
+            for kind, n in weight_storage(self.drafter.model).items():
+                kinds[kind] = kinds.get(kind, 0) + n
+        return kinds
 
     # -- KV cache -------------------------------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:

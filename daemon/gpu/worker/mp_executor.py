@@ -121,6 +121,10 @@ class MultiprocExecutor:
             self.shutdown()
             raise
         self._bytes_per_block = min(m.bytes_per_block for m in ready)
+        self._weight_bytes: dict[str, int] = {}
+        for message in ready:
+            for kind, n in message.weight_bytes.items():
+                self._weight_bytes[kind] = self._weight_bytes.get(kind, 0) + n
         self.pids = [p.pid for p in self.procs]
 
     def _recv(self, rank: int, timeout: float | None) -> object:
@@ -249,6 +253,13 @@ class MultiprocExecutor:
 
     def kv_cache_bytes_per_block(self) -> int:
         return self._bytes_per_block
+
+    def weight_bytes(self) -> dict[str, int]:
+        """Every rank's weight bytes, by how they are kept (summed over ranks)."""
+        return dict(self._weight_bytes)
+
+    def worker_pids(self) -> list[int]:
+        return list(self.pids)
 
     def profile_kv_budget(self, gpu_memory_utilization: float,
                           extra_reserved_bytes: int = 0) -> list[MemoryBreakdown]:

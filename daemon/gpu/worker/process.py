@@ -40,6 +40,7 @@ class WorkerInit(msgspec.Struct):
 class WorkerReady(msgspec.Struct, tag="ready"):
     bytes_per_block: int
     pid: int
+    weight_bytes: dict[str, int] = {}  # this rank's, by how they are kept (ModelRunner.weight_bytes)
 
 
 class WorkerFailed(msgspec.Struct, tag="failed"):
@@ -151,7 +152,8 @@ def worker_main(conn) -> None:
                                     timeout=datetime.timedelta(seconds=600))
         runner = ModelRunner(init.model_dir, RunnerSettings(**init.settings), device, dtype,
                              init.rank, init.world_size)
-        conn.send_bytes(encoder.encode(WorkerReady(runner.kv_cache_bytes_per_block(), os.getpid())))
+        conn.send_bytes(encoder.encode(WorkerReady(runner.kv_cache_bytes_per_block(), os.getpid(),
+                                                   runner.weight_bytes())))
     except Exception as exc:  # start-up errors go back as a message, not a child traceback
         conn.send_bytes(encoder.encode(WorkerFailed(f"{type(exc).__name__}: {exc}")))
         return
