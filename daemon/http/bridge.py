@@ -115,17 +115,18 @@ class Generation:
         return merged
 
 
-def engine_error(out: Output) -> ApiError | None:
+def engine_error(out: Output, guided_param: str = "response_format") -> ApiError | None:
     """A request the engine failed (a worker crash, a grammar that did not compile) as a
-    server-side error for the HTTP client (or a bad request, for a grammar); None if it did not."""
+    server-side error for the HTTP client (or a bad request naming the API's
+    `guided_param`, for a grammar); None if it did not."""
     if out.finish_reason != "error":
         return None
     message = out.error or "the request failed in the engine"
     status = 400 if message.startswith("guided") else 500
-    return ApiError(status, message, param="response_format" if status == 400 else None, code="engine_error")
+    return ApiError(status, message, param=guided_param if status == 400 else None, code="engine_error")
 
 
-def raise_for_error(out: Output) -> None:
-    error = engine_error(out)
+def raise_for_error(out: Output, guided_param: str = "response_format") -> None:
+    error = engine_error(out, guided_param)
     if error is not None:
         raise error

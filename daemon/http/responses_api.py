@@ -197,7 +197,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
         if body.stream:
             return await _stream(request, gen, response)
         out = (await gen.collect())[0][0]
-    raise_for_error(out)
+    raise_for_error(out, guided_param="text")
     return json_response(response.finished(out, out.text))
 
 
@@ -213,7 +213,7 @@ async def _stream(request: web.Request, gen: Generation, response: _Response) ->
     await stream.send({"type": "response.content_part.added", **where, "part": response.part("")})
     text = []
     async for _slot, out in gen:
-        if (error := engine_error(out)) is not None:
+        if (error := engine_error(out, guided_param="text")) is not None:
             failed = response.snapshot("failed", [], error={"code": "server_error", "message": error.message})
             await stream.send({"type": "response.failed", "response": failed})
             return await stream.close()
