@@ -69,10 +69,10 @@ def _json_object(ctx: click.Context, param: click.Parameter, value: str | None) 
     return parsed
 
 
-def _origin_list(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> list[str] | None:
-    """--http-allowed-origins a,b --http-allowed-origins c -> [a, b, c]; None when not given."""
-    origins = [o.strip() for v in value for o in v.split(",") if o.strip()]
-    return origins or None
+def _comma_list(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> list[str] | None:
+    """--option a,b --option c -> [a, b, c]; None when not given."""
+    items = [o.strip() for v in value for o in v.split(",") if o.strip()]
+    return items or None
 
 
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
@@ -110,9 +110,12 @@ def main() -> None:
 @click.option("--api-key-file", default=None, help="File with the API key(s), one a line.")
 @click.option("--http-require-api-key/--no-http-require-api-key", "http_require_api_key", default=None,
               help="Refuse TCP clients without a valid API key (default: on).")
-@click.option("--http-allowed-origins", callback=_origin_list, multiple=True, metavar="ORIGINS",
+@click.option("--http-allowed-origins", callback=_comma_list, multiple=True, metavar="ORIGINS",
               help="Web page origins that may call the HTTP APIs, comma-separated or repeated, `*` a wildcard "
                    "(default: only localhost/127.0.0.1 pages on any port and desktop-app schemes).")
+@click.option("--served-model-name", callback=_comma_list, multiple=True, metavar="NAMES",
+              help="Names HTTP clients may ask for the model by, comma-separated or repeated; the first is the "
+                   "one /v1/models lists (default: the model's file or folder name).")
 @click.option("--prefix-cache-scope", type=click.Choice(["user", "shared"]), default=None,
               help="Share cached prompt prefixes only within one user (default) or across users.")
 @click.option("--health-stall-s", type=float, default=None,

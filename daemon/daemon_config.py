@@ -58,6 +58,10 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # refused, as are TCP requests whose Host is neither loopback, an IP address,
     # http_host nor an http(s) host listed here (DNS rebinding).
     http_allowed_origins: list[str] = []
+    # The names clients may ask for the model by, on every HTTP face (vLLM's
+    # served_model_name): one name or a list, the first the one /v1/models, /api/tags
+    # and responses report. None: the model's file or folder name.
+    served_model_name: str | list[str] | None = None
     # /health answers 503 when requests wait and no engine step has ended for this long.
     health_stall_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
     # A failed worker (died, or hung past its step deadline) is restarted after
@@ -68,6 +72,19 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     worker_restart_backoff_max_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
     worker_max_failures: Annotated[int, msgspec.Meta(ge=1)] = 5
     worker_failure_window_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
+
+    def __post_init__(self) -> None:
+        names = self.served_names(())
+        if any(not n or n != n.strip() for n in names) or len(set(names)) != len(names):
+            raise ValueError("served_model_name must be distinct names, none empty or with surrounding spaces")
+
+    def served_names(self, default: tuple[str, ...]) -> tuple[str, ...]:
+        """served_model_name as a tuple of names; `default` when unset."""
+        if self.served_model_name is None or self.served_model_name == []:
+            return default
+        if isinstance(self.served_model_name, str):
+            return (self.served_model_name,)
+        return tuple(self.served_model_name)
 
 
 def load_settings(config_file: str | None, overrides: dict[str, Any]) -> tuple[DaemonConfig, EngineConfig]:

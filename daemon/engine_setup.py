@@ -38,7 +38,8 @@ def prepare_model(config: EngineConfig, progress: LoadProgress | None = None) ->
     """Read the model's config and tokenizer, resolve device and dtype, check limits."""
     import torch
 
-    from llmd.gpu.models.gguf_loader import gguf_summary, is_gguf_path
+    from llmd.gpu.models.gguf_loader import is_gguf_path
+    from llmd.gpu.models.gguf_summary import gguf_summary
     from llmd.gpu.models.loader import load_hf_config, load_tokenizer, resolve_dtype, stop_token_ids
 
     # An HF directory or a GGUF file; none given: the built-in model (fetched once).

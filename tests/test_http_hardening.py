@@ -463,13 +463,13 @@ def test_malformed_log_is_one_line_per_interval(caplog):
 def test_http_allowed_origins_option(tmp_path):
     from click.testing import CliRunner
 
-    from llmd.cli import _origin_list, serve
+    from llmd.cli import _comma_list, serve
     from llmd.daemon_config import DaemonConfig, load_settings
 
     assert "--http-allowed-origins" in CliRunner().invoke(serve, ["--help"]).output
-    assert _origin_list(None, None, ("https://a.example, https://b.example", "app://*")) == \
+    assert _comma_list(None, None, ("https://a.example, https://b.example", "app://*")) == \
         ["https://a.example", "https://b.example", "app://*"]
-    assert _origin_list(None, None, ()) is None  # not given: the TOML file's value stands
+    assert _comma_list(None, None, ()) is None  # not given: the TOML file's value stands
     (tmp_path / "llmd.toml").write_text('http_allowed_origins = ["https://ui.example"]\n')
     daemon, _ = load_settings(str(tmp_path / "llmd.toml"), {"http_allowed_origins": None})
     assert daemon.http_allowed_origins == ["https://ui.example"]

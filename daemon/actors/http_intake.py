@@ -30,10 +30,11 @@ from llmd.actors.intake import IntakeActor
 from llmd.actors.messages import Query
 from llmd.actors.peer_credentials import peer_ids, tcp_peer_uid
 from llmd.actors.runtime import Actor
-from llmd.http import llamacpp_api, ollama_api, openai_api
+from llmd.http import llamacpp_api, ollama_api, openai_api, responses_api, tokenize_api
 from llmd.http.context import ServedModel
 from llmd.http.errors import ApiError
 from llmd.http.guard import HOST_REFUSED, BrowserGuard
+from llmd.http.keep_alive import KeepAlive
 from llmd.http.malformed import QuietAppRunner
 from llmd_client.protocol import MAX_FRAME_BYTES
 
@@ -66,17 +67,20 @@ class HttpIntakeActor(Actor):
         self._tcp_uids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._lookups = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="llmd-peer")
         # Handlers that never read request["uid"]: no lookup for them (a new route gets one).
-        self._anonymous = {self._health, self._metrics, openai_api.models, ollama_api.tags, ollama_api.ps,
-                           ollama_api.show, ollama_api.version, ollama_api.root}
+        self._anonymous = {self._health, self._metrics, openai_api.models, openai_api.model, tokenize_api.tokenize,
+                           tokenize_api.detokenize, ollama_api.tags, ollama_api.ps, ollama_api.show,
+                           ollama_api.version, ollama_api.root}
 
     def make_app(self) -> web.Application:
         app = web.Application(middlewares=[self._middleware], client_max_size=MAX_FRAME_BYTES)
         app["served"] = self.served
         app["intake"] = self.intake
         app["max_body"] = MAX_FRAME_BYTES
+        app["keep_alive"] = KeepAlive()  # Ollama's, as its clients last asked
         app.on_response_prepare.append(_cors_headers)
         routes = [("GET", "/health", self._health), ("GET", "/metrics", self._metrics)]
-        for method, path, handler in routes + openai_api.ROUTES + ollama_api.ROUTES + llamacpp_api.ROUTES:
+        for method, path, handler in (routes + openai_api.ROUTES + responses_api.ROUTES + tokenize_api.ROUTES
+                                      + ollama_api.ROUTES + llamacpp_api.ROUTES):
             app.router.add_route(method, path, handler)
         # Ollama's clients also ask with HEAD to see if the server is up.
         app.router.add_route("HEAD", "/", ollama_api.root)

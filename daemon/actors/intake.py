@@ -14,7 +14,9 @@ import logging
 import secrets
 import socket
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -28,9 +30,10 @@ from llmd.actors.runtime import Actor
 from llmd.daemon_config import DaemonConfig
 from llmd.input_processor import InputProcessor, PreparedRequest
 from llmd_client.framing import JsonLinesCodec, MsgpackCodec
-from llmd_client.protocol import MAX_CACHE_SALT_CHARS, PROTOCOL_VERSION, Error, Submit, Welcome
+from llmd_client.protocol import MAX_CACHE_SALT_CHARS, PROTOCOL_VERSION, ChatMessage, Error, Submit, Welcome
 
 logger = logging.getLogger("llmd.intake")
+T = TypeVar("T")
 LARGE_PROMPT_CHARS = 64 << 10  # prompts longer than this are tokenized apart from the rest
 
 
@@ -88,12 +91,13 @@ class IntakeActor(Actor):
         await conn.serve(codec, held)
 
     async def admit(self, submit: Submit, uid: int, sink: RequestSink, *,
-                    strict_max_tokens: bool = True) -> Error | PreparedRequest:
+                    strict_max_tokens: bool = True, num_ctx: int | None = None) -> Error | PreparedRequest:
         """Validate and tokenize `submit` (in the pool), then hand it to the detokenizer and
         the scheduler with `sink` as its destination. An Error (naming the field and the
         limit) means nothing was started. A prompt plus max_tokens past max_model_len is
         refused (vLLM's rule), or with `strict_max_tokens=False` shortened to fit (Ollama's
-        num_predict and llama.cpp's n_predict mean "at most")."""
+        num_predict and llama.cpp's n_predict mean "at most"). `num_ctx`: Ollama's
+        context length for this request (at most max_model_len)."""
         client_id = sink.client_id
         if submit.cache_salt is not None and len(submit.cache_salt) > MAX_CACHE_SALT_CHARS:
             return Error(code="invalid_params", id=client_id,
@@ -112,7 +116,7 @@ class IntakeActor(Actor):
         if refusal is not None:
             return Error(code="overloaded", id=client_id, message=refusal)
         try:
-            prepared = await self._prepare(submit, uid, chars, strict_max_tokens)
+            prepared = await self._prepare(submit, uid, chars, strict_max_tokens, num_ctx)
         except BaseException:
             self.quotas.release(uid, sink.connection)
             raise
@@ -137,17 +141,32 @@ class IntakeActor(Actor):
         self.scheduler.send(AddRequest(request_id, prepared.children))
         return prepared
 
-    async def _prepare(self, submit: Submit, uid: int, chars: int, strict_max_tokens: bool
-                       ) -> PreparedRequest | Error:
+    async def _prepare(self, submit: Submit, uid: int, chars: int, strict_max_tokens: bool,
+                       num_ctx: int | None) -> PreparedRequest | Error:
         request_id = self._new_request_id()
-        # Long texts are tokenized on a pool of their own, so they never hold up short ones.
-        pool = self.large_pool if chars > LARGE_PROMPT_CHARS else self.pool
         try:
-            return await asyncio.get_running_loop().run_in_executor(
-                pool, self.prepare, request_id, submit, uid, self.cache_salt(uid, submit.cache_salt),
-                time.monotonic(), strict_max_tokens)
+            return await self.in_tokenizer_pool(chars, self.prepare, request_id, submit, uid,
+                                                self.cache_salt(uid, submit.cache_salt), time.monotonic(),
+                                                strict_max_tokens, num_ctx)
         except ValueError as exc:
             return Error(code="invalid_params", message=safe_message(exc))
+
+    async def in_tokenizer_pool(self, chars: int, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)`, tokenizer work on a text of `chars` characters, off the event loop.
+        Long texts are tokenized on a pool of their own, so they never hold up short ones."""
+        pool = self.large_pool if chars > LARGE_PROMPT_CHARS else self.pool
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    async def tokenize(self, prompt: str | list[ChatMessage], *, add_special_tokens: bool,
+                       **template: Any) -> list[int]:
+        """A text's or a chat's token ids, as a request's prompt would have them, with no
+        request admitted (vLLM's /tokenize). Raises ValueError naming the field."""
+        processor = self.input_processor
+        if isinstance(prompt, str):
+            return await self.in_tokenizer_pool(len(prompt), functools.partial(
+                processor.tokenize, prompt, add_special_tokens=add_special_tokens))
+        return await self.in_tokenizer_pool(sum(len(m.content) for m in prompt), functools.partial(
+            processor.render_chat, _template_messages(prompt), add_special_tokens=add_special_tokens, **template))
 
     def _new_request_id(self) -> str:
         """A server request id: random, so an id says nothing about other users' activity
@@ -172,19 +191,18 @@ class IntakeActor(Actor):
         return f"uid={uid}" if requested is None else f"uid={uid}/{requested}"
 
     def prepare(self, request_id: str, submit: Submit, uid: int, cache_salt: str | None, arrival: float,
-                strict_max_tokens: bool = False):
+                strict_max_tokens: bool = False, num_ctx: int | None = None):
         """Runs in the tokenizer pool."""
         processor = self.input_processor
         if submit.messages is not None:
-            prompt: str | list[int] = processor.render_chat([{"role": m.role, "content": m.content}
-                                                              for m in submit.messages])
+            prompt: str | list[int] = processor.render_chat(_template_messages(submit.messages))
         elif submit.token_ids is not None:
             prompt = submit.token_ids
         else:
             prompt = submit.prompt
         return processor.prepare(request_id, prompt, submit.sampling, priority=submit.priority,
                                  cache_salt=cache_salt, arrival_time=arrival,
-                                 strict_max_tokens=strict_max_tokens, owner=uid)
+                                 strict_max_tokens=strict_max_tokens, num_ctx=num_ctx, owner=uid)
 
     async def query(self, kind: str, uid: int, admin: bool):
         reply = asyncio.get_running_loop().create_future()
@@ -211,6 +229,11 @@ class IntakeActor(Actor):
 
     def close_connections(self) -> None:
         self.connections.close_all()
+
+
+def _template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as chat templates read them."""
+    return [{"role": m.role, "content": m.content} for m in messages]
 
 
 def _prompt_chars(submit: Submit) -> int:

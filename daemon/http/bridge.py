@@ -5,7 +5,8 @@ was cancelled) aborts whatever is still running, so its KV blocks return at once
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from llmd.actors.intake import IntakeActor
@@ -41,16 +42,21 @@ class Admitted:
 class Generation:
     """`async with Generation(intake, uid) as gen:` then `await gen.admit(submits)` and
     `async for slot, output in gen`. The iteration ends when every request has sent its
-    last output (the one carrying usage)."""
+    last output (the one carrying usage). `view`, when given, is what the handler sees
+    of each output; `first_token_at` holds when each slot's first token came (monotonic)."""
 
     def __init__(self, intake: IntakeActor, uid: int, *, params: dict[str, str] | None = None,
-                 strict_max_tokens: bool = True) -> None:
+                 strict_max_tokens: bool = True, num_ctx: int | None = None,
+                 view: Callable[[Output], Output] | None = None) -> None:
         self.intake = intake
         self.uid = uid
         self.params = params
         self.strict_max_tokens = strict_max_tokens
+        self.num_ctx = num_ctx
+        self.view = view
         self.queue: asyncio.Queue[tuple[int, Output]] = asyncio.Queue()
         self.admitted: list[Admitted] = []
+        self.first_token_at: dict[int, float] = {}
         self._open: set[int] = set()
 
     async def __aenter__(self) -> Generation:
@@ -67,7 +73,8 @@ class Generation:
         those already admitted."""
         for slot, submit in enumerate(submits):
             sink = HttpSink(self.queue, slot)
-            result = await self.intake.admit(submit, self.uid, sink, strict_max_tokens=self.strict_max_tokens)
+            result = await self.intake.admit(submit, self.uid, sink, strict_max_tokens=self.strict_max_tokens,
+                                             num_ctx=self.num_ctx)
             if isinstance(result, Error):
                 raise from_intake(result, self.params)
             self.admitted.append(Admitted(slot, sink.request_id, result))
@@ -79,9 +86,11 @@ class Generation:
             slot, message = await self.queue.get()
             if not isinstance(message, Output):
                 continue
+            if message.token_ids and slot not in self.first_token_at:
+                self.first_token_at[slot] = time.monotonic()
             if message.usage is not None:
                 self._open.discard(slot)
-            yield slot, message
+            yield slot, message if self.view is None else self.view(message)
 
     async def collect(self) -> dict[int, dict[int, Output]]:
         """The whole result: per slot, per sample index, one Output holding all its text,
@@ -106,17 +115,18 @@ class Generation:
         return merged
 
 
-def engine_error(out: Output) -> ApiError | None:
+def engine_error(out: Output, guided_param: str = "response_format") -> ApiError | None:
     """A request the engine failed (a worker crash, a grammar that did not compile) as a
-    server-side error for the HTTP client (or a bad request, for a grammar); None if it did not."""
+    server-side error for the HTTP client (or a bad request naming the API's
+    `guided_param`, for a grammar); None if it did not."""
     if out.finish_reason != "error":
         return None
     message = out.error or "the request failed in the engine"
     status = 400 if message.startswith("guided") else 500
-    return ApiError(status, message, param="response_format" if status == 400 else None, code="engine_error")
+    return ApiError(status, message, param=guided_param if status == 400 else None, code="engine_error")
 
 
-def raise_for_error(out: Output) -> None:
-    error = engine_error(out)
+def raise_for_error(out: Output, guided_param: str = "response_format") -> None:
+    error = engine_error(out, guided_param)
     if error is not None:
         raise error

@@ -40,7 +40,7 @@ _FIELD = re.compile(r"`\$\.([A-Za-z_][A-Za-z0-9_]*)|field `([A-Za-z_][A-Za-z0-9_
 
 @dataclass
 class ServedModel:
-    name: str
+    names: tuple[str, ...]  # what clients may call the model (served_model_name); listings show the first
     created: int  # when the model's files were written (Unix time)
     max_model_len: int
     tokenizer: Any
@@ -51,11 +51,20 @@ class ServedModel:
     digest: str
     fim: FimTokens | None = None
     format: str = "safetensors"  # the checkpoint's file format (Ollama's details.format)
+    quantization: str = "F32"  # the weights' type in the file, as Ollama names it (Q4_1, F16, BF16, ...)
     _token_text: dict[int, str] = field(default_factory=dict)
 
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+    def serves(self, requested: str) -> bool:
+        """Whether `requested` is one of the model's names (Ollama's clients add a `:latest` tag)."""
+        return requested.removesuffix(":latest") in self.names or requested in self.names
+
     def check(self, requested: str | None) -> None:
-        """Clients name the model they want; this daemon serves one."""
-        if requested and requested not in (self.name, f"{self.name}:latest"):
+        """Clients name the model they want; this daemon serves one, under any of its names."""
+        if requested and not self.serves(requested):
             raise ApiError(404, f"the model requested is not served here; this daemon serves {self.name}",
                            param="model", code="model_not_found")
 
@@ -139,12 +148,13 @@ def check_json_content_type(request: web.Request) -> None:
     raise ApiError(415, "Content-Type must be application/json", code="unsupported_media_type")
 
 
-def describe_model(engine) -> ServedModel:
+def describe_model(engine, names: list[str] | tuple[str, ...] = ()) -> ServedModel:
     """What the HTTP APIs say about the engine's model, read from its files (config and
     safetensors headers of an HF directory, the header of a GGUF file; no tensor is
-    loaded)."""
+    loaded). `names`: what clients may call it (default: the file or folder name)."""
     import hashlib
     import json
+    from collections import Counter
     from pathlib import Path
 
     from safetensors import safe_open
@@ -153,28 +163,32 @@ def describe_model(engine) -> ServedModel:
 
     model_path = Path(engine.model_dir)
     if model_path.is_file():  # a GGUF checkpoint
-        from llmd.gpu.models.gguf_loader import gguf_summary
+        from llmd.gpu.models.gguf_summary import gguf_summary
 
         summary = gguf_summary(model_path)
         architecture, num_params, size_bytes = summary.architecture, summary.num_params, summary.size_bytes
-        digest, created = summary.header_sha256, model_path.stat().st_mtime
+        digest, created, quantization = summary.header_sha256, model_path.stat().st_mtime, summary.quantization
     else:
         config_bytes = (model_path / "config.json").read_bytes()
         architecture = (json.loads(config_bytes).get("architectures") or ["unknown"])[0]
         weights = sorted(model_path.glob("*.safetensors"))
-        num_params = 0
+        elements_of: Counter[str] = Counter()  # safetensors dtype (F32, F16, BF16, ...) -> elements
         for file in weights:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
+                    tensor = f.get_slice(name)
                     size = 1
-                    for dim in f.get_slice(name).get_shape():
+                    for dim in tensor.get_shape():
                         size *= dim
-                    num_params += size
+                    elements_of[tensor.get_dtype()] += size
+        num_params = sum(elements_of.values())
+        quantization = elements_of.most_common(1)[0][0] if elements_of else "F32"
         size_bytes = sum(f.stat().st_size for f in weights)
         digest = hashlib.sha256(config_bytes).hexdigest()
         created = (model_path / "config.json").stat().st_mtime
     return ServedModel(
-        name=model_path.name, created=int(created), max_model_len=engine.max_model_len, tokenizer=engine.tokenizer,
-        architecture=architecture, num_params=num_params, dtype=str(engine.dtype).removeprefix("torch."),
-        size_bytes=size_bytes, digest="sha256:" + digest, fim=find_fim_tokens(engine.tokenizer),
-        format="gguf" if model_path.is_file() else "safetensors")
+        names=tuple(names) or (model_path.name,), created=int(created), max_model_len=engine.max_model_len,
+        tokenizer=engine.tokenizer, architecture=architecture, num_params=num_params,
+        dtype=str(engine.dtype).removeprefix("torch."), size_bytes=size_bytes, digest="sha256:" + digest,
+        fim=find_fim_tokens(engine.tokenizer), format="gguf" if model_path.is_file() else "safetensors",
+        quantization=quantization)

@@ -1,6 +1,11 @@
 """Ollama's API: `/api/generate`, `/api/chat`, `/api/tags`, `/api/show`, `/api/ps`,
 `/api/version`, streamed as newline-delimited JSON, so a client set up for Ollama works
-by changing its URL. Errors are Ollama's `{"error": "..."}`."""
+by changing its URL. Errors are Ollama's `{"error": "..."}`.
+
+`options.num_ctx` narrows a request's context below max_model_len (a larger one is
+refused: the engine's context is set at load). `keep_alive` is checked and recorded,
+and /api/ps reports the expiry it asks for, but llmd cannot unload its model yet: the
+model stays loaded whatever it says."""
 from __future__ import annotations
 
 import time
@@ -13,6 +18,7 @@ from aiohttp import web
 from llmd.http.bridge import Generation, engine_error, raise_for_error
 from llmd.http.context import ServedModel, decode_body
 from llmd.http.errors import ApiError
+from llmd.http.keep_alive import parse_keep_alive
 from llmd.http.sampling import LlamaSampling, build_sampling
 from llmd.http.streams import NdjsonStream, json_response
 from llmd_client.protocol import ChatMessage, GuidedDecodingParams, Output, SamplingParams, Submit
@@ -21,10 +27,12 @@ OLLAMA_VERSION = "0.12.0"  # the Ollama API version these endpoints follow
 
 
 class Options(LlamaSampling, kw_only=True):
-    """Ollama's model options that sample; the rest (num_ctx, num_gpu, ...) are ignored,
-    as they are load-time settings of a daemon that serves one loaded model."""
+    """Ollama's model options that sample, and num_ctx; the rest (num_gpu, num_thread,
+    ...) are ignored, as they are load-time settings of a daemon that serves one loaded
+    model."""
 
     num_predict: int | None = None
+    num_ctx: int | None = None
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True):
@@ -68,6 +76,17 @@ _PARAMS = {"max_tokens": "num_predict", "repetition_penalty": "repeat_penalty", 
            "prompt": "prompt", "messages": "messages"}
 
 
+def _num_ctx(options: Options | None, served: ServedModel) -> int | None:
+    """The request's context length: num_ctx, which must fit the engine's."""
+    num_ctx = options.num_ctx if options is not None else None
+    if num_ctx is None:
+        return None
+    if not 1 <= num_ctx <= served.max_model_len:
+        raise ApiError(400, f"num_ctx must be in [1, {served.max_model_len}] (the model's max_model_len, set when "
+                            f"the daemon starts), got {num_ctx}", param="num_ctx")
+    return num_ctx
+
+
 def _sampling(options: Options | None, fmt: str | dict[str, Any] | None) -> SamplingParams:
     o = options or Options()
     guided = None
@@ -88,6 +107,8 @@ def _now() -> str:
 
 
 def _final_fields(out: Output, started: float, first_token: float | None) -> dict[str, Any]:
+    """The done message's counts and durations (ns), as measured here: the prompt's from
+    the request's arrival to its first token, the generation's from there to the end."""
     end = time.monotonic()
     first = first_token if first_token is not None else end
     usage = out.usage
@@ -100,33 +121,46 @@ def _final_fields(out: Output, started: float, first_token: float | None) -> dic
             "eval_duration": int((end - first) * 1e9)}
 
 
-async def _respond(request: web.Request, submit: Submit, wrap) -> web.StreamResponse:
+async def _respond(request: web.Request, submit: Submit, num_ctx: int | None, wrap) -> web.StreamResponse:
     """Run one request; `wrap(text)` shapes a piece of output (`response` or `message`)."""
     served: ServedModel = request.app["served"]
     started = time.monotonic()
-    async with Generation(request.app["intake"], request["uid"], params=_PARAMS, strict_max_tokens=False) as gen:
+    async with Generation(request.app["intake"], request["uid"], params=_PARAMS, strict_max_tokens=False,
+                          num_ctx=num_ctx) as gen:
         await gen.admit([submit])
         if not request["stream"]:
-            merged = await gen.collect()
-            out = merged[0][0]
+            out = (await gen.collect())[0][0]
             raise_for_error(out)
             return json_response({"model": served.name, "created_at": _now(), **wrap(out.text),
-                                  **_final_fields(out, started, None)})
+                                  **_final_fields(out, started, gen.first_token_at.get(0))})
         stream = NdjsonStream()
         await stream.open(request)
-        first_token = None
         async for _slot, out in gen:
             if (error := engine_error(out)) is not None:
                 await stream.send({"error": error.message})
                 return await stream.close()
-            if first_token is None and out.token_ids:
-                first_token = time.monotonic()
             if out.text:
                 await stream.send({"model": served.name, "created_at": _now(), **wrap(out.text), "done": False})
             if out.usage is not None:
                 await stream.send({"model": served.name, "created_at": _now(), **wrap(""),
-                                   **_final_fields(out, started, first_token)})
+                                   **_final_fields(out, started, gen.first_token_at.get(0))})
         return await stream.close()
+
+
+async def _answer(request: web.Request, keep_alive: str | int | float | None, submit: Submit | None,
+                  num_ctx: int | None, wrap) -> web.StreamResponse:
+    """The answer to a generate or chat request: none for a request with nothing to
+    generate (Ollama's way to load a model), else _respond's; then its keep_alive is
+    recorded."""
+    served: ServedModel = request.app["served"]
+    seconds = parse_keep_alive(keep_alive) if keep_alive is not None else None
+    try:
+        if submit is None:
+            return json_response({"model": served.name, "created_at": _now(), **wrap(""), "done": True,
+                                  "done_reason": "load"})
+        return await _respond(request, submit, num_ctx, wrap)
+    finally:
+        request.app["keep_alive"].record(seconds)
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -139,9 +173,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if body.template:
         raise ApiError(400, "template is not supported; the model's own chat template is used", param="template")
     request["stream"] = body.stream
+    num_ctx = _num_ctx(body.options, served)
     if not body.prompt and body.suffix is None:  # Ollama's way to load a model: nothing to generate
-        return json_response({"model": served.name, "created_at": _now(), "response": "", "done": True,
-                              "done_reason": "load"})
+        return await _answer(request, body.keep_alive, None, num_ctx, _as_response)
     params = _sampling(body.options, body.format)
     if body.suffix is not None:
         if served.fim is None:
@@ -153,7 +187,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     else:
         messages = ([ChatMessage("system", body.system)] if body.system else []) + [ChatMessage("user", body.prompt)]
         submit = Submit(messages=messages, sampling=params)
-    return await _respond(request, submit, lambda text: {"response": text})
+    return await _answer(request, body.keep_alive, submit, num_ctx, _as_response)
 
 
 async def chat(request: web.Request) -> web.StreamResponse:
@@ -163,9 +197,9 @@ async def chat(request: web.Request) -> web.StreamResponse:
     request["stream"] = body.stream
     if body.tools:
         raise ApiError(400, "tools are not supported", param="tools")
+    num_ctx = _num_ctx(body.options, served)
     if not body.messages:  # loading the model, in Ollama's terms
-        return json_response({"model": served.name, "created_at": _now(),
-                              "message": {"role": "assistant", "content": ""}, "done": True, "done_reason": "load"})
+        return await _answer(request, body.keep_alive, None, num_ctx, _as_message)
     for m in body.messages:
         if m.images or m.tool_calls:
             raise ApiError(400, "images and tool calls are not supported", param="messages")
@@ -173,13 +207,21 @@ async def chat(request: web.Request) -> web.StreamResponse:
             raise ApiError(400, "message roles must be system, user or assistant", param="messages")
     submit = Submit(messages=[ChatMessage(m.role, m.content) for m in body.messages],
                     sampling=_sampling(body.options, body.format))
-    return await _respond(request, submit, lambda text: {"message": {"role": "assistant", "content": text}})
+    return await _answer(request, body.keep_alive, submit, num_ctx, _as_message)
+
+
+def _as_response(text: str) -> dict[str, Any]:
+    return {"response": text}
+
+
+def _as_message(text: str) -> dict[str, Any]:
+    return {"message": {"role": "assistant", "content": text}}
 
 
 def _details(served: ServedModel) -> dict[str, Any]:
     family = served.architecture.removesuffix("ForCausalLM").lower()
     return {"parent_model": "", "format": served.format, "family": family, "families": [family],
-            "parameter_size": served.parameter_size, "quantization_level": served.dtype.upper()}
+            "parameter_size": served.parameter_size, "quantization_level": served.quantization}
 
 
 def _modified_at(served: ServedModel) -> str:
@@ -196,7 +238,8 @@ async def tags(request: web.Request) -> web.Response:
 async def ps(request: web.Request) -> web.Response:
     served: ServedModel = request.app["served"]
     entry = {"name": f"{served.name}:latest", "model": f"{served.name}:latest", "size": served.size_bytes,
-             "digest": served.digest, "details": _details(served), "expires_at": "9999-12-31T23:59:59Z",
+             "digest": served.digest, "details": _details(served),
+             "expires_at": request.app["keep_alive"].expires_at_text(),
              "size_vram": 0, "context_length": served.max_model_len}
     return json_response({"models": [entry]})
 

@@ -1,6 +1,8 @@
-"""OpenAI's API: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`,
-as the official SDKs call them (vLLM's extra sampling fields accepted too). Errors are
-OpenAI's error object with the offending `param`; streams are server-sent events."""
+"""OpenAI's API: `GET /v1/models` (and `/v1/models/{id}`), `POST /v1/completions`,
+`POST /v1/chat/completions`, as the official SDKs call them (vLLM's extra sampling
+fields accepted too, and its `echo` with `max_tokens: 0`). Errors are OpenAI's error
+object with the offending `param`; streams are server-sent events. The Responses API
+and vLLM's /tokenize live beside this (responses_api, tokenize_api)."""
 from __future__ import annotations
 
 import time
@@ -14,10 +16,10 @@ from aiohttp import web
 from llmd.http.bridge import Generation, engine_error, raise_for_error
 from llmd.http.context import ServedModel, decode_body
 from llmd.http.errors import ApiError
+from llmd.http.openai_logprobs import LogprobsWriter, chat_logprobs, with_prompt
 from llmd.http.sampling import CommonSampling, build_sampling
 from llmd.http.streams import EventStream, json_response
-from llmd_client.protocol import (INT32_MAX, ChatMessage, GuidedDecodingParams, Output, SamplingParams, Submit,
-                                  TokenLogprob)
+from llmd_client.protocol import INT32_MAX, ChatMessage, GuidedDecodingParams, Output, SamplingParams, Submit
 
 
 class StreamOptions(msgspec.Struct):
@@ -109,20 +111,28 @@ def sampling_params(body: _SamplingFields, *, max_tokens: int | None, logprobs: 
 
 
 def guided_from(fmt: ResponseFormat | None) -> GuidedDecodingParams | None:
-    if fmt is None or fmt.type == "text":
+    if fmt is None:
         return None
+    return guided_for(fmt.type, fmt.json_schema.schema if fmt.json_schema is not None else None,
+                      param="response_format", schema_field="json_schema.schema")
+
+
+def guided_for(kind: str, schema: dict[str, Any] | None, *, param: str,
+               schema_field: str = "schema") -> GuidedDecodingParams | None:
+    """A response format (text, json_object, or json_schema with its schema) as guided
+    decoding; errors name the API's `param` and the field holding the schema."""
     try:
-        if fmt.type == "json_object":
+        if kind == "text":
+            return None
+        if kind == "json_object":
             return GuidedDecodingParams(json_object=True)
-        if fmt.type == "json_schema":
-            if fmt.json_schema is None or fmt.json_schema.schema is None:
-                raise ApiError(400, "response_format json_schema needs json_schema.schema",
-                               param="response_format", code="invalid_params")
-            return GuidedDecodingParams(json_schema=fmt.json_schema.schema)
+        if kind == "json_schema":
+            if schema is None:
+                raise ApiError(400, f"{param} json_schema needs {schema_field}", param=param, code="invalid_params")
+            return GuidedDecodingParams(json_schema=schema)
     except ValueError as exc:
-        raise ApiError(400, str(exc), param="response_format", code="invalid_params") from None
-    raise ApiError(400, "response_format type must be text, json_object or json_schema",
-                   param="response_format", code="invalid_params")
+        raise ApiError(400, str(exc), param=param, code="invalid_params") from None
+    raise ApiError(400, f"{param} type must be text, json_object or json_schema", param=param, code="invalid_params")
 
 
 def usage_of(outputs: list[Output]) -> dict[str, Any]:
@@ -135,11 +145,22 @@ def usage_of(outputs: list[Output]) -> dict[str, Any]:
 
 # -- /v1/models ----------------------------------------------------------------------
 
+def _model_card(served: ServedModel, name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": served.created, "owned_by": "llmd",
+            "max_model_len": served.max_model_len}
+
+
 async def models(request: web.Request) -> web.Response:
     served: ServedModel = request.app["served"]
-    return json_response({"object": "list", "data": [
-        {"id": served.name, "object": "model", "created": served.created, "owned_by": "llmd",
-         "max_model_len": served.max_model_len}]})
+    return json_response({"object": "list", "data": [_model_card(served, served.name)]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """`GET /v1/models/{id}`: the model under any of its names (ids may hold slashes)."""
+    served: ServedModel = request.app["served"]
+    name = request.match_info["model"]
+    served.check(name)
+    return json_response(_model_card(served, name))
 
 
 # -- /v1/completions -----------------------------------------------------------------
@@ -177,36 +198,6 @@ def _prompt_list(prompt: str | list[Any]) -> list[str | list[int]]:
     raise bad
 
 
-def top_k(position: list[TokenLogprob], k: int) -> list[TokenLogprob]:
-    """The k most likely tokens at a position, best first. A position lists the chosen
-    token first, then the top-k the engine computed (the chosen one only once, so it is
-    among them when it ranked in the top k)."""
-    ranked = [t for t in position if t.rank is not None and 1 <= t.rank <= k]
-    return sorted(ranked, key=lambda t: t.rank)
-
-
-class _LogprobsWriter:
-    """OpenAI's completion logprobs (tokens, token_logprobs, top_logprobs, text_offset)
-    for a run of positions, keeping the text offset across a stream's chunks."""
-
-    def __init__(self, served: ServedModel, k: int, offset: int) -> None:
-        self.served = served
-        self.k = k
-        self.offset = offset
-
-    def __call__(self, positions: list[list[TokenLogprob]]) -> dict[str, list]:
-        text = self.served.token_text
-        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for pos in positions:
-            token = text(pos[0].token_id)
-            out["tokens"].append(token)
-            out["token_logprobs"].append(pos[0].logprob)
-            out["top_logprobs"].append({text(t.token_id): t.logprob for t in top_k(pos, self.k)})
-            out["text_offset"].append(self.offset)
-            self.offset += len(token)
-        return out
-
-
 async def completions(request: web.Request) -> web.StreamResponse:
     served: ServedModel = request.app["served"]
     body = await decode_body(request, CompletionRequest)
@@ -217,22 +208,26 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if echo_logprobs and body.stream:
         raise ApiError(400, "echo with logprobs is not supported when streaming (the prompt's logprobs come "
                             "with the whole result)", param="echo", code="unsupported")
-    params = sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs,
+    # vLLM's way to score a prompt: echo with max_tokens 0 runs the prompt (one token is
+    # generated, as the engine must) and answers with the prompt alone.
+    prompt_only = body.echo and body.max_tokens == 0
+    params = sampling_params(body, max_tokens=1 if prompt_only else body.max_tokens, logprobs=body.logprobs,
                              guided=guided_from(body.response_format), params=_PARAMS,
                              prompt_logprobs=body.logprobs if echo_logprobs else None)
     submits = completion_submits(body, served, params)
     ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    async with Generation(request.app["intake"], request["uid"], params=_PARAMS) as gen:
+    async with Generation(request.app["intake"], request["uid"], params=_PARAMS,
+                          view=_without_generation if prompt_only else None) as gen:
         admitted = await gen.admit(submits)
         echoes = [_echo_text(served, a.prepared, submits[a.slot]) if body.echo else "" for a in admitted]
         n = params.n
-        writers = {(a.slot, i): _LogprobsWriter(served, body.logprobs or 0, len(echoes[a.slot]))
+        writers = {(a.slot, i): LogprobsWriter(served, body.logprobs or 0, len(echoes[a.slot]))
                    for a in admitted for i in range(n)}
 
         def choice(slot: int, out: Output, text: str, prompt_logprobs: list | None = None) -> dict[str, Any]:
             logprobs = writers[slot, out.index](out.logprobs or []) if body.logprobs is not None else None
             if prompt_logprobs is not None:
-                logprobs = _with_prompt(served, admitted[slot].prepared.token_ids, prompt_logprobs, logprobs,
+                logprobs = with_prompt(served, admitted[slot].prepared.token_ids, prompt_logprobs, logprobs,
                                         body.logprobs)
             return {"index": slot * n + out.index, "text": text, "logprobs": logprobs,
                     "finish_reason": out.finish_reason}
@@ -252,18 +247,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return json_response({**head, "choices": choices, "usage": usage_of(finals)})
 
 
-def _with_prompt(served: ServedModel, prompt_ids: list[int], prompt_logprobs: list[list[TokenLogprob]],
-                 generated: dict[str, list], k: int) -> dict[str, list]:
-    """Echo with logprobs: the prompt's tokens lead, the first with no logprob (nothing
-    predicts it), and the generated tokens' text offsets move past them."""
-    tokens = [served.token_text(t) for t in prompt_ids]
-    offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-    shift = sum(len(t) for t in tokens) - (generated["text_offset"][0] if generated["text_offset"] else 0)
-    return {"tokens": tokens + generated["tokens"],
-            "token_logprobs": [pos[0].logprob if pos else None for pos in prompt_logprobs] + generated["token_logprobs"],
-            "top_logprobs": [{served.token_text(t.token_id): t.logprob for t in top_k(pos, k)} if pos else None
-                             for pos in prompt_logprobs] + generated["top_logprobs"],
-            "text_offset": offsets + [o + shift for o in generated["text_offset"]]}
+def _without_generation(out: Output) -> Output:
+    """An output with its generated token taken out (echo with max_tokens 0): no text,
+    ids or logprobs, finished for length, no completion tokens billed."""
+    usage = out.usage and msgspec.structs.replace(out.usage, completion_tokens=0)
+    finish = out.finish_reason if out.finish_reason in (None, "error", "abort") else "length"
+    return msgspec.structs.replace(out, text="", token_ids=[], logprobs=None if out.logprobs is None else [],
+                                   finish_reason=finish, stop_reason=None, usage=usage)
 
 
 def _echo_text(served: ServedModel, prepared, submit: Submit) -> str:
@@ -323,13 +313,6 @@ def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
     return out
 
 
-def _chat_logprobs(served: ServedModel, positions: list[list[TokenLogprob]], k: int) -> dict[str, list]:
-    def entry(t: TokenLogprob) -> dict[str, Any]:
-        token = served.token_text(t.token_id)
-        return {"token": token, "logprob": t.logprob, "bytes": served.token_bytes(t.token_id)}
-    return {"content": [{**entry(pos[0]), "top_logprobs": [entry(t) for t in top_k(pos, k)]} for pos in positions]}
-
-
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     served: ServedModel = request.app["served"]
     body = await decode_body(request, ChatRequest)
@@ -351,7 +334,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         await gen.admit([submit])
 
         def logprobs(out: Output) -> dict[str, list] | None:
-            return _chat_logprobs(served, out.logprobs, k) if body.logprobs and out.logprobs else None
+            return chat_logprobs(served, out.logprobs, k) if body.logprobs and out.logprobs else None
 
         if body.stream:
             chunk_head = {**head, "object": "chat.completion.chunk"}
@@ -379,5 +362,5 @@ def error_response(exc: ApiError) -> web.Response:
     return json_response(error_body(exc), status=exc.status)
 
 
-ROUTES = [("GET", "/v1/models", models), ("POST", "/v1/completions", completions),
-          ("POST", "/v1/chat/completions", chat_completions)]
+ROUTES = [("GET", "/v1/models", models), ("GET", "/v1/models/{model:.+}", model),
+          ("POST", "/v1/completions", completions), ("POST", "/v1/chat/completions", chat_completions)]

@@ -1,5 +1,6 @@
 """Streamed HTTP bodies: server-sent events as the OpenAI SDKs parse them (`data: JSON`
-blocks, then `data: [DONE]`) and newline-delimited JSON as Ollama's clients read it."""
+blocks, then `data: [DONE]`; the Responses API's named events), and newline-delimited
+JSON as Ollama's clients read it."""
 from __future__ import annotations
 
 import msgspec
@@ -48,3 +49,20 @@ class NdjsonStream(EventStream):
     async def close(self, done_marker: bool = False) -> web.StreamResponse:
         await self.response.write_eof()
         return self.response
+
+
+class TypedEventStream(EventStream):
+    """The Responses API's events: each named by its body's `type` (`event:` line) and
+    numbered in order (`sequence_number`); the stream ends with no [DONE]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sequence_number = 0
+
+    def frame(self, body: dict) -> bytes:
+        body = {**body, "sequence_number": self.sequence_number}
+        self.sequence_number += 1
+        return b"event: " + body["type"].encode() + b"\n" + super().frame(body)
+
+    async def close(self, done_marker: bool = False) -> web.StreamResponse:
+        return await super().close(done_marker)

@@ -191,10 +191,12 @@ class Actors:
     supervisor: Supervisor
 
 
-def _start_actors(engine: LLMEngine, model_name: str, daemon: DaemonConfig, listeners: Listeners,
+def _start_actors(engine: LLMEngine, model_names: tuple[str, ...], daemon: DaemonConfig, listeners: Listeners,
                   model_thread: ThreadPoolExecutor, open_files: int) -> Actors:
     """Wire the actors around the loaded engine (intake -> scheduler -> detokenizer, all
-    reporting to metrics; the HTTP intake in front of the intake) and start them."""
+    reporting to metrics; the HTTP intake in front of the intake) and start them. The
+    model goes by its first name; the HTTP faces accept any of them."""
+    model_name = model_names[0]
     metrics = MetricsActor(model=model_name, server_version=SERVER_VERSION, device=str(engine.device),
                            dtype=str(engine.dtype).removeprefix("torch."), kv_blocks_total=engine.num_blocks,
                            health_stall_s=daemon.health_stall_s, memory=engine.memory)
@@ -211,7 +213,7 @@ def _start_actors(engine: LLMEngine, model_name: str, daemon: DaemonConfig, list
         from llmd.actors.http_intake import HttpIntakeActor
         from llmd.http.context import describe_model
         from llmd.http.listeners import api_keys
-        actors.append(HttpIntakeActor(listeners.http, intake, metrics, describe_model(engine),
+        actors.append(HttpIntakeActor(listeners.http, intake, metrics, describe_model(engine, model_names),
                                       api_keys=api_keys(daemon), listen_backlog=daemon.listen_backlog))
     supervisor = Supervisor()
     for actor in actors:
@@ -283,8 +285,9 @@ async def _serve(daemon: DaemonConfig, engine_config: EngineConfig) -> int:
     if engine is None:
         listeners.close()
         return 0
-    model_name = Path(engine.model_dir).name
-    actors = _start_actors(engine, model_name, daemon, listeners, model_thread, open_files)
+    model_names = daemon.served_names((Path(engine.model_dir).name,))
+    model_name = model_names[0]
+    actors = _start_actors(engine, model_names, daemon, listeners, model_thread, open_files)
     await asyncio.sleep(0)  # the intake's run() starts serving the socket
     await responder.hand_over(actors.intake.adopt)
     metrics_server = await _serve_metrics(listeners, actors.metrics, daemon)

@@ -15,10 +15,8 @@ those rows are put back in HF order here (transformers' GGUF loader undoes the s
 from __future__ import annotations
 
 import functools
-import hashlib
 import re
 from collections.abc import Collection, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -99,35 +97,6 @@ def release_gguf_readers() -> None:
     """Forget the opened files (their metadata as the gguf package keeps it: ~160 MiB for
     a 49k-token vocabulary), which a loaded model no longer needs."""
     _open_cached.cache_clear()
-
-
-@dataclass(frozen=True)
-class GGUFSummary:
-    """What a listing of models says about a GGUF, read from its header only."""
-
-    architecture: str  # the HF architecture llmd runs it as, else the GGUF's own name
-    num_params: int
-    size_bytes: int
-    header_sha256: str  # of the metadata and tensor table: names the model without reading its weights
-
-
-def gguf_summary(path: str | Path) -> GGUFSummary:
-    """The file's summary, kept (it is small) until the file changes."""
-    p = Path(path).resolve()
-    st = p.stat()
-    return _summary(str(p), st.st_mtime_ns, st.st_size)
-
-
-@functools.lru_cache(maxsize=16)
-def _summary(path: str, mtime_ns: int, size: int) -> GGUFSummary:
-    g = open_gguf(path)
-    spec = ARCHITECTURES.get(g.architecture)
-    data_start = min((t.data_offset for t in g.tensors.values()), default=g.path.stat().st_size)
-    with g.path.open("rb") as f:
-        header_sha256 = hashlib.sha256(f.read(data_start)).hexdigest()
-    return GGUFSummary(architecture=spec.hf_architecture if spec else g.architecture,
-                       num_params=sum(int(t.n_elements) for t in g.tensors.values()),
-                       size_bytes=g.path.stat().st_size, header_sha256=header_sha256)
 
 
 def supported_tensor_types() -> list[str]:
