@@ -1,6 +1,7 @@
 """One GGUF file, several engines, side by side: batch-1 decode speed, time to first
 token and peak memory of llmd running the file packed (gguf_quant; float32 activations,
-or bfloat16 with `llmd-packed-bf16`), llmd with every weight dequantized at load
+or bfloat16 with `llmd-packed-bf16`; `llmd-x16-1pass`: one int8 pass over x, as
+llama.cpp; `llmd-no-x16`: the float32 kernel), llmd with every weight dequantized at load
 (float32 and bfloat16), and llama.cpp through
 llama-cpp-python when it is installed (the optional peer: `pip install -e '.[llamacpp]'`,
 best with CMAKE_ARGS="-DGGML_NATIVE=ON" so it is built for this CPU).
@@ -26,7 +27,10 @@ import time
 
 import psutil
 
-ENGINES = ("llmd", "llmd-packed-bf16", "llmd-f32", "llmd-bf16", "llama.cpp")
+ENGINES = ("llmd", "llmd-packed-bf16", "llmd-x16-1pass", "llmd-no-x16", "llmd-f32", "llmd-bf16", "llama.cpp")
+# Packed engines with another x16 setting (gguf_quant, cpu_kernels.X16_ENV): one int8
+# pass over x as llama.cpp, or the float32 kernel over the GGUF layout.
+ENGINE_ENV = {"llmd-x16-1pass": {"LLMD_GGUF_X16": "1"}, "llmd-no-x16": {"LLMD_GGUF_X16": "0"}}
 
 # Run in a fresh process per measurement: prints one JSON line. llama.cpp: TTFT is the
 # prompt's evaluation and the first greedy pick, decode the next `tokens` steps.
@@ -60,6 +64,7 @@ if engine == "llama.cpp":
 else:
     from llmd import LLM, SamplingParams
     settings = {"llmd": dict(dtype="auto"), "llmd-packed-bf16": dict(dtype="bfloat16"),
+                "llmd-x16-1pass": dict(dtype="auto"), "llmd-no-x16": dict(dtype="auto"),
                 "llmd-f32": dict(dtype="float32", dequantize=True),
                 "llmd-bf16": dict(dtype="bfloat16", dequantize=True)}[engine]
     llm = LLM(model, device="cpu", max_model_len=prompt_len + tokens + 8, max_num_seqs=1, cpu_threads=threads,
@@ -90,7 +95,8 @@ def available(engine: str) -> bool:
 
 def measure(engine: str, model: str, prompt: int, tokens: int, threads: int) -> dict:
     out = subprocess.run([sys.executable, "-c", _CHILD, engine, model, str(prompt), str(tokens), str(threads)],
-                         capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
+                         capture_output=True, text=True,
+                         env=dict(os.environ, OMP_NUM_THREADS=str(threads), **ENGINE_ENV.get(engine, {})))
     if out.returncode != 0:
         raise SystemExit(f"{engine} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

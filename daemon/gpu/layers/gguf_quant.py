@@ -19,6 +19,12 @@ layer over it multiplies through `GGUFMatmul`: few rows (decode) through the C++
 weight is read from memory packed), more rows (prefill) through a slice of the weight
 dequantized at a time and a dense GEMM. An embedding over a packed table dequantizes the
 rows it looks up. `dequantize` (torch) is the reference every path is tested against.
+
+On a CPU with AVX-512 VNNI a Q8_0/Q4_0/Q4_1 weight of rows in groups of 16 is repacked
+at load into the x16 layout (cpu/cpu_quant_x16.cpp: each 32-column block of 16 rows one
+record, the same bytes) and few rows multiply through int8 activations as llama.cpp's
+do; more rows go through slices dequantized from that layout and a GEMM, and an
+embedding's lookups read rows back in the GGUF layout (`unpack_x16`).
 """
 from __future__ import annotations
 
@@ -38,6 +44,12 @@ TYPE_CODES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}  # the C++ kernel's numbering
 KERNEL_MAX_ROWS = 16
 # Output features dequantized at a time on the GEMM path (bounds its scratch memory).
 SLICE_ROWS = 4096
+X16_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # what the x16 kernel reads
+X16_GROUP = 16  # weight rows per x16 record
+# Rows up to which a product with an x16 weight runs through its kernel, by its passes
+# over x (each pass is as many dot products; above, a dequantized slice and a GEMM are
+# faster: measured on AVX-512 VNNI, docs/benchmarks.md).
+X16_MAX_ROWS = {1: 128, 2: 64, 3: 32}
 
 
 def row_bytes(quant: str, cols: int) -> int:
@@ -88,16 +100,50 @@ def dequantize(blocks: torch.Tensor, quant: str, cols: int) -> torch.Tensor:
     return (d * q + m).reshape(rows, cols)
 
 
+def use_x16(module: torch.nn.Module, ops: Any) -> bool:
+    """Whether `module`'s packed weight is read in the x16 layout, repacking it now if it
+    is not yet (a weight tied to another module is repacked once: the parameter carries
+    its layout)."""
+    weight = module.weight
+    if getattr(weight, "gguf_layout", None) == "x16":
+        return True
+    if ops is None or not ops.x16 or module.quant not in X16_TYPES or weight.shape[0] % X16_GROUP:
+        return False
+    weight.data = ops.repack_x16(weight.data, TYPE_CODES[module.quant], module.in_features)
+    weight.gguf_layout = "x16"
+    return True
+
+
+def x16_passes(ops: Any, dtype: torch.dtype) -> int:
+    """The int8 passes over x an x16 product takes (cpu/cpu_quant_x16.cpp): as many as
+    the model's activations have bits — 3 (about 23) for float32, 2 (15) for bfloat16
+    and float16 — unless LLMD_GGUF_X16 set them (cpu_kernels)."""
+    if ops.x16_passes is not None:
+        return ops.x16_passes
+    return 3 if dtype == torch.float32 else 2
+
+
+def x16_row_reader(module: torch.nn.Module, ops: Any) -> Any:
+    """ids -> those rows of `module`'s x16 weight in the GGUF layout (an embedding's lookups)."""
+    code, cols = TYPE_CODES[module.quant], module.in_features
+    return lambda ids: ops.unpack_x16(module.weight, ids, code, cols)
+
+
 class GGUFMatmul:
     """x -> x W^T (+ b unless the layer reduces) over a linear layer's packed weight
     (module doc); `ops` are the C++ kernels (cpu_kernels.GGUFOps; None: the torch
-    reference, every product through dequantized slices and a GEMM)."""
+    reference, every product through dequantized slices and a GEMM); `x16_passes`: the
+    weight is in the x16 layout (use_x16) and its kernel takes that many passes over x
+    (0: the GGUF layout)."""
 
-    def __init__(self, layer: torch.nn.Module, ops: Any) -> None:
+    def __init__(self, layer: torch.nn.Module, ops: Any, x16_passes: int = 0) -> None:
         self.layer = layer
         self.ops = ops
         self.code = TYPE_CODES[layer.quant]
         self.with_bias = not getattr(layer, "reduce", False)
+        self.x16 = x16_passes > 0
+        self.passes = x16_passes
+        self.max_kernel_rows = X16_MAX_ROWS[x16_passes] if self.x16 else KERNEL_MAX_ROWS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         layer, ops = self.layer, self.ops
@@ -106,12 +152,20 @@ class GGUFMatmul:
         rows = x.reshape(-1, cols)
         if rows.shape[0] == 0:
             out = rows.new_empty(0, out_features)
-        elif rows.shape[0] <= KERNEL_MAX_ROWS and ops is not None:
-            out = ops.mm(rows.contiguous(), weight, self.code, cols)
+        elif rows.shape[0] <= self.max_kernel_rows and ops is not None:
+            if self.x16:
+                out = ops.mm_x16(rows.contiguous(), weight, self.code, cols, self.passes)
+            else:
+                out = ops.mm(rows.contiguous(), weight, self.code, cols)
         else:
             def dense(a: int) -> torch.Tensor:
-                piece = weight[a:a + SLICE_ROWS]
-                w = ops.dequantize(piece, self.code, cols) if ops is not None else dequantize(piece, quant, cols)
+                piece = weight[a:a + SLICE_ROWS]  # whole x16 groups: SLICE_ROWS is a multiple of 16
+                if self.x16:
+                    w = ops.dequantize_x16(piece, self.code, cols)
+                elif ops is not None:
+                    w = ops.dequantize(piece, self.code, cols)
+                else:
+                    w = dequantize(piece, quant, cols)
                 return w.to(rows.dtype)
             out = torch.cat([F.linear(rows, dense(a)) for a in range(0, out_features, SLICE_ROWS)], dim=-1)
         bias = layer.bias if self.with_bias else None

@@ -272,12 +272,15 @@ class VocabParallelEmbedding(VocabRows):
     """A rank looks up the ids in its range, zeros the others, and the all-reduce
     assembles the full rows (sums with zeros: exact)."""
 
-    # The compute dtype a packed table's rows are dequantized to (set with its kernels).
+    # The compute dtype a packed table's rows are dequantized to, and (a table in another
+    # layout than GGUF's: gguf_quant.use_x16) how its rows are read; set with its kernels.
     compute_dtype: torch.dtype = torch.float32
+    read_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
-            rows = self.weight.index_select(0, ids.reshape(-1))
+            flat = ids.reshape(-1)
+            rows = self.read_rows(flat) if self.read_rows is not None else self.weight.index_select(0, flat)
             return dequantize(rows, self.quant, self.in_features).to(self.compute_dtype).reshape(*ids.shape, -1)
         if self.world_size == 1:
             return F.embedding(ids, self.weight)

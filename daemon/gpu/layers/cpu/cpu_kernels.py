@@ -9,7 +9,12 @@ Three sets, one extension:
 - the fused layer ops (cpu_fused_ops.cpp, wrapped by cpu_fused_ops.CpuFusedLayerOps):
   residual add + RMSNorm, q/k norm + rotary + K/V write, act(gate) * up;
 - the product of a few rows with a GGUF block-quantized weight kept packed
-  (cpu_quant.cpp, used by gguf_quant.GGUFMatmul).
+  (cpu_quant.cpp, used by gguf_quant.GGUFMatmul), and on a CPU with AVX-512 VNNI the
+  same over the weight repacked sixteen rows at a time with int8 activations, as
+  llama.cpp multiplies (cpu_quant_x16.cpp), in as many int8 passes over x as the model's
+  dtype needs (gguf_quant.x16_passes). LLMD_GGUF_X16 (read when a model loads) sets the
+  passes instead: 1 (llama.cpp's precision), 2 or 3; 0 keeps the first kernel (the A/B
+  switch).
 The loader hands both to a model on CPU whose layers attend with TorchAttention
 (`attach_cpu_kernels`).
 
@@ -45,14 +50,16 @@ from torch import nn
 from llmd.gpu.layers.attention import TorchAttention
 from llmd.gpu.layers.cpu.cpu_fused_ops import use_cpu_fused_ops
 from llmd.gpu.layers.fused_ops import fused_ops_setting
-from llmd.gpu.layers.gguf_quant import GGUFMatmul
+from llmd.gpu.layers.gguf_quant import GGUFMatmul, use_x16, x16_passes, x16_row_reader
 from llmd.gpu.layers.cpu.kernel_build import ExtensionBuild, KernelBuildCancelled, KernelBuildError, build_library
 
 logger = logging.getLogger("llmd.cpu_kernels")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_fused_ops.cpp", "cpu_quant.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_fused_ops.cpp", "cpu_quant.cpp",
+                                                          "cpu_quant_x16.cpp")]
 HEADERS = [Path(__file__).with_name("cpu_vec.h")]  # included by both: part of the digest
 CPU_KERNELS_ENV = "LLMD_CPU_KERNELS"
+X16_ENV = "LLMD_GGUF_X16"
 KERNEL_BUILD_TIMEOUT_ENV = "LLMD_KERNEL_BUILD_TIMEOUT"
 DEFAULT_KERNEL_BUILD_TIMEOUT_S = 300.0
 # Compiler flags of each vector ISA (as inductor builds its CPU kernels for them).
@@ -131,10 +138,20 @@ def paged_decode_op() -> Callable[..., torch.Tensor] | None:
 @dataclass(frozen=True)
 class GGUFOps:
     """The C++ operators of packed GGUF weights (cpu_quant.cpp): `mm(x, w, code, cols)`
-    and `dequantize(w, code, cols)`."""
+    and `dequantize(w, code, cols)`; of weights in the x16 layout (cpu_quant_x16.cpp):
+    `repack_x16(w, code, cols)`, `unpack_x16(w, rows, code, cols)` and, when `x16` (the
+    CPU has AVX-512 VNNI and LLMD_GGUF_X16 is not 0), `mm_x16(x, w, code, cols, passes)`
+    and `dequantize_x16(w, code, cols)`;
+    `x16_passes`: LLMD_GGUF_X16's passes, if it set them."""
 
     mm: Callable[..., torch.Tensor]
     dequantize: Callable[..., torch.Tensor]
+    repack_x16: Callable[..., torch.Tensor]
+    unpack_x16: Callable[..., torch.Tensor]
+    mm_x16: Callable[..., torch.Tensor]
+    dequantize_x16: Callable[..., torch.Tensor]
+    x16: bool
+    x16_passes: int | None = None
 
 
 def gguf_ops() -> GGUFOps | None:
@@ -144,7 +161,12 @@ def gguf_ops() -> GGUFOps | None:
     kernels are switched off (LLMD_CPU_KERNELS=0) or cannot be built."""
     if not cpu_kernels_enabled() or not _load():
         return None
-    return GGUFOps(torch.ops.llmd_cpu.gguf_mm, torch.ops.llmd_cpu.gguf_dequantize)
+    ops = torch.ops.llmd_cpu
+    value = os.environ.get(X16_ENV, "").strip()
+    if value not in ("", "0", "1", "2", "3"):
+        raise ValueError(f"{X16_ENV} must be 0, 1, 2 or 3, got {value!r}")
+    return GGUFOps(ops.gguf_mm, ops.gguf_dequantize, ops.gguf_repack_x16, ops.gguf_unpack_x16, ops.gguf_mm_x16,
+                   ops.gguf_dequantize_x16, x16=value != "0" and bool(ops.gguf_x16_supported()), x16_passes=int(value) if value else None)
 
 
 def cpu_kernels_enabled() -> bool:
@@ -175,16 +197,21 @@ def attach_cpu_kernels(model: nn.Module) -> int:
 
 def attach_gguf_kernels(model: torch.nn.Module, dtype: torch.dtype) -> int:
     """Give every packed layer of a CPU model its matmul (GGUFMatmul, with the C++
-    kernel when it can be built) and every packed table the dtype its rows are
-    dequantized to; returns how many layers are packed."""
+    kernels when they can be built) and every packed table the dtype its rows are
+    dequantized to; returns how many layers are packed. On a CPU with AVX-512 VNNI the
+    weights the x16 kernel reads are repacked in place first (gguf_quant.use_x16: a
+    table tied to the LM head is read through the same layout)."""
     ops = gguf_ops()
     count = 0
     for module in model.modules():
         if getattr(module, "quant", None) is None:
             continue
         count += 1
+        x16 = use_x16(module, ops)
         if hasattr(module, "kernel"):
-            module.kernel = GGUFMatmul(module, ops)
+            module.kernel = GGUFMatmul(module, ops, x16_passes(ops, dtype) if x16 else 0)
         else:
             module.compute_dtype = dtype
+            if x16:
+                module.read_rows = x16_row_reader(module, ops)
     return count
