@@ -26,15 +26,13 @@ class ToolError(ValueError):
 @dataclass(frozen=True)
 class FunctionTool:
     name: str
-    description: str | None
     parameters: dict[str, Any]  # a JSON schema for the arguments object
+    definition: dict[str, Any]  # the function as the client wrote it (its keys in its order)
 
     def as_openai(self) -> dict[str, Any]:
-        """The tool as chat templates read it (transformers passes OpenAI's shape)."""
-        function: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
-        if self.description is not None:
-            function["description"] = self.description
-        return {"type": "function", "function": function}
+        """The tool as chat templates read it: OpenAI's shape, as transformers passes it,
+        with the client's own definition (a template may write it out as JSON)."""
+        return {"type": "function", "function": self.definition}
 
 
 @dataclass(frozen=True)
@@ -114,7 +112,8 @@ def _function_tool(tool: Any, where: str) -> FunctionTool:
     if not isinstance(parameters, dict):
         raise ToolError("tools", f"{where}.function.parameters must be a JSON schema object")
     _check_schema(parameters, f"{where}.function.parameters")
-    return FunctionTool(name, description, parameters)
+    definition = {k: v for k, v in function.items() if k != "type"} if function is tool else function
+    return FunctionTool(name, parameters, definition)
 
 
 def _check_schema(schema: dict[str, Any], where: str) -> None:
