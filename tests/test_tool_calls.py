@@ -214,3 +214,19 @@ def test_bad_tools_name_the_field_and_not_the_value(tools, tool_choice, param, w
         parse_tools(tools, tool_choice, None)
     assert info.value.param == param and words in str(info.value)
     assert "secret_fn" not in str(info.value) and "(unclosed" not in str(info.value)
+
+
+def test_llm_chat_renders_tools_as_transformers_does(tmp_path):
+    from llmd import LLM, SamplingParams
+
+    model = model_with_template(fixture_path("tiny-llama"), tmp_path / "model", TEMPLATES["hermes"])
+    llm = LLM(model=str(model), device="cpu", max_model_len=1024, num_gpu_blocks_override=128)
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    out = llm.chat(messages, SamplingParams(max_tokens=2, temperature=0), tools=TOOLS)[0]
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    assert out.prompt == tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False,
+                                                       add_generation_prompt=True)
+    plain = llm.chat(messages, SamplingParams(max_tokens=2, temperature=0))[0]
+    assert "get_weather" not in plain.prompt
+    with pytest.raises(ToolError, match=r"tools\[0\]\.function\.name"):
+        llm.chat(messages, tools=[{"type": "function", "function": {}}])

@@ -1,6 +1,8 @@
 """Ollama's API: `/api/generate`, `/api/chat`, `/api/tags`, `/api/show`, `/api/ps`,
 `/api/version`, streamed as newline-delimited JSON, so a client set up for Ollama works
-by changing its URL. Errors are Ollama's `{"error": "..."}`.
+by changing its URL. Errors are Ollama's `{"error": "..."}`. `/api/chat` calls tools
+(chat_tools): `message.tool_calls` with object arguments, tool turns in the history,
+and llmd's own `tool_choice` (Ollama has none) to force a call.
 
 `options.num_ctx` narrows a request's context below max_model_len (a larger one is
 refused: the engine's context is set at load). `keep_alive` is checked and recorded,
