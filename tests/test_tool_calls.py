@@ -230,3 +230,18 @@ def test_llm_chat_renders_tools_as_transformers_does(tmp_path):
     assert "get_weather" not in plain.prompt
     with pytest.raises(ToolError, match=r"tools\[0\]\.function\.name"):
         llm.chat(messages, tools=[{"type": "function", "function": {}}])
+
+
+def test_tool_settings_from_the_config_file_and_command_line(tmp_path):
+    from llmd.daemon_config import load_settings
+
+    config = tmp_path / "llmd.toml"
+    config.write_text('tool_call_parser = "mistral"\nguided_tool_calls = "always"\n')
+    daemon, _ = load_settings(str(config), {})
+    assert (daemon.tool_call_parser, daemon.guided_tool_calls) == ("mistral", "always")
+    daemon, _ = load_settings(str(config), {"tool_call_parser": "hermes"})
+    assert daemon.tool_call_parser == "hermes"
+    assert load_settings(None, {})[0].tool_call_parser is None  # read from the template
+    config.write_text('tool_call_parser = "pythonic"\n')
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        load_settings(str(config), {})
