@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import struct
+from typing import Any
 
 import msgspec
 
@@ -15,7 +16,7 @@ MAX_LOGPROBS = 20
 # Guided decoding: the largest spec (schema, regex or grammar text) and choice list.
 MAX_GUIDED_SPEC_BYTES = 64 << 10
 MAX_GUIDED_CHOICES = 256
-GUIDED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+GUIDED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
 WHITESPACE_MODES = ("compact", "pretty", "any")
 
 
@@ -27,7 +28,10 @@ class GuidedDecodingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=T
     - json_object: true; the output is any JSON object;
     - regex: the output matches the regular expression as a whole;
     - choice: the output is exactly one of these strings;
-    - grammar: EBNF in xgrammar's dialect (GBNF-like), starting from rule `root`.
+    - grammar: EBNF in xgrammar's dialect (GBNF-like), starting from rule `root`;
+    - structural_tag: an xgrammar structural tag (`{"type": "structural_tag", "format":
+      {...}}`, object or JSON text): tagged regions (tool calls) of JSON for their
+      schemas, within free text or alone (what tool calling asks for).
 
     whitespace (JSON only): "compact" (one line, `{"a": 1, "b": [2, 3]}`), "pretty"
     (two-space indentation) or "any" (the model chooses; runs of whitespace are bounded).
@@ -40,15 +44,17 @@ class GuidedDecodingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=T
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: dict[str, object] | str | None = None
     whitespace: str = "compact"
 
     def __post_init__(self) -> None:
         given = [k for k in GUIDED_KINDS if getattr(self, k) not in (None, False)]
         _check(len(given) == 1, "guided", "needs exactly one of json_schema, json_object, regex, choice, "
-               f"grammar; got {len(given)}")
+               f"grammar, structural_tag; got {len(given)}")
         _check(self.whitespace in WHITESPACE_MODES, "guided.whitespace",
                "must be one of compact, pretty, any")
-        for name in ("regex", "grammar") + (("json_schema",) if isinstance(self.json_schema, str) else ()):
+        for name in ("regex", "grammar") + tuple(k for k in ("json_schema", "structural_tag")
+                                                 if isinstance(getattr(self, k), str)):
             value = getattr(self, name)
             if value is not None:
                 _check(0 < len(value.encode("utf-8", "surrogatepass")) <= MAX_GUIDED_SPEC_BYTES,
@@ -184,9 +190,16 @@ class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True, kw_only=Tru
     client: str = ""
 
 
-class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """One turn. An assistant turn may hold `tool_calls` (OpenAI's shape, arguments as
+    an object); a `tool` turn answers the call `tool_call_id` (of function `name`).
+    The chat template reads them as transformers passes them."""
+
     role: str
     content: str
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 class Submit(msgspec.Struct, tag="submit", forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
@@ -197,6 +210,9 @@ class Submit(msgspec.Struct, tag="submit", forbid_unknown_fields=True, kw_only=T
     id: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    # Functions the chat template describes to the model (OpenAI's `{"type": "function",
+    # "function": {...}}`); with messages only.
+    tools: list[dict[str, Any]] | None = None
     token_ids: list[int] | None = None
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     stream: bool = True

@@ -116,6 +116,11 @@ def main() -> None:
 @click.option("--served-model-name", callback=_comma_list, multiple=True, metavar="NAMES",
               help="Names HTTP clients may ask for the model by, comma-separated or repeated; the first is the "
                    "one /v1/models lists (default: the model's file or folder name).")
+@click.option("--tool-call-parser", type=click.Choice(["hermes", "llama3_json", "mistral"]), default=None,
+              help="How the model writes tool calls (default: read from its chat template, else its family).")
+@click.option("--guided-tool-calls", type=click.Choice(["forced", "always"]), default=None,
+              help="Make tool calls valid for their schemas by guided decoding when tool_choice forces a call "
+                   "(default), or always.")
 @click.option("--prefix-cache-scope", type=click.Choice(["user", "shared"]), default=None,
               help="Share cached prompt prefixes only within one user (default) or across users.")
 @click.option("--health-stall-s", type=float, default=None,

@@ -62,6 +62,14 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # served_model_name): one name or a list, the first the one /v1/models, /api/tags
     # and responses report. None: the model's file or folder name.
     served_model_name: str | list[str] | None = None
+    # How the model writes tool calls (vLLM's tool_call_parser): "hermes", "llama3_json"
+    # or "mistral"; None: read from the chat template (its call markers), else the
+    # model's family, else hermes.
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = None
+    # When guided decoding makes every tool call valid for its schema: "forced" (when the
+    # request's tool_choice is required or names a function) or "always" (also with
+    # tool_choice auto: calls are then always valid, and text may not look like a call).
+    guided_tool_calls: Literal["forced", "always"] = "forced"
     # /health answers 503 when requests wait and no engine step has ended for this long.
     health_stall_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
     # A failed worker (died, or hung past its step deadline) is restarted after

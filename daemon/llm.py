@@ -53,19 +53,31 @@ class LLM:
     def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None
-             ) -> list[RequestOutput]:
+             continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
         """vLLM's `LLM.chat`: one conversation (a list of messages) or a list of them,
         each rendered with the model's chat template (or `chat_template`) and generated
         as `generate` does; one RequestOutput per conversation, its prompt the rendered
-        text. A message's content is text or a list of text parts."""
+        text. A message's content is text or a list of text parts. `tools` (OpenAI's
+        function tools) go to the template as transformers passes them, or, for a
+        template that knows no tools, into llmd's tool prompt; as in vLLM, the reply is
+        text (read calls out of it with llmd.tool_calls.ToolCallParser)."""
+        from llmd.tool_calls import for_template, format_for, parse_tools
+
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         processor = self.engine.input_processor
-        texts = [processor.chat_text([_text_message(m) for m in conversation], chat_template=chat_template,
-                                     add_generation_prompt=add_generation_prompt,
-                                     continue_final_message=continue_final_message,
-                                     template_kwargs=chat_template_kwargs)
-                 for conversation in conversations]
+        template = chat_template or getattr(self.tokenizer, "chat_template", None)
+        choice = parse_tools(tools, None, None)
+        kwargs = dict(chat_template_kwargs or {})
+        texts = []
+        for conversation in conversations:
+            rendered, template_tools = for_template([_text_message(m) for m in conversation], choice,
+                                                    format_for(None, template), template)
+            if template_tools is not None:
+                kwargs["tools"] = template_tools
+            texts.append(processor.chat_text(rendered, chat_template=chat_template,
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, template_kwargs=kwargs))
         outputs = self.generate([processor.tokenize_chat(text) for text in texts], sampling_params)
         for output, text in zip(outputs, texts):
             output.prompt = text

@@ -99,6 +99,8 @@ class IntakeActor(Actor):
         num_predict and llama.cpp's n_predict mean "at most"). `num_ctx`: Ollama's
         context length for this request (at most max_model_len)."""
         client_id = sink.client_id
+        if submit.tools and submit.messages is None:
+            return Error(code="invalid_params", id=client_id, message="tools needs messages (a chat) to describe them")
         if submit.cache_salt is not None and len(submit.cache_salt) > MAX_CACHE_SALT_CHARS:
             return Error(code="invalid_params", id=client_id,
                          message=f"cache_salt must have at most {MAX_CACHE_SALT_CHARS} characters")
@@ -195,7 +197,8 @@ class IntakeActor(Actor):
         """Runs in the tokenizer pool."""
         processor = self.input_processor
         if submit.messages is not None:
-            prompt: str | list[int] = processor.render_chat(_template_messages(submit.messages))
+            tools = {"template_kwargs": {"tools": submit.tools}} if submit.tools else {}
+            prompt: str | list[int] = processor.render_chat(_template_messages(submit.messages), **tools)
         elif submit.token_ids is not None:
             prompt = submit.token_ids
         else:
@@ -231,9 +234,17 @@ class IntakeActor(Actor):
         self.connections.close_all()
 
 
-def _template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as chat templates read them."""
-    return [{"role": m.role, "content": m.content} for m in messages]
+def _template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as chat templates read them (tool fields only where given: templates
+    test for them with `is defined` as well as for truth)."""
+    out = []
+    for m in messages:
+        message: dict[str, Any] = {"role": m.role, "content": m.content}
+        for name in ("tool_calls", "tool_call_id", "name"):
+            if getattr(m, name) is not None:
+                message[name] = getattr(m, name)
+        out.append(message)
+    return out
 
 
 def _prompt_chars(submit: Submit) -> int:

@@ -12,6 +12,7 @@ from aiohttp import web
 
 from llmd.http.errors import ApiError
 from llmd.http.fim import FimTokens
+from llmd.tool_calls import FORMATS, ToolCallFormat, format_for
 from llmd_client.framing import NestingError, decode_json
 
 T = TypeVar("T")
@@ -52,6 +53,8 @@ class ServedModel:
     fim: FimTokens | None = None
     format: str = "safetensors"  # the checkpoint's file format (Ollama's details.format)
     quantization: str = "F32"  # the weights' type in the file, as Ollama names it (Q4_1, F16, BF16, ...)
+    tool_format: ToolCallFormat = field(default_factory=lambda: FORMATS["hermes"])  # how the model writes calls
+    guided_tool_calls: str = "forced"  # when tool calls are guided: "forced" or "always" (DaemonConfig)
     _token_text: dict[int, str] = field(default_factory=dict)
 
     @property
@@ -148,10 +151,12 @@ def check_json_content_type(request: web.Request) -> None:
     raise ApiError(415, "Content-Type must be application/json", code="unsupported_media_type")
 
 
-def describe_model(engine, names: list[str] | tuple[str, ...] = ()) -> ServedModel:
+def describe_model(engine, names: list[str] | tuple[str, ...] = (), *, tool_call_parser: str | None = None,
+                   guided_tool_calls: str = "forced") -> ServedModel:
     """What the HTTP APIs say about the engine's model, read from its files (config and
     safetensors headers of an HF directory, the header of a GGUF file; no tensor is
-    loaded). `names`: what clients may call it (default: the file or folder name)."""
+    loaded). `names`: what clients may call it (default: the file or folder name);
+    the tool settings are the operator's (DaemonConfig)."""
     import hashlib
     import json
     from collections import Counter
@@ -191,4 +196,5 @@ def describe_model(engine, names: list[str] | tuple[str, ...] = ()) -> ServedMod
         tokenizer=engine.tokenizer, architecture=architecture, num_params=num_params,
         dtype=str(engine.dtype).removeprefix("torch."), size_bytes=size_bytes, digest="sha256:" + digest,
         fim=find_fim_tokens(engine.tokenizer), format="gguf" if model_path.is_file() else "safetensors",
-        quantization=quantization)
+        quantization=quantization, guided_tool_calls=guided_tool_calls,
+        tool_format=format_for(tool_call_parser, getattr(engine.tokenizer, "chat_template", None), architecture))

@@ -1,6 +1,8 @@
 """Ollama's API: `/api/generate`, `/api/chat`, `/api/tags`, `/api/show`, `/api/ps`,
 `/api/version`, streamed as newline-delimited JSON, so a client set up for Ollama works
-by changing its URL. Errors are Ollama's `{"error": "..."}`.
+by changing its URL. Errors are Ollama's `{"error": "..."}`. `/api/chat` calls tools
+(chat_tools): `message.tool_calls` with object arguments, tool turns in the history,
+and llmd's own `tool_choice` (Ollama has none) to force a call.
 
 `options.num_ctx` narrows a request's context below max_model_len (a larger one is
 refused: the engine's context is set at load). `keep_alive` is checked and recorded,
@@ -16,11 +18,13 @@ import msgspec
 from aiohttp import web
 
 from llmd.http.bridge import Generation, engine_error, raise_for_error
+from llmd.http.chat_tools import chat_tools, history_call
 from llmd.http.context import ServedModel, decode_body
 from llmd.http.errors import ApiError
 from llmd.http.keep_alive import parse_keep_alive
 from llmd.http.sampling import LlamaSampling, build_sampling
 from llmd.http.streams import NdjsonStream, json_response
+from llmd.tool_calls import ToolCall, ToolCallParser
 from llmd_client.protocol import ChatMessage, GuidedDecodingParams, Output, SamplingParams, Submit
 
 OLLAMA_VERSION = "0.12.0"  # the Ollama API version these endpoints follow
@@ -55,6 +59,7 @@ class Message(msgspec.Struct):
     content: str = ""
     images: list[str] | None = None
     tool_calls: list[Any] | None = None
+    tool_name: str | None = None  # a tool result's function
 
 
 class ChatRequest(msgspec.Struct, kw_only=True):
@@ -64,6 +69,8 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     options: Options | None = None
     stream: bool = True
     tools: list[Any] | None = None
+    # llmd's own (Ollama has none): OpenAI's tool_choice, to force a call.
+    tool_choice: str | dict[str, Any] | None = None
     keep_alive: str | int | float | None = None
 
 
@@ -121,34 +128,48 @@ def _final_fields(out: Output, started: float, first_token: float | None) -> dic
             "eval_duration": int((end - first) * 1e9)}
 
 
-async def _respond(request: web.Request, submit: Submit, num_ctx: int | None, wrap) -> web.StreamResponse:
-    """Run one request; `wrap(text)` shapes a piece of output (`response` or `message`)."""
+async def _respond(request: web.Request, submit: Submit, num_ctx: int | None, wrap,
+                   parser: ToolCallParser | None = None) -> web.StreamResponse:
+    """Run one request; `wrap(text, calls)` shapes a piece of output (`response` or
+    `message`); with a parser, the text goes through it and its calls come out whole."""
     served: ServedModel = request.app["served"]
     started = time.monotonic()
-    async with Generation(request.app["intake"], request["uid"], params=_PARAMS, strict_max_tokens=False,
+    params = {**_PARAMS, "guided": "tools"} if parser is not None and submit.sampling.guided else _PARAMS
+    async with Generation(request.app["intake"], request["uid"], params=params, strict_max_tokens=False,
                           num_ctx=num_ctx) as gen:
         await gen.admit([submit])
         if not request["stream"]:
             out = (await gen.collect())[0][0]
-            raise_for_error(out)
-            return json_response({"model": served.name, "created_at": _now(), **wrap(out.text),
+            raise_for_error(out, guided_param=params["guided"])
+            if parser is None:
+                text, calls = out.text, []
+            else:
+                reply = parser.parse(out.text)
+                text, calls = reply.content or "", reply.tool_calls
+            return json_response({"model": served.name, "created_at": _now(), **wrap(text, calls),
                                   **_final_fields(out, started, gen.first_token_at.get(0))})
         stream = NdjsonStream()
         await stream.open(request)
         async for _slot, out in gen:
-            if (error := engine_error(out)) is not None:
+            if (error := engine_error(out, guided_param=params["guided"])) is not None:
                 await stream.send({"error": error.message})
                 return await stream.close()
-            if out.text:
-                await stream.send({"model": served.name, "created_at": _now(), **wrap(out.text), "done": False})
+            text, calls = out.text, []
+            if parser is not None:
+                text, calls = parser.feed(out.text)
+                if out.finish_reason is not None:
+                    tail, more = parser.finish()
+                    text, calls = text + tail, calls + more
+            if text or calls:
+                await stream.send({"model": served.name, "created_at": _now(), **wrap(text, calls), "done": False})
             if out.usage is not None:
-                await stream.send({"model": served.name, "created_at": _now(), **wrap(""),
+                await stream.send({"model": served.name, "created_at": _now(), **wrap("", []),
                                    **_final_fields(out, started, gen.first_token_at.get(0))})
         return await stream.close()
 
 
 async def _answer(request: web.Request, keep_alive: str | int | float | None, submit: Submit | None,
-                  num_ctx: int | None, wrap) -> web.StreamResponse:
+                  num_ctx: int | None, wrap, parser: ToolCallParser | None = None) -> web.StreamResponse:
     """The answer to a generate or chat request: none for a request with nothing to
     generate (Ollama's way to load a model), else _respond's; then its keep_alive is
     recorded."""
@@ -156,9 +177,9 @@ async def _answer(request: web.Request, keep_alive: str | int | float | None, su
     seconds = parse_keep_alive(keep_alive) if keep_alive is not None else None
     try:
         if submit is None:
-            return json_response({"model": served.name, "created_at": _now(), **wrap(""), "done": True,
+            return json_response({"model": served.name, "created_at": _now(), **wrap("", []), "done": True,
                                   "done_reason": "load"})
-        return await _respond(request, submit, num_ctx, wrap)
+        return await _respond(request, submit, num_ctx, wrap, parser)
     finally:
         request.app["keep_alive"].record(seconds)
 
@@ -195,27 +216,47 @@ async def chat(request: web.Request) -> web.StreamResponse:
     body = await decode_body(request, ChatRequest)
     served.check(body.model)
     request["stream"] = body.stream
-    if body.tools:
-        raise ApiError(400, "tools are not supported", param="tools")
     num_ctx = _num_ctx(body.options, served)
     if not body.messages:  # loading the model, in Ollama's terms
         return await _answer(request, body.keep_alive, None, num_ctx, _as_message)
-    for m in body.messages:
-        if m.images or m.tool_calls:
-            raise ApiError(400, "images and tool calls are not supported", param="messages")
-        if m.role not in ("system", "user", "assistant"):
-            raise ApiError(400, "message roles must be system, user or assistant", param="messages")
-    submit = Submit(messages=[ChatMessage(m.role, m.content) for m in body.messages],
-                    sampling=_sampling(body.options, body.format))
-    return await _answer(request, body.keep_alive, submit, num_ctx, _as_message)
+    params = _sampling(body.options, body.format)
+    tools = await chat_tools(request, body.tools, body.tool_choice, None, params.guided, format_param="format")
+    if tools.guided is not None:
+        params = msgspec.structs.replace(params, guided=tools.guided)
+    submit = Submit(**tools.submit_fields(_chat_messages(body.messages)), sampling=params)
+    return await _answer(request, body.keep_alive, submit, num_ctx, _as_message, tools.parser())
 
 
-def _as_response(text: str) -> dict[str, Any]:
+def _chat_messages(messages: list[Message]) -> list[dict[str, Any]]:
+    """Ollama's messages as chat templates read them: an assistant's calls (arguments
+    are objects), a tool result with its function's name."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        if m.images:
+            raise ApiError(400, "images are not supported", param="messages")
+        if m.role not in ("system", "user", "assistant", "tool"):
+            raise ApiError(400, "message roles must be system, user, assistant or tool", param="messages")
+        message: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            message["tool_calls"] = [history_call(c, f"messages[{i}].tool_calls[{j}]")
+                                     for j, c in enumerate(m.tool_calls)]
+        if m.role == "tool" and m.tool_name:
+            message["name"] = m.tool_name
+        out.append(message)
+    return out
+
+
+def _as_response(text: str, _calls: list[ToolCall]) -> dict[str, Any]:
     return {"response": text}
 
 
-def _as_message(text: str) -> dict[str, Any]:
-    return {"message": {"role": "assistant", "content": text}}
+def _as_message(text: str, calls: list[ToolCall]) -> dict[str, Any]:
+    """Ollama's message: its calls' arguments are objects."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = [{"id": c.id, "function": {"name": c.name, "arguments": c.arguments}}
+                                 for c in calls]
+    return {"message": message}
 
 
 def _details(served: ServedModel) -> dict[str, Any]:
@@ -252,7 +293,7 @@ async def show(request: web.Request) -> web.Response:
         raise ApiError(400, "model is required", param="model")
     served.check(name)
     family = _details(served)["family"]
-    capabilities = ["completion"] + (["insert"] if served.fim is not None else [])
+    capabilities = ["completion", "tools"] + (["insert"] if served.fim is not None else [])
     return json_response({
         "license": "", "modelfile": f"FROM {served.name}\n", "parameters": "",
         "template": served.chat_template or "{{ .Prompt }}", "details": _details(served),

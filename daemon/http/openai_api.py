@@ -1,8 +1,9 @@
-"""OpenAI's API: `GET /v1/models` (and `/v1/models/{id}`), `POST /v1/completions`,
-`POST /v1/chat/completions`, as the official SDKs call them (vLLM's extra sampling
-fields accepted too, and its `echo` with `max_tokens: 0`). Errors are OpenAI's error
-object with the offending `param`; streams are server-sent events. The Responses API
-and vLLM's /tokenize live beside this (responses_api, tokenize_api)."""
+"""OpenAI's API: `GET /v1/models` (and `/v1/models/{id}`) and `POST /v1/completions`, as
+the official SDKs call them (vLLM's extra sampling fields accepted too, and its `echo`
+with `max_tokens: 0`), and what the other OpenAI endpoints share: sampling fields,
+response formats, usage, streamed chunks. Errors are OpenAI's error object with the
+offending `param`; streams are server-sent events. Chat completions, the Responses API
+and vLLM's /tokenize live beside this (openai_chat, responses_api, tokenize_api)."""
 from __future__ import annotations
 
 import time
@@ -16,10 +17,10 @@ from aiohttp import web
 from llmd.http.bridge import Generation, engine_error, raise_for_error
 from llmd.http.context import ServedModel, decode_body
 from llmd.http.errors import ApiError
-from llmd.http.openai_logprobs import LogprobsWriter, chat_logprobs, with_prompt
+from llmd.http.openai_logprobs import LogprobsWriter, with_prompt
 from llmd.http.sampling import CommonSampling, build_sampling
 from llmd.http.streams import EventStream, json_response
-from llmd_client.protocol import INT32_MAX, ChatMessage, GuidedDecodingParams, Output, SamplingParams, Submit
+from llmd_client.protocol import INT32_MAX, GuidedDecodingParams, Output, SamplingParams, Submit
 
 
 class StreamOptions(msgspec.Struct):
@@ -70,31 +71,8 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     best_of: int | None = None
 
 
-class ContentPart(msgspec.Struct):
-    type: str
-    text: str | None = None
-
-
-class ChatMessageIn(msgspec.Struct):
-    role: str
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-    tool_calls: list[Any] | None = None
-
-
-class ChatRequest(_SamplingFields, kw_only=True):
-    messages: list[ChatMessageIn]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-
-
 # Internal field names as this API spells them, for error messages' `param`.
-_PARAMS = {"guided": "response_format", "token_ids": "prompt"}
-_CHAT_PARAMS = {**_PARAMS, "prompt": "messages", "logprobs": "top_logprobs"}
+PARAMS = {"guided": "response_format", "token_ids": "prompt"}
 
 
 def sampling_params(body: _SamplingFields, *, max_tokens: int | None, logprobs: int | None,
@@ -212,11 +190,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     # generated, as the engine must) and answers with the prompt alone.
     prompt_only = body.echo and body.max_tokens == 0
     params = sampling_params(body, max_tokens=1 if prompt_only else body.max_tokens, logprobs=body.logprobs,
-                             guided=guided_from(body.response_format), params=_PARAMS,
+                             guided=guided_from(body.response_format), params=PARAMS,
                              prompt_logprobs=body.logprobs if echo_logprobs else None)
     submits = completion_submits(body, served, params)
     ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    async with Generation(request.app["intake"], request["uid"], params=_PARAMS,
+    async with Generation(request.app["intake"], request["uid"], params=PARAMS,
                           view=_without_generation if prompt_only else None) as gen:
         admitted = await gen.admit(submits)
         echoes = [_echo_text(served, a.prepared, submits[a.slot]) if body.echo else "" for a in admitted]
@@ -234,7 +212,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
         head = {"id": ident, "object": "text_completion", "created": created, "model": served.name}
         if body.stream:
-            return await _stream(request, gen, head, body.stream_options,
+            return await stream_chunks(request, gen, head, body.stream_options,
                                  lambda slot, out, first: choice(slot, out, (echoes[slot] if first else "") + out.text))
         merged = await gen.collect()
     finals = [out for samples in merged.values() for out in samples.values()]
@@ -262,7 +240,7 @@ def _echo_text(served: ServedModel, prepared, submit: Submit) -> str:
     return served.tokenizer.decode(prepared.token_ids, skip_special_tokens=False)
 
 
-async def _stream(request: web.Request, gen: Generation, head: dict[str, Any], options: StreamOptions | None,
+async def stream_chunks(request: web.Request, gen: Generation, head: dict[str, Any], options: StreamOptions | None,
                   choice: Callable[[int, Output, bool], dict[str, Any]],
                   opening: list[dict[str, Any]] = ()) -> web.StreamResponse:
     """Chunks as they come: one event per engine output, then (with include_usage) a
@@ -291,69 +269,6 @@ async def _stream(request: web.Request, gen: Generation, head: dict[str, Any], o
     return await stream.close()
 
 
-# -- /v1/chat/completions ------------------------------------------------------------
-
-def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
-    if not messages:
-        raise ApiError(400, "messages must not be empty", param="messages", code="invalid_params")
-    out = []
-    for m in messages:
-        if m.role not in ("system", "developer", "user", "assistant"):
-            raise ApiError(400, "message roles must be system, developer, user or assistant (no tools)",
-                           param="messages", code="unsupported")
-        if m.tool_calls:
-            raise ApiError(400, "tool calls are not supported", param="messages", code="unsupported")
-        if isinstance(m.content, list):
-            if any(p.type != "text" or p.text is None for p in m.content):
-                raise ApiError(400, "only text content parts are supported", param="messages", code="unsupported")
-            content = "".join(p.text for p in m.content)
-        else:
-            content = m.content or ""
-        out.append(ChatMessage(role="system" if m.role == "developer" else m.role, content=content))
-    return out
-
-
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    served: ServedModel = request.app["served"]
-    body = await decode_body(request, ChatRequest)
-    served.check(body.model)
-    if body.tools and body.tool_choice != "none":
-        raise ApiError(400, "tools are not supported", param="tools", code="unsupported")
-    if body.top_logprobs is not None and not body.logprobs:
-        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_params")
-    k = body.top_logprobs or 0
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = sampling_params(body, max_tokens=max_tokens, logprobs=k if body.logprobs else None,
-                             guided=guided_from(body.response_format), params=_CHAT_PARAMS)
-    submit = Submit(messages=chat_messages(body.messages), sampling=params, cache_salt=body.cache_salt,
-                    priority=body.priority)
-    ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    head = {"id": ident, "object": "chat.completion", "created": created, "model": served.name}
-    async with Generation(request.app["intake"], request["uid"], params=_CHAT_PARAMS,
-                          strict_max_tokens=max_tokens is not None) as gen:
-        await gen.admit([submit])
-
-        def logprobs(out: Output) -> dict[str, list] | None:
-            return chat_logprobs(served, out.logprobs, k) if body.logprobs and out.logprobs else None
-
-        if body.stream:
-            chunk_head = {**head, "object": "chat.completion.chunk"}
-            opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                        "finish_reason": None} for i in range(params.n)]
-            return await _stream(request, gen, chunk_head, body.stream_options,
-                                 lambda slot, out, first: {"index": out.index,
-                                                           "delta": {"content": out.text} if out.text else {},
-                                                           "logprobs": logprobs(out), "finish_reason": out.finish_reason},
-                                 opening)
-        merged = await gen.collect()
-    finals = [merged[0][i] for i in sorted(merged[0])]
-    for out in finals:
-        raise_for_error(out)
-    choices = [{"index": out.index, "message": {"role": "assistant", "content": out.text},
-                "logprobs": logprobs(out), "finish_reason": out.finish_reason} for out in finals]
-    return json_response({**head, "choices": choices, "usage": usage_of(finals)})
-
-
 def error_body(exc: ApiError) -> dict[str, Any]:
     return {"error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}}
 
@@ -363,4 +278,4 @@ def error_response(exc: ApiError) -> web.Response:
 
 
 ROUTES = [("GET", "/v1/models", models), ("GET", "/v1/models/{model:.+}", model),
-          ("POST", "/v1/completions", completions), ("POST", "/v1/chat/completions", chat_completions)]
+          ("POST", "/v1/completions", completions)]

@@ -15,8 +15,9 @@ from aiohttp import web
 from llmd.actors.error_text import safe_message
 from llmd.http.context import ServedModel, decode_body
 from llmd.http.errors import ApiError
-from llmd.http.openai_api import ChatMessageIn, chat_messages
+from llmd.http.openai_chat import ChatMessageIn, chat_messages
 from llmd.http.streams import json_response
+from llmd_client.protocol import ChatMessage
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -51,7 +52,7 @@ async def tokenize(request: web.Request) -> web.Response:
             tokens = await request.app["intake"].tokenize(body.prompt, add_special_tokens=add_special)
         else:
             tokens = await request.app["intake"].tokenize(
-                chat_messages(body.messages), add_special_tokens=bool(body.add_special_tokens),
+                [ChatMessage(**m) for m in chat_messages(body.messages)], add_special_tokens=bool(body.add_special_tokens),
                 add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message)
     except ValueError as exc:
         message = safe_message(exc)

@@ -213,8 +213,10 @@ def _start_actors(engine: LLMEngine, model_names: tuple[str, ...], daemon: Daemo
         from llmd.actors.http_intake import HttpIntakeActor
         from llmd.http.context import describe_model
         from llmd.http.listeners import api_keys
-        actors.append(HttpIntakeActor(listeners.http, intake, metrics, describe_model(engine, model_names),
-                                      api_keys=api_keys(daemon), listen_backlog=daemon.listen_backlog))
+        served = describe_model(engine, model_names, tool_call_parser=daemon.tool_call_parser,
+                                guided_tool_calls=daemon.guided_tool_calls)
+        actors.append(HttpIntakeActor(listeners.http, intake, metrics, served, api_keys=api_keys(daemon),
+                                      listen_backlog=daemon.listen_backlog))
     supervisor = Supervisor()
     for actor in actors:
         supervisor.start(actor)

@@ -42,7 +42,7 @@ def parse_guided(guided: GuidedDecodingParams) -> GrammarSpec:
     field = f"guided.{kind}"
     if kind in ("json_schema", "json_object"):
         schema = _load_schema(guided.json_schema) if kind == "json_schema" else {"type": "object"}
-        schema = _lengths_as_patterns(schema)
+        schema = lengths_as_patterns(schema)
         # Key order is kept: xgrammar emits properties in the order the schema lists them.
         text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
         if len(text.encode()) > MAX_GUIDED_SPEC_BYTES:
@@ -63,6 +63,13 @@ def parse_guided(guided: GuidedDecodingParams) -> GrammarSpec:
         ebnf = "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in guided.choice)
         grammar = _xgrammar_call(field, xgr.Grammar.from_ebnf, ebnf)
         key = f"choice:{json.dumps(guided.choice, ensure_ascii=False)}"
+    elif kind == "structural_tag":
+        tag = guided.structural_tag
+        text = tag if isinstance(tag, str) else json.dumps(tag, separators=(",", ":"), ensure_ascii=False)
+        if len(text.encode()) > MAX_GUIDED_SPEC_BYTES:
+            raise GrammarError(f"{field} must have at most {MAX_GUIDED_SPEC_BYTES} bytes")
+        grammar = _xgrammar_call(field, xgr.Grammar.from_structural_tag, text)
+        key = f"structural_tag:{text}"
     else:
         grammar = _xgrammar_call(field, xgr.Grammar.from_ebnf, guided.grammar)
         key = f"ebnf:{guided.grammar}"
@@ -106,17 +113,17 @@ def _json_depth(value: Any) -> int:
     return deepest
 
 
-def _lengths_as_patterns(schema: Any) -> Any:
+def lengths_as_patterns(schema: Any) -> Any:
     """String length limits rewritten as an equivalent `pattern` where the schema has none.
 
     xgrammar's minLength/maxLength grammar admits raw control characters (invalid JSON)
     and its masks are slow to fill; its pattern grammar admits plain characters only, and
     any string of those with the right length satisfies the original schema."""
     if isinstance(schema, list):
-        return [_lengths_as_patterns(s) for s in schema]
+        return [lengths_as_patterns(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: _lengths_as_patterns(v) for k, v in schema.items()}
+    out = {k: lengths_as_patterns(v) for k, v in schema.items()}
     lo, hi = out.get("minLength"), out.get("maxLength")
     if (out.get("type") == "string" and "pattern" not in out and "format" not in out
             and (lo is not None or hi is not None)
