@@ -51,7 +51,7 @@ from llmd.gpu.layers.cpu.kernel_build import ExtensionBuild, KernelBuildCancelle
 logger = logging.getLogger("llmd.cpu_kernels")
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_fused_ops.cpp", "cpu_quant.cpp")]
-HEADERS = [Path(__file__).with_name("cpu_vec.h")]  # included by both: part of the digest
+HEADERS = [Path(__file__).with_name(name) for name in ("cpu_vec.h", "cpu_quant_formats.h")]  # part of the digest
 CPU_KERNELS_ENV = "LLMD_CPU_KERNELS"
 KERNEL_BUILD_TIMEOUT_ENV = "LLMD_KERNEL_BUILD_TIMEOUT"
 DEFAULT_KERNEL_BUILD_TIMEOUT_S = 300.0
@@ -138,8 +138,8 @@ class GGUFOps:
 
 
 def gguf_ops() -> GGUFOps | None:
-    """torch.ops.llmd_cpu.gguf_mm(x [M, K], w uint8 [N, K / 32 * block bytes], quant
-    (gguf_quant.TYPE_CODES), K) -> [M, N], x times a packed GGUF weight, and
+    """torch.ops.llmd_cpu.gguf_mm(x [M, K], w uint8 [N, K / block * block bytes], quant
+    (gguf_quant.FORMATS' code), K) -> [M, N], x times a packed GGUF weight, and
     gguf_dequantize(w, quant, K) -> float32 [N, K] (cpu_quant.cpp). None when the
     kernels are switched off (LLMD_CPU_KERNELS=0) or cannot be built."""
     if not cpu_kernels_enabled() or not _load():
