@@ -105,7 +105,7 @@ def packed_parts(quants: Sequence[str], sizes: Sequence[int], cols: int) -> tupl
     return tuple(parts)
 
 
-def part_rows(weight: torch.Tensor, part: PackedPart, cols: int) -> torch.Tensor:
+def part_weight(weight: torch.Tensor, part: PackedPart, cols: int) -> torch.Tensor:
     """The packed rows [rows, row bytes] of `part` (a view of the weight's bytes)."""
     size = row_bytes(part.quant, cols)
     return weight.reshape(-1)[part.offset:part.offset + (part.end - part.start) * size].view(-1, size)
@@ -261,7 +261,7 @@ class GGUFMatmul:
         self.ops = ops
         self.with_bias = not getattr(layer, "reduce", False)
         cols = layer.in_features
-        self.parts = [(part, FORMATS[part.quant].code, part_rows(layer.weight, part, cols))
+        self.parts = [(part, FORMATS[part.quant].code, part_weight(layer.weight, part, cols))
                       for part in layer.packed_parts]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 import torch.nn.functional as F
 
-from llmd.gpu.layers.gguf_quant import PackedPart, dequantize, packed_parts, row_bytes
+from llmd.gpu.layers.gguf_quant import PackedPart, dequantize, packed_parts, part_weight, row_bytes
 from llmd.gpu.layers.tp import TPShape
 
 Shard = Any  # a shard id: "q" / "k" / "v", 0 / 1 (gate / up), an expert index or (expert, part)
@@ -192,8 +192,7 @@ class ColumnSplitLinear(LinearBase):
             return param[a:b]
         i = self.parts.index(shard)
         offset = sum(rows * row_bytes(q, self.in_features) for q, rows in zip(self.part_quants[:i], self.part_sizes))
-        size = row_bytes(self.part_quants[i], self.in_features)
-        return param.reshape(-1)[offset:offset + (b - a) * size].view(b - a, size)
+        return part_weight(param, PackedPart(self.part_quants[i], a, b, offset), self.in_features)
 
     def part_rows(self, shard: Shard) -> tuple[int, int]:
         i = self.parts.index(shard)

@@ -81,6 +81,31 @@ inline void dot_tile(const uint8_t* row, int64_t blocks, const float* x, int64_t
   for (int r = 0; r < T; ++r) out[r * stride] = _mm512_reduce_add_ps(_mm512_add_ps(acc_lo[r], acc_hi[r]));
 }
 
+// One row of x against two weight rows at once: two independent chains of decode and
+// multiply-add in flight.
+template <int Q>
+inline void dot_pair(const uint8_t* row0, const uint8_t* row1, int64_t blocks, const float* x, float* out) {
+  using F = Format<Q>;
+  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const Decoder<Q> b0(row0 + b * F::kBytes), b1(row1 + b * F::kBytes);
+    const float* xb = x + b * F::kWeights;
+#pragma GCC unroll 8
+    for (int c = 0; c < F::kWeights / 32; ++c) {
+      __m512 lo0, hi0, lo1, hi1;
+      b0.chunk(c, lo0, hi0);
+      b1.chunk(c, lo1, hi1);
+      const __m512 xl = _mm512_loadu_ps(xb + 32 * c), xh = _mm512_loadu_ps(xb + 32 * c + 16);
+      acc[0] = _mm512_fmadd_ps(lo0, xl, acc[0]);
+      acc[1] = _mm512_fmadd_ps(hi0, xh, acc[1]);
+      acc[2] = _mm512_fmadd_ps(lo1, xl, acc[2]);
+      acc[3] = _mm512_fmadd_ps(hi1, xh, acc[3]);
+    }
+  }
+  out[0] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+  out[1] = _mm512_reduce_add_ps(_mm512_add_ps(acc[2], acc[3]));
+}
+
 template <int Q>
 inline void dot_rows(const uint8_t* row, int64_t blocks, const float* x, int64_t tile, int64_t cols,
                      float* out, int64_t stride) {
@@ -154,7 +179,14 @@ void gguf_mm_rows(const float* x, int64_t rows, int64_t cols, const uint8_t* w, 
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
       const int64_t tile = std::min(kMaxRows, rows - r0);
-      for (int64_t j = begin; j < end; ++j) {
+      int64_t j = begin;
+#if defined(CPU_CAPABILITY_AVX512)
+      if (tile == 1) {
+        for (; j + 2 <= end; j += 2) dot_pair<Q>(w + j * row_bytes, w + (j + 1) * row_bytes, blocks, x + r0 * cols,
+                                                 out + r0 * n + j);
+      }
+#endif
+      for (; j < end; ++j) {
         dot_rows<Q>(w + j * row_bytes, blocks, x + r0 * cols, tile, cols, out + r0 * n + j, n);
       }
     }
