@@ -27,7 +27,8 @@ def test_bench_gguf_reports_every_engine_it_ran(hf_dirs, tmp_path, capsys):  # n
 def test_bench_gguf_times_each_packed_weight_shape(hf_dirs, tmp_path, capsys):  # noqa: F811
     path = write_gguf(hf_dirs("llama"), tmp_path / "q4.gguf", T.Q4_0)
     threads = str(torch.get_num_threads())  # as it is: the option sets this process's count
-    assert bench_gguf.main(["--model", str(path), "--kernels", "--rows", "2", "--threads", threads, "--json"]) == 0
+    assert bench_gguf.main(["--model", str(path), "--kernels", "--rows", "2", "--calls", "5", "--threads", threads,
+                            "--json"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     shapes = {(k["quant"], k["rows"], k["cols"]) for k in report["kernels"]}
     assert len(shapes) == len(report["kernels"]) and {q for q, _, _ in shapes} == {"Q4_0"}

@@ -7,7 +7,7 @@ best with CMAKE_ARGS="-DGGML_NATIVE=ON" so it is built for this CPU).
 
     python -m llmd_tools.bench_gguf [--model PATH] [--rounds 3] [--prompt 128] [--tokens 128]
         [--threads 2] [--engines llmd llmd-packed-bf16 llmd-f32 llmd-bf16 llama.cpp] [--json]
-    python -m llmd_tools.bench_gguf --kernels [--model PATH] [--rows 1] [--threads 2] [--json]
+    python -m llmd_tools.bench_gguf --kernels [--model PATH] [--rows 1] [--calls 300] [--threads 2] [--json]
 
 Each measurement runs in a fresh process (so its peak RSS is its own), the engines in
 alternated rounds; reported: the median over rounds of decode tokens/s (the tokens after
@@ -151,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--kernels", action="store_true", help="time the packed matmul alone (module doc)")
     parser.add_argument("--rows", type=int, default=1, help="--kernels: rows of x")
+    parser.add_argument("--calls", type=int, default=300, help="--kernels: timed calls of each")
     args = parser.parse_args(argv)
     model = args.model
     if not model:
@@ -194,7 +195,7 @@ def _report_kernels(model: str, args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     _other_load()
-    figures = kernel_figures(model, args.rows)
+    figures = kernel_figures(model, args.rows, args.calls)
     other, load = _other_load(), os.getloadavg()[0]
     if args.json:
         print(json.dumps({"model": model, "threads": args.threads, "x_rows": args.rows, "other_load_cores": other,
