@@ -1,9 +1,9 @@
 // gguf_mm: x [M, K] times a GGUF block-quantized weight [N, K] kept packed (gguf_quant.py
 // describes the formats, cpu_quant_formats.h decodes them). Each row of the weight is read
 // from memory packed, once per eight rows of x; each block is dequantized in registers
-// (AVX-512: 32 weights at a time; elsewhere a whole block into a small buffer) and
-// multiplied with those rows, accumulating in float32. Equal to x @ dequantize(w)^T up
-// to float32 summation order.
+// (AVX-512: 32 weights at a time, two weight rows at once for a single row of x;
+// elsewhere a whole block into a small buffer) and multiplied with those rows,
+// accumulating in float32. Equal to x @ dequantize(w)^T up to float32 summation order.
 //
 // x: float32, bfloat16 or float16, contiguous; w: uint8 [N, K / block weights * block
 // bytes]; quant: gguf_quant.FORMATS' code (0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_0, 4 Q5_1, 5 Q2_K,
