@@ -64,8 +64,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # between ranks). Fewer than the cores leaves room for other work: with OpenMP,
     # threads competing with other busy processes make every op wait a time slice.
     cpu_threads: int | None = None
-    # GGUF on CPU: dequantize every weight at load instead of keeping the quantized types
-    # llmd runs packed (gguf_quant) packed.
+    # GGUF on CPU: dequantize every weight at load instead of keeping every quantized
+    # weight packed (gguf_quant); also what loads a type llmd has no packed kernel for.
     dequantize: bool = False
     speculative_config: SpeculativeConfig | None = None
     seed: int = 0
@@ -159,7 +159,8 @@ SETTING_HELP: dict[str, str] = {
     "async_scheduling": "Schedule the next step while the model runs this one.",
     "attention_backend": "Paged attention kernels; auto: flash-attn or Triton on CUDA, PyTorch on CPU.",
     "cpu_threads": "CPU: torch threads for the model per rank (default: all cores).",
-    "dequantize": "GGUF: dequantize every weight at load instead of running Q4_0/Q4_1/Q8_0 packed (more memory).",
+    "dequantize": "GGUF: dequantize every weight at load instead of running them packed (more memory; "
+                  "loads the types llmd has no packed kernel for, e.g. IQ4_NL).",
     "speculative_config": "Speculative decoding as JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'.",
     "seed": "Seed of the engine's random generator (a request's own seed overrides it).",
     "max_logprobs": "Largest number of logprobs a request may ask for (1..20).",

@@ -1,9 +1,11 @@
 """tools/bench_gguf.py runs each engine in a fresh process and reports medians: a tiny
-GGUF through the llmd engines it knows (llama.cpp is an optional extra, not run here)."""
+GGUF through the llmd engines it knows (llama.cpp is an optional extra, not run here);
+with --kernels it times the packed matmul of each weight shape of the file."""
 from __future__ import annotations
 
 import json
 
+import torch
 from gguf import GGMLQuantizationType as T
 
 from gguf_fixtures import write_gguf
@@ -20,3 +22,15 @@ def test_bench_gguf_reports_every_engine_it_ran(hf_dirs, tmp_path, capsys):  # n
     assert list(report["engines"]) == engines and report["skipped"] == []
     for figures in report["engines"].values():
         assert figures["decode_tok_s"] > 0 and figures["ttft_s"] > 0 and figures["peak_rss_mib"] > 50
+
+
+def test_bench_gguf_times_each_packed_weight_shape(hf_dirs, tmp_path, capsys):  # noqa: F811
+    path = write_gguf(hf_dirs("llama"), tmp_path / "q4.gguf", T.Q4_0)
+    threads = str(torch.get_num_threads())  # as it is: the option sets this process's count
+    assert bench_gguf.main(["--model", str(path), "--kernels", "--rows", "2", "--calls", "5", "--threads", threads,
+                            "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    shapes = {(k["quant"], k["rows"], k["cols"]) for k in report["kernels"]}
+    assert len(shapes) == len(report["kernels"]) and {q for q, _, _ in shapes} == {"Q4_0"}
+    assert ("Q4_0", 192, 64) in shapes  # blk.N.ffn_gate: intermediate 192 x hidden 64
+    assert all(k["packed_us"] > 0 and k["dense_f32_us"] > 0 for k in report["kernels"])

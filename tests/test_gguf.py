@@ -21,6 +21,7 @@ from gguf_fixtures import write_gguf
 from hf_ref import check_logprobs_close, engine_result, hf_greedy, hf_model
 from llmd import LLM, SamplingParams
 from llmd.builtin_model import BuiltinModelUnavailable, builtin_model_path
+from llmd.gpu.layers.linear import LinearBase, VocabRows
 from llmd.gpu.models.gguf_arch import gemma3_config_fields
 from llmd.gpu.models.gguf_summary import gguf_summary
 from llmd.gpu.models.loader import load_hf_config, load_model, load_tokenizer
@@ -93,8 +94,9 @@ def test_gguf_matches_transformers(ggufs, name, qtype):
 
 def test_k_quants_load_as_an_independent_dequantizer_reads_them(ggufs):
     """Q2_K..Q6_K (random blocks; the gguf package cannot quantize them): every weight
-    llmd loads equals transformers' torch dequantizer on the file's bytes, rows put back
-    in HF order by transformers' own inverse of llama.cpp's permutation; the model then
+    llmd loads dequantized equals transformers' torch dequantizer on the file's bytes,
+    rows put back in HF order by transformers' own inverse of llama.cpp's permutation;
+    the model kept packed (every projection, q, k and v each in its own type) then
     matches transformers loading the same file."""
     from transformers.integrations.gguf.dequant import dequantize as torch_dequantize
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
@@ -103,7 +105,7 @@ def test_k_quants_load_as_an_independent_dequantizer_reads_them(ggufs):
     config = load_hf_config(path)
     reader = gguf.GGUFReader(path)
     assert {t.tensor_type for t in reader.tensors} >= set(K_QUANTS)
-    model = load_model(path, torch.float32, torch.device("cpu"), 256)
+    model = load_model(path, torch.float32, torch.device("cpu"), 256, dequantize=True)
     params = dict(model.named_parameters())
     unpermute = LlamaTensorProcessor(config={"num_attention_heads": config.num_attention_heads,
                                              "num_key_value_heads": config.num_key_value_heads})
@@ -127,7 +129,12 @@ def test_k_quants_load_as_an_independent_dequantizer_reads_them(ggufs):
             got = params[{"attn_output": f"layers.{layer}.self_attn.o_proj.weight",
                           "ffn_down": f"layers.{layer}.mlp.down_proj.weight"}[kind]]
         assert torch.equal(got, expected), f"{t.name} ({t.tensor_type.name})"
-    _compare_with_transformers(path, LLM(model=path, **SETTINGS), texts=TEXTS[:2])
+    llm = LLM(model=path, **SETTINGS)
+    packed = {name: m.quant for name, m in llm.engine.executor.runner.model.named_modules()
+              if isinstance(m, LinearBase)}
+    assert all(quant is not None and "_K" in quant for quant in packed.values()), packed
+    assert len({quant for name, quant in packed.items() if "qkv_proj" in name and "+" in quant}) > 0
+    _compare_with_transformers(path, llm, texts=TEXTS[:2])
 
 
 def test_tokenizer_is_the_one_transformers_builds(ggufs):
@@ -376,13 +383,21 @@ def gemma3_270m() -> Path:
 def test_gemma3_270m_matches_transformers(gemma3_270m):
     """Gemma 3 270M against transformers loading the same file: llmd reads it as
     llama.cpp does (norms stored as 1 + w, ffn_norm the pre-feed-forward norm, every
-    sixth layer global, local rope theta 10000, attention scale 1/sqrt(head_dim)); the
-    same tokens for REAL_TOKENS greedy steps on each prompt, logprobs close, and llmd's
+    sixth layer global, local rope theta 10000, attention scale 1/sqrt(head_dim)) and
+    keeps every quantized weight as the file stores it (Q4_K, Q6_K, Q5_0, Q8_0: every
+    linear, the embedding and the tied LM head packed, none dequantized); the same
+    tokens for REAL_TOKENS greedy steps on each prompt, logprobs close, and llmd's
     tokenizer encodes the prompts as transformers' does."""
     path = str(gemma3_270m)
     _, tokenizer = hf_model(path)
     llm = LLM(model=path, dtype="float32", num_gpu_blocks_override=64, max_model_len=256)
     model = llm.engine.executor.runner.model
+    weights = {name: m for name, m in model.named_modules() if isinstance(m, (LinearBase, VocabRows))}
+    dense = [name for name, m in weights.items() if m.quant is None or m.weight.dtype != torch.uint8]
+    assert not dense, f"dense weights: {dense}"
+    kept = {part.quant for m in weights.values() for part in m.packed_parts}
+    assert kept == {"Q4_K", "Q6_K", "Q5_0", "Q8_0"}
+    assert len(weights) == 4 * len(model.layers) + 2  # qkv, o, gate_up, down; embedding, LM head
     assert [layer.self_attn.attn.sliding_window for layer in model.layers] == ([512] * 5 + [None]) * 3
     assert model.config.rope_parameters["sliding_attention"]["rope_theta"] == 10000.0
     prompts = [tokenizer(t).input_ids for t in GEMMA3_TEXTS]

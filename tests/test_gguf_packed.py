@@ -1,12 +1,21 @@
-"""GGUF weights kept packed (gguf_quant, cpu/cpu_quant.cpp): Q8_0, Q4_0 and Q4_1.
+"""GGUF weights kept packed (gguf_quant, cpu/cpu_quant.cpp): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1
+and the K-quants Q2_K..Q6_K.
 
 Each format's dequantization equals the gguf package's (an independent reader of the
-same bytes); the packed matmul, through the C++ kernel (decode rows) and the
-dequantized-slice GEMM (more rows), equals x times the dequantized weight; a GGUF
-model loaded packed computes what the same file dequantized at load computes, in a
-fraction of the memory, and (tests/test_gguf.py) matches transformers reading the file.
+same bytes) bit for bit, on random blocks and on blocks of extreme scales; the packed
+matmul, through the C++ kernel (decode rows; the AVX-512 build here, and the portable
+build that a CPU without AVX-512 gets) and the dequantized-slice GEMM (more rows),
+equals x times the dequantized weight; a GGUF model loaded packed computes what the same
+file dequantized at load computes, in a fraction of the memory, a fused projection whose
+parts differ in type included, and (tests/test_gguf.py) matches transformers reading the
+file; a quantized tensor that cannot stay packed is refused by name.
 """
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -20,104 +29,201 @@ from llmd import LLM
 from llmd.gpu.layers.attention import AttentionMetadata, new_model_kv_caches
 from llmd.gpu.layers.attention_backends import metadata_builder
 from llmd.gpu.layers.cpu.cpu_kernels import gguf_ops
-from llmd.gpu.layers.gguf_quant import KERNEL_MAX_ROWS, PACKED_TYPES, TYPE_CODES, GGUFMatmul, dequantize
+from llmd.gpu.layers.gguf_quant import FORMATS, KERNEL_MAX_ROWS, PACKED_TYPES, GGUFMatmul, dequantize
 from llmd.gpu.layers.linear import ReplicatedLinear
 from llmd.gpu.models.loader import load_model
 from test_gguf import SETTINGS, hf_dirs  # noqa: F401
 
 CPU = torch.device("cpu")
+# Byte offsets of each type's fp16 scales (d, and dmin / m where the type has one):
+# ggml-common.h's block structs.
+SCALE_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82),
+                 "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+# fp16 scales at the edges: the largest finite, the smallest subnormal, zero, a negative.
+EXTREME_SCALES = (65504.0, 2.0 ** -24, 0.0, -1.5)
 
 
-def packed_rows(weights: np.ndarray, quant: str) -> torch.Tensor:
-    return torch.from_numpy(quantize(weights, getattr(T, quant)).reshape(weights.shape[0], -1).copy())
-
-
-def sample_weights(rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """Gaussian weights with a few blocks of extremes: all equal, one large value, zeros."""
+def random_blocks(quant: str, rows: int, cols: int, seed: int = 0, scale: float = 0.01,
+                  extremes: bool = False) -> torch.Tensor:
+    """Valid packed rows [rows, row bytes] of `quant`: random bytes (every bit pattern of
+    the quantized values and sub-scales is a valid block) with random finite fp16
+    scales of about `scale`; `extremes`: the first rows' scales EXTREME_SCALES instead,
+    one value per row, every scale field of the row."""
+    f = FORMATS[quant]
     rng = np.random.default_rng(seed)
-    w = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05
-    w[0, :32] = 0.0
-    w[1, 32:64] = 0.7
-    w[2, 5] = 40.0
-    return w
+    blocks = rng.integers(0, 256, size=(rows, cols // f.block, f.block_bytes), dtype=np.uint8)
+    for offset in SCALE_OFFSETS[quant]:
+        d = (rng.standard_normal((rows, cols // f.block)) * scale).astype(np.float16)
+        if extremes:
+            d[:len(EXTREME_SCALES)] = np.array(EXTREME_SCALES, dtype=np.float16)[:, None]
+        blocks[..., offset:offset + 2] = d.view(np.uint8).reshape(rows, -1, 2)
+    return torch.from_numpy(blocks.reshape(rows, -1))
+
+
+def _cols(quant: str) -> int:
+    return 3 * FORMATS[quant].block  # three blocks: 96 weights, or 768 for a K-quant
+
+
+def test_the_formats_are_the_gguf_packages():
+    for quant, f in FORMATS.items():
+        assert gguf.GGML_QUANT_SIZES[getattr(T, quant)] == (f.block, f.block_bytes), quant
+    assert len({f.code for f in FORMATS.values()}) == len(FORMATS)
 
 
 @pytest.mark.parametrize("quant", PACKED_TYPES)
 def test_dequantize_equals_the_gguf_package(quant):
-    w = sample_weights(96, 256)
-    blocks = packed_rows(w, quant)
+    """Bit for bit, on random blocks and blocks of extreme scales."""
+    cols = _cols(quant)
+    blocks = torch.cat([random_blocks(quant, 40, cols, seed=1), random_blocks(quant, 8, cols, seed=2, extremes=True)])
+    expected = gguf.quants.dequantize(blocks.numpy(), getattr(T, quant)).reshape(blocks.shape[0], cols)
+    got = dequantize(blocks, quant, cols)
+    assert torch.isfinite(got).all()
+    assert torch.equal(got, torch.from_numpy(expected.astype(np.float32)))
+
+
+@pytest.mark.parametrize("quant", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_dequantize_reads_what_the_gguf_package_quantizes(quant):
+    """Blocks of real weights (the package's quantizer), a few of extremes among them."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((32, 256)).astype(np.float32) * 0.05
+    w[0, :32] = 0.0
+    w[1, 32:64] = 0.7
+    w[2, 5] = 40.0
+    blocks = torch.from_numpy(quantize(w, getattr(T, quant)).reshape(32, -1).copy())
     expected = gguf.quants.dequantize(blocks.numpy(), getattr(T, quant)).reshape(w.shape)
     assert torch.equal(dequantize(blocks, quant, 256), torch.from_numpy(expected.astype(np.float32)))
 
 
-def _packed_linear(quant: str, rows: int, cols: int, bias: bool, seed: int = 0) -> tuple[ReplicatedLinear, torch.Tensor]:
-    w = sample_weights(rows, cols, seed)
+def _packed_linear(quant: str, rows: int, cols: int, bias: bool,
+                   seed: int = 0) -> tuple[ReplicatedLinear, torch.Tensor]:
     layer = ReplicatedLinear(cols, rows, bias=bias)
     layer.use_packed(quant)
-    layer.weight.data = packed_rows(w, quant)
+    layer.weight.data = random_blocks(quant, rows, cols, seed)
     if bias:
         layer.bias.data = torch.randn(rows, generator=torch.Generator().manual_seed(seed))
     return layer, dequantize(layer.weight, quant, cols)
 
 
+# Relative rounding of a result in each dtype (half an ulp).
+ROUNDING = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+
+
+def assert_product_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    """got == x @ w^T (+ bias), the exact value computed in float64, within what float32
+    accumulation and got's dtype allow: K 2^-24 (|x| @ |w|^T) (a float32 sum of K terms
+    in any order; a single wrongly decoded weight errs by about 1/K of that sum, far
+    more), plus the result's rounding (bfloat16 / float16: the product rounded, then
+    the sum with the bias rounded: 2^-8 / 2^-11 of each)."""
+    product = x.double() @ w.double().t()
+    exact = product if bias is None else product + bias.double()
+    rounding = ROUNDING[got.dtype] * (product.abs() + exact.abs())
+    bound = rounding + x.shape[-1] * 2.0 ** -24 * (x.double().abs() @ w.double().abs().t()) + 1e-30
+    error = (got.double() - exact).abs()
+    assert (error <= bound).all(), f"{got.dtype}: error {float((error / bound).max()):.3g}x the bound"
+
+
 @pytest.mark.parametrize("quant", PACKED_TYPES)
 @pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "gemm-only"])
 def test_packed_matmul_equals_the_dequantized_reference(quant, kernel):
-    """Rows 1..8 run through the C++ kernel (when built), more through dequantized slices
-    of the weight and a dense GEMM; both equal F.linear on the dequantized weight, bias
-    added, in float32 to summation order and in bfloat16 to its rounding."""
+    """Rows 1..16 run through the C++ kernel (when built), more through dequantized
+    slices of the weight and a dense GEMM; both equal F.linear on the dequantized weight,
+    bias added, for float32, bfloat16 and float16 activations. (Without the kernels every
+    row count takes the one torch path: two suffice.)"""
     ops = gguf_ops() if kernel else None
     if kernel and ops is None:
         pytest.skip("the CPU kernels cannot be built here")
-    layer, dense = _packed_linear(quant, 200, 320, bias=True)
+    cols = _cols(quant)
+    layer, dense = _packed_linear(quant, 200, cols, bias=True)
     layer.kernel = GGUFMatmul(layer, ops)
     gen = torch.Generator().manual_seed(1)
     bias = layer.bias.data
-    for rows in (1, 3, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, 40):
-        x = torch.randn(rows, 320, generator=gen)
-        layer.bias.data = bias
-        expected = torch.nn.functional.linear(x, dense, bias)
-        torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-5)
-        layer.bias.data = bias.to(torch.bfloat16)  # a bfloat16 model's bias
-        xb = x.to(torch.bfloat16)
-        got = layer(xb)
-        assert got.dtype == torch.bfloat16
-        reference = torch.nn.functional.linear(xb.float(), dense, layer.bias.float())
-        torch.testing.assert_close(got.float(), reference, atol=0.05, rtol=0.02)
+    for rows in (1, 3, 8, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, 40) if kernel else (1, KERNEL_MAX_ROWS + 1):
+        x = torch.randn(rows, cols, generator=gen)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            layer.bias.data = bias.to(dtype)  # a model of that dtype's bias
+            xd = x.to(dtype)
+            got = layer(xd)
+            assert got.dtype == dtype
+            # the GEMM path multiplies in the activations' dtype: bias and weight rounded to it
+            w = dense if kernel and rows <= KERNEL_MAX_ROWS or dtype == torch.float32 else dense.to(dtype)
+            assert_product_close(got, xd, w, layer.bias.data)
     layer.bias.data = bias
-    assert layer(torch.zeros(0, 320)).shape == (0, 200)
-    assert layer(torch.randn(2, 3, 320)).shape == (2, 3, 200)  # leading dims kept
+    assert layer(torch.zeros(0, cols)).shape == (0, 200)
+    assert layer(torch.randn(2, 3, cols)).shape == (2, 3, 200)  # leading dims kept
 
 
 @pytest.mark.parametrize("quant", PACKED_TYPES)
 def test_the_kernels_equal_the_reference_on_their_own(quant):
-    """gguf_mm for any number of rows (tiles of eight and a remainder) and
-    gguf_dequantize, called directly."""
+    """gguf_dequantize bit for bit (extreme scales included); gguf_mm for any number of
+    rows (tiles of eight and a remainder) and every activation dtype, called directly."""
     ops = gguf_ops()
     if ops is None:
         pytest.skip("the CPU kernels cannot be built here")
-    blocks = packed_rows(sample_weights(70, 96, seed=3), quant)
-    dense = dequantize(blocks, quant, 96)
-    assert torch.equal(ops.dequantize(blocks, TYPE_CODES[quant], 96), dense)
-    for rows in (1, 8, 13, 24):
-        x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
-        torch.testing.assert_close(ops.mm(x, blocks, TYPE_CODES[quant], 96), x @ dense.t(), atol=1e-4, rtol=1e-5)
+    cols, code = _cols(quant), FORMATS[quant].code
+    extreme = random_blocks(quant, 70, cols, seed=3, extremes=True)
+    assert torch.equal(ops.dequantize(extreme, code, cols), dequantize(extreme, quant, cols))
+    x = torch.randn(4, cols, generator=torch.Generator().manual_seed(0))
+    assert_product_close(ops.mm(x, extreme, code, cols), x, dequantize(extreme, quant, cols))
+    blocks = random_blocks(quant, 70, cols, seed=4)
+    dense = dequantize(blocks, quant, cols)
+    for rows in (1, 3, 8, 13, 16, 24):
+        x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            got = ops.mm(x.to(dtype), blocks, code, cols)
+            assert got.dtype == dtype
+            assert_product_close(got, x.to(dtype), dense)
 
 
 def test_the_kernels_refuse_what_they_cannot_read():
     ops = gguf_ops()
     if ops is None:
         pytest.skip("the CPU kernels cannot be built here")
-    blocks = packed_rows(sample_weights(8, 64), "Q4_1")
-    code = TYPE_CODES["Q4_1"]
+    blocks = random_blocks("Q4_1", 8, 64)
+    code = FORMATS["Q4_1"].code
     with pytest.raises(RuntimeError, match="uint8 w"):
-        ops.mm(torch.randn(1, 64), blocks, TYPE_CODES["Q8_0"], 64)  # Q8_0 rows are longer
+        ops.mm(torch.randn(1, 64), blocks, FORMATS["Q8_0"].code, 64)  # Q8_0 rows are longer
     with pytest.raises(RuntimeError, match="quant"):
-        ops.mm(torch.randn(1, 64), blocks, 7, 64)
+        ops.mm(torch.randn(1, 64), blocks, len(FORMATS), 64)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         ops.dequantize(blocks, code, 60)
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        ops.dequantize(random_blocks("Q4_K", 8, 256), FORMATS["Q4_K"].code, 128)
     with pytest.raises(RuntimeError, match="x"):
         ops.mm(torch.randn(1, 32), blocks, code, 64)
+
+
+# A CPU without AVX-512 builds the kernels' portable path: the same checks, in a process
+# whose torch reports no vector ISA (the kernels are built for it, in their own folder).
+_PORTABLE_CHECK = r"""
+import json, sys, torch
+sys.path[:0] = json.loads(sys.argv[1])
+from llmd.gpu.layers.cpu.cpu_kernels import gguf_ops, vector_isa
+from llmd.gpu.layers.gguf_quant import FORMATS, dequantize
+from test_gguf_packed import assert_product_close, random_blocks, _cols
+assert vector_isa() == "DEFAULT", vector_isa()
+ops = gguf_ops()
+assert ops is not None, "the portable kernels did not build"
+for quant, f in FORMATS.items():
+    cols = _cols(quant)
+    for blocks in (random_blocks(quant, 37, cols, seed=5, extremes=True), random_blocks(quant, 37, cols, seed=6)):
+        dense = dequantize(blocks, quant, cols)
+        assert torch.equal(ops.dequantize(blocks, f.code, cols), dense), quant
+        for rows in (1, 9):
+            x = torch.randn(rows, cols)
+            assert_product_close(ops.mm(x, blocks, f.code, cols), x, dense)
+        xb = torch.randn(3, cols).to(torch.bfloat16)
+        assert_product_close(ops.mm(xb, blocks, f.code, cols), xb, dense)
+print("portable ok")
+"""
+
+
+def test_the_portable_kernels_equal_the_reference():
+    if gguf_ops() is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default")
+    done = subprocess.run([sys.executable, "-c", _PORTABLE_CHECK, json.dumps(sys.path)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "portable ok" in done.stdout, done.stderr[-3000:]
 
 
 def _logits(model, tokens: list[int]) -> torch.Tensor:
@@ -152,9 +258,9 @@ def test_a_gguf_loads_packed_and_computes_what_its_dequantized_weights_do(hf_dir
     torch.testing.assert_close(_logits(packed, tokens), _logits(dense, tokens), atol=2e-4, rtol=1e-4)
 
 
-def test_a_fused_projection_of_mixed_types_stays_dense(hf_dirs, tmp_path):  # noqa: F811
+def test_a_fused_projection_of_mixed_types_stays_packed_part_by_part(hf_dirs, tmp_path):  # noqa: F811
     """llama.cpp's mixes (Q4_K_M) give a layer's q, k and v different types: that fused
-    projection is dequantized, the rest stays packed, and the model computes the same."""
+    projection keeps each part in its own type, and the model computes the same."""
     reader_path = write_gguf(hf_dirs("llama"), tmp_path / "plain.gguf", T.Q4_0)
     k = next(t for t in gguf.GGUFReader(reader_path).tensors if t.name == "blk.0.attn_k.weight")
     rows = int(k.shape[1])
@@ -163,11 +269,47 @@ def test_a_fused_projection_of_mixed_types_stays_dense(hf_dirs, tmp_path):  # no
                       raw_tensors={"blk.0.attn_k.weight": (k_q8, T.Q8_0)})
     packed = load_model(path, torch.float32, CPU, 128)
     kept = _packed(packed)
-    assert "layers.0.self_attn.qkv_proj" not in kept and kept["layers.1.self_attn.qkv_proj"] == "Q4_0"
-    assert packed.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
+    assert kept["layers.0.self_attn.qkv_proj"] == "Q4_0+Q8_0+Q4_0" and kept["layers.1.self_attn.qkv_proj"] == "Q4_0"
+    qkv = packed.layers[0].self_attn.qkv_proj
+    assert [(p.quant, p.start, p.end) for p in qkv.packed_parts] == \
+        [("Q4_0", 0, qkv.part_sizes[0]), ("Q8_0", qkv.part_sizes[0], sum(qkv.part_sizes[:2])),
+         ("Q4_0", sum(qkv.part_sizes[:2]), sum(qkv.part_sizes))]
     dense = load_model(path, torch.float32, CPU, 128, dequantize=True)
-    tokens = [1, 5, 9, 200, 31]
-    torch.testing.assert_close(_logits(packed, tokens), _logits(dense, tokens), atol=2e-4, rtol=1e-4)
+    assert qkv.weight.dtype == torch.uint8 and _weight_bytes(packed) < _weight_bytes(dense) / 3
+    for tokens in ([1, 5, 9, 200, 31], [7]):  # prefill and a decode-sized step
+        torch.testing.assert_close(_logits(packed, tokens), _logits(dense, tokens), atol=2e-4, rtol=1e-4)
+
+
+def test_a_quantized_tensor_that_cannot_stay_packed_is_refused_by_name(hf_dirs, tmp_path):  # noqa: F811
+    """A type without a kernel (IQ4_NL), a quantized norm, a fused projection mixing a
+    dense part with quantized ones: the load names the tensor, its type and the way out
+    (dequantize=True), which then loads the file as the gguf package reads it."""
+    llama = hf_dirs("llama")
+    rows, cols = 32, 64  # blk.0.attn_v: kv heads 2 x head dim 16, hidden 64
+    block, block_bytes = gguf.GGML_QUANT_SIZES[T.IQ4_NL]
+    iq4 = np.random.default_rng(0).integers(0, 256, size=(rows * cols // block, block_bytes), dtype=np.uint8)
+    iq4[:, :2] = np.full((iq4.shape[0], 1), 0.01, dtype=np.float16).view(np.uint8)
+    norm = quantize(np.linspace(0.5, 1.5, cols, dtype=np.float32), T.Q8_0)
+    k_f16 = np.zeros((rows, cols), dtype=np.float16)
+    cases = [
+        ({"blk.0.attn_v.weight": (iq4.reshape(rows, -1), T.IQ4_NL)},
+         r"GGUF tensor 'blk.0.attn_v.weight' of type IQ4_NL cannot stay packed: llmd has no kernel for IQ4_NL "
+         r"\(packed types: Q8_0, .*Q6_K\); dequantize=True \(--dequantize\) loads it dequantized"),
+        ({"blk.0.attn_norm.weight": (norm, T.Q8_0)},
+         r"GGUF tensor 'blk.0.attn_norm.weight' of type Q8_0 cannot stay packed: its parameter takes no packed weight"),
+        ({"blk.0.attn_k.weight": (k_f16, T.F16)},
+         r"GGUF tensor 'blk.0.attn_[qv].weight' of type Q4_0 cannot stay packed: its fused projection mixes dense"),
+    ]
+    for i, (raw, message) in enumerate(cases):
+        path = write_gguf(llama, tmp_path / f"refused-{i}.gguf", T.Q4_0, raw_tensors=raw)
+        with pytest.raises(ValueError, match=message):
+            load_model(path, torch.float32, CPU, 128)
+        dense = load_model(path, torch.float32, CPU, 128, dequantize=True)
+        assert _packed(dense) == {}
+    qkv = load_model(tmp_path / "refused-0.gguf", torch.float32, CPU, 128, dequantize=True).layers[0].self_attn.qkv_proj
+    a, b = qkv.part_rows("v")
+    expected = gguf.quants.dequantize(iq4, T.IQ4_NL).reshape(rows, cols)
+    assert torch.equal(qkv.weight[a:b], torch.from_numpy(expected.astype(np.float32)))
 
 
 def test_the_engine_setting_dequantize_keeps_every_weight_dense(hf_dirs, tmp_path):  # noqa: F811

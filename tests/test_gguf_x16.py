@@ -16,7 +16,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize
 
 from llmd.gpu.layers.cpu.cpu_kernels import gguf_ops
-from llmd.gpu.layers.gguf_quant import TYPE_CODES, X16_MAX_ROWS, X16_TYPES, GGUFMatmul, use_x16
+from llmd.gpu.layers.gguf_quant import FORMATS, X16_MAX_ROWS, X16_TYPES, GGUFMatmul, PackedPart, use_x16
 from llmd.gpu.layers.linear import ReplicatedLinear
 from test_gguf import hf_dirs  # noqa: F401
 
@@ -67,7 +67,7 @@ def error_bound(x: torch.Tensor, dense: torch.Tensor, passes: int) -> torch.Tens
 @pytest.mark.parametrize("quant", X16_TYPES)
 def test_repacked_rows_read_back_as_the_file_stores_them(ops, quant):
     blocks, _ = packed(quant, 64, 96)
-    code = TYPE_CODES[quant]
+    code = FORMATS[quant].code
     x16 = ops.repack_x16(blocks, code, 96)
     assert x16.shape == blocks.shape and not torch.equal(x16, blocks)
     assert torch.equal(ops.unpack_x16(x16, torch.arange(64), code, 96), blocks)
@@ -84,11 +84,11 @@ def test_repacked_rows_read_back_as_the_file_stores_them(ops, quant):
 @pytest.mark.parametrize("passes", [1, 2, 3])
 def test_the_vnni_product_is_within_what_its_passes_allow(vnni, quant, passes):
     blocks, dense = packed(quant, 48, 320, seed=passes)
-    x16 = vnni.repack_x16(blocks, TYPE_CODES[quant], 320)
+    x16 = vnni.repack_x16(blocks, FORMATS[quant].code, 320)
     for rows in (1, 3, 4, 5, 16):
         x = activations(rows, 320, seed=rows)
         exact = x.double() @ dense.double().t()
-        got = vnni.mm_x16(x, x16, TYPE_CODES[quant], 320, passes)
+        got = vnni.mm_x16(x, x16, FORMATS[quant].code, 320, passes)
         slack = 1e-5 * exact.abs().amax()  # float32 sums
         assert ((got.double() - exact).abs() <= error_bound(x, dense, passes).double() + slack).all()
     if passes == 1:  # the bound is not loose: one pass is measurably off, three are not
@@ -99,25 +99,25 @@ def test_the_vnni_product_is_within_what_its_passes_allow(vnni, quant, passes):
 
 def test_reduced_precision_inputs_and_empty_rows(vnni):
     blocks, dense = packed("Q4_1", 32, 64)
-    x16 = vnni.repack_x16(blocks, TYPE_CODES["Q4_1"], 64)
+    x16 = vnni.repack_x16(blocks, FORMATS["Q4_1"].code, 64)
     for dtype in (torch.bfloat16, torch.float16):
         x = torch.randn(2, 64).to(dtype)
-        got = vnni.mm_x16(x, x16, TYPE_CODES["Q4_1"], 64, 2)
+        got = vnni.mm_x16(x, x16, FORMATS["Q4_1"].code, 64, 2)
         assert got.dtype == dtype
         torch.testing.assert_close(got.float(), x.float() @ dense.t(), atol=0.05, rtol=0.02)
-    assert vnni.mm_x16(torch.zeros(0, 64), x16, TYPE_CODES["Q4_1"], 64, 3).shape == (0, 32)
+    assert vnni.mm_x16(torch.zeros(0, 64), x16, FORMATS["Q4_1"].code, 64, 3).shape == (0, 32)
 
 
 def test_the_x16_operators_refuse_what_they_cannot_read(ops):
     blocks, _ = packed("Q8_0", 24, 64)
-    code = TYPE_CODES["Q8_0"]
+    code = FORMATS["Q8_0"].code
     with pytest.raises(RuntimeError, match="groups of 16"):
         ops.repack_x16(blocks, code, 64)
     x16 = ops.repack_x16(blocks[:16], code, 64)
     with pytest.raises(RuntimeError, match="outside"):
         ops.unpack_x16(x16, torch.tensor([16]), code, 64)
     with pytest.raises(RuntimeError, match="uint8 w"):
-        ops.unpack_x16(x16, torch.tensor([0]), TYPE_CODES["Q4_0"], 64)
+        ops.unpack_x16(x16, torch.tensor([0]), FORMATS["Q4_0"].code, 64)
     if ops.x16:
         with pytest.raises(RuntimeError, match="passes"):
             ops.mm_x16(torch.randn(1, 64), x16, code, 64, 4)
@@ -132,9 +132,10 @@ def test_a_linear_layer_repacked_at_attach_computes_the_reference(vnni, quant):
     layer.use_packed(quant)
     layer.weight.data = blocks.clone()
     layer.bias.data = torch.randn(64)
-    assert use_x16(layer, vnni) and use_x16(layer, vnni)
-    assert torch.equal(vnni.unpack_x16(layer.weight, torch.arange(64), TYPE_CODES[quant], 128), blocks)
     layer.kernel = GGUFMatmul(layer, vnni, 3)
+    (part,) = layer.packed_parts
+    assert layer.weight.x16_parts == {0} and use_x16(layer.weight, part, 128, vnni)  # not twice
+    assert torch.equal(vnni.unpack_x16(layer.weight, torch.arange(64), FORMATS[quant].code, 128), blocks)
     for rows in (1, X16_MAX_ROWS[3], X16_MAX_ROWS[3] + 1, 40):
         x = torch.randn(rows, 128)
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, dense, layer.bias), atol=1e-4, rtol=1e-5)
@@ -145,7 +146,8 @@ def test_odd_row_counts_and_other_types_stay_in_the_gguf_layout(ops):
     layer.use_packed("Q8_0")
     layer.weight.data = packed("Q8_0", 24, 64)[0]
     before = layer.weight.data.clone()
-    assert not use_x16(layer, ops) and torch.equal(layer.weight.data, before)
+    assert not use_x16(layer.weight, layer.packed_parts[0], 64, ops) and torch.equal(layer.weight.data, before)
+    assert not use_x16(before, PackedPart("Q5_0", 0, 16, 0), 64, ops)  # a type the kernel does not read
 
 
 def test_a_loaded_model_reads_its_weights_through_the_x16_layout(vnni, hf_dirs, tmp_path, monkeypatch):  # noqa: F811
@@ -158,13 +160,16 @@ def test_a_loaded_model_reads_its_weights_through_the_x16_layout(vnni, hf_dirs, 
     path = write_gguf(hf_dirs("llama-tied"), tmp_path / "tied.gguf", T.Q4_1)
     model = load_model(path, torch.float32, torch.device("cpu"), 128)
     head, table = model.lm_head, model.embed_tokens
-    assert head.weight is table.weight and head.weight.gguf_layout == "x16"
-    assert head.kernel.x16 and head.kernel.passes == 3 and table.read_rows is not None
-    assert load_model(path, torch.bfloat16, torch.device("cpu"), 128).lm_head.kernel.passes == 2
+    def passes(model) -> int:
+        return model.lm_head.kernel.parts[0][3]
+
+    assert head.weight is table.weight and head.weight.x16_parts == {0}
+    assert passes(model) == 3 and table.read_rows is not None
+    assert passes(load_model(path, torch.bfloat16, torch.device("cpu"), 128)) == 2
     monkeypatch.setenv("LLMD_GGUF_X16", "1")
-    assert load_model(path, torch.float32, torch.device("cpu"), 128).lm_head.kernel.passes == 1
+    assert passes(load_model(path, torch.float32, torch.device("cpu"), 128)) == 1
     monkeypatch.setenv("LLMD_GGUF_X16", "0")
     plain = load_model(path, torch.float32, torch.device("cpu"), 128)
-    assert not plain.lm_head.kernel.x16 and getattr(plain.lm_head.weight, "gguf_layout", None) is None
+    assert passes(plain) == 0 and not hasattr(plain.lm_head.weight, "x16_parts")
     ids = torch.tensor([3, 250, 17])
     torch.testing.assert_close(table(ids), plain.embed_tokens(ids), atol=0, rtol=0)

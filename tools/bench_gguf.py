@@ -8,12 +8,18 @@ best with CMAKE_ARGS="-DGGML_NATIVE=ON" so it is built for this CPU).
 
     python -m llmd_tools.bench_gguf [--model PATH] [--rounds 3] [--prompt 128] [--tokens 128]
         [--threads 2] [--engines llmd llmd-packed-bf16 llmd-f32 llmd-bf16 llama.cpp] [--json]
+    python -m llmd_tools.bench_gguf --kernels [--model PATH] [--rows 1] [--calls 300] [--threads 2] [--json]
 
 Each measurement runs in a fresh process (so its peak RSS is its own), the engines in
 alternated rounds; reported: the median over rounds of decode tokens/s (the tokens after
 the first over the time after the first), TTFT (a prompt of `--prompt` random token ids,
 no prefix cache) and peak RSS, with the machine's other load while it ran. Greedy, end
 of text ignored, the same prompt for every engine. Default model: the built-in one.
+
+`--kernels`: the packed matmul alone, for each distinct (type, shape) of the file's
+quantized weights: one `gguf_mm` call on `--rows` rows of float32 x against F.linear on
+the weight dequantized to float32 (the dense anchor), calls alternated, medians, with
+the packed bytes read per second.
 """
 from __future__ import annotations
 
@@ -102,6 +108,44 @@ def measure(engine: str, model: str, prompt: int, tokens: int, threads: int) -> 
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def kernel_figures(model: str, rows: int, calls: int = 300) -> list[dict]:
+    """Per distinct (type, rows, cols) of the file's packed-type weights: median µs of
+    gguf_mm and of the dense F.linear, calls alternated."""
+    import gguf
+    import numpy as np
+    import torch
+
+    from llmd.gpu.layers.cpu.cpu_kernels import gguf_ops
+    from llmd.gpu.layers.gguf_quant import FORMATS, dequantize
+
+    ops = gguf_ops()
+    if ops is None:
+        raise SystemExit("the CPU kernels cannot be built here")
+    seen, figures = set(), []
+    for t in gguf.GGUFReader(model).tensors:
+        quant, shape = t.tensor_type.name, tuple(int(d) for d in reversed(t.shape.tolist()))
+        if quant not in FORMATS or len(shape) != 2 or (quant, shape) in seen:
+            continue
+        seen.add((quant, shape))
+        w = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(shape[0], -1))
+        dense = dequantize(w, quant, shape[1])
+        x = torch.randn(rows, shape[1])
+        times: dict[str, list[float]] = {"packed": [], "dense": []}
+        runs = {"packed": lambda: ops.mm(x, w, FORMATS[quant].code, shape[1]),
+                "dense": lambda: torch.nn.functional.linear(x, dense)}
+        for i in range(calls + 10):
+            for name, run in runs.items():
+                start = time.perf_counter()
+                run()
+                if i >= 10:  # warm-up
+                    times[name].append(time.perf_counter() - start)
+        packed_us = statistics.median(times["packed"]) * 1e6
+        figures.append({"tensor": t.name, "quant": quant, "rows": shape[0], "cols": shape[1], "packed_us": packed_us,
+                        "dense_f32_us": statistics.median(times["dense"]) * 1e6,
+                        "packed_gb_s": w.numel() / packed_us / 1e3})
+    return figures
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="", help="a .gguf file (default: the built-in model)")
@@ -111,12 +155,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--kernels", action="store_true", help="time the packed matmul alone (module doc)")
+    parser.add_argument("--rows", type=int, default=1, help="--kernels: rows of x")
+    parser.add_argument("--calls", type=int, default=300, help="--kernels: timed calls of each")
     args = parser.parse_args(argv)
     model = args.model
     if not model:
         from llmd.builtin_model import builtin_model_path
 
         model = str(builtin_model_path())
+    if args.kernels:
+        return _report_kernels(model, args)
     engines = [e for e in args.engines if available(e)]
     skipped = sorted(set(args.engines) - set(engines))
     runs: dict[str, list[dict]] = {e: [] for e in engines}
@@ -129,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             others.append(_other_load())
     report = {"model": model, "threads": args.threads, "prompt": args.prompt, "tokens": args.tokens,
               "rounds": args.rounds, "skipped": skipped, "seconds": round(time.monotonic() - started, 1),
-              "other_load_cores_max": max(others, default=0.0),
+              "other_load_cores_max": max(others, default=0.0), "load_average_1min_end": os.getloadavg()[0],
               "engines": {e: {key: statistics.median(r[key] for r in rs)
                               for key in ("decode_tok_s", "ttft_s", "peak_rss_mib")}
                           for e, rs in runs.items()}}
@@ -137,12 +186,34 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report))
         return 0
     print(f"{model}: prompt {args.prompt}, {args.tokens} greedy tokens, {args.threads} threads, "
-          f"{args.rounds} alternated rounds (medians); other load up to {report['other_load_cores_max']:.2f} cores")
+          f"{args.rounds} alternated rounds (medians); other load up to {report['other_load_cores_max']:.2f} cores "
+          f"(processes seen), load average {report['load_average_1min_end']:.2f} at the end (every tenant)")
     print(f"{'engine':<12} {'decode tok/s':>13} {'TTFT ms':>9} {'peak RSS MiB':>13}")
     for engine, r in report["engines"].items():
         print(f"{engine:<12} {r['decode_tok_s']:>13.1f} {r['ttft_s'] * 1000:>9.1f} {r['peak_rss_mib']:>13.0f}")
     if skipped:
         print(f"not run (not installed): {', '.join(skipped)}")
+    return 0
+
+
+def _report_kernels(model: str, args: argparse.Namespace) -> int:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    _other_load()
+    figures = kernel_figures(model, args.rows, args.calls)
+    other, load = _other_load(), os.getloadavg()[0]
+    if args.json:
+        print(json.dumps({"model": model, "threads": args.threads, "x_rows": args.rows, "other_load_cores": other,
+                          "load_average_1min_end": load, "kernels": figures}))
+        return 0
+    print(f"{model}: x float32 [{args.rows}, cols], {args.threads} threads, medians of alternated calls; "
+          f"other load {other:.2f} cores (processes seen), load average {load:.2f} at the end (every tenant)")
+    print(f"{'weight (first tensor)':<26} {'type':<5} {'rows x cols':>13} {'packed us':>10} {'dense f32 us':>13} "
+          f"{'packed GB/s':>12}")
+    for f in figures:
+        print(f"{f['tensor']:<26} {f['quant']:<5} {f['rows']:>6} x {f['cols']:<5} {f['packed_us']:>10.1f} "
+              f"{f['dense_f32_us']:>13.1f} {f['packed_gb_s']:>12.2f}")
     return 0
 
 

@@ -25,11 +25,13 @@ on CPU cpu_linear sets oneDNN's packed one.
 A layer may instead keep its weight quantized (`use_packed`, before the weights are
 loaded: the GGUF loader's plan): `weight` is then the packed rows, uint8 [rows, row
 bytes] (gguf_quant), `quant` names the format, and the rows of a checkpoint's packed
-tensor are copied in as they are (a fused projection's parts must share the format).
+tensor are copied in as they are. A fused projection whose parts come in different
+types keeps each part's rows in its own type, one after the other in a flat uint8
+weight (`packed_parts` says where).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -37,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 import torch.nn.functional as F
 
-from llmd.gpu.layers.gguf_quant import dequantize, row_bytes
+from llmd.gpu.layers.gguf_quant import PackedPart, dequantize, packed_parts, part_weight, row_bytes
 from llmd.gpu.layers.tp import TPShape
 
 Shard = Any  # a shard id: "q" / "k" / "v", 0 / 1 (gate / up), an expert index or (expert, part)
@@ -71,7 +73,8 @@ class WeightLoading:
     """What every weight-bearing layer offers the loader: `load(name, param, source,
     shard)` copies its piece of `source` into `param` (its attribute `name`), and
     `shards(name)` lists the pieces a checkpoint must supply ((None,): one, the whole).
-    `quant`: the format its weight is kept packed in (None: dense)."""
+    `quant`: the format its weight is kept packed in (None: dense); a fused projection
+    whose parts differ names each part's type, joined by "+"."""
 
     quant: str | None = None
 
@@ -80,6 +83,16 @@ class WeightLoading:
 
     def shards(self, name: str) -> Sequence[Shard]:
         return (None,)
+
+    def packed_quant(self, shard: Shard) -> str | None:
+        """The packed type checkpoint shard `shard` of the weight must come in (None: dense)."""
+        return self.quant
+
+    @property
+    def packed_parts(self) -> tuple[PackedPart, ...]:
+        """Where each type's rows lie in the packed weight (gguf_quant.PackedPart): one
+        part, all rows, unless a fused projection's parts differ."""
+        return (PackedPart(self.quant, 0, self.weight.shape[0], 0),)
 
 
 def packed_weight(rows: int, cols: int, quant: str, device: torch.device) -> nn.Parameter:
@@ -141,6 +154,7 @@ class ColumnSplitLinear(LinearBase):
     (`source_rows`) and in the parameter (`part_rows`)."""
 
     parts: tuple[Shard, ...]
+    part_quants: tuple[str, ...] = ()  # each part's packed type, in `parts` order (use_packed)
 
     def __init__(self, in_features: int, part_sizes: Sequence[int], bias: bool, tp: TPShape | None) -> None:
         """`part_sizes`: this rank's rows of each part, in `parts` order."""
@@ -149,6 +163,36 @@ class ColumnSplitLinear(LinearBase):
 
     def shards(self, name: str) -> Sequence[Shard]:
         return self.parts
+
+    def use_packed(self, quant: str | Mapping[Shard, str]) -> None:
+        """Keep the weight packed: every part in type `quant`, or each part in its own
+        type ({part: type}); before loading."""
+        quants = tuple(quant[p] for p in self.parts) if isinstance(quant, Mapping) else (quant,) * len(self.parts)
+        if len(set(quants)) == 1:
+            super().use_packed(quants[0])
+        else:
+            size = sum(rows * row_bytes(q, self.in_features) for q, rows in zip(quants, self.part_sizes))
+            self.weight = nn.Parameter(torch.empty(size, dtype=torch.uint8, device=self.weight.device),
+                                       requires_grad=False)
+            self.quant = "+".join(quants)
+        self.part_quants = quants
+
+    def packed_quant(self, shard: Shard) -> str | None:
+        return self.part_quants[self.parts.index(shard)] if self.part_quants and shard is not None else self.quant
+
+    @property
+    def packed_parts(self) -> tuple[PackedPart, ...]:
+        return packed_parts(self.part_quants, self.part_sizes, self.in_features)
+
+    def _part_target(self, param: torch.Tensor, shard: Shard) -> torch.Tensor:
+        """Where part `shard`'s rows go: its rows of a dense weight, its bytes (as packed
+        rows) of a packed one."""
+        a, b = self.part_rows(shard)
+        if self.quant is None:
+            return param[a:b]
+        i = self.parts.index(shard)
+        offset = sum(rows * row_bytes(q, self.in_features) for q, rows in zip(self.part_quants[:i], self.part_sizes))
+        return part_weight(param, PackedPart(self.part_quants[i], a, b, offset), self.in_features)
 
     def part_rows(self, shard: Shard) -> tuple[int, int]:
         i = self.parts.index(shard)
@@ -178,9 +222,8 @@ class ColumnSplitLinear(LinearBase):
             return
         if shard not in self.parts:
             raise ValueError(f"is not one of this projection's parts {self.parts}")
-        a, b = self.part_rows(shard)
-        copy_checked(param.data[a:b], read(source, rows=self.source_rows(shard)) if self.world_size > 1
-                     else read(source))
+        copy_checked(self._part_target(param.data, shard),
+                     read(source, rows=self.source_rows(shard)) if self.world_size > 1 else read(source))
 
 
 class MergedColumnParallelLinear(ColumnSplitLinear):

@@ -295,11 +295,11 @@ def unpermute_rotary_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_tensor_types(path: str | Path) -> dict[str, str]:
-    """HF name -> GGUF type name (F32, Q4_1, ...) of every weight of the file."""
+def gguf_tensor_types(path: str | Path) -> dict[str, tuple[str, str]]:
+    """HF name -> (GGUF name, GGUF type name: F32, Q4_K, ...) of every weight of the file."""
     g = open_gguf(path)
     spec = ARCHITECTURES[g.architecture]
-    return {hf: t.tensor_type.name for name, t in g.tensors.items()
+    return {hf: (name, t.tensor_type.name) for name, t in g.tensors.items()
             if not _is_skipped(name) and (hf := hf_tensor_name(name, spec.block_tensors)) is not None}
 
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from llmd.gpu.layers.cpu.cpu_kernels import attach_cpu_kernels, attach_gguf_kernels
 from llmd.gpu.layers.cpu.cpu_linear import pack_linears
-from llmd.gpu.layers.gguf_quant import PackedSource, packable
+from llmd.gpu.layers.gguf_quant import FORMATS, PACKED_TYPES, PackedSource
 from llmd.gpu.layers.linear import Shard, WeightLoading
 from llmd.gpu.models.architectures import get_architecture
 from llmd.gpu.models.decoder import CausalLM
@@ -159,7 +159,7 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, Any]]) -> None:
         if param not in params:
             raise ValueError(f"unexpected weight {name!r} in checkpoint")
         layer, attr = owner(param)
-        quant = layer.quant if attr == "weight" else None
+        quant = layer.packed_quant(shard) if attr == "weight" else None
         if isinstance(source, PackedSource) and source.quant != quant:
             if quant is not None:
                 raise ValueError(f"weight {name!r} is {source.quant}, but its layer keeps {quant} (the parts of a "
@@ -180,27 +180,57 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, Any]]) -> None:
         raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {where}")
 
 
-def packed_params(model: CausalLM, types: dict[str, str]) -> dict[str, str]:
-    """Parameter -> GGUF type for the weights `model` can keep packed, from the
-    checkpoint's types (HF name -> type name): a linear layer's or the vocabulary's
-    weight whose checkpoint tensors (every part of a fused projection) share one type
-    llmd runs packed (gguf_quant.PACKED_TYPES), rows a whole number of blocks wide."""
+# GGUF types a model keeps as they are (dense): everything else runs packed or is refused.
+DENSE_TYPES = ("F32", "F16", "BF16")
+
+
+def packed_params(model: CausalLM, types: dict[str, tuple[str, str]]) -> dict[str, str | dict[Shard, str]]:
+    """Parameter -> GGUF type for every quantized weight of the checkpoint (`types`: HF
+    name -> (GGUF name, type name)), each kept packed: a linear layer's or the
+    vocabulary's weight, rows a whole number of its type's blocks (gguf_quant.FORMATS);
+    a fused projection whose parts differ in type maps to {part: type}. A quantized
+    tensor that cannot stay packed (a type without a kernel, rows its blocks do not fit,
+    a parameter that takes no packed weight, a fused projection mixing it with a dense
+    part) is a ValueError naming it: dequantizing it silently would cost memory and
+    speed the user did not ask for (`dequantize=True` loads every weight dense)."""
     modules = dict(model.named_modules())
     parts: dict[str, dict[Shard, str]] = {}
+    files: dict[str, dict[Shard, str]] = {}  # the GGUF tensor behind each part
     for name, (param, shard) in _targets(model, types):
-        parts.setdefault(param, {})[shard] = types[name]
-    plan = {}
+        gguf_name, quant = types[name]
+        files.setdefault(param, {})[shard] = gguf_name
+        parts.setdefault(param, {})[shard] = quant
+    plan: dict[str, str | dict[Shard, str]] = {}
     for param, shards in parts.items():
+        if set(shards.values()) <= set(DENSE_TYPES):
+            continue
         module, _, attr = param.rpartition(".")
         layer = modules.get(module)
+        for shard, quant in shards.items():
+            reason = None if quant in DENSE_TYPES else _unpackable(layer, attr, quant, shards)
+            if reason is not None:
+                raise ValueError(f"GGUF tensor {files[param][shard]!r} of type {quant} cannot stay packed: {reason}; "
+                                 f"dequantize=True (--dequantize) loads it dequantized")
         quants = set(shards.values())
-        if attr != "weight" or not hasattr(layer, "use_packed") or len(quants) != 1:
-            continue
-        quant = quants.pop()
-        expected = set(layer.shards(attr))
-        if packable(quant, layer.in_features) and (set(shards) == expected or set(shards) == {None}):
-            plan[param] = quant
+        plan[param] = quants.pop() if len(quants) == 1 else dict(shards)
     return plan
+
+
+def _unpackable(layer: Any, attr: str, quant: str, shards: dict[Shard, str]) -> str | None:
+    """Why a weight part of type `quant` (its parameter's parts: `shards`) cannot be kept
+    packed, or None."""
+    if attr != "weight" or not hasattr(layer, "use_packed"):
+        return "its parameter takes no packed weight"
+    if any(q in DENSE_TYPES for q in shards.values()):
+        return "its fused projection mixes dense and quantized parts"
+    if quant not in FORMATS:
+        return f"llmd has no kernel for {quant} (packed types: {', '.join(PACKED_TYPES)})"
+    block = FORMATS[quant].block
+    if layer.in_features % block:
+        return f"its rows of {layer.in_features} weights are not a whole number of {quant}'s {block}-weight blocks"
+    if set(shards) != set(layer.shards(attr)) and set(shards) != {None}:
+        return f"its projection has parts {tuple(layer.shards(attr))}, the file gives {tuple(shards)}"
+    return None
 
 
 def _targets(model: CausalLM, names: Iterable[str]) -> list[tuple[str, tuple[str, Shard]]]:
@@ -214,9 +244,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                dequantize: bool = False) -> nn.Module:
     """The model, or with tp_size > 1 this rank's tensor-parallel shard of it; its layers
     attend with `attention_backend` (a name resolve_attention_backend returned). From a
-    GGUF file on CPU on one rank, the weights of a type llmd runs packed stay packed
-    (gguf_quant; `dequantize`: none do); every other tensor is dequantized (each rank
-    dequantizes it whole and its layers keep their share). On CPU its dense linear
+    GGUF file on CPU on one rank, every quantized weight stays packed (gguf_quant) or
+    the load is refused naming the tensor (packed_params); `dequantize`: every weight is
+    dequantized instead, as it is on other devices and with tensor parallelism (each
+    rank dequantizes a tensor whole and its layers keep their share). On CPU its dense linear
     layers run on oneDNN-packed weights (cpu_linear) and its torch attention layers
     decode through the C++ paged kernel (cpu_kernels)."""
     config = load_hf_config(model_dir)

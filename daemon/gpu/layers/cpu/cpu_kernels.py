@@ -57,7 +57,7 @@ logger = logging.getLogger("llmd.cpu_kernels")
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_fused_ops.cpp", "cpu_quant.cpp",
                                                           "cpu_quant_x16.cpp")]
-HEADERS = [Path(__file__).with_name("cpu_vec.h")]  # included by both: part of the digest
+HEADERS = [Path(__file__).with_name(name) for name in ("cpu_vec.h", "cpu_quant_formats.h")]  # part of the digest
 CPU_KERNELS_ENV = "LLMD_CPU_KERNELS"
 X16_ENV = "LLMD_GGUF_X16"
 KERNEL_BUILD_TIMEOUT_ENV = "LLMD_KERNEL_BUILD_TIMEOUT"
@@ -155,8 +155,8 @@ class GGUFOps:
 
 
 def gguf_ops() -> GGUFOps | None:
-    """torch.ops.llmd_cpu.gguf_mm(x [M, K], w uint8 [N, K / 32 * block bytes], quant
-    (gguf_quant.TYPE_CODES), K) -> [M, N], x times a packed GGUF weight, and
+    """torch.ops.llmd_cpu.gguf_mm(x [M, K], w uint8 [N, K / block * block bytes], quant
+    (gguf_quant.FORMATS' code), K) -> [M, N], x times a packed GGUF weight, and
     gguf_dequantize(w, quant, K) -> float32 [N, K] (cpu_quant.cpp). None when the
     kernels are switched off (LLMD_CPU_KERNELS=0) or cannot be built."""
     if not cpu_kernels_enabled() or not _load():
@@ -202,16 +202,17 @@ def attach_gguf_kernels(model: torch.nn.Module, dtype: torch.dtype) -> int:
     weights the x16 kernel reads are repacked in place first (gguf_quant.use_x16: a
     table tied to the LM head is read through the same layout)."""
     ops = gguf_ops()
+    passes = x16_passes(ops, dtype) if ops is not None and ops.x16 else 0
     count = 0
     for module in model.modules():
         if getattr(module, "quant", None) is None:
             continue
         count += 1
-        x16 = use_x16(module, ops)
         if hasattr(module, "kernel"):
-            module.kernel = GGUFMatmul(module, ops, x16_passes(ops, dtype) if x16 else 0)
+            module.kernel = GGUFMatmul(module, ops, passes)
         else:
             module.compute_dtype = dtype
-            if x16:
+            (table,) = module.packed_parts
+            if passes and use_x16(module.weight, table, module.in_features, ops):
                 module.read_rows = x16_row_reader(module, ops)
     return count

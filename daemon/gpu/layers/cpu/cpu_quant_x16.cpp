@@ -37,7 +37,7 @@
 
 #if defined(__x86_64__)
 #include <immintrin.h>
-#define LLMD_X16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
+#define LLMD_X16_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c,fma")))
 #endif
 
 namespace {
@@ -55,7 +55,7 @@ struct Layout {
   int offset;           // what the unsigned code exceeds the weight's by: d * (code - offset) (+ m)
 };
 
-// quant: 0 Q8_0, 1 Q4_0, 2 Q4_1 (gguf_quant.TYPE_CODES)
+// quant: 0 Q8_0, 1 Q4_0, 2 Q4_1 (gguf_quant.FORMATS codes)
 constexpr Layout kLayouts[] = {{34, 8, 0, 1, false, 128}, {18, 4, 0, 1, true, 8}, {20, 4, 0, 2, true, 0}};
 
 int64_t record_bytes(const Layout& f) { return f.chunks * 64 + f.scales * kGroup * 2; }
@@ -139,8 +139,8 @@ at::Tensor gguf_unpack_x16(const at::Tensor& w, const at::Tensor& rows, int64_t 
 bool gguf_x16_supported() {
 #if defined(__x86_64__)
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
-         __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
 #else
   return false;
 #endif
