@@ -18,13 +18,9 @@ from safetensors import safe_open
 from transformers import AutoTokenizer
 
 from daemon_util import Daemon
+from http_clients import http_client, http_socket, ollama_client, openai_client
 from llmd_tools.make_model import fixture_path
 
-try:
-    import httpx2 as httpx  # what the installed openai SDK is built on
-except ImportError:
-    import httpx
-import httpx as ollama_httpx  # what the ollama package is built on
 
 ALIASES = ("alias-one", "org/alias-two")
 MAX_MODEL_LEN = 256
@@ -47,7 +43,7 @@ def daemon(model, name, tmp_path_factory):
     """Served under its file name (listed) and two aliases, given both ways the CLI takes them."""
     d = Daemon(model, tmp_path_factory.mktemp("probes") / "llmd.sock", "--served-model-name",
                f"{name},{ALIASES[0]}", "--served-model-name", ALIASES[1]).wait_ready()
-    d.http_sock = d.sock.removesuffix(".sock") + "-http.sock"
+    d.http_sock = http_socket(d.sock)
     yield d
     assert d.stop() == 0, d.stderr()
     assert "Traceback" not in d.stderr()
@@ -55,20 +51,18 @@ def daemon(model, name, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(daemon) -> openai.OpenAI:
-    return openai.OpenAI(base_url="http://localhost/v1", api_key="unused", max_retries=0,
-                         http_client=httpx.Client(transport=httpx.HTTPTransport(uds=daemon.http_sock)))
+    return openai_client(daemon.http_sock)
 
 
 @pytest.fixture(scope="module")
 def http(daemon):
-    with httpx.Client(base_url="http://localhost", transport=httpx.HTTPTransport(uds=daemon.http_sock),
-                      timeout=60) as c:
+    with http_client(daemon.http_sock) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 def olla(daemon) -> ollama.Client:
-    return ollama.Client(host="http://localhost", transport=ollama_httpx.HTTPTransport(uds=daemon.http_sock))
+    return ollama_client(daemon.http_sock)
 
 
 @pytest.fixture(scope="module")

@@ -17,14 +17,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from daemon_util import Daemon
+from http_clients import http_client, http_socket, ollama_client, openai_client
 from llmd_tools.make_model import fixture_path
 from tool_templates import HERMES, model_with_template
 
-try:
-    import httpx2 as httpx  # what the installed openai SDK is built on
-except ImportError:
-    import httpx
-import httpx as ollama_httpx  # what the ollama package is built on
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
@@ -56,7 +52,7 @@ def model(tmp_path_factory):
 def daemon(model, tmp_path_factory):
     d = Daemon(str(model), tmp_path_factory.mktemp("tools") / "llmd.sock", "--served-model-name", "m",
                "--max-model-len", "1024", "--num-gpu-blocks-override", "256").wait_ready()
-    d.http_sock = d.sock.removesuffix(".sock") + "-http.sock"
+    d.http_sock = http_socket(d.sock)
     yield d
     assert d.stop() == 0, d.stderr()
     assert "Traceback" not in d.stderr()
@@ -65,14 +61,12 @@ def daemon(model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(daemon) -> openai.OpenAI:
-    return openai.OpenAI(base_url="http://localhost/v1", api_key="unused", max_retries=0,
-                         http_client=httpx.Client(transport=httpx.HTTPTransport(uds=daemon.http_sock)))
+    return openai_client(daemon.http_sock)
 
 
 @pytest.fixture(scope="module")
 def http(daemon):
-    with httpx.Client(base_url="http://localhost", transport=httpx.HTTPTransport(uds=daemon.http_sock),
-                      timeout=60) as c:
+    with http_client(daemon.http_sock) as c:
         yield c
 
 
@@ -198,6 +192,6 @@ def test_ollama_tool_calls_have_object_arguments(http, daemon):
     history = MESSAGES + [{"role": "assistant", "content": "", "tool_calls": [
         {"function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]}, {"role": "tool", "content": "3",
                                                                          "tool_name": "add"}]
-    client = ollama.Client(host="http://localhost", transport=ollama_httpx.HTTPTransport(uds=daemon.http_sock))
+    client = ollama_client(daemon.http_sock)
     answer = client.chat(model="m", messages=history, tools=TOOLS, options={"num_predict": 4, "seed": 9})
     assert answer.done and answer.prompt_eval_count > 0 and answer.message.tool_calls is None

@@ -90,6 +90,12 @@ def _exact_float(text: str) -> float:
 _DECODER = json.JSONDecoder(parse_float=_exact_float)
 
 
+def _json_tag(name: str, key: str, schema: dict[str, Any], before: str = "", after: str = "") -> dict[str, Any]:
+    """The structural tag of a call written {"name": name, key: arguments}."""
+    return {"type": "tag", "begin": f'{before}{{"name": {json.dumps(name)}, "{key}": ',
+            "content": _arguments(schema), "end": "}" + after}
+
+
 def _arguments(schema: dict[str, Any]) -> dict[str, Any]:
     """The arguments object of a call: JSON for its schema, compact. The structural
     tag's own JSON format lets whitespace run between tokens (a random or unsure model
@@ -168,8 +174,7 @@ class Hermes(ToolCallFormat):
         return f"<tool_call>\n{_json_call(name, 'arguments', arguments)}\n</tool_call>"
 
     def call_tag(self, name: str, schema: dict[str, Any]) -> dict[str, Any]:
-        return {"type": "tag", "begin": f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": ',
-                "content": _arguments(schema), "end": "}\n</tool_call>"}
+        return _json_tag(name, "arguments", schema, "<tool_call>\n", "\n</tool_call>")
 
     def calls_format(self, tags: list[dict[str, Any]], choice: ToolChoice) -> dict[str, Any]:
         if choice.forced:
@@ -234,8 +239,7 @@ class Llama3Json(ToolCallFormat):
         return "; ".join(self.render_call(name, arguments) for name, arguments in calls)
 
     def call_tag(self, name: str, schema: dict[str, Any]) -> dict[str, Any]:
-        return {"type": "tag", "begin": f'{{"name": {json.dumps(name)}, "parameters": ',
-                "content": _arguments(schema), "end": "}"}
+        return _json_tag(name, "parameters", schema)
 
     def calls_format(self, tags: list[dict[str, Any]], choice: ToolChoice) -> dict[str, Any]:
         calls = {"type": "tags_with_separator", "tags": tags, "separator": "; ", "at_least_one": True,
@@ -286,8 +290,7 @@ class Mistral(ToolCallFormat):
         return "[TOOL_CALLS]" + json.dumps([{"name": n, "arguments": a} for n, a in calls], ensure_ascii=False)
 
     def call_tag(self, name: str, schema: dict[str, Any]) -> dict[str, Any]:
-        return {"type": "tag", "begin": f'{{"name": {json.dumps(name)}, "arguments": ',
-                "content": _arguments(schema), "end": "}"}
+        return _json_tag(name, "arguments", schema)
 
     def calls_format(self, tags: list[dict[str, Any]], choice: ToolChoice) -> dict[str, Any]:
         calls = {"type": "tags_with_separator", "tags": tags, "separator": ", ", "at_least_one": True,
