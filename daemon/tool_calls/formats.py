@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+from abc import ABC, abstractmethod
 from typing import Any
 
 from llmd.structured_output.spec import lengths_as_patterns
@@ -26,33 +27,35 @@ RawCall = tuple[Any, Any]
 Piece = tuple
 
 
-class Scanner:
+class Scanner(ABC):
     """Splits a reply into pieces as its text arrives: `scan(buffer, final)` returns
     the pieces at the start of `buffer` that are settled, and how many characters they
     took; the rest waits for more text (or `final`, the reply's end)."""
 
+    @abstractmethod
     def scan(self, buffer: str, final: bool) -> tuple[list[Piece], int]:
-        raise NotImplementedError
+        """The settled pieces at the start of `buffer`, and the characters they took."""
 
 
-class ToolCallFormat:
+class ToolCallFormat(ABC):
     name = ""
     # Whether the format writes its calls at the start of the reply only.
     calls_first = False
 
+    @abstractmethod
     def scanner(self) -> Scanner:
-        raise NotImplementedError
+        """A scanner for one reply (it keeps state across the reply's chunks)."""
 
+    @abstractmethod
     def render_call(self, name: str, arguments: dict[str, Any]) -> str:
         """One call as the model writes it (for a history the template cannot render)."""
-        raise NotImplementedError
 
     def render_calls(self, calls: list[tuple[str, dict[str, Any]]]) -> str:
         return "\n".join(self.render_call(name, arguments) for name, arguments in calls)
 
+    @abstractmethod
     def call_tag(self, name: str, schema: dict[str, Any]) -> dict[str, Any]:
         """The structural tag of one call of `name`."""
-        raise NotImplementedError
 
     def structural_tag(self, choice: ToolChoice) -> dict[str, Any]:
         """The structural tag for a request: with `required` or a named function only
@@ -61,8 +64,9 @@ class ToolCallFormat:
         tags = [self.call_tag(t.name, lengths_as_patterns(t.parameters)) for t in choice.tools]
         return {"type": "structural_tag", "format": self.calls_format(tags, choice)}
 
+    @abstractmethod
     def calls_format(self, tags: list[dict[str, Any]], choice: ToolChoice) -> dict[str, Any]:
-        raise NotImplementedError
+        """The structural tag's format around the calls' tags, as `choice` asks."""
 
 
 def _json_call(name: str, key: str, arguments: dict[str, Any]) -> str:
