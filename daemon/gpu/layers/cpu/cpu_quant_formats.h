@@ -169,40 +169,35 @@ struct Format<6> {  // Q3_K: 32 bytes hmask (chunk c: bit c of byte l), 64 bytes
   }
 };
 
+// Q4_K and Q5_K (qh: Q5_K's 32 bytes of fifth bits, chunk c: bit c of byte l; null for
+// Q4_K): d * scale * q - dmin * min over the nibbles at qs.
+inline void dequant_k4(const uint8_t* b, const uint8_t* qh, const uint8_t* qs, float* w) {
+  const float d = half_at(b), dmin = half_at(b + 2);
+  int sc[8], mn[8];
+  scale_min_k4(b + 4, sc, mn);
+  for (int c = 0; c < 8; ++c) {
+    const float ds = d * static_cast<float>(sc[c]), dm = dmin * static_cast<float>(mn[c]);
+    const uint8_t* q = qs + 32 * (c / 2);
+    for (int l = 0; l < 32; ++l) {
+      const int fifth = qh != nullptr ? ((qh[l] >> c) & 1) << 4 : 0;
+      w[32 * c + l] = ds * static_cast<float>(((q[l] >> (4 * (c % 2))) & 0xF) | fifth) - dm;
+    }
+  }
+}
+
 template <>
 struct Format<7> {  // Q4_K: fp16 d, fp16 dmin, 12 bytes of scales and mins (scale_min_k4),
                     // 128 bytes of nibbles (chunk c: byte 32 (c / 2) + l, nibble c % 2);
                     // d * scale * q - dmin * min
   static constexpr int64_t kWeights = 256, kBytes = 144;
-  static void dequant(const uint8_t* b, float* w) {
-    const float d = half_at(b), dmin = half_at(b + 2);
-    int sc[8], mn[8];
-    scale_min_k4(b + 4, sc, mn);
-    for (int c = 0; c < 8; ++c) {
-      const float ds = d * static_cast<float>(sc[c]), dm = dmin * static_cast<float>(mn[c]);
-      const uint8_t* q = b + 16 + 32 * (c / 2);
-      for (int l = 0; l < 32; ++l) w[32 * c + l] = ds * static_cast<float>((q[l] >> (4 * (c % 2))) & 0xF) - dm;
-    }
-  }
+  static void dequant(const uint8_t* b, float* w) { dequant_k4(b, nullptr, b + 16, w); }
 };
 
 template <>
 struct Format<8> {  // Q5_K: Q4_K's header, 32 bytes qh (chunk c: bit c of byte l is bit 4 of
                     // q), 128 bytes of nibbles as Q4_K
   static constexpr int64_t kWeights = 256, kBytes = 176;
-  static void dequant(const uint8_t* b, float* w) {
-    const float d = half_at(b), dmin = half_at(b + 2);
-    int sc[8], mn[8];
-    scale_min_k4(b + 4, sc, mn);
-    for (int c = 0; c < 8; ++c) {
-      const float ds = d * static_cast<float>(sc[c]), dm = dmin * static_cast<float>(mn[c]);
-      const uint8_t* q = b + 48 + 32 * (c / 2);
-      for (int l = 0; l < 32; ++l) {
-        const int v = ((q[l] >> (4 * (c % 2))) & 0xF) | (((b[16 + l] >> c) & 1) << 4);
-        w[32 * c + l] = ds * static_cast<float>(v) - dm;
-      }
-    }
-  }
+  static void dequant(const uint8_t* b, float* w) { dequant_k4(b, b + 16, b + 48, w); }
 };
 
 template <>
