@@ -1,9 +1,10 @@
 """Clients of a test daemon's HTTP faces over its Unix socket (`<socket>-http.sock`): the
-official openai SDK, plain httpx, the ollama package."""
+official openai SDK, plain httpx, the ollama package; `client` and `http` as fixtures."""
 from __future__ import annotations
 
 import ollama
 import openai
+import pytest
 
 try:
     import httpx2 as httpx  # what the installed openai SDK is built on
@@ -27,3 +28,15 @@ def http_client(sock: str) -> httpx.Client:
 
 def ollama_client(sock: str) -> ollama.Client:
     return ollama.Client(host="http://localhost", transport=ollama_httpx.HTTPTransport(uds=sock))
+
+
+# Module fixtures over a test module's own `daemon` fixture (its http_sock set): import them.
+@pytest.fixture(scope="module")
+def client(daemon) -> openai.OpenAI:
+    return openai_client(daemon.http_sock)
+
+
+@pytest.fixture(scope="module")
+def http(daemon):
+    with http_client(daemon.http_sock) as c:
+        yield c

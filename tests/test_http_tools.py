@@ -17,7 +17,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from daemon_util import Daemon
-from http_clients import http_client, http_socket, ollama_client, openai_client
+from http_clients import client, http, http_socket, ollama_client  # noqa: F401 (fixtures)
 from llmd_tools.make_model import fixture_path
 from tool_templates import HERMES, model_with_template
 
@@ -57,17 +57,6 @@ def daemon(model, tmp_path_factory):
     assert d.stop() == 0, d.stderr()
     assert "Traceback" not in d.stderr()
     assert "secret_fn" not in d.stderr()
-
-
-@pytest.fixture(scope="module")
-def client(daemon) -> openai.OpenAI:
-    return openai_client(daemon.http_sock)
-
-
-@pytest.fixture(scope="module")
-def http(daemon):
-    with http_client(daemon.http_sock) as c:
-        yield c
 
 
 def check_calls(calls, names=tuple(SCHEMAS)):
