@@ -17,12 +17,13 @@ class InProcessExecutor:
     def __init__(self, model_dir: str, settings: RunnerSettings, device: torch.device,
                  dtype: torch.dtype, progress: LoadProgress | None = None) -> None:
         self.runner = ModelRunner(model_dir, settings, device, dtype, progress=progress)
+        self._weight_bytes = self.runner.weight_bytes()  # fixed once loaded; status asks often
 
     def kv_cache_bytes_per_block(self) -> int:
         return self.runner.kv_cache_bytes_per_block()
 
     def weight_bytes(self) -> dict[str, int]:
-        return self.runner.weight_bytes()
+        return dict(self._weight_bytes)
 
     def worker_pids(self) -> list[int]:
         """None: the model is in this process (its memory is this process's)."""
