@@ -92,7 +92,13 @@ class OutputProcessor:
                 continue
             out = sample.output
             if update.new_token_ids:
-                new_ids, stop_str = self._consume(sample.detokenizer, update.new_token_ids)
+                ids = update.new_token_ids
+                # A token stop (EOS, a stop id, a grammar's end) is not text, as in vLLM: with
+                # skip_special_tokens off a reply would otherwise end in "</s>".
+                stop_token = update.finish_reason == "stop" and not state.params.include_stop_str_in_output
+                new_ids, stop_str = self._consume(sample.detokenizer, ids[:-1] if stop_token else ids)
+                if stop_token and stop_str is None:
+                    new_ids.append(ids[-1])
                 out.token_ids.extend(new_ids)
                 out.new_token_ids = new_ids
                 if update.logprobs is not None and out.logprobs is not None:

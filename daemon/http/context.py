@@ -90,6 +90,16 @@ class ServedModel:
         return list(self.token_text(token_id).encode("utf-8"))
 
     @functools.cached_property
+    def tool_markers_are_special(self) -> bool:
+        """Whether the tokenizer holds one of the call format's markers as a special token
+        (Mistral's [TOOL_CALLS]): a reply that may call tools must then keep that text."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return False
+        special = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
+        return any(marker in special for marker in self.tool_format.markers)
+
+    @functools.cached_property
     def _byte_level(self) -> bool:
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         return backend is not None and "ByteLevel" in type(backend.decoder).__name__ + str(backend.decoder)

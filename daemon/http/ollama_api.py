@@ -223,7 +223,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
     tools = await chat_tools(request, body.tools, body.tool_choice, None, params.guided, format_param="format")
     if tools.guided is not None:
         params = msgspec.structs.replace(params, guided=tools.guided)
-    submit = Submit(**tools.submit_fields(_chat_messages(body.messages)), sampling=params)
+    submit = Submit(**tools.submit_fields(_chat_messages(body.messages), params))
     return await _answer(request, body.keep_alive, submit, num_ctx, _as_message, tools.parser())
 
 

@@ -181,7 +181,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
                              format_param="text")
     params = _sampling(body, tools.guided or response_guided)
     names = {**_PARAMS, "guided": "tools"} if tools.guided is not None else _PARAMS
-    submit = Submit(**tools.submit_fields(messages), sampling=params)
+    submit = Submit(**tools.submit_fields(messages, params))
     response = _Response(body, served, params)
     async with Generation(request.app["intake"], request["uid"], params=names,
                           strict_max_tokens=body.max_output_tokens is not None) as gen:
