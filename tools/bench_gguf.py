@@ -111,23 +111,24 @@ def measure(engine: str, model: str, prompt: int, tokens: int, threads: int) -> 
 def kernel_figures(model: str, rows: int, calls: int = 300) -> list[dict]:
     """Per distinct (type, rows, cols) of the file's packed-type weights: median µs of
     gguf_mm and of the dense F.linear, calls alternated."""
-    import gguf
     import numpy as np
     import torch
 
     from llmd.gpu.layers.cpu.cpu_kernels import gguf_ops
     from llmd.gpu.layers.gguf_quant import FORMATS, dequantize
+    from llmd.gpu.models.gguf_file import GGUFFile
 
     ops = gguf_ops()
     if ops is None:
         raise SystemExit("the CPU kernels cannot be built here")
     seen, figures = set(), []
-    for t in gguf.GGUFReader(model).tensors:
-        quant, shape = t.tensor_type.name, tuple(int(d) for d in reversed(t.shape.tolist()))
+    g = GGUFFile(model)
+    for t in g.tensors.values():
+        quant, shape = t.tensor_type.name, t.torch_shape
         if quant not in FORMATS or len(shape) != 2 or (quant, shape) in seen:
             continue
         seen.add((quant, shape))
-        w = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(shape[0], -1))
+        w = torch.from_numpy(np.array(g.tensor_data(t), dtype=np.uint8).reshape(shape[0], -1))
         dense = dequantize(w, quant, shape[1])
         x = torch.randn(rows, shape[1])
         times: dict[str, list[float]] = {"packed": [], "dense": []}

@@ -1,7 +1,8 @@
 """Load a GGUF checkpoint (llama.cpp's one-file format) behind the same interface as an
 HF directory: its metadata becomes a transformers config, its vocabulary a fast
 tokenizer, its tensors the model's weights under HF names: packed rows of the types the
-model keeps packed (gguf_quant), else dequantized at load by the `gguf` package.
+model keeps packed (gguf_quant), else dequantized at load by the `gguf` package. The file
+is read by llmd's own reader (gguf_file), its tokenizer built by gguf_tokenizer.
 
 What llmd cannot run as llama.cpp would is refused naming the metadata key or tensor:
 an architecture other than llama, qwen2, qwen3 and gemma3 (gguf_arch.py says what each
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import re
+import warnings
 from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,9 +28,8 @@ import torch
 from llmd.gpu.layers.gguf_quant import PackedSource
 from llmd.gpu.models.gguf_arch import ARCHITECTURES, BLOCK_TENSORS, GLOBAL_TENSORS, GGUFArchitecture
 from llmd.gpu.models.architectures import get_architecture
-
-GGUF_MAGIC = b"GGUF"
-
+from llmd.gpu.models.gguf_file import GGUFFile
+from llmd.gpu.models.gguf_tokenizer import build_tokenizer, converter_available
 
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Rotary inverse frequencies some old converters stored; derived from the config instead,
@@ -41,61 +42,24 @@ def is_gguf_path(path: str | Path) -> bool:
     return Path(path).is_file()
 
 
-class GGUFFile:
-    """An opened GGUF file: its metadata fields and tensors (memory-mapped)."""
-
-    def __init__(self, path: Path) -> None:
-        from gguf import GGUFReader
-
-        self.path = path
-        with path.open("rb") as f:
-            magic = f.read(4)
-        if magic != GGUF_MAGIC:
-            raise ValueError(f"{str(path)!r} is not a GGUF file: it starts with {magic!r}, "
-                             f"not the GGUF magic {GGUF_MAGIC!r}")
-        try:
-            self.reader = GGUFReader(str(path), "r")
-        except (ValueError, IndexError, OverflowError, KeyError) as exc:
-            raise ValueError(f"{str(path)!r} is a truncated or corrupt GGUF file ({exc})") from None
-        size = path.stat().st_size
-        self.tensors = {t.name: t for t in self.reader.tensors}
-        for t in self.reader.tensors:
-            if t.data_offset + t.n_bytes > size:
-                raise ValueError(f"{str(path)!r} is truncated: tensor {t.name!r} ends at byte "
-                                 f"{t.data_offset + t.n_bytes}, the file has {size}")
-        arch = self.get("general.architecture")
-        if not isinstance(arch, str):
-            raise ValueError(f"{str(path)!r} has no general.architecture: not a model GGUF")
-        self.architecture = arch
-
-    def get(self, key: str, default: Any = None) -> Any:
-        field = self.reader.fields.get(key)
-        return default if field is None else field.contents()
-
-    def require(self, key: str) -> Any:
-        value = self.get(key)
-        if value is None:
-            raise ValueError(f"{str(self.path)!r}: GGUF metadata {key} is missing")
-        return value
-
-
 @functools.lru_cache(maxsize=4)
 def _open_cached(path: str, mtime_ns: int, size: int) -> GGUFFile:
-    return GGUFFile(Path(path))
+    g = GGUFFile(path)
+    _ = g.architecture  # a GGUF without one is not a model: refused at open
+    return g
 
 
 def open_gguf(path: str | Path) -> GGUFFile:
-    """The opened file, shared by every reader in this process (reading the metadata
-    of a 49k-token vocabulary takes the gguf package seconds) until the file changes or
-    release_gguf_readers is called."""
+    """The opened file (gguf_file), shared by every reader in this process until the
+    file changes or release_gguf_readers is called."""
     p = Path(path).resolve()
     st = p.stat()
     return _open_cached(str(p), st.st_mtime_ns, st.st_size)
 
 
 def release_gguf_readers() -> None:
-    """Forget the opened files (their metadata as the gguf package keeps it: ~160 MiB for
-    a 49k-token vocabulary), which a loaded model no longer needs."""
+    """Forget the opened files: their maps of the file (whose pages a loaded model no
+    longer reads: it holds its own copies) close with the last view of them."""
     _open_cached.cache_clear()
 
 
@@ -172,7 +136,7 @@ def _supported_architecture(g: GGUFFile, where: str) -> GGUFArchitecture:
         raise ValueError(f"{where}: GGUF architecture {g.architecture!r} is not implemented by llmd "
                          f"(supported: {', '.join(sorted(ARCHITECTURES))})")
     a = g.architecture
-    unknown = sorted(k for k in g.reader.fields
+    unknown = sorted(k for k in g.metadata
                      if k.startswith(a + ".") and k[len(a) + 1:] not in spec.known_keys)
     if unknown:
         raise ValueError(f"{where}: GGUF metadata {', '.join(unknown)} is not implemented by llmd for "
@@ -220,7 +184,8 @@ def _int(g: GGUFFile, key: str, default: int | None = None) -> int:
     value = g.get(key, default)
     if value is None:
         raise ValueError(f"{str(g.path)!r}: GGUF metadata {key} is missing")
-    if isinstance(value, list):
+    if isinstance(value, list | np.ndarray):  # per layer
+        value = [int(v) for v in value]
         if len(set(value)) != 1:
             raise ValueError(f"{str(g.path)!r}: GGUF metadata {key} differs between layers ({value}): "
                              "per-layer sizes are not implemented by llmd")
@@ -319,13 +284,14 @@ def iter_gguf_weights(path: str | Path, config: Any,
         hf_name = hf_tensor_name(name, spec.block_tensors)
         if hf_name is None:
             raise ValueError(f"{str(path)!r}: GGUF tensor {name!r} has no counterpart in llmd's model")
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        shape = t.torch_shape
         if hf_name in packed:
-            rows = np.asarray(t.data, dtype=np.uint8).reshape(shape[0], -1)
-            yield hf_name, PackedSource(t.tensor_type.name, _unpermuted(rows, name, spec, config), shape)
+            rows = g.tensor_data(t).reshape(shape[0], -1)
+            yield hf_name, MappedPackedSource(t.tensor_type.name, _unpermuted(rows, name, spec, config), shape)
+            g.drop_pages(t)  # the model copied it
             continue
         try:
-            array = dequantize(t.data, t.tensor_type)
+            array = dequantize(g.tensor_data(t), t.tensor_type)
         except NotImplementedError as exc:
             raise ValueError(f"{str(path)!r}: GGUF tensor {name!r} of type {t.tensor_type.name}: {exc}") from None
         array = np.asarray(array, dtype=np.float32).reshape(shape)
@@ -334,8 +300,24 @@ def iter_gguf_weights(path: str | Path, config: Any,
         array = _unpermuted(array, name, spec, config)
         if not (array.flags.writeable and array.flags.c_contiguous):
             array = np.array(array, order="C")  # F32 data is a read-only view of the file's map
-        tensor = torch.from_numpy(array)
-        yield hf_name, tensor
+        yield hf_name, torch.from_numpy(array)
+        g.drop_pages(t)
+
+
+class MappedPackedSource(PackedSource):
+    """Packed rows that the layer reads straight from the file's map: its rows come as
+    tensors viewing the map, not as copies (PackedSource copies, as the map is read-only),
+    so loading a weight does not hold a third copy of it (the file's pages and the
+    layer's weight are the other two: Gemma 3's 171 MB vocabulary table). The layers only
+    read a source (linear.read, copy_checked); the map is read-only, so one that wrote to
+    it would fault rather than change the file."""
+
+    def __getitem__(self, index) -> torch.Tensor:
+        if not isinstance(index, slice):
+            return super().__getitem__(index)  # its error
+        with warnings.catch_warnings():  # torch warns that it cannot write to the view: it won't
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            return torch.from_numpy(self.data[index])
 
 
 def _unpermuted(rows: np.ndarray, name: str, spec: GGUFArchitecture, config: Any) -> np.ndarray:
@@ -349,13 +331,15 @@ def _unpermuted(rows: np.ndarray, name: str, spec: GGUFArchitecture, config: Any
 
 
 def load_gguf_tokenizer(path: str | Path):
-    """The fast tokenizer transformers builds from the GGUF's vocabulary, merges,
-    special tokens and chat template (the class AutoTokenizer gives a llama GGUF,
-    without AutoTokenizer's second, slow read of the whole metadata for a config)."""
+    """The fast tokenizer transformers builds from the GGUF's vocabulary, merges, special
+    tokens and chat template (`from_pretrained(gguf_file=)`'s), built from the fields
+    this module's reader already holds (gguf_tokenizer)."""
+    if converter_available():
+        return build_tokenizer(open_gguf(path))
     from transformers import PreTrainedTokenizerFast
 
     p = Path(path).resolve()
-    try:
+    try:  # a transformers without the conversion gguf_tokenizer calls: it reads the file itself
         return PreTrainedTokenizerFast.from_pretrained(str(p.parent), gguf_file=p.name, local_files_only=True)
     except (ValueError, KeyError) as exc:
         raise ValueError(f"{str(path)!r}: cannot build a tokenizer from the GGUF's vocabulary ({exc})") from None

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmd.gpu.models.gguf_arch import ARCHITECTURES
-from llmd.gpu.models.gguf_loader import GGUFFile, open_gguf
+from llmd.gpu.models.gguf_file import GGUFFile
+from llmd.gpu.models.gguf_loader import open_gguf
 
 
 @dataclass(frozen=True)

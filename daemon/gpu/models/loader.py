@@ -271,6 +271,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     else:
         weights, total = iter_safetensors(model_dir), _count_safetensors(model_dir)
     load_weights(model, progress.track("weights", weights, total) if progress is not None else weights)
+    if gguf:
+        release_gguf_readers()  # the model holds its own copy of every weight: the file's map closes
     model.eval()
     model.requires_grad_(False)
     if device.type == "cpu":
@@ -278,6 +280,4 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
         attach_cpu_kernels(model)  # decode attention over the paged cache in place (cpu_kernels)
     if plan:
         attach_gguf_kernels(model, dtype)
-    if gguf:
-        release_gguf_readers()  # the model holds what it needs of the file
     return model

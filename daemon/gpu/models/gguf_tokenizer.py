@@ -1,0 +1,93 @@
+"""The fast tokenizer a GGUF's vocabulary describes, built from the fields llmd's reader
+(gguf_file) already parsed, by transformers' own conversion
+(`transformers.integrations.gguf.convert_gguf_tokenizer`): the tokenizer
+`PreTrainedTokenizerFast.from_pretrained(dir, gguf_file=name)` gives, without
+transformers parsing the file a second time, and without the copy of the converted
+tokenizer that `PreTrainedTokenizerFast(tokenizer_object=...)` would make (for Gemma 3's
+262k-token vocabulary each of those costs a few hundred MB at the load's peak).
+
+tokenizer_fields mirrors transformers' `get_gguf_tokenizer` (tests/test_gguf_tokenizer.py
+checks the result against transformers' own reading of the same files).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from llmd.gpu.models.gguf_file import GGUFFile, GGUFStringArray
+
+# tokenizer_config entry -> the GGUF key of the token id it names (as transformers maps them)
+_SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
+                   "pad_token": "padding_token_id"}
+
+
+def tokenizer_fields(g: GGUFFile) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(tokenizer_dict, tokenizer_config) as transformers' get_gguf_tokenizer reads them:
+    the vocabulary, scores, token types and merges as lists, the special tokens by text,
+    and the add_bos / add_eos settings with transformers' defaults for each tokenizer type."""
+    from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING
+
+    grouped = {group: {name: _plain(g.metadata[f"tokenizer.{key}"]) for key, name in renames.items()
+                       if f"tokenizer.{key}" in g.metadata}
+               for group, renames in GGUF_TOKENIZER_MAPPING.items()}
+    tokenizer, config = grouped["tokenizer"], grouped["tokenizer_config"]
+    tokens = tokenizer.get("tokens")
+    if tokens is None:
+        raise g.error("GGUF metadata tokenizer.ggml.tokens is missing: the file has no vocabulary")
+    if tokenizer.get("tokenizer_type") == "llama":
+        # older files say nothing, and llama.cpp adds BOS to a sentencepiece vocabulary then
+        config.setdefault("add_bos_token", True)
+    elif tokenizer.get("tokenizer_type") == "gemma4":
+        config["add_bos_token"] = False  # its chat template writes <bos> itself
+    for name, key in _SPECIAL_TOKENS.items():
+        token_id = g.get(f"tokenizer.ggml.{key}")
+        if token_id is not None and not 0 <= token_id < len(tokens):
+            raise g.error(f"GGUF metadata tokenizer.ggml.{key}={token_id} is not a token of the "
+                          f"{len(tokens)}-token vocabulary")
+        config[name] = tokens[token_id] if token_id is not None else None
+    return tokenizer, config
+
+
+def converter_available() -> bool:
+    """Whether the installed transformers offers the conversion this module calls (it
+    moved between releases: without it load_gguf_tokenizer lets transformers read the file)."""
+    try:
+        from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def build_tokenizer(g: GGUFFile):
+    """The fast tokenizer of the file's vocabulary (what load_gguf_tokenizer returns)."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf import convert_gguf_tokenizer
+
+    tokenizer, config = tokenizer_fields(g)
+    try:
+        backend, extra = convert_gguf_tokenizer(g.architecture, tokenizer)
+    except (ValueError, KeyError, IndexError) as exc:
+        raise g.error(f"cannot build a tokenizer from the GGUF's vocabulary ({exc})") from None
+    del tokenizer  # the vocabulary's lists: the backend holds its own copy
+    return PreTrainedTokenizerFast(tokenizer_object=_Handover(backend), name_or_path=str(g.path),
+                                  **config, **extra)
+
+
+class _Handover:
+    """Hands `backend` to PreTrainedTokenizerFast as it is: its __init__ deep-copies a
+    `tokenizer_object` (a round trip through the tokenizer's JSON), which for a converted
+    tokenizer nobody else holds is only a second copy at the peak."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return self.backend
+
+
+def _plain(value: Any) -> Any:
+    """A metadata value as transformers' reader gives it: arrays as lists."""
+    if isinstance(value, GGUFStringArray | np.ndarray):
+        return value.tolist()
+    return value
