@@ -112,13 +112,6 @@ class GGUFStringArray(Sequence[str]):
     def tolist(self) -> list[str]:
         return list(self)
 
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, GGUFStringArray | list | tuple):
-            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]  # equal to lists, so unhashable like them
-
     def __repr__(self) -> str:
         return f"<GGUFStringArray {self._key}: {self._count} strings>"
 
@@ -174,6 +167,8 @@ class GGUFFile:
             self.tensors[name] = self._placed(name, dims, ttype, offset)
 
     def error(self, problem: str) -> GGUFFormatError:
+        """The error naming this file: "'path' is truncated: ...", "'path' has ...", else
+        "'path': <problem>"."""
         return GGUFFormatError(f"{self.where} {problem}" if problem.startswith(("is ", "has ")) else
                                f"{self.where}: {problem}")
 
@@ -213,7 +208,7 @@ class GGUFFile:
         own copy, so the file's pages and the copy are not both counted."""
         start = info.data_offset - info.data_offset % mmap.PAGESIZE
         end = min(info.data_offset + info.n_bytes, self.size)
-        if end > start:
+        if end > start and hasattr(mmap, "MADV_DONTNEED"):  # Linux, macOS
             self.buffer.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     # -- parsing (each read checks the file's bounds) --------------------------------------
