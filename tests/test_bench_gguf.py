@@ -22,6 +22,7 @@ def test_bench_gguf_reports_every_engine_it_ran(hf_dirs, tmp_path, capsys):  # n
     assert list(report["engines"]) == engines and report["skipped"] == []
     for figures in report["engines"].values():
         assert figures["decode_tok_s"] > 0 and figures["ttft_s"] > 0 and figures["peak_rss_mib"] > 50
+        assert figures["peak_rss_mib"] >= figures["load_peak_rss_mib"] >= figures["loaded_rss_mib"] > 50
 
 
 def test_bench_gguf_times_each_packed_weight_shape(hf_dirs, tmp_path, capsys):  # noqa: F811

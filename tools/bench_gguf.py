@@ -13,7 +13,8 @@ best with CMAKE_ARGS="-DGGML_NATIVE=ON" so it is built for this CPU).
 Each measurement runs in a fresh process (so its peak RSS is its own), the engines in
 alternated rounds; reported: the median over rounds of decode tokens/s (the tokens after
 the first over the time after the first), TTFT (a prompt of `--prompt` random token ids,
-no prefix cache) and peak RSS, with the machine's other load while it ran. Greedy, end
+no prefix cache), peak RSS over the run, and the peak and the RSS once the model is
+loaded (before the first token), with the machine's other load while it ran. Greedy, end
 of text ignored, the same prompt for every engine. Default model: the built-in one.
 
 `--kernels`: the packed matmul alone, for each distinct (type, shape) of the file's
@@ -33,6 +34,10 @@ import time
 
 import psutil
 
+# Each run's figures: decode speed, time to first token, peak RSS over the whole run, and
+# after the load (before the first token): the peak so far (VmHWM) and the RSS then. A
+# llama.cpp model is memory-mapped: its RSS after the load counts the pages read so far.
+FIGURES = ("decode_tok_s", "ttft_s", "peak_rss_mib", "load_peak_rss_mib", "loaded_rss_mib")
 ENGINES = ("llmd", "llmd-packed-bf16", "llmd-x16-1pass", "llmd-no-x16", "llmd-f32", "llmd-bf16", "llama.cpp")
 # Packed engines with another x16 setting (gguf_quant, cpu_kernels.X16_ENV): one int8
 # pass over x as llama.cpp, or the float32 kernel over the GGUF layout.
@@ -44,12 +49,17 @@ _CHILD = r"""
 import json, random, resource, sys, time
 engine, model, prompt_len, tokens, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 rng = random.Random(0)
+def status_mib(key):  # VmHWM: the peak so far; VmRSS: now
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 1024
 if engine == "llama.cpp":
     import numpy as np
     import llama_cpp
     from llama_cpp import Llama
     llm = Llama(model_path=model, n_ctx=prompt_len + tokens + 8, n_threads=threads, n_threads_batch=threads,
                 n_batch=prompt_len, verbose=False)
+    loaded = {"load_peak_rss_mib": status_mib("VmHWM"), "loaded_rss_mib": status_mib("VmRSS")}
     vocab = llm.n_vocab()
     prompt = [rng.randrange(100, vocab) for _ in range(prompt_len)]
     def greedy():  # the last evaluated token's logits, read in place
@@ -75,6 +85,7 @@ else:
                 "llmd-bf16": dict(dtype="bfloat16", dequantize=True)}[engine]
     llm = LLM(model, device="cpu", max_model_len=prompt_len + tokens + 8, max_num_seqs=1, cpu_threads=threads,
               enable_prefix_caching=False, num_gpu_blocks_override=(prompt_len + tokens) // 16 + 4, **settings)
+    loaded = {"load_peak_rss_mib": status_mib("VmHWM"), "loaded_rss_mib": status_mib("VmRSS")}
     vocab = llm.engine.vocab_size
     prompt = [rng.randrange(100, vocab) for _ in range(prompt_len)]
     def timed(n):
@@ -85,7 +96,7 @@ else:
     ttft = timed(1)
     decode = timed(tokens + 1) - ttft
 print(json.dumps({"engine": engine, "ttft_s": ttft, "decode_tok_s": tokens / decode,
-                  "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+                  "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, **loaded}))
 """
 
 
@@ -181,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
               "rounds": args.rounds, "skipped": skipped, "seconds": round(time.monotonic() - started, 1),
               "other_load_cores_max": max(others, default=0.0), "load_average_1min_end": os.getloadavg()[0],
               "engines": {e: {key: statistics.median(r[key] for r in rs)
-                              for key in ("decode_tok_s", "ttft_s", "peak_rss_mib")}
+                              for key in FIGURES}
                           for e, rs in runs.items()}}
     if args.json:
         print(json.dumps(report))
@@ -189,9 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{model}: prompt {args.prompt}, {args.tokens} greedy tokens, {args.threads} threads, "
           f"{args.rounds} alternated rounds (medians); other load up to {report['other_load_cores_max']:.2f} cores "
           f"(processes seen), load average {report['load_average_1min_end']:.2f} at the end (every tenant)")
-    print(f"{'engine':<12} {'decode tok/s':>13} {'TTFT ms':>9} {'peak RSS MiB':>13}")
+    print(f"{'engine':<16} {'decode tok/s':>13} {'TTFT ms':>9} {'peak RSS MiB':>13} {'load peak MiB':>14} "
+          f"{'RSS loaded MiB':>15}")
     for engine, r in report["engines"].items():
-        print(f"{engine:<12} {r['decode_tok_s']:>13.1f} {r['ttft_s'] * 1000:>9.1f} {r['peak_rss_mib']:>13.0f}")
+        print(f"{engine:<16} {r['decode_tok_s']:>13.1f} {r['ttft_s'] * 1000:>9.1f} {r['peak_rss_mib']:>13.0f} "
+              f"{r['load_peak_rss_mib']:>14.0f} {r['loaded_rss_mib']:>15.0f}")
     if skipped:
         print(f"not run (not installed): {', '.join(skipped)}")
     return 0
