@@ -152,6 +152,26 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, o
         return self.temperature == 0.0
 
 
+class PoolingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """What an embedding request asks of the pooled hidden state (vLLM's names). How the
+    model's hidden states are pooled (last token, mean, first token) is the engine's
+    `pooling_type`, not the request's.
+
+    - normalize: divide the vector by its L2 norm (OpenAI's and vLLM's embeddings are
+      unit vectors; Ollama's legacy /api/embeddings is not);
+    - dimensions: keep only the first N dimensions (then normalize), for models trained
+      for it (Matryoshka representation learning); other models refuse it.
+    """
+
+    normalize: bool = True
+    dimensions: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dimensions is not None:
+            _check(1 <= self.dimensions <= INT32_MAX, "dimensions",
+                   f"must be in [1, {INT32_MAX}], got {_short(self.dimensions)}")
+
+
 def _check(ok: bool, field: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{field} {message}")
@@ -227,6 +247,24 @@ class Submit(msgspec.Struct, tag="submit", forbid_unknown_fields=True, kw_only=T
                f"must be in [{-INT32_MAX - 1}, {INT32_MAX}], got {_short(self.priority)}")
 
 
+class Embed(msgspec.Struct, tag="embed", forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    """An embedding: the model's final hidden states over one input, pooled (exactly one
+    of prompt or token_ids). The request runs its prompt through the model and samples
+    nothing; its one `output` carries `embedding`. `truncate`: an input longer than the
+    context keeps its first max_model_len tokens instead of being refused."""
+
+    id: str | None = None
+    prompt: str | None = None
+    token_ids: list[int] | None = None
+    pooling: PoolingParams = msgspec.field(default_factory=PoolingParams)
+    truncate: bool = False
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        _check(-INT32_MAX - 1 <= self.priority <= INT32_MAX, "priority",
+               f"must be in [{-INT32_MAX - 1}, {INT32_MAX}], got {_short(self.priority)}")
+
+
 class Abort(msgspec.Struct, tag="abort", forbid_unknown_fields=True):
     """Abort by this connection's id, or by a server request id (llmctl abort)."""
 
@@ -241,7 +279,7 @@ class Metrics(msgspec.Struct, tag="metrics", forbid_unknown_fields=True):
     pass
 
 
-ClientMessage = Hello | Submit | Abort | Status | Metrics
+ClientMessage = Hello | Submit | Embed | Abort | Status | Metrics
 
 
 class Welcome(msgspec.Struct, tag="welcome", kw_only=True):
@@ -295,6 +333,8 @@ class Output(msgspec.Struct, tag="output", kw_only=True, omit_defaults=True):
     # the prompt's own token first, then the top-k (position 0, which nothing predicts,
     # is empty).
     prompt_logprobs: list[list[TokenLogprob]] | None = None
+    # An `embed` request's one output: the pooled vector (float32 values).
+    embedding: list[float] | None = None
 
 
 class Error(msgspec.Struct, tag="error", kw_only=True, omit_defaults=True):

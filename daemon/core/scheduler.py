@@ -47,6 +47,7 @@ class RequestUpdate(msgspec.Struct):
     error: str | None = None  # with finish_reason "error": what went wrong, for people
     logprobs: Logprobs | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    pooled: list[float] | None = None  # a pooling request's result, with finish_reason "stop"
 
 
 class SchedulerStats(msgspec.Struct):
@@ -63,6 +64,9 @@ class Scheduler:
         self.long_prefill_token_threshold = config.long_prefill_token_threshold
         self.policy = config.scheduling_policy
         self.enable_prefix_caching = config.enable_prefix_caching
+        # The engine's pooling for embeddings (resolved from the model at load; None: not
+        # known, so no pooling request looks up the prefix cache).
+        self.pooling_type = config.pooling_type
         self.kv = kv_cache_manager
         self.waiting = make_queue(self.policy)
         # Guided decoding (a llmd.structured_output.StructuredOutputManager, or None).
@@ -271,7 +275,7 @@ class Scheduler:
         blocks last; a request whose blocks do not fit stops admission (no overtaking)."""
         while self.waiting and step.budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
-            if self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None:
+            if self.enable_prefix_caching and self._may_skip_cached_prefix(request):
                 hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             else:
                 hit_blocks, num_hit = [], 0
@@ -292,6 +296,17 @@ class Scheduler:
             draft_limit = num_hit + num_new + lookahead + 1 if drafting else None
             step.add_new(request, num_new, self.kv.get_block_ids(request.request_id), draft_limit)
 
+    def _may_skip_cached_prefix(self, request: Request) -> bool:
+        """Whether a request being admitted may take its prompt's cached prefix instead
+        of computing it: not when it needs an output at every prompt position. That is
+        prompt logprobs, and a pooling request unless it pools the LAST token (a hit
+        never covers the last token; MEAN reads every position's hidden state, CLS the
+        first). A pooling request's own full blocks are cached as any others: their K/V
+        are what any request with that prefix computes."""
+        if request.pooling_params is not None:
+            return self.pooling_type == "LAST"
+        return request.sampling_params.prompt_logprobs is None
+
     def _finalize(self, step: StepBuilder) -> SchedulerOutput:
         """Count the step's tokens as computed, start filling the grammar rows of the
         guided requests that sample (they are filled while the step runs; or deferred: a
@@ -310,6 +325,8 @@ class Scheduler:
         self.stats.num_running = len(self.running)
         self.stats.num_waiting = len(self.waiting)
         output = step.build(forget, [r.request_id for r in guided])
+        for request in step.pooled:
+            request.pooled_by = output
         self.last_grammar_rows = None
         if deferred:
             self._deferred_bitmask = (output, guided)
@@ -333,7 +350,7 @@ class Scheduler:
         """Whether the worker drafts for the request after this step (draft model): it
         samples in this step (all its known tokens computed) and speculates."""
         return bool(self.num_draft_model_tokens) and num_computed_after == request.num_tokens \
-            and request.sampling_params.speculative
+            and request.speculative
 
     def _draft_lookahead(self, request: Request, end: int) -> int:
         """KV slots to reserve past the `end` tokens this step computes (drafts included)
@@ -371,6 +388,10 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished or preempted while the step ran
+            if request.is_pooling:
+                if (update := self._finish_pooling(request, output, runner_output.pooled.get(req_id))) is not None:
+                    updates.append(update)
+                continue
             if token_ids and request.num_output_placeholders:
                 request.num_output_placeholders -= 1
             num_drafts = len(output.scheduled_spec_decode_tokens.get(req_id, ()))
@@ -391,7 +412,22 @@ class Scheduler:
                 self._release(request)
                 update.finish_reason = status.finish_reason
                 update.stop_reason = request.stop_reason
-            elif new_tokens and request.sampling_params.speculative:
+            elif new_tokens and request.speculative:
                 self._take_drafts(request, runner_output.draft_token_ids.get(req_id, []))
             updates.append(update)
         return updates
+
+    def _finish_pooling(self, request: Request, output: SchedulerOutput,
+                        pooled: list[float] | None) -> RequestUpdate | None:
+        """A pooling request ends with the step that computed its last prompt token
+        (`pooled_by`), which returns its pooled state. Such a step returning none is a
+        worker bug: the request fails rather than waiting for ever. Earlier steps were
+        chunks of its prompt: nothing to report."""
+        if pooled is None and request.pooled_by is not output:
+            return None
+        status = RequestStatus.FINISHED_STOPPED if pooled is not None else RequestStatus.FINISHED_ERROR
+        request.status = status
+        self.running.remove(request)
+        self._release(request)
+        error = None if pooled is not None else "internal error: the step returned no pooled hidden state"
+        return RequestUpdate(request.request_id, [], finish_reason=status.finish_reason, error=error, pooled=pooled)
