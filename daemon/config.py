@@ -182,7 +182,7 @@ SETTING_HELP: dict[str, str] = {
     "task": "generate: serve text generation (the embedding endpoints work too); embed: embeddings only.",
     "pooling_type": "Embeddings: LAST token, MEAN over the input, or CLS (first token) of the final hidden "
                     "states (default: the model's sentence-transformers config, else LAST).",
-    "matryoshka_dimensions": "Embedding sizes a request's `dimensions` may ask for, e.g. [256, 512] "
+    "matryoshka_dimensions": "Embedding sizes a request's `dimensions` may ask for, e.g. 256,512 "
                              "(default: the model's config.json matryoshka_dimensions).",
     "tokenizer": "Tokenizer directory (default: the model's).",
     "guided_decoding_compile_timeout_s": "A grammar compiling longer than this fails its requests.",

@@ -33,7 +33,7 @@ def engine_options(func: F) -> F:
         help_text = SETTING_HELP[name] + ("" if default is None else f" [default: {_shown(default)}]")
         # An optional setting's flag takes its value's type (None is "not given").
         base = next((a for a in typing.get_args(hint) if a is not type(None)), hint) \
-            if isinstance(hint, types.UnionType) else hint
+            if typing.get_origin(hint) in (types.UnionType, typing.Union) else hint
         if hint is bool:
             option = click.option(f"{flag}/--no-{name.replace('_', '-')}", name, default=None, help=help_text)
         elif typing.get_origin(base) is typing.Literal:

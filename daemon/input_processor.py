@@ -167,8 +167,7 @@ class InputProcessor:
         if len(token_ids) > context:
             if not truncate:
                 limit = "max_model_len" if context == self.max_model_len else "the request's num_ctx"
-                raise ValueError(f"prompt has {len(token_ids)} tokens, more than {limit} ({context}); "
-                                 "ask for truncate to embed its first tokens that fit")
+                raise ValueError(f"prompt has {len(token_ids)} tokens, more than {limit} ({context})")
             token_ids = token_ids[:context]
         self.pooling.check_dimensions(params.dimensions)
         request = Request(request_id, token_ids, None, pooling_params=params, eos_token_id=self.eos_token_id,
