@@ -12,6 +12,7 @@ import asyncio
 import base64
 import json
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import ollama
@@ -23,7 +24,7 @@ from transformers import AutoTokenizer
 
 from daemon_util import LLMD, Daemon, RawConn
 from hf_ref import hf_model
-from http_clients import client, http, http_socket, ollama_client  # noqa: F401 (fixtures)
+from http_clients import client, http, http_client, http_socket, ollama_client  # noqa: F401 (fixtures)
 from llmd_client import AsyncClient, Client, RequestError
 from llmd_tools.make_model import fixture_path
 
@@ -264,3 +265,28 @@ def test_embeddings_beside_a_generation_count_against_quotas_and_metrics(daemon,
         after = llm.status()
     assert after.prompt_tokens_total - before.prompt_tokens_total == 200 + embedded.prompt_tokens
     assert after.requests_finished_total - before.requests_finished_total == 2
+
+
+# -- a model served for embeddings only --------------------------------------------------------
+
+def test_task_embed_serves_embeddings_and_refuses_generation(model, reference, tmp_path):
+    d = Daemon(model, tmp_path / "llmd.sock", "--task", "embed", "--pooling-type", "MEAN").wait_ready()
+    try:
+        sock = http_socket(d.sock)
+        with http_client(sock) as http_:
+            reply = http_.post("/v1/embeddings", json={"input": TEXTS[0], "encoding_format": "float"})
+            assert reply.status_code == 200, reply.text
+            assert_close(reply.json()["data"][0]["embedding"], reference(TEXTS[0]), "task embed")
+            refused = http_.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert refused.status_code == 400 and "task embed" in refused.json()["error"]["message"]
+        olla = ollama_client(sock)
+        assert olla.show(Path(model).name).capabilities == ["embedding"]
+        with pytest.raises(ollama.ResponseError) as info:
+            olla.generate(model=Path(model).name, prompt="hi")
+        assert info.value.status_code == 400 and "task embed" in info.value.error
+        with Client(socket=d.sock) as llm, pytest.raises(RequestError) as error:
+            llm.generate("hi", max_tokens=2)
+        assert error.value.code == "invalid_params"
+    finally:
+        assert d.stop() == 0, d.stderr()
+    assert "Traceback" not in d.stderr()
