@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from llmd_client.protocol import PoolingParams, SamplingParams
+
+if TYPE_CHECKING:
+    from llmd.core.step_messages import SchedulerOutput
 
 
 class RequestStatus(enum.IntEnum):
@@ -106,7 +110,7 @@ class Request:
         self.spec_token_ids: list[int] = []
         # A pooling request: the step (SchedulerOutput) that computes its last prompt
         # token, whose output carries the pooled state.
-        self.pooled_by: object | None = None
+        self.pooled_by: SchedulerOutput | None = None
         # Async scheduling: tokens being sampled by a step in flight, not yet known here.
         # The next step is scheduled as if they were (the worker has them by then).
         self.num_output_placeholders = 0

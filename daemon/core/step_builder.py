@@ -94,9 +94,10 @@ class StepBuilder:
     def commit(self) -> tuple[list[Request], StepShape]:
         """Count the scheduled tokens as computed, so the next schedule() sees them (they
         are in the cache before anyone reads them). Returns the requests that sample in
-        this step (all their known tokens, placeholders and drafts computed; a pooling
-        request never samples: its last chunk is pooled), in order,
-        and the step's shape: a decode is one known token (plus drafts) after an output."""
+        this step (all their known tokens, placeholders and drafts computed), in order,
+        and the step's shape: a decode is one known token (plus drafts) after an output.
+        A pooling request never samples: the one whose prompt this step completes goes
+        to `pooled` instead."""
         sampling: list[Request] = []
         num_prefill_tokens = 0
         num_decode_reqs = 0
