@@ -30,7 +30,7 @@ from llmd_tools.make_model import fixture_path
 
 MAX_MODEL_LEN = 256  # daemon_util's
 BUDGET = 32
-TOKEN_QUOTA = 300  # max_pending_tokens_per_user: what one user may have in flight
+TOKEN_QUOTA = 250  # max_pending_tokens_per_user: less than one input of max_model_len tokens
 TEXTS = ["hello world", "The quick brown fox jumps over the lazy dog. " * 4, "def fib(n): return n"]
 MIN_COSINE = 0.9999
 
@@ -105,10 +105,11 @@ def test_openai_embeddings_float_and_base64(client, name, tokenizer, reference):
     assert floats.usage.prompt_tokens == floats.usage.total_tokens == tokens
     # The SDK's default: it asks for base64 and decodes it to floats itself.
     default = client.embeddings.create(model=name, input=TEXTS)
-    assert [d.embedding for d in default.data] == [d.embedding for d in floats.data]
+    for text, item in zip(TEXTS, default.data):
+        assert_close(item.embedding, reference(text), f"{text} (the SDK's base64)")
     raw = client.embeddings.create(model=name, input=TEXTS[0], encoding_format="base64")
     decoded = np.frombuffer(base64.b64decode(raw.data[0].embedding), dtype="<f4")
-    assert decoded.tolist() == floats.data[0].embedding
+    assert_close(decoded.tolist(), reference(TEXTS[0]), "base64, decoded as little-endian float32")
 
 
 def test_openai_token_id_inputs_and_dimensions(client, name, reference):
@@ -117,7 +118,8 @@ def test_openai_token_id_inputs_and_dimensions(client, name, reference):
     for prompt, item in zip(ids, many.data):
         assert_close(item.embedding, reference(prompt), "token ids")
     one = client.embeddings.create(model=name, input=ids[0], encoding_format="float")
-    assert one.data[0].embedding == many.data[0].embedding and one.usage.prompt_tokens == 5
+    assert_close(one.data[0].embedding, reference(ids[0]), "one token id list")
+    assert one.usage.prompt_tokens == 5
     cut = client.embeddings.create(model=name, input=TEXTS[1], dimensions=16, encoding_format="float")
     assert_close(cut.data[0].embedding, reference(TEXTS[1], dimensions=16), "dimensions 16")
     with pytest.raises(openai.BadRequestError) as info:
@@ -157,6 +159,8 @@ def test_ollama_embed_and_legacy_embeddings(olla, name, reference, tokenizer):
     assert reply.total_duration > 0 and reply.load_duration == 0
     single = olla.embed(model=f"{name}:latest", input=TEXTS[0], dimensions=32)
     assert_close(single.embeddings[0], reference(TEXTS[0], dimensions=32), "ollama dimensions")
+    assert_close(olla.embed(model=name, input=TEXTS[0], dimensions=0).embeddings[0], reference(TEXTS[0]),
+                 "dimensions 0 is Ollama's 'not given'")
     legacy = olla.embeddings(model=name, prompt=TEXTS[1])  # as pooled: not normalized, as Ollama's
     assert_close(legacy.embedding, reference(TEXTS[1], normalize=False), "legacy")
     assert olla.embed(model=name, input=[]).embeddings == []  # Ollama's way to load the model
@@ -165,12 +169,12 @@ def test_ollama_embed_and_legacy_embeddings(olla, name, reference, tokenizer):
 
 def test_ollama_truncates_unless_told_not_to(olla, name, reference, tokenizer):
     text = "word " * 400
-    cut = olla.embed(model=name, input=text)  # truncate defaults to true, as in Ollama
-    assert cut.prompt_eval_count == MAX_MODEL_LEN
-    assert_close(cut.embeddings[0], reference(tokenizer(text).input_ids[:MAX_MODEL_LEN]), "truncated")
-    narrow = olla.embed(model=name, input=text, options={"num_ctx": 64})
-    assert narrow.prompt_eval_count == 64
+    cut = olla.embed(model=name, input=text, options={"num_ctx": 128})  # truncate defaults to true, as in Ollama
+    assert cut.prompt_eval_count == 128
+    assert_close(cut.embeddings[0], reference(tokenizer(text).input_ids[:128]), "truncated")
     for call, words in ((lambda: olla.embed(model=name, input=text, truncate=False), "more than max_model_len"),
+                        (lambda: olla.embed(model=name, input=text, truncate=False, options={"num_ctx": 128}),
+                         "more than the request's num_ctx (128)"),
                         (lambda: olla.embed(model=name, input=["ok", ""]), "input[1] must not be empty"),
                         (lambda: olla.embed(model=name, input="hi", dimensions=24), "dimensions"),
                         (lambda: olla.embed(model=name, input="hi", options={"num_ctx": 100000}), "num_ctx"),
@@ -210,7 +214,7 @@ def test_async_client_embeds_concurrently(daemon, reference):
     batch, single = asyncio.run(run())
     for text, result in zip(TEXTS, batch):
         assert_close(result.embedding, reference(text), "AsyncClient.embed")
-    assert single.embedding == batch[2].embedding
+    assert_close(single.embedding, reference(TEXTS[2]), "AsyncClient.embed, one text")
 
 
 def test_raw_json_lines_embed(daemon, reference):
@@ -232,13 +236,14 @@ def test_raw_json_lines_embed(daemon, reference):
             assert reply["type"] == "error" and reply["code"] == code and words in reply["message"], reply
 
 
-def test_llmctl_embed_prints_what_the_client_returns(daemon):
+def test_llmctl_embed_prints_one_json_array_per_text(daemon, reference):
     run = subprocess.run(LLMD[:2] + ["llmd_client.llmctl", "--socket", daemon.sock, "embed", TEXTS[0], TEXTS[2]],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     lines = [json.loads(line) for line in run.stdout.splitlines()]
-    with Client(socket=daemon.sock) as llm:
-        assert lines == [r.embedding for r in llm.embed([TEXTS[0], TEXTS[2]])]
+    assert len(lines) == 2
+    for text, line in zip((TEXTS[0], TEXTS[2]), lines):
+        assert_close(line, reference(text), "llmctl embed")
     refused = subprocess.run(LLMD[:2] + ["llmd_client.llmctl", "--socket", daemon.sock, "embed", "--dimensions", "24",
                                          "hi"], capture_output=True, text=True, timeout=60)
     assert refused.returncode == 1 and "dimensions" in refused.stderr
@@ -246,22 +251,25 @@ def test_llmctl_embed_prints_what_the_client_returns(daemon):
 
 # -- beside generation, quotas and metrics --------------------------------------------------------
 
-def test_embeddings_beside_a_generation_count_against_quotas_and_metrics(daemon, client, name, reference):
-    """An embedding runs while a generation is in flight; its prompt tokens count in the
-    user's quota of tokens in flight (one that would pass it is refused) and in the
-    prompt token metrics."""
+def test_embeddings_beside_a_generation_count_in_quotas_and_metrics(daemon, client, name, reference):
+    """An embedding made while a generation streams; its prompt tokens count in the
+    prompt-token metrics and in the user's quota of tokens in flight, which one input
+    of max_model_len tokens passes (refused on the socket and over HTTP alike)."""
     with Client(socket=daemon.sock) as llm:
         before = llm.status()
         stream = llm.stream(token_ids=list(range(3, 3 + 200)), max_tokens=40, temperature=0, ignore_eos=True)
         first = next(iter(stream))
-        assert first.token_ids  # the generation is running
-        embedded = llm.embed(TEXTS[0])  # 200 + its few tokens: within the quota
+        embedded = llm.embed(TEXTS[0])
         assert_close(embedded.embedding, reference(TEXTS[0]), "beside a generation")
-        with pytest.raises(openai.InternalServerError) as info:  # 200 + 150 > 300
-            client.embeddings.create(model=name, input=[list(range(3, 3 + 150))])
-        assert info.value.status_code == 503 and "too many prompt tokens" in info.value.message
         rest = list(stream)
         assert rest[-1].finish_reason == "length" and len(first.token_ids) + sum(len(d.token_ids) for d in rest) == 40
+        whole = list(range(3, 3 + MAX_MODEL_LEN))  # fits the context, not the quota
+        with pytest.raises(RequestError) as refused:
+            llm.embed(whole)
+        assert refused.value.code == "overloaded" and "too many prompt tokens" in refused.value.message
+        with pytest.raises(openai.InternalServerError) as info:
+            client.embeddings.create(model=name, input=[whole])
+        assert info.value.status_code == 503 and "too many prompt tokens" in info.value.message
         after = llm.status()
     assert after.prompt_tokens_total - before.prompt_tokens_total == 200 + embedded.prompt_tokens
     assert after.requests_finished_total - before.requests_finished_total == 2

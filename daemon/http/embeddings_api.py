@@ -165,8 +165,10 @@ async def embed(request: web.Request) -> web.Response:
             raise ApiError(400, f"input[{i}] must not be empty", param="input")
     num_ctx = num_ctx_of(body.options, served)
     try:
-        outputs = [] if not inputs else await _embed(request, inputs, _pooling(body.dimensions, normalize=True),
-                                                      field="input", truncate=body.truncate, num_ctx=num_ctx)
+        # Ollama reads dimensions 0 as not given (Go's zero value).
+        pooling = _pooling(body.dimensions or None, normalize=True)
+        outputs = [] if not inputs else await _embed(request, inputs, pooling, field="input", truncate=body.truncate,
+                                                      num_ctx=num_ctx)
     finally:
         request.app["keep_alive"].record(seconds)
     return json_response({"model": body.model, "embeddings": [out.embedding for out in outputs],
