@@ -14,6 +14,7 @@ from llmd.builtin_model import builtin_model_path
 from llmd.config import EngineConfig
 from llmd.core.executor import Executor
 from llmd.load_progress import LoadProgress
+from llmd.pooling_config import PoolingConfig, resolve_pooling
 
 CPU_KV_DEFAULT_CAP = 4 << 30
 logger = logging.getLogger("llmd.engine")
@@ -32,6 +33,7 @@ class ModelSetup:
     eos_token_id: int | None
     extra_stop_token_ids: set[int]
     runner_settings: Any
+    pooling: PoolingConfig  # how embeddings pool its hidden states
 
 
 def prepare_model(config: EngineConfig, progress: LoadProgress | None = None) -> ModelSetup:
@@ -68,12 +70,30 @@ def prepare_model(config: EngineConfig, progress: LoadProgress | None = None) ->
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
                          f"max_position_embeddings {max_pos}")
     eos = tokenizer.eos_token_id
+    pooling = _pooling(config, model_dir, hf_config)
     return ModelSetup(model_dir, tokenizer, device, dtype, max_model_len, hf_config.vocab_size, eos,
                       stop_token_ids(model_dir) - {eos},
-                      _runner_settings(config, hf_config, tokenizer, max_model_len))
+                      _runner_settings(config, hf_config, tokenizer, max_model_len, pooling), pooling)
 
 
-def _runner_settings(config: EngineConfig, hf_config: Any, tokenizer: Any, max_model_len: int) -> Any:
+def _pooling(config: EngineConfig, model_dir: str, hf_config: Any) -> PoolingConfig:
+    """The model's pooling for embeddings. A sentence-transformers pipeline with modules
+    llmd does not run (a Dense projection after the pooling) is refused when the model
+    is served for embeddings; a generation model only says so in the log."""
+    pooling = resolve_pooling(model_dir, hf_config, config.pooling_type, config.matryoshka_dimensions)
+    if pooling.unsupported_modules:
+        what = (f"the model's sentence-transformers pipeline has modules llmd does not run "
+                f"({', '.join(pooling.unsupported_modules)}): its embeddings are the pooled hidden states "
+                "without them")
+        if config.task == "embed":
+            raise ValueError(f"task embed: {what}")
+        logger.warning("%s", what)
+    logger.info("embeddings pool %s hidden states (%s)", pooling.pooling_type, pooling.source)
+    return pooling
+
+
+def _runner_settings(config: EngineConfig, hf_config: Any, tokenizer: Any, max_model_len: int,
+                     pooling: PoolingConfig) -> Any:
     from llmd.gpu.worker.runner_types import RunnerSettings
 
     spec = config.speculative_config
@@ -88,7 +108,8 @@ def _runner_settings(config: EngineConfig, hf_config: Any, tokenizer: Any, max_m
                           draft_model=draft_model,
                           num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
                           max_num_batched_tokens=config.max_num_batched_tokens,
-                          max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager)
+                          max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager,
+                          pooling_type=pooling.pooling_type)
 
 
 def num_kv_blocks(config: EngineConfig, max_model_len: int, device_type: str, executor: Executor) -> int:

@@ -30,7 +30,7 @@ from llmd.actors.runtime import Actor
 from llmd.daemon_config import DaemonConfig
 from llmd.input_processor import InputProcessor, PreparedRequest
 from llmd_client.framing import JsonLinesCodec, MsgpackCodec
-from llmd_client.protocol import MAX_CACHE_SALT_CHARS, PROTOCOL_VERSION, ChatMessage, Error, Submit, Welcome
+from llmd_client.protocol import MAX_CACHE_SALT_CHARS, PROTOCOL_VERSION, ChatMessage, Embed, Error, Submit, Welcome
 
 logger = logging.getLogger("llmd.intake")
 T = TypeVar("T")
@@ -90,27 +90,31 @@ class IntakeActor(Actor):
         self.connections.add(conn)
         await conn.serve(codec, held)
 
-    async def admit(self, submit: Submit, uid: int, sink: RequestSink, *,
+    async def admit(self, submit: Submit | Embed, uid: int, sink: RequestSink, *,
                     strict_max_tokens: bool = True, num_ctx: int | None = None) -> Error | PreparedRequest:
         """Validate and tokenize `submit` (in the pool), then hand it to the detokenizer and
         the scheduler with `sink` as its destination. An Error (naming the field and the
         limit) means nothing was started. A prompt plus max_tokens past max_model_len is
         refused (vLLM's rule), or with `strict_max_tokens=False` shortened to fit (Ollama's
         num_predict and llama.cpp's n_predict mean "at most"). `num_ctx`: Ollama's
-        context length for this request (at most max_model_len)."""
+        context length for this request (at most max_model_len). An Embed is admitted the
+        same way: its prompt counts against the same limits and quotas."""
         client_id = sink.client_id
-        if submit.tools and submit.messages is None:
-            return Error(code="invalid_params", id=client_id, message="tools needs messages (a chat) to describe them")
-        if submit.cache_salt is not None and len(submit.cache_salt) > MAX_CACHE_SALT_CHARS:
-            return Error(code="invalid_params", id=client_id,
-                         message=f"cache_salt must have at most {MAX_CACHE_SALT_CHARS} characters")
+        if isinstance(submit, Submit):
+            if submit.tools and submit.messages is None:
+                return Error(code="invalid_params", id=client_id,
+                             message="tools needs messages (a chat) to describe them")
+            if submit.cache_salt is not None and len(submit.cache_salt) > MAX_CACHE_SALT_CHARS:
+                return Error(code="invalid_params", id=client_id,
+                             message=f"cache_salt must have at most {MAX_CACHE_SALT_CHARS} characters")
         if self.draining:
             return Error(code="shutting_down", id=client_id, message="the daemon is shutting down")
         if len(self.registry) >= self.config.max_pending_requests:
             return Error(code="overloaded", id=client_id,
                          message=f"too many requests in flight (limit {self.config.max_pending_requests})")
         chars = _prompt_chars(submit)
-        if chars > self.input_processor.max_prompt_chars:
+        truncating = isinstance(submit, Embed) and submit.truncate  # its text is cut before tokenizing
+        if chars > self.input_processor.max_prompt_chars and not truncating:
             return Error(code="invalid_params", id=client_id,
                          message=f"prompt is too long: no prompt of {chars} characters fits max_model_len "
                                  f"({self.input_processor.max_model_len} tokens)")
@@ -143,13 +147,13 @@ class IntakeActor(Actor):
         self.scheduler.send(AddRequest(request_id, prepared.children))
         return prepared
 
-    async def _prepare(self, submit: Submit, uid: int, chars: int, strict_max_tokens: bool,
+    async def _prepare(self, submit: Submit | Embed, uid: int, chars: int, strict_max_tokens: bool,
                        num_ctx: int | None) -> PreparedRequest | Error:
         request_id = self._new_request_id()
+        salt = self.cache_salt(uid, submit.cache_salt if isinstance(submit, Submit) else None)
         try:
-            return await self.in_tokenizer_pool(chars, self.prepare, request_id, submit, uid,
-                                                self.cache_salt(uid, submit.cache_salt), time.monotonic(),
-                                                strict_max_tokens, num_ctx)
+            return await self.in_tokenizer_pool(chars, self.prepare, request_id, submit, uid, salt,
+                                                time.monotonic(), strict_max_tokens, num_ctx)
         except ValueError as exc:
             return Error(code="invalid_params", message=safe_message(exc))
 
@@ -192,10 +196,15 @@ class IntakeActor(Actor):
             return requested
         return f"uid={uid}" if requested is None else f"uid={uid}/{requested}"
 
-    def prepare(self, request_id: str, submit: Submit, uid: int, cache_salt: str | None, arrival: float,
-                strict_max_tokens: bool = False, num_ctx: int | None = None):
+    def prepare(self, request_id: str, submit: Submit | Embed, uid: int, cache_salt: str | None, arrival: float,
+                strict_max_tokens: bool = False, num_ctx: int | None = None) -> PreparedRequest:
         """Runs in the tokenizer pool."""
         processor = self.input_processor
+        if isinstance(submit, Embed):
+            prompt = submit.prompt if submit.token_ids is None else submit.token_ids
+            return processor.prepare_pooling(request_id, prompt, submit.pooling, truncate=submit.truncate,
+                                             num_ctx=num_ctx, priority=submit.priority, cache_salt=cache_salt,
+                                             arrival_time=arrival, owner=uid)
         if submit.messages is not None:
             tools = {"template_kwargs": {"tools": submit.tools}} if submit.tools else {}
             prompt: str | list[int] = processor.render_chat(_template_messages(submit.messages), **tools)
@@ -247,9 +256,9 @@ def _template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def _prompt_chars(submit: Submit) -> int:
+def _prompt_chars(submit: Submit | Embed) -> int:
     if submit.prompt is not None:
         return len(submit.prompt)
-    if submit.messages is not None:
+    if isinstance(submit, Submit) and submit.messages is not None:
         return sum(len(m.content) + len(m.role) for m in submit.messages)
     return 0

@@ -55,6 +55,7 @@ class ServedModel:
     quantization: str = "F32"  # the weights' type in the file, as Ollama names it (Q4_1, F16, BF16, ...)
     tool_format: ToolCallFormat = field(default_factory=lambda: FORMATS["hermes"])  # how the model writes calls
     guided_tool_calls: str = "forced"  # when tool calls are guided: "forced" or "always" (DaemonConfig)
+    task: str = "generate"  # what the model is served for: "generate" or "embed" (embeddings only)
     _token_text: dict[int, str] = field(default_factory=dict)
 
     @property
@@ -162,11 +163,11 @@ def check_json_content_type(request: web.Request) -> None:
 
 
 def describe_model(engine, names: list[str] | tuple[str, ...] = (), *, tool_call_parser: str | None = None,
-                   guided_tool_calls: str = "forced") -> ServedModel:
+                   guided_tool_calls: str = "forced", task: str = "generate") -> ServedModel:
     """What the HTTP APIs say about the engine's model, read from its files (config and
     safetensors headers of an HF directory, the header of a GGUF file; no tensor is
     loaded). `names`: what clients may call it (default: the file or folder name);
-    the tool settings are the operator's (DaemonConfig)."""
+    the tool settings are the operator's (DaemonConfig), `task` the engine's."""
     import hashlib
     import json
     from collections import Counter
@@ -206,5 +207,5 @@ def describe_model(engine, names: list[str] | tuple[str, ...] = (), *, tool_call
         tokenizer=engine.tokenizer, architecture=architecture, num_params=num_params,
         dtype=str(engine.dtype).removeprefix("torch."), size_bytes=size_bytes, digest="sha256:" + digest,
         fim=find_fim_tokens(engine.tokenizer), format="gguf" if model_path.is_file() else "safetensors",
-        quantization=quantization, guided_tool_calls=guided_tool_calls,
+        quantization=quantization, guided_tool_calls=guided_tool_calls, task=task,
         tool_format=format_for(tool_call_parser, getattr(engine.tokenizer, "chat_template", None), architecture))

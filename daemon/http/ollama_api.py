@@ -83,7 +83,7 @@ _PARAMS = {"max_tokens": "num_predict", "repetition_penalty": "repeat_penalty", 
            "prompt": "prompt", "messages": "messages"}
 
 
-def _num_ctx(options: Options | None, served: ServedModel) -> int | None:
+def num_ctx_of(options: Options | None, served: ServedModel) -> int | None:
     """The request's context length: num_ctx, which must fit the engine's."""
     num_ctx = options.num_ctx if options is not None else None
     if num_ctx is None:
@@ -194,7 +194,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if body.template:
         raise ApiError(400, "template is not supported; the model's own chat template is used", param="template")
     request["stream"] = body.stream
-    num_ctx = _num_ctx(body.options, served)
+    num_ctx = num_ctx_of(body.options, served)
     if not body.prompt and body.suffix is None:  # Ollama's way to load a model: nothing to generate
         return await _answer(request, body.keep_alive, None, num_ctx, _as_response)
     params = _sampling(body.options, body.format)
@@ -216,7 +216,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
     body = await decode_body(request, ChatRequest)
     served.check(body.model)
     request["stream"] = body.stream
-    num_ctx = _num_ctx(body.options, served)
+    num_ctx = num_ctx_of(body.options, served)
     if not body.messages:  # loading the model, in Ollama's terms
         return await _answer(request, body.keep_alive, None, num_ctx, _as_message)
     params = _sampling(body.options, body.format)
@@ -293,7 +293,10 @@ async def show(request: web.Request) -> web.Response:
         raise ApiError(400, "model is required", param="model")
     served.check(name)
     family = _details(served)["family"]
-    capabilities = ["completion", "tools"] + (["insert"] if served.fim is not None else [])
+    if served.task == "embed":
+        capabilities = ["embedding"]
+    else:
+        capabilities = ["completion", "tools"] + (["insert"] if served.fim is not None else [])
     return json_response({
         "license": "", "modelfile": f"FROM {served.name}\n", "parameters": "",
         "template": served.chat_template or "{{ .Prompt }}", "details": _details(served),

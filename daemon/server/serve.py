@@ -214,7 +214,7 @@ def _start_actors(engine: LLMEngine, model_names: tuple[str, ...], daemon: Daemo
         from llmd.http.context import describe_model
         from llmd.http.listeners import api_keys
         served = describe_model(engine, model_names, tool_call_parser=daemon.tool_call_parser,
-                                guided_tool_calls=daemon.guided_tool_calls)
+                                guided_tool_calls=daemon.guided_tool_calls, task=engine.config.task)
         actors.append(HttpIntakeActor(listeners.http, intake, metrics, served, api_keys=api_keys(daemon),
                                       listen_backlog=daemon.listen_backlog))
     supervisor = Supervisor()
