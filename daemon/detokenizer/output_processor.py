@@ -110,13 +110,7 @@ class OutputProcessor:
                 continue
             out = sample.output
             if update.new_token_ids:
-                ids = update.new_token_ids
-                # A token stop (EOS, a stop id, a grammar's end) is not text, as in vLLM: with
-                # skip_special_tokens off a reply would otherwise end in "</s>".
-                stop_token = update.finish_reason == "stop" and not state.params.include_stop_str_in_output
-                new_ids, stop_str = self._consume(sample.detokenizer, ids[:-1] if stop_token else ids)
-                if stop_token and stop_str is None:
-                    new_ids.append(ids[-1])
+                new_ids, stop_str = self._consume(sample.detokenizer, update, state.params)
                 out.token_ids.extend(new_ids)
                 out.new_token_ids = new_ids
                 if update.logprobs is not None and out.logprobs is not None:
@@ -147,9 +141,19 @@ class OutputProcessor:
         return results, stopped_by_string
 
     @staticmethod
-    def _consume(detokenizer, token_ids: list[int]) -> tuple[list[int], str | None]:
+    def _consume(detokenizer, update: RequestUpdate, params: SamplingParams) -> tuple[list[int], str | None]:
         """Feed a step's tokens; with several (accepted speculative drafts), stop at the
-        token that completes a stop string: nothing after a stop is emitted."""
+        token that completes a stop string: nothing after a stop is emitted. A token stop
+        (EOS, a stop id, a grammar's end) is kept but is not text, as in vLLM: with
+        skip_special_tokens off a reply would otherwise end in "</s>"."""
+        ids = update.new_token_ids
+        if update.finish_reason == "stop" and not params.include_stop_str_in_output:
+            new_ids, stop_str = OutputProcessor._feed(detokenizer, ids[:-1])
+            return (new_ids, stop_str) if stop_str is not None else (new_ids + ids[-1:], None)
+        return OutputProcessor._feed(detokenizer, ids)
+
+    @staticmethod
+    def _feed(detokenizer, token_ids: list[int]) -> tuple[list[int], str | None]:
         if len(token_ids) == 1:
             return list(token_ids), detokenizer.update(token_ids)
         for i, token in enumerate(token_ids):
