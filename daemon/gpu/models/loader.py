@@ -24,7 +24,7 @@ from llmd.gpu.models.gguf_loader import (gguf_stop_token_ids, gguf_tensor_types,
                                          iter_gguf_weights, load_gguf_config, load_gguf_tokenizer, open_gguf,
                                          release_gguf_readers)
 from llmd.gpu.models.quant_plan import (apply_plan, finalize_quantized, iter_dequantized, plan_quantized,
-                                        safetensors_index)
+                                        resolve_scheme, safetensors_index)
 from llmd.load_progress import LoadProgress
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -278,6 +278,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
             model.get_submodule(param.rpartition(".")[0]).use_packed(quant)
         packed = [name for name, (param, _) in _targets(model, types) if param in plan]
     index = safetensors_index(model_dir) if scheme is not None else {}
+    if scheme is not None:
+        scheme = resolve_scheme(scheme, index)
     if scheme is not None and not dequantize:
         apply_plan(model, scheme, plan_quantized(model, scheme, index, checkpoint_target))
     model = model.to_empty(device=device)

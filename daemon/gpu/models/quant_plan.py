@@ -12,6 +12,7 @@ it with a dense part, the LM head split by tensor parallelism) is refused by nam
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,6 +55,18 @@ def quantized_prefixes(scheme: QuantScheme, index: dict[str, tuple[str, tuple[in
             raise ValueError(f"tensor {name!r} is {dtype}: not implemented by llmd (implemented: F8_E4M3)")
         found.append(name.removesuffix(".weight"))
     return found
+
+
+def resolve_scheme(scheme: QuantScheme, index: dict[str, tuple[str, tuple[int, ...], str]]) -> QuantScheme:
+    """The scheme with what the files say: HF's `fp8` names its scales `weight_scale_inv`
+    (per tensor or per block), vLLM's / AutoFP8's `weight_scale`; the files tell which."""
+    if not isinstance(scheme, FP8Scheme) or scheme.method != "fp8":
+        return scheme
+    prefixes = quantized_prefixes(scheme, index)
+    names = {n for n in ("weight_scale", "weight_scale_inv") if any(f"{p}.{n}" in index for p in prefixes)}
+    if len(names) > 1:
+        raise ValueError("the checkpoint names its FP8 scales both weight_scale and weight_scale_inv")
+    return dataclasses.replace(scheme, scale_name=names.pop()) if names else scheme
 
 
 def plan_quantized(model: nn.Module, scheme: QuantScheme, index: dict[str, tuple[str, tuple[int, ...], str]],
