@@ -20,9 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from hf_ref import check_logprobs_close, engine_result, hf_greedy, hf_model
 from llmd import LLM
+from llmd.gpu.layers.quant.scheme import quant_scheme
+from llmd.gpu.models.decoder import CausalLM
+from llmd.gpu.models.loader import checkpoint_target, load_hf_config
+from llmd.gpu.models.quant_plan import apply_plan, plan_quantized, safetensors_index
 from llmd_tools.make_model import build_model
 from llmd_tools.quantize_checkpoint import options, quantize_checkpoint
 from quant_reference import write_dequantized
@@ -165,3 +170,112 @@ def test_the_memory_account_shows_the_packed_storage(checkpoints, case, low, hig
     finally:
         packed.engine.shutdown()
         dense.engine.shutdown()
+
+
+def _edited(path: Path, out: Path, config_edit=None, tensor_edit=None) -> Path:
+    """A copy of a checkpoint with its quantization_config and / or tensors changed."""
+    shutil.copytree(path, out)
+    if config_edit is not None:
+        config = json.loads((out / "config.json").read_text())
+        config_edit(config["quantization_config"])
+        (out / "config.json").write_text(json.dumps(config))
+    if tensor_edit is not None:
+        tensors = load_file(str(out / "model.safetensors"))
+        tensor_edit(tensors)
+        save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+def test_modules_the_config_keeps_dense_stay_dense(checkpoints, tmp_path):
+    path = checkpoints("awq-llama-g32", keep_dense=("layers.1.mlp.down_proj",))
+    assert json.loads((path / "config.json").read_text())["quantization_config"]["modules_to_not_convert"] == \
+        ["layers.1.mlp.down_proj"]
+    llm = LLM(model=str(path), **SETTINGS)
+    try:
+        layers = _quantized_layers(llm)
+        assert "layers.1.mlp.down_proj" not in layers and "layers.0.mlp.down_proj" in layers and len(layers) == 11
+        model = llm.engine.executor.runner.model
+        assert model.layers[1].mlp.down_proj.weight.dtype == torch.float32
+        _compare(str(write_dequantized(path, tmp_path / "dense")), llm, "awq, one layer dense")
+    finally:
+        llm.engine.shutdown()
+
+
+def test_quantized_experts_are_refused_and_load_dequantized(checkpoints, tmp_path):
+    """Mixture-of-experts experts have no packed kernel: refused by name, and
+    dequantize=True loads the checkpoint dense, computing what transformers computes on
+    the dequantized weights."""
+    path = checkpoints("qwen3-moe", method="awq", group_size=32)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.0\.\w+_proj is quantized \(awq-int4\): "
+                                         r"quantized mixture-of-experts experts are not implemented packed by llmd; "
+                                         r"dequantize=True \(--dequantize\) loads it dense"):
+        LLM(model=str(path), **SETTINGS)
+    llm = LLM(model=str(path), dequantize=True, **SETTINGS)
+    try:
+        assert _quantized_layers(llm) == {}
+        _compare(str(write_dequantized(path, tmp_path / "dense")), llm, "awq moe, dequantized")
+    finally:
+        llm.engine.shutdown()
+
+
+def _e5m2(tensors: dict) -> None:
+    name = "model.layers.0.mlp.up_proj.weight"
+    tensors[name] = tensors[name].float().to(torch.float8_e5m2)
+
+
+LOAD_REFUSALS = [
+    ("a fused projection with a dense part", "awq-llama-g32", dict(keep_dense=("layers.0.self_attn.q_proj",)), None,
+     None, r"model\.layers\.0\.self_attn\.[kv]_proj is quantized \(awq-int4\) but parts \['q'\] of its fused "
+           r"projection are not"),
+    ("a module the config keeps dense, quantized in the file", "awq-llama-g32", {},
+     lambda qc: qc.update(modules_to_not_convert=["layers.0.mlp.down_proj"]), None,
+     r"model\.layers\.0\.mlp\.down_proj is quantized in the checkpoint, but its quantization_config keeps "
+     r"'layers\.0\.mlp\.down_proj' dense"),
+    ("a group size the files do not have", "awq-llama-g32", {}, lambda qc: qc.update(group_size=64), None,
+     r"weight 'model\.layers\.0\.mlp\.down_proj\.qzeros' has 6 rows of groups, but 192 input columns in groups "
+     r"of 64 \(quantization_config\.group_size\) make 3"),
+    ("FP8 e5m2 weights", "fp8-tensor", {}, None, _e5m2,
+     r"tensor 'model\.layers\.0\.mlp\.up_proj\.weight' is F8_E5M2: not implemented by llmd"),
+]
+
+
+@pytest.mark.parametrize("what,case,extra,config_edit,tensor_edit,message", LOAD_REFUSALS,
+                         ids=[r[0] for r in LOAD_REFUSALS])
+def test_what_cannot_stay_packed_is_refused_by_name(checkpoints, tmp_path, what, case, extra, config_edit,
+                                                    tensor_edit, message):
+    path = checkpoints(case, **extra)
+    if config_edit or tensor_edit:
+        path = _edited(path, tmp_path / "edited", config_edit, tensor_edit)
+    with pytest.raises(ValueError, match=message):
+        LLM(model=str(path), **SETTINGS)
+
+
+def test_off_the_cpu_a_quantized_checkpoint_needs_dequantize(checkpoints):
+    from llmd.engine_setup import _check_quantized_device
+
+    config = load_hf_config(checkpoints("gptq4-sym-v1"))
+    with pytest.raises(ValueError, match=r"is a gptq-int4 checkpoint: llmd runs it packed on the CPU only \(no cuda "
+                                         r"kernel yet\); dequantize=True \(--dequantize\) loads it dense on cuda"):
+        _check_quantized_device(config, "m", torch.device("cuda"), dequantize=False)
+    _check_quantized_device(config, "m", torch.device("cuda"), dequantize=True)
+    _check_quantized_device(config, "m", torch.device("cpu"), dequantize=False)
+
+
+def test_tensor_parallel_ranks_keep_their_packed_shares(checkpoints, tmp_path):
+    """TP=2 splits every packed projection as the dense ones (groups of 64 fall whole on
+    each rank) and computes what transformers does on the dequantized weights; act-order
+    weights cannot be split by input columns and are refused by name."""
+    path = checkpoints("awq-llama-g32", group_size=64)
+    llm = LLM(model=str(path), tensor_parallel_size=2, **SETTINGS)
+    try:
+        _compare(str(write_dequantized(path, tmp_path / "dense")), llm, "awq tp=2")
+    finally:
+        llm.engine.shutdown()
+    act_order = checkpoints("gptq4-asym-v2-act-order")
+    config = load_hf_config(act_order)
+    scheme = quant_scheme(config)
+    with torch.device("meta"):
+        rank0 = CausalLM(config, 64, tp_rank=0, tp_size=2)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.\w+\.\w+_proj: GPTQ act-order \(desc_act\) "
+                                         r"weights cannot be split by input columns"):
+        apply_plan(rank0, scheme, plan_quantized(rank0, scheme, safetensors_index(act_order), checkpoint_target))

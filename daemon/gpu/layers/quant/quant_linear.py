@@ -125,6 +125,9 @@ class QuantizedWeights(WeightLoading):
         pack = 8 if self.scheme.method == "awq" else 32 // self.scheme.bits
         if name == "g_idx":
             return source[c:d]
+        if name in ("scales", "qzeros") and shape_of(source)[0] != -(-self.full_columns // group):
+            raise ValueError(f"has {shape_of(source)[0]} rows of groups, but {self.full_columns} input columns in "
+                             f"groups of {group} (quantization_config.group_size) make {-(-self.full_columns // group)}")
         if name == "scales":
             return _block_of(source, groups, (a, b))
         if name == "qzeros":
