@@ -279,3 +279,21 @@ def test_tensor_parallel_ranks_keep_their_packed_shares(checkpoints, tmp_path):
     with pytest.raises(ValueError, match=r"model\.layers\.0\.\w+\.\w+_proj: GPTQ act-order \(desc_act\) "
                                          r"weights cannot be split by input columns"):
         apply_plan(rank0, scheme, plan_quantized(rank0, scheme, safetensors_index(act_order), checkpoint_target))
+
+
+def test_the_http_faces_describe_a_quantized_checkpoint(checkpoints):
+    """Ollama's quantization_level names the scheme, and the parameter count counts every
+    packed weight once (eight per AWQ word), not the words, zero points and scales."""
+    from types import SimpleNamespace
+
+    from llmd.http.context import describe_model
+    from llmd.gpu.models.loader import load_tokenizer
+
+    dense = checkpoints.dense("llama")
+    engine = lambda path: SimpleNamespace(model_dir=str(path), max_model_len=256, tokenizer=load_tokenizer(path),
+                                          dtype=torch.float32)
+    want = describe_model(engine(dense)).num_params
+    for case, label in (("awq-llama-g32", "awq-int4"), ("gptq8-act-order-lm-head", "gptq-int8"),
+                        ("fp8-block", "fp8-e4m3")):
+        served = describe_model(engine(checkpoints(case)))
+        assert (served.quantization, served.num_params) == (label, want)

@@ -221,7 +221,7 @@ def _finalize_int(layer: nn.Module, method: QuantizedWeights, names: list[str]) 
         rows.append(packed)
         orders.append(order)
     _set_weight(layer, torch.cat([r.reshape(-1) for r in rows]))
-    units, offset, start = [], 0, 0
+    units, offset = [], 0
     for i in range(method.parts):
         if i == 0 or not _same_order(orders[i], orders[i - 1]):
             units.append(([], orders[i]))

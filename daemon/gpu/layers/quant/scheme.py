@@ -72,7 +72,8 @@ def _refuse(field: str, value: Any, why: str) -> NoReturn:
 def quant_scheme(config: Any) -> QuantScheme | None:
     """The scheme of a transformers config (None: not quantized), or ValueError naming
     the quantization_config field llmd does not implement."""
-    qc = getattr(config, "quantization_config", None)
+    # compressed-tensors' older checkpoints call it compression_config
+    qc = getattr(config, "quantization_config", None) or getattr(config, "compression_config", None)
     if qc is None:
         return None
     if not isinstance(qc, Mapping):
