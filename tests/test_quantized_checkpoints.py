@@ -223,7 +223,25 @@ def _e5m2(tensors: dict) -> None:
     tensors[name] = tensors[name].float().to(torch.float8_e5m2)
 
 
+def _biases(value: float):
+    def edit(tensors: dict) -> None:
+        for name in [n for n in tensors if n.endswith(".qweight")]:
+            tensors[name.replace(".qweight", ".bias")] = torch.full((tensors[name].shape[1],), value).half()
+    return edit
+
+
+def test_empty_biases_some_gptq_tools_save_are_skipped(checkpoints, tmp_path):
+    path = _edited(checkpoints("gptq4-sym-v1"), tmp_path / "zero-biases", tensor_edit=_biases(0.0))
+    llm = LLM(model=str(path), **SETTINGS)
+    try:
+        _compare(str(write_dequantized(path, tmp_path / "dense")), llm, "gptq with zero biases")
+    finally:
+        llm.engine.shutdown()
+
+
 LOAD_REFUSALS = [
+    ("a bias the model does not have", "gptq4-sym-v1", {}, None, _biases(0.5),
+     r"unexpected weight 'model\.layers\.0\.\S+_proj\.bias' in checkpoint"),
     ("a fused projection with a dense part", "awq-llama-g32", dict(keep_dense=("layers.0.self_attn.q_proj",)), None,
      None, r"model\.layers\.0\.self_attn\.[kv]_proj is quantized \(awq-int4\) but parts \['q'\] of its fused "
            r"projection are not"),

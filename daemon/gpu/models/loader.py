@@ -24,7 +24,7 @@ from llmd.gpu.models.gguf_loader import (gguf_stop_token_ids, gguf_tensor_types,
                                          iter_gguf_weights, load_gguf_config, load_gguf_tokenizer, open_gguf,
                                          release_gguf_readers)
 from llmd.gpu.models.quant_plan import (apply_plan, finalize_quantized, iter_dequantized, plan_quantized,
-                                        resolve_scheme, safetensors_index)
+                                        resolve_scheme, safetensors_index, without_empty_biases)
 from llmd.load_progress import LoadProgress
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -289,6 +289,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
         weights, total = iter_gguf_weights(model_dir, config, packed), len(open_gguf(model_dir).tensors)
     else:
         weights, total = iter_safetensors(model_dir), _count_safetensors(model_dir)
+        if scheme is not None:
+            weights = without_empty_biases(weights, model, scheme, index, checkpoint_target)
         if scheme is not None and dequantize:
             weights = iter_dequantized(weights, scheme, index)
     load_weights(model, progress.track("weights", weights, total) if progress is not None else weights)

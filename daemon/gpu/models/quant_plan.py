@@ -166,6 +166,22 @@ def dequantized_module(scheme: QuantScheme, prefix: str, get: Any, has: Any, col
     return gptq_groups(*parts, g_idx, scheme.bits, group, scheme.zeros_minus_one).dequantize()
 
 
+def without_empty_biases(weights: Iterator[tuple[str, Any]], model: nn.Module, scheme: QuantScheme,
+                         index: dict[str, tuple[str, tuple[int, ...], str]],
+                         checkpoint_target: Any) -> Iterator[tuple[str, Any]]:
+    """The checkpoint's tensors less the all-zero `bias` of quantized modules whose layer
+    has none (some GPTQ tools save one for every linear layer); a non-zero one is left
+    for the loader to refuse as unexpected."""
+    prefixes = set(quantized_prefixes(scheme, index))
+    params = dict(model.named_parameters())
+    for name, source in weights:
+        if name.endswith(".bias") and name.removesuffix(".bias") in prefixes:
+            target = checkpoint_target(model, name)
+            if target is not None and target[0] not in params and not bool(source[...].any()):
+                continue
+        yield name, source
+
+
 def iter_dequantized(weights: Iterator[tuple[str, Any]], scheme: QuantScheme,
                      index: dict[str, tuple[str, tuple[int, ...], str]]) -> Iterator[tuple[str, Any]]:
     """The checkpoint's tensors with every quantized module's replaced by its dense
