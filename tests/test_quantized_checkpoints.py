@@ -315,3 +315,26 @@ def test_the_http_faces_describe_a_quantized_checkpoint(checkpoints):
                         ("fp8-block", "fp8-e4m3")):
         served = describe_model(engine(checkpoints(case)))
         assert (served.quantization, served.num_params) == (label, want)
+
+
+def test_llmctl_status_shows_the_packed_storage(checkpoints, tmp_path_factory):
+    """The daemon's memory split (llmctl status, its worker process's weights) names the
+    packed storage beside the dense tensors."""
+    import subprocess
+
+    from daemon_util import Daemon
+    from test_daemon_clients import LLMCTL
+
+    path = checkpoints("gptq4-sym-v1")
+    daemon = Daemon(str(path), tmp_path_factory.mktemp("sock") / "q.sock", "--distributed-executor-backend",
+                    "mp").wait_ready()
+    try:
+        status = subprocess.run([LLMCTL, "--socket", daemon.sock, "status", "--json"], capture_output=True,
+                                text=True, timeout=60)
+        weights = json.loads(status.stdout)["memory"]["weights"]
+        assert 0.85 * _quantized_file_bytes(path) <= weights["gptq-int4"] <= _quantized_file_bytes(path)
+        shown = subprocess.run([LLMCTL, "--socket", daemon.sock, "status"], capture_output=True, text=True,
+                               timeout=60).stdout
+        assert "gptq-int4" in shown, shown
+    finally:
+        assert daemon.stop() == 0, daemon.stderr()

@@ -182,8 +182,9 @@ def _block(block: Any, field: str) -> tuple[int, int]:
 
 def _compressed_tensors(qc: Mapping[str, Any]) -> FP8Scheme:
     fmt = qc.get("format")
-    if fmt != "float-quantized":
-        _refuse("format", fmt, "is not implemented by llmd for compressed-tensors (implemented: float-quantized)")
+    if fmt not in ("float-quantized", "naive-quantized"):  # naive: the same float8 tensors, an older name
+        _refuse("format", fmt, "is not implemented by llmd for compressed-tensors (implemented: float-quantized, "
+                               "naive-quantized with float weights)")
     for field in ("sparsity_config", "kv_cache_scheme", "transform_config"):
         if qc.get(field):
             _refuse(field, qc.get(field), "is not implemented by llmd")
