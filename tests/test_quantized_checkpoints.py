@@ -24,10 +24,14 @@ from safetensors.torch import load_file, save_file
 
 from hf_ref import check_logprobs_close, engine_result, hf_greedy, hf_model
 from llmd import LLM
+from llmd.gpu.layers.gguf_quant import dequantize as gguf_dequantize
+from llmd.gpu.layers.gguf_quant import part_weight
+from llmd.gpu.layers.quant.fp8 import dequantize as fp8_dequantize
+from llmd.gpu.layers.quant.quant_linear import finalize
 from llmd.gpu.layers.quant.scheme import quant_scheme
 from llmd.gpu.models.decoder import CausalLM
-from llmd.gpu.models.loader import checkpoint_target, load_hf_config
-from llmd.gpu.models.quant_plan import apply_plan, plan_quantized, safetensors_index
+from llmd.gpu.models.loader import checkpoint_target, iter_safetensors, load_hf_config, load_weights
+from llmd.gpu.models.quant_plan import apply_plan, plan_quantized, resolve_scheme, safetensors_index
 from llmd_tools.make_model import build_model
 from llmd_tools.quantize_checkpoint import options, quantize_checkpoint
 from quant_reference import write_dequantized
@@ -338,3 +342,58 @@ def test_llmctl_status_shows_the_packed_storage(checkpoints, tmp_path_factory):
         assert "gptq-int4" in shown, shown
     finally:
         assert daemon.stop() == 0, daemon.stderr()
+
+
+def _rank_model(path: Path, rank: int, dequantize: bool = False) -> CausalLM:
+    """Rank `rank` of 2's shard of a checkpoint, loaded by the loader's own steps (no
+    process group: loading needs none), quantized layers finalized without kernels."""
+    config = load_hf_config(path)
+    scheme = quant_scheme(config)
+    with torch.device("meta"):
+        model = CausalLM(config, 64, tp_rank=rank, tp_size=2)
+    index = safetensors_index(path)
+    if scheme is not None:
+        scheme = resolve_scheme(scheme, index)
+        apply_plan(model, scheme, plan_quantized(model, scheme, index, checkpoint_target))
+    model = model.to_empty(device="cpu")
+    load_weights(model, iter_safetensors(path))
+    for layer in model.modules():
+        if getattr(layer, "quant_method", None) is not None:
+            finalize(layer)
+    return model
+
+
+def _dense_weight(layer) -> torch.Tensor:
+    """A finalized quantized layer's weight [out, in], read back from its packed storage."""
+    if layer.quant == "fp8-e4m3":
+        return fp8_dequantize(layer.weight, layer.weight_scales)
+    parts = []
+    for order, unit in layer.int_units:
+        rows = torch.cat([gguf_dequantize(part_weight(layer.weight, p, layer.in_features), p.quant, layer.in_features)
+                          for p in unit])
+        if order is not None:
+            rows = rows[:, torch.argsort(getattr(layer, order))]
+        parts.append(rows)
+    return torch.cat(parts)
+
+
+SHARD_CASES = [("awq-llama-g32", {}), ("awq-phi3-fused", {}), ("gptq4-sym-v1", {}),
+               ("gptq4-sym-v1", dict(bits=8, group_size=64)), ("gptq4-asym-v2-act-order", dict(act_order=False)),
+               ("fp8-tensor", {}), ("fp8-channel-qwen3", {}), ("fp8-block", {})]
+
+
+@pytest.mark.parametrize("case,extra", SHARD_CASES, ids=[c + "".join(f"-{k}={v}" for k, v in e.items())
+                                                         for c, e in SHARD_CASES])
+def test_each_rank_keeps_the_packed_share_the_dense_layer_keeps(checkpoints, tmp_path, case, extra):
+    """Column- and row-parallel projections, checkpoint-fused ones (Phi-3), FP8 blocks
+    that straddle a rank's rows (k and v: 16 rows a rank, blocks of 32): every rank's
+    packed layers hold exactly the share of the dequantized weight that the dense layers
+    of the same rank load."""
+    path = checkpoints(case, **extra)
+    dense = write_dequantized(path, tmp_path / "dense")
+    for rank in (0, 1):
+        packed, reference = _rank_model(path, rank), _rank_model(dense, rank)
+        layers = {name: m for name, m in packed.named_modules() if getattr(m, "quant", None)}
+        assert len(layers) == 12
+        for name, layer in layers.items():
+            assert torch.equal(_dense_weight(layer), reference.get_submodule(name).weight), (rank, name)

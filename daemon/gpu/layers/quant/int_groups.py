@@ -147,8 +147,8 @@ def gptq_groups(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
     zeros = unpack_codes(qzeros, bits).t().to(torch.int32) + int(zeros_minus_one)
     if g_idx is None:
         group_of = _group_of(codes.shape[1], group, col_offset, codes.device)
-    else:
-        group_of = g_idx.to(torch.int64)
+    else:  # numbered over the whole weight: from the first group of this slice's (tensor parallelism)
+        group_of = g_idx.to(torch.int64) - col_offset // group
         if bool(((group_of < 0) | (group_of >= zeros.shape[1])).any()):
             raise ValueError(f"g_idx names groups outside 0..{zeros.shape[1] - 1}")
     return IntGroups(codes, zeros.contiguous(), scales.t().float().contiguous(), group_of, bits)
