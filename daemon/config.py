@@ -64,8 +64,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # between ranks). Fewer than the cores leaves room for other work: with OpenMP,
     # threads competing with other busy processes make every op wait a time slice.
     cpu_threads: int | None = None
-    # GGUF on CPU: dequantize every weight at load instead of keeping every quantized
-    # weight packed (gguf_quant); also what loads a type llmd has no packed kernel for.
+    # GGUF, AWQ, GPTQ and FP8 checkpoints: dequantize every weight at load instead of
+    # keeping the quantized weights packed (gguf_quant, layers/quant/); also what loads a
+    # type or module llmd has no packed kernel for, and an AWQ/GPTQ/FP8 checkpoint on CUDA.
     dequantize: bool = False
     speculative_config: SpeculativeConfig | None = None
     seed: int = 0
@@ -174,8 +175,8 @@ SETTING_HELP: dict[str, str] = {
     "async_scheduling": "Schedule the next step while the model runs this one.",
     "attention_backend": "Paged attention kernels; auto: flash-attn or Triton on CUDA, PyTorch on CPU.",
     "cpu_threads": "CPU: torch threads for the model per rank (default: all cores).",
-    "dequantize": "GGUF: dequantize every weight at load instead of running them packed (more memory; "
-                  "loads the types llmd has no packed kernel for, e.g. IQ4_NL).",
+    "dequantize": "GGUF, AWQ, GPTQ, FP8: dequantize every weight at load instead of running them packed (more "
+                  "memory; loads what llmd has no packed kernel for, e.g. IQ4_NL, quantized MoE experts, CUDA).",
     "speculative_config": "Speculative decoding as JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'.",
     "seed": "Seed of the engine's random generator (a request's own seed overrides it).",
     "max_logprobs": "Largest number of logprobs a request may ask for (1..20).",

@@ -47,7 +47,6 @@ def prepare_model(config: EngineConfig, progress: LoadProgress | None = None) ->
     # An HF directory or a GGUF file; none given: the built-in model (fetched once).
     model_dir = str(config.model or builtin_model_path())
     hf_config = load_hf_config(model_dir)
-    _refuse_quantized(hf_config, model_dir)
     if config.tensor_parallel_size > 1:
         from llmd.gpu.layers.tp import check_tp_config
         check_tp_config(hf_config, config.tensor_parallel_size)
@@ -62,6 +61,7 @@ def prepare_model(config: EngineConfig, progress: LoadProgress | None = None) ->
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for but no CUDA device is available")
     device = torch.device(device)
+    _check_quantized_device(hf_config, model_dir, device, config.dequantize)
     checkpoint_dtype = str(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", "") or "")
     dtype = resolve_dtype(config.dtype, device, checkpoint_dtype.replace("torch.", ""))
     max_pos = getattr(hf_config, "max_position_embeddings", 2048)
@@ -200,16 +200,16 @@ def _check_draft_model(draft_dir: str, target_config, target_tokenizer, max_mode
                          "a draft model must share the target's tokenizer")
 
 
-def _refuse_quantized(hf_config: Any, model_dir: str) -> None:
-    """A checkpoint quantized for another engine (FP8, GPTQ, AWQ, bitsandbytes...) has
-    scale tensors llmd's loader does not know: say what it is, not which tensor surprised us."""
-    quantization = getattr(hf_config, "quantization_config", None)
-    if quantization:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else \
-            getattr(quantization, "quant_method", None)
-        raise ValueError(f"{model_dir} is a {method or 'quantized'} checkpoint (quantization_config."
-                         "quant_method); llmd loads unquantized safetensors (float32, bfloat16, float16) "
-                         "and GGUF files")
+def _check_quantized_device(hf_config: Any, model_dir: str, device: Any, dequantize: bool) -> None:
+    """AWQ, GPTQ and FP8 checkpoints run packed on the CPU only (their kernels are CPU
+    kernels); elsewhere they load only with dequantize=True, never dequantized unasked."""
+    from llmd.gpu.layers.quant.scheme import quant_scheme
+
+    scheme = quant_scheme(hf_config)
+    if scheme is not None and device.type != "cpu" and not dequantize:
+        raise ValueError(f"{model_dir} is a {scheme.label} checkpoint: llmd runs it packed on the CPU only (no "
+                         f"{device.type} kernel yet); dequantize=True (--dequantize) loads it dense on "
+                         f"{device.type}")
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")

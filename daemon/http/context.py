@@ -162,6 +162,18 @@ def check_json_content_type(request: web.Request) -> None:
     raise ApiError(415, "Content-Type must be application/json", code="unsupported_media_type")
 
 
+def _weights_per_element(name: str, scheme: Any) -> int:
+    """Model weights one element of checkpoint tensor `name` stands for: 32 / bits for an
+    AWQ/GPTQ `qweight` word, none for a quantized module's zero points, scales and column
+    groups (quant/scheme.py), one otherwise."""
+    if scheme is None:
+        return 1
+    leaf = name.rpartition(".")[2]
+    if leaf == "qweight":
+        return 32 // scheme.bits
+    return 0 if leaf in ("qzeros", "scales", "g_idx", "weight_scale", "weight_scale_inv", "input_scale") else 1
+
+
 def describe_model(engine, names: list[str] | tuple[str, ...] = (), *, tool_call_parser: str | None = None,
                    guided_tool_calls: str = "forced", task: str = "generate") -> ServedModel:
     """What the HTTP APIs say about the engine's model, read from its files (config and
@@ -173,8 +185,11 @@ def describe_model(engine, names: list[str] | tuple[str, ...] = (), *, tool_call
     from collections import Counter
     from pathlib import Path
 
+    from types import SimpleNamespace
+
     from safetensors import safe_open
 
+    from llmd.gpu.layers.quant.scheme import quant_scheme
     from llmd.http.fim import find_fim_tokens
 
     model_path = Path(engine.model_dir)
@@ -186,7 +201,9 @@ def describe_model(engine, names: list[str] | tuple[str, ...] = (), *, tool_call
         digest, created, quantization = summary.header_sha256, model_path.stat().st_mtime, summary.quantization
     else:
         config_bytes = (model_path / "config.json").read_bytes()
-        architecture = (json.loads(config_bytes).get("architectures") or ["unknown"])[0]
+        config = json.loads(config_bytes)
+        architecture = (config.get("architectures") or ["unknown"])[0]
+        scheme = quant_scheme(SimpleNamespace(quantization_config=config.get("quantization_config")))
         weights = sorted(model_path.glob("*.safetensors"))
         elements_of: Counter[str] = Counter()  # safetensors dtype (F32, F16, BF16, ...) -> elements
         for file in weights:
@@ -196,9 +213,10 @@ def describe_model(engine, names: list[str] | tuple[str, ...] = (), *, tool_call
                     size = 1
                     for dim in tensor.get_shape():
                         size *= dim
-                    elements_of[tensor.get_dtype()] += size
+                    elements_of[tensor.get_dtype()] += size * _weights_per_element(name, scheme)
         num_params = sum(elements_of.values())
-        quantization = elements_of.most_common(1)[0][0] if elements_of else "F32"
+        quantization = scheme.label if scheme is not None else \
+            elements_of.most_common(1)[0][0] if elements_of else "F32"
         size_bytes = sum(f.stat().st_size for f in weights)
         digest = hashlib.sha256(config_bytes).hexdigest()
         created = (model_path / "config.json").stat().st_mtime
