@@ -191,6 +191,8 @@ for quant, f in FORMATS.items():
             assert_product_close(ops.mm(x, blocks, f.code, cols), x, dense)
         xb = torch.randn(3, cols).to(torch.bfloat16)
         assert_product_close(ops.mm(xb, blocks, f.code, cols), xb, dense)
+        x16 = ops.repack_x16(blocks[:32].contiguous(), f.code, cols)  # read back through the portable decoding
+        assert torch.equal(ops.dequantize_x16(x16, f.code, cols), dense[:32]), quant
 print("portable ok")
 """
 
