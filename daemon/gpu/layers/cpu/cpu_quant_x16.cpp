@@ -15,7 +15,7 @@
 // x still quantized per 32 columns: each 32-column sub-block of a 256-weight super-block
 // is one dot product per row scaled by d times its 6-bit sub-scale, less dmin times its
 // min times x's sum there; where a type scales each 16 columns (Q2_K, Q3_K, Q6_K) the two
-// halves' dot products are multiplied by their integer sub-scales in int32 first. Every
+// halves' dot products are summed apart and scaled each by its own. Every
 // code's offset (Q8_0's 128, Q4_0's 8, Q5_0's 16, Q3_K's 4, Q6_K's 32: the codes exceed the
 // weights by it) is taken off in int32, as the offset times the sum of x's codes: in
 // float32 it would cancel against the offset's share of the dot product, some thousand
@@ -74,25 +74,27 @@ int64_t check_layout(const at::Tensor& w, int64_t quant, int64_t cols, const cha
 // GGUF block b of row `lane` of the group whose records start at `records`.
 template <int Q>
 inline void read_block(const uint8_t* records, int64_t b, int64_t lane, uint8_t* block) {
-  llmd_x16::record_to_block(kLayouts[Q], records + b * record_bytes(Q), lane, block);
+  llmd_x16::record_to_block<Q>(records + b * record_bytes(Q), lane, block);
 }
 
 at::Tensor gguf_repack_x16(const at::Tensor& w, int64_t quant, int64_t cols) {
   const int64_t blocks = check_layout(w, quant, cols, "gguf_repack_x16");
-  const llmd_x16::Layout& layout = kLayouts[quant];
-  const int64_t bytes = layout.block_bytes, row_bytes = blocks * bytes, rec = record_bytes(quant);
+  const int64_t bytes = kLayouts[quant].block_bytes, row_bytes = blocks * bytes;
   at::Tensor out = at::empty_like(w);
   const uint8_t* src = w.const_data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, w.size(0) / kGroup, 16, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      for (int64_t b = 0; b < blocks; ++b) {
-        for (int64_t lane = 0; lane < kGroup; ++lane) {
-          llmd_x16::block_to_record(layout, src + (g * kGroup + lane) * row_bytes + b * bytes, lane,
-                                    dst + (g * blocks + b) * rec);
+  dispatch(quant, [&](auto q) {
+    constexpr int Q = decltype(q)::value;
+    at::parallel_for(0, w.size(0) / kGroup, 16, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) {
+        for (int64_t b = 0; b < blocks; ++b) {
+          for (int64_t lane = 0; lane < kGroup; ++lane) {
+            llmd_x16::block_to_record<Q>(src + (g * kGroup + lane) * row_bytes + b * bytes, lane,
+                                         dst + (g * blocks + b) * record_bytes(Q));
+          }
         }
       }
-    }
+    });
   });
   return out;
 }
@@ -201,28 +203,25 @@ LLMD_X16_TARGET void quantize_row(const float* x, int64_t cols, int passes, int8
   }
 }
 
-// The int32 dot product of sub-block `sb` with pass p of x's block b, the codes' offset
-// taken off (and, for a type scaled per 16 columns, each half times its sub-scale).
+// The int32 dot products of sub-block `sb` with pass p of x's block b, the codes' offset
+// taken off: columns 0..15 and 16..31 (two chains of four: twice the dot products in
+// flight, and each half's own scale where the type has one).
 template <typename R>
-LLMD_X16_TARGET inline __m512i sub_block_dot(const SubBlock& sb, const QuantizedRow& x, int p, int64_t b) {
+LLMD_X16_TARGET inline void sub_block_dots(const SubBlock& sb, const QuantizedRow& x, int p, int64_t b, __m512i& lo,
+                                           __m512i& hi) {
   const int32_t* xq = reinterpret_cast<const int32_t*>(x.codes + p * x.cols + b * kBlock);
   const int32_t* sum = x.sums + p * 2 * x.blocks + 2 * b;
-  // two chains of four (columns 0..15 and 16..31): twice the dot products in flight
-  __m512i lo = _mm512_set1_epi32(-R::kOffset * sum[0]), hi = _mm512_set1_epi32(-R::kOffset * sum[1]);
+  lo = _mm512_set1_epi32(-R::kOffset * sum[0]);
+  hi = _mm512_set1_epi32(-R::kOffset * sum[1]);
   for (int j = 0; j < 4; ++j) {
     lo = _mm512_dpbusd_epi32(lo, sb.q[j], _mm512_set1_epi32(xq[j]));
     hi = _mm512_dpbusd_epi32(hi, sb.q[j + 4], _mm512_set1_epi32(xq[j + 4]));
   }
-  if constexpr (R::kHalves) {
-    return _mm512_add_epi32(_mm512_mullo_epi32(lo, sb.half_scale[0]), _mm512_mullo_epi32(hi, sb.half_scale[1]));
-  } else {
-    return _mm512_add_epi32(lo, hi);
-  }
 }
 
 // out[r][g*16 + lane] for the `T` rows of x and the 16 weight rows of group g: per
-// sub-block, scale * sum over passes of its dot product times that pass's scale of x, plus
-// the minimums times x's sums.
+// sub-block, its scale times the sum over passes of its dot products times that pass's
+// scale of x, plus the minimums times x's sums.
 template <int Q, int T, int P>
 LLMD_X16_TARGET void group_tile(const uint8_t* w, const QuantizedRow* x, float* out, int64_t stride) {
   using R = X16Record<Q>;
@@ -244,12 +243,20 @@ LLMD_X16_TARGET void group_tile(const uint8_t* w, const QuantizedRow* x, float* 
       record.decode(c, sb);
       const int64_t b = s * R::kSub + c;
       for (int r = 0; r < T; ++r) {
-        __m512 t = _mm512_setzero_ps();
+        __m512 t_lo = _mm512_setzero_ps(), t_hi = _mm512_setzero_ps();
         for (int p = 0; p < P; ++p) {
-          const __m512i dot = sub_block_dot<R>(sb, x[r], p, b);
-          t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(x[r].d[b] * kPassScale[p]), t);
+          __m512i lo, hi;
+          sub_block_dots<R>(sb, x[r], p, b, lo, hi);
+          const __m512 dx = _mm512_set1_ps(x[r].d[b] * kPassScale[p]);
+          if constexpr (R::kHalves) {  // each half its scale: in float32 (an int32 multiply is two slow uops)
+            t_lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), dx, t_lo);
+            t_hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), dx, t_hi);
+          } else {
+            t_lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi)), dx, t_lo);
+          }
         }
-        acc[r] = _mm512_fmadd_ps(sb.scale, t, acc[r]);
+        acc[r] = _mm512_fmadd_ps(sb.scale[0], t_lo, acc[r]);
+        if constexpr (R::kHalves) acc[r] = _mm512_fmadd_ps(sb.scale[1], t_hi, acc[r]);
         const float* ds = x[r].ds + 2 * b;
         if constexpr (R::kMin == 1) acc[r] = _mm512_fmadd_ps(sb.min[0], _mm512_set1_ps(ds[0] + ds[1]), acc[r]);
         if constexpr (R::kMin == 2) {

@@ -4,10 +4,10 @@
 // which one block of x's int8 codes multiplies — as a SubBlock:
 //   q[k]: 16 lanes, lane l the unsigned codes of row l, columns 4k..4k+3 (the four bytes
 //     vpdpbusd multiplies with four codes of x); a weight is, per row,
-//     scale * half_scale[column / 16] * (q - kOffset) + min[...],
-//   scale: float32 per row (d, or a K-quant's d times its 6-bit sub-block scale);
-//   half_scale (kHalves: Q2_K, Q3_K, Q6_K scale each 16 columns): int32 sub-scales of
-//     columns 0..15 and 16..31, applied to the integer dot products;
+//     scale[column / 16] * (q - kOffset) + min[...],
+//   scale: float32 per row: d, or a K-quant's d times its sub-block scale; kHalves (Q2_K,
+//     Q3_K, Q6_K scale each 16 columns): scale[0] for columns 0..15, scale[1] for 16..31,
+//     else scale[0] for all 32;
 //   min (kMin 1: one per sub-block, Q4_1/Q5_1/Q4_K/Q5_K; kMin 2: one per 16 columns,
 //     Q2_K): float32 per row, what x's sum over those columns is multiplied by (the
 //     minimum's sign included).
@@ -28,8 +28,7 @@ namespace llmd_x16 {
 
 struct SubBlock {
   __m512i q[8];
-  __m512 scale;
-  __m512i half_scale[2];
+  __m512 scale[2];
   __m512 min[2];
 };
 
@@ -80,7 +79,7 @@ struct BlockRecord {
         s.q[k] = _mm512_mask_add_epi8(s.q[k], set, s.q[k], sixteen);
       }
     }
-    s.scale = halves16(r + field_at(Q, kScaleField));
+    s.scale[0] = halves16(r + field_at(Q, kScaleField));
     if constexpr (kHasMin) s.min[0] = halves16(r + field_at(Q, kScaleField + 1));
   }
 };
@@ -108,10 +107,9 @@ struct X16Record<5> {
     for (int h = 0; h < 2; ++h) {
       const __m512i b = _mm512_cvtepu8_epi32(
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + field_at(5, 1) + 16 * (2 * c + h))));
-      s.half_scale[h] = _mm512_and_si512(b, _mm512_set1_epi32(0xF));
+      s.scale[h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xF))));
       s.min[h] = _mm512_mul_ps(neg_dmin, _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)));
     }
-    s.scale = d;
   }
 };
 
@@ -139,9 +137,8 @@ struct X16Record<6> {
     const uint8_t* q = r + field_at(6, 1) + 64 * 8 * (c / 4);
     for (int k = 0; k < 8; ++k) s.q[k] = byte_bits(chunk(q + 64 * k), 2 * (c % 4), 3);
     add_high_bits(r, c, 4, s.q);
-    s.half_scale[0] = scale_of(2 * c);
-    s.half_scale[1] = scale_of(2 * c + 1);
-    s.scale = d;
+    s.scale[0] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(scale_of(2 * c)));
+    s.scale[1] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(scale_of(2 * c + 1)));
   }
 };
 
@@ -174,7 +171,7 @@ struct KNibbleRecord {
     const uint8_t* q = r + 64 * 8 * (c / 2);
     for (int k = 0; k < 8; ++k) s.q[k] = byte_bits(chunk(q + 64 * k), 4 * (c % 2), 0x0F);
     if constexpr (kFifth) add_high_bits(r + field_at(Q, 1), c, 16, s.q);
-    s.scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(six_bits(c, 0)));
+    s.scale[0] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(six_bits(c, 0)));
     s.min[0] = _mm512_mul_ps(neg_dmin, _mm512_cvtepi32_ps(six_bits(c, 1)));
   }
 };
@@ -203,10 +200,9 @@ struct X16Record<9> {
       s.q[k] = _mm512_or_si512(byte_bits(chunk(low + 64 * k), 4 * (j / 2), 0x0F), _mm512_and_si512(moved, top));
     }
     for (int i = 0; i < 2; ++i) {
-      s.half_scale[i] = _mm512_cvtepi8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + field_at(9, 2) + 16 * (2 * c + i))));
+      s.scale[i] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + field_at(9, 2) + 16 * (2 * c + i))))));
     }
-    s.scale = d;
   }
 };
 
