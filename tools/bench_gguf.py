@@ -21,8 +21,9 @@ of text ignored, the same prompt for every engine. Default model: the built-in o
 quantized weights: one call on `--rows` rows of float32 x of the float32 kernel over the
 GGUF layout (`gguf_mm`, cpu_quant.cpp), of the VNNI kernel over the x16 layout
 (`gguf_mm_x16`, cpu_quant_x16.cpp; on a CPU that has it) in each of `--passes`, and of
-F.linear on the weight dequantized to float32 (the dense anchor), calls alternated,
-medians, with the packed bytes read per second. `--shape NxK` (repeatable) times weights
+F.linear on the weight dequantized to float32 (the dense anchor), calls alternated (each
+timed call right after an untimed one of the same: the weight in cache, as far as it
+fits), medians, with the packed bytes read per second. `--shape NxK` (repeatable) times weights
 of random blocks of that shape instead, one per type of `--types` (default: every packed
 type).
 """
@@ -171,6 +172,7 @@ def kernel_figures(model: str, rows: int, calls: int = 300, passes: tuple[int, .
         times: dict[str, list[float]] = {key: [] for key in runs}
         for i in range(calls + 10):
             for key, run in runs.items():
+                run()  # the weight back in cache after the others' (the dense one evicts it): hot figures
                 start = time.perf_counter()
                 run()
                 if i >= 10:  # warm-up
