@@ -16,6 +16,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 
+from llmd.gpu.layers import gguf_quant
 from llmd.gpu.layers.cpu.cpu_kernels import gguf_ops
 from llmd.gpu.layers.gguf_quant import FORMATS, X16_MAX_ROWS, X16_TYPES, GGUFMatmul, PackedPart, use_x16
 from llmd.gpu.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
@@ -147,10 +148,11 @@ def test_the_x16_operators_refuse_what_they_cannot_read(ops):
 
 
 @pytest.mark.parametrize("quant", X16_TYPES)
-def test_a_linear_layer_repacked_at_attach_computes_the_reference(vnni, quant):
+def test_a_linear_layer_repacked_at_attach_computes_the_reference(vnni, quant, monkeypatch):
     """Through GGUFMatmul: few rows by the VNNI kernel, more by slices dequantized from
     the layout and a GEMM (exact to float32 sums); the weight is repacked once, even if
-    asked again."""
+    asked again, a slice of rows at a time (two slices here)."""
+    monkeypatch.setattr(gguf_quant, "SLICE_ROWS", 32)
     blocks, dense = packed(quant, 64, 256, seed=5)
     blocks, dense = blocks[16:], dense[16:]  # ordinary scales
     layer = ReplicatedLinear(256, 48, bias=True)

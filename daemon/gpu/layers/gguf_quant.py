@@ -273,8 +273,10 @@ def use_x16(weight: torch.nn.Parameter, part: PackedPart, cols: int, ops: Any) -
     if ops is None or not ops.x16 or part.quant not in X16_TYPES or (part.end - part.start) % X16_GROUP:
         return False
     rows = part_weight(weight, part, cols)
-    with torch.no_grad():
-        rows.copy_(ops.repack_x16(rows, FORMATS[part.quant].code, cols))
+    with torch.no_grad():  # SLICE_ROWS (whole groups) at a time: the copy a repack makes stays small
+        for a in range(0, rows.shape[0], SLICE_ROWS):
+            piece = rows[a:a + SLICE_ROWS]
+            piece.copy_(ops.repack_x16(piece, FORMATS[part.quant].code, cols))
     weight.x16_parts = done | {part.offset}
     return True
 
