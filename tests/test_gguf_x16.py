@@ -225,7 +225,7 @@ def test_a_loaded_model_reads_its_weights_through_the_x16_layout(vnni, hf_dirs, 
     torch.testing.assert_close(table(ids), plain.embed_tokens(ids), atol=0, rtol=0)
 
 
-def test_a_k_quant_model_with_a_tied_table_runs_through_the_x16_layout(vnni, hf_dirs, tmp_path, monkeypatch):  # noqa: F811
+def test_a_k_quant_model_with_a_tied_table_runs_through_x16(vnni, hf_dirs, tmp_path, monkeypatch):  # noqa: F811
     """Layers in every K-quant and a Q6_K vocabulary tied to the LM head (as Q4_K_M files
     store it): every part repacked, the embedding reads its rows back from the layout
     (exactly what the file stores), and the logits are the float32 kernel's (the GGUF
@@ -235,8 +235,8 @@ def test_a_k_quant_model_with_a_tied_table_runs_through_the_x16_layout(vnni, hf_
     from test_gguf_packed import _logits
 
     table = random_k_quant(1024, 256, T.Q6_K, 0.02, np.random.default_rng(0))
-    path = write_gguf(hf_dirs("llama-256-tied"), tmp_path / "k.gguf", k_quant_types=(T.Q4_K, T.Q6_K, T.Q5_K, T.Q3_K,
-                                                                                          T.Q2_K),
+    layers = (T.Q4_K, T.Q6_K, T.Q5_K, T.Q3_K, T.Q2_K)
+    path = write_gguf(hf_dirs("llama-256-tied"), tmp_path / "k.gguf", k_quant_types=layers,
                       raw_tensors={"token_embd.weight": (table, T.Q6_K)})
     model = load_model(path, torch.float32, torch.device("cpu"), 256)
     kernels = [m.kernel for m in model.modules() if hasattr(m, "kernel") and getattr(m, "quant", None)]

@@ -69,8 +69,14 @@ constexpr int64_t field_at(int64_t quant, int i) {
   return at;
 }
 
-// Every layout covers its block's bytes once (checked here, at compile time).
+// Every layout covers each byte of its block exactly once, in whole units (checked here,
+// at compile time).
 constexpr bool covers_block(const Layout& l) {
+  for (int64_t byte = 0; byte < l.block_bytes; ++byte) {
+    int covered = 0;
+    for (int f = 0; f < l.fields; ++f) covered += l.field[f].at <= byte && byte < l.field[f].at + l.field[f].bytes;
+    if (covered != 1) return false;
+  }
   int64_t total = 0;
   for (int f = 0; f < l.fields; ++f) {
     if (l.field[f].bytes % l.field[f].unit != 0) return false;

@@ -13,7 +13,7 @@
 //     minimum's sign included).
 // kSub: sub-blocks per record (1 for the 32-weight types, 8 for the K-quants).
 // The per-row products d * sub-scale are exact in float32 (an 11-bit fp16 mantissa times
-// a 6-bit integer), as in the dequantization (cpu_quant_formats.h).
+// an integer of 4 to 8 bits), as in the dequantization (cpu_quant_formats.h).
 
 #pragma once
 
@@ -47,7 +47,9 @@ LLMD_X16_TARGET inline __m512i byte_bits(__m512i v, int bits, int mask) {
 // column l of sub-block c; chunk k: columns 4k..4k+3).
 LLMD_X16_TARGET inline void add_high_bits(const uint8_t* p, int bit, int add, __m512i* q) {
   const __m512i probe = _mm512_set1_epi8(static_cast<char>(1 << bit)), high = _mm512_set1_epi8(static_cast<char>(add));
-  for (int k = 0; k < 8; ++k) q[k] = _mm512_mask_add_epi8(q[k], _mm512_test_epi8_mask(chunk(p + 64 * k), probe), q[k], high);
+  for (int k = 0; k < 8; ++k) {
+    q[k] = _mm512_mask_add_epi8(q[k], _mm512_test_epi8_mask(chunk(p + 64 * k), probe), q[k], high);
+  }
 }
 
 template <int Q>
