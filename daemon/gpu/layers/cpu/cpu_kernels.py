@@ -11,10 +11,10 @@ Four sets, one extension:
 - the product of a few rows with a GGUF block-quantized weight kept packed
   (cpu_quant.cpp, used by gguf_quant.GGUFMatmul), and on a CPU with AVX-512 VNNI the
   same over the weight repacked sixteen rows at a time with int8 activations, as
-  llama.cpp multiplies (cpu_quant_x16.cpp), in as many int8 passes over x as the model's
-  dtype needs (gguf_quant.x16_passes). LLMD_GGUF_X16 (read when a model loads) sets the
-  passes instead: 1 (llama.cpp's precision), 2 or 3; 0 keeps the first kernel (the A/B
-  switch);
+  llama.cpp multiplies (cpu_quant_x16.cpp, every packed type), in as many int8 passes
+  over x as the model's dtype needs (gguf_quant.x16_passes). LLMD_GGUF_X16 (read when a
+  model loads) sets the passes instead: 1 (llama.cpp's precision), 2 or 3; 0 keeps the
+  first kernel (the A/B switch);
 - the product of a few rows with an FP8 weight kept as its e4m3 bytes (cpu_fp8.cpp, used
   by quant/fp8.FP8Matmul; AWQ and GPTQ weights become GGUF blocks and use the set above).
 The loader hands both to a model on CPU whose layers attend with TorchAttention
@@ -59,7 +59,8 @@ logger = logging.getLogger("llmd.cpu_kernels")
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_fused_ops.cpp", "cpu_quant.cpp",
                                                           "cpu_quant_x16.cpp", "cpu_fp8.cpp")]
-HEADERS = [Path(__file__).with_name(name) for name in ("cpu_vec.h", "cpu_quant_formats.h")]  # part of the digest
+HEADERS = [Path(__file__).with_name(name)  # part of the digest
+           for name in ("cpu_vec.h", "cpu_quant_formats.h", "cpu_quant_x16_layout.h", "cpu_quant_x16_records.h")]
 CPU_KERNELS_ENV = "LLMD_CPU_KERNELS"
 X16_ENV = "LLMD_GGUF_X16"
 KERNEL_BUILD_TIMEOUT_ENV = "LLMD_KERNEL_BUILD_TIMEOUT"
@@ -141,9 +142,9 @@ def paged_decode_op() -> Callable[..., torch.Tensor] | None:
 class GGUFOps:
     """The C++ operators of packed GGUF weights (cpu_quant.cpp): `mm(x, w, code, cols)`
     and `dequantize(w, code, cols)`; of weights in the x16 layout (cpu_quant_x16.cpp):
-    `repack_x16(w, code, cols)`, `unpack_x16(w, rows, code, cols)` and, when `x16` (the
-    CPU has AVX-512 VNNI and LLMD_GGUF_X16 is not 0), `mm_x16(x, w, code, cols, passes)`
-    and `dequantize_x16(w, code, cols)`;
+    `repack_x16(w, code, cols)`, `unpack_x16(w, rows, code, cols)`,
+    `dequantize_x16(w, code, cols)` and, when `x16` (the CPU has AVX-512 VNNI and
+    LLMD_GGUF_X16 is not 0), `mm_x16(x, w, code, cols, passes)`;
     `x16_passes`: LLMD_GGUF_X16's passes, if it set them."""
 
     mm: Callable[..., torch.Tensor]
