@@ -174,7 +174,7 @@ async def _answer(request: web.Request, keep_alive: str | int | float | None, su
     generate (Ollama's way to load a model), else _respond's; then its keep_alive is
     recorded."""
     served: ServedModel = request.app["served"]
-    seconds = parse_keep_alive(keep_alive) if keep_alive is not None else None
+    seconds = parse_keep_alive(keep_alive)
     try:
         if submit is None:
             return json_response({"model": served.name, "created_at": _now(), **wrap("", []), "done": True,

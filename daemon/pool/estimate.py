@@ -1,0 +1,126 @@
+"""How much memory a model takes, per device, for the budget: before it loads, an
+estimate from its files (the weights' size on disk, or their element count at the
+run dtype where they are dequantized) plus its KV pool as the engine settings size it;
+once loaded, what it holds (weights and KV pool as the executor reports them).
+Reading a model's shape touches its files (config.json, safetensors sizes, a GGUF
+header) but no torch; the sums are plain arithmetic."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmd.config import EngineConfig
+
+CPU_KV_DEFAULT_CAP = 4 << 30  # as llmd.engine_setup sizes a CPU KV pool with no setting
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs from a model's files."""
+
+    weights_bytes: int  # on disk
+    num_params: int  # weight elements (what a dequantized model holds at its dtype)
+    kv_elements_per_token: int  # K and V of every layer, per token
+    max_position: int
+    checkpoint_dtype: str | None
+    gguf: bool
+
+
+def read_shape(path: str) -> ModelShape:
+    """A model directory's or GGUF file's shape (raises OSError/ValueError when the
+    files cannot say)."""
+    p = Path(path)
+    if p.is_file():
+        return _gguf_shape(p)
+    config = json.loads((p / "config.json").read_text())
+    text = config.get("text_config") or config
+    heads = text["num_attention_heads"]
+    head_dim = text.get("head_dim") or text["hidden_size"] // heads
+    kv_heads = text.get("num_key_value_heads") or heads
+    weights = sorted(p.glob("*.safetensors"))
+    size = sum(f.stat().st_size for f in weights)
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "") or None
+    return ModelShape(weights_bytes=size, num_params=size // _DTYPE_BYTES.get(dtype or "", 4),
+                      kv_elements_per_token=2 * text["num_hidden_layers"] * kv_heads * head_dim,
+                      max_position=text.get("max_position_embeddings", 2048), checkpoint_dtype=dtype, gguf=False)
+
+
+def _gguf_shape(p: Path) -> ModelShape:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(p), "r")
+
+    def get(key: str, default=None):
+        field = reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    arch = get("general.architecture")
+    heads = get(f"{arch}.attention.head_count")
+    if isinstance(heads, list):  # per layer in some files
+        heads = max(heads)
+    kv_heads = get(f"{arch}.attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):
+        kv_heads = max(kv_heads)
+    head_dim = get(f"{arch}.attention.key_length") or get(f"{arch}.embedding_length") // heads
+    layers = get(f"{arch}.block_count")
+    return ModelShape(weights_bytes=p.stat().st_size, num_params=sum(int(t.n_elements) for t in reader.tensors),
+                      kv_elements_per_token=2 * layers * kv_heads * head_dim,
+                      max_position=get(f"{arch}.context_length", 2048), checkpoint_dtype=None, gguf=True)
+
+
+def run_dtype_bytes(engine: EngineConfig, device_type: str, checkpoint_dtype: str | None) -> int:
+    """Bytes per element at the dtype the engine runs (llmd.gpu.models.loader.resolve_dtype's rule)."""
+    if engine.dtype != "auto":
+        return _DTYPE_BYTES[engine.dtype]
+    if device_type == "cuda" or checkpoint_dtype == "bfloat16":
+        return 2
+    return 4
+
+
+def estimate_need(engine: EngineConfig, shape: ModelShape, device_type: str, *, available_ram: int,
+                  device_total: int | None = None) -> dict[str, int]:
+    """Device -> bytes the model will hold once loaded. `available_ram`: free RAM now
+    (a CPU KV pool with no size setting takes a share of it); `device_total`: one GPU's
+    memory (a CUDA KV pool with no size setting takes gpu_memory_utilization of it)."""
+    element = run_dtype_bytes(engine, device_type, shape.checkpoint_dtype)
+    # A GGUF's quantized weights stay packed on CPU (unless dequantize); every other
+    # weight is held at the run dtype.
+    packed = shape.gguf and device_type == "cpu" and not engine.dequantize
+    weights = shape.weights_bytes if packed else shape.num_params * element
+    tp = engine.tensor_parallel_size
+    kv = kv_pool_bytes(engine, shape, device_type, element, available_ram)
+    if device_type == "cpu":
+        return {"cpu": weights + kv}
+    if kv is None:  # the pool takes what gpu_memory_utilization leaves: that share is the model's
+        total = device_total or 0
+        return {f"cuda:{rank}": max(int(engine.gpu_memory_utilization * total), weights // tp) for rank in range(tp)}
+    return {f"cuda:{rank}": weights // tp + kv // tp for rank in range(tp)}
+
+
+def kv_pool_bytes(engine: EngineConfig, shape: ModelShape, device_type: str, element: int,
+                  available_ram: int) -> int | None:
+    """The KV pool's bytes on every rank together; None on CUDA with no size setting
+    (sized by profiling at load)."""
+    per_token = shape.kv_elements_per_token * element
+    block = per_token * engine.block_size
+    if engine.num_gpu_blocks_override is not None:
+        return engine.num_gpu_blocks_override * block
+    if engine.kv_cache_memory_bytes is not None:
+        return engine.kv_cache_memory_bytes
+    if device_type != "cpu":
+        return None
+    max_len = engine.max_model_len or shape.max_position
+    full = (engine.max_num_seqs * math.ceil(max_len / engine.block_size) + 1) * block
+    return min(full, int(available_ram * engine.cpu_kv_cache_fraction), CPU_KV_DEFAULT_CAP)
+
+
+def loaded_need(device: str, weights_bytes: int, kv_cache_bytes: int, tensor_parallel_size: int) -> dict[str, int]:
+    """Device -> bytes of a loaded model (its weights and KV pool on every rank, as the
+    executor reports them); a model on CUDA spreads evenly over its ranks."""
+    total = weights_bytes + kv_cache_bytes
+    if not device.startswith("cuda"):
+        return {"cpu": total}
+    return {f"cuda:{rank}": total // tensor_parallel_size for rank in range(tensor_parallel_size)}
