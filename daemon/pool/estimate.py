@@ -6,6 +6,7 @@ Reading a model's shape touches its files (config.json, safetensors sizes, a GGU
 header) but no torch; the sums are plain arithmetic."""
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -31,7 +32,16 @@ class ModelShape:
 
 def read_shape(path: str) -> ModelShape:
     """A model directory's or GGUF file's shape (raises OSError/ValueError when the
-    files cannot say)."""
+    files cannot say), kept while its files are unchanged (a GGUF's header, with its
+    vocabulary, takes the gguf package a while to read)."""
+    p = Path(path)
+    marker = p if p.is_file() else p / "config.json"
+    st = marker.stat()
+    return _read_shape(str(p), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=64)
+def _read_shape(path: str, mtime_ns: int, size: int) -> ModelShape:
     p = Path(path)
     if p.is_file():
         return _gguf_shape(p)
