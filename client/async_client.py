@@ -15,8 +15,9 @@ from typing import Any, Unpack
 
 from llmd_client.errors import ConnectionLost, LlmdError, ProtocolError
 from llmd_client.framing import FrameError, MsgpackCodec
-from llmd_client.protocol import (Accepted, ChatMessage, Error, Hello, Metrics, MetricsReply, Output, ServerMessage,
-                                  Status, StatusReply, Submit, Welcome)
+from llmd_client.protocol import (Accepted, ChatMessage, Error, Hello, Load, Metrics, MetricsReply, Models,
+                                  ModelsReply, ModelStatus, Output, ServerMessage, Status, StatusReply, Submit, Unload,
+                                  Welcome)
 from llmd_client.request_args import RequestArgs, build_submit
 from llmd_client.results import Delta, Result, ResultBuilder
 from llmd_client.routing import PendingReply, Router, reply_error
@@ -54,6 +55,9 @@ class AsyncClient(Router[asyncio.Queue[_Item], _PendingFuture]):
         self._codec = MsgpackCodec(ServerMessage)
         self._reader_task: asyncio.Task[None] | None = None
         self._connect_lock = asyncio.Lock()
+        # Models, Load and Unload all answer a ModelsReply, Load and Unload once done:
+        # one at a time, so each reply meets its own call.
+        self._model_controls = asyncio.Lock()
 
     # -- connection ---------------------------------------------------------------------
 
@@ -134,6 +138,24 @@ class AsyncClient(Router[asyncio.Queue[_Item], _PendingFuture]):
         await self._ensure_connected()
         return (await self._control(Metrics(), MetricsReply)).text
 
+    async def models(self) -> list[ModelStatus]:
+        """As Client.models."""
+        await self._ensure_connected()
+        async with self._model_controls:
+            return (await self._control(Models(), ModelsReply)).models
+
+    async def load(self, model: str | None = None, keep_alive: float | str | None = None) -> ModelStatus:
+        """As Client.load."""
+        await self._ensure_connected()
+        async with self._model_controls:
+            return (await self._control(Load(model=model, keep_alive=keep_alive), ModelsReply)).models[0]
+
+    async def unload(self, model: str) -> ModelStatus:
+        """As Client.unload."""
+        await self._ensure_connected()
+        async with self._model_controls:
+            return (await self._control(Unload(model=model), ModelsReply)).models[0]
+
     # -- internals ----------------------------------------------------------------------
 
     async def _ensure_connected(self) -> None:
@@ -162,7 +184,7 @@ class AsyncClient(Router[asyncio.Queue[_Item], _PendingFuture]):
             raise item
         return item
 
-    async def _control(self, message: Hello | Status | Metrics, expect: type) -> Any:
+    async def _control(self, message: Hello | Status | Metrics | Models | Load | Unload, expect: type) -> Any:
         self._send(message)  # first: a send that fails leaves no future behind
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending.append(_PendingFuture(expect, future))

@@ -21,8 +21,9 @@ from typing import Any, Unpack
 from llmd_client.async_client import AsyncClient, AsyncStream
 from llmd_client.errors import ClientTimeout, ConnectionLost, ProtocolError
 from llmd_client.framing import FrameError, MsgpackCodec
-from llmd_client.protocol import (Accepted, ChatMessage, Error, Hello, Metrics, MetricsReply, Output, ServerMessage,
-                                  Status, StatusReply, Submit, Welcome)
+from llmd_client.protocol import (Accepted, ChatMessage, Error, Hello, Load, Metrics, MetricsReply, Models,
+                                  ModelsReply, ModelStatus, Output, ServerMessage, Status, StatusReply, Submit, Unload,
+                                  Welcome)
 from llmd_client.request_args import RequestArgs, build_submit
 from llmd_client.results import Delta, Result, ResultBuilder
 from llmd_client.routing import PendingReply, Router, reply_error
@@ -170,6 +171,23 @@ class Client(Router[deque[Accepted | Output | Error], _PendingReply]):
         self.connect()
         return self._control(Metrics(), MetricsReply).text
 
+    def models(self) -> list[ModelStatus]:
+        """Every model the daemon can serve: loaded or not, memory, expiry (`llmctl ps`)."""
+        self.connect()
+        return self._control(Models(), ModelsReply).models
+
+    def load(self, model: str | None = None, keep_alive: float | str | None = None) -> ModelStatus:
+        """Load a model (None: the default) and keep it `keep_alive` (seconds or "5m";
+        None: its own); returns once it serves. Raises RequestError "model_not_found"
+        or "model_unavailable" (its load failed, or it cannot fit)."""
+        self.connect()
+        return self._control(Load(model=model, keep_alive=keep_alive), ModelsReply).models[0]
+
+    def unload(self, model: str) -> ModelStatus:
+        """Unload a model once its requests are done; returns once it is unloaded."""
+        self.connect()
+        return self._control(Unload(model=model), ModelsReply).models[0]
+
     # -- internals ----------------------------------------------------------------------
 
     def _submit(self, submit: Submit) -> Accepted:
@@ -194,7 +212,7 @@ class Client(Router[deque[Accepted | Output | Error], _PendingReply]):
                 return inbox.popleft()
             self._receive()
 
-    def _control(self, message: Hello | Status | Metrics, expect: type) -> Any:
+    def _control(self, message: Hello | Status | Metrics | Models | Load | Unload, expect: type) -> Any:
         pending = _PendingReply(expect)
         self._pending.append(pending)
         try:

@@ -7,8 +7,11 @@ from typing import Any
 
 import msgspec
 
-# The status reply (what `llmctl status` shows) lives beside this module.
-from llmd_client.status_messages import MemoryInfo, RequestInfo, SpecDecodeInfo, StatusReply  # noqa: F401
+from llmd_client.durations import parse_duration
+# The status replies (what `llmctl status` and `llmctl ps` show) live beside this module.
+from llmd_client.status_messages import (MemoryInfo, ModelStatus, ModelsReply, RequestInfo, SpecDecodeInfo,  # noqa: F401
+                                         StatusReply)
+
 
 # Every integer a request carries fits a signed 32-bit int (the engine keeps counts, ids
 # and priorities in int32/int64 tensors and msgpack frames): larger values are refused at
@@ -186,6 +189,7 @@ PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 8 << 20
 MAX_CACHE_SALT_CHARS = 256
 MAX_ID_CHARS = 128  # a request id (a client's own, or the server's) is never longer
+MAX_MODEL_CHARS = 4096  # a model's name (or, where the operator allows them, its path)
 
 
 class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True, kw_only=True):
@@ -224,10 +228,17 @@ class Submit(msgspec.Struct, tag="submit", forbid_unknown_fields=True, kw_only=T
     # equal. The daemon always adds the sender's uid unless its operator shares the
     # cache across users (prefix_cache_scope = "shared").
     cache_salt: str | None = None
+    # Which model answers: one of the names the daemon serves (`llmctl ps`), or its path
+    # where the operator allows paths. None: the daemon's default model.
+    model: str | None = None
+    # How long the model stays loaded once this request is done: seconds, or a duration
+    # such as "5m" (negative: for ever; 0: unload right after). None: the model's own.
+    keep_alive: float | str | None = None
 
     def __post_init__(self) -> None:
         _check(-INT32_MAX - 1 <= self.priority <= INT32_MAX, "priority",
                f"must be in [{-INT32_MAX - 1}, {INT32_MAX}], got {_short(self.priority)}")
+        _check_model(self.model, self.keep_alive)
 
 
 class Abort(msgspec.Struct, tag="abort", forbid_unknown_fields=True):
@@ -240,11 +251,44 @@ class Status(msgspec.Struct, tag="status", forbid_unknown_fields=True):
     pass
 
 
+class Models(msgspec.Struct, tag="models", forbid_unknown_fields=True):
+    """List the models this daemon serves, loaded or not (`llmctl ps`)."""
+
+
+class Load(msgspec.Struct, tag="load", forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    """Load a model (None: the default one) and keep it for `keep_alive` (as Submit's);
+    the reply, a ModelsReply naming it, comes once it serves."""
+
+    model: str | None = None
+    keep_alive: float | str | None = None
+
+    def __post_init__(self) -> None:
+        _check_model(self.model, self.keep_alive)
+
+
+class Unload(msgspec.Struct, tag="unload", forbid_unknown_fields=True, kw_only=True):
+    """Unload a model once its requests are done; the reply (a ModelsReply naming it)
+    comes once it is unloaded."""
+
+    model: str
+
+    def __post_init__(self) -> None:
+        _check_model(self.model, None)
+
+
+def _check_model(model: str | None, keep_alive: float | str | None) -> None:
+    if model is not None:
+        _check(0 < len(model) <= MAX_MODEL_CHARS and "\x00" not in model, "model",
+               f"must be a name (or path) of 1 to {MAX_MODEL_CHARS} characters")
+    if keep_alive is not None:
+        parse_duration(keep_alive, "keep_alive")
+
+
 class Metrics(msgspec.Struct, tag="metrics", forbid_unknown_fields=True):
     pass
 
 
-ClientMessage = Hello | Submit | Abort | Status | Metrics
+ClientMessage = Hello | Submit | Abort | Status | Metrics | Models | Load | Unload
 
 
 class Welcome(msgspec.Struct, tag="welcome", kw_only=True):
@@ -302,7 +346,8 @@ class Output(msgspec.Struct, tag="output", kw_only=True, omit_defaults=True):
 
 class Error(msgspec.Struct, tag="error", kw_only=True, omit_defaults=True):
     """`code` is stable for programs (bad_frame, bad_request, invalid_params, unknown_id,
-    forbidden, too_long, unsupported_version, overloaded, shutting_down, internal);
+    forbidden, too_long, unsupported_version, overloaded, shutting_down, internal,
+    model_not_found, model_unavailable, aborted);
     `message` is for people. `id` names the request it concerns, if any."""
 
     code: str
@@ -314,4 +359,4 @@ class MetricsReply(msgspec.Struct, tag="metrics_reply"):
     text: str  # Prometheus text exposition format
 
 
-ServerMessage = Welcome | Accepted | Output | Error | StatusReply | MetricsReply
+ServerMessage = Welcome | Accepted | Output | Error | StatusReply | MetricsReply | ModelsReply

@@ -40,6 +40,8 @@ class RequestArgs(TypedDict, total=False):
     speculative: bool | None
     priority: int
     sampling: SamplingParams | None
+    model: str | None  # which model answers (None: the daemon's default)
+    keep_alive: float | str | None  # how long that model stays loaded after this request
 
 
 def chat_messages(messages: Iterable[ChatMessage | Mapping[str, Any]]) -> list[ChatMessage]:
@@ -84,6 +86,8 @@ def build_submit(id: str, prompt: str | None, args: RequestArgs, *, stream: bool
     messages = options.pop("messages", None)
     token_ids = options.pop("token_ids", None)
     priority = options.pop("priority", 0)
+    model = options.pop("model", None)
+    keep_alive = options.pop("keep_alive", None)
     sampling = sampling_params(options.pop("sampling", None), options)
     given = [name for name, v in (("prompt", prompt), ("messages", messages), ("token_ids", token_ids))
              if v is not None]
@@ -95,4 +99,4 @@ def build_submit(id: str, prompt: str | None, args: RequestArgs, *, stream: bool
     return Submit(id=id, prompt=prompt,
                   messages=chat_messages(messages) if messages is not None else None,
                   token_ids=[int(t) for t in token_ids] if token_ids is not None else None,
-                  sampling=sampling, stream=stream, priority=priority)
+                  sampling=sampling, stream=stream, priority=priority, model=model, keep_alive=keep_alive)

@@ -1,6 +1,6 @@
-"""The daemon's status reply (`llmctl status`): the engine's figures, its requests,
-memory and speculative decoding. Part of the wire protocol (client/protocol.py
-re-exports it; its unions hold it)."""
+"""The daemon's status replies (`llmctl status`, `llmctl ps`): the engine's figures, its
+requests, memory and speculative decoding, and every model it can serve. Part of the
+wire protocol (client/protocol.py re-exports them; its unions hold them)."""
 from __future__ import annotations
 
 import msgspec
@@ -13,6 +13,7 @@ class RequestInfo(msgspec.Struct, kw_only=True):
     age_s: float
     prompt_tokens: int
     completion_tokens: int
+    model: str = ""  # the model's name
 
 
 class SpecDecodeInfo(msgspec.Struct, kw_only=True):
@@ -44,6 +45,38 @@ class MemoryInfo(msgspec.Struct, kw_only=True):
     other: int = 0
 
 
+class ModelStatus(msgspec.Struct, kw_only=True):
+    """One model the daemon can serve, and how it stands."""
+
+    name: str  # what requests name it by (its `[models.NAME]`, or the default model's first name)
+    aliases: list[str] = []  # other names it answers to
+    path: str = ""  # its directory or GGUF file ("": the built-in model)
+    default: bool = False  # the model of requests that name none
+    # "unloaded", "loading" (requests wait), "serving", "restarting" (a failed worker;
+    # requests wait), "unloading", "failed" (the last load failed or its engine died:
+    # the next request loads it afresh; `error` says why).
+    state: str = "unloaded"
+    load_progress: float | None = None  # while loading: 0..1
+    load_phase: str | None = None  # while loading
+    device: str = ""
+    dtype: str = ""
+    # Bytes it holds while loaded (its weights and KV pool), else what loading it is
+    # estimated to take (weights on disk plus the KV cache setting): what the memory
+    # budget counts.
+    memory_bytes: int = 0
+    memory_estimated: bool = True  # memory_bytes is an estimate (the model is not loaded)
+    memory: MemoryInfo | None = None  # while loaded
+    num_running: int = 0
+    num_waiting: int = 0  # admitted and queued, plus requests waiting for the model to load
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    keep_alive_s: float | None = None  # how long it stays once idle (None: for ever)
+    expires_at: float | None = None  # Unix time it will be unloaded (idle, with a finite keep_alive)
+    last_used: float | None = None  # Unix time its last request ended (None: never used)
+    engine_restarts: int = 0  # worker failures since it loaded
+    error: str | None = None  # the last failure's cause
+
+
 class StatusReply(msgspec.Struct, tag="status_reply", kw_only=True):
     model: str
     server_version: str
@@ -70,11 +103,20 @@ class StatusReply(msgspec.Struct, tag="status_reply", kw_only=True):
     device_memory_bytes: int | None = None
     memory: MemoryInfo | None = None  # None while loading
     spec_decode: SpecDecodeInfo | None = None  # None: speculative decoding is off
-    # "loading" the model (requests wait); "serving"; "restarting" a failed worker
-    # (requests wait); "dead" after too many worker failures (requests fail; the daemon
-    # exits); "draining" on the way out.
+    # The default model's: "loading" (requests wait); "serving"; "restarting" a failed
+    # worker (requests wait); "dead" after too many worker failures (requests fail; a
+    # daemon serving only this model exits); "unloaded" or "failed" (a request loads it
+    # again); "draining" on the way out.
     engine_state: str = "serving"
     engine_restarts: int = 0  # worker failures since start
     engine_error: str | None = None  # the last worker failure's cause
     load_progress: float | None = None  # while loading: 0..1
     load_phase: str | None = None  # while loading: tokenizer, weights, kv cache, cuda graphs, workers
+    # Every model the daemon can serve (the fields above are the default model's).
+    models: list[ModelStatus] = []
+
+
+class ModelsReply(msgspec.Struct, tag="models_reply"):
+    """The answer to Models (every model), Load and Unload (the model concerned)."""
+
+    models: list[ModelStatus]
