@@ -138,6 +138,7 @@ def test_durations_as_ollama_reads_them_and_as_people_read_them():
 # -- the budget ---------------------------------------------------------------------
 
 GIB = 1 << 30
+MIB = 1 << 20
 
 
 def resident(name: str, gib: float, *, busy: bool = False, last_used: float = 0.0, evictable: bool = True,
@@ -231,3 +232,39 @@ def test_a_gguf_estimate_reads_its_header(tmp_path, tiny_llama):
     assert estimate_need(engine, packed, "cpu", available_ram=0) == {"cpu": path.stat().st_size + 1000}
     dequantized = estimate_need(msgspec.structs.replace(engine, dequantize=True), packed, "cpu", available_ram=0)
     assert dequantized == {"cpu": packed.num_params * 4 + 1000}
+
+
+# -- how llmctl shows them ----------------------------------------------------------
+
+def test_llmctl_ps_and_status_show_each_models_state_memory_and_expiry():
+    import time
+
+    from llmd_client.protocol import ModelStatus, StatusReply
+    from llmd_client.status_view import format_models, format_status
+
+    now = time.time()
+    models = [ModelStatus(name="base", default=True, state="serving", device="cpu", memory_bytes=300 * MIB,
+                          memory_estimated=False, num_running=2, num_waiting=1),
+              ModelStatus(name="coder", state="loading", load_progress=0.42, load_phase="weights",
+                          memory_bytes=4 * GIB, num_waiting=3),
+              ModelStatus(name="small", state="serving", device="cpu", memory_bytes=10 * MIB, memory_estimated=False,
+                          keep_alive_s=300.0, expires_at=now + 299.5),
+              ModelStatus(name="big", state="failed", error="the model needs 9 GiB"),
+              ModelStatus(name="idle", state="unloaded")]
+    rows = format_models(models).splitlines()
+    assert rows[0].split() == ["NAME", "STATE", "MEMORY", "DEVICE", "REQUESTS", "UNTIL"]
+    assert "base (default)" in rows[1] and "300.0 MiB" in rows[1] and "2 running, 1 waiting" in rows[1]
+    assert rows[1].rstrip().endswith("forever")
+    assert "loading (42%: weights)" in rows[2] and "~4.0 GiB" in rows[2]  # an estimate
+    assert "(in 4m 5" in rows[3]
+    assert "failed: the model needs 9 GiB" in rows[4] and rows[5].split()[1:3] == ["unloaded", "-"]
+    status = StatusReply(model="base", server_version="0", uptime_s=1, device="cpu", dtype="float32", num_running=2,
+                         num_waiting=1, requests=[], kv_blocks_total=8, kv_blocks_used=0, kv_usage=0.0,
+                         prefix_cache_hit_rate=0.0, generation_tokens_per_s=0.0, prompt_tokens_total=0,
+                         generation_tokens_total=0, requests_finished_total=0, rss_bytes=1, cpu_percent=0.0,
+                         models=models)
+    shown = format_status(status)
+    assert shown.startswith("model        base") and "\nNAME " in shown and "coder" in shown
+    alone = format_status(StatusReply(**{**{f: getattr(status, f) for f in StatusReply.__struct_fields__},
+                                         "models": models[:1], "engine_state": "unloaded"}))
+    assert "NAME" not in alone and "engine       unloaded (a request loads it again)" in alone

@@ -32,17 +32,3 @@ def expires_at_text(expires_at: float | None) -> str:
         return NEVER_TEXT
     return datetime.fromtimestamp(expires_at, timezone.utc).isoformat().replace("+00:00", "Z")
 
-
-class KeepAlive:
-    """When the model would be unloaded, as the last request's keep_alive asks (from
-    that request's end)."""
-
-    def __init__(self) -> None:
-        self.expires_at = FOREVER  # Unix time
-
-    def record(self, seconds: float | None) -> None:
-        import time
-        self.expires_at = FOREVER if seconds is None or seconds == FOREVER else time.time() + seconds
-
-    def expires_at_text(self) -> str:
-        return expires_at_text(self.expires_at)

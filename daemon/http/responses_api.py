@@ -16,7 +16,7 @@ import msgspec
 from aiohttp import web
 
 from llmd.http.bridge import Generation, engine_error, raise_for_error
-from llmd.http.context import ServedModel, decode_body
+from llmd.http.context import ServedModel, decode_body, served_model
 from llmd.http.errors import ApiError
 from llmd.http.openai_api import JsonSchemaFormat, guided_for
 from llmd.http.sampling import CommonSampling, build_sampling
@@ -184,14 +184,13 @@ def _usage(out: Output) -> dict[str, Any] | None:
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
-    served: ServedModel = request.app["served"]
     body = await decode_body(request, ResponsesRequest)
-    served.check(body.model)
+    served = await served_model(request, body.model)
     _refuse_unsupported(body)
     params = _sampling(body)
     submit = Submit(messages=_messages(body), sampling=params)
     response = _Response(body, served, params)
-    async with Generation(request.app["intake"], request["uid"], params=_PARAMS,
+    async with Generation(request, params=_PARAMS,
                           strict_max_tokens=body.max_output_tokens is not None) as gen:
         await gen.admit([submit])
         if body.stream:
