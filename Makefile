@@ -27,7 +27,7 @@ demo: model
 	$(BIN)/python -m llmd_tools.demo
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 bench: setup
 	$(BIN)/python -m llmd_tools.bench_vs_hf

@@ -271,6 +271,35 @@ def _result_json(result: Result) -> dict[str, Any]:
 
 
 @cli.command()
+@click.argument("texts", nargs=-1, metavar="[TEXT]...")
+@click.option("--file", "-f", type=click.File("r"), help="Embed the text of a file (- for stdin).")
+@click.option("--dimensions", type=int, help="Keep the first N dimensions (models trained for Matryoshka sizes).")
+@click.option("--no-normalize", "normalize", flag_value=False, default=True,
+              help="The pooled vector as it is, not scaled to unit length.")
+@click.option("--truncate", is_flag=True, help="Embed the first tokens of a text longer than the context.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per text, with its request id and tokens.")
+@model_options
+@click.pass_context
+def embed(ctx: click.Context, texts: tuple[str, ...], file: IO[str] | None, dimensions: int | None, normalize: bool,
+          truncate: bool, as_json: bool, model: str | None, keep_alive: str | None) -> None:
+    """Print the embedding of each TEXT (or of --file, or of stdin) as a JSON array, one
+    line each; several TEXTs are embedded together."""
+    if texts and file is not None:
+        raise click.UsageError("give the text either as arguments or with --file, not both")
+    inputs = list(texts) if texts else [_read_prompt(None, file)]
+    which = _model_args(model, keep_alive)
+    with exit_codes(), Client(ctx.obj) as client:
+        try:
+            results = client.embed(inputs, normalize=normalize, dimensions=dimensions, truncate=truncate, **which)
+        except ValueError as exc:  # names the field: dimensions, or the model's name
+            field = str(exc).split(" ", 1)[0]
+            raise click.BadParameter(str(exc), param_hint="--model" if field == "model" else "--dimensions") from None
+    for result in results:
+        body = msgspec.to_builtins(result) if as_json else result.embedding
+        click.echo(msgspec.json.encode(body).decode())
+
+
+@cli.command()
 @click.argument("request_id")
 @click.pass_context
 def abort(ctx: click.Context, request_id: str) -> None:

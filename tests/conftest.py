@@ -11,6 +11,11 @@ from pathlib import Path
 
 import pytest
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs two test processes on the machine's cores: each, and every daemon
+    # it starts, takes one thread, so neither's OpenMP team waits on a preempted thread.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 from llmd_tools.make_model import FIXTURES, fixture_path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

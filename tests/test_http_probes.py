@@ -191,10 +191,11 @@ def test_responses_stream_the_official_events(client, name):
 
 
 def test_responses_refuse_what_they_cannot_honour(client, name):
-    cases = [(dict(tools=[{"type": "function", "name": "f", "parameters": {"type": "object"}}]), "tools"),
+    cases = [(dict(tools=[{"type": "file_search", "vector_store_ids": ["vs_1"]}]), "tools"),
+             (dict(tool_choice="required"), "tool_choice"),
              (dict(previous_response_id="resp_123"), "previous_response_id"),
              (dict(input=[]), "input"),
-             (dict(input=[{"type": "function_call_output", "call_id": "c", "output": "x"}]), "input"),
+             (dict(input=[{"type": "item_reference", "id": "msg_1"}]), "input"),
              (dict(max_output_tokens=MAX_MODEL_LEN), "max_output_tokens"),
              (dict(temperature=-1), "temperature"),
              (dict(text={"format": {"type": "json_schema", "name": "x"}}), "text")]

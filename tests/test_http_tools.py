@@ -184,3 +184,83 @@ def test_ollama_tool_calls_have_object_arguments(http, daemon):
     client = ollama_client(daemon.http_sock)
     answer = client.chat(model="m", messages=history, tools=TOOLS, options={"num_predict": 4, "seed": 9})
     assert answer.done and answer.prompt_eval_count > 0 and answer.message.tool_calls is None
+
+
+# -- the Responses API's function tools ------------------------------------------------------
+
+RESPONSES_TOOLS = [{"type": "function", "name": n, "description": f"{n} tool", "parameters": s, "strict": False}
+                   for n, s in SCHEMAS.items()]
+
+
+def check_function_calls(items, names=tuple(SCHEMAS)):
+    calls = [item for item in items if item.type == "function_call"]
+    assert calls
+    for call in calls:
+        assert call.call_id.startswith("call_") and call.name in names and call.status == "completed"
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    return calls
+
+
+@pytest.mark.parametrize("choice,names", [("required", tuple(SCHEMAS)), ({"type": "function", "name": "add"},
+                                                                          ("add",))])
+def test_responses_forced_calls_are_valid_function_call_items(client, choice, names):
+    response = client.responses.create(model="m", input=MESSAGES, tools=RESPONSES_TOOLS, tool_choice=choice,
+                                       parallel_tool_calls=False, max_output_tokens=120, extra_body={"seed": 10})
+    assert response.status == "completed"
+    [call] = check_function_calls(response.output, names)
+    assert response.output == [call] and response.output_text == ""
+    assert [t.name for t in response.tools] == list(SCHEMAS)
+
+
+def test_responses_stream_calls_as_the_sdk_reassembles_them(client):
+    """The streamed events (one output item per call, its arguments in one delta) rebuild,
+    by the SDK's own accumulator, the whole response under the same seed (ids apart)."""
+    args = dict(model="m", input=MESSAGES, tools=RESPONSES_TOOLS, tool_choice="required", max_output_tokens=160,
+                extra_body={"seed": 11}, temperature=0.8)
+    whole = client.responses.create(**args)
+    events = list(client.responses.create(stream=True, **args))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    done = {e.item_id: e.arguments for e in events if e.type == "response.function_call_arguments.done"}
+    assert all(item.status == "in_progress" for item in added) and set(done) <= {item.id for item in added}
+    with client.responses.stream(**args) as stream:
+        final = stream.get_final_response()
+    for response in (final, events[-1].response):
+        assert [(i.type, getattr(i, "name", None), getattr(i, "arguments", None)) for i in response.output] == \
+            [(i.type, getattr(i, "name", None), getattr(i, "arguments", None)) for i in whole.output]
+    assert {c.id: c.arguments for c in check_function_calls(events[-1].response.output)} == done
+
+
+def test_responses_tool_turns_render_as_transformers_does(client, model):
+    """function_call and function_call_output input items are the chat's assistant call
+    and tool result: the prompt equals transformers' template over that conversation."""
+    first = client.responses.create(model="m", input=MESSAGES, tools=RESPONSES_TOOLS, tool_choice="required",
+                                    parallel_tool_calls=False, max_output_tokens=300, extra_body={"seed": 12})
+    [call] = check_function_calls(first.output)
+    history = [*MESSAGES, call.model_dump(exclude_none=True),
+               {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}]
+    second = client.responses.create(model="m", input=history, tools=RESPONSES_TOOLS, max_output_tokens=5, extra_body={"seed": 13})
+    reference = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.call_id, "type": "function", "function": {"name": call.name,
+                                                              "arguments": json.loads(call.arguments)}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "name": call.name, "content": "sunny, 21 C"}]
+    as_chat = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in RESPONSES_TOOLS]
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    text = tokenizer.apply_chat_template(reference, tools=as_chat, tokenize=False, add_generation_prompt=True)
+    assert "<tool_response>\nsunny, 21 C\n</tool_response>" in text
+    assert second.usage.input_tokens == len(tokenizer(text, add_special_tokens=False).input_ids)
+    assert second.output[0].type == "message"  # a random model left to `auto` writes text
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"tools": RESPONSES_TOOLS, "tool_choice": {"type": "function", "name": "secret_fn"}}, "tool_choice"),
+    ({"tools": RESPONSES_TOOLS, "tool_choice": "required", "text": {"format": {"type": "json_object"}}},
+     "tool_choice"),
+    ({"input": [{"type": "function_call", "call_id": "call_1", "name": "add"}]}, "input"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
+])
+def test_bad_responses_tool_requests_are_400s_naming_the_field(client, body, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(**{"model": "m", "input": "hi", "max_output_tokens": 4, **body})
+    assert info.value.body["param"] == param and "secret_fn" not in info.value.message

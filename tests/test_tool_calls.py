@@ -10,6 +10,7 @@ import json
 import random
 
 import jsonschema
+import msgspec
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -245,3 +246,67 @@ def test_tool_settings_from_the_config_file_and_command_line(tmp_path):
     config.write_text('tool_call_parser = "pythonic"\n')
     with pytest.raises(ValueError, match="tool_call_parser"):
         load_settings(str(config), {})
+
+
+def _with_special_marker(folder):
+    """The fixture's tokenizer with its <|pad|> token renamed [TOOL_CALLS]: a special
+    token, as in Mistral's own tokenizers."""
+    path = folder / "tokenizer.json"
+    data = json.loads(path.read_text())
+    path.unlink()  # a link to the shared fixture's file
+    for token in data["added_tokens"]:
+        if token["content"] == "<|pad|>":
+            token["content"] = "[TOOL_CALLS]"
+    vocab = data["model"]["vocab"]
+    if "<|pad|>" in vocab:
+        vocab["[TOOL_CALLS]"] = vocab.pop("<|pad|>")
+    path.write_text(json.dumps(data))
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (folder / name).exists():
+            text = (folder / name).read_text().replace("<|pad|>", "[TOOL_CALLS]")
+            (folder / name).unlink()
+            (folder / name).write_text(text)
+    return folder
+
+
+def test_a_special_marker_token_reaches_the_parser(tmp_path):
+    """Mistral's [TOOL_CALLS] as a special token: a reply that may call tools keeps the
+    special tokens' text, the EOS that ends it is not text, and the parser reads the call
+    back (transformers' decode is the reference); the plain fixture keeps the default."""
+    from llmd.detokenizer.output_processor import OutputProcessor
+    from llmd.core.scheduler import RequestUpdate
+    from llmd.http.chat_tools import ChatTools
+    from llmd.http.context import ServedModel
+    from llmd_client.protocol import SamplingParams
+
+    def served(folder):
+        return ServedModel(names=("m",), created=0, max_model_len=256, tokenizer=AutoTokenizer.from_pretrained(folder),
+                           architecture="llama", num_params=1, dtype="float32", size_bytes=1, digest="sha256:0",
+                           tool_format=FORMATS["mistral"])
+
+    plain = served(model_with_template(fixture_path("tiny-llama"), tmp_path / "plain", TEMPLATES["mistral"]))
+    special = served(_with_special_marker(model_with_template(fixture_path("tiny-llama"), tmp_path / "special",
+                                                              TEMPLATES["mistral"])))
+    request = choice("auto")
+    messages = [{"role": "user", "content": "1 + 2?"}]
+    assert ChatTools(request, plain).submit_fields(messages, SamplingParams())["sampling"].skip_special_tokens
+    assert ChatTools(None, special).submit_fields(messages, SamplingParams())["sampling"].skip_special_tokens
+    params = ChatTools(request, special).submit_fields(messages, SamplingParams())["sampling"]
+    assert not params.skip_special_tokens
+
+    tokenizer = special.tokenizer
+    marker = tokenizer.convert_tokens_to_ids("[TOOL_CALLS]")
+    body = tokenizer('[{"name": "add", "arguments": {"a": 1, "b": 2}}]', add_special_tokens=False).input_ids
+    ids = [marker, *body, tokenizer.eos_token_id]
+    texts = {}
+    for skip in (True, False):
+        processor = OutputProcessor(tokenizer)
+        processor.add_request("r", None, [1, 2], msgspec.structs.replace(params, skip_special_tokens=skip), ["r"])
+        [out], _ = processor.process([RequestUpdate("r", ids, finish_reason="stop")], {})
+        assert out.outputs[0].token_ids == ids
+        texts[skip] = out.outputs[0].text
+    assert texts[False] == tokenizer.decode(ids[:-1], skip_special_tokens=False)
+    assert texts[True] == tokenizer.decode(ids, skip_special_tokens=True)
+    reply = ToolCallParser(FORMATS["mistral"], request).parse(texts[False])
+    assert [(c.name, c.arguments) for c in reply.tool_calls] == [("add", {"a": 1, "b": 2})] and reply.content is None
+    assert not ToolCallParser(FORMATS["mistral"], request).parse(texts[True]).tool_calls

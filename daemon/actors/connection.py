@@ -19,8 +19,9 @@ from llmd.actors.peer_credentials import peer_ids
 from llmd.actors.request_sink import RequestSink
 from llmd.input_processor import PreparedRequest
 from llmd_client.framing import MAX_NESTING_DEPTH, FrameError, JsonLinesCodec, MsgpackCodec, NestingError
-from llmd_client.protocol import (MAX_ID_CHARS, PROTOCOL_VERSION, Abort, Accepted, ClientMessage, Error, Hello, Load,
-                                  Metrics, MetricsReply, Models, ModelsReply, Status, Submit, Unload, Welcome)
+from llmd_client.protocol import (MAX_ID_CHARS, PROTOCOL_VERSION, Abort, Accepted, ClientMessage, Embed, Error,
+                                  Hello, Load, Metrics, MetricsReply, Models, ModelsReply, Status, Submit, Unload,
+                                  Welcome)
 
 logger = logging.getLogger("llmd.intake")
 MAX_CLIENT_ID_CHARS = MAX_ID_CHARS
@@ -36,9 +37,9 @@ class ConnectionOwner(Protocol):
 
     def is_admin(self, uid: int, gid: int) -> bool: ...
 
-    async def admit(self, submit: Submit, uid: int, sink: RequestSink) -> Error | PreparedRequest: ...
+    async def admit(self, submit: Submit | Embed, uid: int, sink: RequestSink) -> Error | PreparedRequest: ...
 
-    def must_wait(self, submit: Submit) -> bool: ...
+    def must_wait(self, submit: Submit | Embed) -> bool: ...
 
     def abort(self, request_ids: list[str]) -> None: ...
 
@@ -185,7 +186,7 @@ class Connection:
             text = frame_error_message(exc)
             if text.endswith("at `$.type`") or "missing required field `type`" in text:
                 self.send(Error(code="bad_request", message="unknown or missing message type"))
-            elif "`$.sampling" in text:
+            elif "`$.sampling" in text or "`$.pooling" in text:
                 self.send(Error(code="invalid_params", message=text))
             else:
                 self.send(Error(code="bad_request", message=text))
@@ -210,7 +211,7 @@ class Connection:
                     self.closed = True
                     return
                 self.send(self.intake.welcome)
-            case Submit():
+            case Submit() | Embed():
                 await self._submit(message)
             case Abort(id=ident):
                 self._abort(ident)
@@ -239,20 +240,24 @@ class Connection:
         self._controls.add(task)
         task.add_done_callback(self._controls.discard)
 
-    async def _submit(self, submit: Submit) -> None:
+    async def _submit(self, submit: Submit | Embed) -> None:
+        """A request to generate (Submit) or to embed (Embed): both are admitted, answered
+        with Accepted, and followed by their outputs under the connection's id."""
         if submit.id is not None and len(submit.id) > MAX_CLIENT_ID_CHARS:  # first: it is never echoed whole
             self.send(Error(code="bad_request", message=f"id must have at most {MAX_CLIENT_ID_CHARS} characters"))
             return
         client_id = submit.id if submit.id is not None else f"c{next(self._local_ids)}"
-        sources = sum(x is not None for x in (submit.prompt, submit.messages, submit.token_ids))
-        if sources != 1:
-            self.send(Error(code="bad_request", id=client_id,
-                            message="exactly one of prompt, messages or token_ids is required"))
+        if isinstance(submit, Submit):
+            sources, names = (submit.prompt, submit.messages, submit.token_ids), "prompt, messages or token_ids"
+        else:
+            sources, names = (submit.prompt, submit.token_ids), "prompt or token_ids"
+        if sum(x is not None for x in sources) != 1:
+            self.send(Error(code="bad_request", id=client_id, message=f"exactly one of {names} is required"))
             return
         if client_id in self.requests or client_id in self.waiting:
             self.send(Error(code="bad_request", id=client_id, message="id is already in use on this connection"))
             return
-        sink = ConnectionSink(self, client_id, submit.stream)
+        sink = ConnectionSink(self, client_id, submit.stream if isinstance(submit, Submit) else False)
         if not self.intake.must_wait(submit):
             await self._admit(submit, sink)
             return
@@ -260,7 +265,7 @@ class Connection:
         self.waiting[client_id] = task
         task.add_done_callback(lambda t: self.waiting.pop(client_id, None) if self.waiting.get(client_id) is t else None)
 
-    async def _admit(self, submit: Submit, sink: ConnectionSink) -> None:
+    async def _admit(self, submit: Submit | Embed, sink: ConnectionSink) -> None:
         try:
             result = await self.intake.admit(submit, self.uid, sink)
         except asyncio.CancelledError:

@@ -30,7 +30,8 @@ from llmd.actors.intake import IntakeActor
 from llmd.actors.messages import Query
 from llmd.actors.peer_credentials import peer_ids, tcp_peer_uid
 from llmd.actors.runtime import Actor
-from llmd.http import llamacpp_api, ollama_api, openai_api, openai_chat, responses_api, tokenize_api
+from llmd.http import (embeddings_api, llamacpp_api, ollama_api, openai_api, openai_chat, responses_api,
+                       tokenize_api)
 from llmd.http.context import release_model
 from llmd.http.errors import ApiError
 from llmd.http.guard import HOST_REFUSED, BrowserGuard
@@ -80,7 +81,8 @@ class HttpIntakeActor(Actor):
         app.on_response_prepare.append(_cors_headers)
         routes = [("GET", "/health", self._health), ("GET", "/metrics", self._metrics)]
         for method, path, handler in (routes + openai_api.ROUTES + openai_chat.ROUTES + responses_api.ROUTES
-                                      + tokenize_api.ROUTES + ollama_api.ROUTES + llamacpp_api.ROUTES):
+                                      + tokenize_api.ROUTES + ollama_api.ROUTES + embeddings_api.ROUTES
+                                      + llamacpp_api.ROUTES):
             app.router.add_route(method, path, handler)
         # Ollama's clients also ask with HEAD to see if the server is up.
         app.router.add_route("HEAD", "/", ollama_api.root)

@@ -35,8 +35,8 @@ from llmd.pool.registry import UnknownModel
 from llmd.pool.slot import Lease, ModelUnavailable
 from llmd_client.durations import parse_duration
 from llmd_client.framing import JsonLinesCodec, MsgpackCodec
-from llmd_client.protocol import (MAX_CACHE_SALT_CHARS, PROTOCOL_VERSION, ChatMessage, Error, ModelsReply, Output,
-                                  Submit, Usage, Welcome)
+from llmd_client.protocol import (MAX_CACHE_SALT_CHARS, PROTOCOL_VERSION, ChatMessage, Embed, Error, ModelsReply,
+                                  Output, Submit, Usage, Welcome)
 
 logger = logging.getLogger("llmd.intake")
 T = TypeVar("T")
@@ -103,7 +103,7 @@ class IntakeActor(Actor):
         self.connections.add(conn)
         await conn.serve(codec, held)
 
-    async def admit(self, submit: Submit, uid: int, sink: RequestSink, *, strict_max_tokens: bool = True,
+    async def admit(self, submit: Submit | Embed, uid: int, sink: RequestSink, *, strict_max_tokens: bool = True,
                     num_ctx: int | None = None, lease: Lease | None = None) -> Error | PreparedRequest:
         """Validate and tokenize `submit` (in the pool), then hand it to its model's
         detokenizer and scheduler with `sink` as its destination: the model `lease`
@@ -112,13 +112,16 @@ class IntakeActor(Actor):
         A prompt plus max_tokens past max_model_len is refused (vLLM's rule), or with
         `strict_max_tokens=False` shortened to fit (Ollama's num_predict and llama.cpp's
         n_predict mean "at most"). `num_ctx`: Ollama's context length for this request
-        (at most max_model_len)."""
+        (at most max_model_len). An Embed is admitted the same way: its prompt counts
+        against the same limits and quotas, and it waits for its model the same way."""
         client_id = sink.client_id
-        if submit.tools and submit.messages is None:
-            return Error(code="invalid_params", id=client_id, message="tools needs messages (a chat) to describe them")
-        if submit.cache_salt is not None and len(submit.cache_salt) > MAX_CACHE_SALT_CHARS:
-            return Error(code="invalid_params", id=client_id,
-                         message=f"cache_salt must have at most {MAX_CACHE_SALT_CHARS} characters")
+        if isinstance(submit, Submit):
+            if submit.tools and submit.messages is None:
+                return Error(code="invalid_params", id=client_id,
+                             message="tools needs messages (a chat) to describe them")
+            if submit.cache_salt is not None and len(submit.cache_salt) > MAX_CACHE_SALT_CHARS:
+                return Error(code="invalid_params", id=client_id,
+                             message=f"cache_salt must have at most {MAX_CACHE_SALT_CHARS} characters")
         if self.draining:
             return Error(code="shutting_down", id=client_id, message="the daemon is shutting down")
         if len(self.registry) + self.waiting_for_models >= self.config.max_pending_requests:
@@ -152,8 +155,8 @@ class IntakeActor(Actor):
             self.quotas.release(uid, sink.connection)
         return result
 
-    async def _admit_on(self, lease: Lease, submit: Submit, uid: int, sink: RequestSink, strict_max_tokens: bool,
-                        num_ctx: int | None) -> Error | PreparedRequest:
+    async def _admit_on(self, lease: Lease, submit: Submit | Embed, uid: int, sink: RequestSink,
+                        strict_max_tokens: bool, num_ctx: int | None) -> Error | PreparedRequest:
         client_id = sink.client_id
         model = lease.model
         if not lease.valid:  # its model failed since the lease was taken
@@ -161,7 +164,8 @@ class IntakeActor(Actor):
                          message=f"model {model.name} failed; send the request again to load it afresh")
         processor: InputProcessor = model.input_processor
         chars = _prompt_chars(submit)
-        if chars > processor.max_prompt_chars:
+        truncating = isinstance(submit, Embed) and submit.truncate  # its text is cut before tokenizing
+        if chars > processor.max_prompt_chars and not truncating:
             return Error(code="invalid_params", id=client_id,
                          message=f"prompt is too long: no prompt of {chars} characters fits max_model_len "
                                  f"({processor.max_model_len} tokens)")
@@ -188,13 +192,13 @@ class IntakeActor(Actor):
         model.scheduler.send(AddRequest(request_id, prepared.children))
         return prepared
 
-    async def _prepare(self, processor: InputProcessor, submit: Submit, uid: int, chars: int,
+    async def _prepare(self, processor: InputProcessor, submit: Submit | Embed, uid: int, chars: int,
                        strict_max_tokens: bool, num_ctx: int | None) -> PreparedRequest | Error:
         request_id = self._new_request_id()
+        salt = self.cache_salt(uid, submit.cache_salt if isinstance(submit, Submit) else None)
         try:
-            return await self.in_tokenizer_pool(chars, self.prepare, processor, request_id, submit, uid,
-                                                self.cache_salt(uid, submit.cache_salt), time.monotonic(),
-                                                strict_max_tokens, num_ctx)
+            return await self.in_tokenizer_pool(chars, self.prepare, processor, request_id, submit, uid, salt,
+                                                time.monotonic(), strict_max_tokens, num_ctx)
         except ValueError as exc:
             return Error(code="invalid_params", message=safe_message(exc))
 
@@ -289,9 +293,15 @@ class IntakeActor(Actor):
             return requested
         return f"uid={uid}" if requested is None else f"uid={uid}/{requested}"
 
-    def prepare(self, processor: InputProcessor, request_id: str, submit: Submit, uid: int, cache_salt: str | None,
-                arrival: float, strict_max_tokens: bool = False, num_ctx: int | None = None):
+    def prepare(self, processor: InputProcessor, request_id: str, submit: Submit | Embed, uid: int,
+                cache_salt: str | None, arrival: float, strict_max_tokens: bool = False,
+                num_ctx: int | None = None) -> PreparedRequest:
         """Runs in the tokenizer pool."""
+        if isinstance(submit, Embed):
+            prompt = submit.prompt if submit.token_ids is None else submit.token_ids
+            return processor.prepare_pooling(request_id, prompt, submit.pooling, truncate=submit.truncate,
+                                             num_ctx=num_ctx, priority=submit.priority, cache_salt=cache_salt,
+                                             arrival_time=arrival, owner=uid)
         if submit.messages is not None:
             tools = {"template_kwargs": {"tools": submit.tools}} if submit.tools else {}
             prompt: str | list[int] = processor.render_chat(_template_messages(submit.messages), **tools)
@@ -343,13 +353,13 @@ def _template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def _keep_alive(submit: Submit) -> float | None:
+def _keep_alive(submit: Submit | Embed) -> float | None:
     return None if submit.keep_alive is None else parse_duration(submit.keep_alive)
 
 
-def _prompt_chars(submit: Submit) -> int:
+def _prompt_chars(submit: Submit | Embed) -> int:
     if submit.prompt is not None:
         return len(submit.prompt)
-    if submit.messages is not None:
+    if isinstance(submit, Submit) and submit.messages is not None:
         return sum(len(m.content) + len(m.role) for m in submit.messages)
     return 0

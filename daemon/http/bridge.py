@@ -15,7 +15,7 @@ from llmd.actors.request_sink import RequestSink
 from llmd.http.context import MODEL_LEASE
 from llmd.http.errors import ApiError, from_intake
 from llmd.input_processor import PreparedRequest
-from llmd_client.protocol import Error, Output, Submit
+from llmd_client.protocol import Embed, Error, Output, Submit
 
 
 class HttpSink(RequestSink):
@@ -73,7 +73,7 @@ class Generation:
             self.intake.abort(unfinished)
         self._open.clear()
 
-    async def admit(self, submits: list[Submit]) -> list[Admitted]:
+    async def admit(self, submits: list[Submit | Embed]) -> list[Admitted]:
         """Admit every submit or none: an error (an ApiError naming the parameter) aborts
         those already admitted."""
         for slot, submit in enumerate(submits):
@@ -99,7 +99,8 @@ class Generation:
 
     async def collect(self) -> dict[int, dict[int, Output]]:
         """The whole result: per slot, per sample index, one Output holding all its text,
-        token ids and logprobs, its finish reason, and (on one of them) the usage."""
+        token ids and logprobs, its finish reason, and (on one of them) the usage; an
+        embedding request's one Output as it came."""
         merged: dict[int, dict[int, Output]] = {}
         async for slot, out in self:
             samples = merged.setdefault(slot, {})
@@ -108,13 +109,14 @@ class Generation:
                 samples[out.index] = Output(id=out.id, index=out.index, text=out.text, token_ids=list(out.token_ids),
                                             logprobs=list(out.logprobs) if out.logprobs is not None else None,
                                             finish_reason=out.finish_reason, stop_reason=out.stop_reason,
-                                            error=out.error, usage=out.usage, prompt_logprobs=out.prompt_logprobs)
+                                            error=out.error, usage=out.usage, prompt_logprobs=out.prompt_logprobs,
+                                            embedding=out.embedding)
                 continue
             into.text += out.text
             into.token_ids.extend(out.token_ids)
             if out.logprobs is not None:
                 into.logprobs = (into.logprobs or []) + list(out.logprobs)
-            for name in ("finish_reason", "stop_reason", "error", "usage", "prompt_logprobs"):
+            for name in ("finish_reason", "stop_reason", "error", "usage", "prompt_logprobs", "embedding"):
                 if getattr(out, name) is not None:
                     setattr(into, name, getattr(out, name))
         return merged

@@ -10,10 +10,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from llmd.http.context import ServedModel, current_served
 from llmd.http.errors import ApiError
 from llmd.tool_calls import ToolCallParser, ToolChoice, ToolError, for_template, parse_tools
-from llmd_client.protocol import ChatMessage, GuidedDecodingParams
+from llmd_client.protocol import ChatMessage, GuidedDecodingParams, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -28,10 +30,14 @@ class ChatTools:
     def parser(self) -> ToolCallParser | None:
         return ToolCallParser(self.served.tool_format, self.choice) if self.choice is not None else None
 
-    def submit_fields(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
-        """Submit's `messages` and `tools` for the conversation (tool turns included)."""
+    def submit_fields(self, messages: list[dict[str, Any]], sampling: SamplingParams) -> dict[str, Any]:
+        """Submit's `messages`, `tools` and `sampling` for the conversation (tool turns
+        included): a reply that may call tools in a format whose markers are special
+        tokens keeps their text (vLLM's Mistral parser does the same)."""
         rendered, tools = for_template(messages, self.choice, self.served.tool_format, self.served.chat_template)
-        return {"messages": [ChatMessage(**m) for m in rendered], "tools": tools}
+        if self.choice is not None and sampling.skip_special_tokens and self.served.tool_markers_are_special:
+            sampling = msgspec.structs.replace(sampling, skip_special_tokens=False)
+        return {"messages": [ChatMessage(**m) for m in rendered], "tools": tools, "sampling": sampling}
 
 
 async def chat_tools(request, tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None,

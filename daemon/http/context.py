@@ -59,6 +59,7 @@ class ServedModel:
     quantization: str = "F32"  # the weights' type in the file, as Ollama names it (Q4_1, F16, BF16, ...)
     tool_format: ToolCallFormat = field(default_factory=lambda: FORMATS["hermes"])  # how the model writes calls
     guided_tool_calls: str = "forced"  # when tool calls are guided: "forced" or "always" (DaemonConfig)
+    task: str = "generate"  # what the model is served for: "generate" or "embed" (embeddings only)
     _token_text: dict[int, str] = field(default_factory=dict)
 
     @property
@@ -82,6 +83,16 @@ class ServedModel:
         if isinstance(piece, str) and piece and all(c in _BYTE_OF for c in piece) and self._byte_level:
             return [_BYTE_OF[c] for c in piece]
         return list(self.token_text(token_id).encode("utf-8"))
+
+    @functools.cached_property
+    def tool_markers_are_special(self) -> bool:
+        """Whether the tokenizer holds one of the call format's markers as a special token
+        (Mistral's [TOOL_CALLS]): a reply that may call tools must then keep that text."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return False
+        special = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
+        return any(marker in special for marker in self.tool_format.markers)
 
     @functools.cached_property
     def _byte_level(self) -> bool:
@@ -187,10 +198,10 @@ def check_json_content_type(request: web.Request) -> None:
 
 
 def describe_model(engine, names: list[str] | tuple[str, ...] = (), *, tool_call_parser: str | None = None,
-                   guided_tool_calls: str = "forced") -> ServedModel:
+                   guided_tool_calls: str = "forced", task: str = "generate") -> ServedModel:
     """What the HTTP APIs say about the engine's model: its files' card (model_cards.py)
     and its tokenizer. `names`: what clients may call it (default: the file or folder
-    name); the tool settings are the operator's (DaemonConfig)."""
+    name); the tool settings are the operator's (DaemonConfig), `task` the engine's."""
     from llmd.http.fim import find_fim_tokens
 
     card = describe_files(engine.model_dir, tuple(names), engine.max_model_len)
@@ -199,5 +210,5 @@ def describe_model(engine, names: list[str] | tuple[str, ...] = (), *, tool_call
         tokenizer=engine.tokenizer, architecture=card.architecture, num_params=card.num_params,
         dtype=str(engine.dtype).removeprefix("torch."), size_bytes=card.size_bytes, digest=card.digest,
         fim=find_fim_tokens(engine.tokenizer), format=card.format, quantization=card.quantization,
-        guided_tool_calls=guided_tool_calls,
+        guided_tool_calls=guided_tool_calls, task=task,
         tool_format=format_for(tool_call_parser, getattr(engine.tokenizer, "chat_template", None), card.architecture))

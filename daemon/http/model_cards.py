@@ -9,8 +9,9 @@ import asyncio
 import hashlib
 import json
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from llmd.pool.registry import ModelSpec
@@ -26,8 +27,11 @@ class ModelCard:
     size_bytes: int
     digest: str
     format: str = "safetensors"  # the checkpoint's file format (Ollama's details.format)
-    quantization: str = "F32"  # the weights' type in the file, as Ollama names it (Q4_1, F16, BF16, ...)
+    # The weights' type in the file, as Ollama names it (Q4_1, F16, BF16, ...), or a
+    # packed checkpoint's scheme (awq-int4, gptq-int8, fp8-e4m3).
+    quantization: str = "F32"
     chat_template: str | None = None  # where the files hold it as text (an HF directory's)
+    task: str = "generate"  # what the model is served for (its settings'): "generate" or "embed"
 
     @property
     def name(self) -> str:
@@ -54,8 +58,11 @@ def describe_files(path: str | Path, names: tuple[str, ...], max_model_len: int 
                          quantization=summary.quantization)
     from safetensors import safe_open
 
+    from llmd.gpu.layers.quant.scheme import quant_scheme
+
     config_bytes = (model_path / "config.json").read_bytes()
     config = json.loads(config_bytes)
+    scheme = quant_scheme(SimpleNamespace(quantization_config=config.get("quantization_config")))
     weights = sorted(model_path.glob("*.safetensors"))
     elements_of: Counter[str] = Counter()  # safetensors dtype (F32, F16, BF16, ...) -> elements
     for file in weights:
@@ -64,15 +71,28 @@ def describe_files(path: str | Path, names: tuple[str, ...], max_model_len: int 
                 tensor, size = f.get_slice(name), 1
                 for dim in tensor.get_shape():
                     size *= dim
-                elements_of[tensor.get_dtype()] += size
+                elements_of[tensor.get_dtype()] += size * _weights_per_element(name, scheme)
+    quantization = scheme.label if scheme is not None else elements_of.most_common(1)[0][0] if elements_of else "F32"
     return ModelCard(names=names or (model_path.name,), created=int((model_path / "config.json").stat().st_mtime),
                      max_model_len=max_model_len or (config.get("text_config") or config).get(
                          "max_position_embeddings", 2048),
                      architecture=(config.get("architectures") or ["unknown"])[0],
                      num_params=sum(elements_of.values()), size_bytes=sum(f.stat().st_size for f in weights),
                      digest="sha256:" + hashlib.sha256(config_bytes).hexdigest(),
-                     quantization=elements_of.most_common(1)[0][0] if elements_of else "F32",
+                     quantization=quantization,
                      chat_template=_chat_template(model_path))
+
+
+def _weights_per_element(name: str, scheme: Any) -> int:
+    """Model weights one element of checkpoint tensor `name` stands for: 32 / bits for an
+    AWQ/GPTQ `qweight` word, none for a quantized module's zero points, scales and column
+    groups (quant/scheme.py), one otherwise."""
+    if scheme is None:
+        return 1
+    leaf = name.rpartition(".")[2]
+    if leaf == "qweight":
+        return 32 // scheme.bits
+    return 0 if leaf in ("qzeros", "scales", "g_idx", "weight_scale", "weight_scale_inv", "input_scale") else 1
 
 
 def _chat_template(model_dir: Path) -> str | None:
@@ -96,8 +116,9 @@ def card_of(spec: ModelSpec) -> ModelCard:
             path = str(builtin_model_path(fetch=False))
         except BuiltinModelUnavailable:
             return ModelCard(names=spec.names, created=0, max_model_len=spec.engine.max_model_len or 0,
-                             architecture="unknown", num_params=0, size_bytes=0, digest="", format="gguf")
-    return describe_files(path, spec.names, spec.engine.max_model_len)
+                             architecture="unknown", num_params=0, size_bytes=0, digest="", format="gguf",
+                             task=spec.engine.task)
+    return replace(describe_files(path, spec.names, spec.engine.max_model_len), task=spec.engine.task)
 
 
 async def listing(pool: Any, cache: dict[str, ModelCard]) -> list[Any]:

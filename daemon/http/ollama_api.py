@@ -86,7 +86,7 @@ _PARAMS = {"max_tokens": "num_predict", "repetition_penalty": "repeat_penalty", 
            "prompt": "prompt", "messages": "messages"}
 
 
-def _num_ctx(options: Options | None, served: ServedModel) -> int | None:
+def num_ctx_of(options: Options | None, served: ServedModel) -> int | None:
     """The request's context length: num_ctx, which must fit the engine's."""
     num_ctx = options.num_ctx if options is not None else None
     if num_ctx is None:
@@ -203,7 +203,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if body.template:
         raise ApiError(400, "template is not supported; the model's own chat template is used", param="template")
     request["stream"] = body.stream
-    num_ctx = _num_ctx(body.options, served)
+    num_ctx = num_ctx_of(body.options, served)
     params = _sampling(body.options, body.format)
     if body.suffix is not None:
         if served.fim is None:
@@ -224,12 +224,12 @@ async def chat(request: web.Request) -> web.StreamResponse:
     if isinstance(served, web.Response):
         return served
     request["stream"] = body.stream
-    num_ctx = _num_ctx(body.options, served)
+    num_ctx = num_ctx_of(body.options, served)
     params = _sampling(body.options, body.format)
     tools = await chat_tools(request, body.tools, body.tool_choice, None, params.guided, format_param="format")
     if tools.guided is not None:
         params = msgspec.structs.replace(params, guided=tools.guided)
-    submit = Submit(**tools.submit_fields(_chat_messages(body.messages)), sampling=params)
+    submit = Submit(**tools.submit_fields(_chat_messages(body.messages), params))
     return await _respond(request, served, submit, num_ctx, _as_message, tools.parser())
 
 
@@ -313,7 +313,10 @@ async def show(request: web.Request) -> web.Response:
     if card is None:
         raise ApiError(503, f"model {spec.name}: its files cannot be read", param="model", code="model_unavailable")
     family = _details(card)["family"]
-    capabilities = ["completion", "tools"] + (["insert"] if getattr(card, "fim", None) is not None else [])
+    if card.task == "embed":
+        capabilities = ["embedding"]
+    else:
+        capabilities = ["completion", "tools"] + (["insert"] if getattr(card, "fim", None) is not None else [])
     return json_response({
         "license": "", "modelfile": f"FROM {card.name}\n", "parameters": "",
         "template": card.chat_template or "{{ .Prompt }}", "details": _details(card),

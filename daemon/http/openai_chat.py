@@ -114,7 +114,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     params = sampling_params(body, max_tokens=max_tokens, logprobs=k if body.logprobs else None,
                              guided=tools.guided or response_guided, params=_CHAT_PARAMS)
     names = {**_CHAT_PARAMS, "guided": "tools"} if tools.guided is not None else _CHAT_PARAMS
-    submit = Submit(**tools.submit_fields(messages), sampling=params, cache_salt=body.cache_salt,
+    submit = Submit(**tools.submit_fields(messages, params), cache_salt=body.cache_salt,
                     priority=body.priority)
     ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": ident, "object": "chat.completion", "created": created, "model": served.name}

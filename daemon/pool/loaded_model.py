@@ -67,7 +67,7 @@ class LoadedModel:
         try:
             served = await _in_thread(loop, thread, progress, describe_model, engine, spec.names,
                                       tool_call_parser=spec.tool_call_parser,
-                                      guided_tool_calls=daemon.guided_tool_calls)
+                                      guided_tool_calls=daemon.guided_tool_calls, task=engine.config.task)
         except BaseException:
             engine.shutdown()
             thread.shutdown(wait=False, cancel_futures=True)

@@ -41,6 +41,9 @@ class ToolCallFormat(ABC):
     name = ""
     # Whether the format writes its calls at the start of the reply only.
     calls_first = False
+    # The strings that mark calls: a tokenizer may hold one as a special token, whose text
+    # the reply must then keep (skip_special_tokens off) for the scanner to see it.
+    markers: tuple[str, ...] = ()
 
     @abstractmethod
     def scanner(self) -> Scanner:
@@ -170,6 +173,7 @@ class HermesScanner(Scanner):
 
 class Hermes(ToolCallFormat):
     name = "hermes"
+    markers = (HermesScanner.BEGIN, HermesScanner.END)
 
     def scanner(self) -> Scanner:
         return HermesScanner()
@@ -232,6 +236,7 @@ class Llama3Scanner(Scanner):
 class Llama3Json(ToolCallFormat):
     name = "llama3_json"
     calls_first = True
+    markers = (Llama3Scanner.PYTHON_TAG,)
 
     def scanner(self) -> Scanner:
         return Llama3Scanner()
@@ -283,6 +288,7 @@ class MistralScanner(Scanner):
 
 class Mistral(ToolCallFormat):
     name = "mistral"
+    markers = (MistralScanner.MARKER,)
 
     def scanner(self) -> Scanner:
         return MistralScanner()

@@ -124,7 +124,10 @@ class CausalLM(nn.Module):
         self.head_dim = head_dim_of(config)
         self.max_positions = max_positions
         self.layer_rope_keys = [FLAT_ROPE if key is None else key for key in arch.rope_keys(config)]
-        self.rotary = self.build_rotary()
+        # Built on meta (the loader's way) the tables are made by reset_rotary on the real
+        # device: computing them on meta costs nothing useful and imports torch._dynamo (~1 s).
+        on_meta = torch.get_default_device().type == "meta"
+        self.rotary = nn.ModuleDict() if on_meta else self.build_rotary()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         moe = arch.moe_spec(config)
         activation = arch.activation(config)

@@ -1,6 +1,6 @@
 """llmd's C++ CPU kernels (cpu_kernels.cpp), built when first asked for and cached on disk.
 
-Three sets, one extension:
+Four sets, one extension:
 - decode attention over the paged KV cache read in place (cpu_kernels.cpp). The torch
   path (attention.py, TorchAttention._decode) gathers every decode row's blocks into a
   padded buffer each layer and step, then runs two batched GEMMs; the kernel reads each
@@ -14,7 +14,9 @@ Three sets, one extension:
   llama.cpp multiplies (cpu_quant_x16.cpp), in as many int8 passes over x as the model's
   dtype needs (gguf_quant.x16_passes). LLMD_GGUF_X16 (read when a model loads) sets the
   passes instead: 1 (llama.cpp's precision), 2 or 3; 0 keeps the first kernel (the A/B
-  switch).
+  switch);
+- the product of a few rows with an FP8 weight kept as its e4m3 bytes (cpu_fp8.cpp, used
+  by quant/fp8.FP8Matmul; AWQ and GPTQ weights become GGUF blocks and use the set above).
 The loader hands both to a model on CPU whose layers attend with TorchAttention
 (`attach_cpu_kernels`).
 
@@ -56,7 +58,7 @@ from llmd.gpu.layers.cpu.kernel_build import ExtensionBuild, KernelBuildCancelle
 logger = logging.getLogger("llmd.cpu_kernels")
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_fused_ops.cpp", "cpu_quant.cpp",
-                                                          "cpu_quant_x16.cpp")]
+                                                          "cpu_quant_x16.cpp", "cpu_fp8.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("cpu_vec.h", "cpu_quant_formats.h")]  # part of the digest
 CPU_KERNELS_ENV = "LLMD_CPU_KERNELS"
 X16_ENV = "LLMD_GGUF_X16"
@@ -167,6 +169,24 @@ def gguf_ops() -> GGUFOps | None:
         raise ValueError(f"{X16_ENV} must be 0, 1, 2 or 3, got {value!r}")
     return GGUFOps(ops.gguf_mm, ops.gguf_dequantize, ops.gguf_repack_x16, ops.gguf_unpack_x16, ops.gguf_mm_x16,
                    ops.gguf_dequantize_x16, x16=value != "0" and bool(ops.gguf_x16_supported()), x16_passes=int(value) if value else None)
+
+
+@dataclass(frozen=True)
+class FP8Ops:
+    """The C++ operators of FP8 weights kept as e4m3 bytes (cpu_fp8.cpp): `mm(x, w,
+    scales)` and `dequantize(w, scales)` (quant/fp8.py)."""
+
+    mm: Callable[..., torch.Tensor]
+    dequantize: Callable[..., torch.Tensor]
+
+
+def fp8_ops() -> FP8Ops | None:
+    """torch.ops.llmd_cpu.fp8_mm(x [M, K], w uint8 [N, K], scales float32 [N, G]) -> [M, N]
+    and fp8_dequantize(w, scales) -> float32 [N, K]; None when the kernels are switched
+    off (LLMD_CPU_KERNELS=0) or cannot be built."""
+    if not cpu_kernels_enabled() or not _load():
+        return None
+    return FP8Ops(torch.ops.llmd_cpu.fp8_mm, torch.ops.llmd_cpu.fp8_dequantize)
 
 
 def cpu_kernels_enabled() -> bool:
