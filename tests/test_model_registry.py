@@ -6,6 +6,7 @@ from its files."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import msgspec
@@ -232,6 +233,31 @@ def test_a_gguf_estimate_reads_its_header(tmp_path, tiny_llama):
     assert estimate_need(engine, packed, "cpu", available_ram=0) == {"cpu": path.stat().st_size + 1000}
     dequantized = estimate_need(msgspec.structs.replace(engine, dequantize=True), packed, "cpu", available_ram=0)
     assert dequantized == {"cpu": packed.num_params * 4 + 1000}
+
+
+def test_a_packed_checkpoints_estimate_counts_its_weights_not_its_words(tmp_path):
+    """An AWQ checkpoint stays packed on CPU (its files' size); dequantized, it holds every
+    weight at the run dtype: as many as the dense checkpoint it was made from has (counted
+    by safetensors itself), not its 4-bit words, scales and zero points."""
+    from safetensors import safe_open
+
+    from llmd_tools.make_model import build_model
+    from llmd_tools.quantize_checkpoint import options, quantize_checkpoint
+
+    # The tiny llama with whole 32-column groups in every linear layer's input.
+    source = build_model(tmp_path / "dense", "llama", "tiny", intermediate_size=192)
+    awq = quantize_checkpoint(source, tmp_path / "awq", options(method="awq", group_size=32))
+    dense = 0
+    for file in source.glob("*.safetensors"):
+        with safe_open(str(file), framework="numpy") as f:
+            dense += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    shape = read_shape(str(awq))
+    size = sum(f.stat().st_size for f in awq.glob("*.safetensors"))
+    assert shape.quantized and shape.num_params == dense and shape.weights_bytes == size
+    engine = EngineConfig(model=str(awq), kv_cache_memory_bytes=1000)
+    assert estimate_need(engine, shape, "cpu", available_ram=0) == {"cpu": size + 1000}
+    dequantized = estimate_need(msgspec.structs.replace(engine, dequantize=True), shape, "cpu", available_ram=0)
+    assert dequantized == {"cpu": dense * 4 + 1000}  # float32 on CPU (the checkpoint is float16)
 
 
 # -- how llmctl shows them ----------------------------------------------------------

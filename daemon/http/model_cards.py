@@ -11,7 +11,6 @@ import json
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from llmd.pool.registry import ModelSpec
@@ -58,11 +57,11 @@ def describe_files(path: str | Path, names: tuple[str, ...], max_model_len: int 
                          quantization=summary.quantization)
     from safetensors import safe_open
 
-    from llmd.gpu.layers.quant.scheme import quant_scheme
+    from llmd.gpu.layers.quant.scheme import config_scheme, weights_per_element
 
     config_bytes = (model_path / "config.json").read_bytes()
     config = json.loads(config_bytes)
-    scheme = quant_scheme(SimpleNamespace(quantization_config=config.get("quantization_config")))
+    scheme = config_scheme(config)
     weights = sorted(model_path.glob("*.safetensors"))
     elements_of: Counter[str] = Counter()  # safetensors dtype (F32, F16, BF16, ...) -> elements
     for file in weights:
@@ -71,7 +70,7 @@ def describe_files(path: str | Path, names: tuple[str, ...], max_model_len: int 
                 tensor, size = f.get_slice(name), 1
                 for dim in tensor.get_shape():
                     size *= dim
-                elements_of[tensor.get_dtype()] += size * _weights_per_element(name, scheme)
+                elements_of[tensor.get_dtype()] += size * weights_per_element(name, scheme)
     quantization = scheme.label if scheme is not None else elements_of.most_common(1)[0][0] if elements_of else "F32"
     return ModelCard(names=names or (model_path.name,), created=int((model_path / "config.json").stat().st_mtime),
                      max_model_len=max_model_len or (config.get("text_config") or config).get(
@@ -81,18 +80,6 @@ def describe_files(path: str | Path, names: tuple[str, ...], max_model_len: int 
                      digest="sha256:" + hashlib.sha256(config_bytes).hexdigest(),
                      quantization=quantization,
                      chat_template=_chat_template(model_path))
-
-
-def _weights_per_element(name: str, scheme: Any) -> int:
-    """Model weights one element of checkpoint tensor `name` stands for: 32 / bits for an
-    AWQ/GPTQ `qweight` word, none for a quantized module's zero points, scales and column
-    groups (quant/scheme.py), one otherwise."""
-    if scheme is None:
-        return 1
-    leaf = name.rpartition(".")[2]
-    if leaf == "qweight":
-        return 32 // scheme.bits
-    return 0 if leaf in ("qzeros", "scales", "g_idx", "weight_scale", "weight_scale_inv", "input_scale") else 1
 
 
 def _chat_template(model_dir: Path) -> str | None:

@@ -1,9 +1,11 @@
 """How much memory a model takes, per device, for the budget: before it loads, an
-estimate from its files (the weights' size on disk, or their element count at the
-run dtype where they are dequantized) plus its KV pool as the engine settings size it;
+estimate from its files (the weights' size on disk where they stay packed: a GGUF's
+or an AWQ/GPTQ/FP8 checkpoint's on CPU; else their element count at the run dtype)
+plus its KV pool as the engine settings size it;
 once loaded, what it holds (weights and KV pool as the executor reports them).
-Reading a model's shape touches its files (config.json, safetensors sizes, a GGUF
-header) but no torch; the sums are plain arithmetic."""
+Reading a model's shape touches its files (config.json, safetensors sizes and, for a
+quantized checkpoint, headers; a GGUF header) but no torch; the sums are plain
+arithmetic."""
 from __future__ import annotations
 
 import functools
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmd.config import EngineConfig
+from llmd.gpu.layers.quant.scheme import config_scheme, weights_per_element
 
 CPU_KV_DEFAULT_CAP = 4 << 30  # as llmd.engine_setup sizes a CPU KV pool with no setting
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -28,6 +31,7 @@ class ModelShape:
     max_position: int
     checkpoint_dtype: str | None
     gguf: bool
+    quantized: bool = False  # an AWQ/GPTQ/FP8 safetensors checkpoint (kept packed on CPU, as a GGUF's)
 
 
 def read_shape(path: str) -> ModelShape:
@@ -53,9 +57,25 @@ def _read_shape(path: str, mtime_ns: int, size: int) -> ModelShape:
     weights = sorted(p.glob("*.safetensors"))
     size = sum(f.stat().st_size for f in weights)
     dtype = str(config.get("torch_dtype") or config.get("dtype") or "") or None
-    return ModelShape(weights_bytes=size, num_params=size // _DTYPE_BYTES.get(dtype or "", 4),
+    scheme = config_scheme(config)
+    if scheme is None:
+        num_params = size // _DTYPE_BYTES.get(dtype or "", 4)
+    else:  # packed words stand for several weights, scales and zero points for none
+        num_params = sum(math.prod(info["shape"]) * weights_per_element(name, scheme)
+                         for file in weights for name, info in _safetensors_header(file).items()
+                         if name != "__metadata__")
+    return ModelShape(weights_bytes=size, num_params=num_params,
                       kv_elements_per_token=2 * text["num_hidden_layers"] * kv_heads * head_dim,
-                      max_position=text.get("max_position_embeddings", 2048), checkpoint_dtype=dtype, gguf=False)
+                      max_position=text.get("max_position_embeddings", 2048), checkpoint_dtype=dtype, gguf=False,
+                      quantized=scheme is not None)
+
+
+def _safetensors_header(path: Path) -> dict:
+    """A safetensors file's header: tensor name -> dtype, shape, offsets (8 bytes of
+    length, little-endian, then that much JSON)."""
+    with path.open("rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(length))
 
 
 def _gguf_shape(p: Path) -> ModelShape:
@@ -96,9 +116,9 @@ def estimate_need(engine: EngineConfig, shape: ModelShape, device_type: str, *, 
     (a CPU KV pool with no size setting takes a share of it); `device_total`: one GPU's
     memory (a CUDA KV pool with no size setting takes gpu_memory_utilization of it)."""
     element = run_dtype_bytes(engine, device_type, shape.checkpoint_dtype)
-    # A GGUF's quantized weights stay packed on CPU (unless dequantize); every other
-    # weight is held at the run dtype.
-    packed = shape.gguf and device_type == "cpu" and not engine.dequantize
+    # A GGUF's or an AWQ/GPTQ/FP8 checkpoint's quantized weights stay packed on CPU
+    # (unless dequantize); every other weight is held at the run dtype.
+    packed = (shape.gguf or shape.quantized) and device_type == "cpu" and not engine.dequantize
     weights = shape.weights_bytes if packed else shape.num_params * element
     tp = engine.tensor_parallel_size
     kv = kv_pool_bytes(engine, shape, device_type, element, available_ram)
