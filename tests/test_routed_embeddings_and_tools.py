@@ -189,7 +189,8 @@ def test_forced_calls_are_written_in_each_models_own_format(daemon):
     response = client.responses.create(
         model="mistral", input=MESSAGES, tool_choice="required", parallel_tool_calls=False, max_output_tokens=120,
         tools=[{"type": "function", "name": "add", "description": "add tool", "parameters": ADD, "strict": False}],
-        extra_body={"seed": 4})
+        extra_body={"seed": 4, "keep_alive": "9m"})
     [item] = response.output
     assert response.model == "mistral" and item.type == "function_call" and item.name == "add"
     jsonschema.validate(json.loads(item.arguments), ADD)
+    assert state(daemon, "mistral")["keep_alive_s"] == 540  # llmd's own keep_alive, as on chat completions
