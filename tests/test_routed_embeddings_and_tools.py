@@ -160,11 +160,15 @@ def test_ollama_embed_loads_with_no_input_and_keep_alive_unloads(daemon, paths):
 
 def test_the_embedding_model_refuses_generation_and_shows_its_capability(daemon):
     olla = ollama_client(daemon.http_sock)
-    assert olla.show("embedder").capabilities == ["embedding"]
+    with Client(daemon.sock) as client:
+        client.unload("embedder")
+    assert olla.show("embedder").capabilities == ["embedding"]  # from its settings, not loaded
     assert "completion" in olla.show("chat").capabilities
     with pytest.raises(ollama.ResponseError) as info:
         olla.generate(model="embedder", prompt="hi")
     assert info.value.status_code == 400 and "task embed" in info.value.error
+    assert state(daemon, "embedder")["state"] == "serving"
+    assert olla.show("embedder").capabilities == ["embedding"]  # loaded: its engine's
     with Client(daemon.sock) as client, pytest.raises(RequestError) as error:
         client.generate("hi", max_tokens=2, model="emb")
     assert error.value.code == "invalid_params" and "task embed" in str(error.value)
