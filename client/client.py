@@ -22,8 +22,9 @@ from typing import Any, Unpack, overload
 from llmd_client.async_client import AsyncClient, AsyncStream
 from llmd_client.errors import ClientTimeout, ConnectionLost, ProtocolError
 from llmd_client.framing import FrameError, MsgpackCodec
-from llmd_client.protocol import (Accepted, ChatMessage, Error, Hello, Metrics, MetricsReply, Output, ServerMessage,
-                                  Status, StatusReply, Submit, Welcome)
+from llmd_client.protocol import (Accepted, ChatMessage, Error, Hello, Load, Metrics, MetricsReply, Models,
+                                  ModelsReply, ModelStatus, Output, ServerMessage, Status, StatusReply, Submit, Unload,
+                                  Welcome)
 from llmd_client.request_args import EmbedInput, RequestArgs, build_embeds, build_submit
 from llmd_client.results import Delta, Embedding, Result, ResultBuilder, embedding_from
 from llmd_client.routing import PendingReply, Router, reply_error
@@ -155,22 +156,26 @@ class Client(Router[deque[Accepted | Output | Error], _PendingReply]):
 
     @overload
     def embed(self, input: str | Sequence[int], *, normalize: bool = True, dimensions: int | None = None,
-              truncate: bool = False, priority: int = 0) -> Embedding: ...
+              truncate: bool = False, priority: int = 0,
+              model: str | None = None, keep_alive: float | str | None = None) -> Embedding: ...
 
     @overload
     def embed(self, input: Sequence[str | Sequence[int]], *, normalize: bool = True, dimensions: int | None = None,
-              truncate: bool = False, priority: int = 0) -> list[Embedding]: ...
+              truncate: bool = False, priority: int = 0,
+              model: str | None = None, keep_alive: float | str | None = None) -> list[Embedding]: ...
 
     def embed(self, input: EmbedInput, *, normalize: bool = True, dimensions: int | None = None,
-              truncate: bool = False, priority: int = 0) -> Embedding | list[Embedding]:
+              truncate: bool = False, priority: int = 0,
+              model: str | None = None, keep_alive: float | str | None = None) -> Embedding | list[Embedding]:
         """The model's pooled final hidden states for `input`: one text (or one list of
         token ids) gives one Embedding, a list of them a list, in order (sent together,
         batched by the daemon). `normalize`: unit vectors (default); `dimensions`: the
         first N components, for Matryoshka models; `truncate`: an input longer than the
-        context keeps its first tokens that fit instead of being refused. Raises
+        context keeps its first tokens that fit instead of being refused; `model`: which
+        model embeds (None: the default), `keep_alive`: how long it stays loaded after. Raises
         RequestError when the daemon refuses or fails an input (the others are aborted)."""
         embeds, single = build_embeds(self._new_id, input, normalize=normalize, dimensions=dimensions,
-                                      truncate=truncate, priority=priority)
+                                      truncate=truncate, priority=priority, model=model, keep_alive=keep_alive)
         self.connect()
         try:
             for embed in embeds:
@@ -202,6 +207,23 @@ class Client(Router[deque[Accepted | Output | Error], _PendingReply]):
         self.connect()
         return self._control(Metrics(), MetricsReply).text
 
+    def models(self) -> list[ModelStatus]:
+        """Every model the daemon can serve: loaded or not, memory, expiry (`llmctl ps`)."""
+        self.connect()
+        return self._control(Models(), ModelsReply).models
+
+    def load(self, model: str | None = None, keep_alive: float | str | None = None) -> ModelStatus:
+        """Load a model (None: the default) and keep it `keep_alive` (seconds or "5m";
+        None: its own); returns once it serves. Raises RequestError "model_not_found"
+        or "model_unavailable" (its load failed, or it cannot fit)."""
+        self.connect()
+        return self._control(Load(model=model, keep_alive=keep_alive), ModelsReply).models[0]
+
+    def unload(self, model: str) -> ModelStatus:
+        """Unload a model once its requests are done; returns once it is unloaded."""
+        self.connect()
+        return self._control(Unload(model=model), ModelsReply).models[0]
+
     # -- internals ----------------------------------------------------------------------
 
     def _submit(self, submit: Submit) -> Accepted:
@@ -226,7 +248,7 @@ class Client(Router[deque[Accepted | Output | Error], _PendingReply]):
                 return inbox.popleft()
             self._receive()
 
-    def _control(self, message: Hello | Status | Metrics, expect: type) -> Any:
+    def _control(self, message: Hello | Status | Metrics | Models | Load | Unload, expect: type) -> Any:
         pending = _PendingReply(expect)
         self._pending.append(pending)
         try:

@@ -6,9 +6,13 @@ from typing import Any
 
 import msgspec
 
+from llmd_client.durations import parse_duration
 from llmd_client.request_params import (  # noqa: F401 (re-exported: what messages carry)
     GUIDED_KINDS, INT32_MAX, MAX_GUIDED_CHOICES, MAX_GUIDED_SPEC_BYTES, MAX_LOGPROBS, WHITESPACE_MODES,
     GuidedDecodingParams, PoolingParams, SamplingParams, check_field, shorten)
+# The status replies (what `llmctl status` and `llmctl ps` show) live beside this module.
+from llmd_client.status_messages import (MemoryInfo, ModelStatus, ModelsReply, RequestInfo, SpecDecodeInfo,  # noqa: F401
+                                         StatusReply)
 
 # -- wire messages ----------------------------------------------------------------------
 # Every frame is a 4-byte big-endian length + msgpack of one tagged Struct below (see
@@ -19,6 +23,7 @@ PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 8 << 20
 MAX_CACHE_SALT_CHARS = 256
 MAX_ID_CHARS = 128  # a request id (a client's own, or the server's) is never longer
+MAX_MODEL_CHARS = 4096  # a model's name (or, where the operator allows them, its path)
 
 
 class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True, kw_only=True):
@@ -57,10 +62,17 @@ class Submit(msgspec.Struct, tag="submit", forbid_unknown_fields=True, kw_only=T
     # equal. The daemon always adds the sender's uid unless its operator shares the
     # cache across users (prefix_cache_scope = "shared").
     cache_salt: str | None = None
+    # Which model answers: one of the names the daemon serves (`llmctl ps`), or its path
+    # where the operator allows paths. None: the daemon's default model.
+    model: str | None = None
+    # How long the model stays loaded once this request is done: seconds, or a duration
+    # such as "5m" (negative: for ever; 0: unload right after). None: the model's own.
+    keep_alive: float | str | None = None
 
     def __post_init__(self) -> None:
         check_field(-INT32_MAX - 1 <= self.priority <= INT32_MAX, "priority",
                f"must be in [{-INT32_MAX - 1}, {INT32_MAX}], got {shorten(self.priority)}")
+        _check_model(self.model, self.keep_alive)
 
 
 class Embed(msgspec.Struct, tag="embed", forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
@@ -75,10 +87,15 @@ class Embed(msgspec.Struct, tag="embed", forbid_unknown_fields=True, kw_only=Tru
     pooling: PoolingParams = msgspec.field(default_factory=PoolingParams)
     truncate: bool = False
     priority: int = 0
+    # As Submit's: which model embeds (None: the default one), and how long it stays
+    # loaded after (Ollama's /api/embed keep_alive).
+    model: str | None = None
+    keep_alive: float | str | None = None
 
     def __post_init__(self) -> None:
         check_field(-INT32_MAX - 1 <= self.priority <= INT32_MAX, "priority",
                f"must be in [{-INT32_MAX - 1}, {INT32_MAX}], got {shorten(self.priority)}")
+        _check_model(self.model, self.keep_alive)
 
 
 class Abort(msgspec.Struct, tag="abort", forbid_unknown_fields=True):
@@ -91,11 +108,44 @@ class Status(msgspec.Struct, tag="status", forbid_unknown_fields=True):
     pass
 
 
+class Models(msgspec.Struct, tag="models", forbid_unknown_fields=True):
+    """List the models this daemon serves, loaded or not (`llmctl ps`)."""
+
+
+class Load(msgspec.Struct, tag="load", forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    """Load a model (None: the default one) and keep it for `keep_alive` (as Submit's);
+    the reply, a ModelsReply naming it, comes once it serves."""
+
+    model: str | None = None
+    keep_alive: float | str | None = None
+
+    def __post_init__(self) -> None:
+        _check_model(self.model, self.keep_alive)
+
+
+class Unload(msgspec.Struct, tag="unload", forbid_unknown_fields=True, kw_only=True):
+    """Unload a model once its requests are done; the reply (a ModelsReply naming it)
+    comes once it is unloaded."""
+
+    model: str
+
+    def __post_init__(self) -> None:
+        _check_model(self.model, None)
+
+
+def _check_model(model: str | None, keep_alive: float | str | None) -> None:
+    if model is not None:
+        check_field(0 < len(model) <= MAX_MODEL_CHARS and "\x00" not in model, "model",
+                    f"must be a name (or path) of 1 to {MAX_MODEL_CHARS} characters")
+    if keep_alive is not None:
+        parse_duration(keep_alive, "keep_alive")
+
+
 class Metrics(msgspec.Struct, tag="metrics", forbid_unknown_fields=True):
     pass
 
 
-ClientMessage = Hello | Submit | Embed | Abort | Status | Metrics
+ClientMessage = Hello | Submit | Embed | Abort | Status | Metrics | Models | Load | Unload
 
 
 class Welcome(msgspec.Struct, tag="welcome", kw_only=True):
@@ -155,7 +205,8 @@ class Output(msgspec.Struct, tag="output", kw_only=True, omit_defaults=True):
 
 class Error(msgspec.Struct, tag="error", kw_only=True, omit_defaults=True):
     """`code` is stable for programs (bad_frame, bad_request, invalid_params, unknown_id,
-    forbidden, too_long, unsupported_version, overloaded, shutting_down, internal);
+    forbidden, too_long, unsupported_version, overloaded, shutting_down, internal,
+    model_not_found, model_unavailable, aborted);
     `message` is for people. `id` names the request it concerns, if any."""
 
     code: str
@@ -163,82 +214,8 @@ class Error(msgspec.Struct, tag="error", kw_only=True, omit_defaults=True):
     id: str | None = None
 
 
-class RequestInfo(msgspec.Struct, kw_only=True):
-    request_id: str
-    uid: int
-    state: str  # waiting, running
-    age_s: float
-    prompt_tokens: int
-    completion_tokens: int
-
-
-class SpecDecodeInfo(msgspec.Struct, kw_only=True):
-    """Speculative decoding since start: steps that verified drafts, drafted and
-    accepted tokens, and how often the draft at each position was accepted."""
-
-    num_drafts: int
-    num_draft_tokens: int
-    num_accepted_tokens: int
-    accepted_per_position: list[int]
-    acceptance_rate: float  # accepted / drafted tokens
-    mean_accepted_length: float  # tokens emitted per verifying step (accepted + 1)
-
-
-class MemoryInfo(msgspec.Struct, kw_only=True):
-    """Where the model's memory goes, in bytes."""
-
-    # The weights (every rank) by how they are kept: a GGUF type such as "Q4_1" (packed),
-    # a dtype such as "float32" (dense), "onednn" (the reordered copies CPU linear
-    # layers multiply with, beside the checkpoint layout).
-    weights: dict[str, int]
-    kv_cache: int  # the KV pool on every rank (on CPU its pages become resident as blocks are written)
-    kv_cache_used: int  # the blocks in use now
-    # The worker processes' resident memory (None: the model runs in the daemon's process).
-    workers_rss: int | None = None
-    # The rest of what holds memory for the model: activations, the runtime, caches. On a
-    # GPU the device memory reserved less weights and the KV pool; on CPU the resident
-    # memory (daemon and workers) less weights and the KV in use.
-    other: int = 0
-
-
-class StatusReply(msgspec.Struct, tag="status_reply", kw_only=True):
-    model: str
-    server_version: str
-    uptime_s: float
-    device: str
-    dtype: str
-    num_running: int
-    num_waiting: int
-    requests: list[RequestInfo]
-    kv_blocks_total: int
-    kv_blocks_used: int
-    kv_usage: float
-    prefix_cache_hit_rate: float
-    generation_tokens_per_s: float
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    requests_finished_total: int
-    rss_bytes: int
-    cpu_percent: float
-    num_preemptions_total: int = 0
-    grammar_compiles_total: int = 0
-    grammar_compile_seconds_total: float = 0.0
-    # Memory the model's device holds (rank 0's torch allocator, reserved); None on CPU.
-    device_memory_bytes: int | None = None
-    memory: MemoryInfo | None = None  # None while loading
-    spec_decode: SpecDecodeInfo | None = None  # None: speculative decoding is off
-    # "loading" the model (requests wait); "serving"; "restarting" a failed worker
-    # (requests wait); "dead" after too many worker failures (requests fail; the daemon
-    # exits); "draining" on the way out.
-    engine_state: str = "serving"
-    engine_restarts: int = 0  # worker failures since start
-    engine_error: str | None = None  # the last worker failure's cause
-    load_progress: float | None = None  # while loading: 0..1
-    load_phase: str | None = None  # while loading: tokenizer, weights, kv cache, cuda graphs, workers
-
-
 class MetricsReply(msgspec.Struct, tag="metrics_reply"):
     text: str  # Prometheus text exposition format
 
 
-ServerMessage = Welcome | Accepted | Output | Error | StatusReply | MetricsReply
+ServerMessage = Welcome | Accepted | Output | Error | StatusReply | MetricsReply | ModelsReply

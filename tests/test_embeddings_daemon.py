@@ -156,7 +156,8 @@ def test_ollama_embed_and_legacy_embeddings(olla, name, reference, tokenizer):
     for text, vector in zip(TEXTS, reply.embeddings):
         assert_close(vector, reference(text), text)
     assert reply.prompt_eval_count == sum(len(tokenizer(t).input_ids) for t in TEXTS)
-    assert reply.total_duration > 0 and reply.load_duration == 0
+    # The model serves already: load_duration is the (short) wait for it, within the total.
+    assert reply.total_duration > 0 and 0 <= reply.load_duration <= reply.total_duration
     single = olla.embed(model=f"{name}:latest", input=TEXTS[0], dimensions=32)
     assert_close(single.embeddings[0], reference(TEXTS[0], dimensions=32), "ollama dimensions")
     assert_close(olla.embed(model=name, input=TEXTS[0], dimensions=0).embeddings[0], reference(TEXTS[0]),

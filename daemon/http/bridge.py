@@ -9,8 +9,10 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from llmd.actors.intake import IntakeActor
+from aiohttp import web
+
 from llmd.actors.request_sink import RequestSink
+from llmd.http.context import MODEL_LEASE
 from llmd.http.errors import ApiError, from_intake
 from llmd.input_processor import PreparedRequest
 from llmd_client.protocol import Embed, Error, Output, Submit
@@ -40,16 +42,19 @@ class Admitted:
 
 
 class Generation:
-    """`async with Generation(intake, uid) as gen:` then `await gen.admit(submits)` and
-    `async for slot, output in gen`. The iteration ends when every request has sent its
-    last output (the one carrying usage). `view`, when given, is what the handler sees
-    of each output; `first_token_at` holds when each slot's first token came (monotonic)."""
+    """`async with Generation(request) as gen:` then `await gen.admit(submits)` and
+    `async for slot, output in gen`: the request's engine requests, on the model its
+    handler took (llmd.http.context.served_model), for the client's uid. The iteration
+    ends when every request has sent its last output (the one carrying usage). `view`,
+    when given, is what the handler sees of each output; `first_token_at` holds when
+    each slot's first token came (monotonic)."""
 
-    def __init__(self, intake: IntakeActor, uid: int, *, params: dict[str, str] | None = None,
+    def __init__(self, request: web.Request, *, params: dict[str, str] | None = None,
                  strict_max_tokens: bool = True, num_ctx: int | None = None,
                  view: Callable[[Output], Output] | None = None) -> None:
-        self.intake = intake
-        self.uid = uid
+        self.intake = request.app["intake"]
+        self.uid = request["uid"]
+        self.lease = request.get(MODEL_LEASE)
         self.params = params
         self.strict_max_tokens = strict_max_tokens
         self.num_ctx = num_ctx
@@ -74,7 +79,7 @@ class Generation:
         for slot, submit in enumerate(submits):
             sink = HttpSink(self.queue, slot)
             result = await self.intake.admit(submit, self.uid, sink, strict_max_tokens=self.strict_max_tokens,
-                                             num_ctx=self.num_ctx)
+                                             num_ctx=self.num_ctx, lease=self.lease)
             if isinstance(result, Error):
                 raise from_intake(result, self.params)
             self.admitted.append(Admitted(slot, sink.request_id, result))

@@ -16,6 +16,10 @@ as Ollama's do.
   (`options.num_ctx`, at most max_model_len); no input at all loads the model (an empty
   list back), as Ollama answers it. `/api/embeddings` (`prompt` -> `embedding`) returns
   the vector as pooled, not normalized, and refuses what does not fit, as Ollama's does.
+
+`model` names the model that embeds (loaded first if need be, as for generation; a
+model table may serve one with `task = "embed"`); Ollama's `keep_alive` (and llmd's own
+on OpenAI's endpoint) says how long it stays loaded after.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ import msgspec
 from aiohttp import web
 
 from llmd.http.bridge import Generation, raise_for_error
-from llmd.http.context import ServedModel, decode_body
+from llmd.http.context import decode_body, served_model
 from llmd.http.errors import ApiError
 from llmd.http.keep_alive import parse_keep_alive
 from llmd.http.ollama_api import Options, num_ctx_of
@@ -44,6 +48,8 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
+    # llmd's own (Ollama's keep_alive): how long the model stays loaded once idle.
+    keep_alive: str | int | float | None = None
 
 
 class EmbedRequest(msgspec.Struct, kw_only=True):
@@ -73,7 +79,7 @@ async def _embed(request: web.Request, inputs: list[str | list[int]], pooling: P
     embeds = [Embed(prompt=i, pooling=pooling, truncate=truncate) if isinstance(i, str) else
               Embed(token_ids=i, pooling=pooling, truncate=truncate) for i in inputs]
     params = {"prompt": field, "token_ids": field}
-    async with Generation(request.app["intake"], request["uid"], params=params, num_ctx=num_ctx) as gen:
+    async with Generation(request, params=params, num_ctx=num_ctx) as gen:
         try:
             await gen.admit(embeds)
         except ApiError as exc:
@@ -130,11 +136,10 @@ def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:
 
 
 async def embeddings(request: web.Request) -> web.Response:
-    served: ServedModel = request.app["served"]
     body = await decode_body(request, EmbeddingRequest)
-    served.check(body.model)
-    pooling = _pooling(body.dimensions, normalize=True)
-    outputs = await _embed(request, _openai_inputs(body.input), pooling, field="input")
+    inputs, pooling = _openai_inputs(body.input), _pooling(body.dimensions, normalize=True)
+    served = await served_model(request, body.model, parse_keep_alive(body.keep_alive))
+    outputs = await _embed(request, inputs, pooling, field="input")
     prompt_tokens = sum(out.usage.prompt_tokens for out in outputs)
     data = [{"object": "embedding", "index": i, "embedding": _encoded(out.embedding, body.encoding_format)}
             for i, out in enumerate(outputs)]
@@ -152,41 +157,34 @@ def _pooling(dimensions: int | None, *, normalize: bool) -> PoolingParams:
 # -- Ollama ------------------------------------------------------------------------------
 
 async def embed(request: web.Request) -> web.Response:
-    served: ServedModel = request.app["served"]
     started = time.monotonic()
     body = await decode_body(request, EmbedRequest)
-    served.check(body.model)
-    seconds = parse_keep_alive(body.keep_alive) if body.keep_alive is not None else None
     inputs: list[str] = [body.input] if isinstance(body.input, str) else list(body.input or [])
     if inputs == [""]:
         inputs = []  # an empty string loads the model, as no input does
     for i, text in enumerate(inputs):
         if not text:
             raise ApiError(400, f"input[{i}] must not be empty", param="input")
+    # Ollama reads dimensions 0 as not given (Go's zero value).
+    pooling = _pooling(body.dimensions or None, normalize=True)
+    # No input: the model is loaded and kept for keep_alive (0: unloaded once answered).
+    served = await served_model(request, body.model, parse_keep_alive(body.keep_alive))
+    loaded = time.monotonic()
     num_ctx = num_ctx_of(body.options, served)
-    try:
-        # Ollama reads dimensions 0 as not given (Go's zero value).
-        pooling = _pooling(body.dimensions or None, normalize=True)
-        outputs = [] if not inputs else await _embed(request, inputs, pooling, field="input", truncate=body.truncate,
-                                                      num_ctx=num_ctx)
-    finally:
-        request.app["keep_alive"].record(seconds)
+    outputs = [] if not inputs else await _embed(request, inputs, pooling, field="input", truncate=body.truncate,
+                                                  num_ctx=num_ctx)
     return json_response({"model": body.model, "embeddings": [out.embedding for out in outputs],
-                          "total_duration": int((time.monotonic() - started) * 1e9), "load_duration": 0,
+                          "total_duration": int((time.monotonic() - started) * 1e9),
+                          "load_duration": int((loaded - started) * 1e9),
                           "prompt_eval_count": sum(out.usage.prompt_tokens for out in outputs)})
 
 
 async def legacy_embeddings(request: web.Request) -> web.Response:
-    served: ServedModel = request.app["served"]
     body = await decode_body(request, LegacyEmbeddingsRequest)
-    served.check(body.model)
-    seconds = parse_keep_alive(body.keep_alive) if body.keep_alive is not None else None
+    served = await served_model(request, body.model, parse_keep_alive(body.keep_alive))
     num_ctx = num_ctx_of(body.options, served)
-    try:
-        outputs = [] if not body.prompt else await _embed(request, [body.prompt], PoolingParams(normalize=False),
-                                                           field="prompt", num_ctx=num_ctx)
-    finally:
-        request.app["keep_alive"].record(seconds)
+    outputs = [] if not body.prompt else await _embed(request, [body.prompt], PoolingParams(normalize=False),
+                                                       field="prompt", num_ctx=num_ctx)
     return json_response({"embedding": outputs[0].embedding if outputs else []})
 
 

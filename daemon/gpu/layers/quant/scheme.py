@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, NoReturn
 
 METHODS = ("awq", "gptq", "fp8", "compressed-tensors")
@@ -63,6 +64,26 @@ class FP8Scheme:
 
 
 QuantScheme = IntGroupScheme | FP8Scheme
+# A quantized module's tensors beside its weight: zero points, scales, column groups.
+_NOT_WEIGHTS = ("qzeros", "scales", "g_idx", "weight_scale", "weight_scale_inv", "input_scale")
+
+
+def weights_per_element(name: str, scheme: QuantScheme | None) -> int:
+    """Model weights one element of checkpoint tensor `name` stands for: 32 / bits for an
+    AWQ/GPTQ `qweight` word, none for a quantized module's zero points, scales and column
+    groups, one otherwise (what a listing or a memory estimate counts as parameters)."""
+    if scheme is None:
+        return 1
+    leaf = name.rpartition(".")[2]
+    if leaf == "qweight":
+        return 32 // scheme.bits
+    return 0 if leaf in _NOT_WEIGHTS else 1
+
+
+def config_scheme(config: Mapping[str, Any]) -> QuantScheme | None:
+    """quant_scheme of a config.json read as a dict (no transformers config needed)."""
+    return quant_scheme(SimpleNamespace(quantization_config=config.get("quantization_config"),
+                                        compression_config=config.get("compression_config")))
 
 
 def _refuse(field: str, value: Any, why: str) -> NoReturn:
