@@ -237,3 +237,16 @@ def attach_gguf_kernels(model: torch.nn.Module, dtype: torch.dtype) -> int:
             if passes and use_x16(module.weight, table, module.in_features, ops):
                 module.read_rows = x16_row_reader(module, ops)
     return count
+
+
+def main() -> int:
+    """`python -m llmd.gpu.layers.cpu.cpu_kernels`: build the kernels now (make setup/test
+    do, so no daemon start and no test waits on the compiler); 1 if they cannot be."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    built = _load()
+    logger.info("llmd's CPU kernels: %s", "ready" if built else "unavailable (the torch paths run)")
+    return 0 if built else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
