@@ -85,13 +85,19 @@ else:
               enable_prefix_caching=False, num_gpu_blocks_override=(prompt_len + tokens) // 16 + 4, **settings)
     vocab = llm.engine.vocab_size
     prompt = [rng.randrange(100, vocab) for _ in range(prompt_len)]
-    def timed(n):
+    def run(n, ident):  # one request stepped here: the first token's time, then the rest's
+        engine = llm.engine
         start = time.perf_counter()
-        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-        return time.perf_counter() - start
-    timed(4)  # warm-up
-    ttft = timed(1)
-    decode = timed(tokens + 1) - ttft
+        engine.add_request(ident, prompt, SamplingParams(temperature=0, max_tokens=n + 1, ignore_eos=True))
+        first = None
+        while True:
+            outs = engine.step()
+            if first is None and any(o.outputs[0].token_ids for o in outs):
+                first = time.perf_counter()
+            if any(o.finished for o in outs):
+                return first - start, time.perf_counter() - first
+    run(4, "warm-up")
+    ttft, decode = run(tokens, "timed")
 print(json.dumps({"engine": engine, "ttft_s": ttft, "decode_tok_s": tokens / decode,
                   "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
