@@ -70,9 +70,7 @@ class Submit(msgspec.Struct, tag="submit", forbid_unknown_fields=True, kw_only=T
     keep_alive: float | str | None = None
 
     def __post_init__(self) -> None:
-        check_field(-INT32_MAX - 1 <= self.priority <= INT32_MAX, "priority",
-               f"must be in [{-INT32_MAX - 1}, {INT32_MAX}], got {shorten(self.priority)}")
-        _check_model(self.model, self.keep_alive)
+        _check_queueing(self.priority, self.model, self.keep_alive)
 
 
 class Embed(msgspec.Struct, tag="embed", forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
@@ -93,9 +91,7 @@ class Embed(msgspec.Struct, tag="embed", forbid_unknown_fields=True, kw_only=Tru
     keep_alive: float | str | None = None
 
     def __post_init__(self) -> None:
-        check_field(-INT32_MAX - 1 <= self.priority <= INT32_MAX, "priority",
-               f"must be in [{-INT32_MAX - 1}, {INT32_MAX}], got {shorten(self.priority)}")
-        _check_model(self.model, self.keep_alive)
+        _check_queueing(self.priority, self.model, self.keep_alive)
 
 
 class Abort(msgspec.Struct, tag="abort", forbid_unknown_fields=True):
@@ -131,6 +127,13 @@ class Unload(msgspec.Struct, tag="unload", forbid_unknown_fields=True, kw_only=T
 
     def __post_init__(self) -> None:
         _check_model(self.model, None)
+
+
+def _check_queueing(priority: int, model: str | None, keep_alive: float | str | None) -> None:
+    """The fields Submit and Embed share: where the request queues and which model it asks for."""
+    check_field(-INT32_MAX - 1 <= priority <= INT32_MAX, "priority",
+                f"must be in [{-INT32_MAX - 1}, {INT32_MAX}], got {shorten(priority)}")
+    _check_model(model, keep_alive)
 
 
 def _check_model(model: str | None, keep_alive: float | str | None) -> None:
