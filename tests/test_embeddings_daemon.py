@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 
 from daemon_util import LLMD, Daemon, RawConn
 from hf_ref import hf_model
-from http_clients import client, http, http_client, http_socket, ollama_client  # noqa: F401 (fixtures)
+from http_clients import client, http, http_client, http_socket, olla, ollama_client  # noqa: F401 (fixtures)
 from llmd_client import AsyncClient, Client, RequestError
 from llmd_tools.make_model import fixture_path
 
@@ -56,11 +56,6 @@ def daemon(model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def name(client) -> str:
     return client.models.list().data[0].id
-
-
-@pytest.fixture(scope="module")
-def olla(daemon) -> ollama.Client:
-    return ollama_client(daemon.http_sock)
 
 
 @pytest.fixture(scope="module")
