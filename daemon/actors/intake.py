@@ -160,8 +160,7 @@ class IntakeActor(Actor):
         client_id = sink.client_id
         model = lease.model
         if not lease.valid:  # its model failed since the lease was taken
-            return Error(code="model_unavailable", id=client_id,
-                         message=f"model {model.name} failed; send the request again to load it afresh")
+            return _model_failed(model.name, client_id)
         processor: InputProcessor = model.input_processor
         chars = _prompt_chars(submit)
         truncating = isinstance(submit, Embed) and submit.truncate  # its text is cut before tokenizing
@@ -173,8 +172,7 @@ class IntakeActor(Actor):
         if isinstance(prepared, Error):
             return msgspec.structs.replace(prepared, id=client_id)
         if not lease.valid:  # its model failed while the prompt was tokenized
-            return Error(code="model_unavailable", id=client_id,
-                         message=f"model {model.name} failed; send the request again to load it afresh")
+            return _model_failed(model.name, client_id)
         tokens = len(prepared.token_ids) * len(prepared.children)
         refusal = self.quotas.charge_tokens(uid, tokens) if sink.wanted else "gone"
         if refusal is not None:
@@ -355,6 +353,11 @@ def _template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 def _keep_alive(submit: Submit | Embed) -> float | None:
     return None if submit.keep_alive is None else parse_duration(submit.keep_alive)
+
+
+def _model_failed(name: str, client_id: str | None) -> Error:
+    return Error(code="model_unavailable", id=client_id,
+                 message=f"model {name} failed; send the request again to load it afresh")
 
 
 def _prompt_chars(submit: Submit | Embed) -> int:
