@@ -27,6 +27,7 @@ demo: model
 	$(BIN)/python -m llmd_tools.demo
 
 test: setup
+	-$(BIN)/python -m llmd.gpu.layers.cpu.cpu_kernels
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 bench: setup

@@ -9,13 +9,13 @@ from llmd_client.async_client import AsyncClient, AsyncStream
 from llmd_client.client import Client, Stream
 from llmd_client.errors import (ClientTimeout, ConnectionLost, DaemonNotRunning, LlmdError, ProtocolError,
                                 RequestError)
-from llmd_client.protocol import ChatMessage, GuidedDecodingParams, SamplingParams, StatusReply, Usage
-from llmd_client.results import Completion, Delta, Result
+from llmd_client.protocol import ChatMessage, GuidedDecodingParams, PoolingParams, SamplingParams, StatusReply, Usage
+from llmd_client.results import Completion, Delta, Embedding, Result
 from llmd_client.socket_path import default_socket_path
 
 __all__ = [
     "AsyncClient", "AsyncStream", "ChatMessage", "Client", "ClientTimeout", "Completion", "ConnectionLost",
-    "DaemonNotRunning", "Delta", "GuidedDecodingParams", "LlmdError", "ProtocolError", "RequestError", "Result",
-    "SamplingParams",
+    "DaemonNotRunning", "Delta", "Embedding", "GuidedDecodingParams", "LlmdError", "PoolingParams", "ProtocolError",
+    "RequestError", "Result", "SamplingParams",
     "StatusReply", "Stream", "Usage", "default_socket_path",
 ]

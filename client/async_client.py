@@ -10,15 +10,16 @@ generate/stream calls may run concurrently on one AsyncClient.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Unpack
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Unpack, overload
 
 from llmd_client.errors import ConnectionLost, LlmdError, ProtocolError
 from llmd_client.framing import FrameError, MsgpackCodec
-from llmd_client.protocol import (Accepted, ChatMessage, Error, Hello, Metrics, MetricsReply, Output, ServerMessage,
-                                  Status, StatusReply, Submit, Welcome)
-from llmd_client.request_args import RequestArgs, build_submit
-from llmd_client.results import Delta, Result, ResultBuilder
+from llmd_client.protocol import (Accepted, ChatMessage, Embed, Error, Hello, Load, Metrics, MetricsReply, Models,
+                                  ModelsReply, ModelStatus, Output, ServerMessage, Status, StatusReply, Submit, Unload,
+                                  Welcome)
+from llmd_client.request_args import EmbedInput, RequestArgs, build_embeds, build_submit
+from llmd_client.results import Delta, Embedding, Result, ResultBuilder, embedding_from
 from llmd_client.routing import PendingReply, Router, reply_error
 from llmd_client.socket_path import connect_error, default_socket_path
 from llmd_client.streaming import RequestStream
@@ -54,6 +55,9 @@ class AsyncClient(Router[asyncio.Queue[_Item], _PendingFuture]):
         self._codec = MsgpackCodec(ServerMessage)
         self._reader_task: asyncio.Task[None] | None = None
         self._connect_lock = asyncio.Lock()
+        # Models, Load and Unload all answer a ModelsReply, Load and Unload once done:
+        # one at a time, so each reply meets its own call.
+        self._model_controls = asyncio.Lock()
 
     # -- connection ---------------------------------------------------------------------
 
@@ -119,6 +123,42 @@ class AsyncClient(Router[asyncio.Queue[_Item], _PendingFuture]):
     async def chat(self, messages: Iterable[ChatMessage | Mapping[str, Any]], **kwargs: Any) -> Result:
         return await self.generate(messages=messages, **kwargs)
 
+    @overload
+    async def embed(self, input: str | Sequence[int], *, normalize: bool = True, dimensions: int | None = None,
+                    truncate: bool = False, priority: int = 0,
+                    model: str | None = None, keep_alive: float | str | None = None) -> Embedding: ...
+
+    @overload
+    async def embed(self, input: Sequence[str | Sequence[int]], *, normalize: bool = True,
+                    dimensions: int | None = None, truncate: bool = False, priority: int = 0,
+                    model: str | None = None, keep_alive: float | str | None = None) -> list[Embedding]: ...
+
+    async def embed(self, input: EmbedInput, *, normalize: bool = True, dimensions: int | None = None,
+                    truncate: bool = False, priority: int = 0,
+                    model: str | None = None, keep_alive: float | str | None = None) -> Embedding | list[Embedding]:
+        """Embeddings as Client.embed; the inputs run concurrently, and a failure (or a
+        cancellation) aborts those still running."""
+        embeds, single = build_embeds(self._new_id, input, normalize=normalize, dimensions=dimensions,
+                                      truncate=truncate, priority=priority, model=model, keep_alive=keep_alive)
+        await self._ensure_connected()
+        tasks = [asyncio.ensure_future(self._embed_one(embed)) for embed in embeds]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:  # the first failure is raised; the others are aborted
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks)
+            for task in tasks:
+                if not task.cancelled():
+                    task.exception()  # retrieved: asyncio would log it as never retrieved
+            raise
+        return results[0] if single else results
+
+    async def _embed_one(self, embed: Embed) -> Embedding:
+        accepted = await self._submit(embed)
+        with self._abandoned_on_error(accepted.id):
+            return embedding_from(accepted, await self._next_output(accepted.id))
+
     async def abort(self, request_id: str) -> None:
         """Abort a request by its server id; errors as for Client.abort."""
         await self._ensure_connected()
@@ -134,13 +174,31 @@ class AsyncClient(Router[asyncio.Queue[_Item], _PendingFuture]):
         await self._ensure_connected()
         return (await self._control(Metrics(), MetricsReply)).text
 
+    async def models(self) -> list[ModelStatus]:
+        """As Client.models."""
+        await self._ensure_connected()
+        async with self._model_controls:
+            return (await self._control(Models(), ModelsReply)).models
+
+    async def load(self, model: str | None = None, keep_alive: float | str | None = None) -> ModelStatus:
+        """As Client.load."""
+        await self._ensure_connected()
+        async with self._model_controls:
+            return (await self._control(Load(model=model, keep_alive=keep_alive), ModelsReply)).models[0]
+
+    async def unload(self, model: str) -> ModelStatus:
+        """As Client.unload."""
+        await self._ensure_connected()
+        async with self._model_controls:
+            return (await self._control(Unload(model=model), ModelsReply)).models[0]
+
     # -- internals ----------------------------------------------------------------------
 
     async def _ensure_connected(self) -> None:
         if self._writer is None or self.welcome is None:
             await self.connect()
 
-    async def _submit(self, submit: Submit) -> Accepted:
+    async def _submit(self, submit: Submit | Embed) -> Accepted:
         await self._ensure_connected()
         assert submit.id is not None
         self._inboxes[submit.id] = asyncio.Queue()
@@ -162,7 +220,7 @@ class AsyncClient(Router[asyncio.Queue[_Item], _PendingFuture]):
             raise item
         return item
 
-    async def _control(self, message: Hello | Status | Metrics, expect: type) -> Any:
+    async def _control(self, message: Hello | Status | Metrics | Models | Load | Unload, expect: type) -> Any:
         self._send(message)  # first: a send that fails leaves no future behind
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending.append(_PendingFuture(expect, future))

@@ -5,6 +5,7 @@
         print(llm.generate("The capital of France is", max_tokens=8).text)
         for delta in llm.stream("Once upon a time", max_tokens=64):
             print(delta.text, end="", flush=True)
+        vectors = [e.embedding for e in llm.embed(["first text", "second text"])]
 
 A Client is meant for one thread (several of its streams may be interleaved there);
 use AsyncClient, or one Client per thread, for concurrency.
@@ -15,16 +16,17 @@ import errno
 import socket as socketlib
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, Unpack
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, Unpack, overload
 
 from llmd_client.async_client import AsyncClient, AsyncStream
 from llmd_client.errors import ClientTimeout, ConnectionLost, ProtocolError
 from llmd_client.framing import FrameError, MsgpackCodec
-from llmd_client.protocol import (Accepted, ChatMessage, Error, Hello, Metrics, MetricsReply, Output, ServerMessage,
-                                  Status, StatusReply, Submit, Welcome)
-from llmd_client.request_args import RequestArgs, build_submit
-from llmd_client.results import Delta, Result, ResultBuilder
+from llmd_client.protocol import (Accepted, ChatMessage, Error, Hello, Load, Metrics, MetricsReply, Models,
+                                  ModelsReply, ModelStatus, Output, ServerMessage, Status, StatusReply, Submit, Unload,
+                                  Welcome)
+from llmd_client.request_args import EmbedInput, RequestArgs, build_embeds, build_submit
+from llmd_client.results import Delta, Embedding, Result, ResultBuilder, embedding_from
 from llmd_client.routing import PendingReply, Router, reply_error
 from llmd_client.socket_path import connect_error, default_socket_path
 from llmd_client.streaming import RequestStream
@@ -152,6 +154,41 @@ class Client(Router[deque[Accepted | Output | Error], _PendingReply]):
         """generate() for a conversation: [{"role": "user", "content": "..."}, ...]."""
         return self.generate(messages=messages, **kwargs)
 
+    @overload
+    def embed(self, input: str | Sequence[int], *, normalize: bool = True, dimensions: int | None = None,
+              truncate: bool = False, priority: int = 0,
+              model: str | None = None, keep_alive: float | str | None = None) -> Embedding: ...
+
+    @overload
+    def embed(self, input: Sequence[str | Sequence[int]], *, normalize: bool = True, dimensions: int | None = None,
+              truncate: bool = False, priority: int = 0,
+              model: str | None = None, keep_alive: float | str | None = None) -> list[Embedding]: ...
+
+    def embed(self, input: EmbedInput, *, normalize: bool = True, dimensions: int | None = None,
+              truncate: bool = False, priority: int = 0,
+              model: str | None = None, keep_alive: float | str | None = None) -> Embedding | list[Embedding]:
+        """The model's pooled final hidden states for `input`: one text (or one list of
+        token ids) gives one Embedding, a list of them a list, in order (sent together,
+        batched by the daemon). `normalize`: unit vectors (default); `dimensions`: the
+        first N components, for Matryoshka models; `truncate`: an input longer than the
+        context keeps its first tokens that fit instead of being refused; `model`: which
+        model embeds (None: the default), `keep_alive`: how long it stays loaded after. Raises
+        RequestError when the daemon refuses or fails an input (the others are aborted)."""
+        embeds, single = build_embeds(self._new_id, input, normalize=normalize, dimensions=dimensions,
+                                      truncate=truncate, priority=priority, model=model, keep_alive=keep_alive)
+        self.connect()
+        try:
+            for embed in embeds:
+                self._inboxes[embed.id] = deque()
+                self._send(embed)
+            results = [embedding_from(self._accepted(e.id, self._next_message(e.id)), self._next_output(e.id))
+                       for e in embeds]
+        except BaseException:
+            for embed in embeds:
+                self._abandon(embed.id)
+            raise
+        return results[0] if single else results
+
     def abort(self, request_id: str) -> None:
         """Abort a request by its server id (Result.request_id, Stream.request_id, or
         one listed by status()). Raises RequestError "unknown_id" when there is no such
@@ -169,6 +206,23 @@ class Client(Router[deque[Accepted | Output | Error], _PendingReply]):
         """The daemon's metrics in Prometheus text format."""
         self.connect()
         return self._control(Metrics(), MetricsReply).text
+
+    def models(self) -> list[ModelStatus]:
+        """Every model the daemon can serve: loaded or not, memory, expiry (`llmctl ps`)."""
+        self.connect()
+        return self._control(Models(), ModelsReply).models
+
+    def load(self, model: str | None = None, keep_alive: float | str | None = None) -> ModelStatus:
+        """Load a model (None: the default) and keep it `keep_alive` (seconds or "5m";
+        None: its own); returns once it serves. Raises RequestError "model_not_found"
+        or "model_unavailable" (its load failed, or it cannot fit)."""
+        self.connect()
+        return self._control(Load(model=model, keep_alive=keep_alive), ModelsReply).models[0]
+
+    def unload(self, model: str) -> ModelStatus:
+        """Unload a model once its requests are done; returns once it is unloaded."""
+        self.connect()
+        return self._control(Unload(model=model), ModelsReply).models[0]
 
     # -- internals ----------------------------------------------------------------------
 
@@ -194,7 +248,7 @@ class Client(Router[deque[Accepted | Output | Error], _PendingReply]):
                 return inbox.popleft()
             self._receive()
 
-    def _control(self, message: Hello | Status | Metrics, expect: type) -> Any:
+    def _control(self, message: Hello | Status | Metrics | Models | Load | Unload, expect: type) -> Any:
         pending = _PendingReply(expect)
         self._pending.append(pending)
         try:

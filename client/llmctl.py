@@ -1,4 +1,5 @@
-"""`llmctl`: talk to a running llmd from the shell.
+"""`llmctl`: talk to a running llmd from the shell (the model commands, `ps`, `load`
+and `unload`, are in llmctl_models.py).
 
 Exit codes: 0 ok, 1 the daemon refused or failed the request, 2 usage error,
 3 the daemon is not running, 4 the request was aborted (`llmctl abort` from elsewhere,
@@ -10,44 +11,18 @@ from __future__ import annotations
 import itertools
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import IO, Any
 
 import click
 import msgspec
 
+from llmd_client.cli_errors import EXIT_ABORTED, EXIT_GUIDED_CUT, EXIT_REQUEST_ERROR, exit_codes
 from llmd_client.client import Client
-from llmd_client.errors import DaemonNotRunning, LlmdError
+from llmd_client.durations import parse_duration
+from llmd_client.llmctl_models import load, ps, unload
 from llmd_client.protocol import GuidedDecodingParams, SamplingParams
 from llmd_client.results import Result
 from llmd_client.status_view import format_status
-
-EXIT_REQUEST_ERROR = 1
-EXIT_NOT_RUNNING = 3
-EXIT_ABORTED = 4
-EXIT_GUIDED_CUT = 5
-EXIT_INTERRUPTED = 130
-
-
-@contextmanager
-def _exit_codes(interrupted_line: list[bool] | None = None) -> Iterator[None]:
-    """Turn expected failures into one line on stderr and an exit code, never a traceback.
-    `interrupted_line[0]` says a streamed line is open on stdout (it gets its newline)."""
-    ctx = click.get_current_context()
-    try:
-        yield
-    except (LlmdError, KeyboardInterrupt) as exc:
-        if interrupted_line and interrupted_line[0]:
-            click.echo()
-        if isinstance(exc, KeyboardInterrupt):
-            ctx.exit(EXIT_INTERRUPTED)
-        if isinstance(exc, DaemonNotRunning):
-            click.echo(f"llmctl: {exc.message}", err=True)
-            ctx.exit(EXIT_NOT_RUNNING)
-        click.echo(f"llmctl: {exc.code}: {exc.message}", err=True)
-        ctx.exit(EXIT_REQUEST_ERROR)
-
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="llmd", prog_name="llmctl", message="%(prog)s %(version)s")
@@ -126,28 +101,39 @@ def sampling_from(flags: dict[str, Any], **defaults: Any) -> SamplingParams:
         raise click.BadParameter(str(exc), param_hint=f"--{field.replace('_', '-')}") from None
 
 
+def model_options(func):
+    """--model and --keep-alive: which model answers, and how long it stays loaded."""
+    func = click.option("--keep-alive", metavar="DURATION",
+                        help='How long the model stays loaded after this request: seconds or e.g. "5m" '
+                             "(negative: for ever; 0: unload right after) [default: the model's own].")(func)
+    return click.option("--model", "-m", metavar="NAME", help="The model to ask (`llmctl ps` lists them) "
+                                                              "[default: the daemon's default model].")(func)
+
+
 @cli.command()
 @click.argument("prompt", required=False)
 @click.option("--file", "-f", type=click.File("r"), help="Read the prompt from a file (- for stdin).")
 @click.option("--n", "n", type=int, help="Number of samples.")
+@model_options
 @sampling_options
 @click.option("--stream/--no-stream", default=None,
               help="Print text as it is generated [default: when stdout is a terminal].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object when done.")
 @click.pass_context
 def submit(ctx: click.Context, prompt: str | None, file: IO[str] | None, n: int | None, stream: bool | None,
-           as_json: bool, **flags: Any) -> None:
+           as_json: bool, model: str | None, keep_alive: str | None, **flags: Any) -> None:
     """Generate a completion of PROMPT (or of --file, or of stdin)."""
     params = sampling_from({**flags, "n": n})
+    which = _model_args(model, keep_alive)
     text = _read_prompt(prompt, file)
     if stream is None:
         stream = sys.stdout.isatty()
     line_open = [False]
-    with _exit_codes(line_open), Client(ctx.obj) as client:
+    with exit_codes(line_open), Client(ctx.obj) as client:
         if stream and not as_json and params.n == 1:
             out = sys.stdout
             error = finish_reason = None
-            for delta in client.stream(text, sampling=params):
+            for delta in client.stream(text, sampling=params, **which):
                 if delta.text:
                     out.write(delta.text)
                     out.flush()
@@ -157,7 +143,7 @@ def submit(ctx: click.Context, prompt: str | None, file: IO[str] | None, n: int 
             click.echo()
             _exit_for_outcome(ctx, [finish_reason], error, params.guided is not None)
             return
-        result = client.generate(text, sampling=params)
+        result = client.generate(text, sampling=params, **which)
         if as_json:
             click.echo(msgspec.json.encode(_result_json(result)).decode())
         elif len(result.outputs) == 1:
@@ -172,15 +158,17 @@ def submit(ctx: click.Context, prompt: str | None, file: IO[str] | None, n: int 
 
 @cli.command()
 @click.option("--system", help="A system message opening the conversation.")
+@model_options
 @sampling_options
 @click.pass_context
-def chat(ctx: click.Context, system: str | None, **flags: Any) -> None:
+def chat(ctx: click.Context, system: str | None, model: str | None, keep_alive: str | None, **flags: Any) -> None:
     """Chat with the model: one line per turn, replies streamed; the conversation is kept.
     Ctrl-C stops the reply being written (the turn is dropped), Ctrl-D or /quit leaves."""
     params = sampling_from(flags, max_tokens=None)
+    which = _model_args(model, keep_alive)
     messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     tty = sys.stdin.isatty()
-    with _exit_codes(), Client(ctx.obj) as client:
+    with exit_codes(), Client(ctx.obj) as client:
         while True:
             try:
                 line = input("> ") if tty else sys.stdin.readline()
@@ -192,17 +180,18 @@ def chat(ctx: click.Context, system: str | None, **flags: Any) -> None:
             if not line.strip():
                 continue
             messages.append({"role": "user", "content": line.rstrip("\n")})
-            reply = _chat_turn(client, messages, params)
+            reply = _chat_turn(client, messages, params, which)
             if reply is None:
                 messages.pop()  # interrupted: this turn never happened
             else:
                 messages.append({"role": "assistant", "content": reply})
 
 
-def _chat_turn(client: Client, messages: list[dict[str, str]], params: SamplingParams) -> str | None:
+def _chat_turn(client: Client, messages: list[dict[str, str]], params: SamplingParams,
+               which: dict[str, Any]) -> str | None:
     """Stream one reply; None when Ctrl-C cut it short (the request is aborted)."""
     parts: list[str] = []
-    stream = client.stream(messages=messages, sampling=params)
+    stream = client.stream(messages=messages, sampling=params, **which)
     try:
         for delta in stream:
             if delta.text:
@@ -218,6 +207,16 @@ def _chat_turn(client: Client, messages: list[dict[str, str]], params: SamplingP
         return None
     click.echo()
     return "".join(parts)
+
+
+def _model_args(model: str | None, keep_alive: str | None) -> dict[str, Any]:
+    """The request's model and keep_alive (checked here: a usage error names the flag)."""
+    if keep_alive is not None:
+        try:
+            parse_duration(keep_alive)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc).removeprefix("keep_alive "), param_hint="--keep-alive") from None
+    return {"model": model, "keep_alive": keep_alive}
 
 
 def _guided_params(json_schema: IO[str] | None, json_object: bool, regex: str | None, choice: str | None,
@@ -272,11 +271,40 @@ def _result_json(result: Result) -> dict[str, Any]:
 
 
 @cli.command()
+@click.argument("texts", nargs=-1, metavar="[TEXT]...")
+@click.option("--file", "-f", type=click.File("r"), help="Embed the text of a file (- for stdin).")
+@click.option("--dimensions", type=int, help="Keep the first N dimensions (models trained for Matryoshka sizes).")
+@click.option("--no-normalize", "normalize", flag_value=False, default=True,
+              help="The pooled vector as it is, not scaled to unit length.")
+@click.option("--truncate", is_flag=True, help="Embed the first tokens of a text longer than the context.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per text, with its request id and tokens.")
+@model_options
+@click.pass_context
+def embed(ctx: click.Context, texts: tuple[str, ...], file: IO[str] | None, dimensions: int | None, normalize: bool,
+          truncate: bool, as_json: bool, model: str | None, keep_alive: str | None) -> None:
+    """Print the embedding of each TEXT (or of --file, or of stdin) as a JSON array, one
+    line each; several TEXTs are embedded together."""
+    if texts and file is not None:
+        raise click.UsageError("give the text either as arguments or with --file, not both")
+    inputs = list(texts) if texts else [_read_prompt(None, file)]
+    which = _model_args(model, keep_alive)
+    with exit_codes(), Client(ctx.obj) as client:
+        try:
+            results = client.embed(inputs, normalize=normalize, dimensions=dimensions, truncate=truncate, **which)
+        except ValueError as exc:  # names the field: dimensions, or the model's name
+            field = str(exc).split(" ", 1)[0]
+            raise click.BadParameter(str(exc), param_hint="--model" if field == "model" else "--dimensions") from None
+    for result in results:
+        body = msgspec.to_builtins(result) if as_json else result.embedding
+        click.echo(msgspec.json.encode(body).decode())
+
+
+@cli.command()
 @click.argument("request_id")
 @click.pass_context
 def abort(ctx: click.Context, request_id: str) -> None:
     """Abort the request REQUEST_ID (as listed by `llmctl status`)."""
-    with _exit_codes(), Client(ctx.obj) as client:
+    with exit_codes(), Client(ctx.obj) as client:
         client.abort(request_id)
         click.echo(f"aborted {request_id}")
 
@@ -286,7 +314,7 @@ def abort(ctx: click.Context, request_id: str) -> None:
 @click.pass_context
 def status(ctx: click.Context, as_json: bool) -> None:
     """Show the model, queues, running requests, KV cache and memory."""
-    with _exit_codes(), Client(ctx.obj) as client:
+    with exit_codes(), Client(ctx.obj) as client:
         reply = client.status()
     if as_json:
         data = msgspec.to_builtins(reply)
@@ -300,7 +328,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
 @click.pass_context
 def metrics(ctx: click.Context) -> None:
     """Print the daemon's metrics in Prometheus text format."""
-    with _exit_codes(), Client(ctx.obj) as client:
+    with exit_codes(), Client(ctx.obj) as client:
         text = client.metrics()
     click.echo(text, nl=not text.endswith("\n"))
 
@@ -312,7 +340,7 @@ def metrics(ctx: click.Context) -> None:
 def top(ctx: click.Context, interval: float, iterations: int) -> None:
     """A live view: queues, running requests, tokens/s, KV usage, prefix hits."""
     clear = sys.stdout.isatty()
-    with _exit_codes(), Client(ctx.obj) as client:
+    with exit_codes(), Client(ctx.obj) as client:
         try:
             for count in itertools.count(1):
                 view = format_status(client.status())
@@ -325,6 +353,10 @@ def top(ctx: click.Context, interval: float, iterations: int) -> None:
                 time.sleep(interval)
         except KeyboardInterrupt:
             return  # leaving top is not an error
+
+
+for command in (ps, load, unload):
+    cli.add_command(command)
 
 
 def main() -> None:

@@ -1,13 +1,17 @@
 """What goes out: the keyword arguments every request method of both clients takes
-(RequestArgs), and how a call's arguments become the Submit message it sends."""
+(RequestArgs), and how a call's arguments become the Submit message it sends (or, for
+embed(), the Embed messages)."""
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypedDict
 
 import msgspec
 
-from llmd_client.protocol import ChatMessage, GuidedDecodingParams, SamplingParams, Submit
+from llmd_client.protocol import ChatMessage, Embed, GuidedDecodingParams, PoolingParams, SamplingParams, Submit
+
+# What embed() takes: one text, one list of token ids, or a list of either (a batch).
+EmbedInput = str | Sequence[int] | Sequence[str | Sequence[int]]
 
 
 class RequestArgs(TypedDict, total=False):
@@ -40,6 +44,8 @@ class RequestArgs(TypedDict, total=False):
     speculative: bool | None
     priority: int
     sampling: SamplingParams | None
+    model: str | None  # which model answers (None: the daemon's default)
+    keep_alive: float | str | None  # how long that model stays loaded after this request
 
 
 def chat_messages(messages: Iterable[ChatMessage | Mapping[str, Any]]) -> list[ChatMessage]:
@@ -84,6 +90,8 @@ def build_submit(id: str, prompt: str | None, args: RequestArgs, *, stream: bool
     messages = options.pop("messages", None)
     token_ids = options.pop("token_ids", None)
     priority = options.pop("priority", 0)
+    model = options.pop("model", None)
+    keep_alive = options.pop("keep_alive", None)
     sampling = sampling_params(options.pop("sampling", None), options)
     given = [name for name, v in (("prompt", prompt), ("messages", messages), ("token_ids", token_ids))
              if v is not None]
@@ -95,4 +103,34 @@ def build_submit(id: str, prompt: str | None, args: RequestArgs, *, stream: bool
     return Submit(id=id, prompt=prompt,
                   messages=chat_messages(messages) if messages is not None else None,
                   token_ids=[int(t) for t in token_ids] if token_ids is not None else None,
-                  sampling=sampling, stream=stream, priority=priority)
+                  sampling=sampling, stream=stream, priority=priority, model=model, keep_alive=keep_alive)
+
+
+def build_embeds(new_id: Callable[[], str], input: EmbedInput, *, normalize: bool, dimensions: int | None,
+                 truncate: bool, priority: int, model: str | None = None,
+                 keep_alive: float | str | None = None) -> tuple[list[Embed], bool]:
+    """The Embed messages for one call of embed() (one per input, each with a fresh
+    connection-local id from `new_id`), and whether `input` was a single one (a text or
+    a list of token ids) rather than a list of them; `model` and `keep_alive` as
+    build_submit's. Raises ValueError or TypeError before anything is sent."""
+    if isinstance(input, str) or (isinstance(input, Sequence) and input
+                                  and all(isinstance(t, int) and not isinstance(t, bool) for t in input)):
+        items, single = [input], True
+    elif isinstance(input, Sequence) and not isinstance(input, (bytes, bytearray)):
+        items, single = list(input), False
+        if not items:
+            raise ValueError("input must not be an empty list")
+    else:
+        raise TypeError(f"input must be a str, a list of token ids or a list of those, got {type(input).__name__}")
+    pooling = PoolingParams(normalize=normalize, dimensions=dimensions)
+    common = {"pooling": pooling, "truncate": truncate, "priority": priority, "model": model,
+              "keep_alive": keep_alive}
+    embeds = []
+    for item in items:
+        if isinstance(item, str):
+            embeds.append(Embed(id=new_id(), prompt=item, **common))
+        elif isinstance(item, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+            embeds.append(Embed(id=new_id(), token_ids=[int(t) for t in item], **common))
+        else:
+            raise TypeError("each input must be a str or a list of token ids")
+    return embeds, single

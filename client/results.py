@@ -1,9 +1,11 @@
-"""What comes back: what the clients hand back (Result, Completion, Delta), and how a
-request's Output messages add up to a Result (how a Submit is built is in request_args)."""
+"""What comes back: what the clients hand back (Result, Completion, Delta, Embedding),
+and how a request's Output messages add up to a Result (how a Submit is built is in
+request_args)."""
 from __future__ import annotations
 
 import msgspec
 
+from llmd_client.errors import RequestError
 from llmd_client.protocol import Accepted, Output, TokenLogprob, Usage
 
 Logprobs = list[list[TokenLogprob]]
@@ -134,3 +136,22 @@ class ResultBuilder:
                    for i in range(len(self._texts))]
         return Result(request_id=self.accepted.request_id, prompt_tokens=self.accepted.prompt_tokens,
                       outputs=outputs, usage=self.usage, prompt_logprobs=self.prompt_logprobs)
+
+
+class Embedding(msgspec.Struct, kw_only=True):
+    """One input's embedding: the pooled vector and the input's token count."""
+
+    request_id: str
+    embedding: list[float]
+    prompt_tokens: int
+
+
+def embedding_from(accepted: Accepted, output: Output) -> Embedding:
+    """An embed request's result from its one Output; RequestError when it has none (the
+    engine failed it, or it was aborted)."""
+    if output.embedding is None:
+        reason = output.finish_reason or "error"
+        raise RequestError("aborted" if reason == "abort" else "engine_error",
+                           output.error or f"the request ended ({reason}) without an embedding", output.id)
+    return Embedding(request_id=accepted.request_id, embedding=output.embedding,
+                     prompt_tokens=accepted.prompt_tokens)

@@ -16,7 +16,8 @@ from contextlib import contextmanager
 from typing import Any, Generic, TypeVar
 
 from llmd_client.errors import LlmdError, ProtocolError, RequestError
-from llmd_client.protocol import MAX_ID_CHARS, Abort, Accepted, Error, MetricsReply, Output, StatusReply, Welcome
+from llmd_client.protocol import (MAX_ID_CHARS, Abort, Accepted, Error, MetricsReply, ModelsReply, Output, StatusReply,
+                                  Welcome)
 from llmd_client.results import is_last
 
 Inbox = TypeVar("Inbox")
@@ -156,7 +157,7 @@ class Router(Generic[Inbox, Pending]):
                 self._deliver(self._inboxes[id], message)
             case Error(id=str() as id) if id in self._abort_errors:
                 self._abort_errors[id] = message
-            case Welcome() | StatusReply() | MetricsReply() | Error(id=None):
+            case Welcome() | StatusReply() | MetricsReply() | ModelsReply() | Error(id=None):
                 self._route_reply(message)
             case _:
                 pass  # a late message about a request this client stopped following

@@ -1,8 +1,12 @@
 """The daemon's StatusReply as the text `llmctl status` prints and `llmctl top` refreshes:
-one line per part of the engine, then a table of the running requests."""
+one line per part of the default model's engine, a table of the models when there are
+several, then a table of the running requests; and the table `llmctl ps` prints."""
 from __future__ import annotations
 
-from llmd_client.protocol import StatusReply
+import time
+
+from llmd_client.durations import describe_duration
+from llmd_client.protocol import ModelStatus, StatusReply
 
 
 def format_status(s: StatusReply) -> str:
@@ -36,14 +40,50 @@ def format_status(s: StatusReply) -> str:
         lines.append(f"speculation  {sd.num_accepted_tokens} / {sd.num_draft_tokens} drafts accepted "
                      f"({sd.acceptance_rate:.1%}), {sd.mean_accepted_length:.2f} tokens per verifying step; "
                      f"accepted by position: {per_pos}")
+    if len(s.models) > 1:
+        lines += ["", format_models(s.models)]
     if s.requests:
-        rows = [("REQUEST", "UID", "STATE", "AGE", "PROMPT", "GENERATED")]
+        rows = [("REQUEST", "UID", "STATE", "AGE", "PROMPT", "GENERATED", "MODEL")]
         rows += [(r.request_id, str(r.uid), r.state, _duration(r.age_s), str(r.prompt_tokens),
-                  str(r.completion_tokens)) for r in s.requests]
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        lines.append("")
-        lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+                  str(r.completion_tokens), r.model) for r in s.requests]
+        lines += ["", _table(rows)]
     return "\n".join(lines)
+
+
+def format_models(models: list[ModelStatus]) -> str:
+    """One row per model: its state (load progress, error), memory (held, or ~estimated),
+    device, requests, and until when it stays (`llmctl ps`)."""
+    rows = [("NAME", "STATE", "MEMORY", "DEVICE", "REQUESTS", "UNTIL")]
+    for m in models:
+        memory = (_bytes(m.memory_bytes) if not m.memory_estimated else f"~{_bytes(m.memory_bytes)}") \
+            if m.memory_bytes else "-"
+        rows.append((m.name + (" (default)" if m.default else ""), _model_state(m), memory, m.device or "-",
+                     f"{m.num_running} running, {m.num_waiting} waiting", _until(m)))
+    return _table(rows)
+
+
+def _model_state(m: ModelStatus) -> str:
+    if m.state == "loading":
+        return f"loading ({100 * (m.load_progress or 0.0):.0f}%: {m.load_phase or 'starting'})"
+    if m.error and m.state in ("failed", "restarting", "dead"):
+        return f"{m.state}: {m.error}"
+    return m.state
+
+
+def _until(m: ModelStatus) -> str:
+    if m.state != "serving":
+        return "-"
+    if m.expires_at is not None:
+        when = time.strftime("%H:%M:%S", time.localtime(m.expires_at))
+        return f"{when} (in {_duration(max(0.0, m.expires_at - time.time()))})"
+    if m.keep_alive_s is not None:
+        return f"{describe_duration(m.keep_alive_s)} after its requests"
+    return "forever"
+
+
+def _table(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 
 
 def _engine_state(s: StatusReply) -> str:
@@ -51,6 +91,9 @@ def _engine_state(s: StatusReply) -> str:
     match s.engine_state:
         case "loading":
             return f"loading ({100 * (s.load_progress or 0.0):.0f}%: {s.load_phase or 'starting'})"
+        case "unloaded" | "failed" as state:
+            return f"{state} (a request loads it again)" + (f"; the last failure: {s.engine_error}"
+                                                            if s.engine_error else "")
         case "restarting":
             return f"restarting ({s.engine_restarts}): {s.engine_error}"
         case "dead":

@@ -64,12 +64,25 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # between ranks). Fewer than the cores leaves room for other work: with OpenMP,
     # threads competing with other busy processes make every op wait a time slice.
     cpu_threads: int | None = None
-    # GGUF on CPU: dequantize every weight at load instead of keeping every quantized
-    # weight packed (gguf_quant); also what loads a type llmd has no packed kernel for.
+    # GGUF, AWQ, GPTQ and FP8 checkpoints: dequantize every weight at load instead of
+    # keeping the quantized weights packed (gguf_quant, layers/quant/); also what loads a
+    # type or module llmd has no packed kernel for, and an AWQ/GPTQ/FP8 checkpoint on CUDA.
     dequantize: bool = False
     speculative_config: SpeculativeConfig | None = None
     seed: int = 0
     max_logprobs: int = 20
+    # What the model is served for (vLLM's `task`): "generate" (text; the embedding
+    # endpoints pool its hidden states too, as Ollama does) or "embed" (embeddings only:
+    # generation requests are refused).
+    task: Literal["generate", "embed"] = "generate"
+    # How embeddings pool the final hidden states: "LAST" token, "MEAN" over the prompt,
+    # or "CLS" (the first token). None: the model's sentence-transformers pooling config
+    # (1_Pooling/config.json) when it has one, else LAST (decoder models).
+    pooling_type: Literal["LAST", "MEAN", "CLS"] | None = None
+    # The embedding sizes a request's `dimensions` may ask for (Matryoshka models).
+    # None: what the model's config.json declares (`matryoshka_dimensions`, or
+    # `is_matryoshka` for any size), else `dimensions` is refused.
+    matryoshka_dimensions: list[int] | None = None
     tokenizer: str | None = None  # defaults to the model directory
     # Guided decoding: a grammar compile running longer than this fails its requests.
     guided_decoding_compile_timeout_s: float = 10.0
@@ -129,6 +142,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         check(self.attention_backend in ("auto", "torch", "triton", "flash_attn"), "attention_backend",
               f"must be 'auto', 'torch', 'triton' or 'flash_attn', got {self.attention_backend!r}")
         check(1 <= self.max_logprobs <= 20, "max_logprobs", "must be in [1, 20]")
+        if self.matryoshka_dimensions is not None:
+            check(bool(self.matryoshka_dimensions) and all(d >= 1 for d in self.matryoshka_dimensions),
+                  "matryoshka_dimensions", "must list one or more sizes >= 1")
         check(self.guided_decoding_compile_timeout_s > 0, "guided_decoding_compile_timeout_s",
               f"must be > 0, got {self.guided_decoding_compile_timeout_s}")
         check(self.step_timeout_s >= 0, "step_timeout_s", f"must be >= 0 (0: no deadline), got {self.step_timeout_s}")
@@ -159,11 +175,16 @@ SETTING_HELP: dict[str, str] = {
     "async_scheduling": "Schedule the next step while the model runs this one.",
     "attention_backend": "Paged attention kernels; auto: flash-attn or Triton on CUDA, PyTorch on CPU.",
     "cpu_threads": "CPU: torch threads for the model per rank (default: all cores).",
-    "dequantize": "GGUF: dequantize every weight at load instead of running them packed (more memory; "
-                  "loads the types llmd has no packed kernel for, e.g. IQ4_NL).",
+    "dequantize": "GGUF, AWQ, GPTQ, FP8: dequantize every weight at load instead of running them packed (more "
+                  "memory; loads what llmd has no packed kernel for, e.g. IQ4_NL, quantized MoE experts, CUDA).",
     "speculative_config": "Speculative decoding as JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'.",
     "seed": "Seed of the engine's random generator (a request's own seed overrides it).",
     "max_logprobs": "Largest number of logprobs a request may ask for (1..20).",
+    "task": "generate: serve text generation (the embedding endpoints work too); embed: embeddings only.",
+    "pooling_type": "Embeddings: LAST token, MEAN over the input, or CLS (first token) of the final hidden "
+                    "states (default: the model's sentence-transformers config, else LAST).",
+    "matryoshka_dimensions": "Embedding sizes a request's `dimensions` may ask for, e.g. 256,512 "
+                             "(default: the model's config.json matryoshka_dimensions).",
     "tokenizer": "Tokenizer directory (default: the model's).",
     "guided_decoding_compile_timeout_s": "A grammar compiling longer than this fails its requests.",
     "step_timeout_s": "A worker step unanswered this long (plus the per-token time) is a hang: the "

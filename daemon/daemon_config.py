@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from llmd.config import EngineConfig
+from llmd_client.durations import parse_duration
 
 
 class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -62,6 +63,24 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # served_model_name): one name or a list, the first the one /v1/models, /api/tags
     # and responses report. None: the model's file or folder name.
     served_model_name: str | list[str] | None = None
+    # More models, by name: each table holds `path` (a model directory or GGUF file), engine
+    # settings over the top-level ones, `aliases`, `keep_alive` and `tool_call_parser`
+    # (see llmd.pool.registry). Requests name them in their `model` field; the model
+    # above (`model`) is the default, for requests that name none.
+    models: dict[str, Any] | None = None
+    # Requests may also name a model by its absolute path (the daemon reads it with its
+    # own rights): off, only the models above are served.
+    allow_model_paths: bool = False
+    # How long a model stays loaded once its last request is done: seconds or a duration
+    # ("5m"; negative: for ever; 0: unload at once); a request's keep_alive overrides it.
+    # None: the default model stays, the [models.NAME] ones stay 5 minutes.
+    keep_alive: str | int | float | None = None
+    # At most this many models loaded at once; None: no limit but memory.
+    max_loaded_models: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    # Bytes the loaded models may take per device ("cpu", "cuda" for each GPU, or
+    # "cuda:N"): weights plus KV pool (estimated from the files and the KV setting
+    # before a load). A model that needs a device without an entry is not limited there.
+    model_memory_budget_bytes: dict[str, Annotated[int, msgspec.Meta(ge=1)]] | None = None
     # How the model writes tool calls (vLLM's tool_call_parser): "hermes", "llama3_json"
     # or "mistral"; None: read from the chat template (its call markers), else the
     # model's family, else hermes.
@@ -85,6 +104,12 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         names = self.served_names(())
         if any(not n or n != n.strip() for n in names) or len(set(names)) != len(names):
             raise ValueError("served_model_name must be distinct names, none empty or with surrounding spaces")
+        if self.keep_alive is not None:
+            parse_duration(self.keep_alive, "keep_alive")
+        for device in self.model_memory_budget_bytes or {}:
+            kind, _, index = device.partition(":")
+            if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
+                raise ValueError('model_memory_budget_bytes keys must be "cpu", "cuda" (each GPU) or "cuda:N"')
 
     def served_names(self, default: tuple[str, ...]) -> tuple[str, ...]:
         """served_model_name as a tuple of names; `default` when unset."""
@@ -117,4 +142,14 @@ def load_settings(config_file: str | None, overrides: dict[str, Any]) -> tuple[D
         engine = msgspec.convert({k: v for k, v in values.items() if k in engine_keys}, EngineConfig)
     except msgspec.ValidationError as exc:
         raise ValueError(f"invalid setting: {exc}") from None
+    model_registry(daemon, engine)  # its errors name the table and key, before anything starts
     return daemon, engine
+
+
+def model_registry(daemon: DaemonConfig, engine: EngineConfig):
+    """The models these settings serve (llmd.pool.registry.ModelRegistry)."""
+    from llmd.pool.registry import ModelRegistry
+
+    return ModelRegistry.from_settings(engine, default_names=daemon.served_names(()), tables=daemon.models,
+                                       keep_alive=daemon.keep_alive, tool_call_parser=daemon.tool_call_parser,
+                                       allow_model_paths=daemon.allow_model_paths)

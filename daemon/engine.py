@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from llmd.config import EngineConfig
 from llmd.detokenizer.output_processor import OutputProcessor
 from llmd.core.engine_core import EngineCore, Idle
@@ -21,10 +23,10 @@ from llmd.engine_setup import num_kv_blocks, prepare_model
 from llmd.core.executor import Executor, ExecutorError
 from llmd.input_processor import InputProcessor
 from llmd.load_progress import LoadProgress
-from llmd.outputs import RequestOutput
+from llmd.outputs import EmbeddingRequestOutput, RequestOutput
 from llmd.core.request import RequestStatus
 from llmd.structured_output import GrammarCompilerService, StructuredOutputManager
-from llmd_client.protocol import SamplingParams
+from llmd_client.protocol import PoolingParams, SamplingParams
 
 logger = logging.getLogger("llmd.engine")
 
@@ -53,8 +55,10 @@ class ModelMemory:
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: LoadProgress | None = None) -> None:
         """`progress` follows the load (the daemon shows it in status and as a bar)."""
-        self.config = config
         setup = prepare_model(config, progress)
+        # The settings as they run: the pooling type resolved from the model's files.
+        self.config = config = msgspec.structs.replace(config, pooling_type=setup.pooling.pooling_type)
+        self.pooling = setup.pooling
         self.model_dir, self.tokenizer = setup.model_dir, setup.tokenizer
         self.device, self.dtype, self.max_model_len = setup.device, setup.dtype, setup.max_model_len
         self.vocab_size, self.eos_token_id = setup.vocab_size, setup.eos_token_id
@@ -76,7 +80,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(
             self.tokenizer, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
             max_logprobs=config.max_logprobs, eos_token_id=self.eos_token_id,
-            extra_stop_token_ids=self.extra_stop_token_ids)
+            extra_stop_token_ids=self.extra_stop_token_ids, task=config.task, pooling=setup.pooling)
         self._ids = itertools.count()
         if config.async_scheduling and self.device.type == "cpu":
             _warn_if_scheduler_competes_for_cores(config)
@@ -115,26 +119,32 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int],
-                    params: SamplingParams | None = None, *, priority: int = 0,
-                    cache_salt: str | None = None) -> str:
-        """Queue a prompt (text or token ids). Raises ValueError on bad input, with nothing queued."""
+                    params: SamplingParams | PoolingParams | None = None, *, priority: int = 0,
+                    cache_salt: str | None = None, truncate: bool = False) -> str:
+        """Queue a prompt (text or token ids): to generate from (SamplingParams), or to
+        embed (PoolingParams; `truncate`: keep the first tokens that fit the context).
+        Raises ValueError on bad input, with nothing queued."""
         if request_id is None:
             request_id = str(next(self._ids))
-        if request_id in self.output_processor.requests:
+        if self.output_processor.knows(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        prepared = self.input_processor.prepare(request_id, prompt, params or SamplingParams(),
-                                                priority=priority, cache_salt=cache_salt)
+        if isinstance(params, PoolingParams):
+            prepared = self.input_processor.prepare_pooling(request_id, prompt, params, truncate=truncate,
+                                                            priority=priority, cache_salt=cache_salt)
+        else:
+            prepared = self.input_processor.prepare(request_id, prompt, params or SamplingParams(),
+                                                    priority=priority, cache_salt=cache_salt)
         self.output_processor.add_request(request_id, prepared.prompt, prepared.token_ids,
                                           prepared.params, prepared.child_ids)
         self.core.add_requests(prepared.children)
         return request_id
 
-    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput | EmbeddingRequestOutput]:
         return self._end_requests([request_ids] if isinstance(request_ids, str) else request_ids,
                                   RequestStatus.FINISHED_ABORTED)
 
     def _end_requests(self, request_ids: list[str], status: RequestStatus, error: str | None = None
-                      ) -> list[RequestOutput]:
+                      ) -> list[RequestOutput | EmbeddingRequestOutput]:
         """End client requests whole (all their samples), with their final outputs."""
         outputs = []
         for request_id in request_ids:
@@ -148,7 +158,7 @@ class LLMEngine:
         return self.core.has_unfinished_requests()
 
     # -- one step -------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         begun = self.core.begin_step()
         if isinstance(begun, Idle):
             if not begun.updates:

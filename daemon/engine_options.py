@@ -29,15 +29,18 @@ def engine_options(func: F) -> F:
             continue
         hint = hints[name]
         flag = "--" + name.replace("_", "-")
-        args = typing.get_args(hint)
         default = getattr(EngineConfig(), name)
         help_text = SETTING_HELP[name] + ("" if default is None else f" [default: {_shown(default)}]")
+        # An optional setting's flag takes its value's type (None is "not given").
+        base = next((a for a in typing.get_args(hint) if a is not type(None)), hint) \
+            if typing.get_origin(hint) in (types.UnionType, typing.Union) else hint
         if hint is bool:
             option = click.option(f"{flag}/--no-{name.replace('_', '-')}", name, default=None, help=help_text)
-        elif typing.get_origin(hint) is typing.Literal:
-            option = click.option(flag, name, type=click.Choice(args), default=None, help=help_text)
+        elif typing.get_origin(base) is typing.Literal:
+            option = click.option(flag, name, type=click.Choice(typing.get_args(base)), default=None, help=help_text)
+        elif typing.get_origin(base) is list:
+            option = click.option(flag, name, callback=_int_list, multiple=True, metavar="N,N,...", help=help_text)
         else:
-            base = next((a for a in args if a is not type(None)), hint) if isinstance(hint, types.UnionType) else hint
             option = click.option(flag, name, type=base, default=None, help=help_text)
         func = option(func)
     return func
@@ -47,3 +50,12 @@ def _shown(value: object) -> str:
     if isinstance(value, bool):
         return "on" if value else "off"
     return str(value)
+
+
+def _int_list(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> list[int] | None:
+    """--option 256,512 --option 1024 -> [256, 512, 1024]; None when not given."""
+    items = [item.strip() for v in value for item in v.split(",") if item.strip()]
+    try:
+        return [int(item) for item in items] or None
+    except ValueError:
+        raise click.BadParameter("must be integers, comma-separated") from None

@@ -14,6 +14,7 @@ from llmd.builtin_model import builtin_model_path
 from llmd.config import EngineConfig
 from llmd.core.executor import Executor
 from llmd.load_progress import LoadProgress
+from llmd.pooling_config import PoolingConfig, resolve_pooling
 
 CPU_KV_DEFAULT_CAP = 4 << 30
 logger = logging.getLogger("llmd.engine")
@@ -32,6 +33,7 @@ class ModelSetup:
     eos_token_id: int | None
     extra_stop_token_ids: set[int]
     runner_settings: Any
+    pooling: PoolingConfig  # how embeddings pool its hidden states
 
 
 def prepare_model(config: EngineConfig, progress: LoadProgress | None = None) -> ModelSetup:
@@ -45,7 +47,6 @@ def prepare_model(config: EngineConfig, progress: LoadProgress | None = None) ->
     # An HF directory or a GGUF file; none given: the built-in model (fetched once).
     model_dir = str(config.model or builtin_model_path())
     hf_config = load_hf_config(model_dir)
-    _refuse_quantized(hf_config, model_dir)
     if config.tensor_parallel_size > 1:
         from llmd.gpu.layers.tp import check_tp_config
         check_tp_config(hf_config, config.tensor_parallel_size)
@@ -60,6 +61,7 @@ def prepare_model(config: EngineConfig, progress: LoadProgress | None = None) ->
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for but no CUDA device is available")
     device = torch.device(device)
+    _check_quantized_device(hf_config, model_dir, device, config.dequantize)
     checkpoint_dtype = str(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", "") or "")
     dtype = resolve_dtype(config.dtype, device, checkpoint_dtype.replace("torch.", ""))
     max_pos = getattr(hf_config, "max_position_embeddings", 2048)
@@ -68,12 +70,30 @@ def prepare_model(config: EngineConfig, progress: LoadProgress | None = None) ->
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
                          f"max_position_embeddings {max_pos}")
     eos = tokenizer.eos_token_id
+    pooling = _pooling(config, model_dir, hf_config)
     return ModelSetup(model_dir, tokenizer, device, dtype, max_model_len, hf_config.vocab_size, eos,
                       stop_token_ids(model_dir) - {eos},
-                      _runner_settings(config, hf_config, tokenizer, max_model_len))
+                      _runner_settings(config, hf_config, tokenizer, max_model_len, pooling), pooling)
 
 
-def _runner_settings(config: EngineConfig, hf_config: Any, tokenizer: Any, max_model_len: int) -> Any:
+def _pooling(config: EngineConfig, model_dir: str, hf_config: Any) -> PoolingConfig:
+    """The model's pooling for embeddings. A sentence-transformers pipeline with modules
+    llmd does not run (a Dense projection after the pooling) is refused when the model
+    is served for embeddings; a generation model only says so in the log."""
+    pooling = resolve_pooling(model_dir, hf_config, config.pooling_type, config.matryoshka_dimensions)
+    if pooling.unsupported_modules:
+        what = (f"the model's sentence-transformers pipeline has modules llmd does not run "
+                f"({', '.join(pooling.unsupported_modules)}): its embeddings are the pooled hidden states "
+                "without them")
+        if config.task == "embed":
+            raise ValueError(f"task embed: {what}")
+        logger.warning("%s", what)
+    logger.info("embeddings pool %s hidden states (%s)", pooling.pooling_type, pooling.source)
+    return pooling
+
+
+def _runner_settings(config: EngineConfig, hf_config: Any, tokenizer: Any, max_model_len: int,
+                     pooling: PoolingConfig) -> Any:
     from llmd.gpu.worker.runner_types import RunnerSettings
 
     spec = config.speculative_config
@@ -88,7 +108,8 @@ def _runner_settings(config: EngineConfig, hf_config: Any, tokenizer: Any, max_m
                           draft_model=draft_model,
                           num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
                           max_num_batched_tokens=config.max_num_batched_tokens,
-                          max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager)
+                          max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager,
+                          pooling_type=pooling.pooling_type)
 
 
 def num_kv_blocks(config: EngineConfig, max_model_len: int, device_type: str, executor: Executor) -> int:
@@ -179,16 +200,16 @@ def _check_draft_model(draft_dir: str, target_config, target_tokenizer, max_mode
                          "a draft model must share the target's tokenizer")
 
 
-def _refuse_quantized(hf_config: Any, model_dir: str) -> None:
-    """A checkpoint quantized for another engine (FP8, GPTQ, AWQ, bitsandbytes...) has
-    scale tensors llmd's loader does not know: say what it is, not which tensor surprised us."""
-    quantization = getattr(hf_config, "quantization_config", None)
-    if quantization:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else \
-            getattr(quantization, "quant_method", None)
-        raise ValueError(f"{model_dir} is a {method or 'quantized'} checkpoint (quantization_config."
-                         "quant_method); llmd loads unquantized safetensors (float32, bfloat16, float16) "
-                         "and GGUF files")
+def _check_quantized_device(hf_config: Any, model_dir: str, device: Any, dequantize: bool) -> None:
+    """AWQ, GPTQ and FP8 checkpoints run packed on the CPU only (their kernels are CPU
+    kernels); elsewhere they load only with dequantize=True, never dequantized unasked."""
+    from llmd.gpu.layers.quant.scheme import quant_scheme
+
+    scheme = quant_scheme(hf_config)
+    if scheme is not None and device.type != "cpu" and not dequantize:
+        raise ValueError(f"{model_dir} is a {scheme.label} checkpoint: llmd runs it packed on the CPU only (no "
+                         f"{device.type} kernel yet); dequantize=True (--dequantize) loads it dense on "
+                         f"{device.type}")
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")

@@ -11,8 +11,14 @@ from typing import Any
 import msgspec
 
 from llmd.core.request import Request, child_request_id
+from llmd.pooling_config import PoolingConfig
 from llmd.structured_output import RequestGrammar, parse_guided
-from llmd_client.protocol import SamplingParams
+from llmd_client.protocol import PoolingParams, SamplingParams
+
+# Text cut for truncation: its first max_model_len tokens lie within its first
+# max_prompt_chars characters; this margin past them keeps the tokens at the cut as the
+# whole text would have them (pre-tokenizers split locally).
+TRUNCATE_MARGIN_CHARS = 4096
 
 
 @dataclass
@@ -20,7 +26,7 @@ class PreparedRequest:
     request_id: str
     prompt: str | None
     token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     children: list[Request]
 
     @property
@@ -39,6 +45,8 @@ class InputProcessor:
     max_logprobs: int
     eos_token_id: int | None
     extra_stop_token_ids: set[int]
+    task: str = "generate"  # "embed": generation requests are refused
+    pooling: PoolingConfig | None = None  # how embeddings are made (None: embedding requests are refused)
 
     @functools.cached_property
     def max_prompt_chars(self) -> int:
@@ -90,6 +98,8 @@ class InputProcessor:
         """Tokenized and validated samples. max_tokens past the context is shortened to fit,
         or with `strict_max_tokens` refused. `num_ctx` (Ollama's option) narrows the
         context of this request below max_model_len."""
+        if self.task == "embed":
+            raise ValueError("generation is off: this model is served for embeddings only (task embed)")
         if isinstance(prompt, str):
             text: str | None = prompt
             token_ids = self.tokenize(prompt) if prompt else []
@@ -132,6 +142,38 @@ class InputProcessor:
                                     max_tokens=max_tokens, owner=owner,
                                     grammar=RequestGrammar(spec) if spec is not None else None))
         return PreparedRequest(request_id, text, token_ids, params, children)
+
+    def prepare_pooling(self, request_id: str, prompt: str | list[int], params: PoolingParams, *,
+                        truncate: bool = False, num_ctx: int | None = None, priority: int = 0,
+                        cache_salt: str | None = None, arrival_time: float | None = None,
+                        owner: object = None) -> PreparedRequest:
+        """A tokenized and validated embedding request. Its prompt must fit the context
+        (max_model_len, or `num_ctx` below it: nothing is generated, so all of it may
+        be prompt); with `truncate` a longer one keeps its first tokens that fit."""
+        if self.pooling is None:
+            raise ValueError("embeddings are not available in this engine")
+        context = self.max_model_len if num_ctx is None else min(num_ctx, self.max_model_len)
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            if truncate and len(prompt) > self.max_prompt_chars + TRUNCATE_MARGIN_CHARS:
+                prompt = prompt[:self.max_prompt_chars + TRUNCATE_MARGIN_CHARS]
+            token_ids = self.tokenize(prompt) if prompt else []
+        else:
+            text, token_ids = None, list(prompt)
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        if any(not 0 <= t < self.vocab_size for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if len(token_ids) > context:
+            if not truncate:
+                limit = "max_model_len" if context == self.max_model_len else "the request's num_ctx"
+                raise ValueError(f"prompt has {len(token_ids)} tokens, more than {limit} ({context})")
+            token_ids = token_ids[:context]
+        self.pooling.check_dimensions(params.dimensions)
+        request = Request(request_id, token_ids, None, pooling_params=params, eos_token_id=self.eos_token_id,
+                          priority=priority, arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+                          cache_salt=cache_salt, max_tokens=0, owner=owner)
+        return PreparedRequest(request_id, text, token_ids, params, [request])
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:

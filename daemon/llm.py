@@ -1,5 +1,5 @@
-"""Offline batch API, shaped like vLLM's: `LLM(model=...).generate(prompts, params)` and
-`.chat(messages, params)`."""
+"""Offline batch API, shaped like vLLM's: `LLM(model=...).generate(prompts, params)`,
+`.chat(messages, params)` and `.embed(prompts)`."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -7,8 +7,8 @@ from typing import Any
 
 from llmd.config import load_engine_config
 from llmd.engine import LLMEngine
-from llmd.outputs import RequestOutput
-from llmd_client.protocol import SamplingParams
+from llmd.outputs import EmbeddingRequestOutput, RequestOutput
+from llmd_client.protocol import PoolingParams, SamplingParams
 
 Prompt = str | list[int]
 # One chat message as OpenAI's API writes it: {"role": ..., "content": text or text parts}.
@@ -34,16 +34,40 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"got {len(params_list)} sampling params for {len(prompt_list)} prompts")
+        return self._run(prompt_list, params_list, priority)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
+              truncate: bool = False) -> list[EmbeddingRequestOutput]:
+        """vLLM's `LLM.embed`: one EmbeddingRequestOutput per prompt, in order, its
+        `.outputs.embedding` the model's final hidden states pooled by the engine's
+        `pooling_type` (normalized, and cut to `dimensions`, as `pooling_params` say).
+        A prompt is text or token ids; one longer than max_model_len is refused, or with
+        `truncate` embedded from its first tokens that fit. Prompts run batched, as many
+        per step as the token budget takes."""
+        prompt_list = _as_prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params or PoolingParams()] * len(prompt_list)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"got {len(params_list)} pooling params for {len(prompt_list)} prompts")
+        return self._run(prompt_list, params_list, None, truncate=truncate)
+
+    def _run(self, prompts: list[Prompt], params: list[SamplingParams] | list[PoolingParams],
+             priority: Sequence[int] | None, *, truncate: bool = False) -> list[Any]:
+        """Queue every prompt (none if one is refused), step until all finish; their
+        final outputs in order."""
         engine = self.engine
         ids = []
         try:
-            for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
+            for i, (prompt, request_params) in enumerate(zip(prompts, params)):
                 prio = priority[i] if priority is not None else 0
-                ids.append(engine.add_request(None, prompt, params, priority=prio))
+                ids.append(engine.add_request(None, prompt, request_params, priority=prio, truncate=truncate))
         except Exception:
             engine.abort_request(ids)
             raise
-        finished: dict[str, RequestOutput] = {}
+        finished: dict[str, Any] = {}
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:

@@ -1,4 +1,5 @@
-"""What the offline engine returns, shaped like vLLM's RequestOutput."""
+"""What the offline engine returns, shaped like vLLM's RequestOutput (generation) and
+EmbeddingRequestOutput (embeddings)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -43,3 +44,26 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     finished: bool = False
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]  # empty when the request did not finish (abort, error)
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per prompt (vLLM's shape: `.outputs.embedding`).
+    `finish_reason` is "stop" when the embedding is there; "abort" or "error" (with
+    `error` saying what went wrong) when it is not."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    finish_reason: str = "stop"
+    error: str | None = None

@@ -20,6 +20,8 @@ import gguf
 from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize
 
+from llmd_tools.gguf_blocks import SCALE_OFFSETS
+
 _BLOCK = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
@@ -28,9 +30,9 @@ _BLOCK = {
 }
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
-# Byte offsets of the fp16 scales in one block of each K-quant (ggml-common.h): every
-# value of a block is linear in them.
-K_QUANT_SCALES = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+# Byte offsets of the fp16 scales in one block of each K-quant: every value of a block is
+# linear in them.
+K_QUANT_SCALES = {getattr(T, q): SCALE_OFFSETS[q] for q in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")}
 
 
 def gguf_name(hf_name: str) -> str:

@@ -1,5 +1,5 @@
 """Clients of a test daemon's HTTP faces over its Unix socket (`<socket>-http.sock`): the
-official openai SDK, plain httpx, the ollama package; `client` and `http` as fixtures."""
+official openai SDK, plain httpx, the ollama package; `client`, `http` and `olla` as fixtures."""
 from __future__ import annotations
 
 import ollama
@@ -40,3 +40,8 @@ def client(daemon) -> openai.OpenAI:
 def http(daemon):
     with http_client(daemon.http_sock) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def olla(daemon) -> ollama.Client:
+    return ollama_client(daemon.http_sock)

@@ -1,14 +1,17 @@
 """tools/bench_gguf.py runs each engine in a fresh process and reports medians: a tiny
 GGUF through the llmd engines it knows (llama.cpp is an optional extra, not run here);
-with --kernels it times the packed matmul of each weight shape of the file."""
+with --kernels it times the packed matmul of each weight shape of the file (or random
+blocks of given types and shapes), the float32 kernel beside the x16 one."""
 from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
 from gguf_fixtures import write_gguf
+from llmd.gpu.layers.cpu.cpu_kernels import gguf_ops
 from llmd_tools import bench_gguf
 from test_gguf import hf_dirs  # noqa: F401
 
@@ -35,3 +38,17 @@ def test_bench_gguf_times_each_packed_weight_shape(hf_dirs, tmp_path, capsys):  
     assert len(shapes) == len(report["kernels"]) and {q for q, _, _ in shapes} == {"Q4_0"}
     assert ("Q4_0", 192, 64) in shapes  # blk.N.ffn_gate: intermediate 192 x hidden 64
     assert all(k["packed_us"] > 0 and k["dense_f32_us"] > 0 for k in report["kernels"])
+
+
+def test_bench_gguf_times_random_blocks_of_each_type_through_both_kernels(capsys):
+    threads = str(torch.get_num_threads())
+    assert bench_gguf.main(["--kernels", "--shape", "32x256", "--types", "Q4_K", "Q5_0", "--passes", "1", "3",
+                            "--calls", "3", "--threads", threads, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [(k["quant"], k["rows"], k["cols"]) for k in report["kernels"]] == [("Q4_K", 32, 256), ("Q5_0", 32, 256)]
+    ops = gguf_ops()
+    for k in report["kernels"]:
+        assert k["packed_us"] > 0 and k["dense_f32_us"] > 0
+        assert set(k["x16_us"]) == ({"1", "3"} if ops.x16 else set()) and all(v > 0 for v in k["x16_us"].values())
+    with pytest.raises(SystemExit, match="Q4_K rows are whole blocks of 256"):
+        bench_gguf.main(["--kernels", "--shape", "32x96", "--types", "Q4_K", "--calls", "1", "--threads", threads])

@@ -68,10 +68,11 @@ def test_checkpoints_llmd_cannot_load_are_named(tmp_path):
     fp8 = tmp_path / "fp8-model"
     shutil.copytree(fixture, fp8)
     config = json.loads((fp8 / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (fp8 / "config.json").write_text(json.dumps(config))
     out = _serve_refusal(fp8, tmp_path)
-    assert "is a fp8 checkpoint" in out.stderr and "GGUF" in out.stderr
+    assert "quantization_config.quant_method='bitsandbytes' is not implemented by llmd" in out.stderr
+    assert "awq, gptq, fp8, compressed-tensors" in out.stderr
     bare = tmp_path / "no-tokenizer"
     bare.mkdir()
     for name in ("config.json", "model.safetensors"):

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import parser
 
 from daemon_util import Daemon, RawConn
-from llmd.actors.messages import RequestEvent, StepStats
+from llmd.actors.messages import ModelLoaded, RequestEvent, StepStats
 from llmd.actors.metrics import MetricsActor
 from llmd.core.spec_decode import SpecDecodeStats
 from llmd_tools.make_model import fixture_path
@@ -171,7 +171,7 @@ def test_speculative_decoding_counters_equal_the_offline_engine():
 def test_every_family_parses_without_a_model():
     """The exposition alone, fed events by hand: with speculative decoding and device
     memory on, every family (spec-decode and GPU ones included) parses, with exact values."""
-    actor = MetricsActor(model="tiny", server_version="0", device="cuda:0", dtype="bfloat16", kv_blocks_total=8)
+    actor = MetricsActor(default_model="tiny", server_version="0")
     t0 = time.monotonic()  # health() compares with the clock
     spec = SpecDecodeStats()
     spec.record(3, 2)
@@ -182,6 +182,7 @@ def test_every_family_parses_without_a_model():
                      grammar_compile_times=[0.02], spec=spec, device_memory_bytes=3 << 30)
 
     async def feed() -> None:
+        await actor.handle(ModelLoaded(model="tiny", device="cuda:0", dtype="bfloat16", kv_blocks_total=8))
         await actor.handle(RequestEvent("r1", "queued", t0, uid=7, prompt_tokens=4))
         await actor.handle(RequestEvent("r1", "scheduled", t0 + 0.5))
         await actor.handle(step)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from daemon_util import Daemon, RawConn
-from llmd.actors.messages import EngineState
+from llmd.actors.messages import EngineState, ModelLoaded
 from llmd.core.restart_policy import RestartPolicy
 from llmd_tools.make_model import fixture_path
 
@@ -270,7 +270,8 @@ def test_health_and_status_say_restarting_and_dead():
     from llmd.actors.metrics import MetricsActor
     from llmd_client.llmctl import format_status
 
-    metrics = MetricsActor(model="m", server_version="0", device="cpu", dtype="float32", kv_blocks_total=8)
+    metrics = MetricsActor(default_model="m", server_version="0")
+    asyncio.run(metrics.handle(ModelLoaded(model="m", device="cpu", dtype="float32", kv_blocks_total=8)))
     assert metrics.health() == (True, "idle")
     asyncio.run(metrics.handle(EngineState("restarting", 2, "worker process 0 (pid 7) exited with signal SIGKILL")))
     assert metrics.health()[0] is False

@@ -21,6 +21,7 @@ from gguf_fixtures import write_gguf
 from hf_ref import check_logprobs_close, engine_result, hf_greedy, hf_model
 from llmd import LLM, SamplingParams
 from llmd.builtin_model import BuiltinModelUnavailable, builtin_model_path
+from llmd.gpu.layers.cpu.cpu_kernels import gguf_ops
 from llmd.gpu.layers.linear import LinearBase, VocabRows
 from llmd.gpu.models.gguf_arch import gemma3_config_fields
 from llmd.gpu.models.gguf_summary import gguf_summary
@@ -45,6 +46,8 @@ HF_FIXTURES = {
     # rows of 256 and 512: every K-quant block fits
     "llama-256": dict(arch="llama", llama3_rope=False, hidden_size=256, intermediate_size=512,
                       num_hidden_layers=2, head_dim=64),
+    "llama-256-tied": dict(arch="llama", llama3_rope=False, hidden_size=256, intermediate_size=512,
+                           num_hidden_layers=2, head_dim=64, tie_word_embeddings=True),
 }
 CASES = [("llama", T.F32), ("llama", T.Q8_0), ("llama-tied", T.Q4_1), ("qwen2", T.F16), ("qwen3", T.BF16)]
 K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K)
@@ -399,6 +402,10 @@ def test_gemma3_270m_matches_transformers(gemma3_270m):
     assert not dense, f"dense weights: {dense}"
     kept = {part.quant for m in weights.values() for part in m.packed_parts}
     assert kept == {"Q4_K", "Q6_K", "Q5_0", "Q8_0"}
+    ops = gguf_ops()
+    if ops is not None and ops.x16:  # with AVX-512 VNNI every part, K-quants too, through the x16 kernel
+        passes = [p for m in weights.values() if getattr(m, "kernel", None) for *_, p in m.kernel.parts]
+        assert len(passes) > 4 * len(model.layers) and set(passes) == {3}
     assert len(weights) == 4 * len(model.layers) + 2  # qkv, o, gate_up, down; embedding, LM head
     assert [layer.self_attn.attn.sliding_window for layer in model.layers] == ([512] * 5 + [None]) * 3
     assert model.config.rope_parameters["sliding_attention"]["rope_theta"] == 10000.0

@@ -314,8 +314,8 @@ def keyed_app():
     port = sock.getsockname()[1]
     loop = asyncio.new_event_loop()
     intake = types.SimpleNamespace(config=DaemonConfig(), draining=False)
-    served = types.SimpleNamespace(name="m", created=0, max_model_len=8)
-    actor = HttpIntakeActor([sock], intake, _Metrics(), served, api_keys=[KEY, "clé-ünïcode"])
+    models = types.SimpleNamespace(registry=types.SimpleNamespace(listed=lambda: []), slots={})  # no model: an empty list
+    actor = HttpIntakeActor([sock], intake, _Metrics(), models, api_keys=[KEY, "clé-ünïcode"])
     task = loop.create_task(actor.run())
 
     def serve() -> None:

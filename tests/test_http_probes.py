@@ -18,7 +18,7 @@ from safetensors import safe_open
 from transformers import AutoTokenizer
 
 from daemon_util import Daemon
-from http_clients import client, http, http_socket, ollama_client  # noqa: F401 (fixtures)
+from http_clients import client, http, http_socket, olla  # noqa: F401 (fixtures)
 from llmd_tools.make_model import fixture_path
 
 
@@ -47,11 +47,6 @@ def daemon(model, name, tmp_path_factory):
     yield d
     assert d.stop() == 0, d.stderr()
     assert "Traceback" not in d.stderr()
-
-
-@pytest.fixture(scope="module")
-def olla(daemon) -> ollama.Client:
-    return ollama_client(daemon.http_sock)
 
 
 @pytest.fixture(scope="module")

@@ -198,7 +198,7 @@ def test_only_routes_that_need_an_owner_look_it_up_once_per_connection_off_the_l
         return web.json_response({"uid": request["uid"]})
 
     async def scenario() -> dict:
-        actor = http_intake.HttpIntakeActor([], types.SimpleNamespace(draining=False), _Metrics(), served=None,
+        actor = http_intake.HttpIntakeActor([], types.SimpleNamespace(draining=False), _Metrics(), models=None,
                                             api_keys=[API_KEY])
         app = actor.make_app()
         app.router.add_route("GET", "/whoami", whoami)  # a route outside the anonymous set

@@ -19,8 +19,9 @@ import pytest
 
 from daemon_util import Daemon, RawConn
 from llmd_client import Client
-from llmd_client.protocol import (ChatMessage, ClientMessage, Error, GuidedDecodingParams, RequestInfo,
-                                  SamplingParams, ServerMessage, SpecDecodeInfo, TokenLogprob, Usage)
+from llmd_client.protocol import (ChatMessage, ClientMessage, Error, GuidedDecodingParams, MemoryInfo, ModelStatus,
+                                  PoolingParams, RequestInfo, SamplingParams, ServerMessage, SpecDecodeInfo,
+                                  TokenLogprob, Usage)
 from llmd_tools.make_model import fixture_path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -28,7 +29,8 @@ DOC = REPO / "docs" / "protocol.md"
 NODE_CLIENT = REPO / "docs" / "examples" / "llmd-client.mjs"
 SHELL_CLIENT = REPO / "docs" / "examples" / "llmd-submit.sh"
 MESSAGES = get_args(ClientMessage) + get_args(ServerMessage)
-NESTED = (SamplingParams, GuidedDecodingParams, ChatMessage, Usage, TokenLogprob, RequestInfo, SpecDecodeInfo)
+NESTED = (SamplingParams, GuidedDecodingParams, PoolingParams, ChatMessage, Usage, TokenLogprob, RequestInfo,
+          SpecDecodeInfo, MemoryInfo, ModelStatus)
 PROMPTS = ["def fib(n):", "中文と日本語 🎉"]  # the second streams characters split across tokens
 MAX_TOKENS = 40
 

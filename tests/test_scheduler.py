@@ -714,3 +714,4 @@ def test_randomized_small_pool(seed, policy):
     assert len(h.requests) == 30
     h.check_outputs()
     h.check_drained()
+

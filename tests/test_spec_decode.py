@@ -67,7 +67,7 @@ class OracleProposer:
 
 
 def with_oracle(llm: LLM, prompts, refs, k: int, corrupt: int = 0) -> LLM:
-    llm.engine.scheduler.proposer = OracleProposer(llm.engine.tokenizer, prompts, refs, k, corrupt)
+    llm.engine.scheduler.drafts.proposer = OracleProposer(llm.engine.tokenizer, prompts, refs, k, corrupt)
     llm.engine.scheduler.spec_stats = SpecDecodeStats()
     return llm
 

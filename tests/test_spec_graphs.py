@@ -129,7 +129,7 @@ def make_llm(model_dir: str, spec: dict | None, graphs: bool, **settings) -> LLM
 def with_oracle(llm: LLM, waves, refs: dict, corrupt: int) -> LLM:
     """Oracle drafts (the plain run's output, every `corrupt`-th position wrong)."""
     requests = [(prompt, refs[rid][0][0]) for wave in waves.values() for rid, prompt, _ in wave]
-    llm.engine.scheduler.proposer = OracleProposer(llm.engine.tokenizer, [p for p, _ in requests],
+    llm.engine.scheduler.drafts.proposer = OracleProposer(llm.engine.tokenizer, [p for p, _ in requests],
                                                    [r for _, r in requests], NGRAM["num_speculative_tokens"],
                                                    corrupt)
     llm.engine.scheduler.spec_stats = SpecDecodeStats()

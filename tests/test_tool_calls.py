@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from llmd.tool_calls import FORMATS, ToolCallParser, ToolError, format_for, for_template, parse_tools
 from llmd_tools.make_model import fixture_path
-from tool_templates import TEMPLATES, model_with_template
+from tool_templates import TEMPLATES, model_with_template, with_special_marker
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
@@ -248,27 +248,6 @@ def test_tool_settings_from_the_config_file_and_command_line(tmp_path):
         load_settings(str(config), {})
 
 
-def _with_special_marker(folder):
-    """The fixture's tokenizer with its <|pad|> token renamed [TOOL_CALLS]: a special
-    token, as in Mistral's own tokenizers."""
-    path = folder / "tokenizer.json"
-    data = json.loads(path.read_text())
-    path.unlink()  # a link to the shared fixture's file
-    for token in data["added_tokens"]:
-        if token["content"] == "<|pad|>":
-            token["content"] = "[TOOL_CALLS]"
-    vocab = data["model"]["vocab"]
-    if "<|pad|>" in vocab:
-        vocab["[TOOL_CALLS]"] = vocab.pop("<|pad|>")
-    path.write_text(json.dumps(data))
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        if (folder / name).exists():
-            text = (folder / name).read_text().replace("<|pad|>", "[TOOL_CALLS]")
-            (folder / name).unlink()
-            (folder / name).write_text(text)
-    return folder
-
-
 def test_a_special_marker_token_reaches_the_parser(tmp_path):
     """Mistral's [TOOL_CALLS] as a special token: a reply that may call tools keeps the
     special tokens' text, the EOS that ends it is not text, and the parser reads the call
@@ -285,7 +264,7 @@ def test_a_special_marker_token_reaches_the_parser(tmp_path):
                            tool_format=FORMATS["mistral"])
 
     plain = served(model_with_template(fixture_path("tiny-llama"), tmp_path / "plain", TEMPLATES["mistral"]))
-    special = served(_with_special_marker(model_with_template(fixture_path("tiny-llama"), tmp_path / "special",
+    special = served(with_special_marker(model_with_template(fixture_path("tiny-llama"), tmp_path / "special",
                                                               TEMPLATES["mistral"])))
     request = choice("auto")
     messages = [{"role": "user", "content": "1 + 2?"}]

@@ -1,9 +1,11 @@
 """Chat templates that know tools, one per call format, written for the tests in the
 shape of their families' templates (ChatML with Hermes `<tool_call>` tags; Llama 3.1's
-JSON calls with the `ipython` role; Mistral's `[TOOL_CALLS]` list), and a model folder
-that serves the tiny-llama fixture's weights under one of them."""
+JSON calls with the `ipython` role; Mistral's `[TOOL_CALLS]` list), a model folder that
+serves the tiny-llama fixture's weights under one of them, and one whose tokenizer
+holds `[TOOL_CALLS]` as a special token."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 HERMES = """{{- bos_token -}}
@@ -109,3 +111,24 @@ def model_with_template(fixture: Path, out: Path, template: str) -> Path:
             (out / file.name).symlink_to(file)
     (out / "chat_template.jinja").write_text(template)
     return out
+
+
+def with_special_marker(folder: Path) -> Path:
+    """The fixture's tokenizer with its <|pad|> token renamed [TOOL_CALLS]: a special
+    token, as in Mistral's own tokenizers."""
+    path = folder / "tokenizer.json"
+    data = json.loads(path.read_text())
+    path.unlink()  # a link to the shared fixture's file
+    for token in data["added_tokens"]:
+        if token["content"] == "<|pad|>":
+            token["content"] = "[TOOL_CALLS]"
+    vocab = data["model"]["vocab"]
+    if "<|pad|>" in vocab:
+        vocab["[TOOL_CALLS]"] = vocab.pop("<|pad|>")
+    path.write_text(json.dumps(data))
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (folder / name).exists():
+            text = (folder / name).read_text().replace("<|pad|>", "[TOOL_CALLS]")
+            (folder / name).unlink()
+            (folder / name).write_text(text)
+    return folder

@@ -8,7 +8,8 @@ best with CMAKE_ARGS="-DGGML_NATIVE=ON" so it is built for this CPU).
 
     python -m llmd_tools.bench_gguf [--model PATH] [--rounds 3] [--prompt 128] [--tokens 128]
         [--threads 2] [--engines llmd llmd-packed-bf16 llmd-f32 llmd-bf16 llama.cpp] [--json]
-    python -m llmd_tools.bench_gguf --kernels [--model PATH] [--rows 1] [--calls 300] [--threads 2] [--json]
+    python -m llmd_tools.bench_gguf --kernels [--model PATH] [--rows 1] [--calls 300] [--threads 2]
+        [--passes 1 2 3] [--shape 1536x768 ... [--types Q4_K Q6_K ...]] [--json]
 
 Each measurement runs in a fresh process (so its peak RSS is its own), the engines in
 alternated rounds; reported: the median over rounds of decode tokens/s (the tokens after
@@ -18,9 +19,14 @@ loaded (before the first token), with the machine's other load while it ran. Gre
 of text ignored, the same prompt for every engine. Default model: the built-in one.
 
 `--kernels`: the packed matmul alone, for each distinct (type, shape) of the file's
-quantized weights: one `gguf_mm` call on `--rows` rows of float32 x against F.linear on
-the weight dequantized to float32 (the dense anchor), calls alternated, medians, with
-the packed bytes read per second.
+quantized weights: one call on `--rows` rows of float32 x of the float32 kernel over the
+GGUF layout (`gguf_mm`, cpu_quant.cpp), of the VNNI kernel over the x16 layout
+(`gguf_mm_x16`, cpu_quant_x16.cpp; on a CPU that has it) in each of `--passes`, and of
+F.linear on the weight dequantized to float32 (the dense anchor), calls alternated (each
+timed call right after an untimed one of the same: the weight in cache, as far as it
+fits), medians, with the packed bytes read per second. `--shape NxK` (repeatable) times weights
+of random blocks of that shape instead, one per type of `--types` (default: every packed
+type).
 """
 from __future__ import annotations
 
@@ -31,6 +37,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import psutil
 
@@ -88,13 +96,19 @@ else:
     loaded = {"load_peak_rss_mib": status_mib("VmHWM"), "loaded_rss_mib": status_mib("VmRSS")}
     vocab = llm.engine.vocab_size
     prompt = [rng.randrange(100, vocab) for _ in range(prompt_len)]
-    def timed(n):
+    def run(n, ident):  # one request stepped here: the first token's time, then the rest's
+        engine = llm.engine
         start = time.perf_counter()
-        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-        return time.perf_counter() - start
-    timed(4)  # warm-up
-    ttft = timed(1)
-    decode = timed(tokens + 1) - ttft
+        engine.add_request(ident, prompt, SamplingParams(temperature=0, max_tokens=n + 1, ignore_eos=True))
+        first = None
+        while True:
+            outs = engine.step()
+            if first is None and any(o.outputs[0].token_ids for o in outs):
+                first = time.perf_counter()
+            if any(o.finished for o in outs):
+                return first - start, time.perf_counter() - first
+    run(4, "warm-up")
+    ttft, decode = run(tokens, "timed")
 print(json.dumps({"engine": engine, "ttft_s": ttft, "decode_tok_s": tokens / decode,
                   "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, **loaded}))
 """
@@ -119,42 +133,72 @@ def measure(engine: str, model: str, prompt: int, tokens: int, threads: int) -> 
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def kernel_figures(model: str, rows: int, calls: int = 300) -> list[dict]:
-    """Per distinct (type, rows, cols) of the file's packed-type weights: median µs of
-    gguf_mm and of the dense F.linear, calls alternated."""
+def kernel_weights(model: str, shapes: list[tuple[int, int]], types: list[str]) -> Iterator[tuple[str, str, Any]]:
+    """(name, type, packed rows [N, row bytes]) of each weight to time: the first tensor of
+    each distinct (type, shape) of the file, or random blocks of each type and shape."""
     import numpy as np
     import torch
 
-    from llmd.gpu.layers.cpu.cpu_kernels import gguf_ops
-    from llmd.gpu.layers.gguf_quant import FORMATS, dequantize
+    from llmd.gpu.layers.gguf_quant import FORMATS
     from llmd.gpu.models.gguf_file import GGUFFile
+    from llmd_tools.gguf_blocks import random_blocks
+
+    if shapes:
+        for quant in types:
+            if quant not in FORMATS:
+                raise SystemExit(f"--types: {quant!r} is not a packed type ({', '.join(FORMATS)})")
+            for n, k in shapes:
+                if k % FORMATS[quant].block:
+                    raise SystemExit(f"--shape {n}x{k}: {quant} rows are whole blocks of {FORMATS[quant].block}")
+                yield f"random {n}x{k}", quant, random_blocks(quant, n, k)
+        return
+    seen = set()
+    g = GGUFFile(model)
+    for t in g.tensors.values():
+        quant, shape = t.tensor_type.name, tuple(t.torch_shape)
+        if quant not in FORMATS or len(shape) != 2 or (quant, shape) in seen:
+            continue
+        seen.add((quant, shape))
+        yield t.name, quant, torch.from_numpy(np.array(g.tensor_data(t), dtype=np.uint8).reshape(shape[0], -1))
+
+
+def kernel_figures(model: str, rows: int, calls: int = 300, passes: tuple[int, ...] = (1, 2, 3),
+                   shapes: list[tuple[int, int]] | None = None, types: list[str] | None = None) -> list[dict]:
+    """Per weight (kernel_weights): median µs of the float32 kernel (`packed_us`), of the
+    x16 kernel in each of `passes` (`x16_us`: {passes: µs}; empty without VNNI or with
+    rows not in groups of 16) and of the dense F.linear, calls alternated."""
+    import torch
+
+    from llmd.gpu.layers.cpu.cpu_kernels import gguf_ops
+    from llmd.gpu.layers.gguf_quant import FORMATS, PACKED_TYPES, X16_GROUP, dequantize
 
     ops = gguf_ops()
     if ops is None:
         raise SystemExit("the CPU kernels cannot be built here")
-    seen, figures = set(), []
-    g = GGUFFile(model)
-    for t in g.tensors.values():
-        quant, shape = t.tensor_type.name, t.torch_shape
-        if quant not in FORMATS or len(shape) != 2 or (quant, shape) in seen:
-            continue
-        seen.add((quant, shape))
-        w = torch.from_numpy(np.array(g.tensor_data(t), dtype=np.uint8).reshape(shape[0], -1))
-        dense = dequantize(w, quant, shape[1])
-        x = torch.randn(rows, shape[1])
-        times: dict[str, list[float]] = {"packed": [], "dense": []}
-        runs = {"packed": lambda: ops.mm(x, w, FORMATS[quant].code, shape[1]),
-                "dense": lambda: torch.nn.functional.linear(x, dense)}
+    figures = []
+    for name, quant, w in kernel_weights(model, shapes or [], types or list(PACKED_TYPES)):
+        code, n = FORMATS[quant].code, w.shape[0]
+        cols = w.shape[1] // FORMATS[quant].block_bytes * FORMATS[quant].block
+        dense = dequantize(w, quant, cols)
+        x = torch.randn(rows, cols)
+        runs: dict[str, Callable[[], Any]] = {"packed": lambda: ops.mm(x, w, code, cols),
+                                              "dense": lambda: torch.nn.functional.linear(x, dense)}
+        if ops.x16 and n % X16_GROUP == 0:
+            w16 = ops.repack_x16(w, code, cols)
+            for p in passes:
+                runs[f"x16_{p}"] = lambda p=p: ops.mm_x16(x, w16, code, cols, p)
+        times: dict[str, list[float]] = {key: [] for key in runs}
         for i in range(calls + 10):
-            for name, run in runs.items():
+            for key, run in runs.items():
+                run()  # the weight back in cache after the others' (the dense one evicts it): hot figures
                 start = time.perf_counter()
                 run()
                 if i >= 10:  # warm-up
-                    times[name].append(time.perf_counter() - start)
-        packed_us = statistics.median(times["packed"]) * 1e6
-        figures.append({"tensor": t.name, "quant": quant, "rows": shape[0], "cols": shape[1], "packed_us": packed_us,
-                        "dense_f32_us": statistics.median(times["dense"]) * 1e6,
-                        "packed_gb_s": w.numel() / packed_us / 1e3})
+                    times[key].append(time.perf_counter() - start)
+        us = {key: statistics.median(t) * 1e6 for key, t in times.items()}
+        figures.append({"tensor": name, "quant": quant, "rows": n, "cols": cols, "packed_us": us["packed"],
+                        "x16_us": {p: us[f"x16_{p}"] for p in passes if f"x16_{p}" in us},
+                        "dense_f32_us": us["dense"], "packed_gb_s": w.numel() / us["packed"] / 1e3})
     return figures
 
 
@@ -170,6 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernels", action="store_true", help="time the packed matmul alone (module doc)")
     parser.add_argument("--rows", type=int, default=1, help="--kernels: rows of x")
     parser.add_argument("--calls", type=int, default=300, help="--kernels: timed calls of each")
+    parser.add_argument("--passes", type=int, nargs="+", default=[1, 2, 3], choices=[1, 2, 3],
+                        help="--kernels: the x16 kernel's passes over x to time")
+    parser.add_argument("--shape", type=_shape, action="append", default=[],
+                        help="--kernels: time random blocks of this NxK (rows x cols) instead of the file's weights")
+    parser.add_argument("--types", nargs="+", default=None, help="--kernels --shape: the packed types (default: all)")
     args = parser.parse_args(argv)
     model = args.model
     if not model:
@@ -215,20 +264,35 @@ def _report_kernels(model: str, args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     _other_load()
-    figures = kernel_figures(model, args.rows, args.calls)
+    passes = tuple(sorted(set(args.passes)))
+    figures = kernel_figures(model, args.rows, args.calls, passes, args.shape, args.types)
     other, load = _other_load(), os.getloadavg()[0]
     if args.json:
         print(json.dumps({"model": model, "threads": args.threads, "x_rows": args.rows, "other_load_cores": other,
                           "load_average_1min_end": load, "kernels": figures}))
         return 0
-    print(f"{model}: x float32 [{args.rows}, cols], {args.threads} threads, medians of alternated calls; "
-          f"other load {other:.2f} cores (processes seen), load average {load:.2f} at the end (every tenant)")
-    print(f"{'weight (first tensor)':<26} {'type':<5} {'rows x cols':>13} {'packed us':>10} {'dense f32 us':>13} "
-          f"{'packed GB/s':>12}")
+    print(f"{model if not args.shape else 'random blocks'}: x float32 [{args.rows}, cols], {args.threads} threads, "
+          f"medians of alternated calls (us); other load {other:.2f} cores (processes seen), load average "
+          f"{load:.2f} at the end (every tenant)")
+    x16_heads = "".join(f" {f'x16 {p}p':>8}" for p in passes)
+    print(f"{'weight (first tensor)':<26} {'type':<5} {'rows x cols':>13} {'f32 kernel':>10}{x16_heads} "
+          f"{'dense f32':>10} {'f32 kernel GB/s':>16}")
     for f in figures:
-        print(f"{f['tensor']:<26} {f['quant']:<5} {f['rows']:>6} x {f['cols']:<5} {f['packed_us']:>10.1f} "
-              f"{f['dense_f32_us']:>13.1f} {f['packed_gb_s']:>12.2f}")
+        x16 = "".join(f" {f['x16_us'][p]:>8.1f}" if p in f["x16_us"] else f" {'-':>8}" for p in passes)
+        print(f"{f['tensor']:<26} {f['quant']:<5} {f['rows']:>6} x {f['cols']:<5} {f['packed_us']:>10.1f}{x16} "
+              f"{f['dense_f32_us']:>10.1f} {f['packed_gb_s']:>16.2f}")
     return 0
+
+
+def _shape(text: str) -> tuple[int, int]:
+    """"1536x768" -> (1536, 768)."""
+    try:
+        n, k = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a shape is ROWSxCOLS, e.g. 1536x768, got {text!r}") from None
+    if n <= 0 or k <= 0:
+        raise argparse.ArgumentTypeError(f"a shape's rows and cols are positive, got {text!r}")
+    return n, k
 
 
 def _other_load() -> float:

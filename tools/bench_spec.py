@@ -136,7 +136,7 @@ def make_engines(args: argparse.Namespace, model: str, draft: str | None, eager:
 def run_table(args: argparse.Namespace, engines: dict[str, LLM], mode: str) -> None:
     """One row per (batch, drafts): plain and speculative tok/s of the same prompts."""
     plain, spec = engines["plain"], engines["spec"]
-    ngram = spec.engine.scheduler.proposer
+    ngram = spec.engine.scheduler.drafts.proposer
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     for batch in args.batches:
         prompts = [edit_prompt(i) for i in range(batch)]
@@ -149,7 +149,7 @@ def run_table(args: argparse.Namespace, engines: dict[str, LLM], mode: str) -> N
             runs.append(("draft", engines["draft"], None))
         for name, llm, proposer in runs:
             if proposer is not None:
-                llm.engine.scheduler.proposer = proposer
+                llm.engine.scheduler.drafts.proposer = proposer
             llm.engine.scheduler.spec_stats = SpecDecodeStats()
             rate, tokens, graph_steps = timed(llm, prompts, params)
             if tokens != ref:

@@ -19,8 +19,9 @@ from llmd.actors.peer_credentials import peer_ids
 from llmd.actors.request_sink import RequestSink
 from llmd.input_processor import PreparedRequest
 from llmd_client.framing import MAX_NESTING_DEPTH, FrameError, JsonLinesCodec, MsgpackCodec, NestingError
-from llmd_client.protocol import (MAX_ID_CHARS, PROTOCOL_VERSION, Abort, Accepted, ClientMessage, Error, Hello,
-                                  Metrics, MetricsReply, Status, Submit, Welcome)
+from llmd_client.protocol import (MAX_ID_CHARS, PROTOCOL_VERSION, Abort, Accepted, ClientMessage, Embed, Error,
+                                  Hello, Load, Metrics, MetricsReply, Models, ModelsReply, Status, Submit, Unload,
+                                  Welcome)
 
 logger = logging.getLogger("llmd.intake")
 MAX_CLIENT_ID_CHARS = MAX_ID_CHARS
@@ -29,18 +30,24 @@ MAX_CLIENT_ID_CHARS = MAX_ID_CHARS
 class ConnectionOwner(Protocol):
     """What a connection asks of the intake that accepted it."""
 
-    registry: dict[str, tuple[RequestSink, int]]
+    registry: dict[str, tuple[RequestSink, int, object]]
     connections: OpenConnections
     welcome: Welcome
     idle_timeout_s: float
 
     def is_admin(self, uid: int, gid: int) -> bool: ...
 
-    async def admit(self, submit: Submit, uid: int, sink: RequestSink) -> Error | PreparedRequest: ...
+    async def admit(self, submit: Submit | Embed, uid: int, sink: RequestSink) -> Error | PreparedRequest: ...
+
+    def must_wait(self, submit: Submit | Embed) -> bool: ...
 
     def abort(self, request_ids: list[str]) -> None: ...
 
     async def query(self, kind: str, uid: int, admin: bool) -> object: ...
+
+    async def load_model(self, requested: str | None, keep_alive: float | str | None) -> ModelsReply | Error: ...
+
+    async def unload_model(self, requested: str) -> ModelsReply | Error: ...
 
 
 class ConnectionSink(RequestSink):
@@ -103,6 +110,10 @@ class Connection:
         self.writer = writer
         self.codec: MsgpackCodec | JsonLinesCodec | None = None
         self.requests: dict[str, RequestSink] = {}
+        # Submits waiting for their model to load (admitted beside the connection's other
+        # work), and Load/Unload waits; by client id, so abort and close end them.
+        self.waiting: dict[str, asyncio.Task] = {}
+        self._controls: set[asyncio.Task] = set()
         self.closed = False
         self.uid, self.gid = peer_ids(writer.get_extra_info("socket"))
         self.admin = intake.is_admin(self.uid, self.gid)
@@ -118,7 +129,8 @@ class Connection:
     async def _read(self, size: int) -> bytes:
         """The next bytes from the peer; b"" at its end, or when it stayed silent for the
         idle timeout with no request in flight (an idle connection holds a descriptor)."""
-        return await read_or_idle(self.reader, size, None if self.requests else self.intake.idle_timeout_s)
+        busy = self.requests or self.waiting or self._controls
+        return await read_or_idle(self.reader, size, None if busy else self.intake.idle_timeout_s)
 
     async def refuse(self, error: Error) -> None:
         """Tell the peer why it cannot stay (in its own framing), then close."""
@@ -174,7 +186,7 @@ class Connection:
             text = frame_error_message(exc)
             if text.endswith("at `$.type`") or "missing required field `type`" in text:
                 self.send(Error(code="bad_request", message="unknown or missing message type"))
-            elif "`$.sampling" in text:
+            elif "`$.sampling" in text or "`$.pooling" in text:
                 self.send(Error(code="invalid_params", message=text))
             else:
                 self.send(Error(code="bad_request", message=text))
@@ -199,7 +211,7 @@ class Connection:
                     self.closed = True
                     return
                 self.send(self.intake.welcome)
-            case Submit():
+            case Submit() | Embed():
                 await self._submit(message)
             case Abort(id=ident):
                 self._abort(ident)
@@ -207,29 +219,74 @@ class Connection:
                 self.send(await self.intake.query("status", self.uid, self.admin))
             case Metrics():
                 self.send(MetricsReply(await self.intake.query("metrics", self.uid, self.admin)))
+            case Models():
+                self.send(await self.intake.query("models", self.uid, self.admin))
+            case Load(model=model, keep_alive=keep_alive):
+                self._in_background(self.intake.load_model(model, keep_alive))
+            case Unload(model=model):
+                self._in_background(self.intake.unload_model(model))
 
-    async def _submit(self, submit: Submit) -> None:
+    def _in_background(self, answer) -> None:
+        """A control message that may wait for a load or an unload: answered when done,
+        while the connection goes on."""
+        async def run() -> None:
+            try:
+                self.send(await answer)
+            except Exception:
+                logger.exception("internal error answering a load or unload")
+                self.send(Error(code="internal", message="internal error; see the daemon log"))
+
+        task = asyncio.ensure_future(run())
+        self._controls.add(task)
+        task.add_done_callback(self._controls.discard)
+
+    async def _submit(self, submit: Submit | Embed) -> None:
+        """A request to generate (Submit) or to embed (Embed): both are admitted, answered
+        with Accepted, and followed by their outputs under the connection's id."""
         if submit.id is not None and len(submit.id) > MAX_CLIENT_ID_CHARS:  # first: it is never echoed whole
             self.send(Error(code="bad_request", message=f"id must have at most {MAX_CLIENT_ID_CHARS} characters"))
             return
         client_id = submit.id if submit.id is not None else f"c{next(self._local_ids)}"
-        sources = sum(x is not None for x in (submit.prompt, submit.messages, submit.token_ids))
-        if sources != 1:
-            self.send(Error(code="bad_request", id=client_id,
-                            message="exactly one of prompt, messages or token_ids is required"))
+        if isinstance(submit, Submit):
+            sources, names = (submit.prompt, submit.messages, submit.token_ids), "prompt, messages or token_ids"
+        else:
+            sources, names = (submit.prompt, submit.token_ids), "prompt or token_ids"
+        if sum(x is not None for x in sources) != 1:
+            self.send(Error(code="bad_request", id=client_id, message=f"exactly one of {names} is required"))
             return
-        if client_id in self.requests:
+        if client_id in self.requests or client_id in self.waiting:
             self.send(Error(code="bad_request", id=client_id, message="id is already in use on this connection"))
             return
-        sink = ConnectionSink(self, client_id, submit.stream)
-        result = await self.intake.admit(submit, self.uid, sink)
+        sink = ConnectionSink(self, client_id, submit.stream if isinstance(submit, Submit) else False)
+        if not self.intake.must_wait(submit):
+            await self._admit(submit, sink)
+            return
+        task = asyncio.ensure_future(self._admit(submit, sink))
+        self.waiting[client_id] = task
+        task.add_done_callback(lambda t: self.waiting.pop(client_id, None) if self.waiting.get(client_id) is t else None)
+
+    async def _admit(self, submit: Submit | Embed, sink: ConnectionSink) -> None:
+        try:
+            result = await self.intake.admit(submit, self.uid, sink)
+        except asyncio.CancelledError:
+            return  # aborted or closed while its model loaded: answered by _abort, or nobody to tell
+        except Exception:  # a bug must not take the connection's peer down with a traceback
+            logger.exception("internal error admitting a request")
+            self.send(Error(code="internal", id=sink.client_id, message="internal error; see the daemon log"))
+            return
         if isinstance(result, Error):
             self.send(result)
         elif sink.wanted:
-            self.requests[client_id] = sink
-            self.send(Accepted(id=client_id, request_id=sink.request_id, prompt_tokens=len(result.token_ids)))
+            self.requests[sink.client_id] = sink
+            self.send(Accepted(id=sink.client_id, request_id=sink.request_id, prompt_tokens=len(result.token_ids)))
 
     def _abort(self, ident: str) -> None:
+        waiting = self.waiting.get(ident)
+        if waiting is not None and not waiting.done():  # never admitted: it ends here, never started
+            del self.waiting[ident]
+            waiting.cancel()
+            self.send(Error(code="aborted", id=ident, message="aborted while its model was loading; it never started"))
+            return
         sink = self.requests.get(ident)
         if sink is None:
             entry = self.intake.registry.get(ident)
@@ -244,6 +301,8 @@ class Connection:
 
     async def _close(self) -> None:
         self.closed = True
+        for task in [*self.waiting.values(), *self._controls]:
+            task.cancel()
         if self.requests:
             self.intake.abort([s.request_id for s in self.requests.values()])
         self.intake.connections.discard(self)

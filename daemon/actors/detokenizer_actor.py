@@ -1,5 +1,6 @@
 """The detokenizer actor: incremental text, stop strings (which it reports back to the
-scheduler) and the Output messages streamed to each request's connection."""
+scheduler) and the Output messages streamed to each request's connection; an embedding
+request's one Output carries its vector."""
 from __future__ import annotations
 
 import time
@@ -7,7 +8,7 @@ import time
 from llmd.actors.messages import RegisterRequest, RequestEvent, RequestsAborted, StepTokens, StopSamples
 from llmd.actors.runtime import Actor
 from llmd.detokenizer.output_processor import OutputProcessor
-from llmd.outputs import CompletionOutput, RequestOutput
+from llmd.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
 from llmd_client.protocol import Output, TokenLogprob, Usage, wire_logprob
 
 
@@ -43,10 +44,13 @@ class DetokenizerActor(Actor):
             case _:
                 raise TypeError(f"detokenizer actor got {type(message).__name__}")
 
-    def _emit(self, out: RequestOutput, now: float) -> None:
+    def _emit(self, out: RequestOutput | EmbeddingRequestOutput, now: float) -> None:
         rid = out.request_id
         sink = self.sinks.get(rid)
         if sink is None:
+            return
+        if isinstance(out, EmbeddingRequestOutput):
+            self._emit_embedding(out, sink, now)
             return
         if rid not in self._first_token_seen and any(c.token_ids for c in out.outputs):
             self._first_token_seen.add(rid)
@@ -77,6 +81,19 @@ class DetokenizerActor(Actor):
             sink.finished()
         for message in messages:
             sink.send(message)
+
+    def _emit_embedding(self, out: EmbeddingRequestOutput, sink, now: float) -> None:
+        """An embedding request's only output: the vector (or why there is none), its
+        prompt tokens as usage; the metrics count it as a prompt that produced no tokens."""
+        rid = out.request_id
+        usage = Usage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=0)
+        message = Output(id=sink.client_id, finish_reason=out.finish_reason, error=out.error, usage=usage,
+                         embedding=out.outputs.embedding if out.finish_reason == "stop" else None)
+        self.metrics.send(RequestEvent(rid, "finished", now, prompt_tokens=usage.prompt_tokens,
+                                       finish_reason=out.finish_reason))
+        del self.sinks[rid]
+        sink.finished()
+        sink.send(message)
 
     @staticmethod
     def _sample_message(sink, completion: CompletionOutput) -> Output | None:

@@ -30,11 +30,11 @@ from llmd.actors.intake import IntakeActor
 from llmd.actors.messages import Query
 from llmd.actors.peer_credentials import peer_ids, tcp_peer_uid
 from llmd.actors.runtime import Actor
-from llmd.http import llamacpp_api, ollama_api, openai_api, openai_chat, responses_api, tokenize_api
-from llmd.http.context import ServedModel
+from llmd.http import (embeddings_api, llamacpp_api, ollama_api, openai_api, openai_chat, responses_api,
+                       tokenize_api)
+from llmd.http.context import release_model
 from llmd.http.errors import ApiError
 from llmd.http.guard import HOST_REFUSED, BrowserGuard
-from llmd.http.keep_alive import KeepAlive
 from llmd.http.malformed import QuietAppRunner
 from llmd_client.protocol import MAX_FRAME_BYTES
 
@@ -49,15 +49,16 @@ CORS_ORIGIN = web.RequestKey("cors_origin", str) if hasattr(web, "RequestKey") e
 class HttpIntakeActor(Actor):
     name = "http"
 
-    def __init__(self, sockets: list[socket.socket], intake: IntakeActor, metrics: Actor, served: ServedModel, *,
+    def __init__(self, sockets: list[socket.socket], intake: IntakeActor, metrics: Actor, models, *,
                  api_keys: list[str] | None, listen_backlog: int = 4096) -> None:
-        """`api_keys`: the bearer tokens TCP clients must send; None lets TCP clients in
-        without one (Unix socket clients are checked by the socket's file mode)."""
+        """`models`: the model pool (llmd.pool.pool.ModelPool) the requests name models
+        of; `api_keys`: the bearer tokens TCP clients must send; None lets TCP clients
+        in without one (Unix socket clients are checked by the socket's file mode)."""
         super().__init__()
         self.sockets = sockets
         self.intake = intake
         self.metrics = metrics
-        self.served = served
+        self.models = models
         self.api_keys = [k.encode() for k in api_keys] if api_keys is not None else None
         self.listen_backlog = listen_backlog
         config = getattr(intake, "config", None)  # Host/Origin checks, CORS: llmd.http.guard
@@ -73,14 +74,15 @@ class HttpIntakeActor(Actor):
 
     def make_app(self) -> web.Application:
         app = web.Application(middlewares=[self._middleware], client_max_size=MAX_FRAME_BYTES)
-        app["served"] = self.served
+        app["models"] = self.models
+        app["model_cards"] = {}  # model name -> what listings say of it while it is not loaded
         app["intake"] = self.intake
         app["max_body"] = MAX_FRAME_BYTES
-        app["keep_alive"] = KeepAlive()  # Ollama's, as its clients last asked
         app.on_response_prepare.append(_cors_headers)
         routes = [("GET", "/health", self._health), ("GET", "/metrics", self._metrics)]
         for method, path, handler in (routes + openai_api.ROUTES + openai_chat.ROUTES + responses_api.ROUTES
-                                      + tokenize_api.ROUTES + ollama_api.ROUTES + llamacpp_api.ROUTES):
+                                      + tokenize_api.ROUTES + ollama_api.ROUTES + embeddings_api.ROUTES
+                                      + llamacpp_api.ROUTES):
             app.router.add_route(method, path, handler)
         # Ollama's clients also ask with HEAD to see if the server is up.
         app.router.add_route("HEAD", "/", ollama_api.root)
@@ -111,7 +113,10 @@ class HttpIntakeActor(Actor):
                 self._authenticate(request)
             if request.match_info.http_exception is None and request.match_info.handler not in self._anonymous:
                 request["uid"] = await self._peer_uid(request, tcp)
-            return await handler(request)
+            try:
+                return await handler(request)
+            finally:
+                release_model(request)  # the response is done: its model may go idle
         except ApiError as exc:
             return errors(exc)
         except web.HTTPException as exc:

@@ -18,19 +18,29 @@ import contextlib
 import logging
 import socket
 import time
+from typing import Protocol
 
 import msgspec
 import psutil
 
 from llmd.actors.connection import OpenConnections, codec_for, read_or_idle, tell_peer
 from llmd.actors.peer_credentials import peer_ids
-from llmd.load_progress import LoadProgress
 from llmd_client.framing import MAX_NESTING_DEPTH, FrameError, JsonLinesCodec, MsgpackCodec
 from llmd_client.protocol import (MAX_FRAME_BYTES, PROTOCOL_VERSION, Error, Hello, Status,
                                   StatusReply, Welcome)
 
 logger = logging.getLogger("llmd.loading")
 HELD_BYTES = 2 * MAX_FRAME_BYTES  # frames one connection may have waiting for the intake
+
+
+class Progress(Protocol):
+    """How far the load is (llmd.load_progress.LoadProgress, or the pool's view of it)."""
+
+    @property
+    def fraction(self) -> float: ...
+
+    @property
+    def phase(self) -> str: ...
 
 
 class _Held:
@@ -45,7 +55,7 @@ class _Held:
 
 
 class LoadingResponder:
-    def __init__(self, sock: socket.socket, progress: LoadProgress, *, model: str, server_version: str,
+    def __init__(self, sock: socket.socket, progress: Progress, *, model: str, server_version: str,
                  listen_backlog: int = 4096, max_connections: int = 4096, max_connections_per_user: int = 256,
                  idle_timeout_s: float = 600.0) -> None:
         # A duplicate of the listening socket: closing this server must leave the real one open.

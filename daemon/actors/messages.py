@@ -74,6 +74,7 @@ class EngineState(msgspec.Struct):
     state: str
     restarts: int = 0
     error: str | None = None
+    model: str = ""  # the model whose engine it is
 
 
 class Draining(msgspec.Struct):
@@ -88,6 +89,7 @@ class RequestEvent(msgspec.Struct):
     time: float
     uid: int = -1
     prompt_tokens: int = 0
+    model: str = ""  # "queued" says which model answers it (the others follow the request)
     completion_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: str | None = None
@@ -106,6 +108,25 @@ class StepStats(EngineStats, kw_only=True):
     num_generated: int
     generated: dict[str, int]  # scheduler (child) id -> tokens it gained this step
     device_memory_bytes: int | None = None  # see RunnerOutput.device_memory_bytes
+    model: str = ""  # the model whose engine stepped
+
+
+class ModelLoaded(msgspec.Struct, kw_only=True):
+    """pool -> metrics: a model serves now. `memory` is its engine's memory() (asked at
+    each status; dropped at unload, so the metrics keep no reference to the engine)."""
+
+    model: str
+    device: str
+    dtype: str
+    kv_blocks_total: int
+    memory: Any = None  # () -> llmd.engine.ModelMemory
+    load_seconds: float = 0.0
+
+
+class ModelUnloaded(msgspec.Struct, kw_only=True):
+    """pool -> metrics: a model was unloaded (its counters stay, its gauges go)."""
+
+    model: str
 
 
 class Query(msgspec.Struct):

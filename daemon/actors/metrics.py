@@ -1,64 +1,28 @@
-"""The metrics actor: per-request latencies and per-step figures, served as `Status`
-replies and as Prometheus text (names after vLLM's `vllm:` metrics, prefix `llmd:`),
-written by prometheus_client from a registry of the actor's own."""
+"""The metrics actor: per-request latencies and per-step figures of every model
+(model_figures.py), served as `Status` and `Models` replies and as Prometheus text
+(names after vLLM's `vllm:` metrics, prefix `llmd:`, labelled by model_name), written
+by prometheus_client from a registry of the actor's own. What the pool says of each
+model (loaded or not, waiting requests, expiry) it reads through `models_view`."""
 from __future__ import annotations
 
-import bisect
-import collections
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import psutil
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.process_collector import ProcessCollector
-from prometheus_client.utils import floatToGoString
 
-from llmd.actors.messages import Draining, EngineState, Query, RequestEvent, StepStats
+from llmd.actors.messages import (Draining, EngineState, ModelLoaded, ModelUnloaded, Query, RequestEvent,
+                                  StepStats)
+from llmd.actors.model_figures import ModelFigures
 from llmd.actors.prometheus import PrometheusCollector
 from llmd.actors.runtime import Actor
 from llmd.core.request import parent_request_id
 from llmd.core.spec_decode import SpecDecodeStats
-from llmd_client.protocol import MemoryInfo, RequestInfo, SpecDecodeInfo, StatusReply
-
-if TYPE_CHECKING:
-    from llmd.engine import ModelMemory
-
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                   7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
-# Token counts per request (vLLM's 1-2-5 series) and per step (vLLM's iteration buckets).
-TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
-STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-
-
-class Histogram:
-    """Observations counted into buckets, exposed as the Prometheus histogram `llmd:<name>`."""
-
-    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> None:
-        self.name = name
-        self.help_text = help_text
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def cumulative_buckets(self) -> list[tuple[str, float]]:
-        """(upper bound, observations at or below it) pairs, "+Inf" last, as Prometheus
-        histograms are exposed; bounds are written as prometheus_client writes them."""
-        out, cumulative = [], 0
-        for bound, n in zip(self.buckets, self.counts):
-            cumulative += n
-            out.append((floatToGoString(bound), cumulative))
-        out.append(("+Inf", self.count))
-        return out
+from llmd.pool.slot import SlotView
+from llmd_client.protocol import MemoryInfo, ModelStatus, ModelsReply, RequestInfo, SpecDecodeInfo, StatusReply
+from llmd_client.durations import FOREVER
 
 
 @dataclass
@@ -66,65 +30,28 @@ class _Tracked:
     uid: int
     queued: float
     prompt_tokens: int
+    model: str
     first_token: float | None = None
     scheduled: float | None = None
     last_step: float | None = None  # when a step last gave this request tokens
     generated: int = 0
 
 
-@dataclass
-class _Totals:
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    finished: collections.Counter = field(default_factory=collections.Counter)
-    prefill_tokens: int = 0  # tokens computed in prefill rows (recomputation after preemption too)
-    decode_tokens: int = 0  # tokens computed in decode rows (drafts included)
-
-
 class MetricsActor(Actor):
     name = "metrics"
 
-    def __init__(self, *, model: str, server_version: str, device: str, dtype: str, kv_blocks_total: int,
-                 health_stall_s: float = 60.0, memory: Callable[[], ModelMemory] | None = None) -> None:
-        """`memory`: where the model's memory goes (LLMEngine.memory), asked at each status."""
+    def __init__(self, *, default_model: str, server_version: str, health_stall_s: float = 60.0,
+                 models_view: Callable[[], list[SlotView]] | None = None) -> None:
+        """`default_model`: the model of requests that name none (the status reply's
+        top-level fields are its); `models_view`: the pool's view of every model."""
         super().__init__()
-        self.memory = memory
         self.started = time.monotonic()
         self.health_stall_s = health_stall_s
-        self.model = model
+        self.default_model = default_model
         self.server_version = server_version
-        self.device = device
-        self.dtype = dtype
+        self.models_view = models_view
         self.requests: dict[str, _Tracked] = {}
-        self.totals = _Totals()
-        self.last_step: StepStats | None = None
-        self.kv_blocks_total = kv_blocks_total
-        self.recent_tokens: collections.deque[tuple[float, int]] = collections.deque()
-        # Per request (exposed in this order).
-        self.ttft = Histogram("time_to_first_token_seconds", "Time from arrival to the first token.")
-        self.e2e = Histogram("e2e_request_latency_seconds", "End-to-end request latency.")
-        self.queue_time = Histogram("request_queue_time_seconds", "Time from arrival to first scheduled.")
-        self.prefill_time = Histogram("request_prefill_time_seconds", "Time from first scheduled to the first token.")
-        self.decode_time = Histogram("request_decode_time_seconds", "Time from the first token to the end.")
-        self.inference_time = Histogram("request_inference_time_seconds", "Time from first scheduled to the end.")
-        self.tpot = Histogram("request_time_per_output_token_seconds",
-                              "Per request: mean time per output token after the first.")
-        self.itl = Histogram("inter_token_latency_seconds", "Time between steps that gave a request tokens.")
-        self.prompt_tokens = Histogram("request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_BUCKETS)
-        self.generation_tokens = Histogram("request_generation_tokens", "Generated tokens per finished request.",
-                                           TOKEN_BUCKETS)
-        # Per engine step.
-        self.step_tokens = Histogram("iteration_tokens_total", "Tokens scheduled per engine step.", STEP_TOKEN_BUCKETS)
-        self.batch_size = Histogram("batch_size", "Requests per engine step.", BATCH_BUCKETS)
-        self.step_time = Histogram("step_duration_seconds", "Engine step duration.")
-        self.grammar_compile = Histogram("grammar_compile_seconds", "Guided decoding grammar compile time.",
-                                         COMPILE_BUCKETS)
-        self.histograms = (self.ttft, self.e2e, self.queue_time, self.prefill_time, self.decode_time,
-                           self.inference_time, self.tpot, self.itl, self.prompt_tokens, self.generation_tokens,
-                           self.step_tokens, self.batch_size, self.step_time, self.grammar_compile)
-        self.spec: SpecDecodeStats | None = None
-        self.device_memory_bytes: int | None = None
-        self.engine = EngineState("serving")
+        self.figures: dict[str, ModelFigures] = {}
         self.draining = False
         self.process = psutil.Process()
         self.process.cpu_percent(None)
@@ -135,58 +62,73 @@ class MetricsActor(Actor):
         self.registry.register(PrometheusCollector(self))
         ProcessCollector(registry=self.registry)  # the standard process_* names (CPU seconds, RSS)
 
+    def model(self, name: str) -> ModelFigures:
+        figures = self.figures.get(name)
+        if figures is None:
+            figures = self.figures[name] = ModelFigures(name)
+        return figures
+
     async def handle(self, message: object) -> None:
         match message:
             case RequestEvent(kind="queued"):
-                self.requests[message.request_id] = _Tracked(message.uid, message.time, message.prompt_tokens)
+                model = message.model or self.default_model
+                self.requests[message.request_id] = _Tracked(message.uid, message.time, message.prompt_tokens, model)
             case RequestEvent(kind="scheduled"):
                 tracked = self.requests.get(message.request_id)
                 if tracked is not None and tracked.scheduled is None:
                     tracked.scheduled = message.time
-                    self.queue_time.observe(message.time - tracked.queued)
+                    self.model(tracked.model).queue_time.observe(message.time - tracked.queued)
             case RequestEvent(kind="first_token"):
                 tracked = self.requests.get(message.request_id)
                 if tracked is not None and tracked.first_token is None:
                     tracked.first_token = message.time
-                    self.ttft.observe(message.time - tracked.queued)
+                    figures = self.model(tracked.model)
+                    figures.ttft.observe(message.time - tracked.queued)
                     if tracked.scheduled is not None:
-                        self.prefill_time.observe(message.time - tracked.scheduled)
+                        figures.prefill_time.observe(message.time - tracked.scheduled)
             case RequestEvent(kind="finished"):
-                tracked = self.requests.pop(message.request_id, None)
-                self.totals.prompt_tokens += message.prompt_tokens
-                self.totals.generation_tokens += message.completion_tokens
-                self.totals.finished[message.finish_reason or "unknown"] += 1
-                self.prompt_tokens.observe(message.prompt_tokens)
-                self.generation_tokens.observe(message.completion_tokens)
-                if tracked is not None:
-                    self._finished(tracked, message)
+                self._finished(message)
             case StepStats():
                 self._step(message)
             case EngineState():
-                self.engine = message
+                self.model(message.model or self.default_model).engine = message
+            case ModelLoaded():
+                self.model(message.model).loaded_as(message)
+            case ModelUnloaded():
+                self.model(message.model).unloaded()
             case Draining():
                 self.draining = True
             case Query(kind=kind, uid=uid, admin=admin, reply=reply):
                 if not reply.done():
                     answers = {"status": lambda: self.status(uid, admin), "metrics": self.prometheus,
-                               "health": self.health}
+                               "health": self.health, "models": lambda: ModelsReply(self.model_statuses())}
                     reply.set_result(answers[kind]())
             case _:
                 raise TypeError(f"metrics actor got {type(message).__name__}")
 
-    def _finished(self, tracked: _Tracked, message: RequestEvent) -> None:
+    def _finished(self, message: RequestEvent) -> None:
         """Per-request latencies, phases split as vLLM splits them: queue (arrival to first
         scheduled), prefill (to the first token), decode (first token to the end)."""
-        self.e2e.observe(message.time - tracked.queued)
+        tracked = self.requests.pop(message.request_id, None)
+        figures = self.model(tracked.model if tracked is not None else self.default_model)
+        figures.totals.prompt_tokens += message.prompt_tokens
+        figures.totals.generation_tokens += message.completion_tokens
+        figures.totals.finished[message.finish_reason or "unknown"] += 1
+        figures.prompt_tokens.observe(message.prompt_tokens)
+        figures.generation_tokens.observe(message.completion_tokens)
+        if tracked is None:
+            return
+        figures.e2e.observe(message.time - tracked.queued)
         if tracked.scheduled is not None:
-            self.inference_time.observe(message.time - tracked.scheduled)
+            figures.inference_time.observe(message.time - tracked.scheduled)
         if tracked.first_token is not None:
-            self.decode_time.observe(message.time - tracked.first_token)
+            figures.decode_time.observe(message.time - tracked.first_token)
             if message.completion_tokens > 1:
-                self.tpot.observe((message.time - tracked.first_token) / (message.completion_tokens - 1))
+                figures.tpot.observe((message.time - tracked.first_token) / (message.completion_tokens - 1))
 
     def _step(self, message: StepStats) -> None:
-        self.last_step = message
+        figures = self.model(message.model or self.default_model)
+        figures.step(message)
         gained = set()
         for child_id, n in message.generated.items():
             parent = parent_request_id(child_id)
@@ -197,120 +139,153 @@ class MetricsActor(Actor):
         for parent in gained:  # one inter-token gap per request per step (n samples share it)
             tracked = self.requests[parent]
             if tracked.last_step is not None:
-                self.itl.observe(message.time - tracked.last_step)
+                figures.itl.observe(message.time - tracked.last_step)
             tracked.last_step = message.time
-        if message.num_reqs:
-            self.step_time.observe(message.duration_s)
-            self.step_tokens.observe(message.num_tokens)
-            self.batch_size.observe(message.num_reqs)
-            self.totals.prefill_tokens += message.num_prefill_tokens
-            self.totals.decode_tokens += message.num_tokens - message.num_prefill_tokens
-        if message.num_generated:
-            self.recent_tokens.append((message.time, message.num_generated))
-        for seconds in message.grammar_compile_times:
-            self.grammar_compile.observe(seconds)
-        if message.spec is not None:
-            self.spec = message.spec
-        if message.device_memory_bytes is not None:
-            self.device_memory_bytes = message.device_memory_bytes
+
+    # -- what is asked ------------------------------------------------------------------
+    def views(self) -> list[SlotView]:
+        if self.models_view is not None:
+            return self.models_view()
+        return [SlotView(name=self.default_model, default=True, state="serving")]
+
+    def model_state(self, view: SlotView) -> str:
+        """A model's state: the pool's, or while it serves its engine's (restarting, dead)."""
+        figures = self.figures.get(view.name)
+        if view.state == "serving" and figures is not None and figures.loaded:
+            return figures.engine.state
+        return view.state
 
     def engine_state(self) -> str:
-        """serving, restarting (a worker), dead (too many worker failures), draining."""
-        if self.engine.state == "serving" and self.draining:
-            return "draining"
-        return self.engine.state
+        """The default model's: serving, restarting (a worker), dead (too many worker
+        failures), loading, unloaded, failed; draining on the way out."""
+        state = self.model_state(self._default_view())
+        return "draining" if state == "serving" and self.draining else state
+
+    def _default_view(self) -> SlotView:
+        return next((v for v in self.views() if v.default), SlotView(name=self.default_model, default=True,
+                                                                      state="serving"))
 
     def health(self) -> tuple[bool, str]:
-        """(healthy, why): unhealthy while the engine is dead or restarting its worker,
-        and when requests are pending and no engine step has ended for `health_stall_s`
-        (a hung or dead model step)."""
-        if self.engine.state == "dead":
-            return False, f"engine dead: {self.engine.error}"
-        if self.engine.state == "restarting":
-            return False, f"restarting the worker ({self.engine.restarts}) after: {self.engine.error}"
+        """(healthy, why): unhealthy while the default model's engine is dead or
+        restarting its worker, and when a model has requests pending and no engine step
+        of it has ended for `health_stall_s` (a hung or dead model step)."""
+        default = self.figures.get(self.default_model)
+        if default is not None and default.loaded and default.engine.state == "dead":
+            return False, f"engine dead: {default.engine.error}"
+        if default is not None and default.loaded and default.engine.state == "restarting":
+            return False, f"restarting the worker ({default.engine.restarts}) after: {default.engine.error}"
         if not self.requests:
             return True, "idle"
         now = time.monotonic()
-        last_step = self.last_step.time if self.last_step is not None else self.started
-        oldest = min(t.queued for t in self.requests.values())
-        quiet = now - max(last_step, oldest)
-        if quiet > self.health_stall_s:
-            return False, f"no engine step for {quiet:.0f} s with {len(self.requests)} request(s) pending"
+        for name in {t.model for t in self.requests.values()}:
+            figures = self.figures.get(name)
+            last_step = figures.last_step.time if figures is not None and figures.last_step is not None \
+                else self.started
+            pending = [t for t in self.requests.values() if t.model == name]
+            quiet = now - max(last_step, min(t.queued for t in pending))
+            if quiet > self.health_stall_s:
+                return False, f"no engine step of {name} for {quiet:.0f} s with {len(pending)} request(s) pending"
         return True, "ok"
 
-    def _tokens_per_s(self, window: float = 10.0) -> float:
-        now = time.monotonic()
-        while self.recent_tokens and self.recent_tokens[0][0] < now - window:
-            self.recent_tokens.popleft()
-        if not self.recent_tokens:
-            return 0.0
-        span = max(now - self.recent_tokens[0][0], 1.0)
-        return sum(n for _, n in self.recent_tokens) / span
+    def running_by_model(self) -> dict[str, int]:
+        """Model -> its requests in the running batch (by the model's last step)."""
+        running_ids = {name: {parent_request_id(r) for r in f.last_step.running_ids}
+                       for name, f in self.figures.items() if f.last_step is not None and f.loaded}
+        counts: dict[str, int] = {}
+        for rid, t in self.requests.items():
+            if rid in running_ids.get(t.model, ()):
+                counts[t.model] = counts.get(t.model, 0) + 1
+        return counts
 
-    def _running_parents(self) -> set[str]:
-        if self.last_step is None:
-            return set()
-        return {parent_request_id(rid) for rid in self.last_step.running_ids}
+    def num_running(self, model: str) -> int:
+        return self.running_by_model().get(model, 0)
 
-    def num_running(self) -> int:
-        running = self._running_parents()
-        return sum(1 for rid in self.requests if rid in running)
+    def num_admitted(self, model: str) -> int:
+        return sum(1 for t in self.requests.values() if t.model == model)
 
-    def kv_usage(self) -> float:
-        used = self.last_step.kv_blocks_used if self.last_step else 0
-        return used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+    def model_statuses(self) -> list[ModelStatus]:
+        running, statuses = self.running_by_model(), []
+        for view in self.views():
+            figures = self.figures.get(view.name)
+            loaded = figures is not None and figures.loaded and view.state in ("serving", "unloading")
+            num_running = running.get(view.name, 0)
+            statuses.append(ModelStatus(
+                name=view.name, aliases=list(view.aliases), path=view.path, default=view.default,
+                state=self.model_state(view), load_progress=view.load_progress, load_phase=view.load_phase,
+                device=figures.device if loaded else "", dtype=figures.dtype if loaded else "",
+                memory_bytes=view.memory_bytes, memory_estimated=view.memory_estimated,
+                memory=self._memory(figures) if loaded else None, num_running=num_running,
+                num_waiting=self.num_admitted(view.name) - num_running + view.waiting,
+                kv_blocks_total=figures.kv_blocks_total if loaded else 0,
+                kv_blocks_used=figures.kv_blocks_used() if loaded else 0,
+                keep_alive_s=None if view.keep_alive_s == FOREVER else view.keep_alive_s,
+                expires_at=view.expires_at, last_used=view.last_used,
+                engine_restarts=figures.engine.restarts if loaded else 0,
+                error=view.error or (figures.engine.error if loaded else None)))
+        return statuses
 
     def status(self, uid: int, admin: bool) -> StatusReply:
         now = time.monotonic()
-        running = self._running_parents()
-        step = self.last_step
-        hits = step.prefix_hits if step else 0
-        queries = step.prefix_queries if step else 0
+        running = {parent_request_id(r) for f in self.figures.values() if f.last_step is not None and f.loaded
+                   for r in f.last_step.running_ids}
         infos = [RequestInfo(request_id=rid, uid=t.uid, state="running" if rid in running else "waiting",
-                             age_s=now - t.queued, prompt_tokens=t.prompt_tokens, completion_tokens=t.generated)
+                             age_s=now - t.queued, prompt_tokens=t.prompt_tokens, completion_tokens=t.generated,
+                             model=t.model)
                  for rid, t in self.requests.items() if admin or t.uid == uid]
-        num_running = self.num_running()
+        models = self.model_statuses()
+        default = next(m for m in models if m.default)
+        figures = self.figures.get(default.name) or ModelFigures(default.name)
+        step = figures.last_step if figures.loaded else None
         return StatusReply(
-            model=self.model, server_version=self.server_version, uptime_s=now - self.started,
-            device=self.device, dtype=self.dtype,
-            num_running=num_running, num_waiting=len(self.requests) - num_running, requests=infos,
-            kv_blocks_total=self.kv_blocks_total, kv_blocks_used=step.kv_blocks_used if step else 0,
-            kv_usage=self.kv_usage(),
-            prefix_cache_hit_rate=hits / queries if queries else 0.0,
-            generation_tokens_per_s=self._tokens_per_s(),
-            prompt_tokens_total=self.totals.prompt_tokens,
-            generation_tokens_total=self.totals.generation_tokens,
-            requests_finished_total=sum(self.totals.finished.values()),
-            rss_bytes=self.process.memory_info().rss,
-            cpu_percent=self.process.cpu_percent(None),
+            model=self.default_model, server_version=self.server_version, uptime_s=now - self.started,
+            device=default.device, dtype=default.dtype,
+            num_running=default.num_running, num_waiting=default.num_waiting, requests=infos,
+            kv_blocks_total=default.kv_blocks_total, kv_blocks_used=default.kv_blocks_used,
+            kv_usage=figures.kv_usage(), prefix_cache_hit_rate=figures.prefix_hit_rate(),
+            generation_tokens_per_s=figures.tokens_per_s(),
+            prompt_tokens_total=figures.totals.prompt_tokens,
+            generation_tokens_total=figures.totals.generation_tokens,
+            requests_finished_total=sum(figures.totals.finished.values()),
+            rss_bytes=self.process.memory_info().rss, cpu_percent=self.process.cpu_percent(None),
             num_preemptions_total=step.num_preemptions_total if step else 0,
-            grammar_compiles_total=self.grammar_compile.count,
-            grammar_compile_seconds_total=self.grammar_compile.sum,
-            device_memory_bytes=self.device_memory_bytes,
-            memory=self._memory(step.kv_blocks_used if step else 0),
-            spec_decode=_spec_info(self.spec),
-            engine_state=self.engine_state(), engine_restarts=self.engine.restarts,
-            engine_error=self.engine.error,
-        )
+            grammar_compiles_total=figures.grammar_compile.count,
+            grammar_compile_seconds_total=figures.grammar_compile.sum,
+            device_memory_bytes=figures.device_memory_bytes if figures.loaded else None, memory=default.memory,
+            spec_decode=_spec_info(figures.spec) if figures.loaded else None,
+            engine_state=self.engine_state(), engine_restarts=default.engine_restarts,
+            engine_error=figures.engine.error if figures.loaded else default.error,
+            load_progress=default.load_progress, load_phase=default.load_phase, models=models)
 
-    def _memory(self, kv_blocks_used: int) -> MemoryInfo | None:
-        """The model's memory split (MemoryInfo): "other" is what the process(es) hold
+    def _memory(self, figures: ModelFigures) -> MemoryInfo | None:
+        """The model's memory split (MemoryInfo): "other" is what its process(es) hold
         beyond the weights and the KV cache. On a GPU that is rank 0's reserved device
         memory less its share of the weights and of the KV pool (all allocated at start);
-        on CPU, the resident memory of the daemon and its workers less the weights and
-        the KV blocks in use (the pool's pages are touched only as blocks are written)."""
-        if self.memory is None:
+        on CPU, the resident memory of its worker processes (or, for models in the
+        daemon's own process, of the daemon: shared by them) less the weights and the
+        KV blocks in use (the pool's pages are touched only as blocks are written)."""
+        m = figures.memory() if figures.memory is not None else None
+        if m is None:
             return None
-        m = self.memory()
         workers = sum(_rss(pid) for pid in m.worker_pids) if m.worker_pids else None
         weights = sum(m.weights.values())
-        kv_used = kv_blocks_used * m.bytes_per_block
-        if self.device_memory_bytes is not None:
-            other = self.device_memory_bytes - (weights + m.kv_cache) // max(1, len(m.worker_pids))
+        kv_used = figures.kv_blocks_used() * m.bytes_per_block
+        if figures.device_memory_bytes is not None:
+            other = figures.device_memory_bytes - (weights + m.kv_cache) // max(1, len(m.worker_pids))
+        elif workers is not None:
+            other = workers - weights - kv_used
         else:
-            other = self.process.memory_info().rss + (workers or 0) - weights - kv_used
+            other = self.process.memory_info().rss - self._in_process_held()
         return MemoryInfo(weights=m.weights, kv_cache=m.kv_cache, kv_cache_used=kv_used, workers_rss=workers,
                           other=max(0, other))
+
+    def _in_process_held(self) -> int:
+        """Weights and KV blocks in use of every model loaded in the daemon's process."""
+        held = 0
+        for figures in self.figures.values():
+            m = figures.memory() if figures.memory is not None else None
+            if m is not None and not m.worker_pids:
+                    held += sum(m.weights.values()) + figures.kv_blocks_used() * m.bytes_per_block
+        return held
 
     def prometheus(self) -> str:
         """The Prometheus text exposition (format 0.0.4) of this daemon's registry."""

@@ -40,8 +40,10 @@ class SchedulerActor(Actor):
 
     def __init__(self, engine, detokenizer: Actor, metrics: Actor,
                  model_thread: ThreadPoolExecutor | None = None,
-                 restart_policy: RestartPolicy | None = None) -> None:
+                 restart_policy: RestartPolicy | None = None, *, model: str = "") -> None:
+        """`model`: the name its figures carry (one scheduler per loaded model)."""
         super().__init__()
+        self.model = model
         self.restart_policy = restart_policy or RestartPolicy()
         self.engine_state = "serving"  # "restarting", "dead"
         self.dead = asyncio.Event()
@@ -81,6 +83,11 @@ class SchedulerActor(Actor):
         finally:
             self._unwatch_workers(loop)
             self._pool.shutdown(wait=True, cancel_futures=True)
+
+    @property
+    def dead_error(self) -> str:
+        """Why the engine was declared dead ("" while it is not)."""
+        return self._dead_error
 
     def _can_step(self) -> bool:
         return self.engine_state == "serving" and self.core.has_unfinished_requests()
@@ -237,7 +244,7 @@ class SchedulerActor(Actor):
 
     def _set_state(self, state: str, error: str | None) -> None:
         self.engine_state = state
-        self.metrics.send(EngineState(state, self.restart_policy.total_failures, error))
+        self.metrics.send(EngineState(state, self.restart_policy.total_failures, error, model=self.model))
 
     async def _serve_inbox_while(self, awaitable: Awaitable) -> Any:
         """Await `awaitable`, handling messages as they come (new requests queue for the
@@ -282,7 +289,7 @@ class SchedulerActor(Actor):
             num_reqs=shape.num_reqs, num_tokens=shape.num_tokens,
             num_prefill_tokens=shape.num_prefill_tokens, num_decode_reqs=shape.num_decode_reqs,
             num_generated=sum(generated.values()), generated=generated,
-            device_memory_bytes=result.device_memory_bytes if result is not None else None,
+            device_memory_bytes=result.device_memory_bytes if result is not None else None, model=self.model,
             **msgspec.structs.asdict(self.core.stats(drain_compile_times=True)),
         ))
 

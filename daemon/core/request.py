@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
-from llmd_client.protocol import SamplingParams
+from llmd_client.protocol import PoolingParams, SamplingParams
+
+if TYPE_CHECKING:
+    from llmd.core.step_messages import SchedulerOutput
 
 
 class RequestStatus(enum.IntEnum):
@@ -51,13 +55,18 @@ _FINISH_REASONS = {
 
 
 class Request:
-    """One sequence being generated: prompt, output so far, and how much is in KV."""
+    """One sequence being generated: prompt, output so far, and how much is in KV.
+
+    A pooling request (an embedding: `pooling_params` set, `sampling_params` None) runs
+    its prompt through the model like any other, chunked and batched, samples nothing,
+    and finishes when the step that computes its last prompt token returns the pooled
+    hidden state."""
 
     def __init__(
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
+        sampling_params: SamplingParams | None,
         *,
         eos_token_id: int | None = None,
         priority: int = 0,
@@ -66,10 +75,14 @@ class Request:
         max_tokens: int,
         grammar=None,
         owner: object = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
+        if (sampling_params is None) == (pooling_params is None):
+            raise ValueError("a request has either sampling_params or pooling_params")
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
+        self.pooling_params = pooling_params
         self.eos_token_id = eos_token_id
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -95,6 +108,9 @@ class Request:
         self.grammar = grammar
         # Speculative decoding: draft tokens proposed for the next step.
         self.spec_token_ids: list[int] = []
+        # A pooling request: the step (SchedulerOutput) that computes its last prompt
+        # token, whose output carries the pooled state.
+        self.pooled_by: SchedulerOutput | None = None
         # Async scheduling: tokens being sampled by a step in flight, not yet known here.
         # The next step is scheduled as if they were (the worker has them by then).
         self.num_output_placeholders = 0
@@ -114,6 +130,15 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.pooling_params is not None
+
+    @property
+    def speculative(self) -> bool:
+        """Whether drafts may be proposed for it (a pooling request samples nothing)."""
+        return self.sampling_params is not None and self.sampling_params.speculative
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

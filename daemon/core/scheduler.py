@@ -33,7 +33,8 @@ from llmd.core.step_builder import StepBuilder, StepShape
 from llmd.core.step_messages import GrammarRows, Logprobs, PromptLogprobs, RunnerOutput, SchedulerOutput
 from llmd.core.request import Request, RequestStatus
 from llmd.core.request_queue import make_queue
-from llmd.core.spec_decode import NgramProposer, SpecDecodeStats
+from llmd.core.draft_planning import DraftPlanner
+from llmd.core.spec_decode import SpecDecodeStats
 from llmd.core.stop_checks import append_sampled_tokens
 
 
@@ -47,6 +48,7 @@ class RequestUpdate(msgspec.Struct):
     error: str | None = None  # with finish_reason "error": what went wrong, for people
     logprobs: Logprobs | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    pooled: list[float] | None = None  # a pooling request's result, with finish_reason "stop"
 
 
 class SchedulerStats(msgspec.Struct):
@@ -63,6 +65,9 @@ class Scheduler:
         self.long_prefill_token_threshold = config.long_prefill_token_threshold
         self.policy = config.scheduling_policy
         self.enable_prefix_caching = config.enable_prefix_caching
+        # The engine's pooling for embeddings (resolved from the model at load; None: not
+        # known, so no pooling request looks up the prefix cache).
+        self.pooling_type = config.pooling_type
         self.kv = kv_cache_manager
         self.waiting = make_queue(self.policy)
         # Guided decoding (a llmd.structured_output.StructuredOutputManager, or None).
@@ -70,15 +75,7 @@ class Scheduler:
         self.waiting_for_grammar: list[Request] = []
         # Results decided outside a model step (a grammar that failed), for the next caller.
         self._pending_updates: list[RequestUpdate] = []
-        spec = config.speculative_config
-        self.proposer = None
-        # Draft-model speculation: drafts per step, proposed by the worker after sampling.
-        self.num_draft_model_tokens = 0
-        if spec is not None and spec.method == "ngram":
-            self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
-                                          spec.prompt_lookup_max)
-        elif spec is not None:
-            self.num_draft_model_tokens = spec.num_speculative_tokens
+        self.drafts = DraftPlanner(config.speculative_config, structured)
         self.spec_stats = SpecDecodeStats()
         self.async_scheduling = config.async_scheduling
         # The step whose grammar rows wait for the tokens of the step in flight.
@@ -129,8 +126,7 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         self.kv.free(request)
         self._worker_forget.add(request.request_id)
-        if self.proposer is not None:
-            self.proposer.forget(request.request_id)
+        self.drafts.forget(request.request_id)
         del self.requests[request.request_id]
 
     def has_unfinished_requests(self) -> bool:
@@ -215,10 +211,10 @@ class Scheduler:
         num_new = self._num_tokens_to_schedule(request, step.budget)
         if num_new == 0:
             return
-        drafts = self._drafts_to_verify(request, num_new, step.budget)
-        drafting = self._drafts_for(request, request.num_computed_tokens + num_new)
+        drafts = self.drafts.drafts_to_verify(request, num_new, step.budget)
+        drafting = self.drafts.drafts_for(request, request.num_computed_tokens + num_new)
         num_new += len(drafts)
-        lookahead = self._draft_lookahead(request, request.num_computed_tokens + num_new) if drafting else 0
+        lookahead = self.drafts.lookahead(request, request.num_computed_tokens + num_new) if drafting else 0
         while (new_blocks := self.kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)) is None:
             if drafts or drafting:
                 # Drop the speculation before preempting anyone for it.
@@ -271,15 +267,15 @@ class Scheduler:
         blocks last; a request whose blocks do not fit stops admission (no overtaking)."""
         while self.waiting and step.budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
-            if self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None:
+            if self.enable_prefix_caching and self._may_skip_cached_prefix(request):
                 hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             else:
                 hit_blocks, num_hit = [], 0
             num_new = min(request.num_tokens - num_hit, step.budget)
             if self.long_prefill_token_threshold:
                 num_new = min(num_new, self.long_prefill_token_threshold)
-            drafting = self._drafts_for(request, num_hit + num_new)
-            lookahead = self._draft_lookahead(request, num_hit + num_new) if drafting else 0
+            drafting = self.drafts.drafts_for(request, num_hit + num_new)
+            lookahead = self.drafts.lookahead(request, num_hit + num_new) if drafting else 0
             if self.kv.allocate_slots(request, num_new, hit_blocks, num_hit, num_lookahead_tokens=lookahead) is None:
                 if not drafting or self.kv.allocate_slots(request, num_new, hit_blocks, num_hit) is None:
                     return
@@ -291,6 +287,17 @@ class Scheduler:
             self.running.append(request)
             draft_limit = num_hit + num_new + lookahead + 1 if drafting else None
             step.add_new(request, num_new, self.kv.get_block_ids(request.request_id), draft_limit)
+
+    def _may_skip_cached_prefix(self, request: Request) -> bool:
+        """Whether a request being admitted may take its prompt's cached prefix instead
+        of computing it: not when it needs an output at every prompt position. That is
+        prompt logprobs, and a pooling request unless it pools the LAST token (a hit
+        never covers the last token; MEAN reads every position's hidden state, CLS the
+        first). A pooling request's own full blocks are cached as any others: their K/V
+        are what any request with that prefix computes."""
+        if request.pooling_params is not None:
+            return self.pooling_type == "LAST"
+        return request.sampling_params.prompt_logprobs is None
 
     def _finalize(self, step: StepBuilder) -> SchedulerOutput:
         """Count the step's tokens as computed, start filling the grammar rows of the
@@ -310,6 +317,8 @@ class Scheduler:
         self.stats.num_running = len(self.running)
         self.stats.num_waiting = len(self.waiting)
         output = step.build(forget, [r.request_id for r in guided])
+        for request in step.pooled:
+            request.pooled_by = output
         self.last_grammar_rows = None
         if deferred:
             self._deferred_bitmask = (output, guided)
@@ -317,50 +326,6 @@ class Scheduler:
             self.last_grammar_rows = self.structured.fill_bitmask(
                 [r.grammar for r in guided], [step.spec_tokens.get(r.request_id, []) for r in guided])
         return output
-
-    # -- speculation ------------------------------------------------------------------
-    def _drafts_to_verify(self, request: Request, num_new: int, budget: int) -> list[int]:
-        """The request's proposed drafts that fit this step: only in decode (one known
-        token to compute), within the token budget, and never more than the request may
-        still emit (all accepted drafts plus the token sampled after them)."""
-        drafts, request.spec_token_ids = request.spec_token_ids, []
-        if not drafts or num_new != 1 or request.num_computed_tokens + 1 != request.num_tokens:
-            return []
-        room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1)
-        return drafts[:max(room, 0)]
-
-    def _drafts_for(self, request: Request, num_computed_after: int) -> bool:
-        """Whether the worker drafts for the request after this step (draft model): it
-        samples in this step (all its known tokens computed) and speculates."""
-        return bool(self.num_draft_model_tokens) and num_computed_after == request.num_tokens \
-            and request.sampling_params.speculative
-
-    def _draft_lookahead(self, request: Request, end: int) -> int:
-        """KV slots to reserve past the `end` tokens this step computes (drafts included)
-        for the drafts the worker writes after it: num_draft_model_tokens, but none past
-        what the request may still emit. With them the worker may draft up to `end +
-        lookahead + 1` tokens: its draft steps write K/V at every drafted position but the
-        last, so within the reserved slots (the most is when every draft is accepted and
-        drafting starts at position `end`)."""
-        last_useful = request.num_prompt_tokens + request.max_tokens - 2
-        return min(self.num_draft_model_tokens, max(0, last_useful - end))
-
-    def _take_drafts(self, request: Request, model_drafts: list[int]) -> None:
-        """The drafts to verify at the request's next step: the n-gram proposer's, or
-        those the draft model made in the worker. A guided request's are cut at the first
-        token its grammar refuses or that ends it. A draft-model draft is sampled, so
-        dropping it for its value would bias what is emitted: the cut-off one stays, as
-        the last draft. Its row masks it out if the grammar refuses it (always rejected,
-        then), and if it ends the grammar and is accepted the request ends there; either
-        way the row after it is never used, and its rows allow every token
-        (bitmask_filler)."""
-        drafts = model_drafts
-        if self.proposer is not None:  # its index of the request's tokens grows by this step's only
-            drafts = self.proposer.propose(request.all_token_ids, req_id=request.request_id)
-        if drafts and request.grammar is not None:
-            valid = self.structured.validate_drafts(request.grammar, drafts)
-            drafts = valid if self.proposer is not None else drafts[:len(valid) + 1]
-        request.spec_token_ids = drafts
 
     # -- results ----------------------------------------------------------------------
     def update_from_output(self, output: SchedulerOutput, runner_output: RunnerOutput) -> list[RequestUpdate]:
@@ -371,6 +336,10 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished or preempted while the step ran
+            if request.is_pooling:
+                if (update := self._finish_pooling(request, output, runner_output.pooled.get(req_id))) is not None:
+                    updates.append(update)
+                continue
             if token_ids and request.num_output_placeholders:
                 request.num_output_placeholders -= 1
             num_drafts = len(output.scheduled_spec_decode_tokens.get(req_id, ()))
@@ -391,7 +360,22 @@ class Scheduler:
                 self._release(request)
                 update.finish_reason = status.finish_reason
                 update.stop_reason = request.stop_reason
-            elif new_tokens and request.sampling_params.speculative:
-                self._take_drafts(request, runner_output.draft_token_ids.get(req_id, []))
+            elif new_tokens and request.speculative:
+                self.drafts.take_drafts(request, runner_output.draft_token_ids.get(req_id, []))
             updates.append(update)
         return updates
+
+    def _finish_pooling(self, request: Request, output: SchedulerOutput,
+                        pooled: list[float] | None) -> RequestUpdate | None:
+        """A pooling request ends with the step that computed its last prompt token
+        (`pooled_by`), which returns its pooled state. Such a step returning none is a
+        worker bug: the request fails rather than waiting for ever. Earlier steps were
+        chunks of its prompt: nothing to report."""
+        if pooled is None and request.pooled_by is not output:
+            return None
+        status = RequestStatus.FINISHED_STOPPED if pooled is not None else RequestStatus.FINISHED_ERROR
+        request.status = status
+        self.running.remove(request)
+        self._release(request)
+        error = None if pooled is not None else "internal error: the step returned no pooled hidden state"
+        return RequestUpdate(request.request_id, [], finish_reason=status.finish_reason, error=error, pooled=pooled)

@@ -42,6 +42,8 @@ class StepBuilder:
         self._cached: dict[str, _CachedEntry] = {}
         self.spec_tokens: dict[str, list[int]] = {}
         self.draft_limits: dict[str, int] = {}
+        # Pooling requests whose last prompt token this step computes (set by commit).
+        self.pooled: list[Request] = []
 
     @property
     def total_tokens(self) -> int:
@@ -74,6 +76,7 @@ class StepBuilder:
             sampling_params=request.sampling_params,
             block_ids=block_ids,
             num_computed_tokens=request.num_computed_tokens,
+            pooling_params=request.pooling_params,
         ))
 
     def drop(self, request: Request) -> None:
@@ -92,7 +95,9 @@ class StepBuilder:
         """Count the scheduled tokens as computed, so the next schedule() sees them (they
         are in the cache before anyone reads them). Returns the requests that sample in
         this step (all their known tokens, placeholders and drafts computed), in order,
-        and the step's shape: a decode is one known token (plus drafts) after an output."""
+        and the step's shape: a decode is one known token (plus drafts) after an output.
+        A pooling request never samples: the one whose prompt this step completes goes
+        to `pooled` instead."""
         sampling: list[Request] = []
         num_prefill_tokens = 0
         num_decode_reqs = 0
@@ -107,7 +112,7 @@ class StepBuilder:
                 num_prefill_tokens += n
             request.num_computed_tokens += n
             if request.num_computed_tokens == known + num_drafts:
-                sampling.append(request)
+                (self.pooled if request.is_pooling else sampling).append(request)
         shape = StepShape(len(self.num_scheduled), self.total_tokens, num_prefill_tokens, num_decode_reqs)
         return sampling, shape
 

@@ -5,6 +5,10 @@ sent once (when it is scheduled for the first time, or again after preemption); 
 that a step names it with its new block ids and how many tokens to compute. The worker
 keeps its own copy of each request's tokens and appends what it samples.
 
+A pooling request (an embedding) is scheduled like any prompt; the step that computes
+its last prompt token returns its pooled hidden state (`RunnerOutput.pooled`) instead of
+a sampled token, and the scheduler finishes it.
+
 A step's grammar bitmask rows are filled while its forward runs (only sampling needs
 them), so the step goes to the executor before they exist. The step names the requests
 whose rows it samples with (`grammar_req_ids`); the rows themselves are the step's second
@@ -19,7 +23,7 @@ from typing import Callable
 
 import msgspec
 
-from llmd_client.protocol import SamplingParams
+from llmd_client.protocol import PoolingParams, SamplingParams
 
 
 class NewRequestData(msgspec.Struct, array_like=True):
@@ -27,9 +31,12 @@ class NewRequestData(msgspec.Struct, array_like=True):
     prompt_token_ids: list[int]
     # Tokens generated before a preemption (resumed requests recompute them as context).
     output_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None  # None: a pooling request
     block_ids: list[int]
     num_computed_tokens: int
+    # A pooling request (an embedding): the worker pools its prompt's final hidden
+    # states and returns them in RunnerOutput.pooled after its last prompt token.
+    pooling_params: PoolingParams | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):
@@ -109,6 +116,9 @@ class RunnerOutput(msgspec.Struct, array_like=True):
     prompt_logprobs: dict[str, PromptLogprobs] = {}
     # Draft-model speculation: the drafts proposed for the next step, by request id.
     draft_token_ids: dict[str, list[int]] = {}
+    # Pooling requests whose last prompt token this step computed: the pooled final
+    # hidden state (cut to the request's dimensions, normalized if it asked), by request id.
+    pooled: dict[str, list[float]] = {}
     # CUDA: bytes the device's torch allocator holds after the step (a host-side counter,
     # no sync); None on CPU. For status and metrics.
     device_memory_bytes: int | None = None

@@ -1,14 +1,16 @@
 """Turns per-step token updates into RequestOutputs: incremental text, stop strings,
-logprobs, and the `n` samples of one request gathered under its id."""
+logprobs, and the `n` samples of one request gathered under its id. A pooling request
+(an embedding) has no text: its one update becomes an EmbeddingRequestOutput."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from llmd.detokenizer.incremental import IncrementalDetokenizer
 from llmd.core.step_messages import Logprobs, PromptLogprobs
-from llmd.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from llmd.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, PositionLogprobs,
+                          RequestOutput)
 from llmd.core.scheduler import RequestUpdate
-from llmd_client.protocol import SamplingParams
+from llmd_client.protocol import PoolingParams, SamplingParams
 
 
 @dataclass
@@ -41,10 +43,19 @@ class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.requests: dict[str, _RequestState] = {}
+        # Pooling requests: request id -> its prompt token ids (it is its own only child).
+        self.pooling: dict[str, list[int]] = {}
         self.parent_of: dict[str, str] = {}
 
+    def knows(self, request_id: str) -> bool:
+        return request_id in self.requests or request_id in self.pooling
+
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, child_ids: list[str]) -> None:
+                    params: SamplingParams | PoolingParams, child_ids: list[str]) -> None:
+        if isinstance(params, PoolingParams):
+            self.pooling[request_id] = prompt_token_ids
+            self.parent_of[request_id] = request_id
+            return
         samples = {}
         for index, child_id in enumerate(child_ids):
             detok = IncrementalDetokenizer(
@@ -63,18 +74,25 @@ class OutputProcessor:
             outputs=[samples[c].output for c in child_ids])
 
     def child_ids(self, request_id: str) -> list[str]:
+        if request_id in self.pooling:
+            return [request_id]
         state = self.requests.get(request_id)
         return list(state.samples) if state else []
 
     def process(self, updates: list[RequestUpdate], num_cached: dict[str, int]
-                ) -> tuple[list[RequestOutput], list[str]]:
+                ) -> tuple[list[RequestOutput | EmbeddingRequestOutput], list[str]]:
         """Returns the outputs of requests touched by this step, and the child ids that
         hit a stop string (the caller must finish them in the scheduler)."""
         stopped_by_string: list[str] = []
         touched: list[_RequestState] = []
+        results: list[RequestOutput | EmbeddingRequestOutput] = []
         for update in updates:
             parent = self.parent_of.get(update.req_id)
             if parent is None:
+                continue
+            if parent in self.pooling:
+                if update.finish_reason is not None:
+                    results.append(self._end_pooling(parent, update.finish_reason, update.error, update.pooled))
                 continue
             state = self.requests[parent]
             sample = state.samples[update.req_id]
@@ -92,13 +110,7 @@ class OutputProcessor:
                 continue
             out = sample.output
             if update.new_token_ids:
-                ids = update.new_token_ids
-                # A token stop (EOS, a stop id, a grammar's end) is not text, as in vLLM: with
-                # skip_special_tokens off a reply would otherwise end in "</s>".
-                stop_token = update.finish_reason == "stop" and not state.params.include_stop_str_in_output
-                new_ids, stop_str = self._consume(sample.detokenizer, ids[:-1] if stop_token else ids)
-                if stop_token and stop_str is None:
-                    new_ids.append(ids[-1])
+                new_ids, stop_str = self._consume(sample.detokenizer, update, state.params)
                 out.token_ids.extend(new_ids)
                 out.new_token_ids = new_ids
                 if update.logprobs is not None and out.logprobs is not None:
@@ -120,7 +132,6 @@ class OutputProcessor:
                     out.finish_reason, out.stop_reason = "stop", stop_str
             out.new_text = delta
             out.text += delta
-        results = []
         for state in touched:
             state.touched = False
             finished = state.finished
@@ -130,9 +141,19 @@ class OutputProcessor:
         return results, stopped_by_string
 
     @staticmethod
-    def _consume(detokenizer, token_ids: list[int]) -> tuple[list[int], str | None]:
+    def _consume(detokenizer, update: RequestUpdate, params: SamplingParams) -> tuple[list[int], str | None]:
         """Feed a step's tokens; with several (accepted speculative drafts), stop at the
-        token that completes a stop string: nothing after a stop is emitted."""
+        token that completes a stop string: nothing after a stop is emitted. A token stop
+        (EOS, a stop id, a grammar's end) is kept but is not text, as in vLLM: with
+        skip_special_tokens off a reply would otherwise end in "</s>"."""
+        ids = update.new_token_ids
+        if update.finish_reason == "stop" and not params.include_stop_str_in_output:
+            new_ids, stop_str = OutputProcessor._feed(detokenizer, ids[:-1])
+            return (new_ids, stop_str) if stop_str is not None else (new_ids + ids[-1:], None)
+        return OutputProcessor._feed(detokenizer, ids)
+
+    @staticmethod
+    def _feed(detokenizer, token_ids: list[int]) -> tuple[list[int], str | None]:
         if len(token_ids) == 1:
             return list(token_ids), detokenizer.update(token_ids)
         for i, token in enumerate(token_ids):
@@ -141,9 +162,19 @@ class OutputProcessor:
                 return list(token_ids[:i + 1]), stop_str
         return list(token_ids), None
 
-    def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> RequestOutput | None:
+    def _end_pooling(self, request_id: str, reason: str, error: str | None,
+                     pooled: list[float] | None) -> EmbeddingRequestOutput:
+        prompt_token_ids = self.pooling.pop(request_id)
+        self.parent_of.pop(request_id, None)
+        return EmbeddingRequestOutput(request_id, EmbeddingOutput(pooled if pooled is not None else []),
+                                      prompt_token_ids, finish_reason=reason, error=error)
+
+    def abort(self, request_id: str, reason: str = "abort", error: str | None = None
+              ) -> RequestOutput | EmbeddingRequestOutput | None:
         """End a request from outside a step: its unfinished samples get `reason` (and,
         with reason "error", `error`, what went wrong)."""
+        if request_id in self.pooling:
+            return self._end_pooling(request_id, reason, error, None)
         state = self.requests.get(request_id)
         if state is None:
             return None

@@ -9,11 +9,13 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from llmd.actors.intake import IntakeActor
+from aiohttp import web
+
 from llmd.actors.request_sink import RequestSink
+from llmd.http.context import MODEL_LEASE
 from llmd.http.errors import ApiError, from_intake
 from llmd.input_processor import PreparedRequest
-from llmd_client.protocol import Error, Output, Submit
+from llmd_client.protocol import Embed, Error, Output, Submit
 
 
 class HttpSink(RequestSink):
@@ -40,16 +42,19 @@ class Admitted:
 
 
 class Generation:
-    """`async with Generation(intake, uid) as gen:` then `await gen.admit(submits)` and
-    `async for slot, output in gen`. The iteration ends when every request has sent its
-    last output (the one carrying usage). `view`, when given, is what the handler sees
-    of each output; `first_token_at` holds when each slot's first token came (monotonic)."""
+    """`async with Generation(request) as gen:` then `await gen.admit(submits)` and
+    `async for slot, output in gen`: the request's engine requests, on the model its
+    handler took (llmd.http.context.served_model), for the client's uid. The iteration
+    ends when every request has sent its last output (the one carrying usage). `view`,
+    when given, is what the handler sees of each output; `first_token_at` holds when
+    each slot's first token came (monotonic)."""
 
-    def __init__(self, intake: IntakeActor, uid: int, *, params: dict[str, str] | None = None,
+    def __init__(self, request: web.Request, *, params: dict[str, str] | None = None,
                  strict_max_tokens: bool = True, num_ctx: int | None = None,
                  view: Callable[[Output], Output] | None = None) -> None:
-        self.intake = intake
-        self.uid = uid
+        self.intake = request.app["intake"]
+        self.uid = request["uid"]
+        self.lease = request.get(MODEL_LEASE)
         self.params = params
         self.strict_max_tokens = strict_max_tokens
         self.num_ctx = num_ctx
@@ -68,13 +73,13 @@ class Generation:
             self.intake.abort(unfinished)
         self._open.clear()
 
-    async def admit(self, submits: list[Submit]) -> list[Admitted]:
+    async def admit(self, submits: list[Submit | Embed]) -> list[Admitted]:
         """Admit every submit or none: an error (an ApiError naming the parameter) aborts
         those already admitted."""
         for slot, submit in enumerate(submits):
             sink = HttpSink(self.queue, slot)
             result = await self.intake.admit(submit, self.uid, sink, strict_max_tokens=self.strict_max_tokens,
-                                             num_ctx=self.num_ctx)
+                                             num_ctx=self.num_ctx, lease=self.lease)
             if isinstance(result, Error):
                 raise from_intake(result, self.params)
             self.admitted.append(Admitted(slot, sink.request_id, result))
@@ -94,7 +99,8 @@ class Generation:
 
     async def collect(self) -> dict[int, dict[int, Output]]:
         """The whole result: per slot, per sample index, one Output holding all its text,
-        token ids and logprobs, its finish reason, and (on one of them) the usage."""
+        token ids and logprobs, its finish reason, and (on one of them) the usage; an
+        embedding request's one Output as it came."""
         merged: dict[int, dict[int, Output]] = {}
         async for slot, out in self:
             samples = merged.setdefault(slot, {})
@@ -103,13 +109,14 @@ class Generation:
                 samples[out.index] = Output(id=out.id, index=out.index, text=out.text, token_ids=list(out.token_ids),
                                             logprobs=list(out.logprobs) if out.logprobs is not None else None,
                                             finish_reason=out.finish_reason, stop_reason=out.stop_reason,
-                                            error=out.error, usage=out.usage, prompt_logprobs=out.prompt_logprobs)
+                                            error=out.error, usage=out.usage, prompt_logprobs=out.prompt_logprobs,
+                                            embedding=out.embedding)
                 continue
             into.text += out.text
             into.token_ids.extend(out.token_ids)
             if out.logprobs is not None:
                 into.logprobs = (into.logprobs or []) + list(out.logprobs)
-            for name in ("finish_reason", "stop_reason", "error", "usage", "prompt_logprobs"):
+            for name in ("finish_reason", "stop_reason", "error", "usage", "prompt_logprobs", "embedding"):
                 if getattr(out, name) is not None:
                     setattr(into, name, getattr(out, name))
         return merged

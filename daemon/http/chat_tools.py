@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from llmd.http.context import ServedModel
+from llmd.http.context import ServedModel, current_served
 from llmd.http.errors import ApiError
 from llmd.tool_calls import ToolCallParser, ToolChoice, ToolError, for_template, parse_tools
 from llmd_client.protocol import ChatMessage, GuidedDecodingParams, SamplingParams
@@ -47,7 +47,7 @@ async def chat_tools(request, tools: list[Any] | None, tool_choice: Any, paralle
     know that it can be). A forced call (tool_choice required or a named function), or
     any call where the operator says `guided_tool_calls = "always"`, is guided by the
     model's call format; a forced call cannot be combined with a response format."""
-    served: ServedModel = request.app["served"]
+    served: ServedModel = current_served(request)
     size = len(json.dumps(tools)) if tools else 0
     try:
         choice = await request.app["intake"].in_tokenizer_pool(size, functools.partial(

@@ -1,5 +1,6 @@
-"""What every HTTP handler needs to know about the served model, and how request bodies
-are read: typed msgspec decoding whose errors name the parameter, never its value."""
+"""What every HTTP handler needs to know about the model a request names (loaded, and
+pinned until the response is done: `served_model`), and how request bodies are read:
+typed msgspec decoding whose errors name the parameter, never its value."""
 from __future__ import annotations
 
 import functools
@@ -12,6 +13,9 @@ from aiohttp import web
 
 from llmd.http.errors import ApiError
 from llmd.http.fim import FimTokens
+from llmd.http.model_cards import describe_files
+from llmd.pool.registry import ModelSpec, UnknownModel
+from llmd.pool.slot import ModelUnavailable
 from llmd.tool_calls import FORMATS, ToolCallFormat, format_for
 from llmd_client.framing import NestingError, decode_json
 
@@ -55,21 +59,12 @@ class ServedModel:
     quantization: str = "F32"  # the weights' type in the file, as Ollama names it (Q4_1, F16, BF16, ...)
     tool_format: ToolCallFormat = field(default_factory=lambda: FORMATS["hermes"])  # how the model writes calls
     guided_tool_calls: str = "forced"  # when tool calls are guided: "forced" or "always" (DaemonConfig)
+    task: str = "generate"  # what the model is served for: "generate" or "embed" (embeddings only)
     _token_text: dict[int, str] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
         return self.names[0]
-
-    def serves(self, requested: str) -> bool:
-        """Whether `requested` is one of the model's names (Ollama's clients add a `:latest` tag)."""
-        return requested.removesuffix(":latest") in self.names or requested in self.names
-
-    def check(self, requested: str | None) -> None:
-        """Clients name the model they want; this daemon serves one, under any of its names."""
-        if requested and not self.serves(requested):
-            raise ApiError(404, f"the model requested is not served here; this daemon serves {self.name}",
-                           param="model", code="model_not_found")
 
     @property
     def chat_template(self) -> str | None:
@@ -108,6 +103,47 @@ class ServedModel:
     def parameter_size(self) -> str:
         n = self.num_params
         return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+MODEL_LEASE = "model_lease"  # the request's pin on its model (released when the response is done)
+
+
+def resolve_model(request: web.Request, requested: str | None) -> ModelSpec:
+    """The model `requested` names (None or "": the default); unknown: a 404
+    `model_not_found` naming `model` (and the models served, not what was asked)."""
+    try:
+        return request.app["models"].resolve(requested)
+    except UnknownModel as exc:
+        raise ApiError(404, str(exc).removeprefix("model: "), param="model", code="model_not_found") from None
+
+
+async def served_model(request: web.Request, requested: str | None, keep_alive: float | None = None) -> ServedModel:
+    """The model `requested` names, loaded first if need be (the request waits; its
+    client leaving stops the wait), and pinned until the response is done.
+    `keep_alive`: how long the model stays once idle (None: its own). One that cannot
+    serve is a 503 saying why."""
+    spec = resolve_model(request, requested)
+    try:
+        lease = await request.app["models"].acquire(spec, keep_alive)
+    except ModelUnavailable as exc:
+        raise ApiError(503, str(exc), param="model", code=exc.code) from None
+    previous = request.get(MODEL_LEASE)
+    if previous is not None:
+        previous.release()
+    request[MODEL_LEASE] = lease
+    return lease.model.served
+
+
+def current_served(request: web.Request) -> ServedModel:
+    """The model this request took with served_model."""
+    return request[MODEL_LEASE].model.served
+
+
+def release_model(request: web.Request) -> None:
+    """The response is done: let go of its model."""
+    lease = request.get(MODEL_LEASE)
+    if lease is not None:
+        lease.release()
 
 
 @functools.cache
@@ -162,49 +198,17 @@ def check_json_content_type(request: web.Request) -> None:
 
 
 def describe_model(engine, names: list[str] | tuple[str, ...] = (), *, tool_call_parser: str | None = None,
-                   guided_tool_calls: str = "forced") -> ServedModel:
-    """What the HTTP APIs say about the engine's model, read from its files (config and
-    safetensors headers of an HF directory, the header of a GGUF file; no tensor is
-    loaded). `names`: what clients may call it (default: the file or folder name);
-    the tool settings are the operator's (DaemonConfig)."""
-    import hashlib
-    import json
-    from collections import Counter
-    from pathlib import Path
-
-    from safetensors import safe_open
-
+                   guided_tool_calls: str = "forced", task: str = "generate") -> ServedModel:
+    """What the HTTP APIs say about the engine's model: its files' card (model_cards.py)
+    and its tokenizer. `names`: what clients may call it (default: the file or folder
+    name); the tool settings are the operator's (DaemonConfig), `task` the engine's."""
     from llmd.http.fim import find_fim_tokens
 
-    model_path = Path(engine.model_dir)
-    if model_path.is_file():  # a GGUF checkpoint
-        from llmd.gpu.models.gguf_summary import gguf_summary
-
-        summary = gguf_summary(model_path)
-        architecture, num_params, size_bytes = summary.architecture, summary.num_params, summary.size_bytes
-        digest, created, quantization = summary.header_sha256, model_path.stat().st_mtime, summary.quantization
-    else:
-        config_bytes = (model_path / "config.json").read_bytes()
-        architecture = (json.loads(config_bytes).get("architectures") or ["unknown"])[0]
-        weights = sorted(model_path.glob("*.safetensors"))
-        elements_of: Counter[str] = Counter()  # safetensors dtype (F32, F16, BF16, ...) -> elements
-        for file in weights:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    tensor = f.get_slice(name)
-                    size = 1
-                    for dim in tensor.get_shape():
-                        size *= dim
-                    elements_of[tensor.get_dtype()] += size
-        num_params = sum(elements_of.values())
-        quantization = elements_of.most_common(1)[0][0] if elements_of else "F32"
-        size_bytes = sum(f.stat().st_size for f in weights)
-        digest = hashlib.sha256(config_bytes).hexdigest()
-        created = (model_path / "config.json").stat().st_mtime
+    card = describe_files(engine.model_dir, tuple(names), engine.max_model_len)
     return ServedModel(
-        names=tuple(names) or (model_path.name,), created=int(created), max_model_len=engine.max_model_len,
-        tokenizer=engine.tokenizer, architecture=architecture, num_params=num_params,
-        dtype=str(engine.dtype).removeprefix("torch."), size_bytes=size_bytes, digest="sha256:" + digest,
-        fim=find_fim_tokens(engine.tokenizer), format="gguf" if model_path.is_file() else "safetensors",
-        quantization=quantization, guided_tool_calls=guided_tool_calls,
-        tool_format=format_for(tool_call_parser, getattr(engine.tokenizer, "chat_template", None), architecture))
+        names=card.names, created=card.created, max_model_len=engine.max_model_len,
+        tokenizer=engine.tokenizer, architecture=card.architecture, num_params=card.num_params,
+        dtype=str(engine.dtype).removeprefix("torch."), size_bytes=card.size_bytes, digest=card.digest,
+        fim=find_fim_tokens(engine.tokenizer), format=card.format, quantization=card.quantization,
+        guided_tool_calls=guided_tool_calls, task=task,
+        tool_format=format_for(tool_call_parser, getattr(engine.tokenizer, "chat_template", None), card.architecture))

@@ -5,7 +5,8 @@ from __future__ import annotations
 from llmd_client.protocol import Error, SamplingParams
 
 # Fields an intake or validation message may start with.
-_FIELDS = frozenset(SamplingParams.__struct_fields__) | {"prompt", "messages", "cache_salt", "token_ids", "tools"}
+_FIELDS = frozenset(SamplingParams.__struct_fields__) | {"prompt", "messages", "cache_salt", "token_ids", "tools",
+                                                          "dimensions"}
 
 # The intake's stable error codes and the HTTP status each one means.
 _STATUS = {"bad_request": 400, "invalid_params": 400, "too_long": 400, "forbidden": 403, "unknown_id": 404,

@@ -10,7 +10,7 @@ import msgspec
 from aiohttp import web
 
 from llmd.http.bridge import Generation, engine_error, raise_for_error
-from llmd.http.context import ServedModel, decode_body
+from llmd.http.context import ServedModel, decode_body, served_model
 from llmd.http.errors import ApiError
 from llmd.http.sampling import LlamaSampling, build_sampling
 from llmd.http.streams import EventStream, json_response
@@ -23,6 +23,7 @@ class ExtraChunk(msgspec.Struct):
 
 
 class InfillRequest(LlamaSampling, kw_only=True):
+    model: str | None = None  # llmd's own (llama.cpp serves one model): which model infills
     input_prefix: str = ""
     input_suffix: str = ""
     input_extra: list[ExtraChunk] = []
@@ -54,15 +55,15 @@ def _final(served: ServedModel, out: Output, started: float, text: str) -> dict[
 
 
 async def infill(request: web.Request) -> web.StreamResponse:
-    served: ServedModel = request.app["served"]
     body = await decode_body(request, InfillRequest)
+    served = await served_model(request, body.model)
     if served.fim is None:
         raise ApiError(501, "this model has no fill-in-the-middle tokens, so it cannot infill", code="not_supported")
     text = served.fim.prompt(body.input_prefix, body.input_suffix,
                              [(c.filename, c.text) for c in body.input_extra]) + body.prompt
     submit = Submit(prompt=text, sampling=_sampling(body))
     started = time.monotonic()
-    async with Generation(request.app["intake"], request["uid"], params=_PARAMS, strict_max_tokens=False) as gen:
+    async with Generation(request, params=_PARAMS, strict_max_tokens=False) as gen:
         await gen.admit([submit])
         if not body.stream:
             out = (await gen.collect())[0][0]

@@ -5,9 +5,11 @@ by changing its URL. Errors are Ollama's `{"error": "..."}`. `/api/chat` calls t
 and llmd's own `tool_choice` (Ollama has none) to force a call.
 
 `options.num_ctx` narrows a request's context below max_model_len (a larger one is
-refused: the engine's context is set at load). `keep_alive` is checked and recorded,
-and /api/ps reports the expiry it asks for, but llmd cannot unload its model yet: the
-model stays loaded whatever it says."""
+refused: the engine's context is set at load). `model` names the model (loaded on its
+first request); `keep_alive` says how long it stays loaded after the request (Ollama's
+durations; 0: unloaded right after); a request with nothing to generate loads the
+model, or with keep_alive 0 unloads it, as Ollama does. /api/ps lists the loaded
+models and when each goes; /api/tags every model that can be served."""
 from __future__ import annotations
 
 import time
@@ -19,9 +21,10 @@ from aiohttp import web
 
 from llmd.http.bridge import Generation, engine_error, raise_for_error
 from llmd.http.chat_tools import chat_tools, history_call
-from llmd.http.context import ServedModel, decode_body
+from llmd.http.context import ServedModel, decode_body, resolve_model, served_model
 from llmd.http.errors import ApiError
-from llmd.http.keep_alive import parse_keep_alive
+from llmd.http.keep_alive import expires_at_text, parse_keep_alive
+from llmd.http.model_cards import ModelCard, listing
 from llmd.http.sampling import LlamaSampling, build_sampling
 from llmd.http.streams import NdjsonStream, json_response
 from llmd.tool_calls import ToolCall, ToolCallParser
@@ -83,7 +86,7 @@ _PARAMS = {"max_tokens": "num_predict", "repetition_penalty": "repeat_penalty", 
            "prompt": "prompt", "messages": "messages"}
 
 
-def _num_ctx(options: Options | None, served: ServedModel) -> int | None:
+def num_ctx_of(options: Options | None, served: ServedModel) -> int | None:
     """The request's context length: num_ctx, which must fit the engine's."""
     num_ctx = options.num_ctx if options is not None else None
     if num_ctx is None:
@@ -113,29 +116,30 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-def _final_fields(out: Output, started: float, first_token: float | None) -> dict[str, Any]:
-    """The done message's counts and durations (ns), as measured here: the prompt's from
-    the request's arrival to its first token, the generation's from there to the end."""
+def _final_fields(request: web.Request, out: Output, started: float, first_token: float | None) -> dict[str, Any]:
+    """The done message's counts and durations (ns), as measured here: the model's load
+    (when this request waited for one), the prompt's from the request's arrival to its
+    first token, the generation's from there to the end."""
     end = time.monotonic()
     first = first_token if first_token is not None else end
     usage = out.usage
     reason = out.finish_reason if out.finish_reason in ("stop", "length") else out.finish_reason or "stop"
     return {"done": True, "done_reason": reason,
-            "total_duration": int((end - started) * 1e9), "load_duration": 0,
+            "total_duration": int((end - request["arrived"]) * 1e9),
+            "load_duration": int((started - request["arrived"]) * 1e9),
             "prompt_eval_count": usage.prompt_tokens if usage else 0,
             "prompt_eval_duration": int((first - started) * 1e9),
             "eval_count": usage.completion_tokens if usage else 0,
             "eval_duration": int((end - first) * 1e9)}
 
 
-async def _respond(request: web.Request, submit: Submit, num_ctx: int | None, wrap,
+async def _respond(request: web.Request, served: ServedModel, submit: Submit, num_ctx: int | None, wrap,
                    parser: ToolCallParser | None = None) -> web.StreamResponse:
     """Run one request; `wrap(text, calls)` shapes a piece of output (`response` or
     `message`); with a parser, the text goes through it and its calls come out whole."""
-    served: ServedModel = request.app["served"]
     started = time.monotonic()
     params = {**_PARAMS, "guided": "tools"} if parser is not None and submit.sampling.guided else _PARAMS
-    async with Generation(request.app["intake"], request["uid"], params=params, strict_max_tokens=False,
+    async with Generation(request, params=params, strict_max_tokens=False,
                           num_ctx=num_ctx) as gen:
         await gen.admit([submit])
         if not request["stream"]:
@@ -147,7 +151,7 @@ async def _respond(request: web.Request, submit: Submit, num_ctx: int | None, wr
                 reply = parser.parse(out.text)
                 text, calls = reply.content or "", reply.tool_calls
             return json_response({"model": served.name, "created_at": _now(), **wrap(text, calls),
-                                  **_final_fields(out, started, gen.first_token_at.get(0))})
+                                  **_final_fields(request, out, started, gen.first_token_at.get(0))})
         stream = NdjsonStream()
         await stream.open(request)
         async for _slot, out in gen:
@@ -164,39 +168,42 @@ async def _respond(request: web.Request, submit: Submit, num_ctx: int | None, wr
                 await stream.send({"model": served.name, "created_at": _now(), **wrap(text, calls), "done": False})
             if out.usage is not None:
                 await stream.send({"model": served.name, "created_at": _now(), **wrap("", []),
-                                   **_final_fields(out, started, gen.first_token_at.get(0))})
+                                   **_final_fields(request, out, started, gen.first_token_at.get(0))})
         return await stream.close()
 
 
-async def _answer(request: web.Request, keep_alive: str | int | float | None, submit: Submit | None,
-                  num_ctx: int | None, wrap, parser: ToolCallParser | None = None) -> web.StreamResponse:
-    """The answer to a generate or chat request: none for a request with nothing to
-    generate (Ollama's way to load a model), else _respond's; then its keep_alive is
-    recorded."""
-    served: ServedModel = request.app["served"]
-    seconds = parse_keep_alive(keep_alive) if keep_alive is not None else None
-    try:
-        if submit is None:
-            return json_response({"model": served.name, "created_at": _now(), **wrap("", []), "done": True,
-                                  "done_reason": "load"})
-        return await _respond(request, submit, num_ctx, wrap, parser)
-    finally:
-        request.app["keep_alive"].record(seconds)
+async def _model(request: web.Request, requested: str, keep_alive: str | int | float | None,
+                 nothing_to_generate: bool, wrap) -> ServedModel | web.Response:
+    """The model a generate or chat request names, loaded and kept for its keep_alive;
+    for a request with nothing to generate, Ollama's answer: the model loaded ("load"),
+    or with keep_alive 0 unloaded ("unload")."""
+    request["arrived"] = time.monotonic()
+    seconds = parse_keep_alive(keep_alive)
+    if nothing_to_generate and seconds == 0:
+        spec = resolve_model(request, requested)
+        await request.app["models"].unload(spec)
+        return json_response({"model": spec.name, "created_at": _now(), **wrap("", []), "done": True,
+                              "done_reason": "unload"})
+    served = await served_model(request, requested, seconds)
+    if nothing_to_generate:
+        return json_response({"model": served.name, "created_at": _now(), **wrap("", []), "done": True,
+                              "done_reason": "load"})
+    return served
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
-    served: ServedModel = request.app["served"]
     body = await decode_body(request, GenerateRequest)
-    served.check(body.model)
+    served = await _model(request, body.model, body.keep_alive, not body.prompt and body.suffix is None,
+                          _as_response)
+    if isinstance(served, web.Response):
+        return served
     for name in ("images", "context"):
         if getattr(body, name):
             raise ApiError(400, f"{name} is not supported", param=name)
     if body.template:
         raise ApiError(400, "template is not supported; the model's own chat template is used", param="template")
     request["stream"] = body.stream
-    num_ctx = _num_ctx(body.options, served)
-    if not body.prompt and body.suffix is None:  # Ollama's way to load a model: nothing to generate
-        return await _answer(request, body.keep_alive, None, num_ctx, _as_response)
+    num_ctx = num_ctx_of(body.options, served)
     params = _sampling(body.options, body.format)
     if body.suffix is not None:
         if served.fim is None:
@@ -208,23 +215,22 @@ async def generate(request: web.Request) -> web.StreamResponse:
     else:
         messages = ([ChatMessage("system", body.system)] if body.system else []) + [ChatMessage("user", body.prompt)]
         submit = Submit(messages=messages, sampling=params)
-    return await _answer(request, body.keep_alive, submit, num_ctx, _as_response)
+    return await _respond(request, served, submit, num_ctx, _as_response)
 
 
 async def chat(request: web.Request) -> web.StreamResponse:
-    served: ServedModel = request.app["served"]
     body = await decode_body(request, ChatRequest)
-    served.check(body.model)
+    served = await _model(request, body.model, body.keep_alive, not body.messages, _as_message)
+    if isinstance(served, web.Response):
+        return served
     request["stream"] = body.stream
-    num_ctx = _num_ctx(body.options, served)
-    if not body.messages:  # loading the model, in Ollama's terms
-        return await _answer(request, body.keep_alive, None, num_ctx, _as_message)
+    num_ctx = num_ctx_of(body.options, served)
     params = _sampling(body.options, body.format)
     tools = await chat_tools(request, body.tools, body.tool_choice, None, params.guided, format_param="format")
     if tools.guided is not None:
         params = msgspec.structs.replace(params, guided=tools.guided)
     submit = Submit(**tools.submit_fields(_chat_messages(body.messages), params))
-    return await _answer(request, body.keep_alive, submit, num_ctx, _as_message, tools.parser())
+    return await _respond(request, served, submit, num_ctx, _as_message, tools.parser())
 
 
 def _chat_messages(messages: list[Message]) -> list[dict[str, Any]]:
@@ -259,47 +265,64 @@ def _as_message(text: str, calls: list[ToolCall]) -> dict[str, Any]:
     return {"message": message}
 
 
-def _details(served: ServedModel) -> dict[str, Any]:
-    family = served.architecture.removesuffix("ForCausalLM").lower()
-    return {"parent_model": "", "format": served.format, "family": family, "families": [family],
-            "parameter_size": served.parameter_size, "quantization_level": served.quantization}
+def _details(card: ServedModel | ModelCard) -> dict[str, Any]:
+    family = card.architecture.removesuffix("ForCausalLM").lower()
+    return {"parent_model": "", "format": card.format, "family": family, "families": [family],
+            "parameter_size": card.parameter_size, "quantization_level": card.quantization}
 
 
-def _modified_at(served: ServedModel) -> str:
-    return datetime.fromtimestamp(served.created, timezone.utc).isoformat().replace("+00:00", "Z")
+def _modified_at(card: ServedModel | ModelCard) -> str:
+    return datetime.fromtimestamp(card.created, timezone.utc).isoformat().replace("+00:00", "Z")
 
 
 async def tags(request: web.Request) -> web.Response:
-    served: ServedModel = request.app["served"]
-    entry = {"name": f"{served.name}:latest", "model": f"{served.name}:latest", "modified_at": _modified_at(served),
-             "size": served.size_bytes, "digest": served.digest, "details": _details(served)}
-    return json_response({"models": [entry]})
+    """Every model that can be served, loaded or not (the default first)."""
+    cards = await listing(request.app["models"], request.app["model_cards"])
+    return json_response({"models": [
+        {"name": f"{card.name}:latest", "model": f"{card.name}:latest", "modified_at": _modified_at(card),
+         "size": card.size_bytes, "digest": card.digest, "details": _details(card)} for card in cards]})
 
 
 async def ps(request: web.Request) -> web.Response:
-    served: ServedModel = request.app["served"]
-    entry = {"name": f"{served.name}:latest", "model": f"{served.name}:latest", "size": served.size_bytes,
-             "digest": served.digest, "details": _details(served),
-             "expires_at": request.app["keep_alive"].expires_at_text(),
-             "size_vram": 0, "context_length": served.max_model_len}
-    return json_response({"models": [entry]})
+    """The models loaded now: what each holds, and when it goes (the far future: never)."""
+    pool, entries = request.app["models"], []
+    for view in pool.snapshot():
+        slot = pool.slots.get(view.name)
+        served = slot.model.served if slot is not None and slot.model is not None else None
+        if view.state != "serving" or served is None:
+            continue
+        on_gpu = slot.model.engine is not None and slot.model.engine.device.type == "cuda"
+        entries.append({"name": f"{served.name}:latest", "model": f"{served.name}:latest", "size": view.memory_bytes,
+                        "digest": served.digest, "details": _details(served),
+                        "expires_at": expires_at_text(view.expires_at),
+                        "size_vram": view.memory_bytes if on_gpu else 0, "context_length": served.max_model_len})
+    return json_response({"models": entries})
 
 
 async def show(request: web.Request) -> web.Response:
-    served: ServedModel = request.app["served"]
+    """A model's description, from its files (a model that is not loaded is not loaded
+    for it: its template is shown where the files hold it as text, and `insert` once it
+    has loaded and its tokenizer was seen to have fill-in-the-middle tokens)."""
     body = await decode_body(request, ShowRequest)
     name = body.model or body.name
     if not name:
         raise ApiError(400, "model is required", param="model")
-    served.check(name)
-    family = _details(served)["family"]
-    capabilities = ["completion", "tools"] + (["insert"] if served.fim is not None else [])
+    spec = resolve_model(request, name)
+    cards = await listing(request.app["models"], request.app["model_cards"])
+    card = next((c for c in cards if c.name == spec.name), None)
+    if card is None:
+        raise ApiError(503, f"model {spec.name}: its files cannot be read", param="model", code="model_unavailable")
+    family = _details(card)["family"]
+    if card.task == "embed":
+        capabilities = ["embedding"]
+    else:
+        capabilities = ["completion", "tools"] + (["insert"] if getattr(card, "fim", None) is not None else [])
     return json_response({
-        "license": "", "modelfile": f"FROM {served.name}\n", "parameters": "",
-        "template": served.chat_template or "{{ .Prompt }}", "details": _details(served),
-        "model_info": {"general.architecture": family, "general.parameter_count": served.num_params,
-                       f"{family}.context_length": served.max_model_len},
-        "capabilities": capabilities, "modified_at": _modified_at(served)})
+        "license": "", "modelfile": f"FROM {card.name}\n", "parameters": "",
+        "template": card.chat_template or "{{ .Prompt }}", "details": _details(card),
+        "model_info": {"general.architecture": family, "general.parameter_count": card.num_params,
+                       f"{family}.context_length": card.max_model_len},
+        "capabilities": capabilities, "modified_at": _modified_at(card)})
 
 
 async def version(request: web.Request) -> web.Response:

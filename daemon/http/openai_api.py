@@ -15,8 +15,10 @@ import msgspec
 from aiohttp import web
 
 from llmd.http.bridge import Generation, engine_error, raise_for_error
-from llmd.http.context import ServedModel, decode_body
+from llmd.http.context import ServedModel, decode_body, resolve_model, served_model
 from llmd.http.errors import ApiError
+from llmd.http.keep_alive import parse_keep_alive
+from llmd.http.model_cards import ModelCard, card_of, listing
 from llmd.http.openai_logprobs import LogprobsWriter, with_prompt
 from llmd.http.sampling import CommonSampling, build_sampling
 from llmd.http.streams import EventStream, json_response
@@ -58,6 +60,8 @@ class _SamplingFields(CommonSampling, kw_only=True):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     cache_salt: str | None = None
+    # llmd's own (Ollama's keep_alive): how long the model stays loaded once idle.
+    keep_alive: str | int | float | None = None
     # Submit's range: a 400 naming the field, not the ValueError of building a Submit (a 500).
     priority: Annotated[int, msgspec.Meta(ge=-INT32_MAX - 1, le=INT32_MAX)] = 0
 
@@ -123,22 +127,24 @@ def usage_of(outputs: list[Output]) -> dict[str, Any]:
 
 # -- /v1/models ----------------------------------------------------------------------
 
-def _model_card(served: ServedModel, name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": served.created, "owned_by": "llmd",
-            "max_model_len": served.max_model_len}
+def _model_card(card: ModelCard | ServedModel, name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": card.created, "owned_by": "llmd",
+            "max_model_len": card.max_model_len}
 
 
 async def models(request: web.Request) -> web.Response:
-    served: ServedModel = request.app["served"]
-    return json_response({"object": "list", "data": [_model_card(served, served.name)]})
+    """Every model this daemon serves, loaded or not (the default first)."""
+    cards = await listing(request.app["models"], request.app["model_cards"])
+    return json_response({"object": "list", "data": [_model_card(card, card.name) for card in cards]})
 
 
 async def model(request: web.Request) -> web.Response:
-    """`GET /v1/models/{id}`: the model under any of its names (ids may hold slashes)."""
-    served: ServedModel = request.app["served"]
+    """`GET /v1/models/{id}`: a model under any of its names (ids may hold slashes)."""
     name = request.match_info["model"]
-    served.check(name)
-    return json_response(_model_card(served, name))
+    spec = resolve_model(request, name)
+    cards = await listing(request.app["models"], request.app["model_cards"])
+    card = next((c for c in cards if c.name == spec.name), None) or card_of(spec)
+    return json_response(_model_card(card, name))
 
 
 # -- /v1/completions -----------------------------------------------------------------
@@ -177,9 +183,8 @@ def _prompt_list(prompt: str | list[Any]) -> list[str | list[int]]:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    served: ServedModel = request.app["served"]
     body = await decode_body(request, CompletionRequest)
-    served.check(body.model)
+    served = await served_model(request, body.model, parse_keep_alive(body.keep_alive))
     if body.best_of is not None and body.best_of != body.n:
         raise ApiError(400, "best_of must equal n (or be left out)", param="best_of", code="unsupported")
     echo_logprobs = body.echo and body.logprobs is not None
@@ -194,7 +199,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                              prompt_logprobs=body.logprobs if echo_logprobs else None)
     submits = completion_submits(body, served, params)
     ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    async with Generation(request.app["intake"], request["uid"], params=PARAMS,
+    async with Generation(request, params=PARAMS,
                           view=_without_generation if prompt_only else None) as gen:
         admitted = await gen.admit(submits)
         echoes = [_echo_text(served, a.prepared, submits[a.slot]) if body.echo else "" for a in admitted]

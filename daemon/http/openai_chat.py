@@ -15,8 +15,9 @@ from aiohttp import web
 
 from llmd.http.bridge import Generation, raise_for_error
 from llmd.http.chat_tools import ChatTools, chat_tools, history_call
-from llmd.http.context import ServedModel, decode_body
+from llmd.http.context import decode_body, served_model
 from llmd.http.errors import ApiError
+from llmd.http.keep_alive import parse_keep_alive
 from llmd.http.openai_api import PARAMS, _SamplingFields, guided_from, sampling_params, stream_chunks, usage_of
 from llmd.http.openai_logprobs import chat_logprobs
 from llmd.http.streams import json_response
@@ -101,9 +102,8 @@ def finish_reason(out: Output, num_calls: int) -> str | None:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    served: ServedModel = request.app["served"]
     body = await decode_body(request, ChatRequest)
-    served.check(body.model)
+    served = await served_model(request, body.model, parse_keep_alive(body.keep_alive))
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_params")
     messages = chat_messages(body.messages)
@@ -118,7 +118,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                     priority=body.priority)
     ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": ident, "object": "chat.completion", "created": created, "model": served.name}
-    async with Generation(request.app["intake"], request["uid"], params=names,
+    async with Generation(request, params=names,
                           strict_max_tokens=max_tokens is not None) as gen:
         await gen.admit([submit])
 

@@ -6,8 +6,10 @@ whole or streamed as the API's named events (response.created, ...output_text.de
 ...function_call_arguments.done, ..., response.completed). Each call is an output item
 `function_call` given out once it is complete and checked (llmd.tool_calls).
 
-llmd stores no responses: `previous_response_id` and `background` are refused, and
-each response says `store: false`. Hosted tools, reasoning and images are refused by
+`model` names the model (loaded first if need be) and llmd's own `keep_alive` how long
+it stays loaded after, as on the other endpoints; tools are written and parsed in that
+model's call format. llmd stores no responses: `previous_response_id` and `background`
+are refused, and each response says `store: false`. Hosted tools, reasoning and images are refused by
 name, never dropped."""
 from __future__ import annotations
 
@@ -20,8 +22,9 @@ from aiohttp import web
 
 from llmd.http.bridge import Generation, engine_error, raise_for_error
 from llmd.http.chat_tools import ChatTools, chat_tools
-from llmd.http.context import ServedModel, decode_body
+from llmd.http.context import ServedModel, decode_body, served_model
 from llmd.http.errors import ApiError
+from llmd.http.keep_alive import parse_keep_alive
 from llmd.http.openai_api import JsonSchemaFormat, guided_for
 from llmd.http.responses_input import InputItem, chat_conversation
 from llmd.http.sampling import CommonSampling, build_sampling
@@ -65,6 +68,9 @@ class ResponsesRequest(CommonSampling, kw_only=True):
     reasoning: dict[str, Any] | None = None
     top_logprobs: int | None = None
     truncation: str | None = None
+    # llmd's own (Ollama's keep_alive), as on the other OpenAI endpoints: how long the
+    # model stays loaded once idle.
+    keep_alive: str | int | float | None = None
 
 
 def _refuse_unsupported(body: ResponsesRequest) -> None:
@@ -170,9 +176,8 @@ def _usage(out: Output) -> dict[str, Any] | None:
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
-    served: ServedModel = request.app["served"]
     body = await decode_body(request, ResponsesRequest)
-    served.check(body.model)
+    served = await served_model(request, body.model, parse_keep_alive(body.keep_alive))
     _refuse_unsupported(body)
     messages = chat_conversation(body.instructions, body.input)
     fmt = _format(body)
@@ -183,7 +188,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     names = {**_PARAMS, "guided": "tools"} if tools.guided is not None else _PARAMS
     submit = Submit(**tools.submit_fields(messages, params))
     response = _Response(body, served, params)
-    async with Generation(request.app["intake"], request["uid"], params=names,
+    async with Generation(request, params=names,
                           strict_max_tokens=body.max_output_tokens is not None) as gen:
         await gen.admit([submit])
         if body.stream:

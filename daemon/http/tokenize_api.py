@@ -13,7 +13,7 @@ import msgspec
 from aiohttp import web
 
 from llmd.actors.error_text import safe_message
-from llmd.http.context import ServedModel, decode_body
+from llmd.http.context import MODEL_LEASE, decode_body, served_model
 from llmd.http.errors import ApiError
 from llmd.http.openai_chat import ChatMessageIn, chat_messages
 from llmd.http.streams import json_response
@@ -40,19 +40,19 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    served: ServedModel = request.app["served"]
     body = await decode_body(request, TokenizeRequest)
-    served.check(body.model)
+    served = await served_model(request, body.model)
+    processor = request[MODEL_LEASE].model.input_processor
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(400, "send either prompt or messages", param="prompt" if body.prompt is None else "messages",
                        code="invalid_params")
     try:
         if body.prompt is not None:
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
-            tokens = await request.app["intake"].tokenize(body.prompt, add_special_tokens=add_special)
+            tokens = await request.app["intake"].tokenize(processor, body.prompt, add_special_tokens=add_special)
         else:
             tokens = await request.app["intake"].tokenize(
-                [ChatMessage(**m) for m in chat_messages(body.messages)], add_special_tokens=bool(body.add_special_tokens),
+                processor, [ChatMessage(**m) for m in chat_messages(body.messages)], add_special_tokens=bool(body.add_special_tokens),
                 add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message)
     except ValueError as exc:
         message = safe_message(exc)
@@ -66,9 +66,8 @@ async def tokenize(request: web.Request) -> web.Response:
 
 
 async def detokenize(request: web.Request) -> web.Response:
-    served: ServedModel = request.app["served"]
     body = await decode_body(request, DetokenizeRequest)
-    served.check(body.model)
+    served = await served_model(request, body.model)
     known = len(served.tokenizer)
     if any(not 0 <= t < known for t in body.tokens):
         raise ApiError(400, f"tokens must be token ids in [0, {known}) (the tokenizer's vocabulary)",

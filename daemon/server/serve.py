@@ -1,6 +1,7 @@
-"""`llmd serve`: bind (or adopt) the sockets, load the model, run the actors, drain on
-SIGTERM. Connections that arrive while the model loads wait in the listen backlog, or
-are answered by the loading responder and handed to the intake once it is ready."""
+"""`llmd serve`: bind (or adopt) the sockets, load the default model, run the actors and
+the model pool (more models load on demand), drain on SIGTERM. Connections that arrive
+while the default model loads wait in the listen backlog, or are answered by the
+loading responder and handed to the intake once it is ready."""
 from __future__ import annotations
 
 import asyncio
@@ -10,25 +11,22 @@ import logging
 import resource
 import signal
 import socket
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import uvloop
 
 from llmd.server import sd_notify
-from llmd.actors.detokenizer_actor import DetokenizerActor
 from llmd.actors.intake import IntakeActor
 from llmd.actors.loading import LoadingResponder
-from llmd.actors.messages import AbortRequest, Draining
+from llmd.actors.messages import Draining
 from llmd.actors.metrics import MetricsActor
 from llmd.actors.runtime import Actor, Supervisor
-from llmd.actors.scheduler_actor import SchedulerActor
 from llmd.config import EngineConfig
-from llmd.daemon_config import DaemonConfig
-from llmd.engine import LLMEngine
-from llmd.load_progress import LoadCancelled, LoadProgress
-from llmd.core.restart_policy import RestartPolicy
+from llmd.daemon_config import DaemonConfig, model_registry
+from llmd.pool.budget import MemoryBudget
+from llmd.pool.loaded_model import LoadedModel, estimate_memory
+from llmd.pool.pool import ModelPool
+from llmd.pool.slot import ModelSlot, ModelUnavailable, SlotState
 from llmd.server.unix_socket import bind_path, bind_socket, close_socket, socket_name
 from llmd.server.watchdog import feed_watchdog
 from llmd_client.protocol import Error
@@ -38,8 +36,6 @@ try:
     SERVER_VERSION = importlib.metadata.version("llmd")
 except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
     SERVER_VERSION = "0+unknown"
-# The actors in the order they stop: the faces first, so nothing new comes in.
-STOP_ORDER = ["http", "intake", "scheduler", "detokenizer", "metrics"]
 LOAD_CANCEL_WAIT_S = 10.0  # a stopped load: how long its model thread may take to give up
 
 
@@ -133,124 +129,123 @@ def _stop_on_signals() -> asyncio.Event:
     return stop
 
 
-async def _load_engine(engine_config: EngineConfig, daemon: DaemonConfig, sock: socket.socket,
-                       model_thread: ThreadPoolExecutor, stop: asyncio.Event
-                       ) -> tuple[LLMEngine | None, LoadingResponder]:
-    """Load the model on `model_thread` while the loading responder answers early clients.
-    (None, responder) when stopped first; a model that fails to load raises, its clients
-    told so."""
+class _SlotProgress:
+    """The default model's load as the loading responder reports it."""
+
+    def __init__(self, slot: ModelSlot) -> None:
+        self.slot = slot
+
+    @property
+    def fraction(self) -> float:
+        return 1.0 if self.slot.state is SlotState.SERVING else self.slot.view().load_progress or 0.0
+
+    @property
+    def phase(self) -> str:
+        return "done" if self.slot.state is SlotState.SERVING else self.slot.view().load_phase or "starting"
+
+
+async def _load_default(pool: ModelPool, daemon: DaemonConfig, sock: socket.socket,
+                        stop: asyncio.Event) -> LoadingResponder | None:
+    """Load the default model while the loading responder answers early clients. None
+    when stopped first; a model that fails to load raises, its clients told so."""
     sd_notify.status("loading model")
-    progress = LoadProgress()
+    spec = pool.registry.default
     # Clients that connect while the model loads get hello and status answered
     # ("loading (n%)"); what they submit waits for the intake.
-    responder = LoadingResponder(sock, progress, model=Path(engine_config.model or "built-in model").name,
+    responder = LoadingResponder(sock, _SlotProgress(pool.slot(spec)), model=spec.name,
                                  server_version=SERVER_VERSION, listen_backlog=daemon.listen_backlog,
                                  max_connections=daemon.max_connections,
                                  max_connections_per_user=daemon.max_connections_per_user,
                                  idle_timeout_s=daemon.idle_timeout_s)
     await responder.start()
-    load = asyncio.get_running_loop().run_in_executor(model_thread,
-                                                      functools.partial(LLMEngine, engine_config, progress))
-    done, _ = await asyncio.wait([load, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
-    if load not in done:
+    load = asyncio.ensure_future(pool.load(spec))
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([load, stopped], return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if not load.done():
         logger.info("stopped while loading the model")
         responder.close(Error(code="shutting_down", message="the daemon stopped while loading its model"))
-        await _cancel_load(load, progress)
-        model_thread.shutdown(wait=False, cancel_futures=True)
-        return None, responder
+        await _shutdown_pool(pool)
+        load.cancel()
+        return None
     try:
-        return load.result(), responder
-    except BaseException:
+        load.result()
+    except ModelUnavailable as exc:
         responder.close(Error(code="internal", message="the model failed to load; see the daemon log"))
-        raise
+        if isinstance(exc.__cause__, (ValueError, OSError)):
+            raise exc.__cause__ from None  # the load's own error: `llmd serve` says what it means
+        raise ValueError(str(exc)) from None
+    return responder
 
 
-async def _cancel_load(load: asyncio.Future, progress: LoadProgress) -> None:
-    """End a load the daemon stopped during: the model thread gives up at its next tensor
-    or phase, worker processes still loading are killed, a kernel build is killed (else
-    the process, exiting, would wait for all of it on the model thread)."""
+async def _shutdown_pool(pool: ModelPool) -> None:
+    """Unload every model; a load in progress is told to stop (a kernel build it waits
+    for is killed, else the process, exiting, would wait for all of it)."""
     from llmd.gpu.layers.cpu.kernel_build import cancel_builds
-    progress.cancel()
+
+    pool.stop_loading()
     cancel_builds()
-    done, _ = await asyncio.wait([load], timeout=LOAD_CANCEL_WAIT_S)
-    if not done:
-        logger.warning("the model load did not stop within %.0f s of the cancel; exiting after it", LOAD_CANCEL_WAIT_S)
-        return
-    exc = load.exception()
-    if exc is not None and not isinstance(exc, LoadCancelled):
-        logger.info("the cancelled load ended with %s", type(exc).__name__)
+    await pool.shutdown(LOAD_CANCEL_WAIT_S)
 
 
 @dataclass
 class Actors:
-    """The running actors the daemon's stop speaks to, and their supervisor."""
+    """The running actors and the pool the daemon's stop speaks to, and their supervisor."""
 
     metrics: MetricsActor
-    scheduler: SchedulerActor
     intake: IntakeActor
+    pool: ModelPool
     supervisor: Supervisor
+    faces: list[str] = field(default_factory=lambda: ["intake"])  # what stops first (nothing new comes in)
 
 
-def _start_actors(engine: LLMEngine, model_names: tuple[str, ...], daemon: DaemonConfig, listeners: Listeners,
-                  model_thread: ThreadPoolExecutor, open_files: int) -> Actors:
-    """Wire the actors around the loaded engine (intake -> scheduler -> detokenizer, all
-    reporting to metrics; the HTTP intake in front of the intake) and start them. The
-    model goes by its first name; the HTTP faces accept any of them."""
-    model_name = model_names[0]
-    metrics = MetricsActor(model=model_name, server_version=SERVER_VERSION, device=str(engine.device),
-                           dtype=str(engine.dtype).removeprefix("torch."), kv_blocks_total=engine.num_blocks,
-                           health_stall_s=daemon.health_stall_s, memory=engine.memory)
-    detokenizer = DetokenizerActor(engine.tokenizer, metrics)
-    scheduler = SchedulerActor(engine, detokenizer, metrics, model_thread, RestartPolicy(
-        backoff_s=daemon.worker_restart_backoff_s, backoff_max_s=daemon.worker_restart_backoff_max_s,
-        max_failures=daemon.worker_max_failures, window_s=daemon.worker_failure_window_s))
-    detokenizer.scheduler = scheduler
-    intake = IntakeActor(listeners.protocol, engine.input_processor, scheduler=scheduler, detokenizer=detokenizer,
-                         metrics=metrics, model_name=model_name, server_version=SERVER_VERSION, config=daemon,
+def _start_faces(pool: ModelPool, metrics: MetricsActor, supervisor: Supervisor, daemon: DaemonConfig,
+                 listeners: Listeners, open_files: int) -> Actors:
+    """Start the intake (and the HTTP intake in front of it) over the model pool."""
+    intake = IntakeActor(listeners.protocol, pool, metrics=metrics, server_version=SERVER_VERSION, config=daemon,
                          max_connections=max(1, min(daemon.max_connections, open_files - 256)))
-    actors: list[Actor] = [metrics, detokenizer, scheduler, intake]
+    pool.on_failed = intake.fail_model_requests
+    faces: list[Actor] = [intake]
     if listeners.http:
         from llmd.actors.http_intake import HttpIntakeActor
-        from llmd.http.context import describe_model
         from llmd.http.listeners import api_keys
-        served = describe_model(engine, model_names, tool_call_parser=daemon.tool_call_parser,
-                                guided_tool_calls=daemon.guided_tool_calls)
-        actors.append(HttpIntakeActor(listeners.http, intake, metrics, served, api_keys=api_keys(daemon),
-                                      listen_backlog=daemon.listen_backlog))
-    supervisor = Supervisor()
-    for actor in actors:
+        faces.insert(0, HttpIntakeActor(listeners.http, intake, metrics, pool, api_keys=api_keys(daemon),
+                                        listen_backlog=daemon.listen_backlog))
+    for actor in faces:
         supervisor.start(actor)
-    return Actors(metrics, scheduler, intake, supervisor)
+    return Actors(metrics, intake, pool, supervisor, [actor.name for actor in faces])
 
 
 async def _until_stopped(stop: asyncio.Event, actors: Actors) -> int:
-    """Wait for a stop signal, an actor's death or the engine's; the exit code that calls for."""
-    waits = [asyncio.ensure_future(e.wait()) for e in (stop, actors.supervisor.failed, actors.scheduler.dead)]
+    """Wait for a stop signal, an actor's death or the only model's engine's; the exit code that calls for."""
+    waits = [asyncio.ensure_future(e.wait()) for e in (stop, actors.supervisor.failed, actors.pool.fatal)]
     await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     for waiting in waits:
         waiting.cancel()
     if actors.supervisor.failed.is_set():
         logger.error("stopping: %s", actors.supervisor.failure)
         return 1
-    if actors.scheduler.dead.is_set():
+    if actors.pool.fatal.is_set():
         # Exit non-zero for the service manager to restart the daemon, once every
         # request (the scheduler failed them all) has its final message.
-        logger.error("stopping: the engine is dead")
+        logger.error("stopping: the model %s", actors.pool.fatal_reason)
         return 1
     return 0
 
 
 async def _drain(actors: Actors, daemon: DaemonConfig, close_listener: bool) -> None:
-    """Stop accepting, let running requests finish up to the drain timeout, then abort
-    the rest; every request gets its final message before the connections close."""
+    """Stop accepting, refuse what waits for a model, let running requests finish up to
+    the drain timeout, then abort the rest; every request gets its final message before
+    the connections close."""
     intake, supervisor = actors.intake, actors.supervisor
     sd_notify.stopping()
     actors.metrics.send(Draining())
     intake.stop_accepting(close_listener=close_listener)
+    actors.pool.stop_loading()
     logger.info("draining %d request(s) for up to %.0f s", len(intake.registry), daemon.drain_timeout_s)
     await _wait_until(lambda: not intake.registry, daemon.drain_timeout_s, supervisor)
     if intake.registry:
-        actors.scheduler.send(AbortRequest(intake.live_request_ids()))
+        intake.abort(intake.live_request_ids())
         await _wait_until(lambda: not intake.registry, 5.0, supervisor)
     await intake.flush_connections(2.0)
 
@@ -277,37 +272,48 @@ async def _serve_metrics(listeners: Listeners, metrics: MetricsActor, daemon: Da
 async def _serve(daemon: DaemonConfig, engine_config: EngineConfig) -> int:
     stop = _stop_on_signals()
     open_files = _raise_open_files_limit()
+    registry = model_registry(daemon, engine_config)
     listeners = Listeners.bind(daemon)
-    model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmd-model")
+    supervisor = Supervisor()
+    metrics = MetricsActor(default_model=registry.default.name, server_version=SERVER_VERSION,
+                           health_stall_s=daemon.health_stall_s)
+    pool = ModelPool(registry, MemoryBudget(daemon.max_loaded_models, daemon.model_memory_budget_bytes or {}),
+                     loader=functools.partial(LoadedModel.load, metrics=metrics, daemon=daemon),
+                     estimator=estimate_memory)
+    metrics.models_view = pool.snapshot
+    supervisor.start(metrics)
     try:
-        engine, responder = await _load_engine(engine_config, daemon, listeners.protocol, model_thread, stop)
+        responder = await _load_default(pool, daemon, listeners.protocol, stop)
     except BaseException:
+        await supervisor.stop(["metrics"])
         listeners.close()
         raise
-    if engine is None:
+    if responder is None:
+        await supervisor.stop(["metrics"])
         listeners.close()
         return 0
-    model_names = daemon.served_names((Path(engine.model_dir).name,))
-    model_name = model_names[0]
-    actors = _start_actors(engine, model_names, daemon, listeners, model_thread, open_files)
+    actors = _start_faces(pool, metrics, supervisor, daemon, listeners, open_files)
     await asyncio.sleep(0)  # the intake's run() starts serving the socket
     await responder.hand_over(actors.intake.adopt)
-    metrics_server = await _serve_metrics(listeners, actors.metrics, daemon)
-    watchdog = asyncio.ensure_future(feed_watchdog(actors.scheduler.making_progress))
-    sd_notify.ready(f"serving {model_name}")
-    logger.info("serving %s on %s (%s, %s)", model_name, listeners.protocol_path or "the adopted socket",
-                engine.device, engine.dtype)
+    metrics_server = await _serve_metrics(listeners, metrics, daemon)
+    watchdog = asyncio.ensure_future(feed_watchdog(pool.making_progress))
+    default = pool.slot(registry.default).model
+    sd_notify.ready(f"serving {registry.default.name}")
+    logger.info("serving %s on %s (%s, %s)%s", registry.default.name, listeners.protocol_path or "the adopted socket",
+                default.engine.device, default.engine.dtype,
+                "" if registry.single_model else f"; {len(registry.specs) - 1} more model(s) load on demand")
 
     code = await _until_stopped(stop, actors)
-    if not actors.supervisor.failed.is_set():
+    if not supervisor.failed.is_set():
         await _drain(actors, daemon, close_listener=listeners.protocol_path is None)
     watchdog.cancel()
     if metrics_server is not None:
         metrics_server.close()
-    await actors.supervisor.stop(STOP_ORDER)
+    await supervisor.stop(actors.faces)
+    await _shutdown_pool(pool)
+    await supervisor.stop(["metrics"])
     actors.intake.close_connections()
     listeners.close()
-    engine.executor.shutdown()
     return code
 
 

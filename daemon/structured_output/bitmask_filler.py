@@ -112,7 +112,7 @@ class BitmaskFiller:
     def _fill_matchers(self, rows, groups: list[RowGroup]) -> None:
         """Round d fills row d of every group with at least d drafts, after accepting its
         d-th draft: one batched call per round. A draft the grammar refuses or that ends
-        it can only be a request's last (Scheduler._take_drafts): the row after it, never
+        it can only be a request's last (DraftPlanner.take_drafts): the row after it, never
         used, is left allowing every token. The matchers end where they started."""
         if not groups:
             return

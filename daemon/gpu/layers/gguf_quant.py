@@ -33,11 +33,12 @@ a packed table dequantizes the rows it looks up. `dequantize` (torch) is the ref
 every path is tested against; it equals the gguf package's dequantization bit for bit
 (every scale product is exact in float32, so the one rounding is the same final add).
 
-On a CPU with AVX-512 VNNI the Q8_0/Q4_0/Q4_1 parts of whole groups of 16 rows are
-repacked at load into the x16 layout (cpu/cpu_quant_x16.cpp: each 32-column block of 16
-rows one record, the same bytes) and few rows multiply through int8 activations as
-llama.cpp's do; more rows go through slices dequantized from that layout and a GEMM,
-and an embedding's lookups read rows back in the GGUF layout (`unpack_x16`).
+On a CPU with AVX-512 VNNI the parts of whole groups of 16 rows, of every type, are
+repacked at load into the x16 layout (cpu/cpu_quant_x16_layout.h: each block of 16 rows
+one record, the same bytes) and few rows multiply through int8 activations as
+llama.cpp's do (cpu/cpu_quant_x16.cpp; a K-quant's sub-block scales and mins applied per
+32 columns); more rows go through slices dequantized from that layout and a GEMM, and an
+embedding's lookups read rows back in the GGUF layout (`unpack_x16`).
 """
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ PACKED_TYPES = tuple(FORMATS)
 KERNEL_MAX_ROWS = 16
 # Output features dequantized at a time on the GEMM path (bounds its scratch memory).
 SLICE_ROWS = 4096
-X16_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # what the x16 kernel reads
+X16_TYPES = PACKED_TYPES  # what the x16 kernel reads: every packed type
 X16_GROUP = 16  # weight rows per x16 record
 # Rows up to which a product with an x16 weight runs through its kernel, by its passes
 # over x (each pass is as many dot products; above, a dequantized slice and a GEMM are
@@ -272,8 +273,10 @@ def use_x16(weight: torch.nn.Parameter, part: PackedPart, cols: int, ops: Any) -
     if ops is None or not ops.x16 or part.quant not in X16_TYPES or (part.end - part.start) % X16_GROUP:
         return False
     rows = part_weight(weight, part, cols)
-    with torch.no_grad():
-        rows.copy_(ops.repack_x16(rows, FORMATS[part.quant].code, cols))
+    with torch.no_grad():  # SLICE_ROWS (whole groups) at a time: the copy a repack makes stays small
+        for a in range(0, rows.shape[0], SLICE_ROWS):
+            piece = rows[a:a + SLICE_ROWS]
+            piece.copy_(ops.repack_x16(piece, FORMATS[part.quant].code, cols))
     weight.x16_parts = done | {part.offset}
     return True
 

@@ -184,11 +184,11 @@ class ColumnSplitLinear(LinearBase):
     def packed_parts(self) -> tuple[PackedPart, ...]:
         return packed_parts(self.part_quants, self.part_sizes, self.in_features)
 
-    def _part_target(self, param: torch.Tensor, shard: Shard) -> torch.Tensor:
-        """Where part `shard`'s rows go: its rows of a dense weight, its bytes (as packed
-        rows) of a packed one."""
+    def _part_target(self, param: torch.Tensor, shard: Shard, name: str) -> torch.Tensor:
+        """Where part `shard`'s rows of parameter `name` go: its rows of a dense weight or
+        of the bias, its bytes (as packed rows) of a packed weight."""
         a, b = self.part_rows(shard)
-        if self.quant is None:
+        if name != "weight" or not self.part_quants:
             return param[a:b]
         i = self.parts.index(shard)
         offset = sum(rows * row_bytes(q, self.in_features) for q, rows in zip(self.part_quants[:i], self.part_sizes))
@@ -222,7 +222,7 @@ class ColumnSplitLinear(LinearBase):
             return
         if shard not in self.parts:
             raise ValueError(f"is not one of this projection's parts {self.parts}")
-        copy_checked(self._part_target(param.data, shard),
+        copy_checked(self._part_target(param.data, shard, name),
                      read(source, rows=self.source_rows(shard)) if self.world_size > 1 else read(source))
 
 

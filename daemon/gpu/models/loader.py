@@ -17,11 +17,14 @@ from llmd.gpu.layers.cpu.cpu_kernels import attach_cpu_kernels, attach_gguf_kern
 from llmd.gpu.layers.cpu.cpu_linear import pack_linears
 from llmd.gpu.layers.gguf_quant import FORMATS, PACKED_TYPES, PackedSource
 from llmd.gpu.layers.linear import Shard, WeightLoading
+from llmd.gpu.layers.quant.scheme import quant_scheme
 from llmd.gpu.models.architectures import get_architecture
 from llmd.gpu.models.decoder import CausalLM
 from llmd.gpu.models.gguf_loader import (gguf_stop_token_ids, gguf_tensor_types, is_gguf_path,
                                          iter_gguf_weights, load_gguf_config, load_gguf_tokenizer, open_gguf,
                                          release_gguf_readers)
+from llmd.gpu.models.quant_plan import (apply_plan, finalize_quantized, iter_dequantized, plan_quantized,
+                                        resolve_scheme, safetensors_index, without_empty_biases)
 from llmd.load_progress import LoadProgress
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -58,6 +61,10 @@ def load_hf_config(model_dir: str | Path):
         raise FileNotFoundError(f"model directory {str(path)!r} has no config.json")
     config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     get_architecture(_architecture(config)).check_config(config)
+    try:
+        quant_scheme(config)  # a quantization llmd does not run is refused here, before any weight is read
+    except ValueError as exc:
+        raise ValueError(f"{str(path)!r}: {exc}") from None
     return config
 
 
@@ -148,6 +155,9 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, Any]]) -> None:
     def owner(param: str) -> tuple[WeightLoading, str]:
         module, _, attr = param.rpartition(".")
         layer = modules.get(module)
+        method = getattr(layer, "quant_method", None)  # a quantized layer's checkpoint tensors (quant_linear)
+        if method is not None and attr in method.scheme.checkpoint_names:
+            return method, attr
         return (layer if isinstance(layer, WeightLoading) else plain), attr
 
     loaded: set[tuple[str, Shard]] = set()
@@ -245,16 +255,20 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     """The model, or with tp_size > 1 this rank's tensor-parallel shard of it; its layers
     attend with `attention_backend` (a name resolve_attention_backend returned). From a
     GGUF file on CPU on one rank, every quantized weight stays packed (gguf_quant) or
-    the load is refused naming the tensor (packed_params); `dequantize`: every weight is
-    dequantized instead, as it is on other devices and with tensor parallelism (each
-    rank dequantizes a tensor whole and its layers keep their share). On CPU its dense linear
-    layers run on oneDNN-packed weights (cpu_linear) and its torch attention layers
-    decode through the C++ paged kernel (cpu_kernels)."""
+    the load is refused naming the tensor (packed_params); from an AWQ, GPTQ or FP8
+    safetensors checkpoint every quantized module stays packed, on any number of ranks
+    (quant_plan; the engine refuses them off the CPU). `dequantize`: every weight is
+    dequantized instead, as a GGUF's are on other devices and with tensor parallelism
+    (each rank dequantizes a tensor whole and its layers keep their share). On CPU its
+    dense linear layers run on oneDNN-packed weights (cpu_linear) and its torch attention
+    layers decode through the C++ paged kernel (cpu_kernels)."""
     config = load_hf_config(model_dir)
     gguf = is_gguf_path(model_dir)
+    scheme = None if gguf else quant_scheme(config)
     # Build on meta (no random init, no memory), then materialize and fill from disk.
     with torch.device("meta"):
         model = CausalLM(config, max_positions, tp_rank, tp_size, attention_backend=attention_backend)
+    model = model.to(dtype=dtype)  # before any packed weight is placed: those keep their own dtypes
     plan: dict[str, str] = {}
     packed: list[str] = []  # the file's tensors read as packed rows
     if gguf and device.type == "cpu" and tp_size == 1 and not dequantize:
@@ -263,18 +277,28 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
         for param, quant in plan.items():
             model.get_submodule(param.rpartition(".")[0]).use_packed(quant)
         packed = [name for name, (param, _) in _targets(model, types) if param in plan]
-    model = model.to(dtype=dtype).to_empty(device=device)
+    index = safetensors_index(model_dir) if scheme is not None else {}
+    if scheme is not None:
+        scheme = resolve_scheme(scheme, index)
+    if scheme is not None and not dequantize:
+        apply_plan(model, scheme, plan_quantized(model, scheme, index, checkpoint_target))
+    model = model.to_empty(device=device)
     model.reset_rotary(device)
     model.tie_weights()
     if gguf:
         weights, total = iter_gguf_weights(model_dir, config, packed), len(open_gguf(model_dir).tensors)
     else:
         weights, total = iter_safetensors(model_dir), _count_safetensors(model_dir)
+        if scheme is not None:
+            weights = without_empty_biases(weights, model, scheme, index, checkpoint_target)
+        if scheme is not None and dequantize:
+            weights = iter_dequantized(weights, scheme, index)
     load_weights(model, progress.track("weights", weights, total) if progress is not None else weights)
     if gguf:
         release_gguf_readers()  # the model holds its own copy of every weight: the file's map closes
     model.eval()
     model.requires_grad_(False)
+    finalize_quantized(model, dtype)  # AWQ / GPTQ / FP8 layers packed for their kernels
     if device.type == "cpu":
         pack_linears(model)  # oneDNN's blocked weights: faster GEMMs than MKL's on plain ones (cpu_linear)
         attach_cpu_kernels(model)  # decode attention over the paged cache in place (cpu_kernels)

@@ -55,6 +55,8 @@ class SamplePlan:
     drafts: list[list[int]] = field(default_factory=list)  # per request in reqs: the drafts it verifies
     prompt_logprobs: list[tuple[RunnerRequest, int, int, int]] = field(default_factory=list)
     """(request, its first row, first position, count) for each prompt-logprobs job."""
+    pooling: list[tuple[RunnerRequest, int, int, int]] = field(default_factory=list)
+    """(request, its first row, first position, count): each pooling request's chunk."""
 
 
 @dataclass
@@ -91,21 +93,25 @@ class StepRows:
         captured size."""
         if graphs is None or self.prefills or not len(self.input_ids) or len(self.input_ids) > graphs.max_batch:
             return False
-        return not any(r.sampling_params.prompt_logprobs is not None
-                       and r.num_computed_tokens < r.num_prompt_tokens - 1 for r in self.decodes)
+        return not any(r.pooling_params is not None or
+                       (r.wants_prompt_logprobs and r.num_computed_tokens < r.num_prompt_tokens - 1)
+                       for r in self.decodes)
 
     def advance(self, spec: dict[str, list[int]]) -> SamplePlan:
         """Count this step's tokens as computed for every row's request; the rows that
-        sample and the prompt-logprobs jobs (`spec`: the drafts each request verifies)."""
+        sample, the prompt-logprobs jobs and the pooling requests' chunks (`spec`: the
+        drafts each request verifies)."""
         plan = SamplePlan()
         row = 0
         for req, n in self.ordered:
             s = req.num_computed_tokens
-            if req.sampling_params.prompt_logprobs is not None and s < req.num_prompt_tokens - 1:
+            if req.wants_prompt_logprobs and s < req.num_prompt_tokens - 1:
                 count = min(s + n, req.num_prompt_tokens - 1) - s
                 plan.prompt_logprobs.append((req, row, s, count))
             req.num_computed_tokens = s + n
-            if s + n >= len(req.token_ids):
+            if req.pooling_params is not None:
+                plan.pooling.append((req, row, s, n))
+            elif s + n >= len(req.token_ids):
                 drafts = spec.get(req.req_id, [])
                 plan.reqs.append(req)
                 plan.drafts.append(drafts)
@@ -158,6 +164,7 @@ class InputBatch:
                 sampling_params=new.sampling_params,
                 num_computed_tokens=new.num_computed_tokens,
                 row=old.row if old is not None else self._take_row(),
+                pooling_params=new.pooling_params,
             )
             self.num_blocks[req.row] = 0
             self._add_blocks(req.row, new.block_ids)

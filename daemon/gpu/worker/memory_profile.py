@@ -103,10 +103,11 @@ def profile_kv_budget(subject: ProfileSubject, gpu_memory_utilization: float,
 
 
 def weight_storage(model: torch.nn.Module) -> dict[str, int]:
-    """Bytes of the model's weights by how they are kept: a packed GGUF type's name, a
-    dense dtype's ("float32"; buffers such as rotary tables with them), and "onednn" for
-    the reordered copies CPU linear layers multiply with (cpu_linear: the checkpoint
-    layout stays beside them). Each storage counted once (tied embeddings share one)."""
+    """Bytes of the model's weights by how they are kept: a packed GGUF type's name or a
+    quantized checkpoint's (`awq-int4`, `fp8-e4m3`: its scales counted with it), a dense
+    dtype's ("float32"; buffers such as rotary tables with them), and "onednn" for the
+    reordered copies CPU linear layers multiply with (cpu_linear: the checkpoint layout
+    stays beside them). Each storage counted once (tied embeddings share one)."""
     seen: set[int] = set()
     kinds: dict[str, int] = {}
 
@@ -119,7 +120,8 @@ def weight_storage(model: torch.nn.Module) -> dict[str, int]:
         quant = getattr(module, "quant", None)
         for name, t in (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)):
             storage = t.untyped_storage()
-            kind = quant if quant is not None and name == "weight" else str(t.dtype).removeprefix("torch.")
+            packed = name == "weight" or name in getattr(module, "quant_tensors", ())  # scales, column orders
+            kind = quant if quant is not None and packed else str(t.dtype).removeprefix("torch.")
             add(kind, storage.data_ptr(), storage.nbytes())
         for forward in (getattr(module, "kernel", None), module.__dict__.get("forward")):
             packed = getattr(forward, "packed", None)

@@ -8,7 +8,8 @@ and a step launched before that reads them there.
 
 Rows are ordered decodes first (one new token each, attended in one batch), then
 prefill chunks. Logits are computed only for rows that sample (and for prompt
-positions of requests that asked for prompt logprobs).
+positions of requests that asked for prompt logprobs); the rows of pooling requests
+(embeddings) are pooled instead (pooling_step), and a step holding one runs eagerly.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from llmd.gpu.worker.input_batch import InputBatch, StepRows
 from llmd.gpu.worker.kv_budget import MemoryBreakdown
 from llmd.gpu.models.loader import load_model
 from llmd.gpu.worker.memory_profile import ProfileSubject, profile_kv_budget, weight_storage
+from llmd.gpu.worker.pooling_step import PoolingStep
 from llmd.gpu.worker.runner_types import RunnerSettings, StepHandle, record_sampled
 from llmd.gpu.sample.sampler import Sampler
 from llmd.gpu.worker.sampling_step import SamplingStep
@@ -82,6 +84,7 @@ class ModelRunner:
             self.drafter = DraftModel(settings, device, dtype, self.attention_backend, self.sampler,
                                       self.workspace, self.batch)
         self.sampling = SamplingStep(self.model, self.sampler, settings, self.drafter, rank, world_size)
+        self.pooling = PoolingStep(settings.pooling_type)
 
     def weight_bytes(self) -> dict[str, int]:
         """This rank's weight bytes by how they are kept (memory_profile.weight_storage),
@@ -270,13 +273,15 @@ class ModelRunner:
 
     def _finish_step(self, so: SchedulerOutput, grammar: GrammarRows | None, hidden: torch.Tensor, rows: StepRows,
                      chain: StepHandle | None = None, defer: bool = False) -> RunnerOutput | StepHandle:
-        """Logits of the rows that sample (and prompt logprobs), sampling, bookkeeping,
-        then the draft model's proposals. With `defer`, the sampled tokens stay on the
+        """Logits of the rows that sample (and prompt logprobs), the pooling requests'
+        pooled states, sampling, bookkeeping, then the draft model's proposals. With `defer`, the sampled tokens stay on the
         device (see StepHandle)."""
         plan = rows.advance(so.scheduled_spec_decode_tokens)
         out = self._new_output()
         for req, row0, first, count in plan.prompt_logprobs:
             out.prompt_logprobs[req.req_id] = self.sampling.prompt_logprobs(hidden, req, row0, first, count)
+        if plan.pooling:
+            out.pooled = self.pooling.pool(hidden, plan.pooling)
         ordered = [r for r, _ in rows.ordered]
         sampled: list[list[int]] = []
         if plan.reqs:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from llmd.core.step_messages import Logprobs, RunnerOutput
-from llmd_client.protocol import SamplingParams
+from llmd_client.protocol import PoolingParams, SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -24,13 +24,21 @@ class RunnerRequest:
     req_id: str
     token_ids: list[int]
     num_prompt_tokens: int
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None  # None: a pooling request
     num_computed_tokens: int
     row: int = -1  # its row of the input batch's persistent block table (its KV blocks)
+    pooling_params: PoolingParams | None = None
+    # A pooling request's state across the chunks of its prompt (pooling_step): the sum
+    # of the hidden states so far (MEAN) or the first token's (CLS).
+    pooled_partial: torch.Tensor | None = None
 
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling_params is not None and self.sampling_params.prompt_logprobs is not None
 
 
 @dataclass
@@ -53,6 +61,8 @@ class RunnerSettings:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     enforce_eager: bool = False
+    # Embedding requests: how the final hidden states are pooled ("LAST", "MEAN", "CLS").
+    pooling_type: str = "LAST"
 
     @property
     def max_sampled_rows(self) -> int:

@@ -1,6 +1,6 @@
 """llmd's C++ CPU kernels (cpu_kernels.cpp), built when first asked for and cached on disk.
 
-Three sets, one extension:
+Four sets, one extension:
 - decode attention over the paged KV cache read in place (cpu_kernels.cpp). The torch
   path (attention.py, TorchAttention._decode) gathers every decode row's blocks into a
   padded buffer each layer and step, then runs two batched GEMMs; the kernel reads each
@@ -11,10 +11,12 @@ Three sets, one extension:
 - the product of a few rows with a GGUF block-quantized weight kept packed
   (cpu_quant.cpp, used by gguf_quant.GGUFMatmul), and on a CPU with AVX-512 VNNI the
   same over the weight repacked sixteen rows at a time with int8 activations, as
-  llama.cpp multiplies (cpu_quant_x16.cpp), in as many int8 passes over x as the model's
-  dtype needs (gguf_quant.x16_passes). LLMD_GGUF_X16 (read when a model loads) sets the
-  passes instead: 1 (llama.cpp's precision), 2 or 3; 0 keeps the first kernel (the A/B
-  switch).
+  llama.cpp multiplies (cpu_quant_x16.cpp, every packed type), in as many int8 passes
+  over x as the model's dtype needs (gguf_quant.x16_passes). LLMD_GGUF_X16 (read when a
+  model loads) sets the passes instead: 1 (llama.cpp's precision), 2 or 3; 0 keeps the
+  first kernel (the A/B switch);
+- the product of a few rows with an FP8 weight kept as its e4m3 bytes (cpu_fp8.cpp, used
+  by quant/fp8.FP8Matmul; AWQ and GPTQ weights become GGUF blocks and use the set above).
 The loader hands both to a model on CPU whose layers attend with TorchAttention
 (`attach_cpu_kernels`).
 
@@ -56,8 +58,9 @@ from llmd.gpu.layers.cpu.kernel_build import ExtensionBuild, KernelBuildCancelle
 logger = logging.getLogger("llmd.cpu_kernels")
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_fused_ops.cpp", "cpu_quant.cpp",
-                                                          "cpu_quant_x16.cpp")]
-HEADERS = [Path(__file__).with_name(name) for name in ("cpu_vec.h", "cpu_quant_formats.h")]  # part of the digest
+                                                          "cpu_quant_x16.cpp", "cpu_fp8.cpp")]
+HEADERS = [Path(__file__).with_name(name)  # part of the digest
+           for name in ("cpu_vec.h", "cpu_quant_formats.h", "cpu_quant_x16_layout.h", "cpu_quant_x16_records.h")]
 CPU_KERNELS_ENV = "LLMD_CPU_KERNELS"
 X16_ENV = "LLMD_GGUF_X16"
 KERNEL_BUILD_TIMEOUT_ENV = "LLMD_KERNEL_BUILD_TIMEOUT"
@@ -139,9 +142,9 @@ def paged_decode_op() -> Callable[..., torch.Tensor] | None:
 class GGUFOps:
     """The C++ operators of packed GGUF weights (cpu_quant.cpp): `mm(x, w, code, cols)`
     and `dequantize(w, code, cols)`; of weights in the x16 layout (cpu_quant_x16.cpp):
-    `repack_x16(w, code, cols)`, `unpack_x16(w, rows, code, cols)` and, when `x16` (the
-    CPU has AVX-512 VNNI and LLMD_GGUF_X16 is not 0), `mm_x16(x, w, code, cols, passes)`
-    and `dequantize_x16(w, code, cols)`;
+    `repack_x16(w, code, cols)`, `unpack_x16(w, rows, code, cols)`,
+    `dequantize_x16(w, code, cols)` and, when `x16` (the CPU has AVX-512 VNNI and
+    LLMD_GGUF_X16 is not 0), `mm_x16(x, w, code, cols, passes)`;
     `x16_passes`: LLMD_GGUF_X16's passes, if it set them."""
 
     mm: Callable[..., torch.Tensor]
@@ -167,6 +170,24 @@ def gguf_ops() -> GGUFOps | None:
         raise ValueError(f"{X16_ENV} must be 0, 1, 2 or 3, got {value!r}")
     return GGUFOps(ops.gguf_mm, ops.gguf_dequantize, ops.gguf_repack_x16, ops.gguf_unpack_x16, ops.gguf_mm_x16,
                    ops.gguf_dequantize_x16, x16=value != "0" and bool(ops.gguf_x16_supported()), x16_passes=int(value) if value else None)
+
+
+@dataclass(frozen=True)
+class FP8Ops:
+    """The C++ operators of FP8 weights kept as e4m3 bytes (cpu_fp8.cpp): `mm(x, w,
+    scales)` and `dequantize(w, scales)` (quant/fp8.py)."""
+
+    mm: Callable[..., torch.Tensor]
+    dequantize: Callable[..., torch.Tensor]
+
+
+def fp8_ops() -> FP8Ops | None:
+    """torch.ops.llmd_cpu.fp8_mm(x [M, K], w uint8 [N, K], scales float32 [N, G]) -> [M, N]
+    and fp8_dequantize(w, scales) -> float32 [N, K]; None when the kernels are switched
+    off (LLMD_CPU_KERNELS=0) or cannot be built."""
+    if not cpu_kernels_enabled() or not _load():
+        return None
+    return FP8Ops(torch.ops.llmd_cpu.fp8_mm, torch.ops.llmd_cpu.fp8_dequantize)
 
 
 def cpu_kernels_enabled() -> bool:
@@ -216,3 +237,16 @@ def attach_gguf_kernels(model: torch.nn.Module, dtype: torch.dtype) -> int:
             if passes and use_x16(module.weight, table, module.in_features, ops):
                 module.read_rows = x16_row_reader(module, ops)
     return count
+
+
+def main() -> int:
+    """`python -m llmd.gpu.layers.cpu.cpu_kernels`: build the kernels now (make setup/test
+    do, so no daemon start and no test waits on the compiler); 1 if they cannot be."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    built = _load()
+    logger.info("llmd's CPU kernels: %s", "ready" if built else "unavailable (the torch paths run)")
+    return 0 if built else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -22,34 +22,18 @@
 #include "cpu_vec.h"
 
 #include <algorithm>
-#include <type_traits>
 
 namespace {
 
 using llmd_cpu_vec::fVec;
 using llmd_cpu_vec::kLanes;
 using llmd_cpu_vec::lane_sum;
+using llmd_quant::dequant_block;
+using llmd_quant::dispatch;
+using llmd_quant::kNumFormats;
 using llmd_quant::Format;
 
 constexpr int64_t kMaxRows = 8;
-constexpr int64_t kNumFormats = 10;
-
-// fn(std::integral_constant<int, Q>{}) for the format of code `quant` (checked before).
-template <typename Fn>
-void dispatch(int64_t quant, Fn&& fn) {
-  switch (quant) {
-    case 0: fn(std::integral_constant<int, 0>{}); break;
-    case 1: fn(std::integral_constant<int, 1>{}); break;
-    case 2: fn(std::integral_constant<int, 2>{}); break;
-    case 3: fn(std::integral_constant<int, 3>{}); break;
-    case 4: fn(std::integral_constant<int, 4>{}); break;
-    case 5: fn(std::integral_constant<int, 5>{}); break;
-    case 6: fn(std::integral_constant<int, 6>{}); break;
-    case 7: fn(std::integral_constant<int, 7>{}); break;
-    case 8: fn(std::integral_constant<int, 8>{}); break;
-    default: fn(std::integral_constant<int, 9>{}); break;
-  }
-}
 
 #if defined(CPU_CAPABILITY_AVX512)
 using llmd_quant::Decoder;
@@ -121,17 +105,6 @@ inline void dot_rows(const uint8_t* row, int64_t blocks, const float* x, int64_t
   }
 }
 
-template <int Q>
-inline void dequant_block(const uint8_t* b, float* w) {
-  const Decoder<Q> block(b);
-#pragma GCC unroll 8
-  for (int c = 0; c < Format<Q>::kWeights / 32; ++c) {
-    __m512 lo, hi;
-    block.chunk(c, lo, hi);
-    _mm512_storeu_ps(w + 32 * c, lo);
-    _mm512_storeu_ps(w + 32 * c + 16, hi);
-  }
-}
 #else
 // Portable: each block dequantized into a float32 buffer, then multiplied with every row.
 template <int Q>
@@ -152,10 +125,6 @@ inline void dot_rows(const uint8_t* row, int64_t blocks, const float* x, int64_t
   for (int64_t r = 0; r < tile; ++r) out[r * stride] = lane_sum(acc[r]);
 }
 
-template <int Q>
-inline void dequant_block(const uint8_t* b, float* w) {
-  Format<Q>::dequant(b, w);
-}
 #endif
 
 // Rows [begin, end) of packed w as float32 rows at out.

@@ -5,7 +5,8 @@
 // super-block), kBytes, and dequant(block, w), the portable decoding of a whole block.
 // With AVX-512, Decoder<Q> is built on one block (a K-quant's scales unpacked once) and
 // `chunk(c, lo, hi)` gives its weights 32c..32c+15 and 32c+16..32c+31 as two float32
-// vectors, so a kernel multiplies a block without writing it to memory.
+// vectors, so a kernel multiplies a block without writing it to memory. dequant_block<Q>
+// writes a block's weights out through whichever of the two this build has.
 //
 // Every weight is d' * q - m' with q a small integer and d', m' products of an fp16 scale
 // and a 6- or 8-bit sub-scale: such products are exact in float32, so the one rounding
@@ -18,6 +19,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(__F16C__)
 #include <immintrin.h>
@@ -65,6 +67,25 @@ inline void scales_q3k(const uint8_t* s, int* sc) {
 
 template <int Q>
 struct Format;
+
+constexpr int64_t kNumFormats = 10;
+
+// fn(std::integral_constant<int, Q>{}) for the format of code `quant` (checked before).
+template <typename Fn>
+void dispatch(int64_t quant, Fn&& fn) {
+  switch (quant) {
+    case 0: fn(std::integral_constant<int, 0>{}); break;
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    case 4: fn(std::integral_constant<int, 4>{}); break;
+    case 5: fn(std::integral_constant<int, 5>{}); break;
+    case 6: fn(std::integral_constant<int, 6>{}); break;
+    case 7: fn(std::integral_constant<int, 7>{}); break;
+    case 8: fn(std::integral_constant<int, 8>{}); break;
+    default: fn(std::integral_constant<int, 9>{}); break;
+  }
+}
 
 template <>
 struct Format<0> {  // Q8_0: fp16 d, 32 int8 q; d * q
@@ -370,5 +391,23 @@ struct Decoder<9> {  // Q6_K: scale * q - 32 * scale
   }
 };
 #endif
+
+// One block's weights into w: in registers a chunk at a time with AVX-512, else the
+// portable decoding (the same values either way).
+template <int Q>
+inline void dequant_block(const uint8_t* b, float* w) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const Decoder<Q> block(b);
+#pragma GCC unroll 8
+  for (int c = 0; c < Format<Q>::kWeights / 32; ++c) {
+    __m512 lo, hi;
+    block.chunk(c, lo, hi);
+    _mm512_storeu_ps(w + 32 * c, lo);
+    _mm512_storeu_ps(w + 32 * c + 16, hi);
+  }
+#else
+  Format<Q>::dequant(b, w);
+#endif
+}
 
 }  // namespace llmd_quant

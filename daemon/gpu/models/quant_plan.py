@@ -1,0 +1,204 @@
+"""Loading an AWQ, GPTQ or FP8 safetensors checkpoint (quant/scheme.py says which): which
+of the model's layers keep which checkpoint modules packed, read from the files'
+headers before any weight (`plan_quantized`); the layers finalized and given their
+matmuls after the load (`finalize_quantized`); and with `dequantize=True` every quantized
+module dequantized to a dense weight as it is read (`iter_dequantized`).
+
+The files decide what is quantized: a module with a `qweight` (AWQ, GPTQ) or a float8
+`weight` (FP8) is, any other stays dense — modules_to_not_convert / ignore lists
+included, which are checked against the files. A quantized module whose layer cannot
+keep it packed (a mixture-of-experts expert, the embedding, a fused projection mixing
+it with a dense part, the LM head split by tensor parallelism) is refused by name."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from llmd.gpu.layers.linear import LinearBase, ParallelLMHead, Shard
+from llmd.gpu.layers.mlp import ExpertWeights
+from llmd.gpu.layers.quant.fp8 import fp8_rows
+from llmd.gpu.layers.quant.int_groups import awq_groups, gptq_groups
+from llmd.gpu.layers.quant.quant_linear import finalize, quantized_matmul, use_quantized
+from llmd.gpu.layers.quant.scheme import FP8Scheme, QuantScheme
+
+DEQUANTIZE_HINT = "dequantize=True (--dequantize) loads it dense"
+
+
+def safetensors_index(model_dir: str | Path) -> dict[str, tuple[str, tuple[int, ...], str]]:
+    """Every checkpoint tensor's (safetensors dtype, shape, file), from the headers alone."""
+    index = {}
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                piece = f.get_slice(name)
+                index[name] = (piece.get_dtype(), tuple(piece.get_shape()), str(file))
+    return index
+
+
+def quantized_prefixes(scheme: QuantScheme, index: dict[str, tuple[str, tuple[int, ...], str]]) -> list[str]:
+    """The checkpoint modules the files hold quantized (module doc), in file order."""
+    if not isinstance(scheme, FP8Scheme):
+        return [name.removesuffix(".qweight") for name in index if name.endswith(".qweight")]
+    found = []
+    for name, (dtype, _, _) in index.items():
+        if not name.endswith(".weight") or not dtype.startswith("F8_"):
+            continue
+        if dtype != "F8_E4M3":
+            raise ValueError(f"tensor {name!r} is {dtype}: not implemented by llmd (implemented: F8_E4M3)")
+        found.append(name.removesuffix(".weight"))
+    return found
+
+
+def resolve_scheme(scheme: QuantScheme, index: dict[str, tuple[str, tuple[int, ...], str]]) -> QuantScheme:
+    """The scheme with what the files say: HF's `fp8` names its scales `weight_scale_inv`
+    (per tensor or per block), vLLM's / AutoFP8's `weight_scale`; the files tell which."""
+    if not isinstance(scheme, FP8Scheme) or scheme.method != "fp8":
+        return scheme
+    prefixes = quantized_prefixes(scheme, index)
+    names = {n for n in ("weight_scale", "weight_scale_inv") if any(f"{p}.{n}" in index for p in prefixes)}
+    if len(names) > 1:
+        raise ValueError("the checkpoint names its FP8 scales both weight_scale and weight_scale_inv")
+    return dataclasses.replace(scheme, scale_name=names.pop()) if names else scheme
+
+
+def plan_quantized(model: nn.Module, scheme: QuantScheme, index: dict[str, tuple[str, tuple[int, ...], str]],
+                   checkpoint_target: Any) -> dict[str, dict[Shard, str]]:
+    """Layer (module name) -> {shard: checkpoint module} of every quantized checkpoint
+    module the model keeps, or ValueError naming one it cannot keep packed.
+    `checkpoint_target(model, name)` is the loader's name mapping."""
+    modules = dict(model.named_modules())
+    plan: dict[str, dict[Shard, str]] = {}
+    for prefix in quantized_prefixes(scheme, index):
+        _check_not_converted(scheme, prefix)
+        target = checkpoint_target(model, prefix + ".weight")
+        if target is None:
+            continue  # a tensor the model does not keep (a tied LM head)
+        param, shard = target
+        name = param.rpartition(".")[0]
+        _check_packable(modules.get(name), prefix, scheme)
+        plan.setdefault(name, {})[shard] = prefix
+    for name, shards in plan.items():
+        parts = tuple(modules[name].shards("weight"))
+        if set(shards) != {None} and set(shards) != set(parts):
+            dense = sorted(str(p) for p in set(parts) - set(shards))
+            raise ValueError(f"{next(iter(shards.values()))} is quantized ({scheme.label}) but parts {dense} of "
+                             f"its fused projection are not: mixing dense and quantized parts is not implemented; "
+                             f"{DEQUANTIZE_HINT}")
+    return plan
+
+
+def _check_packable(layer: nn.Module | None, prefix: str, scheme: QuantScheme) -> None:
+    if isinstance(layer, ExpertWeights):
+        raise ValueError(f"{prefix} is quantized ({scheme.label}): quantized mixture-of-experts experts are not "
+                         f"implemented packed by llmd; {DEQUANTIZE_HINT}")
+    if isinstance(layer, ParallelLMHead) and layer.world_size > 1:
+        raise ValueError(f"{prefix} is quantized ({scheme.label}): a quantized LM head is not split across "
+                         f"ranks (tensor_parallel_size > 1); {DEQUANTIZE_HINT}")
+    if not isinstance(layer, (LinearBase, ParallelLMHead)):
+        raise ValueError(f"{prefix} is quantized ({scheme.label}), but llmd's {type(layer).__name__} takes no "
+                         f"packed weight; {DEQUANTIZE_HINT}")
+
+
+def _check_not_converted(scheme: QuantScheme, prefix: str) -> None:
+    """A module the config keeps dense must be dense in the files (entries match a
+    module's name exactly, as a suffix of whole names, or as compressed-tensors'
+    "re:" regular expressions)."""
+    for entry in scheme.not_converted:
+        pattern = entry.removeprefix("re:")
+        hit = (re.fullmatch(pattern, prefix) is not None if entry.startswith("re:")
+               else prefix == entry or prefix.endswith("." + entry))
+        if hit:
+            raise ValueError(f"{prefix} is quantized in the checkpoint, but its quantization_config keeps "
+                             f"{entry!r} dense: the checkpoint contradicts its config")
+
+
+def apply_plan(model: nn.Module, scheme: QuantScheme, plan: dict[str, dict[Shard, str]]) -> None:
+    """Give every planned layer its quantized weights (quant_linear.use_quantized)."""
+    for name, shards in plan.items():
+        use_quantized(model.get_submodule(name), scheme, shards)
+
+
+def finalize_quantized(model: nn.Module, dtype: torch.dtype) -> int:
+    """After the load: every quantized layer's pieces packed, and its matmul attached
+    (the C++ kernels when they can be built, else the torch paths); returns how many."""
+    from llmd.gpu.layers.cpu.cpu_kernels import fp8_ops, gguf_ops
+    from llmd.gpu.layers.gguf_quant import x16_passes
+
+    layers = [m for m in model.modules() if getattr(m, "quant_method", None) is not None]
+    if not layers:
+        return 0
+    gguf, fp8 = gguf_ops(), fp8_ops()
+    passes = x16_passes(gguf, dtype) if gguf is not None and gguf.x16 else 0
+    for layer in layers:
+        finalize(layer)
+        layer.kernel = quantized_matmul(layer, gguf, passes, fp8)
+    return len(layers)
+
+
+@contextlib.contextmanager
+def _tensors(index: dict[str, tuple[str, tuple[int, ...], str]]) -> Iterator[Any]:
+    """name -> tensor, reading from whichever file holds it (each opened once)."""
+    with contextlib.ExitStack() as stack:
+        files = {file: stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+                 for file in {entry[2] for entry in index.values()}}
+        yield lambda name: files[index[name][2]].get_tensor(name)
+
+
+def dequantized_module(scheme: QuantScheme, prefix: str, get: Any, has: Any, columns: int) -> torch.Tensor:
+    """The float32 weight [out, in] of a quantized checkpoint module (`get(name)` reads a
+    tensor, `has(name)` says whether the checkpoint has it; `columns`: its input size)."""
+    if isinstance(scheme, FP8Scheme):
+        return fp8_rows(get(f"{prefix}.weight"), get(f"{prefix}.{scheme.scale_name}"), scheme.block, 0, 0,
+                        prefix).dequantize()
+    parts = (get(f"{prefix}.qweight"), get(f"{prefix}.qzeros"), get(f"{prefix}.scales"))
+    group = scheme.group_size if scheme.group_size > 0 else columns
+    if scheme.method == "awq":
+        return awq_groups(*parts, group).dequantize()
+    g_idx = get(f"{prefix}.g_idx") if has(f"{prefix}.g_idx") else None
+    return gptq_groups(*parts, g_idx, scheme.bits, group, scheme.zeros_minus_one).dequantize()
+
+
+def without_empty_biases(weights: Iterator[tuple[str, Any]], model: nn.Module, scheme: QuantScheme,
+                         index: dict[str, tuple[str, tuple[int, ...], str]],
+                         checkpoint_target: Any) -> Iterator[tuple[str, Any]]:
+    """The checkpoint's tensors less the all-zero `bias` of quantized modules whose layer
+    has none (some GPTQ tools save one for every linear layer); a non-zero one is left
+    for the loader to refuse as unexpected."""
+    prefixes = set(quantized_prefixes(scheme, index))
+    params = dict(model.named_parameters())
+    for name, source in weights:
+        if name.endswith(".bias") and name.removesuffix(".bias") in prefixes:
+            target = checkpoint_target(model, name)
+            if target is not None and target[0] not in params and not bool(source[...].any()):
+                continue
+        yield name, source
+
+
+def iter_dequantized(weights: Iterator[tuple[str, Any]], scheme: QuantScheme,
+                     index: dict[str, tuple[str, tuple[int, ...], str]]) -> Iterator[tuple[str, Any]]:
+    """The checkpoint's tensors with every quantized module's replaced by its dense
+    `weight` (float32), read one module at a time (`dequantize=True`)."""
+    prefixes = quantized_prefixes(scheme, index)
+    packed = {f"{p}.{n}" for p in prefixes for n in scheme.checkpoint_names}
+    for name, source in weights:
+        if name not in packed:
+            yield name, source
+    with _tensors(index) as get:
+        for prefix in prefixes:
+            columns = _input_columns(scheme, index, prefix)
+            yield f"{prefix}.weight", dequantized_module(scheme, prefix, get, index.__contains__, columns)
+
+
+def _input_columns(scheme: QuantScheme, index: dict[str, tuple[str, tuple[int, ...], str]], prefix: str) -> int:
+    shape = index[f"{prefix}.{'weight' if isinstance(scheme, FP8Scheme) else 'qweight'}"][1]
+    if isinstance(scheme, FP8Scheme):
+        return shape[1]
+    return shape[0] if scheme.method == "awq" else shape[0] * 32 // scheme.bits

@@ -1,0 +1,153 @@
+"""How much memory a model takes, per device, for the budget: before it loads, an
+estimate from its files (the weights' size on disk where they stay packed: a GGUF's
+or an AWQ/GPTQ/FP8 checkpoint's on CPU; else their element count at the run dtype)
+plus its KV pool as the engine settings size it;
+once loaded, what it holds (weights and KV pool as the executor reports them).
+Reading a model's shape touches its files (config.json, safetensors sizes and, for a
+quantized checkpoint, headers; a GGUF header) but no torch; the sums are plain
+arithmetic."""
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmd.config import EngineConfig
+from llmd.gpu.layers.quant.scheme import config_scheme, weights_per_element
+
+CPU_KV_DEFAULT_CAP = 4 << 30  # as llmd.engine_setup sizes a CPU KV pool with no setting
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs from a model's files."""
+
+    weights_bytes: int  # on disk
+    num_params: int  # weight elements (what a dequantized model holds at its dtype)
+    kv_elements_per_token: int  # K and V of every layer, per token
+    max_position: int
+    checkpoint_dtype: str | None
+    gguf: bool
+    quantized: bool = False  # an AWQ/GPTQ/FP8 safetensors checkpoint (kept packed on CPU, as a GGUF's)
+
+
+def read_shape(path: str) -> ModelShape:
+    """A model directory's or GGUF file's shape (raises OSError/ValueError when the
+    files cannot say), kept while its files are unchanged (a GGUF's header, with its
+    vocabulary, takes the gguf package a while to read)."""
+    p = Path(path)
+    marker = p if p.is_file() else p / "config.json"
+    st = marker.stat()
+    return _read_shape(str(p), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=64)
+def _read_shape(path: str, mtime_ns: int, size: int) -> ModelShape:
+    p = Path(path)
+    if p.is_file():
+        return _gguf_shape(p)
+    config = json.loads((p / "config.json").read_text())
+    text = config.get("text_config") or config
+    heads = text["num_attention_heads"]
+    head_dim = text.get("head_dim") or text["hidden_size"] // heads
+    kv_heads = text.get("num_key_value_heads") or heads
+    weights = sorted(p.glob("*.safetensors"))
+    size = sum(f.stat().st_size for f in weights)
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "") or None
+    scheme = config_scheme(config)
+    if scheme is None:
+        num_params = size // _DTYPE_BYTES.get(dtype or "", 4)
+    else:  # packed words stand for several weights, scales and zero points for none
+        num_params = sum(math.prod(info["shape"]) * weights_per_element(name, scheme)
+                         for file in weights for name, info in _safetensors_header(file).items()
+                         if name != "__metadata__")
+    return ModelShape(weights_bytes=size, num_params=num_params,
+                      kv_elements_per_token=2 * text["num_hidden_layers"] * kv_heads * head_dim,
+                      max_position=text.get("max_position_embeddings", 2048), checkpoint_dtype=dtype, gguf=False,
+                      quantized=scheme is not None)
+
+
+def _safetensors_header(path: Path) -> dict:
+    """A safetensors file's header: tensor name -> dtype, shape, offsets (8 bytes of
+    length, little-endian, then that much JSON)."""
+    with path.open("rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(length))
+
+
+def _gguf_shape(p: Path) -> ModelShape:
+    from llmd.gpu.models.gguf_file import GGUFFile
+
+    reader = GGUFFile(p)
+    get = reader.get
+
+    arch = get("general.architecture")
+    heads = get(f"{arch}.attention.head_count")
+    if not isinstance(heads, int):  # per layer in some files (an array)
+        heads = int(max(heads))
+    kv_heads = get(f"{arch}.attention.head_count_kv", heads)
+    if not isinstance(kv_heads, int):
+        kv_heads = int(max(kv_heads))
+    head_dim = get(f"{arch}.attention.key_length") or get(f"{arch}.embedding_length") // heads
+    layers = get(f"{arch}.block_count")
+    return ModelShape(weights_bytes=p.stat().st_size, num_params=sum(t.n_elements for t in reader.tensors.values()),
+                      kv_elements_per_token=2 * layers * kv_heads * head_dim,
+                      max_position=get(f"{arch}.context_length", 2048), checkpoint_dtype=None, gguf=True)
+
+
+def run_dtype_bytes(engine: EngineConfig, device_type: str, checkpoint_dtype: str | None) -> int:
+    """Bytes per element at the dtype the engine runs (llmd.gpu.models.loader.resolve_dtype's rule)."""
+    if engine.dtype != "auto":
+        return _DTYPE_BYTES[engine.dtype]
+    if device_type == "cuda" or checkpoint_dtype == "bfloat16":
+        return 2
+    return 4
+
+
+def estimate_need(engine: EngineConfig, shape: ModelShape, device_type: str, *, available_ram: int,
+                  device_total: int | None = None) -> dict[str, int]:
+    """Device -> bytes the model will hold once loaded. `available_ram`: free RAM now
+    (a CPU KV pool with no size setting takes a share of it); `device_total`: one GPU's
+    memory (a CUDA KV pool with no size setting takes gpu_memory_utilization of it)."""
+    element = run_dtype_bytes(engine, device_type, shape.checkpoint_dtype)
+    # A GGUF's or an AWQ/GPTQ/FP8 checkpoint's quantized weights stay packed on CPU
+    # (unless dequantize); every other weight is held at the run dtype.
+    packed = (shape.gguf or shape.quantized) and device_type == "cpu" and not engine.dequantize
+    weights = shape.weights_bytes if packed else shape.num_params * element
+    tp = engine.tensor_parallel_size
+    kv = kv_pool_bytes(engine, shape, device_type, element, available_ram)
+    if device_type == "cpu":
+        return {"cpu": weights + kv}
+    if kv is None:  # the pool takes what gpu_memory_utilization leaves: that share is the model's
+        total = device_total or 0
+        return {f"cuda:{rank}": max(int(engine.gpu_memory_utilization * total), weights // tp) for rank in range(tp)}
+    return {f"cuda:{rank}": weights // tp + kv // tp for rank in range(tp)}
+
+
+def kv_pool_bytes(engine: EngineConfig, shape: ModelShape, device_type: str, element: int,
+                  available_ram: int) -> int | None:
+    """The KV pool's bytes on every rank together; None on CUDA with no size setting
+    (sized by profiling at load)."""
+    per_token = shape.kv_elements_per_token * element
+    block = per_token * engine.block_size
+    if engine.num_gpu_blocks_override is not None:
+        return engine.num_gpu_blocks_override * block
+    if engine.kv_cache_memory_bytes is not None:
+        return engine.kv_cache_memory_bytes
+    if device_type != "cpu":
+        return None
+    max_len = engine.max_model_len or shape.max_position
+    full = (engine.max_num_seqs * math.ceil(max_len / engine.block_size) + 1) * block
+    return min(full, int(available_ram * engine.cpu_kv_cache_fraction), CPU_KV_DEFAULT_CAP)
+
+
+def loaded_need(device: str, weights_bytes: int, kv_cache_bytes: int, tensor_parallel_size: int) -> dict[str, int]:
+    """Device -> bytes of a loaded model (its weights and KV pool on every rank, as the
+    executor reports them); a model on CUDA spreads evenly over its ranks."""
+    total = weights_bytes + kv_cache_bytes
+    if not device.startswith("cuda"):
+        return {"cpu": total}
+    return {f"cuda:{rank}": total // tensor_parallel_size for rank in range(tensor_parallel_size)}
