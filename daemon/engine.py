@@ -50,6 +50,9 @@ class ModelMemory:
     kv_cache: int
     bytes_per_block: int
     worker_pids: list[int]
+    # 1 or 2 while asleep: no KV pool; the weights at level 1 in host memory (pinned, for
+    # a CUDA model), at level 2 none.
+    sleep_level: int | None = None
 
 
 class LLMEngine:
@@ -128,6 +131,8 @@ class LLMEngine:
             request_id = str(next(self._ids))
         if self.output_processor.knows(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
+        if self.core.sleep_level is not None:
+            raise RuntimeError("the engine is asleep: call wake_up() before adding requests")
         if isinstance(params, PoolingParams):
             prepared = self.input_processor.prepare_pooling(request_id, prompt, params, truncate=truncate,
                                                             priority=priority, cache_salt=cache_salt)
@@ -190,12 +195,33 @@ class LLMEngine:
         """Stop the executor (worker processes exit) and drop the KV cache."""
         self.core.shutdown(ignore=ExecutorError)
 
+    # -- sleep mode (vLLM's LLM.sleep / wake_up) ------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Give the model's memory back until wake_up: level 1 frees the KV cache and
+        keeps the weights (on CUDA copied to pinned host memory, the device's freed; on
+        CPU where they are), level 2 drops the weights too (wake_up reads them from the
+        files again). Only with no request unfinished (RuntimeError otherwise)."""
+        self.core.sleep(level)
+
+    def wake_up(self) -> None:
+        """Restore what sleep freed: the weights, the KV cache (empty: the prefix cache
+        starts afresh) and on CUDA the decode graphs, captured again."""
+        self.core.wake_up()
+
+    @property
+    def sleep_level(self) -> int | None:
+        """1 or 2 while asleep, None while awake."""
+        return self.core.sleep_level
+
     def memory(self) -> ModelMemory:
         """The weights' bytes by how they are kept, the KV pool's, and the processes
-        holding them (the executor's now: a restarted one has new workers)."""
+        holding them (the executor's now: a restarted one has new workers); while
+        asleep, what is still held (no KV pool; at level 2 no weights)."""
         executor = self.core.executor
-        return ModelMemory(executor.weight_bytes(), self.num_blocks * executor.kv_cache_bytes_per_block(),
-                           executor.kv_cache_bytes_per_block(), executor.worker_pids())
+        level = self.core.sleep_level
+        return ModelMemory({} if level == 2 else executor.weight_bytes(),
+                           0 if level is not None else self.num_blocks * executor.kv_cache_bytes_per_block(),
+                           executor.kv_cache_bytes_per_block(), executor.worker_pids(), level)
 
     def get_stats(self) -> dict[str, Any]:
         stats = self.core.stats()

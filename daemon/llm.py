@@ -54,6 +54,19 @@ class LLM:
                 raise ValueError(f"got {len(params_list)} pooling params for {len(prompt_list)} prompts")
         return self._run(prompt_list, params_list, None, truncate=truncate)
 
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's `LLM.sleep`: free the KV cache and keep the weights (level 1: on a GPU
+        in pinned host memory; on CPU where they are) or drop them (level 2), until
+        `wake_up()`. Generating meanwhile is refused."""
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        """vLLM's `LLM.wake_up`: the weights and the KV cache back (level 2: read from the files)."""
+        self.engine.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.engine.sleep_level is not None
+
     def _run(self, prompts: list[Prompt], params: list[SamplingParams] | list[PoolingParams],
              priority: Sequence[int] | None, *, truncate: bool = False) -> list[Any]:
         """Queue every prompt (none if one is refused), step until all finish; their

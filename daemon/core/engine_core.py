@@ -94,6 +94,7 @@ class EngineCore:
         self.structured = structured
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache_manager, structured)
+        self.sleep_level: int | None = None  # 1 or 2 while asleep (see sleep)
         self._model_thread: ThreadPoolExecutor | None = None
         self._owns_model_thread = False
         self.pipeline = StepPipeline(self.scheduler, self._launch, self._collect, overlap=config.async_scheduling)
@@ -180,10 +181,37 @@ class EngineCore:
         executor = self._make_executor()
         try:
             executor.initialize_kv_cache(self.num_blocks)
+            if self.sleep_level is not None:  # a worker that died while the model slept: it sleeps on
+                executor.sleep(self.sleep_level)
         except BaseException:
             executor.shutdown()
             raise
         self.executor = executor
+
+    # -- sleep mode -----------------------------------------------------------------
+    def sleep(self, level: int) -> None:
+        """Give the model's memory back while it has no request: the executor frees the
+        KV cache and keeps (level 1: on CUDA in pinned host memory) or drops (level 2)
+        the weights. The prefix cache is forgotten (its blocks' contents are gone).
+        Raises RuntimeError while requests are unfinished, ValueError for a level other
+        than 1 or 2; ExecutorError when a worker fails."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self.has_unfinished_requests():
+            raise RuntimeError("the engine has unfinished requests: finish or abort them before it sleeps")
+        self.pipeline.drain(ignore=())  # a step whose requests all finished may still run
+        if self.sleep_level is not None and self.sleep_level >= level:
+            return
+        self.kv_cache_manager.reset_prefix_cache()
+        self.executor.sleep(level)
+        self.sleep_level = level
+
+    def wake_up(self) -> None:
+        """Restore what sleep freed (the KV cache at its size, empty); no-op when awake."""
+        if self.sleep_level is None:
+            return
+        self.executor.wake_up()
+        self.sleep_level = None
 
     def exit_fds(self) -> list[int]:
         """Descriptors that become readable when a worker of the current executor exits."""

@@ -52,6 +52,14 @@ class Executor(Protocol):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache (and on CUDA capture the decode graphs)."""
 
+    def sleep(self, level: int) -> None:
+        """Free the KV cache (and the decode graphs); level 1 keeps the weights (on CUDA
+        in pinned host memory), level 2 drops them. No step runs until wake_up."""
+
+    def wake_up(self) -> None:
+        """Restore the weights (level 2: from the files) and the KV cache at its size,
+        capturing the decode graphs again."""
+
     def execute_model(self, scheduler_output: SchedulerOutput, grammar_rows: GrammarRows | None = None) -> StepHandle:
         """Launch one step; `grammar_rows` (required when the step has grammar_req_ids)
         are waited for just before sampling. Raises ExecutorError when the executor

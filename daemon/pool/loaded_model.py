@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import gc
 import logging
 import time
 import weakref
@@ -24,6 +22,7 @@ from llmd.actors.runtime import Actor
 from llmd.actors.scheduler_actor import SchedulerActor
 from llmd.core.restart_policy import RestartPolicy
 from llmd.daemon_config import DaemonConfig
+from llmd.heap import release_memory
 from llmd.load_progress import LoadProgress
 from llmd.pool.estimate import loaded_need
 from llmd.pool.registry import ModelSpec
@@ -168,14 +167,6 @@ def _weak_memory(engine: Any) -> Callable[[], Any]:
         return live.memory() if live is not None else None
 
     return memory
-
-
-def release_memory() -> None:
-    """Collect the unloaded model's objects and hand the freed heap back to the system
-    (glibc keeps freed memory in its arenas otherwise: RSS would not come down)."""
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 async def estimate_memory(spec: ModelSpec) -> dict[str, int]:

@@ -103,6 +103,10 @@ class GatherWorkspace:
             self._v = torch.empty(need, dtype=like.dtype, device=like.device)
         return self._k[:need].view(rows, width), self._v[:need].view(rows, width)
 
+    def release(self) -> None:
+        """Drop the buffers (a sleeping model's memory goes back); the next gather grows them again."""
+        self._k = self._v = None
+
 
 def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> torch.Tensor:

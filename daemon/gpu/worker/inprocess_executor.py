@@ -18,9 +18,10 @@ class InProcessExecutor:
                  dtype: torch.dtype, progress: LoadProgress | None = None) -> None:
         self.runner = ModelRunner(model_dir, settings, device, dtype, progress=progress)
         self._weight_bytes = self.runner.weight_bytes()  # fixed once loaded; status asks often
+        self._bytes_per_block = self.runner.kv_cache_bytes_per_block()  # asked while asleep too
 
     def kv_cache_bytes_per_block(self) -> int:
-        return self.runner.kv_cache_bytes_per_block()
+        return self._bytes_per_block
 
     def weight_bytes(self) -> dict[str, int]:
         return dict(self._weight_bytes)
@@ -36,6 +37,12 @@ class InProcessExecutor:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
+
+    def sleep(self, level: int) -> None:
+        self.runner.sleep(level)
+
+    def wake_up(self) -> None:
+        self.runner.wake_up()
 
     def execute_model(self, scheduler_output: SchedulerOutput, grammar_rows: GrammarRows | None = None) -> StepHandle:
         """Launch the step; its output from the handle (see ModelRunner.execute_model)."""

@@ -32,6 +32,7 @@ from llmd.gpu.worker.pooling_step import PoolingStep
 from llmd.gpu.worker.runner_types import RunnerSettings, StepHandle, record_sampled
 from llmd.gpu.sample.sampler import Sampler
 from llmd.gpu.worker.sampling_step import SamplingStep
+from llmd.gpu.worker.sleep_mode import HostWeights, free_released_memory
 from llmd.load_progress import LoadProgress
 from llmd.core.step_messages import GrammarRows, RunnerOutput, SchedulerOutput
 
@@ -58,6 +59,18 @@ class ModelRunner:
             torch.set_num_threads(settings.cpu_threads)
         self.attention_backend = resolve_attention_backend(settings.attention_backend, device, settings.block_size,
                                                            dtype)
+        self.model_dir = model_dir
+        self.sampler = Sampler(seed=settings.seed)  # kept through sleep: its seeded generators go on
+        self._last: StepHandle | None = None  # the last step launched (its tokens may be pending)
+        self.kv_caches: list[torch.Tensor] = []
+        self.num_blocks = 0  # the block pool's, once the KV cache is sized (wake allocates it again)
+        self.sleep_level: int | None = None  # 1 or 2 while asleep (see sleep)
+        self._host_weights: HostWeights | None = None  # level 1 on CUDA: the weights, in pinned host memory
+        self._load_model(progress)
+
+    def _load_model(self, progress: LoadProgress | None) -> None:
+        """The model (and draft model) from the files, and what is built over it."""
+        settings, device, dtype = self.settings, self.device, self.dtype
         # CUDA: what the device held before our weights (profile_kv_budget's baseline).
         self._cuda_before_load: tuple[int, int, int] | None = None  # free, allocated, reserved
         if device.type == "cuda":
@@ -68,22 +81,19 @@ class ModelRunner:
             torch.cuda.empty_cache()
             self._cuda_before_load = (torch.cuda.mem_get_info(device)[0], torch.cuda.memory_allocated(device),
                                       torch.cuda.memory_reserved(device))
-        self.model = load_model(model_dir, dtype, device, settings.max_model_len, rank, world_size,
+        self.model = load_model(self.model_dir, dtype, device, settings.max_model_len, self.rank, self.world_size,
                                 self.attention_backend, progress, dequantize=settings.dequantize)
         self.vocab_size = self.model.config.vocab_size
-        self.sampler = Sampler(seed=settings.seed)
-        self._last: StepHandle | None = None  # the last step launched (its tokens may be pending)
-        self.kv_caches: list[torch.Tensor] = []
         self.workspace = GatherWorkspace()
         self.attention_metadata = metadata_builder(self.model, self.block_size, device)
         self.batch = InputBatch(self.block_size, device, self.workspace, self.attention_metadata)
         self.drafter: DraftModel | None = None
         if settings.draft_model:
-            if world_size > 1:
+            if self.world_size > 1:
                 raise ValueError("a draft model does not run with tensor parallelism yet")
             self.drafter = DraftModel(settings, device, dtype, self.attention_backend, self.sampler,
                                       self.workspace, self.batch)
-        self.sampling = SamplingStep(self.model, self.sampler, settings, self.drafter, rank, world_size)
+        self.sampling = SamplingStep(self.model, self.sampler, settings, self.drafter, self.rank, self.world_size)
         self.pooling = PoolingStep(settings.pooling_type)
 
     def weight_bytes(self) -> dict[str, int]:
@@ -119,6 +129,7 @@ class ModelRunner:
         """num_blocks are the block pool's; the cache has one more, the scratch block
         that padded rows of a graph step write and read (the pool never hands it out)."""
         self.release_decode_graphs()
+        self.num_blocks = num_blocks
         self.kv_caches = new_model_kv_caches(self.model, num_blocks + 1, self.block_size, self.dtype, self.device)
         if self.drafter is not None:  # the same blocks as the target's, scratch included
             self.drafter.initialize_kv_cache(num_blocks + 1)
@@ -189,6 +200,43 @@ class ModelRunner:
         self.kv_caches = []
         if self.drafter is not None:
             self.drafter.kv_caches = []
+
+    # -- sleep mode -----------------------------------------------------------------
+    def sleep(self, level: int) -> None:
+        """Give memory back while the model is idle (no request in the batch may run
+        until wake_up). Every level frees the KV cache, the decode graphs and the gather
+        workspace. Level 1 keeps the weights: on CUDA copied to pinned host memory (the
+        device's freed), on CPU where they are (host memory already). Level 2 drops them
+        (wake_up loads them from the files again). A model asleep at level 1 asked for
+        level 2 drops its host copies; asked for level 1 at level 2 it stays at 2."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self.sleep_level is not None and self.sleep_level >= level:
+            return
+        self.release_kv_cache()
+        self.workspace.release()
+        if level == 1 and self.device.type == "cuda":
+            models = [self.model] + ([self.drafter.model] if self.drafter is not None else [])
+            self._host_weights = HostWeights(models, pin=True)
+        if level == 2:
+            self._host_weights = None
+            self.model = self.drafter = self.sampling = self.batch = self.attention_metadata = None
+        self.sleep_level = level
+        free_released_memory(self.device)
+
+    def wake_up(self) -> None:
+        """Back to serving as before sleep: the weights restored (level 1) or loaded
+        again (level 2), the KV cache allocated at its size, the decode graphs captured
+        over it. The prefix cache's blocks are gone: the scheduler forgets them."""
+        if self.sleep_level is None:
+            return
+        if self.sleep_level == 2:
+            self._load_model(None)
+        elif self._host_weights is not None:
+            self._host_weights.restore(self.device)
+            self._host_weights = None
+        self.sleep_level = None
+        self.initialize_kv_cache(self.num_blocks)
 
     # -- one step -------------------------------------------------------------------
     def _apply_scheduler_output(self, so: SchedulerOutput) -> None:

@@ -40,7 +40,8 @@ from llmd.gpu.worker.kv_budget import MemoryBreakdown
 from llmd.gpu.worker.runner_types import RunnerSettings
 from llmd.load_progress import LoadCancelled
 from llmd.gpu.worker.process import (Execute, Flush, FromWorker, GrammarBitmask, InitKVCache, KVBudget, KVReady,
-                                     ProfileKV, Shutdown, StepReply, WorkerFailed, WorkerInit, WorkerReady)
+                                     ProfileKV, Shutdown, Sleep, SleepState, StepReply, WakeUp, WorkerFailed,
+                                     WorkerInit, WorkerReady)
 from llmd.core.step_messages import GrammarRows, RunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("llmd.executor")
@@ -285,6 +286,21 @@ class MultiprocExecutor:
         for rank, reply in enumerate(replies):
             if not isinstance(reply, KVReady):
                 raise WorkerError(f"worker {rank} did not confirm its KV cache")
+
+    def sleep(self, level: int) -> None:
+        """Every rank frees its KV cache and keeps (level 1) or drops (level 2) its weights."""
+        self._change_sleep(Sleep(level), level)
+
+    def wake_up(self) -> None:
+        """Every rank restores its weights (or loads them again) and its KV cache; this
+        may take as long as a load (level 2 reads the files)."""
+        self._change_sleep(WakeUp(), None)
+
+    def _change_sleep(self, message: Sleep | WakeUp, expected: int | None) -> None:
+        self._broadcast(message)
+        for rank, reply in enumerate(self._recv_all(600.0)):
+            if not isinstance(reply, SleepState) or (reply.level is None) != (expected is None):
+                raise WorkerError(f"worker {rank} did not confirm its {type(message).__name__}")
 
     def execute_model(self, scheduler_output: SchedulerOutput, grammar_rows: GrammarRows | None = None) -> RemoteStep:
         """Send the step to every rank (and its grammar rows to rank 0 once filled); its

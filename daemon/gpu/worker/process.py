@@ -87,6 +87,22 @@ class KVReady(msgspec.Struct, tag="kv_ready"):
     pass
 
 
+class Sleep(msgspec.Struct, tag="sleep"):
+    """Free the KV cache and, by `level`, keep (1) or drop (2) the weights (ModelRunner.sleep)."""
+
+    level: int
+
+
+class WakeUp(msgspec.Struct, tag="wake_up"):
+    """Restore what Sleep freed (ModelRunner.wake_up)."""
+
+
+class SleepState(msgspec.Struct, tag="sleep_state"):
+    """The answer to Sleep and WakeUp: the level asleep now (None: awake)."""
+
+    level: int | None
+
+
 class StepReply(msgspec.Struct, tag="result"):
     """Rank 0's answer to one Execute: the step's RunnerOutput, in step order (what the
     engine then makes of it is core.engine_core.StepResult)."""
@@ -96,8 +112,8 @@ class StepReply(msgspec.Struct, tag="result"):
 
 
 
-ToWorker = ProfileKV | InitKVCache | Execute | Flush | GrammarBitmask | Shutdown
-FromWorker = WorkerReady | WorkerFailed | KVBudget | KVReady | StepReply
+ToWorker = ProfileKV | InitKVCache | Execute | Flush | GrammarBitmask | Sleep | WakeUp | Shutdown
+FromWorker = WorkerReady | WorkerFailed | KVBudget | KVReady | SleepState | StepReply
 
 
 def _die_with_parent() -> None:
@@ -233,6 +249,12 @@ def _handle(message: ToWorker, runner) -> FromWorker:
         case InitKVCache(num_blocks=n):
             runner.initialize_kv_cache(n)
             return KVReady()
+        case Sleep(level=level):
+            runner.sleep(level)
+            return SleepState(runner.sleep_level)
+        case WakeUp():
+            runner.wake_up()
+            return SleepState(runner.sleep_level)
     raise TypeError(f"worker got {type(message).__name__}")
 
 if __name__ == "__main__":
