@@ -16,8 +16,8 @@ from typing import Any, Unpack, overload
 from llmd_client.errors import ConnectionLost, LlmdError, ProtocolError
 from llmd_client.framing import FrameError, MsgpackCodec
 from llmd_client.protocol import (Accepted, ChatMessage, Embed, Error, Hello, Load, Metrics, MetricsReply, Models,
-                                  ModelsReply, ModelStatus, Output, ServerMessage, Status, StatusReply, Submit, Unload,
-                                  Welcome)
+                                  ModelsReply, ModelStatus, Output, ServerMessage, Sleep, Status, StatusReply, Submit,
+                                  Unload, Wake, Welcome)
 from llmd_client.request_args import EmbedInput, RequestArgs, build_embeds, build_submit
 from llmd_client.results import Delta, Embedding, Result, ResultBuilder, embedding_from
 from llmd_client.routing import PendingReply, Router, reply_error
@@ -55,7 +55,7 @@ class AsyncClient(Router[asyncio.Queue[_Item], _PendingFuture]):
         self._codec = MsgpackCodec(ServerMessage)
         self._reader_task: asyncio.Task[None] | None = None
         self._connect_lock = asyncio.Lock()
-        # Models, Load and Unload all answer a ModelsReply, Load and Unload once done:
+        # Models, Load, Unload, Sleep and Wake all answer a ModelsReply, the last four once done:
         # one at a time, so each reply meets its own call.
         self._model_controls = asyncio.Lock()
 
@@ -192,6 +192,18 @@ class AsyncClient(Router[asyncio.Queue[_Item], _PendingFuture]):
         async with self._model_controls:
             return (await self._control(Unload(model=model), ModelsReply)).models[0]
 
+    async def sleep(self, model: str | None = None, level: int = 1) -> ModelStatus:
+        """As Client.sleep."""
+        await self._ensure_connected()
+        async with self._model_controls:
+            return (await self._control(Sleep(model=model, level=level), ModelsReply)).models[0]
+
+    async def wake(self, model: str | None = None) -> ModelStatus:
+        """As Client.wake."""
+        await self._ensure_connected()
+        async with self._model_controls:
+            return (await self._control(Wake(model=model), ModelsReply)).models[0]
+
     # -- internals ----------------------------------------------------------------------
 
     async def _ensure_connected(self) -> None:
@@ -220,7 +232,7 @@ class AsyncClient(Router[asyncio.Queue[_Item], _PendingFuture]):
             raise item
         return item
 
-    async def _control(self, message: Hello | Status | Metrics | Models | Load | Unload, expect: type) -> Any:
+    async def _control(self, message: Hello | Status | Metrics | Models | Load | Unload | Sleep | Wake, expect: type) -> Any:
         self._send(message)  # first: a send that fails leaves no future behind
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending.append(_PendingFuture(expect, future))

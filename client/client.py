@@ -23,8 +23,8 @@ from llmd_client.async_client import AsyncClient, AsyncStream
 from llmd_client.errors import ClientTimeout, ConnectionLost, ProtocolError
 from llmd_client.framing import FrameError, MsgpackCodec
 from llmd_client.protocol import (Accepted, ChatMessage, Error, Hello, Load, Metrics, MetricsReply, Models,
-                                  ModelsReply, ModelStatus, Output, ServerMessage, Status, StatusReply, Submit, Unload,
-                                  Welcome)
+                                  ModelsReply, ModelStatus, Output, ServerMessage, Sleep, Status, StatusReply, Submit,
+                                  Unload, Wake, Welcome)
 from llmd_client.request_args import EmbedInput, RequestArgs, build_embeds, build_submit
 from llmd_client.results import Delta, Embedding, Result, ResultBuilder, embedding_from
 from llmd_client.routing import PendingReply, Router, reply_error
@@ -224,6 +224,19 @@ class Client(Router[deque[Accepted | Output | Error], _PendingReply]):
         self.connect()
         return self._control(Unload(model=model), ModelsReply).models[0]
 
+    def sleep(self, model: str | None = None, level: int = 1) -> ModelStatus:
+        """Put a model (None: the default) to sleep once its requests are done: its KV
+        cache freed, its weights kept in host memory (level 1) or dropped (level 2);
+        returns once it is asleep (a model not loaded is left as it is). Its next request,
+        or `wake`, wakes it."""
+        self.connect()
+        return self._control(Sleep(model=model, level=level), ModelsReply).models[0]
+
+    def wake(self, model: str | None = None) -> ModelStatus:
+        """Wake a sleeping model (one not loaded is loaded); returns once it serves."""
+        self.connect()
+        return self._control(Wake(model=model), ModelsReply).models[0]
+
     # -- internals ----------------------------------------------------------------------
 
     def _submit(self, submit: Submit) -> Accepted:
@@ -248,7 +261,7 @@ class Client(Router[deque[Accepted | Output | Error], _PendingReply]):
                 return inbox.popleft()
             self._receive()
 
-    def _control(self, message: Hello | Status | Metrics | Models | Load | Unload, expect: type) -> Any:
+    def _control(self, message: Hello | Status | Metrics | Models | Load | Unload | Sleep | Wake, expect: type) -> Any:
         pending = _PendingReply(expect)
         self._pending.append(pending)
         try:

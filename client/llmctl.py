@@ -1,5 +1,5 @@
-"""`llmctl`: talk to a running llmd from the shell (the model commands, `ps`, `load`
-and `unload`, are in llmctl_models.py).
+"""`llmctl`: talk to a running llmd from the shell (the model commands, `ps`, `load`,
+`unload`, `sleep` and `wake`, are in llmctl_models.py).
 
 Exit codes: 0 ok, 1 the daemon refused or failed the request, 2 usage error,
 3 the daemon is not running, 4 the request was aborted (`llmctl abort` from elsewhere,
@@ -19,7 +19,7 @@ import msgspec
 from llmd_client.cli_errors import EXIT_ABORTED, EXIT_GUIDED_CUT, EXIT_REQUEST_ERROR, exit_codes
 from llmd_client.client import Client
 from llmd_client.durations import parse_duration
-from llmd_client.llmctl_models import load, ps, unload
+from llmd_client.llmctl_models import load, ps, sleep, unload, wake
 from llmd_client.protocol import GuidedDecodingParams, SamplingParams
 from llmd_client.results import Result
 from llmd_client.status_view import format_status
@@ -355,7 +355,7 @@ def top(ctx: click.Context, interval: float, iterations: int) -> None:
             return  # leaving top is not an error
 
 
-for command in (ps, load, unload):
+for command in (ps, load, unload, sleep, wake):
     cli.add_command(command)
 
 

@@ -1,6 +1,8 @@
-"""`llmctl ps`, `llmctl load NAME` and `llmctl unload NAME`: the daemon's models, loaded
-or not, with their memory and when they go; loading one ahead of its requests, and
-unloading one (once its requests are done)."""
+"""`llmctl ps`, `llmctl load NAME`, `llmctl unload NAME`, `llmctl sleep NAME` and
+`llmctl wake NAME`: the daemon's models, loaded or not, with their memory and when they
+go; loading one ahead of its requests, unloading one (once its requests are done),
+putting one to sleep (its KV cache freed, its weights kept in host memory or dropped)
+and waking it."""
 from __future__ import annotations
 
 import click
@@ -58,4 +60,32 @@ def unload(ctx: click.Context, model: str, as_json: bool) -> None:
     """Unload MODEL once its requests are done; returns once it is unloaded."""
     with exit_codes(), Client(ctx.obj) as client:
         status = client.unload(model)
+    _print([status], as_json)
+
+
+@click.command()
+@click.argument("model", required=False)
+@click.option("--level", type=click.IntRange(1, 2), default=1, show_default=True,
+              help="1: free the KV cache, keep the weights in host memory (on a GPU copied to pinned RAM); "
+                   "2: drop the weights too (read from the files again at wake).")
+@click.option("--json", "as_json", is_flag=True, help="Print the model's state as JSON.")
+@click.pass_context
+def sleep(ctx: click.Context, model: str | None, level: int, as_json: bool) -> None:
+    """Put MODEL (default: the daemon's default model) to sleep once its requests are
+    done; returns once it is asleep. Its worker processes stay; its next request (or
+    `llmctl wake`) wakes it."""
+    with exit_codes(), Client(ctx.obj) as client:
+        status = client.sleep(model, level)
+    _print([status], as_json)
+
+
+@click.command()
+@click.argument("model", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print the model's state as JSON.")
+@click.pass_context
+def wake(ctx: click.Context, model: str | None, as_json: bool) -> None:
+    """Wake MODEL (default: the daemon's default model) from sleep (one that is not
+    loaded is loaded); returns once it serves."""
+    with exit_codes(), Client(ctx.obj) as client:
+        status = client.wake(model)
     _print([status], as_json)

@@ -129,6 +129,31 @@ class Unload(msgspec.Struct, tag="unload", forbid_unknown_fields=True, kw_only=T
         _check_model(self.model, None)
 
 
+class Sleep(msgspec.Struct, tag="sleep", forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    """Put a loaded model to sleep once its requests are done (vLLM's sleep mode): its
+    KV cache is freed and its weights kept in host memory (level 1; on a GPU copied to
+    pinned RAM, on CPU where they are) or dropped (level 2: read from its files again at
+    wake); its worker processes stay. The reply (a ModelsReply naming it) comes once it
+    is asleep; a model that is not loaded is left as it is."""
+
+    model: str | None = None  # None: the default model
+    level: int = 1
+
+    def __post_init__(self) -> None:
+        _check_model(self.model, None)
+        check_field(self.level in (1, 2), "level", f"must be 1 or 2, got {shorten(self.level)}")
+
+
+class Wake(msgspec.Struct, tag="wake", forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    """Wake a sleeping model (a model that is not loaded is loaded); the reply (a
+    ModelsReply naming it) comes once it serves. A request for a sleeping model wakes it too."""
+
+    model: str | None = None  # None: the default model
+
+    def __post_init__(self) -> None:
+        _check_model(self.model, None)
+
+
 def _check_queueing(priority: int, model: str | None, keep_alive: float | str | None) -> None:
     """The fields Submit and Embed share: where the request queues and which model it asks for."""
     check_field(-INT32_MAX - 1 <= priority <= INT32_MAX, "priority",
@@ -148,7 +173,7 @@ class Metrics(msgspec.Struct, tag="metrics", forbid_unknown_fields=True):
     pass
 
 
-ClientMessage = Hello | Submit | Embed | Abort | Status | Metrics | Models | Load | Unload
+ClientMessage = Hello | Submit | Embed | Abort | Status | Metrics | Models | Load | Unload | Sleep | Wake
 
 
 class Welcome(msgspec.Struct, tag="welcome", kw_only=True):

@@ -52,10 +52,15 @@ class ModelStatus(msgspec.Struct, kw_only=True):
     aliases: list[str] = []  # other names it answers to
     path: str = ""  # its directory or GGUF file ("": the built-in model)
     default: bool = False  # the model of requests that name none
+    task: str = "generate"  # what it is served for: "generate" (text; embeddings too) or "embed" (embeddings only)
     # "unloaded", "loading" (requests wait), "serving", "restarting" (a failed worker;
-    # requests wait), "unloading", "failed" (the last load failed or its engine died:
-    # the next request loads it afresh; `error` says why).
+    # requests wait), "unloading", "sleeping" (going to sleep), "asleep" (its KV cache
+    # freed, its weights kept in host memory or dropped, as `sleep_level` says; its next
+    # request wakes it), "waking" (requests wait), "failed" (the last load failed or its
+    # engine died: the next request loads it afresh; `error` says why).
     state: str = "unloaded"
+    sleep_level: int | None = None  # while sleeping or asleep: 1 (weights kept in host memory) or 2 (dropped)
+    idle_action: str = "unload"  # what keep_alive's end does to it: "unload" or "sleep"
     load_progress: float | None = None  # while loading: 0..1
     load_phase: str | None = None  # while loading
     device: str = ""
@@ -117,6 +122,6 @@ class StatusReply(msgspec.Struct, tag="status_reply", kw_only=True):
 
 
 class ModelsReply(msgspec.Struct, tag="models_reply"):
-    """The answer to Models (every model), Load and Unload (the model concerned)."""
+    """The answer to Models (every model), and to Load, Unload, Sleep and Wake (the model concerned)."""
 
     models: list[ModelStatus]

@@ -53,11 +53,11 @@ def format_status(s: StatusReply) -> str:
 def format_models(models: list[ModelStatus]) -> str:
     """One row per model: its state (load progress, error), memory (held, or ~estimated),
     device, requests, and until when it stays (`llmctl ps`)."""
-    rows = [("NAME", "STATE", "MEMORY", "DEVICE", "REQUESTS", "UNTIL")]
+    rows = [("NAME", "TASK", "STATE", "MEMORY", "DEVICE", "REQUESTS", "UNTIL")]
     for m in models:
         memory = (_bytes(m.memory_bytes) if not m.memory_estimated else f"~{_bytes(m.memory_bytes)}") \
             if m.memory_bytes else "-"
-        rows.append((m.name + (" (default)" if m.default else ""), _model_state(m), memory, m.device or "-",
+        rows.append((m.name + (" (default)" if m.default else ""), m.task, _model_state(m), memory, m.device or "-",
                      f"{m.num_running} running, {m.num_waiting} waiting", _until(m)))
     return _table(rows)
 
@@ -67,17 +67,20 @@ def _model_state(m: ModelStatus) -> str:
         return f"loading ({100 * (m.load_progress or 0.0):.0f}%: {m.load_phase or 'starting'})"
     if m.error and m.state in ("failed", "restarting", "dead"):
         return f"{m.state}: {m.error}"
+    if m.state in ("sleeping", "asleep") and m.sleep_level is not None:
+        return f"{m.state} (level {m.sleep_level})"
     return m.state
 
 
 def _until(m: ModelStatus) -> str:
     if m.state != "serving":
         return "-"
+    then = ", then asleep" if m.idle_action == "sleep" else ""
     if m.expires_at is not None:
         when = time.strftime("%H:%M:%S", time.localtime(m.expires_at))
-        return f"{when} (in {_duration(max(0.0, m.expires_at - time.time()))})"
+        return f"{when} (in {_duration(max(0.0, m.expires_at - time.time()))}{then})"
     if m.keep_alive_s is not None:
-        return f"{describe_duration(m.keep_alive_s)} after its requests"
+        return f"{describe_duration(m.keep_alive_s)} after its requests{then}"
     return "forever"
 
 

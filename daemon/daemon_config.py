@@ -64,7 +64,8 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # and responses report. None: the model's file or folder name.
     served_model_name: str | list[str] | None = None
     # More models, by name: each table holds `path` (a model directory or GGUF file), engine
-    # settings over the top-level ones, `aliases`, `keep_alive` and `tool_call_parser`
+    # settings over the top-level ones, `aliases`, `keep_alive`, `idle_action`, `sleep_level`
+    # and `tool_call_parser`
     # (see llmd.pool.registry). Requests name them in their `model` field; the model
     # above (`model`) is the default, for requests that name none.
     models: dict[str, Any] | None = None
@@ -75,6 +76,13 @@ class DaemonConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # ("5m"; negative: for ever; 0: unload at once); a request's keep_alive overrides it.
     # None: the default model stays, the [models.NAME] ones stay 5 minutes.
     keep_alive: str | int | float | None = None
+    # What keep_alive's end does to an idle model: "unload" it (its memory and worker
+    # processes go), or "sleep": free its KV cache and keep its weights in host memory
+    # (sleep_level 1: on a GPU copied to pinned RAM, on CPU where they are) or drop them
+    # (sleep_level 2: read from the files again at wake); its worker processes stay and
+    # its next request wakes it. A [models.NAME] table may set its own.
+    idle_action: Literal["unload", "sleep"] = "unload"
+    sleep_level: Literal[1, 2] = 1
     # At most this many models loaded at once; None: no limit but memory.
     max_loaded_models: Annotated[int, msgspec.Meta(ge=1)] | None = None
     # Bytes the loaded models may take per device ("cpu", "cuda" for each GPU, or
@@ -152,4 +160,5 @@ def model_registry(daemon: DaemonConfig, engine: EngineConfig):
 
     return ModelRegistry.from_settings(engine, default_names=daemon.served_names(()), tables=daemon.models,
                                        keep_alive=daemon.keep_alive, tool_call_parser=daemon.tool_call_parser,
-                                       allow_model_paths=daemon.allow_model_paths)
+                                       allow_model_paths=daemon.allow_model_paths, idle_action=daemon.idle_action,
+                                       sleep_level=daemon.sleep_level)

@@ -46,16 +46,18 @@ class Harness:
     """A pool over models a, b, c (sizes in MiB) whose loads are logged and may fail."""
 
     def __init__(self, budget: MemoryBudget, *, sizes: dict[str, int] | None = None, load_s: float = 0.01,
-                 tables: bool = True, keep_alive: str | None = None) -> None:
+                 tables: bool = True, keep_alive: str | None = None, extra_tables: dict | None = None,
+                 model_class: type = FakeModel) -> None:
         self.sizes = sizes or {"a": 100, "b": 100, "c": 100}
         self.log: list[tuple[str, str]] = []
         self.failures: dict[str, int] = {}  # name -> loads still to fail
         self.load_s = load_s
+        self.model_class = model_class
         self.failed_requests: list[str] = []
         registry = ModelRegistry.from_settings(
             EngineConfig(model="/m/a"), default_names=("a",), keep_alive=keep_alive, tool_call_parser=None,
-            tables={"b": {"path": "/m/b"}, "c": {"path": "/m/c", "keep_alive": "50ms"}} if tables else None,
-            allow_model_paths=False)
+            tables={"b": {"path": "/m/b"}, "c": {"path": "/m/c", "keep_alive": "50ms"}, **(extra_tables or {})}
+            if tables else None, allow_model_paths=False)
         self.pool = ModelPool(registry, budget, loader=self.load, estimator=self.estimate,
                               on_failed=lambda model, reason: self.failed_requests.append(model.name))
 
@@ -65,7 +67,7 @@ class Harness:
         if self.failures.get(spec.name):
             self.failures[spec.name] -= 1
             raise ValueError(f"no weights in {spec.path}")
-        return FakeModel(spec, self.sizes[spec.name] * MIB)
+        return self.model_class(spec, self.sizes[spec.name] * MIB)
 
     async def estimate(self, spec):
         return {"cpu": self.sizes[spec.name] * MIB}

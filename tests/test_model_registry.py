@@ -276,14 +276,18 @@ def test_llmctl_ps_and_status_show_each_models_state_memory_and_expiry():
               ModelStatus(name="small", state="serving", device="cpu", memory_bytes=10 * MIB, memory_estimated=False,
                           keep_alive_s=300.0, expires_at=now + 299.5),
               ModelStatus(name="big", state="failed", error="the model needs 9 GiB"),
-              ModelStatus(name="idle", state="unloaded")]
+              ModelStatus(name="idle", state="unloaded", task="embed"),
+              ModelStatus(name="napper", state="asleep", sleep_level=2, device="cpu", idle_action="sleep"),
+              ModelStatus(name="nods", state="serving", device="cpu", keep_alive_s=60.0, idle_action="sleep")]
     rows = format_models(models).splitlines()
-    assert rows[0].split() == ["NAME", "STATE", "MEMORY", "DEVICE", "REQUESTS", "UNTIL"]
+    assert rows[0].split() == ["NAME", "TASK", "STATE", "MEMORY", "DEVICE", "REQUESTS", "UNTIL"]
     assert "base (default)" in rows[1] and "300.0 MiB" in rows[1] and "2 running, 1 waiting" in rows[1]
     assert rows[1].rstrip().endswith("forever")
     assert "loading (42%: weights)" in rows[2] and "~4.0 GiB" in rows[2]  # an estimate
     assert "(in 4m 5" in rows[3]
-    assert "failed: the model needs 9 GiB" in rows[4] and rows[5].split()[1:3] == ["unloaded", "-"]
+    assert "failed: the model needs 9 GiB" in rows[4] and rows[5].split()[1:4] == ["embed", "unloaded", "-"]
+    assert rows[1].split()[2] == "generate" and "asleep (level 2)" in rows[6] and rows[6].rstrip().endswith("-")
+    assert rows[7].rstrip().endswith("1m after its requests, then asleep")
     status = StatusReply(model="base", server_version="0", uptime_s=1, device="cpu", dtype="float32", num_running=2,
                          num_waiting=1, requests=[], kv_blocks_total=8, kv_blocks_used=0, kv_usage=0.0,
                          prefix_cache_hit_rate=0.0, generation_tokens_per_s=0.0, prompt_tokens_total=0,

@@ -20,8 +20,8 @@ from llmd.actors.request_sink import RequestSink
 from llmd.input_processor import PreparedRequest
 from llmd_client.framing import MAX_NESTING_DEPTH, FrameError, JsonLinesCodec, MsgpackCodec, NestingError
 from llmd_client.protocol import (MAX_ID_CHARS, PROTOCOL_VERSION, Abort, Accepted, ClientMessage, Embed, Error,
-                                  Hello, Load, Metrics, MetricsReply, Models, ModelsReply, Status, Submit, Unload,
-                                  Welcome)
+                                  Hello, Load, Metrics, MetricsReply, Models, ModelsReply, Sleep, Status, Submit,
+                                  Unload, Wake, Welcome)
 
 logger = logging.getLogger("llmd.intake")
 MAX_CLIENT_ID_CHARS = MAX_ID_CHARS
@@ -48,6 +48,10 @@ class ConnectionOwner(Protocol):
     async def load_model(self, requested: str | None, keep_alive: float | str | None) -> ModelsReply | Error: ...
 
     async def unload_model(self, requested: str) -> ModelsReply | Error: ...
+
+    async def sleep_model(self, requested: str | None, level: int) -> ModelsReply | Error: ...
+
+    async def wake_model(self, requested: str | None) -> ModelsReply | Error: ...
 
 
 class ConnectionSink(RequestSink):
@@ -111,7 +115,7 @@ class Connection:
         self.codec: MsgpackCodec | JsonLinesCodec | None = None
         self.requests: dict[str, RequestSink] = {}
         # Submits waiting for their model to load (admitted beside the connection's other
-        # work), and Load/Unload waits; by client id, so abort and close end them.
+        # work), and Load/Unload/Sleep/Wake waits; by client id, so abort and close end them.
         self.waiting: dict[str, asyncio.Task] = {}
         self._controls: set[asyncio.Task] = set()
         self.closed = False
@@ -225,15 +229,19 @@ class Connection:
                 self._in_background(self.intake.load_model(model, keep_alive))
             case Unload(model=model):
                 self._in_background(self.intake.unload_model(model))
+            case Sleep(model=model, level=level):
+                self._in_background(self.intake.sleep_model(model, level))
+            case Wake(model=model):
+                self._in_background(self.intake.wake_model(model))
 
     def _in_background(self, answer) -> None:
-        """A control message that may wait for a load or an unload: answered when done,
+        """A control message that may wait for a load, an unload, a sleep or a wake: answered when done,
         while the connection goes on."""
         async def run() -> None:
             try:
                 self.send(await answer)
             except Exception:
-                logger.exception("internal error answering a load or unload")
+                logger.exception("internal error answering a load, unload, sleep or wake")
                 self.send(Error(code="internal", message="internal error; see the daemon log"))
 
         task = asyncio.ensure_future(run())

@@ -31,7 +31,7 @@ from llmd.actors.messages import Query
 from llmd.actors.peer_credentials import peer_ids, tcp_peer_uid
 from llmd.actors.runtime import Actor
 from llmd.http import (embeddings_api, llamacpp_api, ollama_api, openai_api, openai_chat, responses_api,
-                       tokenize_api)
+                       sleep_api, tokenize_api)
 from llmd.http.context import release_model
 from llmd.http.errors import ApiError
 from llmd.http.guard import HOST_REFUSED, BrowserGuard
@@ -70,7 +70,8 @@ class HttpIntakeActor(Actor):
         # Handlers that never read request["uid"]: no lookup for them (a new route gets one).
         self._anonymous = {self._health, self._metrics, openai_api.models, openai_api.model, tokenize_api.tokenize,
                            tokenize_api.detokenize, ollama_api.tags, ollama_api.ps, ollama_api.show,
-                           ollama_api.version, ollama_api.root}
+                           ollama_api.version, ollama_api.root, sleep_api.sleep, sleep_api.wake_up,
+                           sleep_api.is_sleeping}
 
     def make_app(self) -> web.Application:
         app = web.Application(middlewares=[self._middleware], client_max_size=MAX_FRAME_BYTES)
@@ -82,7 +83,7 @@ class HttpIntakeActor(Actor):
         routes = [("GET", "/health", self._health), ("GET", "/metrics", self._metrics)]
         for method, path, handler in (routes + openai_api.ROUTES + openai_chat.ROUTES + responses_api.ROUTES
                                       + tokenize_api.ROUTES + ollama_api.ROUTES + embeddings_api.ROUTES
-                                      + llamacpp_api.ROUTES):
+                                      + llamacpp_api.ROUTES + sleep_api.ROUTES):
             app.router.add_route(method, path, handler)
         # Ollama's clients also ask with HEAD to see if the server is up.
         app.router.add_route("HEAD", "/", ollama_api.root)

@@ -279,6 +279,19 @@ class IntakeActor(Actor):
         await self.models.unload(spec)
         return await self._model_reply(spec.name)
 
+    async def sleep_model(self, requested: str | None, level: int) -> ModelsReply | Error:
+        """Put a model to sleep once its requests are done (llmctl sleep)."""
+        try:
+            spec = self.models.resolve(requested)
+        except UnknownModel as exc:
+            return Error(code="model_not_found", message=str(exc))
+        await self.models.sleep(spec, level)
+        return await self._model_reply(spec.name)
+
+    async def wake_model(self, requested: str | None) -> ModelsReply | Error:
+        """Wake a sleeping model, or load one that is not loaded (llmctl wake)."""
+        return await self.load_model(requested, None)
+
     async def _model_reply(self, name: str) -> ModelsReply:
         reply = await self.query("models", 0, True)
         return ModelsReply([m for m in reply.models if m.name == name])

@@ -66,6 +66,23 @@ class WorkerExited(msgspec.Struct):
     generation: int
 
 
+class ChangeSleep(msgspec.Struct):
+    """pool -> scheduler: put the idle engine to sleep at `level` (1 or 2), or wake it
+    (None). `done` (an asyncio.Future) gets None once done, or the error."""
+
+    level: int | None
+    done: Any
+
+
+class ModelSlept(msgspec.Struct, kw_only=True):
+    """pool -> metrics: a model went to sleep at `level`, or woke (level None), taking
+    `seconds`."""
+
+    model: str
+    level: int | None
+    seconds: float = 0.0
+
+
 class EngineState(msgspec.Struct):
     """scheduler -> metrics: how the engine is doing. `state` is "serving",
     "restarting" or "dead"; `restarts` counts worker failures since start; `error` is

@@ -13,8 +13,8 @@ import psutil
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.process_collector import ProcessCollector
 
-from llmd.actors.messages import (Draining, EngineState, ModelLoaded, ModelUnloaded, Query, RequestEvent,
-                                  StepStats)
+from llmd.actors.messages import (Draining, EngineState, ModelLoaded, ModelSlept, ModelUnloaded, Query,
+                                  RequestEvent, StepStats)
 from llmd.actors.model_figures import ModelFigures
 from llmd.actors.prometheus import PrometheusCollector
 from llmd.actors.runtime import Actor
@@ -23,6 +23,9 @@ from llmd.core.spec_decode import SpecDecodeStats
 from llmd.pool.slot import SlotView
 from llmd_client.protocol import MemoryInfo, ModelStatus, ModelsReply, RequestInfo, SpecDecodeInfo, StatusReply
 from llmd_client.durations import FOREVER
+
+# The pool's states in which a model holds an engine (its figures are shown).
+LOADED_STATES = ("serving", "unloading", "sleeping", "asleep", "waking")
 
 
 @dataclass
@@ -96,6 +99,8 @@ class MetricsActor(Actor):
                 self.model(message.model).loaded_as(message)
             case ModelUnloaded():
                 self.model(message.model).unloaded()
+            case ModelSlept():
+                self.model(message.model).slept(message)
             case Draining():
                 self.draining = True
             case Query(kind=kind, uid=uid, admin=admin, reply=reply):
@@ -207,11 +212,12 @@ class MetricsActor(Actor):
         running, statuses = self.running_by_model(), []
         for view in self.views():
             figures = self.figures.get(view.name)
-            loaded = figures is not None and figures.loaded and view.state in ("serving", "unloading")
+            loaded = figures is not None and figures.loaded and view.state in LOADED_STATES
             num_running = running.get(view.name, 0)
             statuses.append(ModelStatus(
-                name=view.name, aliases=list(view.aliases), path=view.path, default=view.default,
-                state=self.model_state(view), load_progress=view.load_progress, load_phase=view.load_phase,
+                name=view.name, aliases=list(view.aliases), path=view.path, default=view.default, task=view.task,
+                state=self.model_state(view), sleep_level=view.sleep_level, idle_action=view.idle_action,
+                load_progress=view.load_progress, load_phase=view.load_phase,
                 device=figures.device if loaded else "", dtype=figures.dtype if loaded else "",
                 memory_bytes=view.memory_bytes, memory_estimated=view.memory_estimated,
                 memory=self._memory(figures) if loaded else None, num_running=num_running,
@@ -235,7 +241,6 @@ class MetricsActor(Actor):
         models = self.model_statuses()
         default = next(m for m in models if m.default)
         figures = self.figures.get(default.name) or ModelFigures(default.name)
-        step = figures.last_step if figures.loaded else None
         return StatusReply(
             model=self.default_model, server_version=self.server_version, uptime_s=now - self.started,
             device=default.device, dtype=default.dtype,
@@ -247,11 +252,11 @@ class MetricsActor(Actor):
             generation_tokens_total=figures.totals.generation_tokens,
             requests_finished_total=sum(figures.totals.finished.values()),
             rss_bytes=self.process.memory_info().rss, cpu_percent=self.process.cpu_percent(None),
-            num_preemptions_total=step.num_preemptions_total if step else 0,
+            num_preemptions_total=figures.engine_total("num_preemptions_total"),
             grammar_compiles_total=figures.grammar_compile.count,
             grammar_compile_seconds_total=figures.grammar_compile.sum,
             device_memory_bytes=figures.device_memory_bytes if figures.loaded else None, memory=default.memory,
-            spec_decode=_spec_info(figures.spec) if figures.loaded else None,
+            spec_decode=_spec_info(figures.spec_total()) if figures.loaded else None,
             engine_state=self.engine_state(), engine_restarts=default.engine_restarts,
             engine_error=figures.engine.error if figures.loaded else default.error,
             load_progress=default.load_progress, load_phase=default.load_phase, models=models)

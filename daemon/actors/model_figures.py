@@ -1,8 +1,10 @@
 """One model's figures in the metrics actor: its latency and step histograms, token
 totals, the last step's state (queues, KV blocks, prefix-cache and spec-decode counts),
-its engine's state and memory. Kept across unloads, so its counters only grow (a
-reloaded model's request and token series go on); the gauges of a model that is not
-loaded read zero."""
+its engine's state, memory and sleep level. Kept across unloads, so its counters only
+grow: a reloaded model's request and token series go on, and the counts its engine
+keeps (prefix-cache lookups and hits, preemptions, speculative drafts), which a new
+engine starts from zero, are added to those of its earlier loads. The gauges of a model
+that is not loaded read zero; the last step's state goes with the engine."""
 from __future__ import annotations
 
 import bisect
@@ -14,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.utils import floatToGoString
 
-from llmd.actors.messages import EngineState, ModelLoaded, StepStats
+from llmd.actors.messages import EngineState, ModelLoaded, ModelSlept, StepStats
 from llmd.core.spec_decode import SpecDecodeStats
 
 if TYPE_CHECKING:
@@ -27,6 +29,7 @@ TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
 STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+ENGINE_COUNTERS = ("prefix_queries", "prefix_hits", "num_preemptions_total")  # StepStats' running totals
 LOAD_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 
 
@@ -83,6 +86,12 @@ class ModelFigures:
         self.engine = EngineState("serving", model=name)
         self.loads = 0
         self.unloads = 0
+        self.sleep_level: int | None = None  # 1 or 2 while asleep
+        self.sleeps = 0
+        self.wakes = 0
+        # The engine's running totals from earlier loads (see the module docstring).
+        self.earlier = dict.fromkeys(ENGINE_COUNTERS, 0)
+        self.earlier_spec: SpecDecodeStats | None = None
         self.recent_tokens: collections.deque[tuple[float, int]] = collections.deque()
         # Per request (exposed in this order).
         self.ttft = Histogram("time_to_first_token_seconds", "Time from arrival to the first token.")
@@ -105,23 +114,57 @@ class ModelFigures:
                                          COMPILE_BUCKETS)
         self.load_time = Histogram("model_load_seconds", "Time to load the model (weights, KV cache, workers).",
                                    LOAD_BUCKETS)
+        self.wake_time = Histogram("model_wake_seconds", "Time to wake the model from sleep (weights, KV cache).",
+                                   LOAD_BUCKETS)
         self.histograms = (self.ttft, self.e2e, self.queue_time, self.prefill_time, self.decode_time,
                            self.inference_time, self.tpot, self.itl, self.prompt_tokens, self.generation_tokens,
-                           self.step_tokens, self.batch_size, self.step_time, self.grammar_compile, self.load_time)
+                           self.step_tokens, self.batch_size, self.step_time, self.grammar_compile, self.load_time,
+                           self.wake_time)
 
     def loaded_as(self, message: ModelLoaded) -> None:
         self.loaded, self.device, self.dtype = True, message.device, message.dtype
         self.kv_blocks_total, self.memory = message.kv_blocks_total, message.memory
         self.engine = EngineState("serving", model=self.name)
+        self.last_step, self.sleep_level = None, None
         self.loads += 1
         self.load_time.observe(message.load_seconds)
 
     def unloaded(self) -> None:
-        """Its gauges read zero from now on; its own counters stay (those its engine kept,
-        prefix-cache and preemption counts, start again from zero at the next load, as a
-        restarted vLLM's do)."""
+        """Its gauges read zero from now on; the counts its engine kept are added to the
+        earlier loads' (the next engine counts from zero)."""
+        if self.last_step is not None:
+            for name in ENGINE_COUNTERS:
+                self.earlier[name] += getattr(self.last_step, name)
+        self.earlier_spec, self.spec = self.spec_total(), None
         self.loaded, self.memory, self.device_memory_bytes = False, None, None
+        self.last_step, self.sleep_level = None, None
         self.unloads += 1
+
+    def slept(self, message: ModelSlept) -> None:
+        """Asleep at message.level, or awake (None); its KV blocks went (the next step says so)."""
+        self.sleep_level = message.level
+        if message.level is None:
+            self.wakes += 1
+            self.wake_time.observe(message.seconds)
+        else:
+            self.sleeps += 1
+            self.device_memory_bytes = None
+
+    def engine_total(self, name: str) -> int:
+        """One of ENGINE_COUNTERS over every load of the model."""
+        now = getattr(self.last_step, name) if self.last_step is not None else 0
+        return self.earlier[name] + now
+
+    def spec_total(self) -> SpecDecodeStats | None:
+        """Speculative decoding's counts over every load (None: it never drafted)."""
+        if self.earlier_spec is None or self.spec is None:
+            return self.spec or self.earlier_spec
+        a, b = self.earlier_spec, self.spec
+        width = max(len(a.accepted_per_position), len(b.accepted_per_position))
+        per_position = [(a.accepted_per_position[i] if i < len(a.accepted_per_position) else 0)
+                        + (b.accepted_per_position[i] if i < len(b.accepted_per_position) else 0) for i in range(width)]
+        return SpecDecodeStats(a.num_drafts + b.num_drafts, a.num_draft_tokens + b.num_draft_tokens,
+                               a.num_accepted_tokens + b.num_accepted_tokens, per_position)
 
     def step(self, message: StepStats) -> None:
         self.last_step = message

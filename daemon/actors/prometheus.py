@@ -44,13 +44,20 @@ class PrometheusCollector:
         memory = GaugeMetricFamily("llmd:model_memory_bytes",
                                    "Bytes the model holds while loaded (weights and KV pool), else its estimate.",
                                    labels=["model_name"])
+        sleep = GaugeMetricFamily("llmd:model_sleep_level",
+                                  "1 or 2 while the model is asleep (level 1: weights kept in host memory; "
+                                  "2: dropped), else 0.", labels=["model_name"])
         for view in views:
             loaded.add_metric([view.name], 1.0 if view.state == "serving" else 0.0)
             memory.add_metric([view.name], view.memory_bytes)
+            sleep.add_metric([view.name], float(view.sleep_level or 0) if view.state == "asleep" else 0.0)
         yield loaded
         yield memory
+        yield sleep
         yield _counter_all("model_loads", "Times the model was loaded.", {m.name: m.loads for m in models})
         yield _counter_all("model_unloads", "Times the model was unloaded.", {m.name: m.unloads for m in models})
+        yield _counter_all("model_sleeps", "Times the model was put to sleep.", {m.name: m.sleeps for m in models})
+        yield _counter_all("model_wakes", "Times the model was woken from sleep.", {m.name: m.wakes for m in models})
 
     def _gauges(self, models: list[ModelFigures]) -> Iterator[Metric]:
         actor = self.actor
@@ -83,7 +90,7 @@ class PrometheusCollector:
 
     def _counters(self, models: list[ModelFigures]) -> Iterator[Metric]:
         def of_step(field: str) -> dict[str, float]:
-            return {m.name: getattr(m.last_step, field) if m.last_step is not None else 0 for m in models}
+            return {m.name: m.engine_total(field) for m in models}
 
         yield _counter_all("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                            of_step("prefix_queries"))
@@ -118,20 +125,21 @@ class PrometheusCollector:
             yield family
 
     def _spec_decode(self, models: list[ModelFigures]) -> Iterator[Metric]:
-        speculating = [m for m in models if m.spec is not None]
+        totals = {m.name: m.spec_total() for m in models}
+        speculating = {name: spec for name, spec in totals.items() if spec is not None}
         if not speculating:  # speculative decoding is off: no such families, as in vLLM
             return
         yield _counter_all("spec_decode_num_drafts", "Steps that verified drafts.",
-                           {m.name: m.spec.num_drafts for m in speculating})
+                           {name: spec.num_drafts for name, spec in speculating.items()})
         yield _counter_all("spec_decode_num_draft_tokens", "Draft tokens verified.",
-                           {m.name: m.spec.num_draft_tokens for m in speculating})
+                           {name: spec.num_draft_tokens for name, spec in speculating.items()})
         yield _counter_all("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-                           {m.name: m.spec.num_accepted_tokens for m in speculating})
+                           {name: spec.num_accepted_tokens for name, spec in speculating.items()})
         family = CounterMetricFamily("llmd:spec_decode_num_accepted_tokens_per_pos",
                                      "Accepted drafts by position (0 = first).", labels=["model_name", "position"])
-        for m in speculating:
-            for i, n in enumerate(m.spec.accepted_per_position):
-                family.add_metric([m.name, str(i)], n)
+        for name, spec in speculating.items():
+            for i, n in enumerate(spec.accepted_per_position):
+                family.add_metric([name, str(i)], n)
         yield family
 
 

@@ -20,7 +20,7 @@ from typing import Any, Awaitable
 
 import msgspec
 
-from llmd.actors.messages import (AbortRequest, AddRequest, EngineState, GrammarCompiled, RequestEvent,
+from llmd.actors.messages import (AbortRequest, AddRequest, ChangeSleep, EngineState, GrammarCompiled, RequestEvent,
                                   RequestsAborted, StepStats, StepTokens, StopSamples, WorkerExited)
 from llmd.actors.runtime import Actor
 from llmd.core.engine_core import EngineCore, Idle, StepResult
@@ -56,6 +56,7 @@ class SchedulerActor(Actor):
         self.detokenizer = detokenizer
         self.metrics = metrics
         self.children: dict[str, list[str]] = {}
+        self._sleep_changes: list[ChangeSleep] = []  # asked for, run between steps in order
         # All torch work stays on one thread (the one that loaded the model): a second
         # thread would start a second OpenMP team competing for the same cores.
         self._pool = model_thread or ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmd-model")
@@ -70,11 +71,14 @@ class SchedulerActor(Actor):
                 if self._failure is not None:
                     await self._recover(loop)
                     continue
-                if not self._can_step():
+                if not self._can_step() and not self._sleep_changes:
                     self._handle(await self.inbox.get())
                 while not self.inbox.empty():
                     self._handle(self.inbox.get_nowait())
                 if self._failure is not None:
+                    continue
+                if self._sleep_changes:
+                    await self._change_sleep(loop, self._sleep_changes.pop(0))
                     continue
                 if self._can_step():
                     await self._step(loop)
@@ -124,6 +128,8 @@ class SchedulerActor(Actor):
                 self._forget_finished()
             case GrammarCompiled():
                 pass  # the next step admits (or fails) the requests that waited for it
+            case ChangeSleep():
+                self._sleep_changes.append(message)
             case WorkerExited(generation=generation):
                 if generation == self._generation and self._failure is None:
                     self._failure = self.core.exit_cause() or "a worker process exited"
@@ -190,6 +196,25 @@ class SchedulerActor(Actor):
                      type(exc).__name__)
         logger.debug("the failed step's traceback", exc_info=exc)
         self._failure = f"a step failed ({type(exc).__name__})"
+
+    async def _change_sleep(self, loop: asyncio.AbstractEventLoop, change: ChangeSleep) -> None:
+        """Put the engine to sleep or wake it, on the model thread, between steps (the
+        pool asks only when the model has no request); messages are handled meanwhile.
+        A failure (a worker that died) goes back to the asker, which tears the model down."""
+        if change.done.done():  # the asker went away
+            return
+        core = self.core
+        work = core.wake_up if change.level is None else (lambda: core.sleep(change.level))
+        try:
+            await self._serve_inbox_while(loop.run_in_executor(self._pool, work))
+        except Exception as exc:
+            logger.error("%s failed: %s", "waking the engine" if change.level is None else "sleep", exc)
+            if not change.done.done():
+                change.done.set_exception(exc)
+            return
+        if not change.done.done():
+            change.done.set_result(None)
+        self._publish(time.monotonic(), None)
 
     # -- executor failures ------------------------------------------------------------
     async def _recover(self, loop: asyncio.AbstractEventLoop) -> None:

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from llmd.actors.detokenizer_actor import DetokenizerActor
-from llmd.actors.messages import ModelLoaded, ModelUnloaded
+from llmd.actors.messages import ChangeSleep, ModelLoaded, ModelSlept, ModelUnloaded
 from llmd.actors.runtime import Actor
 from llmd.actors.scheduler_actor import SchedulerActor
 from llmd.core.restart_policy import RestartPolicy
@@ -82,10 +82,31 @@ class LoadedModel:
         return cls(spec, engine, served, scheduler, detokenizer, thread, metrics)
 
     def held_memory(self) -> dict[str, int]:
-        """Device -> bytes its weights and KV pool hold (what the budget counts)."""
+        """Device -> bytes its weights and KV pool hold (what the budget counts). Asleep:
+        no KV pool, and the weights at level 1 in host memory ("cpu", pinned for a GPU
+        model), at level 2 none."""
         m = self.engine.memory()
+        if m.sleep_level is not None:
+            return {"cpu": sum(m.weights.values())} if m.weights else {}
         return loaded_need(str(self.engine.device), sum(m.weights.values()), m.kv_cache,
                            self.spec.engine.tensor_parallel_size)
+
+    async def sleep(self, level: int) -> None:
+        """Free its KV cache and keep (1) or drop (2) its weights (llmd.engine.LLMEngine.sleep);
+        only while it has no request. Its worker processes stay."""
+        await self._change_sleep(level)
+
+    async def wake_up(self) -> None:
+        """Restore what sleep freed (level 2: the weights read from the files again)."""
+        await self._change_sleep(None)
+
+    async def _change_sleep(self, level: int | None) -> None:
+        """Through its scheduler actor, which owns the engine and runs it between steps."""
+        started = time.monotonic()
+        done = asyncio.get_running_loop().create_future()
+        self.scheduler.send(ChangeSleep(level, done))
+        await done
+        self.metrics.send(ModelSlept(model=self.name, level=level, seconds=time.monotonic() - started))
 
     def start(self, on_failed: OnFailed) -> None:
         """Run its actors; `on_failed` hears of its engine's death or an actor's."""

@@ -25,7 +25,9 @@ from typing import Any
 from llmd.load_progress import LoadProgress
 from llmd.pool.budget import MemoryBudget, Resident, place
 from llmd.pool.registry import ModelRegistry, ModelSpec
-from llmd.pool.slot import Lease, ModelSlot, ModelUnavailable, SlotState, SlotView, retrieve, wake
+from llmd.pool.sleep_control import SleepControl
+from llmd.pool.slot import (Lease, ModelSlot, ModelUnavailable, SlotState, SlotView, describe_failure, retrieve,
+                            wake)
 from llmd_client.durations import FOREVER
 
 logger = logging.getLogger("llmd.pool")
@@ -33,7 +35,7 @@ Loader = Callable[[ModelSpec, LoadProgress], Awaitable[Any]]  # -> a LoadedModel
 Estimator = Callable[[ModelSpec], Awaitable[dict[str, int]]]
 
 
-class ModelPool:
+class ModelPool(SleepControl):
     def __init__(self, registry: ModelRegistry, budget: MemoryBudget, *, loader: Loader, estimator: Estimator,
                  on_failed: Callable[[Any, str], None] | None = None) -> None:
         """`loader(spec, progress)` loads a model; `estimator(spec)` says what it will
@@ -82,6 +84,8 @@ class ModelPool:
                 ready = slot.ready
                 if slot.state in (SlotState.UNLOADED, SlotState.FAILED):
                     self._enqueue(slot)
+                elif slot.state is SlotState.ASLEEP:
+                    self._enqueue_wake(slot)
                 await asyncio.shield(ready)
         finally:
             slot.waiting -= 1
@@ -95,7 +99,7 @@ class ModelPool:
 
     async def unload(self, spec: ModelSpec) -> ModelSlot:
         """Unload a model once its requests are done (new ones wait, and load it again
-        after); returns when it is unloaded."""
+        after), or at once when it is asleep; returns when it is unloaded."""
         slot = self.slot(spec)
         while slot.state is not SlotState.UNLOADED and slot.state is not SlotState.FAILED:
             changed = slot.changed
@@ -103,6 +107,8 @@ class ModelPool:
                 slot.unload_when_idle = True
                 if slot.idle:
                     self._start_unload(slot)
+            elif slot.state is SlotState.ASLEEP:
+                self._start_unload(slot)  # requests waiting for its wake load it again after
             elif slot.state is SlotState.QUEUED and slot.waiting == 0:
                 self._dequeue(slot)
                 continue
@@ -138,11 +144,15 @@ class ModelPool:
     def _after_waiter_left(self, slot: ModelSlot) -> None:
         if slot.waiting == 0 and slot.state is SlotState.QUEUED:
             self._dequeue(slot)  # nobody wants it any more: a load not started is dropped
+        elif slot.waiting == 0 and slot.state is SlotState.ASLEEP and slot in self._queue:
+            self._queue.remove(slot)  # a wake not started: it sleeps on
+            self._rebalance()
         self._check_idle(slot)
 
     def _check_idle(self, slot: ModelSlot) -> None:
-        """A model whose last user left: unloaded now (draining, asked to, or keep_alive
-        0), or after its keep_alive; a load waiting for room may now evict it. A model
+        """A model whose last user left: unloaded now (draining, asked to) or put to
+        sleep (asked to), else at the end of its keep_alive (0: now) unloaded or put to
+        sleep as its idle_action says; a load waiting for room may now evict it. A model
         chosen to make room goes as soon as its requests are done, whoever waits for it
         (they wait their turn to load it again)."""
         if slot.state is SlotState.SERVING and slot.pins == 0 and slot.draining:
@@ -152,8 +162,12 @@ class ModelPool:
         if not slot.idle:
             return
         slot.idle_since = time.monotonic()
-        if slot.unload_when_idle or slot.keep_alive_s <= 0:
+        if slot.unload_when_idle:
             self._start_unload(slot)
+        elif slot.sleep_when_idle is not None:
+            self._start_sleep(slot, slot.sleep_when_idle)
+        elif slot.keep_alive_s <= 0:
+            self._idle_action(slot)
         elif slot.keep_alive_s != FOREVER and slot.timer is None:
             slot.timer = asyncio.get_running_loop().call_later(slot.keep_alive_s, self._expire, slot)
         self._rebalance()
@@ -161,7 +175,14 @@ class ModelPool:
     def _expire(self, slot: ModelSlot) -> None:
         slot.timer = None
         if slot.idle:
-            logger.info("unloading %s: idle for its keep_alive (%.0f s)", slot.name, slot.keep_alive_s)
+            logger.info("%s idle for its keep_alive (%.0f s)", slot.name, slot.keep_alive_s)
+            self._idle_action(slot)
+
+    def _idle_action(self, slot: ModelSlot) -> None:
+        """keep_alive ended: unload the model, or put it to sleep (its idle_action)."""
+        if slot.spec.idle_action == "sleep":
+            self._start_sleep(slot, slot.spec.sleep_level)
+        else:
             self._start_unload(slot)
 
     # -- loads wanting room ----------------------------------------------------------------
@@ -191,7 +212,7 @@ class ModelPool:
             slot.need = None
             if slot.state is SlotState.QUEUED:
                 self._queue.remove(slot)
-                self._fail_attempt(slot, f"its files cannot be read: {_why(exc)}")
+                self._fail_attempt(slot, f"its files cannot be read: {describe_failure(exc)}")
         finally:
             slot.estimating = False
         self._rebalance()
@@ -203,22 +224,26 @@ class ModelPool:
             return
         victims_when_idle: set[str] = set()
         for slot in list(self._queue):
-            if slot.need is None:
+            waking = slot.state is SlotState.ASLEEP
+            need = slot.awake_need if waking else slot.need
+            if need is None:
                 break  # its estimate comes first: later loads wait their turn
             # A model whose waiters are about to take it (just loaded, or no longer
-            # draining) is not evicted under them: once they hold it, it is busy.
+            # draining) is not evicted under them: once they hold it, it is busy. An
+            # asleep model no request waits for may go.
             residents = [Resident(s.name, s.need or {},
-                                  s.state is SlotState.SERVING and (s.draining or s.waiting == 0),
+                                  (s.state is SlotState.SERVING and (s.draining or s.waiting == 0))
+                                  or (s.state is SlotState.ASLEEP and s.waiting == 0),
                                   s.pins > 0 or s.waiting > 0, s.last_used)
-                         for s in self.slots.values() if s.resident]
-            placement = place(slot.need, residents, self.budget)
+                         for s in self.slots.values() if s.resident and s is not slot]
+            placement = place(need, residents, self.budget)
             if placement.never is not None:
                 self._queue.remove(slot)
                 self._fail_attempt(slot, placement.never)
                 continue
             if placement.fits:
                 self._queue.remove(slot)
-                self._start_load(slot)
+                self._start_wake(slot) if waking else self._start_load(slot)
                 continue
             for name in placement.evict_now:
                 logger.info("unloading %s (idle, least recently used) to make room for %s", name, slot.name)
@@ -243,7 +268,7 @@ class ModelPool:
         try:
             model = await self._loader(slot.spec, slot.progress)
         except BaseException as exc:
-            reason = "the daemon stopped while it loaded" if self.closing else f"loading it failed: {_why(exc)}"
+            reason = "the daemon stopped while it loaded" if self.closing else f"loading it failed: {describe_failure(exc)}"
             logger.error("model %s: %s", slot.name, reason)
             self._fail_attempt(slot, reason, code="shutting_down" if self.closing else "model_unavailable", cause=exc)
             self._rebalance()
@@ -252,6 +277,7 @@ class ModelPool:
             return
         slot.model, slot.generation = model, slot.generation + 1
         slot.need, slot.measured = model.held_memory(), True
+        slot.awake_need = slot.need
         slot.progress, slot.error = None, None
         slot.last_used, slot.last_used_wall = time.monotonic(), time.time()
         slot.keep_alive_s = slot.spec.keep_alive_s
@@ -273,8 +299,10 @@ class ModelPool:
         wake(slot, error)
 
     def _start_unload(self, slot: ModelSlot) -> None:
-        if slot.state is not SlotState.SERVING:
+        if slot.state not in (SlotState.SERVING, SlotState.ASLEEP):
             return
+        if slot in self._queue:  # asleep, waiting for room to wake: its waiters load it again after
+            self._queue.remove(slot)
         if slot.timer is not None:
             slot.timer.cancel()
             slot.timer = None
@@ -285,6 +313,7 @@ class ModelPool:
         model, slot.model = slot.model, None
         slot.generation += 1
         slot.pins, slot.draining, slot.unload_when_idle, slot.idle_since = 0, False, False, None
+        slot.sleep_when_idle = slot.sleep_level = None
         started = time.monotonic()
         try:
             await model.stop()
@@ -305,7 +334,7 @@ class ModelPool:
         ends its requests): a one-model daemon exits (its service manager restarts it),
         else the model is torn down and the next request for it loads it afresh."""
         slot = next((s for s in self.slots.values() if s.model is model), None)
-        if slot is None or slot.state is not SlotState.SERVING:
+        if slot is None or slot.state not in (SlotState.SERVING, SlotState.ASLEEP):
             return
         if self.registry.single_model:
             self.fatal_reason = reason
@@ -317,6 +346,8 @@ class ModelPool:
         if slot.timer is not None:
             slot.timer.cancel()
             slot.timer = None
+        if slot in self._queue:
+            self._queue.remove(slot)
         slot.set_state(SlotState.UNLOADING)
         self._spawn(self._unload(slot, failed=reason))
 
@@ -360,10 +391,3 @@ class ModelPool:
                 slot.set_state(SlotState.UNLOADING)
                 await self._unload(slot)
 
-
-def _why(exc: BaseException) -> str:
-    """A load failure for people: the error's own message (ValueError, FileNotFoundError
-    name the setting or file), else its type."""
-    if isinstance(exc, (ValueError, OSError, RuntimeError)) and str(exc):
-        return str(exc).splitlines()[0][:500]
-    return type(exc).__name__

@@ -18,7 +18,9 @@ from llmd.config import EngineConfig
 from llmd_client.durations import FOREVER, parse_duration
 
 # Keys of a [models.NAME] table beside the engine settings.
-TABLE_KEYS = ("path", "aliases", "keep_alive", "tool_call_parser")
+TABLE_KEYS = ("path", "aliases", "keep_alive", "tool_call_parser", "idle_action", "sleep_level")
+IDLE_ACTIONS = ("unload", "sleep")  # what keep_alive's end does to an idle model
+SLEEP_LEVELS = (1, 2)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 DEFAULT_TABLE_KEEP_ALIVE_S = 300.0  # a [models.NAME] model's keep_alive when none is set (Ollama's 5m)
 
@@ -35,8 +37,10 @@ class ModelSpec:
     name: str
     aliases: tuple[str, ...]
     engine: EngineConfig
-    keep_alive_s: float  # once idle, unloaded after this long (FOREVER: never)
+    keep_alive_s: float  # once idle, unloaded (or put to sleep) after this long (FOREVER: never)
     tool_call_parser: str | None = None
+    idle_action: str = "unload"  # at keep_alive's end: "unload", or "sleep" (faster to come back)
+    sleep_level: int = 1  # the level idle_action "sleep" puts it to: 1 keeps the weights, 2 drops them
     default: bool = False
     ad_hoc: bool = False  # named by a request's path (allow_model_paths), not by the operator
 
@@ -54,11 +58,15 @@ class ModelRegistry:
     models requests named by path, kept while they are loaded (`forget` drops one)."""
 
     def __init__(self, specs: list[ModelSpec], allow_model_paths: bool = False,
-                 ad_hoc_keep_alive_s: float = DEFAULT_TABLE_KEEP_ALIVE_S) -> None:
+                 ad_hoc_keep_alive_s: float = DEFAULT_TABLE_KEEP_ALIVE_S,
+                 ad_hoc_idle: dict[str, Any] | None = None) -> None:
+        """`ad_hoc_keep_alive_s` and `ad_hoc_idle` (idle_action, sleep_level): a model
+        named by its path gets these, as a table without its own would."""
         self.specs = {spec.name: spec for spec in specs}
         self.default = next(spec for spec in specs if spec.default)
         self.allow_model_paths = allow_model_paths
         self.ad_hoc_keep_alive_s = ad_hoc_keep_alive_s
+        self._ad_hoc_idle = ad_hoc_idle or {}
         self._by_name: dict[str, ModelSpec] = {}
         for spec in specs:
             for name in spec.names:
@@ -103,7 +111,7 @@ class ModelRegistry:
                                "(with a config.json) or .gguf file the daemon can read")
         spec = ModelSpec(name=path, aliases=(), engine=msgspec.structs.replace(self._ad_hoc_engine, model=path),
                          keep_alive_s=self.ad_hoc_keep_alive_s, tool_call_parser=self.default.tool_call_parser,
-                         ad_hoc=True)
+                         ad_hoc=True, **self._ad_hoc_idle)
         self._ad_hoc[path] = spec
         return spec
 
@@ -114,25 +122,27 @@ class ModelRegistry:
     @classmethod
     def from_settings(cls, engine: EngineConfig, *, default_names: tuple[str, ...], tables: dict[str, Any] | None,
                       keep_alive: str | int | float | None, tool_call_parser: str | None,
-                      allow_model_paths: bool) -> ModelRegistry:
+                      allow_model_paths: bool, idle_action: str = "unload", sleep_level: int = 1) -> ModelRegistry:
         """The registry the settings describe (raises ValueError naming the setting).
         `default_names`: served_model_name (empty: the model's file or folder name)."""
         default_keep = parse_duration(keep_alive, "keep_alive") if keep_alive is not None else None
         names = default_names or (Path(engine.model).name if engine.model else BUILTIN_MODEL.filename,)
+        idle = _idle_settings({"idle_action": idle_action, "sleep_level": sleep_level}, "", "unload", 1)
         specs = [ModelSpec(name=names[0], aliases=tuple(names[1:]), engine=engine, default=True,
                            keep_alive_s=FOREVER if default_keep is None else default_keep,
-                           tool_call_parser=tool_call_parser)]
+                           tool_call_parser=tool_call_parser, **idle)]
         table_keep = DEFAULT_TABLE_KEEP_ALIVE_S if default_keep is None else default_keep
         base = msgspec.to_builtins(engine)
         for name, table in (tables or {}).items():
-            specs.append(_table_spec(name, table, base, table_keep, tool_call_parser))
-        return cls(specs, allow_model_paths, table_keep)
+            specs.append(_table_spec(name, table, base, table_keep, tool_call_parser, idle))
+        return cls(specs, allow_model_paths, table_keep, idle)
 
 
 def _table_spec(name: str, table: Any, base: dict[str, Any], keep_alive_s: float,
-                tool_call_parser: str | None) -> ModelSpec:
+                tool_call_parser: str | None, idle: dict[str, Any]) -> ModelSpec:
     """One [models.NAME] table: `path`, optional aliases, keep_alive, tool_call_parser,
-    and engine settings over the top-level ones."""
+    idle_action and sleep_level (`idle`: the top-level ones), and engine settings over
+    the top-level ones."""
     where = f"models.{name}"
     _check_name(name, where)
     if not isinstance(table, dict):
@@ -161,7 +171,18 @@ def _table_spec(name: str, table: Any, base: dict[str, Any], keep_alive_s: float
     except (msgspec.ValidationError, ValueError) as exc:
         raise ValueError(f"{where}: {exc}") from None
     return ModelSpec(name=name, aliases=tuple(aliases), engine=engine, tool_call_parser=parser,
-                     keep_alive_s=keep_alive_s if keep is None else parse_duration(keep, f"{where}.keep_alive"))
+                     keep_alive_s=keep_alive_s if keep is None else parse_duration(keep, f"{where}.keep_alive"),
+                     **_idle_settings(table, f"{where}.", idle["idle_action"], idle["sleep_level"]))
+
+
+def _idle_settings(table: dict[str, Any], where: str, idle_action: str, sleep_level: int) -> dict[str, Any]:
+    """idle_action and sleep_level from `table` (else the given ones), checked."""
+    action, level = table.get("idle_action", idle_action), table.get("sleep_level", sleep_level)
+    if action not in IDLE_ACTIONS:
+        raise ValueError(f"{where}idle_action must be one of {', '.join(IDLE_ACTIONS)}")
+    if isinstance(level, bool) or level not in SLEEP_LEVELS:
+        raise ValueError(f"{where}sleep_level must be 1 (weights kept in host memory) or 2 (weights dropped)")
+    return {"idle_action": action, "sleep_level": level}
 
 
 def _check_name(name: str, where: str) -> None:

@@ -21,6 +21,9 @@ class SlotState(enum.Enum):
     LOADING = "loading"
     SERVING = "serving"
     UNLOADING = "unloading"
+    SLEEPING = "sleeping"  # going to sleep (requests wait, then wake it)
+    ASLEEP = "asleep"  # loaded, its KV cache freed and its weights in host memory (level 1) or dropped (2)
+    WAKING = "waking"  # requests wait
     FAILED = "failed"  # the last load failed, or its engine died: the next request loads it afresh
 
 
@@ -41,6 +44,7 @@ class SlotView:
     aliases: tuple[str, ...] = ()
     path: str = ""
     default: bool = False
+    task: str = "generate"
     state: str = "unloaded"
     load_progress: float | None = None
     load_phase: str | None = None
@@ -51,6 +55,8 @@ class SlotView:
     expires_at: float | None = None  # Unix time it goes, when idle with a finite keep_alive
     last_used: float | None = None  # Unix time
     error: str | None = None
+    sleep_level: int | None = None  # while sleeping or asleep: 1 or 2
+    idle_action: str = "unload"  # what keep_alive's end does: "unload" or "sleep"
 
 
 @dataclass(eq=False)
@@ -64,6 +70,10 @@ class ModelSlot:
     generation: int = 0  # bumped at each load and forced teardown: older pins are void
     draining: bool = False  # chosen to make room: no new pins, unloaded once idle
     unload_when_idle: bool = False  # asked to unload (llmctl unload, keep_alive 0)
+    sleep_when_idle: int | None = None  # asked to sleep at this level (llmctl sleep) once its requests are done
+    sleep_level: int | None = None  # while sleeping or asleep: the level
+    sleeps: int = 0  # sleeps completed (what a `sleep` call waits to see grow)
+    awake_need: dict[str, int] | None = None  # device -> bytes it holds awake (`need` holds the asleep figures)
     keep_alive_s: float = FOREVER  # how long it stays once idle (the last request's, else the spec's)
     idle_since: float | None = None  # monotonic, while loaded and idle
     last_used_wall: float | None = None
@@ -90,7 +100,8 @@ class ModelSlot:
     @property
     def resident(self) -> bool:
         """Holding (or about to hold) memory."""
-        return self.state in (SlotState.LOADING, SlotState.SERVING, SlotState.UNLOADING)
+        return self.state in (SlotState.LOADING, SlotState.SERVING, SlotState.UNLOADING, SlotState.SLEEPING,
+                              SlotState.ASLEEP, SlotState.WAKING)
 
     def set_state(self, state: SlotState) -> None:
         self.state = state
@@ -104,6 +115,7 @@ class ModelSlot:
             since = self.idle_since if self.idle_since is not None else time.monotonic()
             expires = time.time() + max(0.0, since + self.keep_alive_s - time.monotonic())
         return SlotView(name=self.name, aliases=self.spec.aliases, path=self.spec.path, default=self.spec.default,
+                        task=self.spec.engine.task,
                         state=self.state.value if self.state is not SlotState.QUEUED else "loading",
                         load_progress=progress.fraction if progress else (0.0 if self.state is SlotState.QUEUED
                                                                             else None),
@@ -111,7 +123,8 @@ class ModelSlot:
                                                                      else None),
                         memory_bytes=sum((self.need or {}).values()), memory_estimated=not self.measured,
                         waiting=self.waiting, keep_alive_s=self.keep_alive_s, expires_at=expires,
-                        last_used=self.last_used_wall, error=self.error)
+                        last_used=self.last_used_wall, error=self.error, sleep_level=self.sleep_level,
+                        idle_action=self.spec.idle_action)
 
 
 class Lease:
@@ -157,3 +170,11 @@ def retrieve(future: asyncio.Future) -> None:
     is not logged as lost."""
     if not future.cancelled():
         future.exception()
+
+
+def describe_failure(exc: BaseException) -> str:
+    """A load's (or sleep's, or wake's) failure for people: the error's own message
+    (ValueError, OSError name the setting or file), else its type."""
+    if isinstance(exc, (ValueError, OSError, RuntimeError)) and str(exc):
+        return str(exc).splitlines()[0][:500]
+    return type(exc).__name__
