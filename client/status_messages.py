@@ -111,7 +111,7 @@ class StatusReply(msgspec.Struct, tag="status_reply", kw_only=True):
     # The default model's: "loading" (requests wait); "serving"; "restarting" a failed
     # worker (requests wait); "dead" after too many worker failures (requests fail; a
     # daemon serving only this model exits); "unloaded" or "failed" (a request loads it
-    # again); "draining" on the way out.
+    # again); "sleeping", "asleep" or "waking" (a request wakes it); "draining" on the way out.
     engine_state: str = "serving"
     engine_restarts: int = 0  # worker failures since start
     engine_error: str | None = None  # the last worker failure's cause

@@ -17,21 +17,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
 
 from llmd.pool.registry import ModelSpec
 from llmd.pool.slot import ModelSlot, ModelUnavailable, SlotState, describe_failure, wake
-
-if TYPE_CHECKING:
-    from llmd.pool.pool import ModelPool
 
 logger = logging.getLogger("llmd.pool")
 
 
 class SleepControl:
-    """ModelPool's sleep and wake (see the module docstring)."""
+    """ModelPool's sleep and wake (see the module docstring): a mixin, its methods use
+    the pool's slots, queue and transitions (_spawn, _rebalance, _check_idle, _unload)."""
 
-    async def sleep(self: ModelPool, spec: ModelSpec, level: int) -> ModelSlot:
+    async def sleep(self, spec: ModelSpec, level: int) -> ModelSlot:
         """Put a model to sleep at `level` once its requests are done; returns when it is
         asleep (at that level or deeper), or at once when it is not loaded. A model
         asleep at level 1 asked for level 2 drops its weights too."""
@@ -56,7 +53,7 @@ class SleepControl:
                     self._start_sleep(slot, slot.sleep_when_idle)
             await changed.wait()
 
-    def _start_sleep(self: ModelPool, slot: ModelSlot, level: int) -> None:
+    def _start_sleep(self, slot: ModelSlot, level: int) -> None:
         if slot.state not in (SlotState.SERVING, SlotState.ASLEEP):
             return
         if slot.timer is not None:
@@ -69,7 +66,7 @@ class SleepControl:
         slot.set_state(SlotState.SLEEPING)
         self._spawn(self._sleep(slot, level))
 
-    async def _sleep(self: ModelPool, slot: ModelSlot, level: int) -> None:
+    async def _sleep(self, slot: ModelSlot, level: int) -> None:
         started = time.monotonic()
         try:
             await slot.model.sleep(level)
@@ -86,17 +83,17 @@ class SleepControl:
             self._enqueue_wake(slot)  # requests came meanwhile
         self._rebalance()
 
-    def _enqueue_wake(self: ModelPool, slot: ModelSlot) -> None:
+    def _enqueue_wake(self, slot: ModelSlot) -> None:
         """Wait for room to wake (placed as a load is, with its awake figures)."""
         if slot not in self._queue:
             self._queue.append(slot)
         self._rebalance()
 
-    def _start_wake(self: ModelPool, slot: ModelSlot) -> None:
+    def _start_wake(self, slot: ModelSlot) -> None:
         slot.set_state(SlotState.WAKING)
         self._spawn(self._wake(slot))
 
-    async def _wake(self: ModelPool, slot: ModelSlot) -> None:
+    async def _wake(self, slot: ModelSlot) -> None:
         started = time.monotonic()
         try:
             await slot.model.wake_up()
@@ -115,7 +112,7 @@ class SleepControl:
         self._check_idle(slot)  # woken for no one still waiting: idle from now
         self._rebalance()
 
-    async def _failed_to_change(self: ModelPool, slot: ModelSlot, doing: str, exc: BaseException) -> None:
+    async def _failed_to_change(self, slot: ModelSlot, doing: str, exc: BaseException) -> None:
         """A sleep or wake failed: those waiting get the reason; the model is torn down
         (the next request loads it afresh)."""
         reason = "the daemon stopped" if self.closing else f"{doing} failed: {describe_failure(exc)}"
