@@ -71,13 +71,13 @@ class SchedulerActor(Actor):
                 if self._failure is not None:
                     await self._recover(loop)
                     continue
-                if not self._can_step() and not self._sleep_changes:
+                if not self._can_step() and not self._sleep_change_ready():
                     self._handle(await self.inbox.get())
                 while not self.inbox.empty():
                     self._handle(self.inbox.get_nowait())
                 if self._failure is not None:
                     continue
-                if self._sleep_changes:
+                if self._sleep_change_ready():
                     await self._change_sleep(loop, self._sleep_changes.pop(0))
                     continue
                 if self._can_step():
@@ -196,6 +196,14 @@ class SchedulerActor(Actor):
                      type(exc).__name__)
         logger.debug("the failed step's traceback", exc_info=exc)
         self._failure = f"a step failed ({type(exc).__name__})"
+
+    def _sleep_change_ready(self) -> bool:
+        """A sleep or wake was asked for and can run now: a sleep once no request is left
+        (one whose final output went out may still be finishing here, e.g. an abort of a
+        client that left), a wake at once."""
+        if not self._sleep_changes:
+            return False
+        return self._sleep_changes[0].level is None or not self.core.has_unfinished_requests()
 
     async def _change_sleep(self, loop: asyncio.AbstractEventLoop, change: ChangeSleep) -> None:
         """Put the engine to sleep or wake it, on the model thread, between steps (the
