@@ -70,6 +70,25 @@ def test_a_model_woken_from_sleep_answers_as_transformers_does(level):
     llm.engine.shutdown()
 
 
+def test_the_decode_graphs_are_built_again_over_the_new_kv_cache():
+    """On CPU the graph path runs emulated (test_cuda_graphs.py): after a wake the graphs
+    read the new KV cache, and graph steps give transformers' tokens."""
+    path = str(fixture_path("tiny-llama"))
+    llm = LLM(model=path, max_model_len=128, num_gpu_blocks_override=32)
+    runner = llm.engine.executor.runner
+    runner.init_decode_graphs(emulate=True)
+    expected = reference(llm, path)
+    assert tokens(llm) == expected
+    old = runner.decode_graphs
+    llm.sleep(1)
+    assert runner.decode_graphs is None
+    llm.wake_up()
+    graphs = runner.decode_graphs
+    assert graphs is not None and graphs is not old and graphs.kv_caches is runner.kv_caches
+    assert tokens(llm) == expected
+    llm.engine.shutdown()
+
+
 def test_sleep_is_refused_while_requests_run_and_for_unknown_levels():
     llm = LLM(model=str(fixture_path("tiny-llama")), max_model_len=128, num_gpu_blocks_override=16)
     with pytest.raises(ValueError, match="sleep level must be 1 or 2"):

@@ -66,6 +66,7 @@ class ModelRunner:
         self.num_blocks = 0  # the block pool's, once the KV cache is sized (wake allocates it again)
         self.sleep_level: int | None = None  # 1 or 2 while asleep (see sleep)
         self._host_weights: HostWeights | None = None  # level 1 on CUDA: the weights, in pinned host memory
+        self._emulated_graphs = False  # asleep: the decode graphs before were emulated (CPU tests)
         self._load_model(progress)
 
     def _load_model(self, progress: LoadProgress | None) -> None:
@@ -213,6 +214,8 @@ class ModelRunner:
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         if self.sleep_level is not None and self.sleep_level >= level:
             return
+        if self.sleep_level is None:  # wake_up builds the graphs again as they were
+            self._emulated_graphs = self.decode_graphs is not None and self.decode_graphs.emulate
         self.release_kv_cache()
         self.workspace.release()
         if level == 1 and self.device.type == "cuda":
@@ -236,7 +239,9 @@ class ModelRunner:
             self._host_weights.restore(self.device)
             self._host_weights = None
         self.sleep_level = None
-        self.initialize_kv_cache(self.num_blocks)
+        self.initialize_kv_cache(self.num_blocks)  # on CUDA the decode graphs are captured again over it
+        if self._emulated_graphs and self.decode_graphs is None:
+            self.init_decode_graphs(emulate=True)  # as tests on the CPU had them
 
     # -- one step -------------------------------------------------------------------
     def _apply_scheduler_output(self, so: SchedulerOutput) -> None:
