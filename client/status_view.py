@@ -97,6 +97,9 @@ def _engine_state(s: StatusReply) -> str:
         case "unloaded" | "failed" as state:
             return f"{state} (a request loads it again)" + (f"; the last failure: {s.engine_error}"
                                                             if s.engine_error else "")
+        case "asleep":
+            level = next((m.sleep_level for m in s.models if m.default), None)
+            return f"asleep{f' (level {level})' if level else ''}: a request wakes it"
         case "restarting":
             return f"restarting ({s.engine_restarts}): {s.engine_error}"
         case "dead":

@@ -298,3 +298,7 @@ def test_llmctl_ps_and_status_show_each_models_state_memory_and_expiry():
     alone = format_status(StatusReply(**{**{f: getattr(status, f) for f in StatusReply.__struct_fields__},
                                          "models": models[:1], "engine_state": "unloaded"}))
     assert "NAME" not in alone and "engine       unloaded (a request loads it again)" in alone
+    asleep = format_status(StatusReply(**{**{f: getattr(status, f) for f in StatusReply.__struct_fields__},
+                                          "models": [ModelStatus(name="base", default=True, state="asleep",
+                                                                 sleep_level=2)], "engine_state": "asleep"}))
+    assert "engine       asleep (level 2): a request wakes it" in asleep
