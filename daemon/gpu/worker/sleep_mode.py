@@ -78,6 +78,11 @@ class HostWeights:
             torch.cuda.synchronize(device)  # the pinned copies may go only once they were read
         self._storages = []
         self.nbytes = 0
+        # Freed pinned blocks stay in torch's caching host allocator (host RAM held for
+        # ever) unless emptied; CUDA builds have the call, CPU-only ones need none.
+        host_empty_cache = getattr(torch._C, "_host_emptyCache", None)
+        if device.type == "cuda" and host_empty_cache is not None:
+            host_empty_cache()
 
 
 def free_released_memory(device: torch.device) -> None:
