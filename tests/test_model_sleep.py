@@ -155,12 +155,14 @@ def test_idle_action_sleep_at_keep_alives_end(daemon):
 
 
 def test_memory_comes_back_asleep_and_after_unload(daemon):
-    """small-llama (44M parameters, float32) in the daemon's process: what its KV cache
-    held (768 prompt tokens written: 18 MiB) goes at level 1, its weights and their oneDNN
-    copies (~340 MiB) at level 2, and once unloaded the daemon's resident size is back
-    within half the KV written of where it was before the load. Measured from the second
-    cycle: the first load of these shapes in a process leaves 8-15 MiB of allocator and
-    oneDNN state behind for good. Figures: docs/benchmarks.md."""
+    """small-llama (44M parameters, float32) in the daemon's process: its KV cache goes at
+    level 1 (the resident size drops by more than the 18 MiB the 768-token prompt wrote),
+    its weights and their oneDNN copies (320 MiB) at level 2, and once unloaded the
+    daemon's resident size is back within half of what the KV pool held (the level-1
+    drop) of where it was before the load: keeping the weights or the KV pool would fail
+    it. Measured from the second cycle: the first load of these shapes in a process
+    leaves 8-15 MiB of allocator and oneDNN state behind for good. Figures:
+    docs/benchmarks.md."""
     prompt = [(7 * i) % 8000 + 3 for i in range(768)]
     with Client(daemon.sock) as client:
         client.load("small")
@@ -186,4 +188,4 @@ def test_memory_comes_back_asleep_and_after_unload(daemon):
     assert reply.usage.completion_tokens == 4
     assert loaded - level1 > 0.8 * kv_written, figures
     assert level1 - level2 > 0.9 * weights, figures
-    assert after - before < 0.5 * kv_written, figures
+    assert after - before < 0.5 * (loaded - level1), figures
