@@ -232,7 +232,8 @@ class AsyncClient(Router[asyncio.Queue[_Item], _PendingFuture]):
             raise item
         return item
 
-    async def _control(self, message: Hello | Status | Metrics | Models | Load | Unload | Sleep | Wake, expect: type) -> Any:
+    async def _control(self, message: Hello | Status | Metrics | Models | Load | Unload | Sleep | Wake,
+                       expect: type) -> Any:
         self._send(message)  # first: a send that fails leaves no future behind
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending.append(_PendingFuture(expect, future))

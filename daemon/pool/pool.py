@@ -239,7 +239,10 @@ class ModelPool(SleepControl):
             placement = place(need, residents, self.budget)
             if placement.never is not None:
                 self._queue.remove(slot)
-                self._fail_attempt(slot, placement.never)
+                if waking:  # it fitted once: only a budget changed under it gets here
+                    self._spawn(self._failed_to_change(slot, "waking it", ValueError(placement.never)))
+                else:
+                    self._fail_attempt(slot, placement.never)
                 continue
             if placement.fits:
                 self._queue.remove(slot)
@@ -268,7 +271,8 @@ class ModelPool(SleepControl):
         try:
             model = await self._loader(slot.spec, slot.progress)
         except BaseException as exc:
-            reason = "the daemon stopped while it loaded" if self.closing else f"loading it failed: {describe_failure(exc)}"
+            reason = ("the daemon stopped while it loaded" if self.closing
+                      else f"loading it failed: {describe_failure(exc)}")
             logger.error("model %s: %s", slot.name, reason)
             self._fail_attempt(slot, reason, code="shutting_down" if self.closing else "model_unavailable", cause=exc)
             self._rebalance()
