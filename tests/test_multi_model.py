@@ -5,8 +5,9 @@ output, token for token that of the offline engine on that model alone; every fa
 routes by `model` and lists what can be served; an unknown model is a clear error
 naming the field; keep_alive unloads an idle model; a killed worker of one model fails
 only its requests while the other model serves on, and a model whose engine is
-declared dead is unloaded and loaded afresh by its next request; unloading gives the
-memory back; `llmctl ps`, `load`, `unload`."""
+declared dead is unloaded and loaded afresh by its next request; a model in a worker
+process sleeps and wakes there; unloading gives the memory back; `llmctl ps`, `load`,
+`unload`."""
 from __future__ import annotations
 
 import os
@@ -215,6 +216,27 @@ def test_a_killed_worker_of_one_model_leaves_the_other_serving(daemon):
         got = finals(conn, ["b", "again"])
     assert all(got[i][-1]["usage"]["completion_tokens"] == 3 for i in ("b", "again"))
     assert models(daemon)["q3mp"]["state"] == "serving" and daemon.proc.poll() is None
+
+
+def test_a_model_in_a_worker_process_sleeps_and_wakes_there(daemon):
+    """q3mp runs in a worker process: asleep at either level the process stays (the sleep
+    and wake messages reach its runner), and woken it answers as transformers does."""
+    from hf_ref import hf_greedy
+
+    ids = [5, 80, 113, 7, 301, 42]
+    expected = hf_greedy(str(fixture_path("tiny-qwen3")), ids, MAX_TOKENS)[0]
+    greedy = {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+    with Client(daemon.sock) as client:
+        client.load("q3mp")
+        (worker,) = worker_pids(daemon)
+        for level in (1, 2):
+            asleep = client.sleep("q3mp", level=level)
+            assert asleep.state == "asleep" and asleep.sleep_level == level and asleep.memory.workers_rss > 0
+            assert worker_pids(daemon) == [worker]
+            with RawConn(daemon.sock) as conn:  # its request wakes it
+                conn.send({"type": "submit", "id": "w", "token_ids": ids, "model": "q3mp", "sampling": greedy})
+                assert tokens_of(finals(conn, ["w"])["w"]) == expected
+    assert worker_pids(daemon) == [worker]
 
 
 def test_unloading_gives_the_memory_back(daemon):

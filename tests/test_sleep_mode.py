@@ -1,10 +1,11 @@
 """Sleep mode in the engine (issue 29): `sleep(level)` frees the KV cache and keeps
-(level 1) or drops (level 2) the weights, `wake_up()` restores them, and the model then
-answers exactly as Hugging Face transformers does on the same weights. In process and in
-a worker process (whose resident memory shows what level 2 gives back); generating while
-asleep is refused. The CUDA path moves weights to pinned host memory with HostWeights:
-its in-place move is checked here on a transformers model on the CPU (each weight emptied,
-tied weights still one storage after the restore, the same logits)."""
+(level 1) or drops (level 2) the weights, `wake_up()` restores them (the decode graphs
+built again over the new KV cache), and the model then answers exactly as Hugging Face
+transformers does on the same weights; generating while asleep is refused. (In a worker
+process, with its resident memory: test_multi_model.py and test_model_sleep.py.) The CUDA
+path moves weights to pinned host memory with HostWeights: its in-place move is checked
+here on a transformers model on the CPU (each weight emptied, tied weights still one
+storage after the restore, the same logits)."""
 from __future__ import annotations
 
 import pytest
@@ -102,22 +103,4 @@ def test_sleep_is_refused_while_requests_run_and_for_unknown_levels():
     assert llm.engine.sleep_level == 2
     llm.sleep(1)  # shallower than it is: stays at 2
     assert llm.engine.sleep_level == 2
-    llm.engine.shutdown()
-
-
-def test_a_worker_process_sleeps_at_either_level_stays_and_serves_after_wake():
-    """In a worker process (the daemon's "mp" executor): the Sleep and WakeUp messages
-    reach the runner; the process stays through both levels (what level 2 gives back is
-    measured on small-llama in test_model_sleep.py)."""
-    path = str(fixture_path("tiny-qwen2"))
-    llm = LLM(model=path, max_model_len=128, num_gpu_blocks_override=32, distributed_executor_backend="mp")
-    expected = reference(llm, path)
-    (pid,) = llm.engine.memory().worker_pids
-    for level in (1, 2):
-        llm.sleep(level)
-        memory = llm.engine.memory()
-        assert memory.sleep_level == level and memory.kv_cache == 0 and bool(memory.weights) == (level == 1)
-        assert memory.worker_pids == [pid]
-        llm.wake_up()
-        assert tokens(llm) == expected
     llm.engine.shutdown()
