@@ -359,6 +359,14 @@ def test_any_bad_api_key_is_a_401(keyed_app):
     assert answer.startswith(b"HTTP/1.0 400") and b"QQQQ" not in answer
 
 
+def test_the_sleep_routes_need_the_key_too(keyed_app):
+    """vLLM's sleep-mode routes change what the daemon holds: a TCP client without the
+    key is refused before they run (the stand-in pool here has no sleep to call)."""
+    for line in (b"POST /sleep?level=1 HTTP/1.1", b"POST /wake_up HTTP/1.1", b"GET /is_sleeping HTTP/1.1"):
+        answer = raw(keyed_app, line + b"\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 401") and b"invalid_api_key" in answer, (line, answer[:200])
+
+
 def test_a_preflight_needs_no_key_but_the_request_does(keyed_app):
     preflight = (b"OPTIONS /v1/models HTTP/1.1\r\nHost: localhost\r\nOrigin: http://localhost:8080\r\n"
                  b"Access-Control-Request-Method: GET\r\nAccess-Control-Request-Headers: authorization\r\n"
