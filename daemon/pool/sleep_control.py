@@ -38,13 +38,13 @@ class SleepControl:
         slept = slot.sleeps
         while True:
             state = slot.state
-            if state in (SlotState.UNLOADED, SlotState.FAILED) or (state is SlotState.QUEUED and slot.waiting == 0):
+            if state in (SlotState.UNLOADED, SlotState.FAILED):
                 return slot
-            if slot.sleeps > slept and slot.sleep_level is not None and slot.sleep_level >= level:
-                return slot  # it went to sleep as asked (a request may be waking it already)
+            # Asleep deep enough: now, or since the call (a request may be waking it already).
+            slept_since = slot.sleeps > slept or state is SlotState.ASLEEP
+            if slept_since and slot.sleep_level is not None and slot.sleep_level >= level:
+                return slot
             changed = slot.changed
-            if state is SlotState.ASLEEP and slot.sleep_level is not None and slot.sleep_level >= level:
-                return slot
             if state is SlotState.ASLEEP and slot not in self._queue:
                 self._start_sleep(slot, level)  # deeper
             elif state is SlotState.SERVING:
