@@ -74,24 +74,30 @@ def _plane_slices(quant: str, n: int, cols: int) -> dict[str, tuple[int, int, in
     return out
 
 
-def from_planes(planes: torch.Tensor, quant: str, cols: int) -> torch.Tensor:
-    """Packed rows [rows, row bytes] (GGUF's layout) from planes (to_planes' inverse)."""
+def from_planes(planes: torch.Tensor, quant: str, cols: int, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Packed rows [rows, row bytes] (GGUF's layout) from planes: every row (to_planes'
+    inverse), or the rows `ids` (an embedding's lookups)."""
+    blocks = cols // FORMATS[quant].block
+    fields = []
+    for plane in _byte_planes(planes, quant, cols).values():
+        picked = plane if ids is None else plane.index_select(0, ids)
+        fields.append(picked.view(picked.shape[0], blocks, -1))
+    return torch.cat(fields, dim=-1).reshape(fields[0].shape[0], -1)
+
+
+def _byte_planes(planes: torch.Tensor, quant: str, cols: int) -> dict[str, torch.Tensor]:
+    """Field -> its plane [rows, width] (uint8 views of `planes`, flat bytes of whole rows)."""
     f = FORMATS[quant]
     n = planes.numel() // (cols // f.block * f.block_bytes)
     flat = planes.reshape(-1)
-    fields = [flat[a:e].view(n, cols // f.block, -1) for a, e, _ in _plane_slices(quant, n, cols).values()]
-    return torch.cat(fields, dim=-1).reshape(n, -1)
+    return {name: flat[a:e].view(n, width) for name, (a, e, width) in _plane_slices(quant, n, cols).items()}
 
 
 def plane_views(planes: torch.Tensor, quant: str, cols: int) -> dict[str, torch.Tensor]:
     """Field -> the plane [rows, width] as the kernels read it (fp16 scales, int8 where
     signed, else uint8), views of `planes` (flat uint8 bytes of whole rows)."""
-    f = FORMATS[quant]
-    n = planes.numel() // (cols // f.block * f.block_bytes)
-    flat = planes.reshape(-1)
     views = {}
-    for name, (a, e, width) in _plane_slices(quant, n, cols).items():
-        plane = flat[a:e].view(n, width)
+    for name, plane in _byte_planes(planes, quant, cols).items():
         if name in _VIEW_DTYPES:
             plane = plane.view(_VIEW_DTYPES[name])
         elif (quant, name) in _SIGNED:

@@ -176,8 +176,11 @@ def _dequantized(q, kg, rn, nmask, K, SC, D, MN, stride_sc, stride_d, stride_m, 
 def _accumulate(acc, x, w, DOT: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
     """acc [BM, BN] + x [BM, H] times w [BN, H]^T."""
     if DOT:
-        if DOT_F32:  # the interpreter's bf16 (INTERPRETED): the same rounded weights, multiplied in fp32
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(x.dtype).to(tl.float32)), input_precision="ieee")
+        if DOT_F32:  # the interpreter's bf16 (INTERPRETED): w rounded to bf16 (to nearest even, on the
+            # bits: the interpreter's own conversion truncates), multiplied in fp32
+            bits = w.to(tl.int32, bitcast=True)
+            w = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+            acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
         elif IEEE:
             acc += tl.dot(x, tl.trans(w), input_precision="ieee")
         else:
