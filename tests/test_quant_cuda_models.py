@@ -67,7 +67,7 @@ def test_a_packed_gguf_on_cuda_computes_what_its_dequantized_weights_do(hf_dirs,
 
 
 def test_k_quant_mixes_on_cuda_compute_what_their_dequantized_weights_do(hf_dirs, tmp_path):  # noqa: F811
-    path = write_gguf(hf_dirs("llama"), tmp_path / "k.gguf", T.Q8_0, k_quant_types=(T.Q4_K, T.Q6_K, T.Q5_K))
+    path = write_gguf(hf_dirs("llama-256"), tmp_path / "k.gguf", T.Q8_0, k_quant_types=(T.Q4_K, T.Q6_K, T.Q5_K))
     for dtype, rel in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
         packed = load_model(path, dtype, CUDA, 128)
         dense = load_model(path, dtype, CUDA, 128, dequantize=True)

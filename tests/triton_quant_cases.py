@@ -183,6 +183,56 @@ def fused_layer_case() -> list[dict]:
     return results
 
 
+def tied_model_case() -> list[dict]:
+    """A whole GGUF model (tiny llama, Q4_1, its vocabulary table tied to the LM head),
+    loaded packed on CPU with the torch paths (LLMD_CPU_KERNELS=0: the file's layout),
+    then given the CUDA kernels (attach_cuda_gguf_kernels, the planes laid out in place):
+    the same logits, 17 prefill rows (tl.dot) and the last row alone (GEMV), and the
+    embedding's lookups read back through the planes. Interpreter only (on a GPU,
+    test_quant_cuda_models loads such files on CUDA)."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from gguf import GGMLQuantizationType as T
+    from gguf_fixtures import write_gguf
+
+    from llmd.gpu.layers.attention import AttentionMetadata, new_model_kv_caches
+    from llmd.gpu.layers.attention_backends import metadata_builder
+    from llmd.gpu.layers.linear import VocabParallelEmbedding
+    from llmd.gpu.layers.quant.cuda_matmul import attach_cuda_gguf_kernels
+    from llmd.gpu.models.loader import load_model
+    from llmd_tools.make_model import build_model
+
+    if DEVICE.type != "cpu":
+        return []
+    os.environ["LLMD_CPU_KERNELS"] = "0"
+    root = Path(tempfile.mkdtemp(prefix="llmd-tied-"))
+    hf = build_model(root / "hf", "llama", "tiny", llama3_rope=False, intermediate_size=192, tie_word_embeddings=True)
+    model = load_model(write_gguf(hf, root / "tied.gguf", T.Q4_1), torch.float32, DEVICE, 128)
+    tokens = [1, 7, 42, 99, 3, 250, 17, 8, 8, 64, 5, 11, 90, 2, 33, 71, 18]
+
+    def logits() -> tuple[torch.Tensor, torch.Tensor]:
+        n = len(tokens)
+        caches = new_model_kv_caches(model, 8, 16, torch.float32, DEVICE)
+        md = AttentionMetadata(torch.arange(n), 0, None, None, [(0, n, 0, torch.arange(8))])
+        metadata_builder(model, 16, DEVICE).build(md)
+        with torch.no_grad():
+            hidden = model(torch.tensor(tokens), torch.arange(n), caches, md)
+            return model.compute_logits(hidden), model.compute_logits(hidden[-1:])
+
+    ref_all, ref_last = logits()
+    attach_cuda_gguf_kernels(model, torch.float32)
+    (table,) = [m for m in model.modules() if isinstance(m, VocabParallelEmbedding)]
+    assert table.read_rows is not None, "the tied table does not read through the planes"
+    got_all, got_last = logits()
+    results = []
+    for rows, got, ref in ((17, got_all, ref_all), (1, got_last, ref_last)):
+        err = ((got.double() - ref.double()).abs() / (ref.double().abs() + ref.double().abs().mean())).max().item()
+        results.append({"rows": rows, "dtype": "float32", "split": None, "err": err, "tol": 1e-4})
+    return results
+
+
 def _cases() -> dict[str, Callable[[], list[dict]]]:
     from llmd.gpu.layers.quant.gguf_planes import GPU_TYPES
 
@@ -193,13 +243,14 @@ def _cases() -> dict[str, Callable[[], list[dict]]]:
     cases.update({f"int-{n}": (lambda n=n: int_groups_case(n))
                   for n in ("awq-g32", "gptq4-sym-v1", "gptq4-asym-v2-act-order", "gptq8-sym-act-order")})
     cases["fused-mixed-types"] = fused_layer_case
+    cases["model-tied-q4_1"] = tied_model_case
     return cases
 
 
 CASE_NAMES = ("gguf-Q8_0", "gguf-Q4_0", "gguf-Q4_1", "gguf-Q5_0", "gguf-Q5_1", "gguf-Q4_K", "gguf-Q5_K",
               "gguf-Q6_K", "gguf-fp16", "fp8-tensor", "fp8-channel", "fp8-block", "fp8-every-byte",
               "int-awq-g32", "int-gptq4-sym-v1", "int-gptq4-asym-v2-act-order", "int-gptq8-sym-act-order",
-              "fused-mixed-types")
+              "fused-mixed-types", "model-tied-q4_1")
 
 
 def main(args: list[str]) -> None:
