@@ -11,11 +11,13 @@ and zero points, and may differ in packed type):
 
 * AWQ / GPTQ (int_groups): `weight` the parts' rows in llama.cpp's block formats, one
   after the other (a flat uint8 tensor), multiplied through the GGUF kernels
-  (gguf_quant.GGUFMatmul) by `IntGroupMatmul`; act-order columns sorted by group, with
+  (gguf_quant.GGUFMatmul on CPU, cuda_matmul.TritonGGUFMatmul on CUDA) by `IntGroupMatmul`; act-order columns sorted by group, with
   x's columns taken in the same order (`input_order_*`, one per run of parts sharing
   it: q/k/v and gate/up usually do);
 * FP8 (fp8): `weight` the e4m3 bytes [out, in] and `weight_scales` [out, groups],
-  multiplied by fp8.FP8Matmul.
+  multiplied by fp8.FP8Matmul (on CUDA cuda_matmul.TritonFP8Matmul).
+
+The packed tensors are put on the device the layer's placeholders were moved to.
 
 `quant` is the storage's name in the memory account (`awq-int4`, `gptq-int8`,
 `fp8-e4m3`); `quant_tensors` the layer's other tensors counted with it.
