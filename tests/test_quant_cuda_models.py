@@ -38,7 +38,8 @@ def _logits(model, tokens: list[int], dtype: torch.dtype) -> torch.Tensor:
     md = AttentionMetadata(torch.arange(n, device=CUDA), 0, None, None, [(0, n, 0, table)])
     builder.build(md)
     with torch.no_grad():
-        prefill = model.compute_logits(model(torch.tensor(tokens, device=CUDA), torch.arange(n, device=CUDA), caches, md))
+        hidden = model(torch.tensor(tokens, device=CUDA), torch.arange(n, device=CUDA), caches, md)
+        prefill = model.compute_logits(hidden)
         md = AttentionMetadata(torch.tensor([n], device=CUDA), 0, None, None, [(0, 1, n, table)])  # one new token
         builder.build(md)
         decode = model.compute_logits(model(torch.tensor([tokens[-1]], device=CUDA), torch.tensor([n], device=CUDA),

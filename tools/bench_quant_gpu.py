@@ -72,7 +72,8 @@ def _rotating(fns: list) -> object:
     return call
 
 
-def bench(quant: str, n: int, k: int, rows: list[int], copies: int, bandwidth: float, device: torch.device) -> list[dict]:
+def bench(quant: str, n: int, k: int, rows: list[int], copies: int, bandwidth: float,
+          device: torch.device) -> list[dict]:
     from triton.testing import do_bench
 
     from llmd.gpu.layers.quant.fp8_scaled_mm import w8a8_applies, w8a8_matmul

@@ -270,7 +270,8 @@ class IntGroupMatmul:
     """x -> x W^T (+ b unless the layer reduces) over an AWQ/GPTQ layer's packed units
     (module doc), each multiplied by `unit_matmul(unit)`."""
 
-    def __init__(self, layer: nn.Module, unit_matmul: Callable[[PackedUnit], Callable[[torch.Tensor], torch.Tensor]]) -> None:
+    def __init__(self, layer: nn.Module,
+                 unit_matmul: Callable[[PackedUnit], Callable[[torch.Tensor], torch.Tensor]]) -> None:
         self.layer = layer
         self.with_bias = not getattr(layer, "reduce", False)
         self.units = [(order, unit_matmul(PackedUnit(layer.in_features, layer.weight, parts)))

@@ -292,7 +292,8 @@ def quant_matmul(x: torch.Tensor, weight: QuantWeight, split_k: int | None = Non
         return out
     x = x if x.stride(1) == 1 else x.contiguous()
     layout, tiles = LAYOUTS[weight.quant], tiles_for(rows)
-    grid_m, grid_n, k_tiles = triton.cdiv(rows, tiles.bm), triton.cdiv(weight.n, tiles.bn), triton.cdiv(weight.k, tiles.bk)
+    grid_m, grid_n = triton.cdiv(rows, tiles.bm), triton.cdiv(weight.n, tiles.bn)
+    k_tiles = triton.cdiv(weight.k, tiles.bk)
     splits = split_k if split_k is not None else split_count(grid_m * grid_n, k_tiles, sm_count(x.device))
     per_split = triton.cdiv(k_tiles, max(1, min(splits, k_tiles)))
     splits = triton.cdiv(k_tiles, per_split)  # no empty split
