@@ -201,15 +201,24 @@ def _check_draft_model(draft_dir: str, target_config, target_tokenizer, max_mode
 
 
 def _check_quantized_device(hf_config: Any, model_dir: str, device: Any, dequantize: bool) -> None:
-    """AWQ, GPTQ and FP8 checkpoints run packed on the CPU only (their kernels are CPU
-    kernels); elsewhere they load only with dequantize=True, never dequantized unasked."""
+    """AWQ, GPTQ and FP8 checkpoints (and GGUF files) run packed on the CPU (C++ kernels)
+    and on CUDA (Triton kernels, which need the triton package); elsewhere they load only
+    with dequantize=True, never dequantized unasked."""
+    import importlib.util
+
     from llmd.gpu.layers.quant.scheme import quant_scheme
+    from llmd.gpu.models.gguf_loader import is_gguf_path
 
     scheme = quant_scheme(hf_config)
-    if scheme is not None and device.type != "cpu" and not dequantize:
-        raise ValueError(f"{model_dir} is a {scheme.label} checkpoint: llmd runs it packed on the CPU only (no "
-                         f"{device.type} kernel yet); dequantize=True (--dequantize) loads it dense on "
-                         f"{device.type}")
+    if dequantize or (scheme is None and not is_gguf_path(model_dir)) or device.type == "cpu":
+        return
+    what = f"a {scheme.label} checkpoint" if scheme is not None else "a GGUF file"
+    if device.type != "cuda":
+        raise ValueError(f"{model_dir} is {what}: llmd runs it packed on cpu and cuda only (no {device.type} "
+                         f"kernel); dequantize=True (--dequantize) loads it dense on {device.type}")
+    if importlib.util.find_spec("triton") is None:
+        raise ValueError(f"{model_dir} is {what}: its CUDA kernels need the triton package (pip install triton); "
+                         "dequantize=True (--dequantize) loads it dense")
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")

@@ -219,7 +219,8 @@ def test_the_estimate_is_the_weights_on_disk_plus_the_kv_setting(tiny_llama):
 
 
 def test_a_gguf_estimate_reads_its_header(tmp_path, tiny_llama):
-    """A GGUF file's shape comes from its header: packed on CPU, dequantized elsewhere."""
+    """A GGUF file's shape comes from its header: packed on CPU and CUDA on one rank,
+    dequantized when asked or split by tensor parallelism."""
     import gguf
 
     from gguf_fixtures import write_gguf
@@ -233,6 +234,9 @@ def test_a_gguf_estimate_reads_its_header(tmp_path, tiny_llama):
     assert estimate_need(engine, packed, "cpu", available_ram=0) == {"cpu": path.stat().st_size + 1000}
     dequantized = estimate_need(msgspec.structs.replace(engine, dequantize=True), packed, "cpu", available_ram=0)
     assert dequantized == {"cpu": packed.num_params * 4 + 1000}
+    assert estimate_need(engine, packed, "cuda", available_ram=0) == {"cuda:0": path.stat().st_size + 1000}
+    tp2 = estimate_need(msgspec.structs.replace(engine, tensor_parallel_size=2), packed, "cuda", available_ram=0)
+    assert tp2 == {f"cuda:{r}": packed.num_params * 2 // 2 + 500 for r in (0, 1)}  # bf16, each rank half
 
 
 def test_a_packed_checkpoints_estimate_counts_its_weights_not_its_words(tmp_path):
@@ -258,6 +262,7 @@ def test_a_packed_checkpoints_estimate_counts_its_weights_not_its_words(tmp_path
     assert estimate_need(engine, shape, "cpu", available_ram=0) == {"cpu": size + 1000}
     dequantized = estimate_need(msgspec.structs.replace(engine, dequantize=True), shape, "cpu", available_ram=0)
     assert dequantized == {"cpu": dense * 4 + 1000}  # float32 on CPU (the checkpoint is float16)
+    assert estimate_need(engine, shape, "cuda", available_ram=0) == {"cuda:0": size + 1000}  # packed on CUDA too
 
 
 # -- how llmctl shows them ----------------------------------------------------------

@@ -272,15 +272,25 @@ def test_what_cannot_stay_packed_is_refused_by_name(checkpoints, tmp_path, what,
         LLM(model=str(path), **SETTINGS)
 
 
-def test_off_the_cpu_a_quantized_checkpoint_needs_dequantize(checkpoints):
+def test_a_quantized_checkpoint_runs_packed_on_cpu_and_cuda_only(checkpoints, monkeypatch):
+    """CUDA takes it packed (the Triton kernels) when triton is installed; any other
+    device, or CUDA without triton, needs dequantize=True, said by name."""
+    import importlib.util
+
     from llmd.engine_setup import _check_quantized_device
 
     config = load_hf_config(checkpoints("gptq4-sym-v1"))
-    with pytest.raises(ValueError, match=r"is a gptq-int4 checkpoint: llmd runs it packed on the CPU only \(no cuda "
-                                         r"kernel yet\); dequantize=True \(--dequantize\) loads it dense on cuda"):
+    _check_quantized_device(config, "m", torch.device("cuda"), dequantize=False)
+    _check_quantized_device(config, "m", torch.device("cpu"), dequantize=False)
+    with pytest.raises(ValueError, match=r"is a gptq-int4 checkpoint: llmd runs it packed on cpu and cuda only \(no mps "
+                                         r"kernel\); dequantize=True \(--dequantize\) loads it dense on mps"):
+        _check_quantized_device(config, "m", torch.device("mps"), dequantize=False)
+    _check_quantized_device(config, "m", torch.device("mps"), dequantize=True)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real_find_spec(name, *a))
+    with pytest.raises(ValueError, match=r"gptq-int4 checkpoint: its CUDA kernels need the triton package"):
         _check_quantized_device(config, "m", torch.device("cuda"), dequantize=False)
     _check_quantized_device(config, "m", torch.device("cuda"), dequantize=True)
-    _check_quantized_device(config, "m", torch.device("cpu"), dequantize=False)
 
 
 def test_tensor_parallel_ranks_keep_their_packed_shares(checkpoints, tmp_path):

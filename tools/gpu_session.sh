@@ -13,7 +13,7 @@
 # Then, with the device tool, carrying .whl (timeout_s a little over the phases' sum):
 #   bash tools/gpu_session.sh all        # every phase below in this order: > 8 minutes
 #   bash tools/gpu_session.sh PHASE ...  # some of them: tests, pytests, latency, latency1,
-#                                        # throughput, spec, guided, kernels, moe, serve, hf
+#                                        # throughput, spec, guided, kernels, moe, quant, serve, hf
 # What the steps took on an H100 (2026-11-26; the machine started and took the tree in
 # ~30 s): pip ~10 s, make-model 33 s, tests-graphs > 140 s (34 of 57 tests), tests-kernels
 # > 100 s (79 of ~89), each profile_step 14-20 s, each throughput 27-33 s, spec 20 s,
@@ -165,6 +165,17 @@ moe() {
     step moe 45 $PY -m llmd_tools.bench_moe --device "$DEVICE" --dtype bfloat16 --batch 1 16
 }
 
+quant() {
+    # Packed weights on CUDA (issue 27): the Triton kernels compiled against the
+    # dequantizers, the packed models against their dequantized runs, then W4A16 / FP8
+    # decode as a fraction of the packed bytes' roofline beside bf16 dense.
+    local pt=($PY -m pytest -q -rfEs -p no:cacheprovider --timeout 120)
+    step tests-quant 150 "${pt[@]}" --junitxml="$LOGS/tests-quant.xml" tests/test_triton_quant.py \
+        tests/test_quant_cuda_models.py
+    step bench-quant 90 $PY -m llmd_tools.bench_quant_gpu --types Q4_0 Q4_K Q6_K FP8 --rows 1 16 \
+        --shapes 4096x4096 14336x4096
+}
+
 serve() {
     need_model
     local sock=/tmp/llmd-bench.sock n=48
@@ -185,12 +196,12 @@ serve() {
 
 phases=("$@")
 [ ${#phases[@]} -eq 0 ] && phases=(all)
-[ "${phases[0]}" = all ] && phases=(tests latency throughput spec guided kernels serve hf)
+[ "${phases[0]}" = all ] && phases=(tests latency throughput spec guided kernels quant serve hf)
 for phase in "${phases[@]}"; do
     case "$phase" in
-    tests | pytests | latency | latency1 | throughput | spec | guided | kernels | moe | serve | hf) ;;
+    tests | pytests | latency | latency1 | throughput | spec | guided | kernels | moe | quant | serve | hf) ;;
     *) echo "unknown phase $phase (all, tests, pytests, latency, latency1, throughput, spec, guided, kernels," \
-            "moe, serve, hf)" >&2; exit 2 ;;
+            "moe, quant, serve, hf)" >&2; exit 2 ;;
     esac
 done
 setup
@@ -208,7 +219,7 @@ for f in "$LOGS"/profile-*.log; do
     [ -f "$f" ] && { echo "--- $(basename "$f")"; grep -E -A8 "^profile_step:" "$f" | cut -c1-220; tail -2 "$f"; }
 done
 for name in throughput-1 throughput-eager-sampling-1 throughput-2 throughput-eager-sampling-2 throughput-hf spec \
-        guided fused-ops moe serve; do
+        guided fused-ops moe bench-quant serve; do
     f="$LOGS/$name.log"
     [ -f "$f" ] && { echo "--- $name"; grep -v "^{" "$f" | grep -v -E "it/s\]|%\|" | tail -14 | cut -c1-220; }
 done

@@ -113,9 +113,10 @@ def estimate_need(engine: EngineConfig, shape: ModelShape, device_type: str, *, 
     (a CPU KV pool with no size setting takes a share of it); `device_total`: one GPU's
     memory (a CUDA KV pool with no size setting takes gpu_memory_utilization of it)."""
     element = run_dtype_bytes(engine, device_type, shape.checkpoint_dtype)
-    # A GGUF's or an AWQ/GPTQ/FP8 checkpoint's quantized weights stay packed on CPU
-    # (unless dequantize); every other weight is held at the run dtype.
-    packed = (shape.gguf or shape.quantized) and device_type == "cpu" and not engine.dequantize
+    # A GGUF's (on one rank) or an AWQ/GPTQ/FP8 checkpoint's quantized weights stay packed
+    # on CPU and CUDA (unless dequantize); every other weight is held at the run dtype.
+    packed = ((shape.quantized or (shape.gguf and engine.tensor_parallel_size == 1))
+              and device_type in ("cpu", "cuda") and not engine.dequantize)
     weights = shape.weights_bytes if packed else shape.num_params * element
     tp = engine.tensor_parallel_size
     kv = kv_pool_bytes(engine, shape, device_type, element, available_ram)

@@ -154,7 +154,7 @@ def _f16(b: torch.Tensor, at: int) -> torch.Tensor:
 
 def _shifted(b: torch.Tensor, shifts: Sequence[int]) -> torch.Tensor:
     """[..., len(shifts), n]: the bytes [..., n] shifted right by each of `shifts`."""
-    return b.unsqueeze(-2) >> torch.tensor(shifts, dtype=torch.uint8).unsqueeze(-1)
+    return b.unsqueeze(-2) >> torch.tensor(shifts, dtype=torch.uint8, device=b.device).unsqueeze(-1)
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
@@ -165,7 +165,7 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
 def _bits(qh: torch.Tensor) -> torch.Tensor:
     """[..., 8 n] bits of the bytes [..., n], least significant first (a little-endian
     bit field: bit i of byte i // 8)."""
-    return ((qh.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1).flatten(-2)
+    return ((qh.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8, device=qh.device)) & 1).flatten(-2)
 
 
 def _scale_min_k4(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,6 +17,7 @@ from llmd.gpu.layers.cpu.cpu_kernels import attach_cpu_kernels, attach_gguf_kern
 from llmd.gpu.layers.cpu.cpu_linear import pack_linears
 from llmd.gpu.layers.gguf_quant import FORMATS, PACKED_TYPES, PackedSource
 from llmd.gpu.layers.linear import Shard, WeightLoading
+from llmd.gpu.layers.quant.gguf_planes import GPU_TYPES
 from llmd.gpu.layers.quant.scheme import quant_scheme
 from llmd.gpu.models.architectures import get_architecture
 from llmd.gpu.models.decoder import CausalLM
@@ -190,11 +191,14 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, Any]]) -> None:
         raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {where}")
 
 
+# Devices a GGUF's quantized weights stay packed on (C++ kernels on the CPU, Triton on CUDA).
+PACKED_DEVICES = ("cpu", "cuda")
 # GGUF types a model keeps as they are (dense): everything else runs packed or is refused.
 DENSE_TYPES = ("F32", "F16", "BF16")
 
 
-def packed_params(model: CausalLM, types: dict[str, tuple[str, str]]) -> dict[str, str | dict[Shard, str]]:
+def packed_params(model: CausalLM, types: dict[str, tuple[str, str]],
+                  device_type: str = "cpu") -> dict[str, str | dict[Shard, str]]:
     """Parameter -> GGUF type for every quantized weight of the checkpoint (`types`: HF
     name -> (GGUF name, type name)), each kept packed: a linear layer's or the
     vocabulary's weight, rows a whole number of its type's blocks (gguf_quant.FORMATS);
@@ -217,7 +221,7 @@ def packed_params(model: CausalLM, types: dict[str, tuple[str, str]]) -> dict[st
         module, _, attr = param.rpartition(".")
         layer = modules.get(module)
         for shard, quant in shards.items():
-            reason = None if quant in DENSE_TYPES else _unpackable(layer, attr, quant, shards)
+            reason = None if quant in DENSE_TYPES else _unpackable(layer, attr, quant, shards, device_type)
             if reason is not None:
                 raise ValueError(f"GGUF tensor {files[param][shard]!r} of type {quant} cannot stay packed: {reason}; "
                                  f"dequantize=True (--dequantize) loads it dequantized")
@@ -226,7 +230,7 @@ def packed_params(model: CausalLM, types: dict[str, tuple[str, str]]) -> dict[st
     return plan
 
 
-def _unpackable(layer: Any, attr: str, quant: str, shards: dict[Shard, str]) -> str | None:
+def _unpackable(layer: Any, attr: str, quant: str, shards: dict[Shard, str], device_type: str) -> str | None:
     """Why a weight part of type `quant` (its parameter's parts: `shards`) cannot be kept
     packed, or None."""
     if attr != "weight" or not hasattr(layer, "use_packed"):
@@ -235,6 +239,8 @@ def _unpackable(layer: Any, attr: str, quant: str, shards: dict[Shard, str]) -> 
         return "its fused projection mixes dense and quantized parts"
     if quant not in FORMATS:
         return f"llmd has no kernel for {quant} (packed types: {', '.join(PACKED_TYPES)})"
+    if device_type == "cuda" and quant not in GPU_TYPES:
+        return f"llmd has no CUDA kernel for {quant} (packed types on CUDA: {', '.join(GPU_TYPES)})"
     block = FORMATS[quant].block
     if layer.in_features % block:
         return f"its rows of {layer.in_features} weights are not a whole number of {quant}'s {block}-weight blocks"
@@ -254,11 +260,12 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                dequantize: bool = False) -> nn.Module:
     """The model, or with tp_size > 1 this rank's tensor-parallel shard of it; its layers
     attend with `attention_backend` (a name resolve_attention_backend returned). From a
-    GGUF file on CPU on one rank, every quantized weight stays packed (gguf_quant) or
-    the load is refused naming the tensor (packed_params); from an AWQ, GPTQ or FP8
-    safetensors checkpoint every quantized module stays packed, on any number of ranks
-    (quant_plan; the engine refuses them off the CPU). `dequantize`: every weight is
-    dequantized instead, as a GGUF's are on other devices and with tensor parallelism
+    GGUF file on CPU or CUDA on one rank, every quantized weight stays packed (gguf_quant;
+    on CUDA laid out for the Triton kernels, quant/cuda_matmul) or the load is refused
+    naming the tensor (packed_params); from an AWQ, GPTQ or FP8 safetensors checkpoint
+    every quantized module stays packed, on any number of ranks, on CPU or CUDA
+    (quant_plan). `dequantize`: every weight is dequantized instead, as a GGUF's are
+    with tensor parallelism
     (each rank dequantizes a tensor whole and its layers keep their share). On CPU its
     dense linear layers run on oneDNN-packed weights (cpu_linear) and its torch attention
     layers decode through the C++ paged kernel (cpu_kernels)."""
@@ -271,9 +278,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     model = model.to(dtype=dtype)  # before any packed weight is placed: those keep their own dtypes
     plan: dict[str, str] = {}
     packed: list[str] = []  # the file's tensors read as packed rows
-    if gguf and device.type == "cpu" and tp_size == 1 and not dequantize:
+    if gguf and device.type in PACKED_DEVICES and tp_size == 1 and not dequantize:
         types = gguf_tensor_types(model_dir)
-        plan = packed_params(model, types)
+        plan = packed_params(model, types, device.type)
         for param, quant in plan.items():
             model.get_submodule(param.rpartition(".")[0]).use_packed(quant)
         packed = [name for name, (param, _) in _targets(model, types) if param in plan]
@@ -298,10 +305,14 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
         release_gguf_readers()  # the model holds its own copy of every weight: the file's map closes
     model.eval()
     model.requires_grad_(False)
-    finalize_quantized(model, dtype)  # AWQ / GPTQ / FP8 layers packed for their kernels
+    finalize_quantized(model, dtype, device)  # AWQ / GPTQ / FP8 layers packed for their kernels
     if device.type == "cpu":
         pack_linears(model)  # oneDNN's blocked weights: faster GEMMs than MKL's on plain ones (cpu_linear)
         attach_cpu_kernels(model)  # decode attention over the paged cache in place (cpu_kernels)
-    if plan:
+    if plan and device.type == "cuda":
+        from llmd.gpu.layers.quant.cuda_matmul import attach_cuda_gguf_kernels
+
+        attach_cuda_gguf_kernels(model, dtype)  # the Triton kernels, over planes laid out in place
+    elif plan:
         attach_gguf_kernels(model, dtype)
     return model

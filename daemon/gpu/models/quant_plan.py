@@ -8,7 +8,8 @@ The files decide what is quantized: a module with a `qweight` (AWQ, GPTQ) or a f
 `weight` (FP8) is, any other stays dense — modules_to_not_convert / ignore lists
 included, which are checked against the files. A quantized module whose layer cannot
 keep it packed (a mixture-of-experts expert, the embedding, a fused projection mixing
-it with a dense part, the LM head split by tensor parallelism) is refused by name."""
+it with a dense part, the LM head split by tensor parallelism) is refused by name.
+Packed layers run on the CPU (C++ kernels) and on CUDA (Triton kernels)."""
 from __future__ import annotations
 
 import contextlib
@@ -126,15 +127,23 @@ def apply_plan(model: nn.Module, scheme: QuantScheme, plan: dict[str, dict[Shard
         use_quantized(model.get_submodule(name), scheme, shards)
 
 
-def finalize_quantized(model: nn.Module, dtype: torch.dtype) -> int:
-    """After the load: every quantized layer's pieces packed, and its matmul attached
-    (the C++ kernels when they can be built, else the torch paths); returns how many."""
-    from llmd.gpu.layers.cpu.cpu_kernels import fp8_ops, gguf_ops
-    from llmd.gpu.layers.gguf_quant import x16_passes
-
+def finalize_quantized(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
+    """After the load: every quantized layer's pieces packed, and its matmul attached (on
+    CUDA the Triton kernels, quant/cuda_matmul.py; on CPU the C++ kernels when they can
+    be built, else the torch paths); returns how many."""
     layers = [m for m in model.modules() if getattr(m, "quant_method", None) is not None]
     if not layers:
         return 0
+    if device.type == "cuda":
+        from llmd.gpu.layers.quant.cuda_matmul import cuda_quantized_matmul
+
+        for layer in layers:
+            finalize(layer)
+            layer.kernel = cuda_quantized_matmul(layer)
+        return len(layers)
+    from llmd.gpu.layers.cpu.cpu_kernels import fp8_ops, gguf_ops
+    from llmd.gpu.layers.gguf_quant import x16_passes
+
     gguf, fp8 = gguf_ops(), fp8_ops()
     passes = x16_passes(gguf, dtype) if gguf is not None and gguf.x16 else 0
     for layer in layers:

@@ -11,17 +11,20 @@ and zero points, and may differ in packed type):
 
 * AWQ / GPTQ (int_groups): `weight` the parts' rows in llama.cpp's block formats, one
   after the other (a flat uint8 tensor), multiplied through the GGUF kernels
-  (gguf_quant.GGUFMatmul) by `IntGroupMatmul`; act-order columns sorted by group, with
+  (gguf_quant.GGUFMatmul on CPU, cuda_matmul.TritonGGUFMatmul on CUDA) by `IntGroupMatmul`; act-order columns sorted by group, with
   x's columns taken in the same order (`input_order_*`, one per run of parts sharing
   it: q/k/v and gate/up usually do);
 * FP8 (fp8): `weight` the e4m3 bytes [out, in] and `weight_scales` [out, groups],
-  multiplied by fp8.FP8Matmul.
+  multiplied by fp8.FP8Matmul (on CUDA cuda_matmul.TritonFP8Matmul).
+
+The packed tensors are put on the device the layer's placeholders were moved to.
 
 `quant` is the storage's name in the memory account (`awq-int4`, `gptq-int8`,
 `fp8-e4m3`); `quant_tensors` the layer's other tensors counted with it.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,16 +175,17 @@ def use_quantized(layer: nn.Module, scheme: QuantScheme, modules: dict[Shard, st
 def finalize(layer: nn.Module) -> None:
     """Turn the loaded pieces into the layer's packed weight (module doc)."""
     method: QuantizedWeights = layer.quant_method
+    device = getattr(layer, method.scheme.checkpoint_names[0]).device  # the model's (its placeholders were moved)
     for name in method.scheme.checkpoint_names:
         delattr(layer, name)
     names = method.part_names()
     if isinstance(method.scheme, FP8Scheme):
         rows = join([_fp8_part(method, i, names[i]) for i in range(method.parts)])
-        _set_weight(layer, rows.bytes)
-        layer.weight_scales = nn.Parameter(rows.scales, requires_grad=False)
+        _set_weight(layer, rows.bytes, device)
+        layer.weight_scales = nn.Parameter(rows.scales.to(device), requires_grad=False)
         layer.quant_tensors = ("weight_scales",)
     else:
-        _finalize_int(layer, method, names)
+        _finalize_int(layer, method, names, device)
     method.pending.clear()
 
 
@@ -210,7 +214,7 @@ def _int_part(method: QuantizedWeights, i: int, where: str) -> IntGroups:
     return groups
 
 
-def _finalize_int(layer: nn.Module, method: QuantizedWeights, names: list[str]) -> None:
+def _finalize_int(layer: nn.Module, method: QuantizedWeights, names: list[str], device: torch.device) -> None:
     """Each part as GGUF blocks (its columns sorted by group), runs of parts sharing one
     column order as one unit of the matmul."""
     quants, rows, orders = [], [], []
@@ -220,7 +224,7 @@ def _finalize_int(layer: nn.Module, method: QuantizedWeights, names: list[str]) 
         quants.append(quant)
         rows.append(packed)
         orders.append(order)
-    _set_weight(layer, torch.cat([r.reshape(-1) for r in rows]))
+    _set_weight(layer, torch.cat([r.reshape(-1) for r in rows]), device)
     units, offset = [], 0
     for i in range(method.parts):
         if i == 0 or not _same_order(orders[i], orders[i - 1]):
@@ -235,7 +239,7 @@ def _finalize_int(layer: nn.Module, method: QuantizedWeights, names: list[str]) 
         name = None
         if order is not None:
             name = f"input_order_{u}"
-            layer.register_buffer(name, order)
+            layer.register_buffer(name, order.to(device))
             tensors.append(name)
         layer.int_units.append((name, parts))
     layer.quant_tensors = tuple(tensors)
@@ -245,14 +249,15 @@ def _same_order(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
 
-def _set_weight(layer: nn.Module, data: torch.Tensor) -> None:
-    layer.weight = nn.Parameter(data.contiguous(), requires_grad=False)
+def _set_weight(layer: nn.Module, data: torch.Tensor, device: torch.device) -> None:
+    layer.weight = nn.Parameter(data.to(device).contiguous(), requires_grad=False)
 
 
 @dataclass
-class _Unit:
-    """What GGUFMatmul reads of a layer, for one run of parts (no bias: the layer's is
-    added once, after every unit)."""
+class PackedUnit:
+    """What a GGUF matmul (gguf_quant.GGUFMatmul, on CUDA cuda_matmul.TritonGGUFMatmul)
+    reads of a layer, for one run of parts (no bias: the layer's is added once, after
+    every unit)."""
 
     in_features: int
     weight: torch.Tensor
@@ -263,12 +268,13 @@ class _Unit:
 
 class IntGroupMatmul:
     """x -> x W^T (+ b unless the layer reduces) over an AWQ/GPTQ layer's packed units
-    (module doc); `ops`, `x16_passes` as GGUFMatmul's."""
+    (module doc), each multiplied by `unit_matmul(unit)`."""
 
-    def __init__(self, layer: nn.Module, ops: Any, x16_passes: int = 0) -> None:
+    def __init__(self, layer: nn.Module,
+                 unit_matmul: Callable[[PackedUnit], Callable[[torch.Tensor], torch.Tensor]]) -> None:
         self.layer = layer
         self.with_bias = not getattr(layer, "reduce", False)
-        self.units = [(order, GGUFMatmul(_Unit(layer.in_features, layer.weight, parts), ops, x16_passes))
+        self.units = [(order, unit_matmul(PackedUnit(layer.in_features, layer.weight, parts)))
                       for order, parts in layer.int_units]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -279,7 +285,7 @@ class IntGroupMatmul:
 
 
 def quantized_matmul(layer: nn.Module, gguf_ops: Any, x16_passes: int, fp8_ops: Any) -> Any:
-    """The matmul of a finalized quantized layer."""
+    """The CPU matmul of a finalized quantized layer (on CUDA: cuda_matmul.cuda_quantized_matmul)."""
     if isinstance(layer.quant_method.scheme, FP8Scheme):
         return FP8Matmul(layer, fp8_ops)
-    return IntGroupMatmul(layer, gguf_ops, x16_passes)
+    return IntGroupMatmul(layer, lambda unit: GGUFMatmul(unit, gguf_ops, x16_passes))

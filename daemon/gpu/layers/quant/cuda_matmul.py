@@ -1,0 +1,111 @@
+"""Packed layers on CUDA: each matmul through the Triton kernel (triton_quant_mm), FP8
+per-channel weights through the FP8 tensor cores where they run W8A8 (fp8_scaled_mm).
+
+- A GGUF layer's parts, and an AWQ/GPTQ layer's (transcoded into Q4_0, Q5_0, Q8_0 at
+  load, quant_linear), are laid out as planes in place at attach time (gguf_planes: the
+  same bytes, so the memory account is unchanged) and multiplied by `TritonGGUFMatmul`.
+  A packed vocabulary table tied to the LM head shares its planes: its lookups read rows
+  back through them (gguf_planes.from_planes) and dequantize those (gguf_quant).
+- An FP8 layer (`TritonFP8Matmul`): W8A8 through torch._scaled_mm where
+  fp8_scaled_mm.w8a8_applies, else W8A16 through the Triton kernel.
+
+Types without a GPU kernel (Q2_K, Q3_K) never reach here: the loader refuses them by
+name on CUDA (loader.packed_params), `dequantize=True` loads them dense.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from llmd.gpu.layers.quant.fp8_scaled_mm import w8a8_applies, w8a8_matmul
+from llmd.gpu.layers.quant.gguf_planes import from_planes, plane_views, repack_part
+from llmd.gpu.layers.quant.quant_linear import IntGroupMatmul
+from llmd.gpu.layers.quant.scheme import FP8Scheme
+from llmd.gpu.layers.quant.triton_quant_mm import QuantWeight, quant_matmul
+
+
+def gguf_quant_weight(planes: torch.Tensor, quant: str, cols: int) -> QuantWeight:
+    """The kernel's view of packed rows laid out as planes (flat uint8)."""
+    views = plane_views(planes, quant, cols)
+    return QuantWeight(quant, views["qs"].shape[0], cols, views["qs"], views["d"], views.get("qh"), views.get("sc"),
+                       views.get("m"))
+
+
+def _with_bias(layer: nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out [rows, N] with the layer's bias (unless the layer reduces: added after), as x's leading shape."""
+    bias = None if getattr(layer, "reduce", False) else layer.bias
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class TritonGGUFMatmul:
+    """x -> x W^T (+ b unless the layer reduces) over a packed layer's parts (`layer`:
+    anything with in_features, weight, packed_parts, bias), each part laid out as
+    planes now if it is not yet."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.layer = layer
+        cols = layer.in_features
+        self.parts = [gguf_quant_weight(repack_part(layer.weight, part, cols), part.quant, cols)
+                      for part in layer.packed_parts]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.layer.in_features)
+        outs = [quant_matmul(rows, weight) for weight in self.parts]
+        return _with_bias(self.layer, x, outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1))
+
+
+class TritonFP8Matmul:
+    """x -> x W^T (+ b unless the layer reduces) over an FP8 layer's `weight` bytes and
+    `weight_scales` (module doc)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.layer = layer
+        weight, scales = layer.weight, layer.weight_scales
+        n, k = weight.shape
+        self.weight = QuantWeight("FP8", n, k, weight, scales, fp8_group=k // scales.shape[1])
+        self.w8a8: dict[torch.dtype, bool] = {}  # by activation dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        layer = self.layer
+        rows = x.reshape(-1, self.weight.k)
+        if rows.dtype not in self.w8a8:
+            self.w8a8[rows.dtype] = w8a8_applies(rows.device, rows.dtype, layer.weight, layer.weight_scales)
+        if self.w8a8[rows.dtype] and rows.shape[0] > 0:
+            out = w8a8_matmul(rows.contiguous(), layer.weight, layer.weight_scales)
+        else:
+            out = quant_matmul(rows, self.weight)
+        return _with_bias(layer, x, out)
+
+
+def cuda_quantized_matmul(layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The CUDA matmul of a finalized AWQ / GPTQ / FP8 layer (quant_linear.finalize)."""
+    if isinstance(layer.quant_method.scheme, FP8Scheme):
+        return TritonFP8Matmul(layer)
+    return IntGroupMatmul(layer, TritonGGUFMatmul)
+
+
+def attach_cuda_gguf_kernels(model: nn.Module, dtype: torch.dtype) -> int:
+    """Give every GGUF-packed layer of a CUDA model its Triton matmul and every packed
+    table the dtype its rows are dequantized to (read through the planes when the LM
+    head laid them out); returns how many modules are packed."""
+    packed = [m for m in model.modules() if getattr(m, "quant", None) is not None
+              and getattr(m, "quant_method", None) is None]
+    for module in packed:
+        if hasattr(module, "kernel"):
+            module.kernel = TritonGGUFMatmul(module)
+    for module in packed:  # after the linears: a tied LM head has laid the table out by now
+        if hasattr(module, "kernel"):
+            continue
+        module.compute_dtype = dtype
+        (table,) = module.packed_parts
+        if table.offset in getattr(module.weight, "plane_parts", frozenset()):
+            module.read_rows = _plane_reader(module)
+    return len(packed)
+
+
+def _plane_reader(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda ids: from_planes(module.weight, module.quant, module.in_features, ids)

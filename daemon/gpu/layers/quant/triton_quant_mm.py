@@ -1,0 +1,313 @@
+"""x [M, K] times a packed weight [N, K]^T on a GPU, the weight dequantized inside the
+matmul (W4A16 / W8A16: activations bf16, fp16 or fp32, fp32 accumulation): GGUF types
+from their planes (quant/gguf_planes.py; AWQ and GPTQ weights are transcoded into Q4_0,
+Q5_0 or Q8_0 at load, int_groups), and FP8 e4m3 bytes with float32 scales per row and
+group of columns (quant/fp8.py's FP8Rows; the fallback where no FP8 tensor core runs
+W8A8, quant/fp8_scaled_mm.py). One Triton kernel, one program per tile of M x N over a
+range of K tiles:
+
+- decode (M <= GEMV_MAX_ROWS): a GEMV, the dequantized tile times x by broadcast and sum
+  in fp32 (the weight never rounded to the activation dtype), and split-K: the K tiles
+  spread over enough programs to fill the GPU (N / BN programs alone leave most SMs
+  idle), their fp32 partial sums added by one torch sum after (deterministic, no atomics);
+- prefill: a tiled GEMM, the dequantized tile rounded to the activation dtype (as the
+  dequantized model's weight is) into `tl.dot` on the tensor cores, fp32 accumulate.
+
+A tile of BK columns reads its 4-bit values as BK / 2 bytes: byte j holds the weights of
+columns `lo(j)` (low nibble) and `lo(j) + PAIR` (high), ggml's order (PAIR 16 in a
+32-weight block, 32 in Q4_K/Q5_K, 64 in Q6_K), so the kernel multiplies two streams, x
+taken at `lo` and `lo + PAIR`. Scales come per group of GP columns of a stream (GP
+divides both the type's scale group and PAIR), one load per group. Every type computes
+`(q - zero) * scale + offset` in fp32 with gguf_quant.dequantize's operands (K-quant
+scales d * sc, offsets -dmin * m), so a GEMV equals x times that reference to fp32
+summation order. Shapes alone decide grids and nothing is read back to the host, so a
+launch can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from llmd.gpu.layers.gguf_quant import FORMATS
+
+FP8_CODE = 100  # the kernel's code for FP8 e4m3 rows (GGUF types: gguf_quant.FORMATS' codes)
+GEMV_MAX_ROWS = 4  # rows of x up to which the GEMV runs (above: the tl.dot GEMM)
+SPLIT_K_WAVES = 2  # a split-K launch aims at this many programs per SM
+# Whether the kernel runs in Triton's interpreter (decided when triton was imported). The
+# interpreter holds bf16 as uint16 bits and its tl.dot multiplies those
+# (triton-lang/triton#11584), so there a bf16 tile is widened to fp32 before the dot.
+INTERPRETED = bool(triton.knobs.runtime.interpret)
+
+# The type codes as the kernels compare them (a jit function reads only constexpr globals).
+_Q8_0, _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q4_K, _Q5_K, _Q6_K = (
+    tl.constexpr(FORMATS[q].code) for q in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"))
+_FP8 = tl.constexpr(FP8_CODE)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the kernel reads a type: 4-bit values in two streams (`nibbles`), `pair`
+    bytes apart in columns; `zero` subtracted from each value; scale groups of `gp`
+    columns per stream."""
+
+    code: int
+    nibbles: bool
+    pair: int
+    zero: int
+    gp: int
+
+
+LAYOUTS = {
+    "Q8_0": Layout(_Q8_0, False, 0, 0, 32),
+    "Q4_0": Layout(_Q4_0, True, 16, 8, 16),
+    "Q4_1": Layout(_Q4_1, True, 16, 0, 16),
+    "Q5_0": Layout(_Q5_0, True, 16, 16, 16),
+    "Q5_1": Layout(_Q5_1, True, 16, 0, 16),
+    "Q4_K": Layout(_Q4_K, True, 32, 0, 32),
+    "Q5_K": Layout(_Q5_K, True, 32, 0, 32),
+    "Q6_K": Layout(_Q6_K, True, 64, 32, 16),
+    # per-tensor and per-row scales are one group of K; block scales' columns are
+    # multiples of 16 (quant/scheme.py), so 16 columns never span two groups
+    "FP8": Layout(FP8_CODE, False, 0, 0, 16),
+}
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """One packed weight [n, k] as the kernel reads it: `qs` the values [n, ...], `qh`
+    high bits, `sc` sub-block scales, `d` the scales, `m` the offsets (Q4_1 / Q5_1's m,
+    the K-quants' dmin), each None where the type has none; `fp8_group` the columns per
+    FP8 scale."""
+
+    quant: str
+    n: int
+    k: int
+    qs: torch.Tensor
+    d: torch.Tensor
+    qh: torch.Tensor | None = None
+    sc: torch.Tensor | None = None
+    m: torch.Tensor | None = None
+    fp8_group: int = 0
+
+
+@triton.jit
+def _e4m3(b):
+    """float32 of e4m3 bytes (int32 0..255): sign, 4 exponent bits biased by 7, 3
+    mantissa bits; subnormal below exponent 1; 0x7F and 0xFF NaN."""
+    e = (b >> 3) & 0xF
+    mantissa = b & 7
+    normal = (((b & 0x80) << 24) | ((e + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+    sub = mantissa.to(tl.float32) * 0.001953125  # mantissa / 8 * 2^-6
+    sub = tl.where((b & 0x80) != 0, -sub, sub)
+    nan = (b * 0 + 0x7FC00000).to(tl.float32, bitcast=True)
+    return tl.where((b & 0x7F) == 0x7F, nan, tl.where(e == 0, sub, normal))
+
+
+@triton.jit
+def _with_high_bits(q, k, rn, nmask, kmask, QH, stride_qh, QUANT: tl.constexpr):
+    """4-bit values q [BN, H] of columns k [H] with their high bits (Q5_x: one, Q6_K: two)."""
+    mask = nmask[:, None] & kmask[None, :]
+    row = QH + rn[:, None] * stride_qh
+    if QUANT == _Q5_0 or QUANT == _Q5_1:  # a little-endian bit field per row: bit k % 8 of byte k / 8
+        h = tl.load(row + (k // 8)[None, :], mask=mask, other=0).to(tl.int32)
+        q = q | (((h >> (k % 8)[None, :]) & 1) << 4)
+    elif QUANT == _Q5_K:  # per 256: bit (k % 256) / 32 of byte k % 32
+        h = tl.load(row + ((k // 256) * 32 + k % 32)[None, :], mask=mask, other=0).to(tl.int32)
+        q = q | (((h >> ((k % 256) // 32)[None, :]) & 1) << 4)
+    elif QUANT == _Q6_K:  # per 256: bits 2 ((k % 128) / 32) of byte 32 ((k % 256) / 128) + k % 32
+        h = tl.load(row + ((k // 256) * 64 + ((k % 256) // 128) * 32 + k % 32)[None, :], mask=mask,
+                    other=0).to(tl.int32)
+        q = q | (((h >> (2 * ((k % 128) // 32)))[None, :] & 3) << 4)
+    return q
+
+
+@triton.jit
+def _group_scales(kg, rn, nmask, K, SC, D, MN, stride_sc, stride_d, stride_m, fp8_group,
+                  QUANT: tl.constexpr):
+    """(scale, offset) fp32 [BN, NG] of the groups starting at columns kg [NG]."""
+    mask = nmask[:, None] & (kg < K)[None, :]
+    rows_d = D + rn[:, None] * stride_d
+    offset = tl.zeros(mask.shape, tl.float32)
+    if QUANT == _FP8:
+        scale = tl.load(rows_d + (kg // fp8_group)[None, :], mask=mask, other=0.0)
+    elif QUANT == _Q4_K or QUANT == _Q5_K:
+        s = kg // 256
+        j = (kg % 256) // 32  # the sub-block: 6-bit scale and min packed in 12 bytes (gguf_quant._scale_min_k4)
+        d = tl.load(rows_d + s[None, :], mask=mask, other=0.0).to(tl.float32)
+        dmin = tl.load(MN + rn[:, None] * stride_m + s[None, :], mask=mask, other=0.0).to(tl.float32)
+        packed = SC + rn[:, None] * stride_sc + (s * 12)[None, :]
+        low = j < 4
+        b0 = tl.load(packed + tl.where(low, j, j - 4)[None, :], mask=mask, other=0).to(tl.int32)
+        b1 = tl.load(packed + tl.where(low, j + 4, j)[None, :], mask=mask, other=0).to(tl.int32)
+        b2 = tl.load(packed + tl.where(low, j, j + 4)[None, :], mask=mask, other=0).to(tl.int32)
+        sc = tl.where(low[None, :], b0 & 63, (b2 & 0xF) | ((b0 >> 6) << 4))
+        mn = tl.where(low[None, :], b1 & 63, (b2 >> 4) | ((b1 >> 6) << 4))
+        scale = d * sc.to(tl.float32)
+        offset = -(dmin * mn.to(tl.float32))
+    elif QUANT == _Q6_K:
+        d = tl.load(rows_d + (kg // 256)[None, :], mask=mask, other=0.0).to(tl.float32)
+        sc = tl.load(SC + rn[:, None] * stride_sc + (kg // 16)[None, :], mask=mask, other=0).to(tl.float32)
+        scale = d * sc
+    else:  # 32-weight blocks
+        scale = tl.load(rows_d + (kg // 32)[None, :], mask=mask, other=0.0).to(tl.float32)
+        if QUANT == _Q4_1 or QUANT == _Q5_1:
+            offset = tl.load(MN + rn[:, None] * stride_m + (kg // 32)[None, :], mask=mask, other=0.0).to(tl.float32)
+    return scale, offset
+
+
+@triton.jit
+def _dequantized(q, kg, rn, nmask, K, SC, D, MN, stride_sc, stride_d, stride_m, fp8_group,
+                 QUANT: tl.constexpr, ZERO: tl.constexpr, BN: tl.constexpr, H: tl.constexpr, GP: tl.constexpr):
+    """fp32 weights [BN, H] of one stream's values q (int32 [BN, H]); kg [H / GP] the
+    first column of each group of GP."""
+    scale, offset = _group_scales(kg, rn, nmask, K, SC, D, MN, stride_sc, stride_d, stride_m, fp8_group, QUANT)
+    q3 = tl.reshape(q, [BN, H // GP, GP])
+    if QUANT == _FP8:
+        v = _e4m3(q3)
+    else:
+        v = (q3 - ZERO).to(tl.float32)
+    return tl.reshape(v * scale[:, :, None] + offset[:, :, None], [BN, H])
+
+
+@triton.jit
+def _accumulate(acc, x, w, DOT: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc [BM, BN] + x [BM, H] times w [BN, H]^T."""
+    if DOT:
+        if DOT_F32:  # the interpreter's bf16 (INTERPRETED): w rounded to bf16 (to nearest even, on the
+            # bits: the interpreter's own conversion truncates), multiplied in fp32
+            bits = w.to(tl.int32, bitcast=True)
+            w = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+            acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
+        elif IEEE:
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+    else:
+        acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+    return acc
+
+
+@triton.jit
+def _quant_mm_kernel(X, OUT, QS, QH, SC, D, MN, M, N, K, stride_xm, stride_om, stride_os,
+                     stride_qs, stride_qh, stride_sc, stride_d, stride_m, fp8_group, tiles_per_split,
+                     QUANT: tl.constexpr, NIBBLES: tl.constexpr, PAIR: tl.constexpr, ZERO: tl.constexpr,
+                     GP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, H: tl.constexpr,
+                     DOT: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr, PARTIAL: tl.constexpr):
+    pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    mmask, nmask = rm < M, rn < N
+    j = tl.arange(0, H)
+    jg = tl.arange(0, H // GP) * GP  # the first byte of each scale group of a stream
+    acc = tl.zeros([BM, BN], tl.float32)
+    first = pid_s * tiles_per_split
+    last = tl.minimum(first + tiles_per_split, tl.cdiv(K, BK))
+    for t in range(first, last):
+        k0 = t * BK
+        if NIBBLES:
+            klo = k0 + (j // PAIR) * (2 * PAIR) + j % PAIR
+            kg = k0 + (jg // PAIR) * (2 * PAIR) + jg % PAIR
+            byte = k0 // 2 + j
+        else:
+            klo = k0 + j
+            kg = k0 + jg
+            byte = k0 + j
+        kmask = klo < K  # whole blocks: a high nibble's column is in range when its low one is
+        raw = tl.load(QS + rn[:, None] * stride_qs + byte[None, :], mask=nmask[:, None] & kmask[None, :],
+                      other=0).to(tl.int32)
+        q = raw
+        if NIBBLES:
+            q = raw & 0xF
+        q = _with_high_bits(q, klo, rn, nmask, kmask, QH, stride_qh, QUANT)
+        w = _dequantized(q, kg, rn, nmask, K, SC, D, MN, stride_sc, stride_d, stride_m, fp8_group,
+                         QUANT, ZERO, BN, H, GP)
+        x = tl.load(X + rm[:, None] * stride_xm + klo[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        acc = _accumulate(acc, x, w, DOT, IEEE, DOT_F32)
+        if NIBBLES:
+            khi = klo + PAIR
+            q = _with_high_bits(raw >> 4, khi, rn, nmask, kmask, QH, stride_qh, QUANT)
+            w = _dequantized(q, kg + PAIR, rn, nmask, K, SC, D, MN, stride_sc, stride_d, stride_m, fp8_group,
+                             QUANT, ZERO, BN, H, GP)
+            x = tl.load(X + rm[:, None] * stride_xm + khi[None, :], mask=mmask[:, None] & kmask[None, :],
+                        other=0.0)
+            acc = _accumulate(acc, x, w, DOT, IEEE, DOT_F32)
+    out = OUT + pid_s * stride_os + rm[:, None] * stride_om + rn[None, :]
+    mask = mmask[:, None] & nmask[None, :]
+    if PARTIAL:
+        tl.store(out, acc, mask=mask)
+    else:
+        tl.store(out, acc.to(OUT.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """A launch's tile: rows of x, rows of the weight, columns; GEMV or tl.dot."""
+
+    bm: int
+    bn: int
+    bk: int
+    dot: bool
+
+
+def tiles_for(rows: int) -> Tiles:
+    """The tile for `rows` rows of x (module doc). BK 128 is a whole number of every
+    type's value pairs (2 PAIR <= 128) and a multiple of 16 (FP8's groups)."""
+    if rows <= GEMV_MAX_ROWS:
+        return Tiles(max(2, triton.next_power_of_2(rows)), 32, 128, False)
+    return Tiles(16 if rows <= 16 else 32 if rows <= 32 else 64, 64, 128, True)
+
+
+def split_count(programs: int, k_tiles: int, sm_count: int) -> int:
+    """Splits of K for a launch of `programs` tiles (module doc): enough to give every SM
+    SPLIT_K_WAVES programs, at most one split per K tile; 1 without an SM count."""
+    if sm_count <= 0 or programs >= sm_count * SPLIT_K_WAVES:
+        return 1
+    return max(1, min(k_tiles, sm_count * SPLIT_K_WAVES // programs))
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (0 elsewhere: the interpreter takes no split)."""
+    if device.type != "cuda":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def quant_matmul(x: torch.Tensor, weight: QuantWeight, split_k: int | None = None) -> torch.Tensor:
+    """x [M, K] (bf16, fp16 or fp32) times `weight`^T -> [M, N] in x's dtype; `split_k`
+    forces the number of K splits (tests; None: split_count's choice)."""
+    if x.dim() != 2 or x.shape[1] != weight.k:
+        raise ValueError(f"x of shape {tuple(x.shape)} does not multiply a [{weight.n}, {weight.k}] weight")
+    rows = x.shape[0]
+    out = torch.empty(rows, weight.n, dtype=x.dtype, device=x.device)
+    if rows == 0 or weight.n == 0:
+        return out
+    x = x if x.stride(1) == 1 else x.contiguous()
+    layout, tiles = LAYOUTS[weight.quant], tiles_for(rows)
+    grid_m, grid_n = triton.cdiv(rows, tiles.bm), triton.cdiv(weight.n, tiles.bn)
+    k_tiles = triton.cdiv(weight.k, tiles.bk)
+    splits = split_k if split_k is not None else split_count(grid_m * grid_n, k_tiles, sm_count(x.device))
+    per_split = triton.cdiv(k_tiles, max(1, min(splits, k_tiles)))
+    splits = triton.cdiv(k_tiles, per_split)  # no empty split
+    target = out if splits == 1 else torch.empty(splits, rows, weight.n, dtype=torch.float32, device=x.device)
+    qs = weight.qs
+    planes = [p if p is not None else qs for p in (weight.qh, weight.sc, weight.d, weight.m)]
+    strides = [p.stride(0) if p.dim() == 2 else 0 for p in planes]
+    _quant_mm_kernel[(grid_m, grid_n, splits)](
+        x, target, qs, *planes, rows, weight.n, weight.k, x.stride(0), target.stride(-2),
+        target.stride(0) if splits > 1 else 0, qs.stride(0), *strides, max(1, weight.fp8_group), per_split,
+        QUANT=layout.code, NIBBLES=layout.nibbles, PAIR=layout.pair, ZERO=layout.zero, GP=layout.gp,
+        BM=tiles.bm, BN=tiles.bn, BK=tiles.bk,
+        H=tiles.bk // 2 if layout.nibbles else tiles.bk, DOT=tiles.dot, IEEE=x.dtype == torch.float32,
+        DOT_F32=INTERPRETED and x.dtype == torch.bfloat16, PARTIAL=splits > 1)
+    if splits > 1:
+        out.copy_(target.sum(0))
+    return out

@@ -1,0 +1,110 @@
+"""GPU only (skipped without CUDA): quantized checkpoints loaded packed on CUDA (the
+Triton kernels, quant/cuda_matmul.py) compute what the same files dequantized at load
+compute on CUDA — GGUF files of every GPU type (a tied vocabulary read back through its
+planes, a projection mixing K-quants), AWQ and GPTQ checkpoints (on one rank), FP8 per
+channel (W8A8 on Hopper in bf16, W8A16 in fp32) — and a packed GGUF served by the engine
+generates the dequantized run's greedy tokens. The kernels themselves are checked
+against independent dequantizers in test_triton_quant.py (interpreted everywhere,
+compiled here).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from gguf_fixtures import write_gguf
+from llmd import LLM, SamplingParams
+from llmd.gpu.layers.attention import AttentionMetadata, new_model_kv_caches
+from llmd.gpu.layers.attention_backends import metadata_builder
+from llmd.gpu.layers.quant.cuda_matmul import TritonFP8Matmul, TritonGGUFMatmul
+from llmd.gpu.layers.quant.quant_linear import IntGroupMatmul
+from llmd.gpu.models.loader import load_model
+from test_gguf import hf_dirs  # noqa: F401
+from test_quantized_checkpoints import checkpoints  # noqa: F401
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+CUDA = torch.device("cuda")
+TOKENS = [1, 7, 42, 99, 3, 250, 17, 8, 8, 64, 5, 11, 90, 2, 33, 71, 18]  # 17 rows: the tl.dot path
+
+
+def _logits(model, tokens: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """Logits of a prefill of `tokens` (17 rows: the GEMM path) and of one decode step
+    after it (1 row: the GEMV), float32 [len(tokens) + 1, vocab]."""
+    caches = new_model_kv_caches(model, 8, 16, dtype, CUDA)
+    n = len(tokens)
+    table = torch.arange(8, device=CUDA)
+    builder = metadata_builder(model, 16, CUDA)
+    md = AttentionMetadata(torch.arange(n, device=CUDA), 0, None, None, [(0, n, 0, table)])
+    builder.build(md)
+    with torch.no_grad():
+        hidden = model(torch.tensor(tokens, device=CUDA), torch.arange(n, device=CUDA), caches, md)
+        prefill = model.compute_logits(hidden)
+        md = AttentionMetadata(torch.tensor([n], device=CUDA), 0, None, None, [(0, 1, n, table)])  # one new token
+        builder.build(md)
+        decode = model.compute_logits(model(torch.tensor([tokens[-1]], device=CUDA), torch.tensor([n], device=CUDA),
+                                            caches, md))
+    return torch.cat([prefill, decode]).float()
+
+
+def _kernels(model) -> set[type]:
+    return {type(m.kernel) for m in model.modules() if getattr(m, "kernel", None) is not None
+            and getattr(m, "quant", None) is not None}
+
+
+def _close(packed: torch.Tensor, dense: torch.Tensor, rel: float) -> None:
+    err = ((packed - dense).norm() / dense.norm()).item()
+    assert err <= rel, f"relative error {err:.2e} > {rel:.0e}"
+
+
+@pytest.mark.parametrize("name,quant", [("llama", T.Q8_0), ("llama", T.Q4_0), ("llama-tied", T.Q4_1),
+                                        ("llama", T.Q5_0), ("llama", T.Q5_1)])
+def test_a_packed_gguf_on_cuda_computes_what_its_dequantized_weights_do(hf_dirs, tmp_path, name, quant):  # noqa: F811
+    path = write_gguf(hf_dirs(name), tmp_path / f"{name}.gguf", quant)
+    packed = load_model(path, torch.float32, CUDA, 128)
+    dense = load_model(path, torch.float32, CUDA, 128, dequantize=True)
+    assert _kernels(packed) == {TritonGGUFMatmul}
+    _close(_logits(packed, TOKENS, torch.float32), _logits(dense, TOKENS, torch.float32), 1e-4)
+
+
+def test_k_quant_mixes_on_cuda_compute_what_their_dequantized_weights_do(hf_dirs, tmp_path):  # noqa: F811
+    path = write_gguf(hf_dirs("llama-256"), tmp_path / "k.gguf", T.Q8_0, k_quant_types=(T.Q4_K, T.Q6_K, T.Q5_K))
+    for dtype, rel in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
+        packed = load_model(path, dtype, CUDA, 128)
+        dense = load_model(path, dtype, CUDA, 128, dequantize=True)
+        _close(_logits(packed, TOKENS, dtype), _logits(dense, TOKENS, dtype), rel)
+
+
+@pytest.mark.parametrize("case", ["awq-llama-g32", "gptq4-asym-v2-act-order", "fp8-channel-qwen3"])
+def test_quantized_checkpoints_on_cuda_compute_what_their_dequantized_weights_do(checkpoints, case):  # noqa: F811
+    path = checkpoints(case)
+    packed = load_model(path, torch.float32, CUDA, 128)
+    dense = load_model(path, torch.float32, CUDA, 128, dequantize=True)
+    assert _kernels(packed) <= {IntGroupMatmul, TritonFP8Matmul} and _kernels(packed)
+    _close(_logits(packed, TOKENS, torch.float32), _logits(dense, TOKENS, torch.float32), 1e-4)
+
+
+def test_fp8_in_bf16_runs_w8a8_on_hopper_within_activation_rounding(checkpoints):  # noqa: F811
+    """bf16 on compute capability 9.0: activations quantized to e4m3 per token
+    (fp8_scaled_mm): close to the dequantized run, not equal."""
+    path = checkpoints("fp8-channel-qwen3")
+    packed = load_model(path, torch.bfloat16, CUDA, 128)
+    dense = load_model(path, torch.bfloat16, CUDA, 128, dequantize=True)
+    _close(_logits(packed, TOKENS, torch.bfloat16), _logits(dense, TOKENS, torch.bfloat16), 0.1)
+
+
+def test_a_packed_gguf_served_on_cuda_generates_the_dequantized_runs_tokens(hf_dirs, tmp_path):  # noqa: F811
+    """The engine (CUDA graphs, the Triton attention backend) on a packed Q4_0 file:
+    greedy tokens of the dequantized run, in fp32."""
+    path = write_gguf(hf_dirs("llama-tied"), tmp_path / "tied.gguf", T.Q4_0)
+    settings = dict(device="cuda", dtype="float32", num_gpu_blocks_override=64, max_model_len=256)
+    prompts = [TOKENS[:5], TOKENS[3:14]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for dequantize in (False, True):
+        llm = LLM(model=str(path), dequantize=dequantize, **settings)
+        try:
+            outputs[dequantize] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        finally:
+            llm.engine.shutdown()
+    assert outputs[False] == outputs[True]
