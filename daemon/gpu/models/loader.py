@@ -265,10 +265,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     naming the tensor (packed_params); from an AWQ, GPTQ or FP8 safetensors checkpoint
     every quantized module stays packed, on any number of ranks, on CPU or CUDA
     (quant_plan). `dequantize`: every weight is dequantized instead, as a GGUF's are
-    with tensor parallelism
-    (each rank dequantizes a tensor whole and its layers keep their share). On CPU its
-    dense linear layers run on oneDNN-packed weights (cpu_linear) and its torch attention
-    layers decode through the C++ paged kernel (cpu_kernels)."""
+    with tensor parallelism (each rank dequantizes a tensor whole and its layers keep
+    their share). Then its kernels are attached (_attach_kernels)."""
     config = load_hf_config(model_dir)
     gguf = is_gguf_path(model_dir)
     scheme = None if gguf else quant_scheme(config)
@@ -305,14 +303,21 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
         release_gguf_readers()  # the model holds its own copy of every weight: the file's map closes
     model.eval()
     model.requires_grad_(False)
-    finalize_quantized(model, dtype, device)  # AWQ / GPTQ / FP8 layers packed for their kernels
+    _attach_kernels(model, dtype, device, packed_gguf=bool(plan))
+    return model
+
+
+def _attach_kernels(model: nn.Module, dtype: torch.dtype, device: torch.device, packed_gguf: bool) -> None:
+    """The loaded model's fast paths: its AWQ / GPTQ / FP8 layers packed for their
+    kernels; on CPU oneDNN-packed dense weights and the C++ decode attention; a GGUF's
+    packed weights with the C++ kernels (CPU) or the Triton ones (CUDA)."""
+    finalize_quantized(model, dtype, device)
     if device.type == "cpu":
         pack_linears(model)  # oneDNN's blocked weights: faster GEMMs than MKL's on plain ones (cpu_linear)
         attach_cpu_kernels(model)  # decode attention over the paged cache in place (cpu_kernels)
-    if plan and device.type == "cuda":
+    if packed_gguf and device.type == "cuda":
         from llmd.gpu.layers.quant.cuda_matmul import attach_cuda_gguf_kernels
 
         attach_cuda_gguf_kernels(model, dtype)  # the Triton kernels, over planes laid out in place
-    elif plan:
+    elif packed_gguf:
         attach_gguf_kernels(model, dtype)
-    return model
