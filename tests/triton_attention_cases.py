@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 from kernel_runs import script_device
 
-from llmd.gpu.layers.attention import AttentionMetadata, TorchAttention, build_decode_mask
+from llmd.gpu.layers.attention import AttentionMetadata, TorchAttention, build_decode_mask, write_kv
+from llmd.gpu.layers.kv_quant import KVScales, dequantize, kv_cache_format, quantize
 
 DEVICE = torch.device("cpu")  # where the cases run (main sets it from --device)
 
@@ -44,6 +45,15 @@ class Case:
     table_blocks: int | None = None
     sliding_window: int | None = None  # the layer's window (None: full attention)
     softcap: float | None = None  # the layer's attention logit soft-cap (None: none)
+    # A quantized cache (kv_quant) and the layer's scales: the reference is then the
+    # torch backend over the dequantized cache and quantized-dequantized K/V.
+    kv_cache_dtype: str = "auto"
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+    @property
+    def kv_scales(self) -> KVScales:
+        return KVScales(self.k_scale, self.v_scale)
 
 
 MIXED_DECODES = (1, 17, 45, 5)
@@ -83,6 +93,25 @@ CASES.update({
     "softcap-sliding-mixed-bf16": Case(8, 2, decodes=MIXED_DECODES, prefills=MIXED_PREFILLS, dtype="bfloat16",
                                        sliding_window=12, softcap=2.0),
 })
+# Quantized caches: random K/V of std 1 reach ~4.5; int8 scales that clip the largest
+# (0.03: |x| > 3.8), fp8 scales below and above 1 (values shifted into e4m3's subnormal
+# range by 4.0, clamped at 448 * 0.008 = 3.6).
+CASES.update({
+    "fp8-mixed": Case(8, 2, decodes=MIXED_DECODES, prefills=MIXED_PREFILLS, kv_cache_dtype="fp8", k_scale=0.008,
+                      v_scale=4.0),
+    "fp8-mixed-bf16": Case(8, 2, decodes=MIXED_DECODES, prefills=MIXED_PREFILLS, dtype="bfloat16",
+                           kv_cache_dtype="fp8_e4m3"),
+    "int8-mixed": Case(8, 2, decodes=MIXED_DECODES, prefills=MIXED_PREFILLS, kv_cache_dtype="int8", k_scale=0.03,
+                       v_scale=0.05),
+    "int8-mixed-fp16": Case(8, 2, decodes=MIXED_DECODES, prefills=MIXED_PREFILLS, dtype="float16",
+                            kv_cache_dtype="int8", k_scale=0.04, v_scale=0.04),
+    "fp8-decode-split3-padded": Case(4, 1, decodes=(70, 5, 33), pad_rows=2, table_blocks=6, decode_splits=3,
+                                     kv_cache_dtype="fp8", k_scale=0.5, v_scale=0.25),
+    "int8-sliding-softcap-bf16": Case(8, 2, decodes=MIXED_DECODES, prefills=MIXED_PREFILLS, dtype="bfloat16",
+                                      sliding_window=12, softcap=2.0, kv_cache_dtype="int8", k_scale=0.035,
+                                      v_scale=0.035),
+})
+QUANTIZED_CASES = [name for name, case in CASES.items() if case.kv_cache_dtype != "auto"]
 for _group in (1, 4, 8):
     for _bs in (16, 32):
         CASES[f"mixed-gqa{_group}-bs{_bs}"] = Case(8, 8 // _group, decodes=MIXED_DECODES,
@@ -171,6 +200,10 @@ def build(case: Case, seed: int = 0):
     k = randn(tokens, case.kv_heads, case.head_dim)
     v = randn(tokens, case.kv_heads, case.head_dim)
     kv_cache = randn(2, case.kv_heads, num_blocks, case.block_size, case.head_dim)
+    fmt = kv_cache_format(case.kv_cache_dtype)
+    if fmt is not None:  # stored values everywhere (random bytes would hold e4m3 NaNs)
+        scales = case.kv_scales
+        kv_cache = torch.stack([quantize(kv_cache[0], fmt, scales.k_inv), quantize(kv_cache[1], fmt, scales.v_inv)])
     # Padded rows have the same token and position, so the same K/V for their one slot.
     if case.pad_rows:
         real = len(case.decodes)
@@ -179,14 +212,40 @@ def build(case: Case, seed: int = 0):
     return q, k, v, kv_cache, md
 
 
+def layer_args(case: Case) -> tuple:
+    return case.heads, case.kv_heads, case.head_dim, case.head_dim ** -0.5, case.sliding_window, case.softcap
+
+
+def quantized_reference(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                        md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, cache) a layer over a quantized cache must give: the output of the torch
+    reference over a cache in the model's dtype holding the dequantized values, with the
+    step's K/V quantized and dequantized by torch (kv_quant.quantize: torch's own float8
+    conversion, or round-and-clamp); the cache as torch's quantized write leaves it."""
+    fmt, scales = kv_cache_format(case.kv_cache_dtype), case.kv_scales
+    dtype = q.dtype
+    plain = torch.stack([dequantize(kv_cache[0], fmt, scales.k, dtype), dequantize(kv_cache[1], fmt, scales.v, dtype)])
+    k_seen = dequantize(quantize(k, fmt, scales.k_inv), fmt, scales.k, dtype)
+    v_seen = dequantize(quantize(v, fmt, scales.v_inv), fmt, scales.v, dtype)
+    out = attend(TorchAttention(*layer_args(case)), q, k_seen, v_seen, plain, md)
+    written = kv_cache.clone()
+    write_kv(written, k, v, md.slot_mapping, scales)
+    return out, written
+
+
 def run_case(case: Case) -> dict[str, float]:
     from llmd.gpu.layers.triton_attention import TritonAttention
 
     q, k, v, kv_cache, md = build(case)
-    args = (case.heads, case.kv_heads, case.head_dim, case.head_dim ** -0.5, case.sliding_window, case.softcap)
-    ref_cache = kv_cache.clone()
-    ref = attend(TorchAttention(*args), q, k, v, ref_cache, md)
-    out = attend(TritonAttention(*args, decode_splits=case.decode_splits), q, k, v, kv_cache, md)
+    args = layer_args(case)
+    if case.kv_cache_dtype != "auto":
+        ref, ref_cache = quantized_reference(case, q, k, v, kv_cache, md)
+    else:
+        ref_cache = kv_cache.clone()
+        ref = attend(TorchAttention(*args), q, k, v, ref_cache, md)
+    layer = TritonAttention(*args, decode_splits=case.decode_splits)
+    layer.kv_scales = case.kv_scales
+    out = attend(layer, q, k, v, kv_cache, md)
     return {"out_err": (out.float() - ref.float()).abs().max().item(),
             "cache_err": (kv_cache.float() - ref_cache.float()).abs().max().item(),
             "tol": TOLERANCE[case.dtype]}
