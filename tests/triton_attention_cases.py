@@ -251,10 +251,24 @@ def run_case(case: Case) -> dict[str, float]:
             "tol": TOLERANCE[case.dtype]}
 
 
-def run_model(model_dir: str, tol: float = 1e-4) -> dict[str, float]:
+def fill_cache(runner, seed: int = 2) -> None:
+    """Random values in every layer's cache (a quantized one: stored with the layer's
+    scales, which the runner calibrated when it made the cache)."""
+    fill = torch.Generator().manual_seed(seed)
+    for cache, layer in zip(runner.kv_caches, runner.model.layers):
+        values = torch.randn(cache.shape, generator=fill)
+        if runner.kv_format is not None:
+            scales = layer.self_attn.attn.kv_scales
+            values = torch.stack([quantize(values[0], runner.kv_format, scales.k_inv),
+                                  quantize(values[1], runner.kv_format, scales.v_inv)])
+        cache.copy_(values)
+
+
+def run_model(model_dir: str, tol: float = 1e-4, kv_cache_dtype: str = "auto") -> dict[str, float]:
     """Two model runners on the same checkpoint, RunnerSettings attention_backend "torch"
     and "triton": one mixed step over the same random cache gives the same hidden states
-    and leaves the same cache in every layer."""
+    and leaves the same cache in every layer (a quantized cache: the same stored values,
+    each at most one step apart where the two backends' K/V differ in their last bits)."""
     from llmd.gpu.worker.model_runner import ModelRunner
     from llmd.gpu.worker.runner_types import RunnerSettings
     from llmd.gpu.layers.triton_attention import TritonAttention
@@ -264,24 +278,26 @@ def run_model(model_dir: str, tol: float = 1e-4) -> dict[str, float]:
     hidden, caches = {}, {}
     for backend in ("torch", "triton"):
         settings = RunnerSettings(block_size=16, max_model_len=256, valid_vocab_size=1024, eos_token_id=None,
-                                  seed=0, attention_backend=backend)
+                                  seed=0, attention_backend=backend, kv_cache_dtype=kv_cache_dtype)
         runner = ModelRunner(model_dir, settings, DEVICE, torch.float32)
         attn = runner.model.layers[0].self_attn.attn
         assert isinstance(attn, TritonAttention) == (backend == "triton"), type(attn)
         windows = [layer.self_attn.attn.sliding_window for layer in runner.model.layers]
         softcaps = [layer.self_attn.attn.softcap for layer in runner.model.layers]
         runner.initialize_kv_cache(num_blocks)
-        fill = torch.Generator().manual_seed(2)
-        for cache in runner.kv_caches:
-            cache.copy_(torch.randn(cache.shape, generator=fill))
+        fill_cache(runner)
         ids = torch.randint(runner.vocab_size, positions.shape, generator=torch.Generator().manual_seed(3))
         with torch.inference_mode():
             runner.attention_metadata.build(md)
             hidden[backend] = runner.model(ids.to(DEVICE), positions, runner.kv_caches, md)
         caches[backend] = torch.stack(runner.kv_caches)
+        if runner.kv_format is not None:  # stored values as numbers (e4m3 magnitudes count up with the value)
+            raw = caches[backend].long()
+            caches[backend] = torch.where(raw >= 0x80, 0x80 - raw, raw) if runner.kv_format.code == 1 else raw
+    cache_tol = tol if kv_cache_dtype == "auto" else 1  # a quantized cache: one stored step
     return {"out_err": (hidden["triton"] - hidden["torch"]).abs().max().item(),
             "cache_err": (caches["triton"] - caches["torch"]).abs().max().item(),
-            "tol": tol, "windows": windows, "softcaps": softcaps}
+            "tol": tol, "cache_tol": cache_tol, "windows": windows, "softcaps": softcaps}
 
 
 def run_model_graph(model_dir: str, tol: float = 1e-4) -> dict[str, float]:
@@ -343,6 +359,9 @@ def main(args: list[str]) -> None:
             del args[i:i + 2]
             tol = tolerances[suffix]
             jobs[f"model{suffix}"] = lambda d=model_dir, t=tol: run_model(d, t)
+            if not suffix:  # tiny-llama with a quantized cache (scales calibrated by each runner)
+                jobs["model-fp8"] = lambda d=model_dir: run_model(d, 1e-4, "fp8")
+                jobs["model-int8"] = lambda d=model_dir: run_model(d, 1e-4, "int8")
             jobs[f"model-graph{suffix}"] = lambda d=model_dir, t=tol: run_model_graph(d, t)
     for name in args or list(CASES):
         jobs[name] = lambda case=CASES[name]: run_case(case)
