@@ -216,6 +216,12 @@ def runs(tiny_llama) -> dict[str, dict]:
                         "top": [max(pos, key=lambda t: pos[t].logprob) for _, pos in positions]}
         finally:
             llm.engine.shutdown()
+    llm = LLM(model=str(tiny_llama), device="cpu", dtype="float32", max_model_len=256, num_gpu_blocks_override=64,
+              kv_cache_dtype="fp8", speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    try:
+        runs["fp8-ngram"] = {"first": [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)]}
+    finally:
+        llm.engine.shutdown()
     return runs
 
 
@@ -246,3 +252,33 @@ def test_a_prefix_cache_hit_reads_what_a_fresh_prefill_computed(runs, kv: str) -
     stored K/V whether they were computed in the step or read back."""
     assert runs[kv]["hits"] > 0
     assert runs[kv]["first"] == runs[kv]["again"]
+
+
+def test_speculative_decoding_verifies_over_a_quantized_cache(runs) -> None:
+    """n-gram speculation with an fp8 cache: the verify rows (several new tokens over the
+    cached context, a prefill row to the kernels) read the same stored K/V as the plain
+    decode steps, so greedy output is the same text."""
+    assert runs["fp8-ngram"]["first"] == runs["fp8"]["first"]
+
+
+def test_the_daemon_takes_the_flag_and_status_shows_the_format(tiny_llama, tmp_path) -> None:
+    """`llmd serve --kv-cache-dtype fp8`: the status reply and `llmctl status` say what
+    the cache stores; a bad value stops the daemon with the field's name."""
+    from daemon_util import Daemon, RawConn
+
+    from llmd_client.llmctl import format_status
+    from llmd_client.protocol import StatusReply
+
+    d = Daemon(str(tiny_llama), tmp_path / "kv.sock", "--kv-cache-dtype", "fp8").wait_ready()
+    try:
+        with RawConn(d.sock) as conn:
+            conn.send({"type": "status"})
+            reply = conn.recv()
+        assert reply["kv_cache_dtype"] == "fp8_e4m3"
+        assert reply["models"][0]["kv_cache_dtype"] == "fp8_e4m3"
+        assert "blocks (0.0%), fp8_e4m3" in format_status(msgspec.convert(reply, StatusReply))
+    finally:
+        assert d.stop() == 0, d.log.read_text()
+    bad = Daemon(str(tiny_llama), tmp_path / "bad.sock", "--kv-cache-dtype", "fp4")
+    assert bad.proc.wait(timeout=60) != 0
+    assert "kv-cache-dtype" in bad.log.read_text()

@@ -61,7 +61,7 @@ def _triton_problem(device: torch.device) -> str | None:
     return None
 
 
-def _flash_problem(device: torch.device, block_size: int, dtype: torch.dtype, kv_cache_dtype: str) -> str | None:
+def _flash_problem(device: torch.device, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> str | None:
     from llmd.gpu.layers.flash_attention import FLASH_PAGE_MULTIPLE, flash_varlen
 
     try:

@@ -1,5 +1,5 @@
-"""A quantized KV cache in Triton kernels: the element conversions that the attention
-kernels (triton_attention) and the fused K/V write (fused_ops_triton) share. Their
+"""A quantized KV cache in Triton kernels: the element conversions and the tile read that
+the attention kernels (triton_attention) and the fused K/V write (fused_ops_triton) share. Their
 contract is kv_quant's torch reference, bit for bit on the write side.
 
 KV_MODE, a compile-time switch of every kernel that touches the cache: 0 the cache holds
@@ -80,3 +80,16 @@ def kv_values(raw, KV_MODE: tl.constexpr):
     else:
         out = raw.to(tl.float16)
     return out
+
+
+@triton.jit
+def kv_tiles(k_cache, v_cache, slot, offs_d, k_ok, d_ok, q_dtype, KV_MODE: tl.constexpr):
+    """The attention kernels' read of one tile of the cache: the keys [D, BLOCK_N]
+    (transposed) and values [BLOCK_N, D] at `slot` (offsets of each key's row), a
+    quantized cache's widened to the query's dtype `q_dtype` (before its scales)."""
+    k_t = tl.load(k_cache + slot[None, :] + offs_d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0)
+    v = tl.load(v_cache + slot[:, None] + offs_d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0)
+    if KV_MODE != 0:
+        k_t = kv_values(k_t, KV_MODE).to(q_dtype)
+        v = kv_values(v, KV_MODE).to(q_dtype)
+    return k_t, v

@@ -30,10 +30,8 @@ Keys are visited BLOCK_N at a time whatever the cache block size: key i lives in
 table[i // block_size], slot i % block_size. Softmax is online, in fp32, in base 2 (the
 scale is folded with log2(e), after the cap when there is one).
 
-A quantized cache (KV_MODE, compile-time: kv_quant_triton) is written through the layer's
-reciprocal scales, and read as exact small numbers (kv_values) in the query's dtype:
-k_scale is folded into the score scale and v_scale into the output, so the inner loop
-gains one widening per element and no multiply.
+A quantized cache (KV_MODE, compile-time: kv_quant_triton) is read as exact small numbers
+in the query's dtype, k_scale folded into the score scale and v_scale into the output.
 """
 from __future__ import annotations
 
@@ -43,7 +41,7 @@ import triton.language as tl
 
 from llmd.gpu.layers.attention import AttentionLayer, AttentionMetadata, MetadataBuilder
 from llmd.gpu.layers.kv_quant import cache_format
-from llmd.gpu.layers.kv_quant_triton import kv_encode, kv_mode, kv_values, stored_unit
+from llmd.gpu.layers.kv_quant_triton import kv_encode, kv_mode, kv_tiles, stored_unit
 
 # Whether the kernels below run in Triton's interpreter. Decided when they were
 # decorated (this module's import), from TRITON_INTERPRET.
@@ -139,11 +137,7 @@ def _attend(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_ch, stride_cs,
         k_ok = keys < key_hi
         block = tl.load(table_ptr + keys // BLOCK_SIZE, mask=k_ok, other=0)
         slot = cache_head + (block * BLOCK_SIZE + keys % BLOCK_SIZE) * stride_cs
-        k_t = tl.load(k_cache + slot[None, :] + offs_d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0)
-        v = tl.load(v_cache + slot[:, None] + offs_d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0)
-        if KV_MODE != 0:
-            k_t = kv_values(k_t, KV_MODE).to(q_dtype)
-            v = kv_values(v, KV_MODE).to(q_dtype)
+        k_t, v = kv_tiles(k_cache, v_cache, slot, offs_d, k_ok, d_ok, q_dtype, KV_MODE)
         if DOT_F32:
             k_t = k_t.to(tl.float32)
         s = tl.dot(q, k_t, input_precision=PRECISION) * scale_log2
@@ -300,7 +294,6 @@ class TritonAttention(AttentionLayer):
     def metadata_builder(layers: list[AttentionLayer], block_size: int, device: torch.device) -> MetadataBuilder:
         return TritonMetadataBuilder(device)
 
-
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None, softcap: float | None = None,
                  decode_splits: int | None = None) -> None:
@@ -329,8 +322,7 @@ class TritonAttention(AttentionLayer):
         q = _unit_last(q)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         out = torch.empty_like(q)
-        fmt, scales = cache_format(kv_cache), self.kv_scales
-        mode = kv_mode(fmt)
+        fmt, scales, mode = cache_format(kv_cache), self.kv_scales, kv_mode(cache_format(kv_cache))
         if q.shape[0] and not kv_written:
             k, v = _unit_last(k), _unit_last(v)
             _write_kv[(q.shape[0],)](k, v, k_cache, v_cache, md.slot_mapping, k.stride(0), k.stride(1),
@@ -347,10 +339,8 @@ class TritonAttention(AttentionLayer):
         cache_args = (k_cache, v_cache)
         strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), kv_cache.stride(1), kv_cache.stride(3))
         # With a cap, scores go to base 2 after the tanh (see _attend). A quantized cache's
-        # scales are folded in: q.k times k_scale, the output times v_scale (each times the
-        # unit its widened elements are short of).
-        k_mult = scales.k * stored_unit(fmt) if fmt is not None else 1.0
-        v_mult = scales.v * stored_unit(fmt) if fmt is not None else 1.0
+        # scales (times the unit its widened elements are short of) multiply q.k and the output.
+        k_mult, v_mult = (1.0, 1.0) if fmt is None else (scales.k * stored_unit(fmt), scales.v * stored_unit(fmt))
         scale_log2 = (self.scale * LOG2E if self.softcap is None else self.scale / self.softcap) * k_mult
         window = self.sliding_window or 0  # read only by SLIDING kernels
         cap_log2 = float(self.softcap or 0.0) * LOG2E  # read only by SOFTCAP kernels
