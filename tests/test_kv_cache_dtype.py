@@ -282,3 +282,18 @@ def test_the_daemon_takes_the_flag_and_status_shows_the_format(tiny_llama, tmp_p
     bad = Daemon(str(tiny_llama), tmp_path / "bad.sock", "--kv-cache-dtype", "fp4")
     assert bad.proc.wait(timeout=60) != 0
     assert "kv-cache-dtype" in bad.log.read_text()
+
+
+def test_the_benchmark_runs_every_setting(tiny_llama, capsys, monkeypatch) -> None:
+    """tools/bench_kv_cache_dtype (docs/benchmarks.md's figures) at a tiny size: the
+    bytes per token of each setting and one timed decode call over each cache."""
+    from llmd_tools import bench_kv_cache_dtype
+
+    monkeypatch.setattr("sys.argv", ["bench", "--model", str(tiny_llama), "--dtype", "float32", "--device", "cpu",
+                                     "--batch", "2", "--context", "40", "--heads", "4", "--kv-heads", "2",
+                                     "--rounds", "1", "--calls", "1", "--threads", "1", "--clock", "cpu"])
+    bench_kv_cache_dtype.main()
+    out = capsys.readouterr().out
+    per_token = {line.split()[0]: int(line.split()[1]) for line in out.splitlines() if "B/token" in line}
+    assert per_token["auto"] == 4 * per_token["fp8"] == 4 * per_token["int8"]
+    assert all(f"  {s} " in out and "ms/call" in out for s in ("auto", "fp8", "int8"))

@@ -31,6 +31,9 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
 #include <type_traits>
 #include <vector>
 
@@ -43,18 +46,54 @@ using llmd_cpu_vec::lane_sum;
 using llmd_cpu_vec::widen;
 
 
+// n e4m3 bytes as float32: sixteen at a time with AVX-512 (llmd_e4m3::x16), eight with
+// AVX2 (the same bit move into fp16s), the rest through the table.
+inline void widen_e4m3(const uint8_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 unit = _mm512_set1_ps(llmd_e4m3::kUnscale);
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, _mm512_mul_ps(llmd_e4m3::x16(src + i), unit));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256 unit = _mm256_set1_ps(256.f);
+  for (; i + 8 <= n; i += 8) {
+    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)));
+    const __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
+    const __m128i magnitude = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7);
+    _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(sign, magnitude)), unit));
+  }
+#endif
+  const auto& table = llmd_e4m3::table();
+  for (; i < n; ++i) dst[i] = table[src[i]];
+}
+
+// n int8 as float32 (vector widening where the ISA has it).
+inline void widen_int8(const int8_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  for (; i + 16 <= n; i += 16) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm512_storeu_ps(dst + i, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)));
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  for (; i + 8 <= n; i += 8) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
 // `rows` cached rows of width d as float32: in place for float, else widened into buf
-// (e4m3 bytes through their table, int8 as integers).
+// (e4m3 bytes and int8 as their values, before the scales).
 template <typename T>
 inline const float* float_rows(const T* src, int64_t rows, int64_t d, float* buf) {
   if constexpr (std::is_same_v<T, float>) {
     return src;
   } else if constexpr (std::is_same_v<T, uint8_t>) {
-    const auto& table = llmd_e4m3::table();
-    for (int64_t i = 0; i < rows * d; ++i) buf[i] = table[src[i]];
+    widen_e4m3(src, buf, rows * d);
     return buf;
   } else if constexpr (std::is_same_v<T, int8_t>) {
-    for (int64_t i = 0; i < rows * d; ++i) buf[i] = static_cast<float>(src[i]);
+    widen_int8(src, buf, rows * d);
     return buf;
   } else {
     widen(src, buf, rows * d);
