@@ -22,7 +22,7 @@ is the worker's business (kv_calibration).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -79,25 +79,22 @@ def f32(x: float) -> float:
 
 @dataclass(frozen=True)
 class KVScales:
-    """One layer's scales (float32 values): read = stored * k (or v)."""
+    """One layer's scales (float32 values): read = stored * k (or v); the writes
+    multiply by k_inv (v_inv), the float32 reciprocals, taken once here."""
 
     k: float = 1.0
     v: float = 1.0
+    k_inv: float = field(init=False)
+    v_inv: float = field(init=False)
 
     def __post_init__(self) -> None:
         for name, value in (("k", self.k), ("v", self.v)):
             if not (np.isfinite(value) and value > 0):
                 raise ValueError(f"a KV cache {name}_scale must be a positive finite number, got {value!r}")
-        object.__setattr__(self, "k", f32(self.k))
-        object.__setattr__(self, "v", f32(self.v))
-
-    @property
-    def k_inv(self) -> float:
-        return f32(1.0 / self.k)
-
-    @property
-    def v_inv(self) -> float:
-        return f32(1.0 / self.v)
+        for name in ("k", "v"):
+            value = f32(getattr(self, name))
+            object.__setattr__(self, name, value)
+            object.__setattr__(self, f"{name}_inv", f32(1.0 / value))
 
 
 UNIT_SCALES = KVScales()
