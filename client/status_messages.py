@@ -75,6 +75,9 @@ class ModelStatus(msgspec.Struct, kw_only=True):
     num_waiting: int = 0  # admitted and queued, plus requests waiting for the model to load
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
+    # What the KV cache stores per element while loaded: the model's dtype ("bfloat16"),
+    # or a quantized format ("fp8_e4m3", "int8": the engine setting kv_cache_dtype).
+    kv_cache_dtype: str = ""
     keep_alive_s: float | None = None  # how long it stays once idle (None: for ever)
     expires_at: float | None = None  # Unix time it will be unloaded (idle, with a finite keep_alive)
     last_used: float | None = None  # Unix time its last request ended (None: never used)
@@ -95,6 +98,7 @@ class StatusReply(msgspec.Struct, tag="status_reply", kw_only=True):
     kv_blocks_used: int
     kv_usage: float
     prefix_cache_hit_rate: float
+    kv_cache_dtype: str = ""  # the default model's (ModelStatus.kv_cache_dtype)
     generation_tokens_per_s: float
     prompt_tokens_total: int
     generation_tokens_total: int

@@ -8,6 +8,10 @@ from typing import Any, Literal
 import msgspec
 
 
+# The kv_cache_dtype values (llmd.gpu.layers.kv_quant reads them; this module imports no torch).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
+
+
 class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Speculative decoding (vLLM's names). "ngram": drafts are the tokens that followed
     the most recent earlier occurrence of the last n tokens (prompt_lookup_max down to
@@ -60,6 +64,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Paged attention kernels: "auto" (on CUDA flash_attn when installed and block_size
     # fits it, else triton when it imports, else torch).
     attention_backend: Literal["auto", "torch", "triton", "flash_attn"] = "auto"
+    # KV cache elements (vLLM's name and values): "auto" the model's dtype; "fp8" (or
+    # "fp8_e4m3") one float8 e4m3 byte, "int8" one int8, each scaled per layer (see
+    # docs/models.md): twice (bf16) or four times (fp32) the tokens in the same memory.
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "int8"] = "auto"
     # CPU: torch intra-op threads for the model (per TP rank). None: all cores (split
     # between ranks). Fewer than the cores leaves room for other work: with OpenMP,
     # threads competing with other busy processes make every op wait a time slice.
@@ -141,6 +149,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             check(self.cpu_threads >= 1, "cpu_threads", f"must be >= 1, got {self.cpu_threads}")
         check(self.attention_backend in ("auto", "torch", "triton", "flash_attn"), "attention_backend",
               f"must be 'auto', 'torch', 'triton' or 'flash_attn', got {self.attention_backend!r}")
+        check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+              f"must be one of {', '.join(repr(d) for d in KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        check(self.kv_cache_dtype == "auto" or self.attention_backend != "flash_attn", "kv_cache_dtype",
+              f"{self.kv_cache_dtype!r} is not read by attention_backend 'flash_attn' (flash-attn 2 takes K/V in the "
+              "model's dtype only): use 'auto' or 'triton'")
         check(1 <= self.max_logprobs <= 20, "max_logprobs", "must be in [1, 20]")
         if self.matryoshka_dimensions is not None:
             check(bool(self.matryoshka_dimensions) and all(d >= 1 for d in self.matryoshka_dimensions),
@@ -174,6 +187,8 @@ SETTING_HELP: dict[str, str] = {
     "enforce_eager": "No CUDA graphs (slower; for debugging).",
     "async_scheduling": "Schedule the next step while the model runs this one.",
     "attention_backend": "Paged attention kernels; auto: flash-attn or Triton on CUDA, PyTorch on CPU.",
+    "kv_cache_dtype": "KV cache elements: auto (the model's dtype), fp8 / fp8_e4m3 or int8 (one byte each, "
+                      "scaled per layer: 2x-4x the tokens in the same memory).",
     "cpu_threads": "CPU: torch threads for the model per rank (default: all cores).",
     "dequantize": "GGUF, AWQ, GPTQ, FP8: dequantize every weight at load instead of running them packed (more "
                   "memory; loads what llmd has no packed kernel for, e.g. IQ4_NL, quantized MoE experts, CUDA).",
@@ -191,6 +206,14 @@ SETTING_HELP: dict[str, str] = {
                       "worker is killed and replaced (mp); 0: no deadline.",
     "step_timeout_per_token_s": "Extra step deadline per scheduled token (see step_timeout_s).",
 }
+
+
+def resolved_kv_cache_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
+    """What a KV cache of setting `kv_cache_dtype` stores for a model in `model_dtype`
+    (a name such as "bfloat16"): that dtype for "auto", "fp8_e4m3" for "fp8"."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    return "fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype
 
 
 def load_engine_config(**settings: Any) -> EngineConfig:

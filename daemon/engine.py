@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from llmd.config import EngineConfig
+from llmd.config import EngineConfig, resolved_kv_cache_dtype
 from llmd.detokenizer.output_processor import OutputProcessor
 from llmd.core.engine_core import EngineCore, Idle
 from llmd.engine_setup import num_kv_blocks, prepare_model
@@ -69,6 +69,8 @@ class LLMEngine:
         self._runner_settings = setup.runner_settings
         self._progress = progress
         executor = self._make_executor()
+        # What the KV cache stores per element: the model's dtype, or a quantized format.
+        self.kv_cache_dtype = resolved_kv_cache_dtype(config.kv_cache_dtype, str(self.dtype).removeprefix("torch."))
         self.num_blocks = self._start_kv_cache(executor, progress)
         self._progress = None  # a restarted executor does not report a load
         structured = StructuredOutputManager(GrammarCompilerService(
@@ -110,7 +112,7 @@ class LLMEngine:
         bytes_per_block = executor.kv_cache_bytes_per_block()
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, %s); max_model_len %d",
                     num_blocks, self.config.block_size, num_blocks * self.config.block_size,
-                    num_blocks * bytes_per_block / 2**20, self.dtype, self.max_model_len)
+                    num_blocks * bytes_per_block / 2**20, self.kv_cache_dtype, self.max_model_len)
         return num_blocks
 
     # What tests and tools look at; the core owns them.

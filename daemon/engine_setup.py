@@ -104,6 +104,7 @@ def _runner_settings(config: EngineConfig, hf_config: Any, tokenizer: Any, max_m
                           valid_vocab_size=min(len(tokenizer), hf_config.vocab_size),
                           eos_token_id=tokenizer.eos_token_id, seed=config.seed,
                           cpu_threads=config.cpu_threads, attention_backend=config.attention_backend,
+                          kv_cache_dtype=config.kv_cache_dtype,
                           dequantize=config.dequantize,
                           draft_model=draft_model,
                           num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,

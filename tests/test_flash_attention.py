@@ -217,6 +217,13 @@ def test_flash_attn_choice_and_refusals(fake_flash) -> None:
     assert "float16 or bfloat16, not float32" in attention_backends._flash_problem(cuda, BS, torch.float32)
     with pytest.raises(ValueError, match="head_dim a multiple of 8 up to 256, not 12"):
         FlashAttention(4, 2, 12, 0.3)
+    # A quantized KV cache: "auto" goes past flash-attn, which refuses it by name.
+    assert resolve_attention_backend("auto", cuda, BS, torch.bfloat16, "fp8") in ("triton", "torch")
+    with pytest.raises(ValueError, match="reads no quantized KV cache \\(kv_cache_dtype 'int8'"):
+        resolve_attention_backend("flash_attn", cuda, BS, torch.bfloat16, "int8")
+    layer = FlashAttention(4, 2, 64, 0.125)
+    with pytest.raises(ValueError, match="does not read a quantized KV cache"):
+        layer(torch.zeros(1, 4, 64), None, None, torch.zeros(2, 2, 1, BS, 64, dtype=torch.uint8), None, kv_written=True)
 
 
 def test_flash_attn_missing_or_too_old(monkeypatch) -> None:

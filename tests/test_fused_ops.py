@@ -35,6 +35,7 @@ from kernel_runs import DEVICES, case_result, run_case_scripts, script_device
 
 from llmd.gpu.layers import fused_ops
 from llmd.gpu.layers.fused_ops import FUSED_OPS_ENV, UNFUSED, LayerOps, attention_inputs_reference, layer_ops
+from llmd.gpu.layers.kv_quant import INT8, UNIT_SCALES, KVScales, kv_cache_format, quantize
 from llmd.gpu.layers.norms import GemmaRMSNorm, RMSNorm
 
 TOLERANCE = {"float32": (1e-5, 1e-5, 1.0), "bfloat16": (1e-5, 2.0 ** -7, 0.02)}  # atol, rtol, mismatch share
@@ -96,7 +97,7 @@ def act_case(tokens: int, inter: int, dtype: str, activation: str) -> dict:
 
 
 def qkv_case(tokens: int, heads: int, kv_heads: int, head_dim: int, rotary_dim: int, dtype: str,
-             qk_norm: type[RMSNorm] | None) -> dict:
+             qk_norm: type[RMSNorm] | None, kv_cache_dtype: str = "auto") -> dict:
     """One layer's attention inputs: q against the reference's, and the cache: the K and
     V of the named slots as the reference wrote them, every other element untouched. A
     padding row (slot -1) writes nothing; the step's slots are scattered over the pool."""
@@ -112,17 +113,22 @@ def qkv_case(tokens: int, heads: int, kv_heads: int, head_dim: int, rotary_dim: 
     norms = (None, None) if qk_norm is None else (_norm(qk_norm, head_dim, dt, gen), _norm(qk_norm, head_dim, dt, gen))
     blocks, block_size = tokens // 4 + 3, 4
     cache = _randn(gen, 2, kv_heads, blocks, block_size, head_dim, dtype=dt)
+    fmt = kv_cache_format(kv_cache_dtype)
+    scales = UNIT_SCALES if fmt is None else KVScales(0.03, 0.02) if fmt is INT8 else KVScales(0.5, 0.01)
+    if fmt is not None:  # a quantized cache (int8 clips |K| > 3.8; fp8's V scale lifts |V| < 0.16 from subnormals)
+        cache = quantize(cache, fmt, 1.0)
     slots = torch.randperm(blocks * block_size, generator=gen)[:tokens]
     if tokens > 1:
         slots[tokens // 2] = -1
     slots = slots.to(DEVICE)
     fused_cache = cache.clone()
     kernel_norm = None if qk_norm is None else (norms[0].weight, norms[1].weight, 1e-6, norms[0].gemma_scale)
-    q = fused_ops_triton.qkv_rope_cache(qkv, heads, kv_heads, head_dim, cos, sin, fused_cache, slots, kernel_norm)
+    q = fused_ops_triton.qkv_rope_cache(qkv, heads, kv_heads, head_dim, cos, sin, fused_cache, slots, kernel_norm,
+                                        scales)
     real = slots >= 0
     ref_cache = cache.clone()
     ref_q = attention_inputs_reference(qkv[real], heads, kv_heads, head_dim, *norms, cos[real], sin[real], ref_cache,
-                                       slots[real])
+                                       slots[real], scales)
     result = compare(q[real], ref_q, dtype)
     flat = (2, kv_heads, blocks * block_size, head_dim)
     named = torch.zeros(blocks * block_size, dtype=torch.bool, device=DEVICE)
@@ -130,9 +136,23 @@ def qkv_case(tokens: int, heads: int, kv_heads: int, head_dim: int, rotary_dim: 
     fused_flat, ref_flat, old_flat = (c.view(flat) for c in (fused_cache, ref_cache, cache))
     result["untouched_changed"] = (fused_flat[:, :, ~named] != old_flat[:, :, ~named]).sum().item()
     result["v_mismatch"] = (fused_flat[1][:, named] != ref_flat[1][:, named]).sum().item()
+    if fmt is not None:  # K rounds where the reference's rounds: at most the next stored value over
+        steps = (_stored_rank(fused_flat[0][:, named], fmt) - _stored_rank(ref_flat[0][:, named], fmt)).abs()
+        result["k_excess"] = steps.max().item() - 1
+        result["k_mismatch"] = (steps != 0).float().mean().item()
+        return result
     k_result = compare(fused_flat[0][:, named], ref_flat[0][:, named], dtype)
     result["k_excess"], result["k_mismatch"] = k_result["excess"], k_result["mismatch"]
     return result
+
+
+def _stored_rank(raw: torch.Tensor, fmt) -> torch.Tensor:
+    """A quantized cache's elements as ordinals in their values' order (an e4m3 byte is
+    sign and magnitude: its magnitude bits count up with the value)."""
+    if fmt is INT8:
+        return raw.long()
+    magnitude = (raw & 0x7F).long()
+    return torch.where(raw >= 0x80, -magnitude, magnitude)
 
 
 def _model_step(model_dir: str, fused: bool, dtype: torch.dtype, backend: str = "triton"
@@ -201,6 +221,11 @@ def kernel_cases() -> dict[str, Callable[[], dict]]:
         "qkv-d64-gqa2-bf16-t3": (3, 4, 2, 64, 64, "bfloat16", None),
         "qkv-d80-partial-qknorm-bf16-t17": (17, 4, 2, 80, 48, "bfloat16", RMSNorm),
         "qkv-d96-gemma-bf16-t17": (17, 3, 1, 96, 96, "bfloat16", GemmaRMSNorm),
+        # Into a quantized cache (kv_cache_dtype): torch's quantizer's bytes.
+        "qkv-d64-gqa2-fp32-t17-fp8": (17, 4, 2, 64, 64, "float32", None, "fp8"),
+        "qkv-d80-mha-qknorm-fp32-t3-int8": (3, 2, 2, 80, 80, "float32", RMSNorm, "int8"),
+        "qkv-d80-partial-qknorm-bf16-t17-fp8": (17, 4, 2, 80, 48, "bfloat16", RMSNorm, "fp8"),
+        "qkv-d64-gqa2-bf16-t3-int8": (3, 4, 2, 64, 64, "bfloat16", None, "int8"),
     }
     for name, args in qkv.items():
         cases[name] = lambda args=args: qkv_case(*args)

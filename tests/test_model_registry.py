@@ -208,6 +208,9 @@ def test_the_estimate_is_the_weights_on_disk_plus_the_kv_setting(tiny_llama):
     engine = EngineConfig(model=str(tiny_llama), num_gpu_blocks_override=128, block_size=16)
     assert shape.weights_bytes == size
     assert estimate_need(engine, shape, "cpu", available_ram=0) == {"cpu": size + 128 * 16 * per_token}
+    for kv in ("fp8", "int8"):  # one byte per element (kv_cache_dtype)
+        engine = EngineConfig(model=str(tiny_llama), num_gpu_blocks_override=128, block_size=16, kv_cache_dtype=kv)
+        assert estimate_need(engine, shape, "cpu", available_ram=0) == {"cpu": size + 128 * 16 * per_token // 4}
     engine = EngineConfig(model=str(tiny_llama), kv_cache_memory_bytes=GIB, tensor_parallel_size=2)
     assert estimate_need(engine, shape, "cuda", available_ram=0) == \
         {"cuda:0": (size // 2) // 2 + GIB // 2, "cuda:1": (size // 2) // 2 + GIB // 2}  # bf16 on CUDA

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 from kernel_runs import script_device
 
-from llmd.gpu.layers.attention import AttentionMetadata, TorchAttention, build_decode_mask
+from llmd.gpu.layers.attention import AttentionMetadata, TorchAttention, build_decode_mask, write_kv
+from llmd.gpu.layers.kv_quant import KVScales, dequantize, kv_cache_format, quantize
 
 DEVICE = torch.device("cpu")  # where the cases run (main sets it from --device)
 
@@ -44,6 +45,15 @@ class Case:
     table_blocks: int | None = None
     sliding_window: int | None = None  # the layer's window (None: full attention)
     softcap: float | None = None  # the layer's attention logit soft-cap (None: none)
+    # A quantized cache (kv_quant) and the layer's scales: the reference is then the
+    # torch backend over the dequantized cache and quantized-dequantized K/V.
+    kv_cache_dtype: str = "auto"
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+    @property
+    def kv_scales(self) -> KVScales:
+        return KVScales(self.k_scale, self.v_scale)
 
 
 MIXED_DECODES = (1, 17, 45, 5)
@@ -83,6 +93,25 @@ CASES.update({
     "softcap-sliding-mixed-bf16": Case(8, 2, decodes=MIXED_DECODES, prefills=MIXED_PREFILLS, dtype="bfloat16",
                                        sliding_window=12, softcap=2.0),
 })
+# Quantized caches: random K/V of std 1 reach ~4.5; int8 scales that clip the largest
+# (0.03: |x| > 3.8), fp8 scales below and above 1 (values shifted into e4m3's subnormal
+# range by 4.0, clamped at 448 * 0.008 = 3.6).
+CASES.update({
+    "fp8-mixed": Case(8, 2, decodes=MIXED_DECODES, prefills=MIXED_PREFILLS, kv_cache_dtype="fp8", k_scale=0.008,
+                      v_scale=4.0),
+    "fp8-mixed-bf16": Case(8, 2, decodes=MIXED_DECODES, prefills=MIXED_PREFILLS, dtype="bfloat16",
+                           kv_cache_dtype="fp8_e4m3"),
+    "int8-mixed": Case(8, 2, decodes=MIXED_DECODES, prefills=MIXED_PREFILLS, kv_cache_dtype="int8", k_scale=0.03,
+                       v_scale=0.05),
+    "int8-mixed-fp16": Case(8, 2, decodes=MIXED_DECODES, prefills=MIXED_PREFILLS, dtype="float16",
+                            kv_cache_dtype="int8", k_scale=0.04, v_scale=0.04),
+    "fp8-decode-split3-padded": Case(4, 1, decodes=(70, 5, 33), pad_rows=2, table_blocks=6, decode_splits=3,
+                                     kv_cache_dtype="fp8", k_scale=0.5, v_scale=0.25),
+    "int8-sliding-softcap-bf16": Case(8, 2, decodes=MIXED_DECODES, prefills=MIXED_PREFILLS, dtype="bfloat16",
+                                      sliding_window=12, softcap=2.0, kv_cache_dtype="int8", k_scale=0.035,
+                                      v_scale=0.035),
+})
+QUANTIZED_CASES = [name for name, case in CASES.items() if case.kv_cache_dtype != "auto"]
 for _group in (1, 4, 8):
     for _bs in (16, 32):
         CASES[f"mixed-gqa{_group}-bs{_bs}"] = Case(8, 8 // _group, decodes=MIXED_DECODES,
@@ -171,6 +200,10 @@ def build(case: Case, seed: int = 0):
     k = randn(tokens, case.kv_heads, case.head_dim)
     v = randn(tokens, case.kv_heads, case.head_dim)
     kv_cache = randn(2, case.kv_heads, num_blocks, case.block_size, case.head_dim)
+    fmt = kv_cache_format(case.kv_cache_dtype)
+    if fmt is not None:  # stored values everywhere (random bytes would hold e4m3 NaNs)
+        scales = case.kv_scales
+        kv_cache = torch.stack([quantize(kv_cache[0], fmt, scales.k_inv), quantize(kv_cache[1], fmt, scales.v_inv)])
     # Padded rows have the same token and position, so the same K/V for their one slot.
     if case.pad_rows:
         real = len(case.decodes)
@@ -179,23 +212,63 @@ def build(case: Case, seed: int = 0):
     return q, k, v, kv_cache, md
 
 
+def layer_args(case: Case) -> tuple:
+    return case.heads, case.kv_heads, case.head_dim, case.head_dim ** -0.5, case.sliding_window, case.softcap
+
+
+def quantized_reference(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                        md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, cache) a layer over a quantized cache must give: the output of the torch
+    reference over a cache in the model's dtype holding the dequantized values, with the
+    step's K/V quantized and dequantized by torch (kv_quant.quantize: torch's own float8
+    conversion, or round-and-clamp); the cache as torch's quantized write leaves it."""
+    fmt, scales = kv_cache_format(case.kv_cache_dtype), case.kv_scales
+    dtype = q.dtype
+    plain = torch.stack([dequantize(kv_cache[0], fmt, scales.k, dtype), dequantize(kv_cache[1], fmt, scales.v, dtype)])
+    k_seen = dequantize(quantize(k, fmt, scales.k_inv), fmt, scales.k, dtype)
+    v_seen = dequantize(quantize(v, fmt, scales.v_inv), fmt, scales.v, dtype)
+    out = attend(TorchAttention(*layer_args(case)), q, k_seen, v_seen, plain, md)
+    written = kv_cache.clone()
+    write_kv(written, k, v, md.slot_mapping, scales)
+    return out, written
+
+
 def run_case(case: Case) -> dict[str, float]:
     from llmd.gpu.layers.triton_attention import TritonAttention
 
     q, k, v, kv_cache, md = build(case)
-    args = (case.heads, case.kv_heads, case.head_dim, case.head_dim ** -0.5, case.sliding_window, case.softcap)
-    ref_cache = kv_cache.clone()
-    ref = attend(TorchAttention(*args), q, k, v, ref_cache, md)
-    out = attend(TritonAttention(*args, decode_splits=case.decode_splits), q, k, v, kv_cache, md)
+    args = layer_args(case)
+    if case.kv_cache_dtype != "auto":
+        ref, ref_cache = quantized_reference(case, q, k, v, kv_cache, md)
+    else:
+        ref_cache = kv_cache.clone()
+        ref = attend(TorchAttention(*args), q, k, v, ref_cache, md)
+    layer = TritonAttention(*args, decode_splits=case.decode_splits)
+    layer.kv_scales = case.kv_scales
+    out = attend(layer, q, k, v, kv_cache, md)
     return {"out_err": (out.float() - ref.float()).abs().max().item(),
             "cache_err": (kv_cache.float() - ref_cache.float()).abs().max().item(),
             "tol": TOLERANCE[case.dtype]}
 
 
-def run_model(model_dir: str, tol: float = 1e-4) -> dict[str, float]:
+def fill_cache(runner, seed: int = 2) -> None:
+    """Random values in every layer's cache (a quantized one: stored with the layer's
+    scales, which the runner calibrated when it made the cache)."""
+    fill = torch.Generator().manual_seed(seed)
+    for cache, layer in zip(runner.kv_caches, runner.model.layers):
+        values = torch.randn(cache.shape, generator=fill)
+        if runner.kv_format is not None:
+            scales = layer.self_attn.attn.kv_scales
+            values = torch.stack([quantize(values[0], runner.kv_format, scales.k_inv),
+                                  quantize(values[1], runner.kv_format, scales.v_inv)])
+        cache.copy_(values)
+
+
+def run_model(model_dir: str, tol: float = 1e-4, kv_cache_dtype: str = "auto") -> dict[str, float]:
     """Two model runners on the same checkpoint, RunnerSettings attention_backend "torch"
     and "triton": one mixed step over the same random cache gives the same hidden states
-    and leaves the same cache in every layer."""
+    and leaves the same cache in every layer (a quantized cache: the same stored values,
+    each at most one step apart where the two backends' K/V differ in their last bits)."""
     from llmd.gpu.worker.model_runner import ModelRunner
     from llmd.gpu.worker.runner_types import RunnerSettings
     from llmd.gpu.layers.triton_attention import TritonAttention
@@ -205,24 +278,26 @@ def run_model(model_dir: str, tol: float = 1e-4) -> dict[str, float]:
     hidden, caches = {}, {}
     for backend in ("torch", "triton"):
         settings = RunnerSettings(block_size=16, max_model_len=256, valid_vocab_size=1024, eos_token_id=None,
-                                  seed=0, attention_backend=backend)
+                                  seed=0, attention_backend=backend, kv_cache_dtype=kv_cache_dtype)
         runner = ModelRunner(model_dir, settings, DEVICE, torch.float32)
         attn = runner.model.layers[0].self_attn.attn
         assert isinstance(attn, TritonAttention) == (backend == "triton"), type(attn)
         windows = [layer.self_attn.attn.sliding_window for layer in runner.model.layers]
         softcaps = [layer.self_attn.attn.softcap for layer in runner.model.layers]
         runner.initialize_kv_cache(num_blocks)
-        fill = torch.Generator().manual_seed(2)
-        for cache in runner.kv_caches:
-            cache.copy_(torch.randn(cache.shape, generator=fill))
+        fill_cache(runner)
         ids = torch.randint(runner.vocab_size, positions.shape, generator=torch.Generator().manual_seed(3))
         with torch.inference_mode():
             runner.attention_metadata.build(md)
             hidden[backend] = runner.model(ids.to(DEVICE), positions, runner.kv_caches, md)
         caches[backend] = torch.stack(runner.kv_caches)
+        if runner.kv_format is not None:  # stored values as numbers (e4m3 magnitudes count up with the value)
+            raw = caches[backend].long()
+            caches[backend] = torch.where(raw >= 0x80, 0x80 - raw, raw) if runner.kv_format.code == 1 else raw
+    cache_tol = tol if kv_cache_dtype == "auto" else 1  # a quantized cache: one stored step
     return {"out_err": (hidden["triton"] - hidden["torch"]).abs().max().item(),
             "cache_err": (caches["triton"] - caches["torch"]).abs().max().item(),
-            "tol": tol, "windows": windows, "softcaps": softcaps}
+            "tol": tol, "cache_tol": cache_tol, "windows": windows, "softcaps": softcaps}
 
 
 def run_model_graph(model_dir: str, tol: float = 1e-4) -> dict[str, float]:
@@ -284,6 +359,9 @@ def main(args: list[str]) -> None:
             del args[i:i + 2]
             tol = tolerances[suffix]
             jobs[f"model{suffix}"] = lambda d=model_dir, t=tol: run_model(d, t)
+            if not suffix:  # tiny-llama with a quantized cache (scales calibrated by each runner)
+                jobs["model-fp8"] = lambda d=model_dir: run_model(d, 1e-4, "fp8")
+                jobs["model-int8"] = lambda d=model_dir: run_model(d, 1e-4, "int8")
             jobs[f"model-graph{suffix}"] = lambda d=model_dir, t=tol: run_model_graph(d, t)
     for name in args or list(CASES):
         jobs[name] = lambda case=CASES[name]: run_case(case)

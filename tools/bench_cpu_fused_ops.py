@@ -23,10 +23,23 @@ from llmd.gpu.layers.attention import AttentionMetadata, write_kv
 from llmd.gpu.layers.cpu.cpu_fused_ops import CPU_FUSED
 from llmd.gpu.layers.cpu.cpu_kernels import paged_decode_op
 from llmd.gpu.layers.fused_ops import UNFUSED, LayerOps
+from llmd.gpu.layers.kv_quant import UNIT_SCALES
 from llmd.gpu.layers.norms import RMSNorm
 
 SHAPES = {"small": (512, 8, 4, 64, 1376), "8b": (4096, 32, 8, 128, 14336)}
 BLOCK_SIZE = 16
+
+
+class _WriteOnly:
+    """An attention layer that only writes the cache (as TorchAttention's unfused path
+    does) and returns q untouched."""
+
+    kv_scales = UNIT_SCALES
+
+    def __call__(self, q, k, v, kv_cache, md, kv_written=False):
+        if not kv_written:
+            write_kv(kv_cache, k, v, md.slot_mapping)
+        return q
 
 
 class _Attn:
@@ -34,15 +47,10 @@ class _Attn:
     only the rotary, q/k handling and K/V write are timed."""
 
     q_norm = k_norm = None
+    attn = _WriteOnly()
 
     def __init__(self, heads: int, kv_heads: int, head_dim: int) -> None:
         self.num_heads, self.num_kv_heads, self.head_dim = heads, kv_heads, head_dim
-
-    @staticmethod
-    def attn(q, k, v, kv_cache, md, kv_written=False):
-        if not kv_written:  # as TorchAttention: the unfused path writes the cache here
-            write_kv(kv_cache, k, v, md.slot_mapping)
-        return q
 
 
 def op_calls(ops: LayerOps, rows: int, shape: tuple[int, ...], dtype: torch.dtype) -> dict[str, Callable[[], object]]:

@@ -136,6 +136,7 @@ class ModelLoaded(msgspec.Struct, kw_only=True):
     device: str
     dtype: str
     kv_blocks_total: int
+    kv_cache_dtype: str = ""  # its KV cache's elements (LLMEngine.kv_cache_dtype)
     memory: Any = None  # () -> llmd.engine.ModelMemory
     load_seconds: float = 0.0
 

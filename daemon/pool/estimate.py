@@ -119,7 +119,8 @@ def estimate_need(engine: EngineConfig, shape: ModelShape, device_type: str, *, 
               and device_type in ("cpu", "cuda") and not engine.dequantize)
     weights = shape.weights_bytes if packed else shape.num_params * element
     tp = engine.tensor_parallel_size
-    kv = kv_pool_bytes(engine, shape, device_type, element, available_ram)
+    # A quantized KV cache (kv_cache_dtype fp8 / int8) holds one byte per element.
+    kv = kv_pool_bytes(engine, shape, device_type, element if engine.kv_cache_dtype == "auto" else 1, available_ram)
     if device_type == "cpu":
         return {"cpu": weights + kv}
     if kv is None:  # the pool takes what gpu_memory_utilization leaves: that share is the model's

@@ -23,6 +23,11 @@ The cache is head-major, [2, kv_heads, num_blocks, block_size, head_dim]: one
 index_select then yields each (kv head, request) context as a contiguous [L, D] matrix,
 so decode is two plain batched GEMMs with no permute copies (on CPU 1.4x faster than
 SDPA over a token-major gather in fp32, 4.5x in bf16, where SDPA's CPU kernel is slow).
+
+A quantized cache (kv_cache_dtype "fp8" or "int8", kv_quant) is written through the
+layer's scales and read back dequantized into the model's dtype: every key and value a
+query sees is the stored one, the new tokens' own included, so a prompt attends the same
+whether its prefix came from the prefix cache or was computed in the same step.
 """
 from __future__ import annotations
 
@@ -32,6 +37,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from llmd.gpu.layers.kv_quant import UNIT_SCALES, KVScales, cache_format, dequantize, quantize
 
 
 @dataclass
@@ -209,9 +216,14 @@ def soft_cap(scores: torch.Tensor, softcap: float) -> torch.Tensor:
     return scores.div_(softcap).tanh_().mul_(softcap)
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter the step's new K/V rows ([T, kv_heads, D]) into their cache slots."""
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+             scales: KVScales = UNIT_SCALES) -> None:
+    """Scatter the step's new K/V rows ([T, kv_heads, D]) into their cache slots
+    (quantized with `scales` when the cache is: kv_quant)."""
     _, kvh, num_blocks, block_size, d = kv_cache.shape
+    fmt = cache_format(kv_cache)
+    if fmt is not None:
+        k, v = quantize(k, fmt, scales.k_inv), quantize(v, fmt, scales.v_inv)
     kv_cache[0].view(kvh, num_blocks * block_size, d).index_copy_(1, slot_mapping, k.transpose(0, 1))
     kv_cache[1].view(kvh, num_blocks * block_size, d).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
@@ -219,7 +231,11 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 class AttentionLayer:
     """What a backend's attention layer is told of its heads (the constructor every
     backend shares). sliding_window: this layer's window (None: full attention);
-    softcap: its attention logit soft-cap (None: none)."""
+    softcap: its attention logit soft-cap (None: none). `kv_scales`: the scales of its
+    K/V in a quantized cache (kv_quant; set by the model runner before the cache is
+    first written, read by every write and read of a quantized cache)."""
+
+    kv_scales: KVScales = UNIT_SCALES
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None, softcap: float | None = None) -> None:
@@ -260,12 +276,13 @@ class TorchAttention(AttentionLayer):
         them directly). kv_written: the caller's fused op already wrote them to the cache.
         Returns [T, H, D]."""
         if not kv_written:
-            write_kv(kv_cache, k, v, md.slot_mapping)
+            write_kv(kv_cache, k, v, md.slot_mapping, self.kv_scales)
         out = torch.empty_like(q)
         if md.num_decodes and self.decode_kernel is not None:
+            scales = self.kv_scales
             out[:md.num_decodes] = self.decode_kernel(q[:md.num_decodes].contiguous(), kv_cache, md.decode_block_table,
                                                       md.decode_seq_lens, self.scale, self.softcap or 0.0,
-                                                      self.sliding_window or 0)
+                                                      self.sliding_window or 0, scales.k, scales.v)
         elif md.num_decodes:
             out[:md.num_decodes] = self._decode(q[:md.num_decodes], kv_cache, md)
         for start, num_new, num_cached, block_ids in md.prefills:
@@ -286,7 +303,8 @@ class TorchAttention(AttentionLayer):
         total = num_cached + num_new
         # Keys before the first query's window are never seen: left out of the gather.
         first_key = 0 if window is None else max(0, num_cached - window + 1)
-        if num_cached == 0:
+        fmt = cache_format(kv_cache)
+        if num_cached == 0 and fmt is None:
             keys = k.transpose(0, 1).unsqueeze(0)
             values = v.transpose(0, 1).unsqueeze(0)
             if self.softcap is None and (window is None or num_new <= window):  # the window holds every earlier token
@@ -295,6 +313,9 @@ class TorchAttention(AttentionLayer):
         else:
             keys = kv_cache[0][:, block_ids].view(kvh, -1, d)[:, first_key:total].unsqueeze(0)
             values = kv_cache[1][:, block_ids].view(kvh, -1, d)[:, first_key:total].unsqueeze(0)
+            if fmt is not None:  # the stored K/V, the new tokens' too (module docstring)
+                keys = dequantize(keys, fmt, self.kv_scales.k, q.dtype)
+                values = dequantize(values, fmt, self.kv_scales.v, q.dtype)
         mask = causal_mask(num_cached, total, first_key, total, window, q.device)
         if self.softcap is not None:
             return self._capped(query, keys, values, mask)
@@ -328,6 +349,10 @@ class TorchAttention(AttentionLayer):
         k_buf, v_buf = workspace.buffers(index.numel(), width, kv_cache)
         keys = torch.index_select(kv_cache[0].view(kvh * num_blocks, width), 0, index, out=k_buf)
         values = torch.index_select(kv_cache[1].view(kvh * num_blocks, width), 0, index, out=v_buf)
+        fmt = cache_format(kv_cache)
+        if fmt is not None:
+            keys = dequantize(keys, fmt, self.kv_scales.k, q.dtype)
+            values = dequantize(values, fmt, self.kv_scales.v, q.dtype)
         keys = keys.view(kvh * n, length, d)
         values = values.view(kvh * n, length, d)
         query = q.view(n, kvh, group, d).transpose(0, 1).reshape(kvh * n, group, d)

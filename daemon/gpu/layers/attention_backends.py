@@ -4,8 +4,9 @@
 Triton paged kernels (triton_attention.TritonAttention, CUDA; on CPU only under
 Triton's interpreter); "flash_attn" flash-attn's varlen kernel over the paged cache
 (flash_attention.FlashAttention; CUDA, fp16/bf16, blocks of a multiple of 256 tokens,
-the optional `gpu` extra installed). "auto" on CUDA is flash_attn when it is installed
-and fits the settings, else triton when triton imports, else torch; off CUDA, torch.
+a KV cache in the model's dtype, the optional `gpu` extra installed). "auto" on CUDA is
+flash_attn when it is installed and fits the settings, else triton when triton imports,
+else torch; off CUDA, torch. The torch and triton backends read every kv_cache_dtype.
 
 The triton and flash-attn modules are imported only here, and only when their backend
 is asked for or "auto" runs on CUDA, so elsewhere neither is ever loaded.
@@ -25,9 +26,10 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 
 
 def resolve_attention_backend(name: str, device: torch.device, block_size: int = 16,
-                              dtype: torch.dtype = torch.float32) -> str:
+                              dtype: torch.dtype = torch.float32, kv_cache_dtype: str = "auto") -> str:
     """The backend ("torch", "triton" or "flash_attn") that setting `name` means on
-    `device` for a cache of `block_size`-token blocks in `dtype`. A backend that cannot
+    `device` for a cache of `block_size`-token blocks for a model in `dtype`, its
+    elements in `kv_cache_dtype` (kv_quant). A backend that cannot
     run there fails now, with the reason, instead of in the first step (flash_attn's
     head-size limit is checked when the model's layers are built, still at start-up)."""
     if name not in ATTENTION_BACKENDS:
@@ -35,14 +37,14 @@ def resolve_attention_backend(name: str, device: torch.device, block_size: int =
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return "torch"
     if name == "auto":
-        flash = _flash_problem(device, block_size, dtype)
+        flash = _flash_problem(device, block_size, dtype, kv_cache_dtype)
         if flash is None:
             return "flash_attn"
         if not flash.startswith("needs"):  # installed, but not for these settings
             logger.info("attention_backend 'auto': not flash_attn, which %s", flash)
         return "triton" if _triton_problem(device) is None else "torch"
     problem = (_triton_problem(device) if name == "triton"
-               else _flash_problem(device, block_size, dtype))
+               else _flash_problem(device, block_size, dtype, kv_cache_dtype))
     if problem:
         raise ValueError(f"attention_backend {name!r} {problem}; use 'torch' or 'auto'")
     return name
@@ -59,7 +61,7 @@ def _triton_problem(device: torch.device) -> str | None:
     return None
 
 
-def _flash_problem(device: torch.device, block_size: int, dtype: torch.dtype) -> str | None:
+def _flash_problem(device: torch.device, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> str | None:
     from llmd.gpu.layers.flash_attention import FLASH_PAGE_MULTIPLE, flash_varlen
 
     try:
@@ -72,6 +74,8 @@ def _flash_problem(device: torch.device, block_size: int, dtype: torch.dtype) ->
         return f"runs on CUDA devices, not {device.type}"
     if dtype not in (torch.float16, torch.bfloat16):
         return f"runs in float16 or bfloat16, not {str(dtype).removeprefix('torch.')}"
+    if kv_cache_dtype != "auto":  # flash-attn 2's paged kernel takes K/V in q's dtype only
+        return f"reads no quantized KV cache (kv_cache_dtype {kv_cache_dtype!r}; 'auto' keeps the model's dtype)"
     if block_size % FLASH_PAGE_MULTIPLE:
         return (f"reads the KV cache in pages of a multiple of {FLASH_PAGE_MULTIPLE} tokens; "
                 f"block_size is {block_size} (set block_size = {FLASH_PAGE_MULTIPLE})")

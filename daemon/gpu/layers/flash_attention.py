@@ -14,7 +14,8 @@ of ours: `kv_cache[0].permute(1, 2, 0, 3)` is [blocks, block_size, kv_heads, D] 
 the head dimension at stride 1, and the kernel addresses blocks, rows and heads through
 the strides, so no copy is made.
 
-Its limits are checked at start-up (attention_backends): CUDA, fp16 or bf16, head_dim
+Its limits are checked at start-up (attention_backends): CUDA, fp16 or bf16, a KV cache
+in the model's dtype (flash-attn 2 reads no fp8 or int8 cache: kv_cache_dtype "auto"), head_dim
 a multiple of 8 up to 256, and a block size that is a multiple of 256 (upstream
 flash-attn's paged kernels read whole 256-token pages; vLLM's fork lowers that, which
 upstream has not).
@@ -32,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from llmd.gpu.layers.attention import AttentionLayer, AttentionMetadata, MetadataBuilder, write_kv
+from llmd.gpu.layers.kv_quant import cache_format
 
 FLASH_PAGE_MULTIPLE = 256
 
@@ -121,6 +123,8 @@ class FlashAttention(AttentionLayer):
                  kv_cache: torch.Tensor, md: AttentionMetadata, kv_written: bool = False) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D], or None with kv_written (the caller's fused
         kernel, fused_ops, already wrote them at md.slot_mapping). Returns [T, H, D]."""
+        if cache_format(kv_cache) is not None:  # resolve_attention_backend refuses it at start-up
+            raise ValueError("attention_backend 'flash_attn' does not read a quantized KV cache (kv_cache_dtype)")
         if not kv_written:
             write_kv(kv_cache, k, v, md.slot_mapping)
         if q.shape[0] == 0:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from llmd.gpu.layers.attention import AttentionMetadata, write_kv
+from llmd.gpu.layers.kv_quant import UNIT_SCALES, KVScales
 from llmd.gpu.layers.norms import ACTIVATIONS, RMSNorm, act_and_mul
 from llmd.gpu.layers.rotary import apply_rotary
 
@@ -67,11 +68,13 @@ def rotated_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: 
 
 def attention_inputs_reference(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                                q_norm: RMSNorm | None, k_norm: RMSNorm | None, cos: torch.Tensor,
-                               sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+                               sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                               scales: KVScales = UNIT_SCALES) -> torch.Tensor:
     """What fused_ops_triton.qkv_rope_cache computes, unfused: rotated_qkv, then the
-    K/V scatter every attention backend does (attention.write_kv); returns q."""
+    K/V scatter every attention backend does (attention.write_kv, quantizing with
+    `scales` into a quantized cache); returns q."""
     q, k, v = rotated_qkv(qkv, num_heads, num_kv_heads, head_dim, q_norm, k_norm, cos, sin)
-    write_kv(kv_cache, k, v, slot_mapping)
+    write_kv(kv_cache, k, v, slot_mapping, scales)
     return q
 
 
@@ -128,7 +131,7 @@ class FusedLayerOps(LayerOps):
         qk_norm = None if norms[0] is None else (norms[0].weight, norms[1].weight, norms[0].eps,
                                                   norms[0].gemma_scale)
         q = self.kernels.qkv_rope_cache(qkv, attn.num_heads, attn.num_kv_heads, attn.head_dim, cos, sin, kv_cache,
-                                        md.slot_mapping, qk_norm)
+                                        md.slot_mapping, qk_norm, attn.attn.kv_scales)
         return attn.attn(q, None, None, kv_cache, md, kv_written=True)
 
 

@@ -11,7 +11,9 @@ is imported), which is how the tests check them.
 - `qkv_rope_cache`: from the fused q/k/v projection, per head: the optional q/k RMSNorm,
   the neox rotary embedding of the first rotary_dim dimensions, q written out as
   [T, H, D] and the rotated K with V written straight into the paged cache at the step's
-  slot mapping (a negative slot is a padding row and writes nothing).
+  slot mapping (a negative slot is a padding row and writes nothing); into a quantized
+  cache (kv_cache_dtype fp8/int8) through the layer's reciprocal scales, as
+  kv_quant.quantize writes them (kv_quant_triton.kv_encode).
 
 Every kernel computes in fp32 and rounds to the activation dtype wherever the reference
 rounds (after each torch op in bf16/fp16), so in bf16 it differs from the reference only
@@ -26,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from llmd.gpu.layers.kv_quant import UNIT_SCALES, KVScales, cache_format
+from llmd.gpu.layers.kv_quant_triton import kv_encode, kv_mode
 from llmd.gpu.layers.triton_attention import stable_tanh
 
 # Whether the kernels run in Triton's interpreter (decided when triton was imported).
@@ -138,9 +142,10 @@ def _rotated_head(src, w_ptr, cos_row, sin_row, eps, D: tl.constexpr, ROT: tl.co
 
 @triton.jit
 def _qkv_rope_cache(qkv_ptr, q_ptr, k_cache, v_cache, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, slot_ptr, stride_t,
-                    stride_qt, stride_qh, stride_cos, stride_sin, stride_ch, stride_cs, eps, H: tl.constexpr,
-                    KVH: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, NORM: tl.constexpr,
-                    GEMMA: tl.constexpr, DTYPE: tl.constexpr, EMULATE_BF16: tl.constexpr, BLOCK_D: tl.constexpr):
+                    stride_qt, stride_qh, stride_cos, stride_sin, stride_ch, stride_cs, eps, k_inv, v_inv,
+                    H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, NORM: tl.constexpr,
+                    GEMMA: tl.constexpr, DTYPE: tl.constexpr, EMULATE_BF16: tl.constexpr, BLOCK_D: tl.constexpr,
+                    KV_MODE: tl.constexpr):
     """Grid (token, head of H query then KVH kv heads). Row t of qkv is [q heads | k heads
     | v heads], D each. A query head goes to q_ptr; a kv head's rotated K and its V go to
     cache slot slot_ptr[t] (nothing for a negative slot)."""
@@ -163,8 +168,12 @@ def _qkv_rope_cache(qkv_ptr, q_ptr, k_cache, v_cache, cos_ptr, sin_ptr, q_w_ptr,
                               EMULATE_BF16, BLOCK_D)
             v = tl.load(row + (H + KVH + kv_head) * D + offs, mask=in_head)
             dst = kv_head.to(tl.int64) * stride_ch + slot * stride_cs + offs
-            tl.store(k_cache + dst, k.to(DTYPE), mask=in_head)
-            tl.store(v_cache + dst, v, mask=in_head)
+            if KV_MODE == 0:
+                tl.store(k_cache + dst, k.to(DTYPE), mask=in_head)
+                tl.store(v_cache + dst, v, mask=in_head)
+            else:  # k is already rounded to DTYPE, as the reference quantizes it
+                tl.store(k_cache + dst, kv_encode(k, k_inv, KV_MODE), mask=in_head)
+                tl.store(v_cache + dst, kv_encode(v.to(tl.float32), v_inv, KV_MODE), mask=in_head)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -229,13 +238,17 @@ def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
 
 def qkv_rope_cache(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor,
                    sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                   qk_norm: tuple[torch.Tensor, torch.Tensor, float, bool] | None = None) -> torch.Tensor:
+                   qk_norm: tuple[torch.Tensor, torch.Tensor, float, bool] | None = None,
+                   scales: KVScales = UNIT_SCALES) -> torch.Tensor:
     """q [T, H, D] of a fused qkv projection ([T, (H + 2 * KVH) * D]), normed (with
     `qk_norm` = (q weight, k weight, eps, gemma)) and rotated by cos/sin ([T, 1, rotary
     dim] or [T, rotary dim], rotary.cos_sin's tables); the step's rotated K and its V are
-    written into kv_cache ([2, KVH, blocks, block_size, D], contiguous) at slot_mapping."""
-    if not kv_cache.is_contiguous() or kv_cache.dtype != qkv.dtype:
-        raise ValueError(f"the fused K/V write needs a contiguous KV cache in the activations' dtype ({qkv.dtype})")
+    written into kv_cache ([2, KVH, blocks, block_size, D], contiguous) at slot_mapping,
+    quantized with `scales` when the cache is (kv_quant)."""
+    fmt = cache_format(kv_cache)
+    if not kv_cache.is_contiguous() or (kv_cache.dtype != qkv.dtype and fmt is None):
+        raise ValueError(f"the fused K/V write needs a contiguous KV cache in the activations' dtype ({qkv.dtype}) "
+                         "or a quantized one")
     t = qkv.shape[0]
     q = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if t == 0:
@@ -247,7 +260,8 @@ def qkv_rope_cache(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_di
     block_d = triton.next_power_of_2(head_dim)
     _qkv_rope_cache[(t, num_heads + num_kv_heads)](
         qkv, q, kv_cache[0], kv_cache[1], cos, sin, q_w, k_w, slot_mapping, qkv.stride(0), q.stride(0), q.stride(1),
-        cos.stride(0), sin.stride(0), kv_cache.stride(1), kv_cache.stride(3), eps, H=num_heads, KVH=num_kv_heads,
-        D=head_dim, ROT=cos.shape[1], NORM=qk_norm is not None, GEMMA=gemma, DTYPE=dtype, EMULATE_BF16=emulate,
-        BLOCK_D=block_d, num_warps=_num_warps(block_d), enable_fp_fusion=False)
+        cos.stride(0), sin.stride(0), kv_cache.stride(1), kv_cache.stride(3), eps, scales.k_inv, scales.v_inv,
+        H=num_heads, KVH=num_kv_heads, D=head_dim, ROT=cos.shape[1], NORM=qk_norm is not None, GEMMA=gemma,
+        DTYPE=dtype, EMULATE_BF16=emulate, BLOCK_D=block_d, KV_MODE=kv_mode(fmt), num_warps=_num_warps(block_d),
+        enable_fp_fusion=False)
     return q

@@ -29,6 +29,9 @@ into c * tanh(s / c) before the mask, as transformers' eager attention does.
 Keys are visited BLOCK_N at a time whatever the cache block size: key i lives in block
 table[i // block_size], slot i % block_size. Softmax is online, in fp32, in base 2 (the
 scale is folded with log2(e), after the cap when there is one).
+
+A quantized cache (KV_MODE, compile-time: kv_quant_triton) is read as exact small numbers
+in the query's dtype, k_scale folded into the score scale and v_scale into the output.
 """
 from __future__ import annotations
 
@@ -37,6 +40,8 @@ import triton
 import triton.language as tl
 
 from llmd.gpu.layers.attention import AttentionLayer, AttentionMetadata, MetadataBuilder
+from llmd.gpu.layers.kv_quant import cache_format
+from llmd.gpu.layers.kv_quant_triton import kv_encode, kv_mode, kv_tiles, stored_unit
 
 # Whether the kernels below run in Triton's interpreter. Decided when they were
 # decorated (this module's import), from TRITON_INTERPRET.
@@ -51,9 +56,10 @@ MAX_SPLITS = 16
 
 @triton.jit
 def _write_kv(k_ptr, v_ptr, k_cache, v_cache, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
-              stride_ch, stride_cs, KVH: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
-              BLOCK_D: tl.constexpr):
-    """One program per new token: all its kv heads into cache slot slot_mapping[t]."""
+              stride_ch, stride_cs, k_inv, v_inv, KVH: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
+              BLOCK_D: tl.constexpr, KV_MODE: tl.constexpr):
+    """One program per new token: all its kv heads into cache slot slot_mapping[t]
+    (quantized with the reciprocal scales k_inv, v_inv when KV_MODE says so)."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     if slot >= 0:
@@ -63,6 +69,9 @@ def _write_kv(k_ptr, v_ptr, k_cache, v_cache, slot_ptr, stride_kt, stride_kh, st
         k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
         v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
         dst = offs_h[:, None].to(tl.int64) * stride_ch + slot * stride_cs + offs_d[None, :]
+        if KV_MODE != 0:
+            k = kv_encode(k.to(tl.float32), k_inv, KV_MODE)
+            v = kv_encode(v.to(tl.float32), v_inv, KV_MODE)
         tl.store(k_cache + dst, k, mask=mask)
         tl.store(v_cache + dst, v, mask=mask)
 
@@ -95,21 +104,23 @@ def _store_rows(ptr, row_offsets, rows, values, D: tl.constexpr, BLOCK_D: tl.con
 
 @triton.jit
 def _attend(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_ch, stride_cs, table_ptr,
-            tok, head, rows, q_pos0, kv_head, key_lo, key_hi, scale_log2, window, cap_log2,
+            tok, head, rows, q_pos0, kv_head, key_lo, key_hi, scale_log2, window, cap_log2, v_mult,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr,
             BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, SLIDING: tl.constexpr,
-            SOFTCAP: tl.constexpr):
+            SOFTCAP: tl.constexpr, KV_MODE: tl.constexpr):
     """Online-softmax attention of one tile of query rows (q_ptr points at the tile's
     first token; row r's token sits at position q_pos0 + tok[r]) over keys
     [key_lo, key_hi) of one request, causally (with SLIDING, only keys after
     q_pos - window). scale_log2 multiplies q.k: the softmax scale times log2(e), or with
     SOFTCAP the scale over the cap, whose tanh cap_log2 (the cap times log2(e)) then
-    multiplies. Returns the unnormalised output, the running max and the sum of
-    exponentials (base 2) of every row."""
+    multiplies (with a quantized cache, both include k_scale and the stored unit). Returns
+    the unnormalised output (times v_mult, a quantized cache's v_scale and unit), the
+    running max and the sum of exponentials (base 2) of every row."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=rows[:, None] & d_ok[None, :], other=0.0)
+    q_dtype = q_ptr.dtype.element_ty
     if DOT_F32:
         q = q.to(tl.float32)
     q_pos = q_pos0 + tok
@@ -126,8 +137,7 @@ def _attend(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_ch, stride_cs,
         k_ok = keys < key_hi
         block = tl.load(table_ptr + keys // BLOCK_SIZE, mask=k_ok, other=0)
         slot = cache_head + (block * BLOCK_SIZE + keys % BLOCK_SIZE) * stride_cs
-        k_t = tl.load(k_cache + slot[None, :] + offs_d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0)
-        v = tl.load(v_cache + slot[:, None] + offs_d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        k_t, v = kv_tiles(k_cache, v_cache, slot, offs_d, k_ok, d_ok, q_dtype, KV_MODE)
         if DOT_F32:
             k_t = k_t.to(tl.float32)
         s = tl.dot(q, k_t, input_precision=PRECISION) * scale_log2
@@ -150,16 +160,18 @@ def _attend(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_ch, stride_cs,
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         m_i = m_new
+    if KV_MODE != 0:
+        acc = acc * v_mult
     return acc, m_i, l_i
 
 
 @triton.jit
 def _decode(q_ptr, out_ptr, part_out, part_lse, k_cache, v_cache, table_ptr, seq_lens_ptr,
             stride_qt, stride_qh, stride_ot, stride_oh, stride_ch, stride_cs, stride_table,
-            keys_per_split, scale_log2, window, cap_log2, H: tl.constexpr, G: tl.constexpr,
+            keys_per_split, scale_log2, window, cap_log2, v_mult, H: tl.constexpr, G: tl.constexpr,
             NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
             D: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
-            SLIDING: tl.constexpr, SOFTCAP: tl.constexpr):
+            SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, KV_MODE: tl.constexpr):
     """Grid (decode row b, kv head, split)."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -172,8 +184,8 @@ def _decode(q_ptr, out_ptr, part_out, part_lse, k_cache, v_cache, table_ptr, seq
     tok, head, rows = _tile_rows(kv_head, 1, G, 1, BLOCK_M)
     acc, m_i, l_i = _attend(q_ptr + b * stride_qt, stride_qt, stride_qh, k_cache, v_cache, stride_ch,
                             stride_cs, table_ptr + b * stride_table, tok, head, rows, seq_len - 1, kv_head,
-                            key_lo, key_hi, scale_log2, window, cap_log2, BLOCK_M, BLOCK_N, BLOCK_SIZE, D,
-                            BLOCK_D, DOT_F32, PRECISION, SLIDING, SOFTCAP)
+                            key_lo, key_hi, scale_log2, window, cap_log2, v_mult, BLOCK_M, BLOCK_N, BLOCK_SIZE, D,
+                            BLOCK_D, DOT_F32, PRECISION, SLIDING, SOFTCAP, KV_MODE)
     if NUM_SPLITS == 1:
         _store_rows(out_ptr + b * stride_ot, head * stride_oh, rows, acc / l_i[:, None], D, BLOCK_D)
     else:
@@ -208,10 +220,10 @@ def _combine(part_out, part_lse, out_ptr, stride_ot, stride_oh, H: tl.constexpr,
 
 @triton.jit
 def _prefill(q_ptr, out_ptr, k_cache, v_cache, rows_ptr, tables_ptr, stride_qt, stride_qh, stride_ot,
-             stride_oh, stride_ch, stride_cs, scale_log2, window, cap_log2, G: tl.constexpr,
+             stride_oh, stride_ch, stride_cs, scale_log2, window, cap_log2, v_mult, G: tl.constexpr,
              BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
              D: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
-             SLIDING: tl.constexpr, SOFTCAP: tl.constexpr):
+             SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, KV_MODE: tl.constexpr):
     """Grid (prefill row, run of BLOCK_Q new tokens, kv head). rows_ptr: [P, 4] int32
     (first token in the flattened step, new tokens, cached tokens, offset of the row's
     block ids in tables_ptr)."""
@@ -231,8 +243,9 @@ def _prefill(q_ptr, out_ptr, k_cache, v_cache, rows_ptr, tables_ptr, stride_qt, 
             key_lo = tl.maximum(num_cached + t0 - window + 1, 0)
         acc, m_i, l_i = _attend(q_ptr + first * stride_qt, stride_qt, stride_qh, k_cache, v_cache, stride_ch,
                                 stride_cs, tables_ptr + table_offset, tok, head, rows, num_cached + t0,
-                                kv_head, key_lo, num_cached + t0 + num_q, scale_log2, window, cap_log2, BLOCK_M,
-                                BLOCK_N, BLOCK_SIZE, D, BLOCK_D, DOT_F32, PRECISION, SLIDING, SOFTCAP)
+                                kv_head, key_lo, num_cached + t0 + num_q, scale_log2, window, cap_log2, v_mult,
+                                BLOCK_M, BLOCK_N, BLOCK_SIZE, D, BLOCK_D, DOT_F32, PRECISION, SLIDING, SOFTCAP,
+                                KV_MODE)
         if SLIDING:  # padding rows (past the run's last token) may have seen no key
             l_i = tl.where(l_i > 0, l_i, 1.0)
         _store_rows(out_ptr + first * stride_ot, tok * stride_ot + head * stride_oh, rows,
@@ -281,7 +294,6 @@ class TritonAttention(AttentionLayer):
     def metadata_builder(layers: list[AttentionLayer], block_size: int, device: torch.device) -> MetadataBuilder:
         return TritonMetadataBuilder(device)
 
-
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None, softcap: float | None = None,
                  decode_splits: int | None = None) -> None:
@@ -310,38 +322,42 @@ class TritonAttention(AttentionLayer):
         q = _unit_last(q)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         out = torch.empty_like(q)
+        fmt, scales, mode = cache_format(kv_cache), self.kv_scales, kv_mode(cache_format(kv_cache))
         if q.shape[0] and not kv_written:
             k, v = _unit_last(k), _unit_last(v)
             _write_kv[(q.shape[0],)](k, v, k_cache, v_cache, md.slot_mapping, k.stride(0), k.stride(1),
-                                     v.stride(0), v.stride(1), kv_cache.stride(1), kv_cache.stride(3),
-                                     KVH=kvh, D=d, BLOCK_H=triton.next_power_of_2(kvh), BLOCK_D=self.block_d)
+                                     v.stride(0), v.stride(1), kv_cache.stride(1), kv_cache.stride(3), scales.k_inv,
+                                     scales.v_inv, KVH=kvh, D=d, BLOCK_H=triton.next_power_of_2(kvh),
+                                     BLOCK_D=self.block_d, KV_MODE=mode)
         # Triton's interpreter does no arithmetic on bf16 (it holds bf16 as uint16 bits and
         # tl.dot multiplies those: triton-lang/triton#11584), so there bf16 dot operands
         # are widened to fp32 (after the same rounding of the probabilities as on a GPU).
         shared = dict(BLOCK_N=BLOCK_N, BLOCK_SIZE=block_size, D=d, BLOCK_D=self.block_d,
                       DOT_F32=INTERPRETED and q.dtype == torch.bfloat16,
                       PRECISION="ieee" if q.dtype == torch.float32 else None,  # fp32: no TF32 rounding
-                      SLIDING=self.sliding_window is not None, SOFTCAP=self.softcap is not None)
+                      SLIDING=self.sliding_window is not None, SOFTCAP=self.softcap is not None, KV_MODE=mode)
         cache_args = (k_cache, v_cache)
         strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), kv_cache.stride(1), kv_cache.stride(3))
-        # With a cap, scores go to base 2 after the tanh (see _attend).
-        scale_log2 = self.scale * LOG2E if self.softcap is None else self.scale / self.softcap
+        # With a cap, scores go to base 2 after the tanh (see _attend). A quantized cache's
+        # scales (times the unit its widened elements are short of) multiply q.k and the output.
+        k_mult, v_mult = (1.0, 1.0) if fmt is None else (scales.k * stored_unit(fmt), scales.v * stored_unit(fmt))
+        scale_log2 = (self.scale * LOG2E if self.softcap is None else self.scale / self.softcap) * k_mult
         window = self.sliding_window or 0  # read only by SLIDING kernels
         cap_log2 = float(self.softcap or 0.0) * LOG2E  # read only by SOFTCAP kernels
         if md.num_decodes:
-            self._decode(q, out, cache_args, strides, scale_log2, window, cap_log2, md, shared)
+            self._decode(q, out, cache_args, strides, scale_log2, window, cap_log2, v_mult, md, shared)
         if md.prefills:
             if md.prefill_rows is None:
                 raise RuntimeError("the step's attention metadata was not built (TritonMetadataBuilder.build) "
                                    "before the forward: no prefill rows")
             rows, tables, max_new = md.prefill_rows
             grid = (len(md.prefills), triton.cdiv(max_new, self.block_q), kvh)
-            _prefill[grid](q, out, *cache_args, rows, tables, *strides, scale_log2, window, cap_log2,
+            _prefill[grid](q, out, *cache_args, rows, tables, *strides, scale_log2, window, cap_log2, v_mult,
                            G=self.group, BLOCK_Q=self.block_q, BLOCK_M=self.prefill_block_m, **shared)
         return out
 
-    def _decode(self, q: torch.Tensor, out: torch.Tensor, cache_args: tuple, strides: tuple,
-                scale_log2: float, window: int, cap_log2: float, md: AttentionMetadata, shared: dict) -> None:
+    def _decode(self, q: torch.Tensor, out: torch.Tensor, cache_args: tuple, strides: tuple, scale_log2: float,
+                window: int, cap_log2: float, v_mult: float, md: AttentionMetadata, shared: dict) -> None:
         # Everything decided here (splits, keys per split, the grid) comes from shapes and
         # the GPU, never from tensor values: a captured decode graph (cuda_graphs) has a
         # fixed batch and a table as wide as max_model_len, so its split count is fixed.
@@ -359,7 +375,7 @@ class TritonAttention(AttentionLayer):
             part_out = part_lse = out  # not touched with one split
         _decode[(n, self.num_kv_heads, splits)](
             q, out, part_out, part_lse, *cache_args, table, md.decode_seq_lens, *strides, table.stride(0),
-            keys_per_split, scale_log2, window, cap_log2, H=h, G=self.group, NUM_SPLITS=splits,
+            keys_per_split, scale_log2, window, cap_log2, v_mult, H=h, G=self.group, NUM_SPLITS=splits,
             BLOCK_M=self.decode_block_m, **shared)
         if splits > 1:
             _combine[(n, h)](part_out, part_lse, out, out.stride(0), out.stride(1), H=h, NUM_SPLITS=splits,

@@ -39,6 +39,8 @@ import torch.nn.functional as F
 from llmd.gpu.layers.attention import (AttentionMetadata, GatherWorkspace, model_kv_bytes_per_block,
                                        new_model_kv_caches, set_decode_rows)
 from llmd.gpu.layers.attention_backends import metadata_builder
+from llmd.gpu.layers.kv_quant import KVCacheFormat, KVScales
+from llmd.gpu.worker.kv_calibration import calibrate_kv_scales, set_kv_scales
 from llmd.gpu.worker.cuda_graphs import DecodeGraphs, build_decode_graphs
 from llmd.gpu.worker.input_batch import InputBatch
 from llmd.gpu.models.loader import load_model
@@ -59,13 +61,16 @@ class Proposal:
 class DraftModel:
     decode_graphs: DecodeGraphs | None = None  # set by init_decode_graphs
 
-    def __init__(self, settings: RunnerSettings, device: torch.device, dtype: torch.dtype,
+    def __init__(self, settings: RunnerSettings, device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype,
                  attention_backend: str, sampler: Sampler, workspace: GatherWorkspace, batch: InputBatch) -> None:
-        """`batch`: the target's input batch, whose block tables the draft's rows read."""
+        """`batch`: the target's input batch, whose block tables the draft's rows read;
+        `cache_dtype`: its KV cache's elements, as the target's (kv_cache_dtype)."""
         self.settings = settings
         self.batch = batch
         self.device = device
         self.dtype = dtype
+        self.cache_dtype = cache_dtype
+        self.kv_scales: list[KVScales] | None = None  # its own, with a quantized cache
         self.k = settings.num_speculative_tokens
         self.attention_backend = attention_backend
         self.model = load_model(settings.draft_model, dtype, device, settings.max_model_len,
@@ -78,11 +83,18 @@ class DraftModel:
 
     # -- KV cache (same blocks and block ids as the target's) ---------------------------
     def kv_cache_bytes_per_block(self) -> int:
-        return model_kv_bytes_per_block(self.model, self.settings.block_size, self.dtype)
+        return model_kv_bytes_per_block(self.model, self.settings.block_size, self.cache_dtype)
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def initialize_kv_cache(self, num_blocks: int, kv_format: KVCacheFormat | None = None,
+                            calibration: dict | None = None) -> None:
+        """A quantized cache (`kv_format`) gets the draft's own scales first, calibrated
+        as the target's (kv_calibration, with the target's `calibration` settings)."""
         self.release_decode_graphs()
-        self.kv_caches = new_model_kv_caches(self.model, num_blocks, self.settings.block_size, self.dtype,
+        self.kv_caches = []
+        if kv_format is not None and self.kv_scales is None:
+            self.kv_scales = calibrate_kv_scales(self.model, kv_format, **calibration)
+            set_kv_scales(self.model, self.kv_scales)
+        self.kv_caches = new_model_kv_caches(self.model, num_blocks, self.settings.block_size, self.cache_dtype,
                                              self.device)
 
     @property

@@ -25,7 +25,7 @@ class ProfileSubject:
     model: torch.nn.Module  # the loaded model: forward over a paged cache, compute_logits
     settings: RunnerSettings
     device: torch.device
-    dtype: torch.dtype
+    cache_dtype: torch.dtype  # of the KV cache's elements (the model's dtype, or a quantized cache's storage)
     before_load: tuple[int, int, int] | None  # CUDA free, allocated, reserved bytes before the weights
     bytes_per_block: int  # KV bytes per block, the draft model's included
     graph_batch: int  # the largest decode graph batch, captured after the KV cache; 0: no graphs
@@ -147,7 +147,8 @@ def _peak_activation_bytes(subject: ProfileSubject, step: _LargestStep, draft: t
     total, num_rows = step.num_tokens, len(step.sample_rows)
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, logprobs=20)
     try:
-        kv_caches = new_model_kv_caches(model, int(step.first_block[-1]), settings.block_size, subject.dtype, dev)
+        kv_caches = new_model_kv_caches(model, int(step.first_block[-1]), settings.block_size, subject.cache_dtype,
+                                        dev)
         md = step.attention_metadata(settings.block_size, dev)
         metadata_builder(model, settings.block_size, dev).build(md)
         ids = torch.zeros(total, dtype=torch.int64, device=dev)

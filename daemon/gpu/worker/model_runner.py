@@ -20,6 +20,8 @@ import torch
 
 from llmd.gpu.layers.attention import GatherWorkspace, model_kv_bytes_per_block, new_model_kv_caches
 from llmd.gpu.layers.attention_backends import metadata_builder, resolve_attention_backend
+from llmd.gpu.layers.kv_quant import KVScales, cache_dtype, kv_cache_format
+from llmd.gpu.worker.kv_calibration import calibrate_kv_scales, set_kv_scales
 from llmd.gpu.worker.cuda_graphs import DecodeGraphs, build_decode_graphs, capture_sizes
 from llmd.gpu.worker.draft_model import DraftModel
 from llmd.gpu.sample.graph_sampler import PENALIZED, GraphSampler, graph_sampling_enabled
@@ -58,7 +60,12 @@ class ModelRunner:
         if settings.cpu_threads and device.type == "cpu":
             torch.set_num_threads(settings.cpu_threads)
         self.attention_backend = resolve_attention_backend(settings.attention_backend, device, settings.block_size,
-                                                           dtype)
+                                                           dtype, settings.kv_cache_dtype)
+        # The KV cache's elements: the model's dtype, or a quantized format whose per-layer
+        # scales are calibrated once, before the cache is first made (kv_calibration).
+        self.kv_format = kv_cache_format(settings.kv_cache_dtype)
+        self.cache_dtype = cache_dtype(settings.kv_cache_dtype, dtype)
+        self.kv_scales: list[KVScales] | None = None
         self.model_dir = model_dir
         self.sampler = Sampler(seed=settings.seed)  # kept through sleep: its seeded generators go on
         self._last: StepHandle | None = None  # the last step launched (its tokens may be pending)
@@ -92,7 +99,7 @@ class ModelRunner:
         if settings.draft_model:
             if self.world_size > 1:
                 raise ValueError("a draft model does not run with tensor parallelism yet")
-            self.drafter = DraftModel(settings, device, dtype, self.attention_backend, self.sampler,
+            self.drafter = DraftModel(settings, device, dtype, self.cache_dtype, self.attention_backend, self.sampler,
                                       self.workspace, self.batch)
         self.sampling = SamplingStep(self.model, self.sampler, settings, self.drafter, self.rank, self.world_size)
         self.pooling = PoolingStep(settings.pooling_type)
@@ -109,7 +116,7 @@ class ModelRunner:
     # -- KV cache -------------------------------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
         """Both models' bytes when there is a draft model: its cache has as many blocks."""
-        total = model_kv_bytes_per_block(self.model, self.block_size, self.dtype)
+        total = model_kv_bytes_per_block(self.model, self.block_size, self.cache_dtype)
         if self.drafter is not None:
             total += self.drafter.kv_cache_bytes_per_block()
         return total
@@ -121,21 +128,33 @@ class ModelRunner:
         graph_batch = 0
         if self._graphs_off_reason() is None:
             graph_batch = capture_sizes(s.max_sampled_rows, s.max_num_batched_tokens)[-1]
-        subject = ProfileSubject(self.model, s, self.device, self.dtype, self._cuda_before_load,
+        subject = ProfileSubject(self.model, s, self.device, self.cache_dtype, self._cuda_before_load,
                                  self.kv_cache_bytes_per_block(), graph_batch,
                                  None if self.drafter is None else self.drafter.model)
         return profile_kv_budget(subject, gpu_memory_utilization, extra_reserved_bytes)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """num_blocks are the block pool's; the cache has one more, the scratch block
-        that padded rows of a graph step write and read (the pool never hands it out)."""
+        that padded rows of a graph step write and read (the pool never hands it out).
+        A quantized cache's scales are calibrated first, once (kv_calibration)."""
         self.release_decode_graphs()
         self.num_blocks = num_blocks
-        self.kv_caches = new_model_kv_caches(self.model, num_blocks + 1, self.block_size, self.dtype, self.device)
+        self.kv_caches = []
+        if self.kv_format is not None:
+            if self.kv_scales is None:
+                self.kv_scales = calibrate_kv_scales(self.model, self.kv_format, **self._calibration_settings())
+            set_kv_scales(self.model, self.kv_scales)  # again after a level-2 wake: the model is a new one
+        self.kv_caches = new_model_kv_caches(self.model, num_blocks + 1, self.block_size, self.cache_dtype,
+                                             self.device)
         if self.drafter is not None:  # the same blocks as the target's, scratch included
-            self.drafter.initialize_kv_cache(num_blocks + 1)
+            self.drafter.initialize_kv_cache(num_blocks + 1, self.kv_format, self._calibration_settings())
         if self._decode_graphs_wanted():
             self.init_decode_graphs()
+
+    def _calibration_settings(self) -> dict:
+        s = self.settings
+        return dict(block_size=s.block_size, max_tokens=min(s.max_model_len, s.max_num_batched_tokens),
+                    vocab_size=s.valid_vocab_size, dtype=self.dtype, device=self.device)
 
     @property
     def scratch_block(self) -> int:

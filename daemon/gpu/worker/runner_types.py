@@ -50,6 +50,7 @@ class RunnerSettings:
     seed: int
     cpu_threads: int | None = None  # torch intra-op threads when running on CPU
     attention_backend: str = "auto"  # "auto", "torch", "triton" or "flash_attn" (see attention_backends)
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "fp8", "fp8_e4m3" or "int8" (see kv_quant)
     dequantize: bool = False  # GGUF: every weight dequantized at load, none kept packed
     # Speculative decoding: the drafts a request verifies per step (both methods: decode
     # graphs and the memory profile size for them) and, with a draft model, its directory.

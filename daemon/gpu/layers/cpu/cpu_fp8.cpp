@@ -18,6 +18,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "cpu_e4m3.h"
 #include "cpu_vec.h"
 
 #include <algorithm>
@@ -37,36 +38,8 @@ using llmd_cpu_vec::lane_sum;
 constexpr int64_t kMaxRows = 8;
 constexpr int64_t kStep = 16;  // columns widened at a time
 
-// The value of each e4m3 byte: sign, four exponent bits biased by 7 (0: subnormal), three
-// mantissa bits; 0x7F / 0xFF are NaN.
-std::array<float, 256> make_table() {
-  std::array<float, 256> table{};
-  for (int b = 0; b < 256; ++b) {
-    const int exponent = (b >> 3) & 0xF, mantissa = b & 7;
-    float v = exponent == 0 ? std::ldexp(mantissa / 8.0f, -6) : std::ldexp(1.0f + mantissa / 8.0f, exponent - 7);
-    if ((b & 0x7F) == 0x7F) v = NAN;
-    table[b] = (b & 0x80) ? -v : v;
-  }
-  return table;
-}
-
-const std::array<float, 256>& e4m3_table() {
-  static const std::array<float, 256> table = make_table();
-  return table;
-}
-
 #if defined(CPU_CAPABILITY_AVX512)
-// Sixteen e4m3 bytes as float32 values / 256: the byte's exponent and mantissa shifted
-// into an fp16's (fp16's exponent bias is 8 more than e4m3's: the factor 2^-8, exact
-// for subnormals too), its sign into the fp16's sign.
-inline __m512 e4m3x16(const uint8_t* p) {
-  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
-  const __m256i magnitude = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7);
-  return _mm512_cvtph_ps(_mm256_or_si256(sign, magnitude));
-}
-
-constexpr float kUnscale = 256.0f;  // what e4m3x16's values are short of
+using llmd_e4m3::kUnscale;
 
 // out[r * stride] for the T rows of x against one weight row (T a compile-time count:
 // the accumulators stay in registers).
@@ -81,7 +54,7 @@ inline void dot_tile(const uint8_t* row, const float* scales, int64_t groups, in
 #pragma GCC unroll 8
     for (int r = 0; r < T; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t k = g * group; k < (g + 1) * group; k += kStep) {
-      const __m512 w = e4m3x16(row + k);
+      const __m512 w = llmd_e4m3::x16(row + k);
 #pragma GCC unroll 8
       for (int r = 0; r < T; ++r) acc[r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + r * cols + k), acc[r]);
     }
@@ -101,8 +74,8 @@ inline void dot_pair(const uint8_t* row0, const uint8_t* row1, const float* sc0,
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
     for (int64_t k = g * group; k < (g + 1) * group; k += kStep) {
       const __m512 xv = _mm512_loadu_ps(x + k);
-      acc0 = _mm512_fmadd_ps(e4m3x16(row0 + k), xv, acc0);
-      acc1 = _mm512_fmadd_ps(e4m3x16(row1 + k), xv, acc1);
+      acc0 = _mm512_fmadd_ps(llmd_e4m3::x16(row0 + k), xv, acc0);
+      acc1 = _mm512_fmadd_ps(llmd_e4m3::x16(row1 + k), xv, acc1);
     }
     total0 = _mm512_fmadd_ps(_mm512_set1_ps(sc0[g] * kUnscale), acc0, total0);
     total1 = _mm512_fmadd_ps(_mm512_set1_ps(sc1[g] * kUnscale), acc1, total1);
@@ -128,7 +101,7 @@ inline void dot_rows(const uint8_t* row, const float* scales, int64_t groups, in
 // Portable: each group widened into a float32 buffer by table, then multiplied with every row.
 inline void dot_rows(const uint8_t* row, const float* scales, int64_t groups, int64_t group, const float* x,
                      int64_t tile, int64_t cols, float* out, int64_t stride) {
-  const auto& table = e4m3_table();
+  const auto& table = llmd_e4m3::table();
   float wb[kStep];
   float total[kMaxRows] = {};
   for (int64_t g = 0; g < groups; ++g) {
@@ -198,7 +171,7 @@ at::Tensor fp8_dequantize(const at::Tensor& w, const at::Tensor& scales) {
   const uint8_t* wp = w.const_data_ptr<uint8_t>();
   const float* sp = scales.const_data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const auto& table = e4m3_table();
+  const auto& table = llmd_e4m3::table();
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
       for (int64_t k = 0; k < cols; ++k) op[j * cols + k] = table[wp[j * cols + k]] * sp[j * groups + k / group];

@@ -20,7 +20,9 @@
 //   [2, KVH, blocks, block_size, D], slot_mapping [T], q_norm_w, k_norm_w, eps, gemma):
 //   in place, q and k of each token normed per head (when norm weights are given) and
 //   rotated neox-style over their first R dimensions; then k and v written to the cache
-//   at the token's slot (a negative slot is skipped).
+//   at the token's slot (a negative slot is skipped). A quantized cache (uint8 holding
+//   float8 e4m3fn bytes, or int8: kv_quant.py) stores k * k_inv_scale and v * v_inv_scale
+//   (float32 products) rounded to its format, as kv_quant.quantize does.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -32,7 +34,10 @@
 
 #include <c10/util/Optional.h>
 
+#include "cpu_e4m3.h"
 #include "cpu_vec.h"
+
+#include <algorithm>
 
 #include <cmath>
 #include <type_traits>
@@ -213,6 +218,22 @@ at::Tensor act_and_mul(const at::Tensor& gate_up, int64_t act) {
   return out;
 }
 
+// One head's n values of T into a cache row of C: copied (C is T), or quantized with
+// `inv` (kv_quant.quantize: the float32 product, to the nearest e4m3 or int8 in range).
+template <typename T, typename C>
+inline void store_row(const T* src, C* dst, int64_t n, float inv) {
+  if constexpr (std::is_same_v<C, T>) {
+    std::copy(src, src + n, dst);
+  } else if constexpr (std::is_same_v<C, uint8_t>) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = llmd_e4m3::encode(static_cast<float>(src[i]) * inv);
+  } else {
+    static_assert(std::is_same_v<C, int8_t>);
+    for (int64_t i = 0; i < n; ++i) {
+      dst[i] = static_cast<int8_t>(std::clamp(std::nearbyint(static_cast<float>(src[i]) * inv), -127.f, 127.f));
+    }
+  }
+}
+
 struct RopeShape {
   int64_t heads, kv_heads, dim, rot, slots;
 };
@@ -239,17 +260,17 @@ inline void rope_head(T* x, const float* wf, float eps, bool gemma, const float*
   llmd_cpu_vec::narrow<T>(a, x, s.dim);
 }
 
-template <typename T>
+template <typename T, typename C>
 void rope_rows(at::Tensor& qkv, const RopeShape& s, const at::Tensor& cos, const at::Tensor& sin,
                at::Tensor& kv_cache, const at::Tensor& slots, const at::Tensor* qw, const at::Tensor* kw, float eps,
-               bool gemma) {
+               bool gemma, float k_inv, float v_inv) {
   const int64_t rows = qkv.size(0), width = qkv.size(1), d = s.dim;
   std::vector<float> qwf(qw ? d : 0), kwf(kw ? d : 0);
   if (qw) llmd_cpu_vec::widen<T>(qw->const_data_ptr<T>(), qwf.data(), d);
   if (kw) llmd_cpu_vec::widen<T>(kw->const_data_ptr<T>(), kwf.data(), d);
   T* base = qkv.data_ptr<T>();
-  T* kc = kv_cache.data_ptr<T>();
-  T* vc = kc + s.kv_heads * s.slots * d;
+  C* kc = static_cast<C*>(kv_cache.data_ptr());
+  C* vc = kc + s.kv_heads * s.slots * d;
   const T* cp = cos.const_data_ptr<T>();
   const T* sp = sin.const_data_ptr<T>();
   const int64_t* slot = slots.const_data_ptr<int64_t>();
@@ -270,8 +291,8 @@ void rope_rows(at::Tensor& qkv, const RopeShape& s, const at::Tensor& cos, const
                                                              c.data(), sn.data(), s, sc);
       if (slot[row] < 0) continue;
       for (int64_t h = 0; h < s.kv_heads; ++h) {
-        std::copy(k + h * d, k + (h + 1) * d, kc + (h * s.slots + slot[row]) * d);
-        std::copy(v + h * d, v + (h + 1) * d, vc + (h * s.slots + slot[row]) * d);
+        store_row<T, C>(k + h * d, kc + (h * s.slots + slot[row]) * d, d, k_inv);
+        store_row<T, C>(v + h * d, vc + (h * s.slots + slot[row]) * d, d, v_inv);
       }
     }
   });
@@ -279,7 +300,8 @@ void rope_rows(at::Tensor& qkv, const RopeShape& s, const at::Tensor& cos, const
 
 void qk_rope_cache_(at::Tensor& qkv, int64_t heads, int64_t kv_heads, const at::Tensor& cos, const at::Tensor& sin,
                     at::Tensor& kv_cache, const at::Tensor& slot_mapping, const c10::optional<at::Tensor>& q_norm_w,
-                    const c10::optional<at::Tensor>& k_norm_w, double eps, bool gemma) {
+                    const c10::optional<at::Tensor>& k_norm_w, double eps, bool gemma, double k_inv_scale,
+                    double v_inv_scale) {
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.size(1) == kv_heads &&
               kv_cache.is_contiguous(), "qk_rope_cache_: contiguous kv_cache [2, KVH, blocks, block_size, D] expected");
   const int64_t d = kv_cache.size(4), rows = qkv.size(0);
@@ -292,17 +314,31 @@ void qk_rope_cache_(at::Tensor& qkv, int64_t heads, int64_t kv_heads, const at::
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == rows && slot_mapping.is_contiguous(),
               "qk_rope_cache_: int64 slot_mapping [T] expected");
   const auto type = qkv.scalar_type();
-  TORCH_CHECK(kv_cache.scalar_type() == type && cos.scalar_type() == type && sin.scalar_type() == type,
-              "qk_rope_cache_: qkv, cos, sin and the cache differ in dtype");
+  const auto cache_type = kv_cache.scalar_type();
+  TORCH_CHECK(cos.scalar_type() == type && sin.scalar_type() == type &&
+              (cache_type == type || cache_type == at::kByte || cache_type == at::kChar),
+              "qk_rope_cache_: qkv, cos and sin differ in dtype, or the cache holds neither theirs nor a quantized "
+              "cache's uint8 (e4m3) or int8");
+  TORCH_CHECK(cache_type != type || (k_inv_scale == 1.0 && v_inv_scale == 1.0),
+              "qk_rope_cache_: scales are for a quantized cache (uint8, int8)");
   TORCH_CHECK(q_norm_w.has_value() == k_norm_w.has_value(), "qk_rope_cache_: q and k norms come together");
   for (const auto* w : {&q_norm_w, &k_norm_w}) {
     TORCH_CHECK(!w->has_value() || ((*w)->numel() == d && (*w)->is_contiguous() && (*w)->scalar_type() == type),
                 "qk_rope_cache_: q/k norm weights [D] of qkv's dtype expected");
   }
   const RopeShape s{heads, kv_heads, d, rot, kv_cache.size(2) * kv_cache.size(3)};
+  const at::Tensor* qw = q_norm_w ? &*q_norm_w : nullptr;
+  const at::Tensor* kw = k_norm_w ? &*k_norm_w : nullptr;
+  const float k_inv = static_cast<float>(k_inv_scale), v_inv = static_cast<float>(v_inv_scale);
   dispatch_float_types(type, "qk_rope_cache_", [&](auto tag) {
-    rope_rows<decltype(tag)>(qkv, s, cos, sin, kv_cache, slot_mapping, q_norm_w ? &*q_norm_w : nullptr,
-                             k_norm_w ? &*k_norm_w : nullptr, static_cast<float>(eps), gemma);
+    using T = decltype(tag);
+    if (cache_type == at::kByte) {
+      rope_rows<T, uint8_t>(qkv, s, cos, sin, kv_cache, slot_mapping, qw, kw, static_cast<float>(eps), gemma, k_inv, v_inv);
+    } else if (cache_type == at::kChar) {
+      rope_rows<T, int8_t>(qkv, s, cos, sin, kv_cache, slot_mapping, qw, kw, static_cast<float>(eps), gemma, k_inv, v_inv);
+    } else {
+      rope_rows<T, T>(qkv, s, cos, sin, kv_cache, slot_mapping, qw, kw, static_cast<float>(eps), gemma, 1.f, 1.f);
+    }
   });
 }
 
@@ -313,7 +349,8 @@ TORCH_LIBRARY_FRAGMENT(llmd_cpu, m) {
   m.def("add_rms_norm_(Tensor(a!) x, Tensor residual, Tensor w, float eps, bool gemma) -> Tensor");
   m.def("act_and_mul(Tensor gate_up, int act) -> Tensor");
   m.def("qk_rope_cache_(Tensor(a!) qkv, int heads, int kv_heads, Tensor cos, Tensor sin, Tensor(b!) kv_cache, "
-        "Tensor slot_mapping, Tensor? q_norm_w, Tensor? k_norm_w, float eps, bool gemma) -> ()");
+        "Tensor slot_mapping, Tensor? q_norm_w, Tensor? k_norm_w, float eps, bool gemma, float k_inv_scale=1.0, "
+        "float v_inv_scale=1.0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(llmd_cpu, CPU, m) {

@@ -24,6 +24,7 @@ from torch import nn
 
 from llmd.gpu.layers.attention import AttentionMetadata
 from llmd.gpu.layers.fused_ops import UNFUSED, LayerOps
+from llmd.gpu.layers.kv_quant import cache_format
 from llmd.gpu.layers.norms import RMSNorm
 
 # cpu_fused_ops.cpp's activation codes, by ACTIVATIONS name.
@@ -75,8 +76,9 @@ class CpuFusedLayerOps(LayerOps):
         q_norm = attn.q_norm  # q and k norms both or neither, as rotated_qkv reads them
         norms = (None, None, 1e-6, False) if q_norm is None else (q_norm.weight, attn.k_norm.weight, q_norm.eps,
                                                                    q_norm.gemma_scale)
+        scales = attn.attn.kv_scales
         self.kernels.qk_rope_cache_(qkv, attn.num_heads, attn.num_kv_heads, cos, sin, kv_cache, md.slot_mapping,
-                                    *norms)
+                                    *norms, scales.k_inv, scales.v_inv)
         t, d = qkv.shape[0], attn.head_dim
         q, k, v = qkv.split([attn.num_heads * d, attn.num_kv_heads * d, attn.num_kv_heads * d], dim=-1)
         return attn.attn(q.view(t, attn.num_heads, d), k.view(t, attn.num_kv_heads, d),
@@ -84,8 +86,9 @@ class CpuFusedLayerOps(LayerOps):
 
 
 def _fits_rope(attn: Any, qkv: torch.Tensor, cos: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Whether the fused q/k/rotary/cache operator takes this layer's step as it is."""
-    same = qkv.dtype == cos.dtype == kv_cache.dtype
+    """Whether the fused q/k/rotary/cache operator takes this layer's step as it is (a
+    quantized cache included: it writes the layer's scaled bytes)."""
+    same = qkv.dtype == cos.dtype and (kv_cache.dtype == qkv.dtype or cache_format(kv_cache) is not None)
     if attn.q_norm is not None:
         norms = attn.q_norm, attn.k_norm
         same = same and all(isinstance(n, RMSNorm) and n.weight.dtype == qkv.dtype for n in norms)

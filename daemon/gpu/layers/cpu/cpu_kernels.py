@@ -60,7 +60,8 @@ logger = logging.getLogger("llmd.cpu_kernels")
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_fused_ops.cpp", "cpu_quant.cpp",
                                                           "cpu_quant_x16.cpp", "cpu_fp8.cpp")]
 HEADERS = [Path(__file__).with_name(name)  # part of the digest
-           for name in ("cpu_vec.h", "cpu_quant_formats.h", "cpu_quant_x16_layout.h", "cpu_quant_x16_records.h")]
+           for name in ("cpu_vec.h", "cpu_e4m3.h", "cpu_quant_formats.h", "cpu_quant_x16_layout.h",
+                        "cpu_quant_x16_records.h")]
 CPU_KERNELS_ENV = "LLMD_CPU_KERNELS"
 X16_ENV = "LLMD_GGUF_X16"
 KERNEL_BUILD_TIMEOUT_ENV = "LLMD_KERNEL_BUILD_TIMEOUT"
@@ -132,9 +133,10 @@ def _load() -> bool:
 def paged_decode_op() -> Callable[..., torch.Tensor] | None:
     """torch.ops.llmd_cpu.paged_decode(q [B, H, D], kv_cache [2, KVH, blocks,
     block_size, D], block_table [B, max_blocks] int64, seq_lens [B] int64, scale,
-    softcap (0: none), window (0: none)) -> [B, H, D]: decode attention over the
-    paged cache read in place (cpu_kernels.cpp). Built on first call; None if it
-    cannot be."""
+    softcap (0: none), window (0: none), k_scale=1, v_scale=1) -> [B, H, D]: decode
+    attention over the paged cache read in place (cpu_kernels.cpp), a quantized one
+    (uint8 e4m3 bytes or int8, kv_quant) dequantized with the scales as it is read.
+    Built on first call; None if it cannot be."""
     return torch.ops.llmd_cpu.paged_decode if _load() else None
 
 
