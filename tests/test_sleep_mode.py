@@ -104,3 +104,19 @@ def test_sleep_is_refused_while_requests_run_and_for_unknown_levels():
     llm.sleep(1)  # shallower than it is: stays at 2
     assert llm.engine.sleep_level == 2
     llm.engine.shutdown()
+
+
+def test_a_quantized_kv_cache_keeps_its_scales_through_a_deep_sleep():
+    """A level-2 wake loads a new model: the KV scales calibrated at the start are set on
+    it again (not calibrated anew, not left unset), so it answers as before the sleep.
+    Without them the int8 cache would be read with unit scales and answer differently."""
+    llm = LLM(model=str(fixture_path("tiny-llama")), max_model_len=128, num_gpu_blocks_override=32,
+              kv_cache_dtype="int8")
+    before = tokens(llm)
+    runner = llm.engine.executor.runner
+    scales = runner.kv_scales
+    llm.sleep(2)
+    llm.wake_up()
+    assert runner.kv_scales is scales
+    assert tokens(llm) == before
+    llm.engine.shutdown()
