@@ -96,3 +96,12 @@ def _stop_leftover_daemons():
     import daemon_util
 
     daemon_util.stop_all()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _stop_the_zygote():
+    """The process the daemons are forked from (zygote.py) ends with the session."""
+    yield
+    import zygote
+
+    zygote.close_zygote()

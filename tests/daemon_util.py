@@ -14,6 +14,7 @@ from pathlib import Path
 import msgspec
 
 from llmd_client.protocol import ServerMessage
+from zygote import ForkedProcess, zygote_for
 
 LLMD = [sys.executable, "-m", "llmd.cli"]
 # Every daemon started and not yet stopped: conftest stops what a test left behind.
@@ -35,8 +36,15 @@ class Daemon:
         self.sock = str(sock)
         self.log = Path(str(sock) + ".log")
         cmd = self.command(model, self.sock, *args)
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log.open("wb"),
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
+        env = {**os.environ, **(env or {})}
+        zygote = zygote_for(env)  # forked with the imports done, unless `env` asks otherwise (zygote.py)
+        self.proc: subprocess.Popen | ForkedProcess
+        if zygote is not None:
+            self.proc = zygote.spawn(cmd[len(LLMD):], self.log, env)
+        else:
+            with self.log.open("wb") as log:
+                self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env,
+                                             start_new_session=True)
         LIVE.add(self)
 
     def wait_ready(self, timeout: float = 60.0) -> Daemon:
