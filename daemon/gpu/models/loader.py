@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from llmd.gpu.layers.cpu.cpu_decode_layers import attach_decode_layers
 from llmd.gpu.layers.cpu.cpu_kernels import attach_cpu_kernels, attach_gguf_kernels
 from llmd.gpu.layers.cpu.cpu_linear import pack_linears
 from llmd.gpu.layers.gguf_quant import FORMATS, PACKED_TYPES, PackedSource
@@ -304,4 +305,6 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
         attach_cpu_kernels(model)  # decode attention over the paged cache in place (cpu_kernels)
     if plan:
         attach_gguf_kernels(model, dtype)
+    if device.type == "cpu":
+        attach_decode_layers(model)  # batch-1 decode steps through the layers in C++ where they qualify
     return model
