@@ -54,7 +54,7 @@ from torch import nn
 from llmd.gpu.layers.attention import TorchAttention
 from llmd.gpu.layers.cpu.cpu_fused_ops import use_cpu_fused_ops
 from llmd.gpu.layers.fused_ops import fused_ops_setting
-from llmd.gpu.layers.gguf_quant import GGUFMatmul, use_x16, x16_passes, x16_row_reader
+from llmd.gpu.layers.gguf_quant import FORMATS, GGUFMatmul, use_x16, x16_passes, x16_row_reader
 from llmd.gpu.layers.cpu.kernel_build import ExtensionBuild, KernelBuildCancelled, KernelBuildError, build_library
 
 logger = logging.getLogger("llmd.cpu_kernels")
@@ -239,6 +239,9 @@ def attach_gguf_kernels(model: torch.nn.Module, dtype: torch.dtype) -> int:
             (table,) = module.packed_parts
             if passes and use_x16(module.weight, table, module.in_features, ops):
                 module.read_rows = x16_row_reader(module, ops)
+            if ops is not None:  # a lookup's rows decoded in C++ (the torch reference is ~10 operators)
+                code, cols = FORMATS[table.quant].code, module.in_features
+                module.dequantize_rows = lambda rows, code=code, cols=cols: ops.dequantize(rows, code, cols)
     return count
 
 
