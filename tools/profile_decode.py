@@ -42,6 +42,7 @@ from llmd import LLM, SamplingParams
 from llmd.gpu.layers.attention import AttentionLayer, TorchAttention
 from llmd.gpu.layers.cpu.cpu_linear import unpack_linears
 from llmd.gpu.layers.fused_ops import UNFUSED, LayerOps
+from llmd.gpu.layers.linear import LinearBase
 from llmd_tools.bench.workloads import make_prompts
 from llmd_tools.make_model import fixture_path
 
@@ -117,7 +118,7 @@ class Probe:
             setattr(owner, method, self._timed(getattr(owner, method), key))
             self.seconds[key] = 0.0
         for module in model.modules():
-            if isinstance(module, nn.Linear) and module is not getattr(model, "lm_head", None):
+            if isinstance(module, (nn.Linear, LinearBase)) and module is not getattr(model, "lm_head", None):
                 module.forward = self._timed(module.forward, "linear")
             if isinstance(getattr(module, "attn", None), AttentionLayer):
                 module.attn = _TimedCall(module.attn, self._timed(module.attn, "attention"))
