@@ -151,6 +151,16 @@ def test_steps_and_models_the_c_layers_do_not_take(vnni, ggufs, hf_dirs, monkeyp
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     llm.generate([[1, 2, 3], [4, 5, 6, 7]], params)  # both decode together: two rows a step
     assert spy.calls == 0
+    model, layers = llm.engine.executor.runner.model, spy.inner
+    caches = new_model_kv_caches(model, 8, BLOCK, torch.float32, CPU)
+    one = AttentionMetadata(torch.tensor([4]), 1, torch.arange(8)[None], torch.tensor([5]), [])
+    hidden = torch.zeros(1, model.config.hidden_size)
+    assert layers.takes(hidden, one, caches)
+    assert not layers.takes(hidden, one, [c.bfloat16() for c in caches])  # a KV cache of another dtype
+    assert not layers.takes(hidden.bfloat16(), one, caches)
+    assert not layers.takes(torch.zeros(1, 2 * hidden.shape[1])[:, ::2], one, caches)  # not contiguous
+    prefill = AttentionMetadata(torch.arange(3), 0, None, None, [(0, 3, 0, torch.arange(8))])
+    assert not layers.takes(torch.zeros(3, hidden.shape[1]), prefill, caches)
     assert why_not(load_model(str(hf_dirs("llama-tied")), torch.float32, CPU, 128)) is not None  # dense weights
     monkeypatch.setenv("LLMD_GGUF_X16", "0")
     assert "x16" in why_not(load_model(path, torch.float32, CPU, 128))

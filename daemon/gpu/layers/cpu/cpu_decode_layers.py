@@ -40,8 +40,9 @@ class DecodeLayers:
     def takes(self, hidden: torch.Tensor, md: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
         """Whether this step is one decode token of one request, its hidden state and
         caches of the layers' dtype."""
-        return (hidden.shape[0] == 1 and md.num_decodes == 1 and not md.prefills and hidden.dtype == self.dtype
-                and bool(kv_caches) and kv_caches[0].dtype == self.dtype)
+        return (hidden.dim() == 2 and hidden.shape[0] == 1 and hidden.is_contiguous() and md.num_decodes == 1
+                and not md.prefills and hidden.dtype == self.dtype and bool(kv_caches)
+                and kv_caches[0].dtype == self.dtype)
 
     def __call__(self, hidden: torch.Tensor, tables: dict[str, tuple[torch.Tensor, torch.Tensor]],
                  kv_caches: list[torch.Tensor], md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
