@@ -245,6 +245,9 @@ def test_a_k_quant_model_with_a_tied_table_runs_through_x16(vnni, hf_dirs, tmp_p
     assert model.lm_head.weight is model.embed_tokens.weight and model.embed_tokens.read_rows is not None
     ids = torch.tensor([3, 1000, 17, 17])
     assert torch.equal(model.embed_tokens.read_rows(ids), torch.from_numpy(table[ids.numpy()]))
+    # the lookup's rows decoded by the C++ kernel: the torch reference's values exactly
+    reference = gguf_quant.dequantize(torch.from_numpy(table[ids.numpy()]), "Q6_K", 256)
+    assert model.embed_tokens.dequantize_rows is not None and torch.equal(model.embed_tokens(ids), reference)
     monkeypatch.setenv("LLMD_GGUF_X16", "0")
     plain = load_model(path, torch.float32, torch.device("cpu"), 256)
     torch.testing.assert_close(model.embed_tokens(ids), plain.embed_tokens(ids), atol=0, rtol=0)

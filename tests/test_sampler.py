@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llmd.gpu.sample import filters as sampler_module
-from llmd.gpu.sample.sampler import Sampler, SamplingMetadata, apply_penalties, gather_logprobs
+from llmd.gpu.sample.sampler import Sampler, SamplingMetadata, apply_penalties, argmax_rows, gather_logprobs
 from llmd.gpu.sample.filters import apply_top_k_top_p_sorted, apply_top_k_top_p
 from llmd_client.protocol import SamplingParams
 
@@ -99,6 +99,24 @@ def test_greedy_is_argmax():
     # top-k/top-p on a greedy row change nothing
     params = [SamplingParams(temperature=0.0, top_k=3, top_p=0.2, min_p=0.5)] * 7
     assert torch.equal(sample(logits, params), logits.argmax(-1))
+
+
+def test_argmax_rows_is_torch_argmax():
+    """The numpy path (float32 on CPU) picks what torch's argmax picks: the first of tied
+    maxima, a NaN over any number, -inf rows; strided rows; other dtypes go to torch."""
+    logits = torch.randn(6, 4099, generator=torch.Generator().manual_seed(0))
+    logits[1, [7, 3000]] = 100.0  # a tie: the first
+    logits[2] = float("-inf")
+    logits[2, 4098] = -1e30
+    logits[3] = float("-inf")  # every entry equal: index 0
+    logits[4, 11] = float("nan")
+    logits[4, 12] = float("inf")
+    with torch.inference_mode():
+        for case in (logits, logits[:, :4000], logits[::2], logits[:0]):
+            got = argmax_rows(case)
+            assert got.dtype == torch.int64 and torch.equal(got, case.argmax(dim=-1))
+        half = logits.bfloat16()
+        assert torch.equal(argmax_rows(half), half.argmax(dim=-1))
 
 
 def test_mixed_batch_keeps_greedy_rows_exact():

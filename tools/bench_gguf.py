@@ -54,10 +54,10 @@ ENGINE_ENV = {"llmd-x16-1pass": {"LLMD_GGUF_X16": "1"}, "llmd-no-x16": {"LLMD_GG
 # Run in a fresh process per measurement: prints one JSON line. llama.cpp: TTFT is the
 # prompt's evaluation and the first greedy pick, decode the next `tokens` steps.
 _CHILD = r"""
-import json, random, resource, sys, time
+import json, random, sys, time
 engine, model, prompt_len, tokens, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 rng = random.Random(0)
-def status_mib(key):  # VmHWM: the peak so far; VmRSS: now
+def status_mib(key):  # VmHWM: the peak so far (the run's peak read at its end: one counter for both peaks); VmRSS: now
     for line in open("/proc/self/status"):
         if line.startswith(key + ":"):
             return int(line.split()[1]) / 1024
@@ -110,7 +110,7 @@ else:
     run(4, "warm-up")
     ttft, decode = run(tokens, "timed")
 print(json.dumps({"engine": engine, "ttft_s": ttft, "decode_tok_s": tokens / decode,
-                  "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, **loaded}))
+                  "peak_rss_mib": status_mib("VmHWM"), **loaded}))
 """
 
 

@@ -19,8 +19,10 @@ a few decode steps of each variant.
 processes does not count (for A/B runs on a busy machine; memory and cache contention
 still do).
 
-Variants: `default` (the engine as configured), `mkl` (linear layers through F.linear,
-as before oneDNN packing: cpu_linear.unpack_linears), `torch-attention` (decode
+Variants: `default` (the engine as configured), `python-layers` (batch-1 decode steps
+through the Python layers instead of the C++ ones, cpu/cpu_decode_layers; every other
+variant implies it), `mkl` (linear layers through F.linear, as before oneDNN packing:
+cpu_linear.unpack_linears), `torch-attention` (decode
 attention on TorchAttention's gather-and-GEMM path instead of the C++ kernel), `before`
 (both: the CPU step before either).
 """
@@ -40,11 +42,26 @@ from llmd import LLM, SamplingParams
 from llmd.gpu.layers.attention import AttentionLayer, TorchAttention
 from llmd.gpu.layers.cpu.cpu_linear import unpack_linears
 from llmd.gpu.layers.fused_ops import UNFUSED, LayerOps
+from llmd.gpu.layers.linear import LinearBase
 from llmd_tools.bench.workloads import make_prompts
 from llmd_tools.make_model import fixture_path
 
+
+def python_layers(model: nn.Module) -> None:
+    """Batch-1 decode steps through the Python layers (no C++ DecodeLayers:
+    cpu/cpu_decode_layers); every variant that changes the layers implies it."""
+    model.decode_layers = None
+
+
+def mkl(model: nn.Module) -> None:
+    """Linear layers through F.linear (cpu_linear.unpack_linears)."""
+    python_layers(model)
+    unpack_linears(model)
+
+
 def torch_attention(model: nn.Module) -> None:
     """Decode attention back on TorchAttention's gather-and-GEMM path (no C++ kernel)."""
+    python_layers(model)
     for module in model.modules():
         if isinstance(getattr(module, "attn", None), TorchAttention):
             module.attn.decode_kernel = None
@@ -53,6 +70,7 @@ def torch_attention(model: nn.Module) -> None:
 def unfused(model: nn.Module) -> None:
     """The layers' norms, rotary, K/V write and activation back on their torch ops (no
     C++ fused ops; what LLMD_FUSED_OPS=0 loads)."""
+    python_layers(model)
     for module in model.modules():
         if isinstance(getattr(module, "ops", None), LayerOps):
             module.ops = UNFUSED
@@ -61,6 +79,7 @@ def unfused(model: nn.Module) -> None:
 def before(model: nn.Module) -> None:
     """The CPU step as it was before issue 13: no oneDNN packing, C++ decode kernel or
     fused ops."""
+    python_layers(model)
     unpack_linears(model)
     torch_attention(model)
     unfused(model)
@@ -68,7 +87,8 @@ def before(model: nn.Module) -> None:
 
 VARIANTS: dict[str, tuple[dict[str, Any], Callable[[nn.Module], None] | None]] = {
     "default": ({}, None),
-    "mkl": ({}, unpack_linears),
+    "python-layers": ({}, python_layers),
+    "mkl": ({}, mkl),
     "torch-attention": ({}, torch_attention),
     "unfused": ({}, unfused),
     "before": ({}, before),
@@ -98,7 +118,7 @@ class Probe:
             setattr(owner, method, self._timed(getattr(owner, method), key))
             self.seconds[key] = 0.0
         for module in model.modules():
-            if isinstance(module, nn.Linear) and module is not getattr(model, "lm_head", None):
+            if isinstance(module, (nn.Linear, LinearBase)) and module is not getattr(model, "lm_head", None):
                 module.forward = self._timed(module.forward, "linear")
             if isinstance(getattr(module, "attn", None), AttentionLayer):
                 module.attn = _TimedCall(module.attn, self._timed(module.attn, "attention"))

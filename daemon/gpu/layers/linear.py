@@ -315,16 +315,20 @@ class VocabParallelEmbedding(VocabRows):
     """A rank looks up the ids in its range, zeros the others, and the all-reduce
     assembles the full rows (sums with zeros: exact)."""
 
-    # The compute dtype a packed table's rows are dequantized to, and (a table in another
-    # layout than GGUF's: gguf_quant.use_x16) how its rows are read; set with its kernels.
+    # The compute dtype a packed table's rows are dequantized to, (a table in another
+    # layout than GGUF's: gguf_quant.use_x16) how its rows are read, and how they are
+    # dequantized (the C++ kernel; None: gguf_quant.dequantize); set with its kernels.
     compute_dtype: torch.dtype = torch.float32
     read_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
+    dequantize_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             flat = ids.reshape(-1)
             rows = self.read_rows(flat) if self.read_rows is not None else self.weight.index_select(0, flat)
-            return dequantize(rows, self.quant, self.in_features).to(self.compute_dtype).reshape(*ids.shape, -1)
+            dense = (self.dequantize_rows(rows) if self.dequantize_rows is not None
+                     else dequantize(rows, self.quant, self.in_features))
+            return dense.to(self.compute_dtype).reshape(*ids.shape, -1)
         if self.world_size == 1:
             return F.embedding(ids, self.weight)
         outside = (ids < self.start) | (ids >= self.end)

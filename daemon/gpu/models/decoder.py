@@ -111,7 +111,11 @@ class DecoderLayer(nn.Module):
 
 class CausalLM(nn.Module):
     """The decoder of architecture `config.architectures[0]` (or `arch`), this rank's
-    share of it with tp_size > 1."""
+    share of it with tp_size > 1. `decode_layers`: on CPU, the layers run from C++ for
+    the one-token steps of one request they take (cpu/cpu_decode_layers; None: always
+    the Python layers)."""
+
+    decode_layers: Any = None
 
     def __init__(self, config: Any, max_positions: int, tp_rank: int = 0, tp_size: int = 1,
                  attention_backend: str = "torch", arch: Architecture | None = None) -> None:
@@ -175,10 +179,13 @@ class CausalLM(nn.Module):
         if self.arch.embed_scale:
             hidden = hidden * _rounded_sqrt(self.config.hidden_size, hidden.dtype)
         tables = {key: table.cos_sin(positions, hidden.dtype) for key, table in self.rotary.items()}
-        residual = None
-        for layer, key, kv_cache in zip(self.layers, self.layer_rope_keys, kv_caches):
-            cos, sin = tables[key]
-            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, md)
+        if self.decode_layers is not None and self.decode_layers.takes(hidden, md, kv_caches):
+            hidden, residual = self.decode_layers(hidden, tables, kv_caches, md)
+        else:
+            residual = None
+            for layer, key, kv_cache in zip(self.layers, self.layer_rope_keys, kv_caches):
+                cos, sin = tables[key]
+                hidden, residual = layer(hidden, residual, cos, sin, kv_cache, md)
         hidden, _ = self.ops.add_rms_norm(self.norm, hidden, residual)
         return hidden
 

@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from llmd.gpu.layers.cpu.cpu_decode_layers import attach_decode_layers
 from llmd.gpu.layers.cpu.cpu_kernels import attach_cpu_kernels, attach_gguf_kernels
 from llmd.gpu.layers.cpu.cpu_linear import pack_linears
 from llmd.gpu.layers.gguf_quant import FORMATS, PACKED_TYPES, PackedSource
@@ -321,3 +322,5 @@ def _attach_kernels(model: nn.Module, dtype: torch.dtype, device: torch.device, 
         attach_cuda_gguf_kernels(model, dtype)  # the Triton kernels, over planes laid out in place
     elif packed_gguf:
         attach_gguf_kernels(model, dtype)
+    if device.type == "cpu":
+        attach_decode_layers(model)  # batch-1 decode steps through the layers in C++ where they qualify

@@ -1,6 +1,6 @@
 """llmd's C++ CPU kernels (cpu_kernels.cpp), built when first asked for and cached on disk.
 
-Four sets, one extension:
+Five sets, one extension:
 - decode attention over the paged KV cache read in place (cpu_kernels.cpp). The torch
   path (attention.py, TorchAttention._decode) gathers every decode row's blocks into a
   padded buffer each layer and step, then runs two batched GEMMs; the kernel reads each
@@ -16,7 +16,9 @@ Four sets, one extension:
   model loads) sets the passes instead: 1 (llama.cpp's precision), 2 or 3; 0 keeps the
   first kernel (the A/B switch);
 - the product of a few rows with an FP8 weight kept as its e4m3 bytes (cpu_fp8.cpp, used
-  by quant/fp8.FP8Matmul; AWQ and GPTQ weights become GGUF blocks and use the set above).
+  by quant/fp8.FP8Matmul; AWQ and GPTQ weights become GGUF blocks and use the set above);
+- a decoder's layers for a one-token step of one request, chaining the operators above
+  with no Python between them (cpu_decode_layers.cpp, built by cpu_decode_layers.py).
 The loader hands both to a model on CPU whose layers attend with TorchAttention
 (`attach_cpu_kernels`).
 
@@ -52,13 +54,14 @@ from torch import nn
 from llmd.gpu.layers.attention import TorchAttention
 from llmd.gpu.layers.cpu.cpu_fused_ops import use_cpu_fused_ops
 from llmd.gpu.layers.fused_ops import fused_ops_setting
-from llmd.gpu.layers.gguf_quant import GGUFMatmul, use_x16, x16_passes, x16_row_reader
+from llmd.gpu.layers.gguf_quant import FORMATS, GGUFMatmul, use_x16, x16_passes, x16_row_reader
 from llmd.gpu.layers.cpu.kernel_build import ExtensionBuild, KernelBuildCancelled, KernelBuildError, build_library
 
 logger = logging.getLogger("llmd.cpu_kernels")
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_fused_ops.cpp", "cpu_quant.cpp",
-                                                          "cpu_quant_x16.cpp", "cpu_fp8.cpp")]
+                                                          "cpu_quant_x16.cpp", "cpu_fp8.cpp",
+                                                          "cpu_decode_layers.cpp")]
 HEADERS = [Path(__file__).with_name(name)  # part of the digest
            for name in ("cpu_vec.h", "cpu_e4m3.h", "cpu_quant_formats.h", "cpu_quant_x16_layout.h",
                         "cpu_quant_x16_records.h")]
@@ -238,6 +241,9 @@ def attach_gguf_kernels(model: torch.nn.Module, dtype: torch.dtype) -> int:
             (table,) = module.packed_parts
             if passes and use_x16(module.weight, table, module.in_features, ops):
                 module.read_rows = x16_row_reader(module, ops)
+            if ops is not None:  # a lookup's rows decoded in C++ (the torch reference is ~10 operators)
+                code, cols = FORMATS[table.quant].code, module.in_features
+                module.dequantize_rows = lambda rows, code=code, cols=cols: ops.dequantize(rows, code, cols)
     return count
 
 

@@ -55,6 +55,10 @@ using llmd_x16::record_bytes;
 constexpr int64_t kBlock = 32;     // columns of x per quantization block (and per sub-block)
 constexpr int64_t kTile = 4;       // rows of x per pass over a record
 constexpr int64_t kPrefetch = 16;  // sub-blocks ahead the product asks the memory for (measured: 2-32)
+// Sub-blocks ahead it also asks for into the L2 (prefetcht2), beside kPrefetch's requests:
+// measured 6-10% faster streamed from memory at one thread, 96 and 256 alike
+// (docs/benchmarks.md, "Batch-1 decode").
+constexpr int64_t kPrefetchL2 = 128;
 
 // The weight's GGUF blocks per row, once w is checked to be an x16 weight of this type.
 int64_t check_layout(const at::Tensor& w, int64_t quant, int64_t cols, const char* op) {
@@ -239,6 +243,8 @@ LLMD_X16_TARGET void group_tile(const uint8_t* w, const QuantizedRow* x, float* 
       // contiguous).
       const char* ahead = reinterpret_cast<const char*>(rp + (c + kPrefetch) * sub_bytes);
       for (int64_t line = 0; line < sub_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+      const char* far = reinterpret_cast<const char*>(rp + (c + kPrefetchL2) * sub_bytes);
+      for (int64_t line = 0; line < sub_bytes; line += 64) _mm_prefetch(far + line, _MM_HINT_T2);
       SubBlock sb;
       record.decode(c, sb);
       const int64_t b = s * R::kSub + c;

@@ -1,0 +1,241 @@
+// A decoder's layers for one decode token (batch 1), run from C++: the same operators
+// the Python layers call at that step (cpu_fused_ops.cpp's norms, rotary + cache write and
+// activation, cpu_kernels.cpp's paged_decode, cpu_quant_x16.cpp's packed products), in the
+// same order on the same tensors, with nothing between them. At batch 1 a small model's
+// step is ~10 operators a layer of a few to a hundred microseconds each, and the Python
+// that chains them (module calls, checks, views, slicing) cost as much again
+// (docs/benchmarks.md, "batch-1 decode"); here a layer costs its operators and a
+// dispatcher call each (~1 us).
+//
+// cpu_decode_layers.py builds a DecoderLayers once the model is loaded (only from layers it
+// can run: every projection packed in the x16 layout, the fused CPU ops, the paged decode
+// kernel) and the model's forward hands it the steps it takes: one token, one request.
+//
+// Layer i, as models/decoder.py's DecoderLayer (residual undefined before layer 0):
+//   h = residual undefined ? (residual = hidden, norm(hidden)) : add_norm(hidden, residual)
+//   qkv = h W_qkv^T (+ b): q/k normed per head (when given), rotated, k/v written to the cache
+//   a = paged_decode(q) W_o^T (+ b)
+//   Llama: h, residual = add_norm(a, residual); hidden = mlp(h)
+//   sandwich (Gemma): h, residual = add_norm(post_attention_norm(a), residual);
+//                     hidden = post_feedforward_norm(mlp(h))
+//   mlp(h) = act(gate) * up of h W_gate_up^T (+ b), times W_down^T (+ b)
+// forward returns (hidden, residual) after the last layer; the final norm is the model's.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/cat.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+// The operators a layer calls, found once (all registered by this library's other files).
+using MmX16 = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t);
+using RmsNorm = at::Tensor(const at::Tensor&, const at::Tensor&, double, bool);
+using AddRmsNorm = at::Tensor(at::Tensor&, const at::Tensor&, const at::Tensor&, double, bool);
+using ActAndMul = at::Tensor(const at::Tensor&, int64_t);
+using QkRopeCache = void(at::Tensor&, int64_t, int64_t, const at::Tensor&, const at::Tensor&, at::Tensor&,
+                         const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                         double, bool, double, double);
+using PagedDecode = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                               double, int64_t, double, double);
+// The cache these layers write and read is in the model's dtype (DecodeLayers.takes
+// declines a quantized one): the K/V scales of the two operators stay 1.
+constexpr double kUnitScale = 1.0;
+
+template <typename F>
+c10::TypedOperatorHandle<F> find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<F>();
+}
+
+struct Ops {
+  c10::TypedOperatorHandle<MmX16> mm_x16 = find_op<MmX16>("llmd_cpu::gguf_mm_x16");
+  c10::TypedOperatorHandle<RmsNorm> rms_norm = find_op<RmsNorm>("llmd_cpu::rms_norm");
+  c10::TypedOperatorHandle<AddRmsNorm> add_rms_norm = find_op<AddRmsNorm>("llmd_cpu::add_rms_norm_");
+  c10::TypedOperatorHandle<ActAndMul> act_and_mul = find_op<ActAndMul>("llmd_cpu::act_and_mul");
+  c10::TypedOperatorHandle<QkRopeCache> qk_rope_cache = find_op<QkRopeCache>("llmd_cpu::qk_rope_cache_");
+  c10::TypedOperatorHandle<PagedDecode> paged_decode = find_op<PagedDecode>("llmd_cpu::paged_decode");
+
+  static const Ops& get() {
+    static const Ops ops;
+    return ops;
+  }
+};
+
+// Rows [start, end) of a packed projection, in one type, in the x16 layout (gguf_quant's
+// PackedPart after use_x16): multiplied in `passes` int8 passes over x.
+struct Part {
+  at::Tensor weight;
+  int64_t quant, cols, passes;
+};
+
+// A projection: its parts' outputs side by side, then the bias if any.
+struct Projection {
+  std::vector<Part> parts;
+  std::optional<at::Tensor> bias;
+
+  at::Tensor operator()(const Ops& ops, const at::Tensor& x) const {
+    TORCH_CHECK(!parts.empty(), "DecoderLayers: a projection without parts");
+    at::Tensor out;
+    if (parts.size() == 1) {
+      out = ops.mm_x16.call(x, parts[0].weight, parts[0].quant, parts[0].cols, parts[0].passes);
+    } else {
+      std::vector<at::Tensor> outs;
+      outs.reserve(parts.size());
+      for (const Part& p : parts) outs.push_back(ops.mm_x16.call(x, p.weight, p.quant, p.cols, p.passes));
+      out = at::cat(outs, -1);
+    }
+    return bias ? at::add(out, *bias) : out;
+  }
+};
+
+struct Norm {
+  std::optional<at::Tensor> weight;  // none: the layer has no such norm
+  double eps = 1e-6;
+  bool gemma = false;
+};
+
+struct Layer {
+  int64_t heads, kv_heads, head_dim, window, rope, act;
+  double scale, softcap;
+  bool sandwich;
+  Norm input, post_attention, pre_feedforward, post_feedforward, q_norm, k_norm;
+  Projection qkv, o, gate_up, down;
+};
+
+class DecoderLayers : public torch::CustomClassHolder {
+ public:
+  // A layer (module doc); its norms and projections are set next, by name.
+  void add_layer(int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, double softcap, int64_t window,
+                 int64_t rope, int64_t act, bool sandwich) {
+    TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0,
+                "DecoderLayers.add_layer: heads a multiple of kv_heads > 0, head_dim > 0 expected");
+    TORCH_CHECK(rope >= 0 && window >= 0 && act >= 0, "DecoderLayers.add_layer: rope, window, act >= 0 expected");
+    layers_.push_back(Layer{heads, kv_heads, head_dim, window, rope, act, scale, softcap, sandwich});
+  }
+
+  // which: input, post_attention, pre_feedforward, post_feedforward, q_norm, k_norm.
+  void set_norm(const std::string& which, const at::Tensor& weight, double eps, bool gemma) {
+    Norm& norm = *norm_of(last("set_norm"), which);
+    norm.weight = weight.contiguous();
+    norm.eps = eps;
+    norm.gemma = gemma;
+  }
+
+  // which: qkv, o, gate_up, down; parts in row order.
+  void add_part(const std::string& which, const at::Tensor& weight, int64_t quant, int64_t cols, int64_t passes) {
+    TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.is_contiguous(),
+                "DecoderLayers.add_part: packed rows (contiguous uint8 [N, row bytes]) expected");
+    TORCH_CHECK(passes >= 1 && passes <= 3, "DecoderLayers.add_part: passes 1..3 expected, got ", passes);
+    projection_of(last("add_part"), which)->parts.push_back(Part{weight, quant, cols, passes});
+  }
+
+  void set_bias(const std::string& which, const at::Tensor& bias) {
+    projection_of(last("set_bias"), which)->bias = bias;
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // hidden [1, N] after the embedding; cos[r], sin[r]: the step's rotary table of rope key r
+  // ([1, 1, R]); kv_caches[i]: layer i's cache; block_table [1, max_blocks], seq_lens [1],
+  // slot_mapping [1] as AttentionMetadata holds them for the one decode row.
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& hidden_in, const std::vector<at::Tensor>& cos,
+                                             const std::vector<at::Tensor>& sin,
+                                             const std::vector<at::Tensor>& kv_caches, const at::Tensor& block_table,
+                                             const at::Tensor& seq_lens, const at::Tensor& slot_mapping) const {
+    TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.size(0) == 1 && hidden_in.is_contiguous(),
+                "DecoderLayers.forward: one contiguous row of hidden state [1, N] expected");
+    TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == num_layers(), "DecoderLayers.forward: ", num_layers(),
+                " kv caches expected, got ", kv_caches.size());
+    TORCH_CHECK(cos.size() == sin.size(), "DecoderLayers.forward: as many cos as sin tables expected");
+    const Ops& ops = Ops::get();
+    at::Tensor hidden = hidden_in, residual;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& l = layers_[i];
+      TORCH_CHECK(l.rope < static_cast<int64_t>(cos.size()), "DecoderLayers.forward: no rotary table ", l.rope);
+      at::Tensor h;
+      if (!residual.defined()) {
+        residual = hidden;
+        h = norm(ops, l.input, hidden);
+      } else {
+        h = add_norm(ops, l.input, hidden, residual);
+      }
+      at::Tensor qkv = l.qkv(ops, h);
+      at::Tensor kv_cache = kv_caches[i];
+      ops.qk_rope_cache.call(qkv, l.heads, l.kv_heads, cos[l.rope], sin[l.rope], kv_cache, slot_mapping,
+                             l.q_norm.weight, l.k_norm.weight, l.q_norm.weight ? l.q_norm.eps : 1e-6,
+                             l.q_norm.gemma, kUnitScale, kUnitScale);
+      const at::Tensor q = qkv.narrow(1, 0, l.heads * l.head_dim).view({1, l.heads, l.head_dim});
+      const at::Tensor attended =
+          ops.paged_decode.call(q, kv_cache, block_table, seq_lens, l.scale, l.softcap, l.window, kUnitScale,
+                                kUnitScale);
+      at::Tensor a = l.o(ops, attended.view({1, l.heads * l.head_dim}));
+      if (l.sandwich) a = norm(ops, l.post_attention, a);
+      h = add_norm(ops, l.sandwich ? l.pre_feedforward : l.post_attention, a, residual);
+      hidden = l.down(ops, ops.act_and_mul.call(l.gate_up(ops, h), l.act));
+      if (l.sandwich) hidden = norm(ops, l.post_feedforward, hidden);
+    }
+    return {hidden, residual};
+  }
+
+ private:
+  std::vector<Layer> layers_;
+
+  Layer& last(const char* method) {
+    TORCH_CHECK(!layers_.empty(), "DecoderLayers.", method, ": add_layer first");
+    return layers_.back();
+  }
+
+  static Norm* norm_of(Layer& l, const std::string& which) {
+    if (which == "input") return &l.input;
+    if (which == "post_attention") return &l.post_attention;
+    if (which == "pre_feedforward") return &l.pre_feedforward;
+    if (which == "post_feedforward") return &l.post_feedforward;
+    if (which == "q_norm") return &l.q_norm;
+    if (which == "k_norm") return &l.k_norm;
+    TORCH_CHECK(false, "DecoderLayers.set_norm: no norm named ", which);
+  }
+
+  static Projection* projection_of(Layer& l, const std::string& which) {
+    if (which == "qkv") return &l.qkv;
+    if (which == "o") return &l.o;
+    if (which == "gate_up") return &l.gate_up;
+    if (which == "down") return &l.down;
+    TORCH_CHECK(false, "DecoderLayers: no projection named ", which);
+  }
+
+  static const at::Tensor& weight_of(const Norm& n) {
+    TORCH_CHECK(n.weight.has_value(), "DecoderLayers.forward: a layer's norm was not set");
+    return *n.weight;
+  }
+
+  static at::Tensor norm(const Ops& ops, const Norm& n, const at::Tensor& x) {
+    return ops.rms_norm.call(x, weight_of(n), n.eps, n.gemma);
+  }
+
+  // norm(x + residual); x becomes the sum and `residual` that tensor (the new residual).
+  static at::Tensor add_norm(const Ops& ops, const Norm& n, at::Tensor& x, at::Tensor& residual) {
+    at::Tensor out = ops.add_rms_norm.call(x, residual, weight_of(n), n.eps, n.gemma);
+    residual = x;
+    return out;
+  }
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llmd_cpu, m) {
+  m.class_<DecoderLayers>("DecoderLayers")
+      .def(torch::init<>())
+      .def("add_layer", &DecoderLayers::add_layer)
+      .def("set_norm", &DecoderLayers::set_norm)
+      .def("add_part", &DecoderLayers::add_part)
+      .def("set_bias", &DecoderLayers::set_bias)
+      .def("num_layers", &DecoderLayers::num_layers)
+      .def("forward", &DecoderLayers::forward);
+}

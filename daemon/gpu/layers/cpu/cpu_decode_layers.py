@@ -1,0 +1,122 @@
+"""A decoder's layers run from C++ for a one-token, one-request step (batch-1 decode on
+CPU): cpu_decode_layers.cpp's DecoderLayers calls, layer after layer, the operators the
+Python layers call at that step (the C++ fused ops, paged decode, packed x16 products),
+in the same order on the same tensors, so its result is the Python path's bit for bit,
+without the Python between the operators (module calls, checks, views: at batch 1 as
+much time as the operators themselves for a 135M model; docs/benchmarks.md).
+
+`attach_decode_layers` builds it once the kernels are attached, only when every layer
+runs exactly those operators: a dense decoder layer (no experts) on one rank, with the
+C++ fused ops, the paged decode kernel, RMSNorms, and every projection packed in the x16
+layout. Anything else keeps the Python layers; and every step it does not take (more
+than one token or request, prefill, a KV cache of another dtype) runs them too
+(`DecodeLayers.takes`).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmd.gpu.layers.attention import AttentionMetadata, TorchAttention
+from llmd.gpu.layers.cpu.cpu_fused_ops import ACT_CODES, CPU_FUSED
+from llmd.gpu.layers.gguf_quant import GGUFMatmul
+from llmd.gpu.layers.mlp import GatedMLP
+from llmd.gpu.layers.norms import RMSNorm
+
+logger = logging.getLogger("llmd.cpu_decode_layers")
+
+
+class DecodeLayers:
+    """The C++ layers of a model (module doc) and what a step must be for them."""
+
+    def __init__(self, layers: Any, rope_keys: list[str], dtype: torch.dtype) -> None:
+        self.layers = layers  # torch.classes.llmd_cpu.DecoderLayers
+        self.rope_keys = rope_keys  # the rotary tables' keys, in the order the layers index them
+        self.dtype = dtype
+
+    def takes(self, hidden: torch.Tensor, md: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
+        """Whether this step is one decode token of one request, its hidden state and
+        caches of the layers' dtype."""
+        return (hidden.dim() == 2 and hidden.shape[0] == 1 and hidden.is_contiguous() and md.num_decodes == 1
+                and not md.prefills and hidden.dtype == self.dtype and bool(kv_caches)
+                and kv_caches[0].dtype == self.dtype)
+
+    def __call__(self, hidden: torch.Tensor, tables: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                 kv_caches: list[torch.Tensor], md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the last layer's output, the residual before it is added) for the step's one row."""
+        cos = [tables[key][0] for key in self.rope_keys]
+        sin = [tables[key][1] for key in self.rope_keys]
+        return self.layers.forward(hidden, cos, sin, kv_caches, md.decode_block_table, md.decode_seq_lens,
+                                   md.slot_mapping)
+
+
+def why_not(model: nn.Module) -> str | None:
+    """Why the model's layers cannot run as DecodeLayers (None: they can)."""
+    if not hasattr(model, "layer_rope_keys") or not len(model.layers):
+        return "not a decoder with layers"
+    if model.tp is not None:
+        return "tensor parallelism"
+    for i, layer in enumerate(model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        if not (layer.ops is CPU_FUSED and attn.ops is CPU_FUSED):
+            return f"layer {i} does not run the C++ fused ops"
+        if not isinstance(mlp, GatedMLP) or mlp.ops is not CPU_FUSED or mlp.activation not in ACT_CODES:
+            return f"layer {i}'s feed-forward is not a gated MLP of the C++ fused ops"
+        if not isinstance(attn.attn, TorchAttention) or attn.attn.decode_kernel is None:
+            return f"layer {i} does not decode through the paged decode kernel"
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        if layer.sandwich:
+            norms += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
+        if attn.q_norm is not None:
+            norms += [attn.q_norm, attn.k_norm]
+        if not all(isinstance(n, RMSNorm) for n in norms):
+            return f"layer {i} has a norm other than RMSNorm"
+        if any(n.weight.dtype != model.layers[0].input_layernorm.weight.dtype for n in norms):
+            return f"layer {i}'s norms differ in dtype from the model's"
+        for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            kernel = getattr(proj, "kernel", None)
+            if not isinstance(kernel, GGUFMatmul) or not all(passes for *_, passes in kernel.parts):
+                return f"layer {i}'s projections are not all packed in the x16 layout"
+    return None
+
+
+def build_decode_layers(model: nn.Module) -> DecodeLayers | None:
+    """The model's DecodeLayers, or None (logged at debug level) when why_not says no."""
+    reason = why_not(model)
+    if reason is not None:
+        logger.debug("batch-1 decode keeps the Python layers: %s", reason)
+        return None
+    rope_keys = list(dict.fromkeys(model.layer_rope_keys))
+    layers = torch.classes.llmd_cpu.DecoderLayers()
+    for layer, key in zip(model.layers, model.layer_rope_keys):
+        attn = layer.self_attn
+        kernel = attn.attn
+        layers.add_layer(attn.num_heads, attn.num_kv_heads, attn.head_dim, kernel.scale, kernel.softcap or 0.0,
+                         kernel.sliding_window or 0, rope_keys.index(key), ACT_CODES[layer.mlp.activation],
+                         layer.sandwich)
+        norms = {"input": layer.input_layernorm, "post_attention": layer.post_attention_layernorm,
+                 "q_norm": attn.q_norm, "k_norm": attn.k_norm}
+        if layer.sandwich:
+            norms.update(pre_feedforward=layer.pre_feedforward_layernorm,
+                         post_feedforward=layer.post_feedforward_layernorm)
+        for name, norm in norms.items():
+            if norm is not None:
+                layers.set_norm(name, norm.weight, norm.eps, norm.gemma_scale)
+        for name, proj in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", layer.mlp.gate_up_proj),
+                           ("down", layer.mlp.down_proj)):
+            kernel = proj.kernel
+            for part, code, weight, passes in kernel.parts:
+                layers.add_part(name, weight, code, proj.in_features, passes)
+            if kernel.with_bias and proj.bias is not None:
+                layers.set_bias(name, proj.bias)
+    return DecodeLayers(layers, rope_keys, model.layers[0].input_layernorm.weight.dtype)
+
+
+def attach_decode_layers(model: nn.Module) -> bool:
+    """Give a CPU model whose layers qualify (why_not) its DecodeLayers (`decode_layers`,
+    which its forward uses for the steps they take); whether it got them."""
+    model.decode_layers = build_decode_layers(model)
+    return model.decode_layers is not None

