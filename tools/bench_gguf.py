@@ -26,7 +26,8 @@ the same alternated rounds: llmd's engine with max_num_seqs=N against llama.cpp'
 decoding (one llama_decode per step for all sequences, as its `batched` example):
 throughput (every generated token over the run's wall time), the time until every
 sequence has its first token, decode tokens/s after that, and the same RSS figures
-(bench_gguf_child says exactly what each engine runs).
+(bench_gguf_child says exactly what each engine runs). Both modes also report `same
+tokens`: how much of each sequence's greedy output equals the first engine's (same_tokens).
 
 `--kernels`: the packed matmul alone, for each distinct (type, shape) of the file's
 quantized weights: one call on `--rows` rows of float32 x of the float32 kernel over the
@@ -247,7 +248,36 @@ def _prompts_file(path: Path, prompts: list[list[int]]) -> Path:
 
 
 def _medians(runs: dict[str, list[dict]], keys: tuple[str, ...]) -> dict[str, dict[str, float]]:
-    return {e: {key: statistics.median(r[key] for r in rs) for key in keys} for e, rs in runs.items()}
+    """Per engine: the median over rounds of each figure, and `same_tokens` (same_tokens)."""
+    same = same_tokens(runs)
+    return {e: {**{key: statistics.median(r[key] for r in rs) for key in keys}, "same_tokens": same[e]}
+            for e, rs in runs.items()}
+
+
+def same_tokens(runs: dict[str, list[dict]]) -> dict[str, float]:
+    """Per engine: the share of each sequence's greedy tokens, up to its first difference,
+    equal to the first engine's in the same round (mean over sequences, median over
+    rounds): 1.0 where both engines decoded the same; on random weights and quantized
+    arithmetic a path may part after a near tie, but a wrong position, sequence or
+    prompt parts at once."""
+    reference = next(iter(runs.values()))
+    shares = {}
+    for engine, rounds in runs.items():
+        per_round = []
+        for run, ref in zip(rounds, reference):
+            per_seq = [_common_prefix(a, b) / max(len(b), 1) for a, b in zip(run["tokens"], ref["tokens"])]
+            per_round.append(sum(per_seq) / len(per_seq))
+        shares[engine] = statistics.median(per_round)
+    return shares
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _print_report(report: dict) -> None:
@@ -257,18 +287,19 @@ def _print_report(report: dict) -> None:
     if "engines" in report:
         print(f"batch 1: prompt {report['prompt']}, {report['tokens']} greedy tokens")
         print(f"{'engine':<16} {'decode tok/s':>13} {'TTFT ms':>9} {'peak RSS MiB':>13} {'load peak MiB':>14} "
-              f"{'RSS loaded MiB':>15}")
+              f"{'RSS loaded MiB':>15} {'same tokens':>12}")
         for engine, r in report["engines"].items():
             print(f"{engine:<16} {r['decode_tok_s']:>13.1f} {r['ttft_s'] * 1000:>9.1f} {r['peak_rss_mib']:>13.0f} "
-                  f"{r['load_peak_rss_mib']:>14.0f} {r['loaded_rss_mib']:>15.0f}")
+                  f"{r['load_peak_rss_mib']:>14.0f} {r['loaded_rss_mib']:>15.0f} {r['same_tokens']:>12.0%}")
     if "batched" in report:
         print(f"{report['batch']} sequences at once: prompts of {report['batch_prompt']}, {report['tokens']} greedy "
               "tokens each")
         print(f"{'engine':<16} {'tok/s':>9} {'all first ms':>13} {'decode tok/s':>13} {'peak RSS MiB':>13} "
-              f"{'RSS loaded MiB':>15}")
+              f"{'RSS loaded MiB':>15} {'same tokens':>12}")
         for engine, r in report["batched"].items():
             print(f"{engine:<16} {r['throughput_tok_s']:>9.1f} {r['batch_ttft_s'] * 1000:>13.0f} "
-                  f"{r['batch_decode_tok_s']:>13.1f} {r['peak_rss_mib']:>13.0f} {r['loaded_rss_mib']:>15.0f}")
+                  f"{r['batch_decode_tok_s']:>13.1f} {r['peak_rss_mib']:>13.0f} {r['loaded_rss_mib']:>15.0f} "
+                  f"{r['same_tokens']:>12.0%}")
     if report["skipped"]:
         print(f"not run (not installed): {', '.join(report['skipped'])}")
 

@@ -15,7 +15,8 @@ tokens after each one's first over the time after that). llmd runs through its e
 llama-cpp-python's low-level API as llama.cpp's `batched` example drives it: one context
 with `n_seq_max` = the prompts, every prompt in one `llama_decode`, then one
 `llama_decode` per step with one token of each sequence (the high-level Llama class
-cannot batch sequences).
+cannot batch sequences). Every run also gives the greedy tokens of each sequence
+(`tokens`), so that the engines can be seen to do the same work.
 """
 from __future__ import annotations
 
@@ -66,21 +67,21 @@ def llamacpp_single(model: str, prompt: list[int], tokens: int, threads: int) ->
     def greedy() -> int:
         return int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(vocab,))))
 
-    def run(n: int) -> tuple[float, float]:
+    def run(n: int) -> tuple[float, float, list[int]]:
         llm.reset()
         llm._ctx.kv_cache_clear()
         start = time.perf_counter()
         llm.eval(prompt)
-        token = greedy()
+        out = [greedy()]
         first = time.perf_counter()
         for _ in range(n):
-            llm.eval([token])
-            token = greedy()
-        return first - start, time.perf_counter() - first
+            llm.eval(out[-1:])
+            out.append(greedy())
+        return first - start, time.perf_counter() - first, out
 
     run(WARMUP_TOKENS)
-    ttft, decode = run(tokens)
-    return {**figures, "ttft_s": ttft, "decode_tok_s": tokens / decode}
+    ttft, decode, out = run(tokens)
+    return {**figures, "ttft_s": ttft, "decode_tok_s": tokens / decode, "tokens": [out]}
 
 
 def llamacpp_batched(model: str, prompts: list[list[int]], tokens: int, threads: int) -> dict[str, float]:
@@ -118,22 +119,24 @@ def llamacpp_batched(model: str, prompts: list[list[int]], tokens: int, threads:
         return [int(np.argmax(np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, i), shape=(vocab,))))
                 for i, e in enumerate(entries) if e[3]]
 
-    def run(run_prompts: list[list[int]], n_tokens: int) -> tuple[float, float]:
+    def run(run_prompts: list[list[int]], n_tokens: int) -> tuple[float, float, list[list[int]]]:
         lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
         start = time.perf_counter()
-        last = decode([(t, pos, seq, pos == len(p) - 1)
-                       for seq, p in enumerate(run_prompts) for pos, t in enumerate(p)])
+        out = [[t] for t in decode([(t, pos, seq, pos == len(p) - 1)
+                                    for seq, p in enumerate(run_prompts) for pos, t in enumerate(p)])]
         first = time.perf_counter()
         for step in range(n_tokens - 1):
-            last = decode([(last[seq], len(p) + step, seq, True) for seq, p in enumerate(run_prompts)])
-        return first - start, time.perf_counter() - first
+            picked = decode([(out[seq][-1], len(p) + step, seq, True) for seq, p in enumerate(run_prompts)])
+            for seq, token in enumerate(picked):
+                out[seq].append(token)
+        return first - start, time.perf_counter() - first, out
 
     run([p[:WARMUP_PROMPT] for p in prompts], WARMUP_TOKENS)
-    ttft, rest = run(prompts, tokens)
+    ttft, rest, out = run(prompts, tokens)
     lc.llama_batch_free(batch)
     lc.llama_free(ctx)
     lc.llama_model_free(model_p)
-    return {**figures, **_batch_figures(n, tokens, ttft, rest)}
+    return {**figures, **_batch_figures(n, tokens, ttft, rest), "tokens": out}
 
 
 # --- llmd -----------------------------------------------------------------------------
@@ -147,9 +150,9 @@ def _llmd(engine: str, model: str, n: int, longest: int, tokens: int, threads: i
                **LLMD_SETTINGS[engine])
 
 
-def _llmd_run(llm: Any, prompts: list[list[int]], n_tokens: int, tag: str) -> tuple[float, float]:
+def _llmd_run(llm: Any, prompts: list[list[int]], n_tokens: int, tag: str) -> tuple[float, float, list[list[int]]]:
     """Every prompt added at once, the engine stepped here until all finish: the time until
-    each has its first token, then the rest's."""
+    each has its first token, then the rest's, and each one's tokens."""
     from llmd import SamplingParams
 
     engine = llm.engine
@@ -158,34 +161,35 @@ def _llmd_run(llm: Any, prompts: list[list[int]], n_tokens: int, tag: str) -> tu
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", prompt, params)
     started: set[str] = set()
-    finished: set[str] = set()
+    finished: dict[str, list[int]] = {}
     first = None
     while len(finished) < len(prompts):
         for out in engine.step():
             if out.outputs[0].token_ids:
                 started.add(out.request_id)
             if out.finished:
-                finished.add(out.request_id)
+                finished[out.request_id] = list(out.outputs[0].token_ids)
         if first is None and len(started) == len(prompts):
             first = time.perf_counter()
+    end = time.perf_counter()
     assert first is not None
-    return first - start, time.perf_counter() - first
+    return first - start, end - first, [finished[f"{tag}-{i}"] for i in range(len(prompts))]
 
 
 def llmd_single(engine: str, model: str, prompt: list[int], tokens: int, threads: int) -> dict[str, float]:
     llm = _llmd(engine, model, 1, len(prompt), tokens, threads)
     figures = loaded_figures()
     _llmd_run(llm, [prompt], WARMUP_TOKENS + 1, "warm-up")
-    ttft, decode = _llmd_run(llm, [prompt], tokens + 1, "timed")
-    return {**figures, "ttft_s": ttft, "decode_tok_s": tokens / decode}
+    ttft, decode, out = _llmd_run(llm, [prompt], tokens + 1, "timed")
+    return {**figures, "ttft_s": ttft, "decode_tok_s": tokens / decode, "tokens": out}
 
 
 def llmd_batched(engine: str, model: str, prompts: list[list[int]], tokens: int, threads: int) -> dict[str, float]:
     llm = _llmd(engine, model, len(prompts), max(len(p) for p in prompts), tokens, threads)
     figures = loaded_figures()
     _llmd_run(llm, [p[:WARMUP_PROMPT] for p in prompts], WARMUP_TOKENS, "warm-up")
-    ttft, rest = _llmd_run(llm, prompts, tokens, "timed")
-    return {**figures, **_batch_figures(len(prompts), tokens, ttft, rest)}
+    ttft, rest, out = _llmd_run(llm, prompts, tokens, "timed")
+    return {**figures, **_batch_figures(len(prompts), tokens, ttft, rest), "tokens": out}
 
 
 def _batch_figures(n: int, tokens: int, ttft: float, rest: float) -> dict[str, float]:
