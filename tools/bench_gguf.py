@@ -26,7 +26,8 @@ the same alternated rounds: llmd's engine with max_num_seqs=N against llama.cpp'
 decoding (one llama_decode per step for all sequences, as its `batched` example):
 throughput (every generated token over the run's wall time), the time until every
 sequence has its first token, decode tokens/s after that, and the same RSS figures
-(bench_gguf_child says exactly what each engine runs). Both modes also report `same
+(bench_gguf_child says exactly what each engine runs). Each run's figures go to stderr as
+one JSON line as soon as it ends. Both modes also report `same
 tokens`: how much of each sequence's greedy output equals the first engine's (same_tokens).
 
 `--kernels`: the packed matmul alone, for each distinct (type, shape) of the file's
@@ -222,11 +223,15 @@ def main(argv: list[str] | None = None) -> int:
         _other_load()  # starts each process's CPU counter
         started = time.monotonic()
         others = []
-        for _ in range(args.rounds):
+        for i in range(args.rounds):
             for mode, prompts in workloads.items():
                 for engine in engines:  # alternated: each round runs every engine once in each mode
-                    runs[mode][engine].append(measure(engine, model, prompts, args.tokens, args.threads))
+                    run = measure(engine, model, prompts, args.tokens, args.threads)
+                    runs[mode][engine].append(run)
                     others.append(_other_load())
+                    # as it comes (a long run cut short keeps what it measured)
+                    print(json.dumps({"round": i + 1, "mode": mode, "load_average_1min": os.getloadavg()[0],
+                                      **{k: v for k, v in run.items() if k != "tokens"}}), file=sys.stderr)
     report = {"model": model, "threads": args.threads, "prompt": args.prompt, "tokens": args.tokens,
               "rounds": args.rounds, "skipped": skipped, "seconds": round(time.monotonic() - started, 1),
               "other_load_cores_max": max(others, default=0.0), "load_average_1min_end": os.getloadavg()[0]}
