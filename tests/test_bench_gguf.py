@@ -52,3 +52,32 @@ def test_bench_gguf_times_random_blocks_of_each_type_through_both_kernels(capsys
         assert set(k["x16_us"]) == ({"1", "3"} if ops.x16 else set()) and all(v > 0 for v in k["x16_us"].values())
     with pytest.raises(SystemExit, match="Q4_K rows are whole blocks of 256"):
         bench_gguf.main(["--kernels", "--shape", "32x96", "--types", "Q4_K", "--calls", "1", "--threads", threads])
+
+
+def _batched_report(path, engines, capsys) -> dict:
+    assert bench_gguf.main(["--model", str(path), "--rounds", "1", "--prompt", "12", "--tokens", "6", "--batch", "3",
+                            "--batch-only", "--engines", *engines, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "engines" not in report and report["batch"] == 3 and list(report["batched"]) == engines
+    for figures in report["batched"].values():
+        assert figures["throughput_tok_s"] > 0 and figures["batch_ttft_s"] > 0 and figures["batch_decode_tok_s"] > 0
+        assert figures["peak_rss_mib"] >= figures["loaded_rss_mib"] > 30
+    return report
+
+
+def test_bench_gguf_batched_gives_each_sequence_the_same_tokens_in_both_llmd_engines(hf_dirs, tmp_path, capsys):  # noqa: F811
+    """Three prompts at once through the packed and the dequantized engine: each
+    sequence's tokens are the other engine's (a prompt, position or sequence mixed up
+    would part them at once)."""
+    path = write_gguf(hf_dirs("llama"), tmp_path / "q8.gguf", T.Q8_0)
+    report = _batched_report(path, ["llmd", "llmd-f32"], capsys)
+    assert report["batched"]["llmd-f32"]["same_tokens"] == 1.0
+
+
+def test_bench_gguf_batched_llama_cpp_decodes_what_llmd_does(hf_dirs, tmp_path, capsys):  # noqa: F811
+    """llama.cpp's batched loop (one llama_decode per step for every sequence) on the
+    same file and prompts gives llmd's greedy tokens, up to a near tie on random weights."""
+    pytest.importorskip("llama_cpp")
+    path = write_gguf(hf_dirs("llama"), tmp_path / "q8.gguf", T.Q8_0)
+    report = _batched_report(path, ["llmd", "llama.cpp"], capsys)
+    assert report["batched"]["llama.cpp"]["same_tokens"] >= 0.6

@@ -7,7 +7,8 @@ llama-cpp-python when it is installed (the optional peer: `pip install -e '.[lla
 best with CMAKE_ARGS="-DGGML_NATIVE=ON" so it is built for this CPU).
 
     python -m llmd_tools.bench_gguf [--model PATH] [--rounds 3] [--prompt 128] [--tokens 128]
-        [--threads 2] [--engines llmd llmd-packed-bf16 llmd-f32 llmd-bf16 llama.cpp] [--json]
+        [--threads 2] [--engines llmd llmd-packed-bf16 llmd-f32 llmd-bf16 llama.cpp]
+        [--batch 32 [--batch-prompt N] [--batch-only]] [--json]
     python -m llmd_tools.bench_gguf --kernels [--model PATH] [--rows 1] [--calls 300] [--threads 2]
         [--passes 1 2 3] [--shape 1536x768 ... [--types Q4_K Q6_K ...]] [--json]
 
@@ -16,7 +17,18 @@ alternated rounds; reported: the median over rounds of decode tokens/s (the toke
 the first over the time after the first), TTFT (a prompt of `--prompt` random token ids,
 no prefix cache), peak RSS over the run, and the peak and the RSS once the model is
 loaded (before the first token), with the machine's other load while it ran. Greedy, end
-of text ignored, the same prompt for every engine. Default model: the built-in one.
+of text ignored, the same prompt for every engine (random ids among the file's normal
+tokens). Default model: the built-in one; a 1B-class one of real shapes:
+`python -m llmd_tools.make_gguf --name llama3.2-1b`.
+
+`--batch N`: also N prompts (`--batch-prompt` tokens each) at once, `--tokens` each, in
+the same alternated rounds: llmd's engine with max_num_seqs=N against llama.cpp's batched
+decoding (one llama_decode per step for all sequences, as its `batched` example):
+throughput (every generated token over the run's wall time), the time until every
+sequence has its first token, decode tokens/s after that, and the same RSS figures
+(bench_gguf_child says exactly what each engine runs). Each run's figures go to stderr as
+one JSON line as soon as it ends. Both modes also report `same
+tokens`: how much of each sequence's greedy output equals the first engine's (same_tokens).
 
 `--kernels`: the packed matmul alone, for each distinct (type, shape) of the file's
 quantized weights: one call on `--rows` rows of float32 x of the float32 kernel over the
@@ -36,8 +48,10 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -46,73 +60,15 @@ import psutil
 # after the load (before the first token): the peak so far (VmHWM) and the RSS then. A
 # llama.cpp model is memory-mapped: its RSS after the load counts the pages read so far.
 FIGURES = ("decode_tok_s", "ttft_s", "peak_rss_mib", "load_peak_rss_mib", "loaded_rss_mib")
+# A batched run's (--batch): every generated token over the run's wall time, the time
+# until every sequence has its first token, the tokens after those over the time after.
+BATCH_FIGURES = ("throughput_tok_s", "batch_ttft_s", "batch_decode_tok_s", "peak_rss_mib", "load_peak_rss_mib",
+                 "loaded_rss_mib")
+NORMAL_TOKEN = 1  # llama.cpp's LLAMA_TOKEN_TYPE_NORMAL (tokenizer.ggml.token_type)
 ENGINES = ("llmd", "llmd-packed-bf16", "llmd-x16-1pass", "llmd-no-x16", "llmd-f32", "llmd-bf16", "llama.cpp")
 # Packed engines with another x16 setting (gguf_quant, cpu_kernels.X16_ENV): one int8
 # pass over x as llama.cpp, or the float32 kernel over the GGUF layout.
 ENGINE_ENV = {"llmd-x16-1pass": {"LLMD_GGUF_X16": "1"}, "llmd-no-x16": {"LLMD_GGUF_X16": "0"}}
-
-# Run in a fresh process per measurement: prints one JSON line. llama.cpp: TTFT is the
-# prompt's evaluation and the first greedy pick, decode the next `tokens` steps.
-_CHILD = r"""
-import json, random, sys, time
-engine, model, prompt_len, tokens, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-rng = random.Random(0)
-def status_mib(key):  # VmHWM: the peak so far (the run's peak read at its end: one counter for both peaks); VmRSS: now
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) / 1024
-if engine == "llama.cpp":
-    import numpy as np
-    import llama_cpp
-    from llama_cpp import Llama
-    llm = Llama(model_path=model, n_ctx=prompt_len + tokens + 8, n_threads=threads, n_threads_batch=threads,
-                n_batch=prompt_len, verbose=False)
-    loaded = {"load_peak_rss_mib": status_mib("VmHWM"), "loaded_rss_mib": status_mib("VmRSS")}
-    vocab = llm.n_vocab()
-    prompt = [rng.randrange(100, vocab) for _ in range(prompt_len)]
-    def greedy():  # the last evaluated token's logits, read in place
-        return int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(vocab,))))
-    def run(n):
-        llm.reset()
-        llm._ctx.kv_cache_clear()
-        start = time.perf_counter()
-        llm.eval(prompt)
-        token = greedy()
-        first = time.perf_counter()
-        for _ in range(n):
-            llm.eval([token])
-            token = greedy()
-        return first - start, time.perf_counter() - first
-    run(4)  # warm-up
-    ttft, decode = run(tokens)
-else:
-    from llmd import LLM, SamplingParams
-    settings = {"llmd": dict(dtype="auto"), "llmd-packed-bf16": dict(dtype="bfloat16"),
-                "llmd-x16-1pass": dict(dtype="auto"), "llmd-no-x16": dict(dtype="auto"),
-                "llmd-f32": dict(dtype="float32", dequantize=True),
-                "llmd-bf16": dict(dtype="bfloat16", dequantize=True)}[engine]
-    llm = LLM(model, device="cpu", max_model_len=prompt_len + tokens + 8, max_num_seqs=1, cpu_threads=threads,
-              enable_prefix_caching=False, num_gpu_blocks_override=(prompt_len + tokens) // 16 + 4, **settings)
-    loaded = {"load_peak_rss_mib": status_mib("VmHWM"), "loaded_rss_mib": status_mib("VmRSS")}
-    vocab = llm.engine.vocab_size
-    prompt = [rng.randrange(100, vocab) for _ in range(prompt_len)]
-    def run(n, ident):  # one request stepped here: the first token's time, then the rest's
-        engine = llm.engine
-        start = time.perf_counter()
-        engine.add_request(ident, prompt, SamplingParams(temperature=0, max_tokens=n + 1, ignore_eos=True))
-        first = None
-        while True:
-            outs = engine.step()
-            if first is None and any(o.outputs[0].token_ids for o in outs):
-                first = time.perf_counter()
-            if any(o.finished for o in outs):
-                return first - start, time.perf_counter() - first
-    run(4, "warm-up")
-    ttft, decode = run(tokens, "timed")
-print(json.dumps({"engine": engine, "ttft_s": ttft, "decode_tok_s": tokens / decode,
-                  "peak_rss_mib": status_mib("VmHWM"), **loaded}))
-"""
-
 
 def available(engine: str) -> bool:
     if engine != "llama.cpp":
@@ -124,13 +80,33 @@ def available(engine: str) -> bool:
     return True
 
 
-def measure(engine: str, model: str, prompt: int, tokens: int, threads: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", _CHILD, engine, model, str(prompt), str(tokens), str(threads)],
-                         capture_output=True, text=True,
+def measure(engine: str, model: str, prompts: Path, tokens: int, threads: int) -> dict:
+    """One run of bench_gguf_child in a fresh process: `prompts` is a JSON file of token
+    id lists (one: batch 1; several: all at once)."""
+    out = subprocess.run([sys.executable, "-m", "llmd_tools.bench_gguf_child", engine, model, str(prompts),
+                          str(tokens), str(threads)], capture_output=True, text=True,
                          env=dict(os.environ, OMP_NUM_THREADS=str(threads), **ENGINE_ENV.get(engine, {})))
     if out.returncode != 0:
         raise SystemExit(f"{engine} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def bench_prompts(model: str, count: int, length: int, seed: int = 0) -> list[list[int]]:
+    """`count` prompts of `length` random token ids, drawn from the file's normal tokens
+    (tokenizer.ggml.token_type 1: no control, byte, unused or padding ids; a fixture's
+    padded vocabulary rows are zeros), the same for every engine."""
+    import numpy as np
+
+    from llmd.gpu.models.gguf_file import GGUFFile
+
+    g = GGUFFile(model)
+    types = g.get("tokenizer.ggml.token_type")
+    normal = (np.arange(len(g.require("tokenizer.ggml.tokens"))) if types is None
+              else np.flatnonzero(np.asarray(types) == NORMAL_TOKEN))
+    if len(normal) == 0:
+        raise SystemExit(f"{model}: no normal tokens in its vocabulary to make prompts of")
+    rng = np.random.default_rng(seed)
+    return rng.choice(normal, size=(count, length)).tolist()
 
 
 def kernel_weights(model: str, shapes: list[tuple[int, int]], types: list[str]) -> Iterator[tuple[str, str, Any]]:
@@ -210,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    parser.add_argument("--batch", type=int, default=0,
+                        help="also N sequences at once (throughput against llama.cpp's batched decoding)")
+    parser.add_argument("--batch-prompt", type=int, default=0, help="--batch: each prompt's tokens (default --prompt)")
+    parser.add_argument("--batch-only", action="store_true", help="--batch: skip the batch-1 runs")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--kernels", action="store_true", help="time the packed matmul alone (module doc)")
     parser.add_argument("--rows", type=int, default=1, help="--kernels: rows of x")
@@ -227,36 +207,106 @@ def main(argv: list[str] | None = None) -> int:
         model = str(builtin_model_path())
     if args.kernels:
         return _report_kernels(model, args)
+    if args.batch_only and not args.batch:
+        parser.error("--batch-only needs --batch N")
     engines = [e for e in args.engines if available(e)]
     skipped = sorted(set(args.engines) - set(engines))
-    runs: dict[str, list[dict]] = {e: [] for e in engines}
-    _other_load()  # starts each process's CPU counter
-    started = time.monotonic()
-    others = []
-    for _ in range(args.rounds):
-        for engine in engines:  # alternated: each round runs every engine once
-            runs[engine].append(measure(engine, model, args.prompt, args.tokens, args.threads))
-            others.append(_other_load())
+    with tempfile.TemporaryDirectory(prefix="bench_gguf-") as tmp:
+        workloads = {}  # mode -> (prompts file, tokens per sequence)
+        if not args.batch_only:
+            workloads["single"] = _prompts_file(Path(tmp) / "single.json", bench_prompts(model, 1, args.prompt))
+        if args.batch:
+            workloads["batched"] = _prompts_file(Path(tmp) / "batched.json",
+                                                 bench_prompts(model, args.batch, args.batch_prompt or args.prompt,
+                                                               seed=1))
+        runs: dict[str, dict[str, list[dict]]] = {mode: {e: [] for e in engines} for mode in workloads}
+        _other_load()  # starts each process's CPU counter
+        started = time.monotonic()
+        others = []
+        for i in range(args.rounds):
+            for mode, prompts in workloads.items():
+                for engine in engines:  # alternated: each round runs every engine once in each mode
+                    run = measure(engine, model, prompts, args.tokens, args.threads)
+                    runs[mode][engine].append(run)
+                    others.append(_other_load())
+                    # as it comes (a long run cut short keeps what it measured)
+                    print(json.dumps({"round": i + 1, "mode": mode, "load_average_1min": os.getloadavg()[0],
+                                      **{k: v for k, v in run.items() if k != "tokens"}}), file=sys.stderr)
     report = {"model": model, "threads": args.threads, "prompt": args.prompt, "tokens": args.tokens,
               "rounds": args.rounds, "skipped": skipped, "seconds": round(time.monotonic() - started, 1),
-              "other_load_cores_max": max(others, default=0.0), "load_average_1min_end": os.getloadavg()[0],
-              "engines": {e: {key: statistics.median(r[key] for r in rs)
-                              for key in FIGURES}
-                          for e, rs in runs.items()}}
+              "other_load_cores_max": max(others, default=0.0), "load_average_1min_end": os.getloadavg()[0]}
+    if "single" in runs:
+        report["engines"] = _medians(runs["single"], FIGURES)
+    if "batched" in runs:
+        report.update(batch=args.batch, batch_prompt=args.batch_prompt or args.prompt,
+                      batched=_medians(runs["batched"], BATCH_FIGURES))
     if args.json:
         print(json.dumps(report))
         return 0
-    print(f"{model}: prompt {args.prompt}, {args.tokens} greedy tokens, {args.threads} threads, "
-          f"{args.rounds} alternated rounds (medians); other load up to {report['other_load_cores_max']:.2f} cores "
-          f"(processes seen), load average {report['load_average_1min_end']:.2f} at the end (every tenant)")
-    print(f"{'engine':<16} {'decode tok/s':>13} {'TTFT ms':>9} {'peak RSS MiB':>13} {'load peak MiB':>14} "
-          f"{'RSS loaded MiB':>15}")
-    for engine, r in report["engines"].items():
-        print(f"{engine:<16} {r['decode_tok_s']:>13.1f} {r['ttft_s'] * 1000:>9.1f} {r['peak_rss_mib']:>13.0f} "
-              f"{r['load_peak_rss_mib']:>14.0f} {r['loaded_rss_mib']:>15.0f}")
-    if skipped:
-        print(f"not run (not installed): {', '.join(skipped)}")
+    _print_report(report)
     return 0
+
+
+def _prompts_file(path: Path, prompts: list[list[int]]) -> Path:
+    path.write_text(json.dumps(prompts))
+    return path
+
+
+def _medians(runs: dict[str, list[dict]], keys: tuple[str, ...]) -> dict[str, dict[str, float]]:
+    """Per engine: the median over rounds of each figure, and `same_tokens` (same_tokens)."""
+    same = same_tokens(runs)
+    return {e: {**{key: statistics.median(r[key] for r in rs) for key in keys}, "same_tokens": same[e]}
+            for e, rs in runs.items()}
+
+
+def same_tokens(runs: dict[str, list[dict]]) -> dict[str, float]:
+    """Per engine: the share of each sequence's greedy tokens, up to its first difference,
+    equal to the first engine's in the same round (mean over sequences, median over
+    rounds): 1.0 where both engines decoded the same; on random weights and quantized
+    arithmetic a path may part after a near tie, but a wrong position, sequence or
+    prompt parts at once."""
+    reference = next(iter(runs.values()))
+    shares = {}
+    for engine, rounds in runs.items():
+        per_round = []
+        for run, ref in zip(rounds, reference):
+            per_seq = [_common_prefix(a, b) / max(len(b), 1) for a, b in zip(run["tokens"], ref["tokens"])]
+            per_round.append(sum(per_seq) / len(per_seq))
+        shares[engine] = statistics.median(per_round)
+    return shares
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _print_report(report: dict) -> None:
+    print(f"{report['model']}: {report['threads']} threads, {report['rounds']} alternated rounds (medians); other "
+          f"load up to {report['other_load_cores_max']:.2f} cores (processes seen), load average "
+          f"{report['load_average_1min_end']:.2f} at the end (every tenant)")
+    if "engines" in report:
+        print(f"batch 1: prompt {report['prompt']}, {report['tokens']} greedy tokens")
+        print(f"{'engine':<16} {'decode tok/s':>13} {'TTFT ms':>9} {'peak RSS MiB':>13} {'load peak MiB':>14} "
+              f"{'RSS loaded MiB':>15} {'same tokens':>12}")
+        for engine, r in report["engines"].items():
+            print(f"{engine:<16} {r['decode_tok_s']:>13.1f} {r['ttft_s'] * 1000:>9.1f} {r['peak_rss_mib']:>13.0f} "
+                  f"{r['load_peak_rss_mib']:>14.0f} {r['loaded_rss_mib']:>15.0f} {r['same_tokens']:>12.0%}")
+    if "batched" in report:
+        print(f"{report['batch']} sequences at once: prompts of {report['batch_prompt']}, {report['tokens']} greedy "
+              "tokens each")
+        print(f"{'engine':<16} {'tok/s':>9} {'all first ms':>13} {'decode tok/s':>13} {'peak RSS MiB':>13} "
+              f"{'RSS loaded MiB':>15} {'same tokens':>12}")
+        for engine, r in report["batched"].items():
+            print(f"{engine:<16} {r['throughput_tok_s']:>9.1f} {r['batch_ttft_s'] * 1000:>13.0f} "
+                  f"{r['batch_decode_tok_s']:>13.1f} {r['peak_rss_mib']:>13.0f} {r['loaded_rss_mib']:>15.0f} "
+                  f"{r['same_tokens']:>12.0%}")
+    if report["skipped"]:
+        print(f"not run (not installed): {', '.join(report['skipped'])}")
 
 
 def _report_kernels(model: str, args: argparse.Namespace) -> int:

@@ -165,6 +165,23 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_theta=10000.0,
         llama3_original_max_position_embeddings=2048,
     ),
+    # CPU GGUF benchmarks (llmd_tools.make_gguf): Llama 3.2 1B's shape (16 layers, hidden
+    # 2048, 32 heads, 8 KV heads, intermediate 8192, vocab 128256: the tokenizer's 8192
+    # tokens, the rest padding; use it tied, as the real model is), so a decode step reads
+    # and computes what the real model's does. Not a named fixture (5 GB in fp32).
+    "llama3.2-1b": dict(
+        tokenizer_vocab=8192,
+        vocab_size=128256,
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        intermediate_size=8192,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        llama3_original_max_position_embeddings=8192,
+    ),
 }
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3_moe", "qwen2_moe", "mixtral")
@@ -497,7 +514,9 @@ def padded_vocab_size(tokenizer_vocab: int) -> int:
     return int(math.ceil(tokenizer_vocab / 64) * 64 + 64)
 
 
-_BUILD_ONLY_KEYS = ("init", "logit_std", "tokenizer_flavour")
+_BUILD_ONLY_KEYS = ("init", "logit_std", "tokenizer_flavour", "dtype")
+# The dtypes build_model can save the weights in (initialised in float32 either way).
+SAVE_DTYPES = ("float32", "bfloat16")
 MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
 
 
@@ -526,7 +545,8 @@ def resolve_config(arch: str, preset: str, *, tie_word_embeddings: bool = False,
       for llama; llama only); ``rope_parameters``: dict, set outright; ``rope_theta``;
       build_model only: ``init`` ("peaked" (default) or "hf": transformers' own init),
       ``logit_std`` (default TARGET_LOGIT_STD), ``tokenizer_flavour`` (default
-      ARCH_TOKENIZER_FLAVOUR[arch])."""
+      ARCH_TOKENIZER_FLAVOUR[arch]), ``dtype`` (one of SAVE_DTYPES: the safetensors'
+      dtype, default float32; bfloat16 halves a big fixture's files)."""
     from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config,
                               Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
@@ -710,7 +730,7 @@ def build_model(
     **overrides: Any,
 ) -> Path:
     """Build a random-weight ``arch`` model of ``preset`` size into ``out_dir``: float32
-    ``model.safetensors``, ``config.json``, ``generation_config.json``, tokenizer files
+    (or ``dtype=``) ``model.safetensors``, ``config.json``, ``generation_config.json``, tokenizer files
     and ``llmd_fixture.json`` (recipe, ``param_count``, vocab sizes, build time).
 
     ``overrides``: see resolve_config. Returns ``out_dir``."""
@@ -724,6 +744,9 @@ def build_model(
     init = overrides.get("init", "peaked")
     if init not in ("peaked", "hf"):
         raise ValueError(f"init must be 'peaked' or 'hf', not {init!r}")
+    save_dtype = overrides.get("dtype", "float32")
+    if save_dtype not in SAVE_DTYPES:
+        raise ValueError(f"dtype must be one of {SAVE_DTYPES}, not {save_dtype!r}")
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -737,6 +760,9 @@ def build_model(
             model.get_input_embeddings().weight[tok_vocab:].zero_()
             model.get_output_embeddings().weight[tok_vocab:].zero_()
     n_params = sum(p.numel() for p in model.parameters())
+    if save_dtype != "float32":
+        model.to(getattr(torch, save_dtype))
+        model.config.dtype = save_dtype
 
     ids = special_token_ids()
     model.generation_config = GenerationConfig(

@@ -1,0 +1,334 @@
+"""Quantized GGUF fixtures of real shapes, made as a user makes one: a random-weight HF
+model (make_model) converted by the `convert_hf_to_gguf.py` that llama-cpp-python ships
+(to BF16), then quantized by llama.cpp's own quantizer through the binding
+(`llama_model_quantize`): the K-quant mixes (Q4_K_M: Q4_K with Q6_K for some tensors)
+exactly as llama.cpp picks them. Needs llama-cpp-python (the `llamacpp` extra).
+
+Built once per recipe and cached under the fixture cache (make_model.default_cache_dir):
+`<name>-<key>/<name>-<TYPE>.gguf` for each type of the recipe, the key a hash of the
+recipe, make_model's and this module's sources, the converter, llama-cpp-python's version
+and the library versions. The HF model (bf16 safetensors) and the BF16 GGUF are
+intermediates, deleted once the quantized files exist.
+
+    python -m llmd_tools.make_gguf --name llama3.2-1b [--type Q4_K_M] [--threads 2]
+    python -m llmd_tools.make_gguf --list
+
+prints the path of each file (built on first use: the 1B model takes minutes and ~5 GB of
+memory at its peak, 2.5 GB of disk for the intermediates).
+
+Four adaptations of the converter, all from outside it (its file is not changed):
+* it imports `mistral_common` at the top, used only for Mistral-format models; the
+  package pins numpy<2.4 (so it is not installed beside llmd), so where it is missing
+  the converter gets placeholder modules whose names fail if ever called;
+* it reads transformers 4's `rope_theta` / `rope_scaling`; transformers 5 writes
+  `rope_parameters`, so the legacy keys are derived from it before the converter reads
+  the config (else the file would say rope base 10000);
+* it imports `sentencepiece` before it looks for a `tokenizer.model` (and falls back to
+  tokenizer.json on the FileNotFoundError); without the package, a model that has no
+  tokenizer.model gets that FileNotFoundError first;
+* it identifies a BPE pre-tokenizer by hashing a test string's token ids, which only
+  knows published tokenizers; the fixtures' tokenizer splits text with GPT-2's byte-level
+  regex (make_model's "bytelevel" flavour), llama.cpp's pre-tokenizer "gpt-2".
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import hashlib
+import importlib.metadata
+import importlib.util
+import logging
+import shutil
+import sys
+import sysconfig
+import time
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from llmd_tools import make_model
+
+# name -> recipe: make_model.build_model's arguments (arch, preset, overrides) and the
+# quantized types to make. llama3_rope is off: llama.cpp's converter writes Llama 3's rope
+# scaling as a `rope_freqs` tensor, which llmd refuses (gguf_loader); the shapes, which
+# are what a benchmark measures, are the real model's.
+GGUF_FIXTURES: dict[str, dict[str, Any]] = {
+    "llama3.2-1b": dict(arch="llama", preset="llama3.2-1b", tie_word_embeddings=True, llama3_rope=False,
+                        dtype="bfloat16", types=("Q4_K_M", "Q8_0")),
+    # the same pipeline in seconds (tests/test_make_gguf.py): rows of 256 and 512, so
+    # every K-quant block fits and Q4_K_M picks its K-quants as for the 1B model
+    "tiny-llama-256": dict(arch="llama", preset="tiny", tie_word_embeddings=True, llama3_rope=False,
+                           hidden_size=256, intermediate_size=512, num_hidden_layers=2, head_dim=64, rope_theta=500000.0,
+                           dtype="bfloat16", types=("Q4_K_M", "Q8_0")),
+}
+
+# The llama_ftype names llama.cpp's quantize tool takes, for the types offered here.
+QUANT_FTYPES = {"Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "Q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1",
+                "Q5_0": "LLAMA_FTYPE_MOSTLY_Q5_0", "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0",
+                "Q4_K_S": "LLAMA_FTYPE_MOSTLY_Q4_K_S", "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
+                "Q5_K_M": "LLAMA_FTYPE_MOSTLY_Q5_K_M", "Q6_K": "LLAMA_FTYPE_MOSTLY_Q6_K"}
+# llama.cpp's pre-tokenizer name for each make_model tokenizer flavour.
+PRE_TOKENIZERS = {"bytelevel": "gpt-2", "qwen2": "qwen2"}
+# The modules and names the converter imports from mistral_common.
+_MISTRAL_IMPORTS = {
+    "mistral_common.tokens.tokenizers.base": ("TokenizerVersion",),
+    "mistral_common.tokens.tokenizers.multimodal": ("DATASET_MEAN", "DATASET_STD"),
+    "mistral_common.tokens.tokenizers.tekken": ("Tekkenizer",),
+    "mistral_common.tokens.tokenizers.sentencepiece": ("SentencePieceTokenizer",),
+}
+
+
+class LlamaCppUnavailable(RuntimeError):
+    """llama-cpp-python (its converter or its quantizer) is not installed."""
+
+
+def converter_path() -> Path:
+    """The convert_hf_to_gguf.py that llama-cpp-python installs (`<purelib>/bin/`)."""
+    path = Path(sysconfig.get_paths()["purelib"]) / "bin" / "convert_hf_to_gguf.py"
+    if not path.is_file():
+        raise LlamaCppUnavailable(f"{path} not found: install llama-cpp-python (pip install -e '.[llamacpp]')")
+    return path
+
+
+def _llama_cpp() -> Any:
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise LlamaCppUnavailable(f"llama-cpp-python is not installed ({e}): pip install -e '.[llamacpp]'") from e
+    return llama_cpp
+
+
+class _MissingMistralName:
+    """Stands for a mistral_common name the converter imports but a non-Mistral model
+    never uses: using it says why it is missing."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        raise LlamaCppUnavailable(f"{self._name}.{attr}: mistral_common is not installed (needed only to "
+                                  "convert Mistral-format models)")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise LlamaCppUnavailable(f"{self._name}(): mistral_common is not installed (needed only to convert "
+                                  "Mistral-format models)")
+
+
+@contextlib.contextmanager
+def _mistral_common_or_placeholders() -> Iterator[None]:
+    """mistral_common as it is, or placeholder modules in sys.modules while the
+    converter is imported (removed afterwards: nothing else sees them)."""
+    if importlib.util.find_spec("mistral_common") is not None:
+        yield
+        return
+    added = []
+    for module, names in _MISTRAL_IMPORTS.items():
+        parts = module.split(".")
+        for i in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:i])
+            if prefix not in sys.modules:
+                sys.modules[prefix] = types.ModuleType(prefix)
+                added.append(prefix)
+        for name in names:
+            setattr(sys.modules[module], name, _MissingMistralName(name))
+    try:
+        yield
+    finally:
+        for prefix in added:
+            sys.modules.pop(prefix, None)
+
+
+def load_converter() -> types.ModuleType:
+    """The shipped converter as a module (imported once), adapted as the module doc says:
+    `ModelBase.load_hparams` adds transformers 4's rope keys. The pre-tokenizer is set per
+    conversion (convert_hf_to_gguf)."""
+    if "_llmd_convert_hf_to_gguf" in sys.modules:
+        return sys.modules["_llmd_convert_hf_to_gguf"]
+    path = converter_path()
+    spec = importlib.util.spec_from_file_location("_llmd_convert_hf_to_gguf", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    with _mistral_common_or_placeholders():
+        spec.loader.exec_module(module)
+    load_hparams = module.ModelBase.load_hparams
+
+    def load_hparams_with_legacy_rope(dir_model: Path, is_mistral_format: bool) -> dict[str, Any]:
+        return with_legacy_rope_keys(load_hparams(dir_model, is_mistral_format))
+
+    module.ModelBase.load_hparams = staticmethod(load_hparams_with_legacy_rope)
+    sys.modules["_llmd_convert_hf_to_gguf"] = module
+    return module
+
+
+def with_legacy_rope_keys(hparams: dict[str, Any]) -> dict[str, Any]:
+    """`hparams` plus transformers 4's `rope_theta` and `rope_scaling` (and, for llama3
+    scaling, the top-level `original_max_position_embeddings` the converter reads) from
+    transformers 5's `rope_parameters`; keys already there are kept."""
+    rope = hparams.get("rope_parameters")
+    if not isinstance(rope, dict) or "rope_type" not in rope:  # absent, or one per layer type (gemma3)
+        return hparams
+    out = dict(hparams)
+    if "rope_theta" in rope:
+        out.setdefault("rope_theta", rope["rope_theta"])
+    if rope["rope_type"] != "default":
+        out.setdefault("rope_scaling", {k: v for k, v in rope.items() if k != "rope_theta"})
+        if "original_max_position_embeddings" in rope:
+            out.setdefault("original_max_position_embeddings", rope["original_max_position_embeddings"])
+    return out
+
+
+def convert_hf_to_gguf(hf_dir: Path, out: Path, outtype: str = "bf16", pre_tokenizer: str = "gpt-2",
+                       model_name: str | None = None) -> Path:
+    """Convert the HF directory `hf_dir` to the GGUF `out` (`outtype`: f32, f16, bf16 or
+    q8_0) with the shipped converter. `pre_tokenizer`: llama.cpp's name for the BPE
+    pre-tokenizer, used when the converter does not recognise the tokenizer itself;
+    `model_name`: general.name (default: the converter's, from the directory's name)."""
+    import torch
+
+    conv = load_converter()
+    ftypes = {"f32": conv.gguf.LlamaFileType.ALL_F32, "f16": conv.gguf.LlamaFileType.MOSTLY_F16,
+              "bf16": conv.gguf.LlamaFileType.MOSTLY_BF16, "q8_0": conv.gguf.LlamaFileType.MOSTLY_Q8_0}
+    if outtype not in ftypes:
+        raise ValueError(f"outtype must be one of {sorted(ftypes)}, not {outtype!r}")
+    hparams = conv.ModelBase.load_hparams(Path(hf_dir), False)
+    arch = conv.get_model_architecture(hparams, conv.ModelType.TEXT)
+    model_class = conv.ModelBase.from_model_architecture(arch, model_type=conv.ModelType.TEXT)
+    recognised = model_class.get_vocab_base_pre
+
+    def vocab_base_pre(self: Any, tokenizer: Any) -> str:
+        log = logging.getLogger("hf-to-gguf")
+        level = log.level
+        log.setLevel(logging.ERROR)  # its banner about an unrecognised tokenizer: expected here
+        try:
+            return recognised(self, tokenizer)
+        except NotImplementedError:  # "BPE pre-tokenizer was not recognized"
+            return pre_tokenizer
+        finally:
+            log.setLevel(level)
+
+    sentencepiece_vocab = model_class._create_vocab_sentencepiece
+
+    def sentencepiece_vocab_if_any(self: Any) -> Any:
+        if not (self.dir_model / "tokenizer.model").is_file():
+            raise FileNotFoundError(f"no tokenizer.model in {self.dir_model}")  # as the converter raises it
+        return sentencepiece_vocab(self)
+
+    with (torch.inference_mode(), _patched(model_class, "get_vocab_base_pre", vocab_base_pre),
+          _patched(model_class, "_create_vocab_sentencepiece", sentencepiece_vocab_if_any)):
+        model = model_class(Path(hf_dir), ftypes[outtype], Path(out), model_name=model_name)
+        model.write()
+    return Path(out)
+
+
+@contextlib.contextmanager
+def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
+    had = name in vars(owner)
+    old = vars(owner).get(name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        if had:
+            setattr(owner, name, old)
+        else:
+            delattr(owner, name)
+
+
+def quantize_gguf(src: Path, out: Path, quant: str, threads: int = 0) -> Path:
+    """llama.cpp's quantizer (as its `llama-quantize SRC OUT TYPE`) through the binding;
+    `threads` 0: llama.cpp's default (every core)."""
+    if quant not in QUANT_FTYPES:
+        raise ValueError(f"quant must be one of {sorted(QUANT_FTYPES)}, not {quant!r}")
+    llama_cpp = _llama_cpp()
+    llama_cpp.llama_backend_init()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, QUANT_FTYPES[quant])
+    params.nthread = threads
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), params)
+    if rc != 0 or not Path(out).is_file():
+        raise RuntimeError(f"llama_model_quantize({src} -> {quant}) failed (returned {rc})")
+    return Path(out)
+
+
+def recipe_key(name: str) -> str:
+    """Hash of everything that determines fixture `name`'s files."""
+    if name not in GGUF_FIXTURES:
+        raise KeyError(f"unknown GGUF fixture {name!r}; known: {sorted(GGUF_FIXTURES)}")
+    sources = [Path(make_model.__file__), Path(__file__), converter_path()]
+    return make_model._hash({
+        "recipe": GGUF_FIXTURES[name],
+        "sources": [hashlib.sha256(p.read_bytes()).hexdigest() for p in sources],
+        "llama_cpp": importlib.metadata.version("llama_cpp_python"),
+        "corpus": make_model._corpus_hash(),
+        **make_model._versions(),
+    })[:12]
+
+
+def gguf_fixture(name: str, quant: str, cache_dir: Path | None = None, threads: int = 0,
+                 verbose: bool = False) -> Path:
+    """The `quant` GGUF of fixture `name`, built (every type of its recipe at once) on
+    first use and cached."""
+    if name not in GGUF_FIXTURES:
+        raise KeyError(f"unknown GGUF fixture {name!r}; known: {sorted(GGUF_FIXTURES)}")
+    recipe = dict(GGUF_FIXTURES[name])
+    quants = tuple(recipe.pop("types"))
+    if quant not in quants:
+        raise ValueError(f"GGUF fixture {name!r} is made in {', '.join(quants)}, not {quant!r}")
+    cache = Path(cache_dir) if cache_dir is not None else make_model.default_cache_dir()
+    final = cache / f"{name}-{recipe_key(name)}"
+
+    def build(tmp: Path) -> None:
+        log = (lambda msg: print(f"make_gguf {name}: {msg}", file=sys.stderr)) if verbose else (lambda msg: None)
+        started = time.monotonic()
+        hf_dir, bf16 = tmp / "hf", tmp / f"{name}-BF16.gguf"
+        arch, preset = recipe.pop("arch"), recipe.pop("preset")
+        make_model.build_model(hf_dir, arch, preset, cache_dir=cache, **recipe)
+        gc.collect()  # the float32 model built there: gone before the converter reads
+        log(f"HF model built ({time.monotonic() - started:.0f} s)")
+        flavour = recipe.get("tokenizer_flavour", make_model.ARCH_TOKENIZER_FLAVOUR[arch])
+        convert_hf_to_gguf(hf_dir, bf16, "bf16", PRE_TOKENIZERS[flavour], model_name=name)
+        shutil.copy(hf_dir / "llmd_fixture.json", tmp / "llmd_fixture.json")
+        shutil.rmtree(hf_dir)
+        log(f"converted to BF16 ({time.monotonic() - started:.0f} s)")
+        for q in quants:
+            quantize_gguf(bf16, tmp / f"{name}-{q}.gguf", q, threads)
+            log(f"quantized to {q} ({time.monotonic() - started:.0f} s)")
+        bf16.unlink()
+
+    path = make_model._build_atomically(final, build) / f"{name}-{quant}.gguf"
+    make_model._prune_stale(cache, name, keep=final)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m llmd_tools.make_gguf", description=__doc__.splitlines()[0])
+    parser.add_argument("--name", choices=sorted(GGUF_FIXTURES), help="the fixture")
+    parser.add_argument("--type", dest="types", action="append", default=None,
+                        help="a quantized type of the recipe (repeatable; default: all of them)")
+    parser.add_argument("--threads", type=int, default=0, help="the quantizer's threads (0: every core)")
+    parser.add_argument("--cache-dir", type=Path, default=None, help="default: the fixture cache")
+    parser.add_argument("--list", action="store_true", help="list the fixtures and their types")
+    args = parser.parse_args(argv)
+    if args.list:
+        for name, recipe in GGUF_FIXTURES.items():
+            print(name, " ".join(recipe["types"]))
+        return 0
+    if args.name is None:
+        parser.error("give --name or --list")
+    quants = args.types or list(GGUF_FIXTURES[args.name]["types"])
+    for quant in quants:
+        if quant not in GGUF_FIXTURES[args.name]["types"]:
+            parser.error(f"--type {quant}: {args.name} is made in {', '.join(GGUF_FIXTURES[args.name]['types'])}")
+    try:
+        for quant in quants:
+            print(gguf_fixture(args.name, quant, args.cache_dir, args.threads, verbose=True))
+    except LlamaCppUnavailable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
