@@ -25,7 +25,11 @@ def test_bench_gguf_reports_every_engine_it_ran(hf_dirs, tmp_path, capsys):  # n
     assert list(report["engines"]) == engines and report["skipped"] == []
     for figures in report["engines"].values():
         assert figures["decode_tok_s"] > 0 and figures["ttft_s"] > 0 and figures["peak_rss_mib"] > 50
-        assert figures["peak_rss_mib"] >= figures["load_peak_rss_mib"] >= figures["loaded_rss_mib"] > 50
+        # VmHWM is read from per-CPU RSS counters the kernel syncs lazily: two reads may
+        # be a page apart the wrong way (CI saw 320.957 after 320.961 MiB).
+        page_mib = 4 / 1024
+        assert figures["peak_rss_mib"] + page_mib >= figures["load_peak_rss_mib"]
+        assert figures["load_peak_rss_mib"] + page_mib >= figures["loaded_rss_mib"] > 50
 
 
 def test_bench_gguf_times_each_packed_weight_shape(hf_dirs, tmp_path, capsys):  # noqa: F811
