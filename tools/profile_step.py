@@ -78,7 +78,8 @@ def build_engine(args: argparse.Namespace) -> LLM:
     blocks = args.batch * -(-max_len // BLOCK_SIZE) + 1
     return LLM(model=model, device=args.device, dtype=args.dtype, max_num_seqs=args.batch, max_model_len=max_len,
                max_num_batched_tokens=max(2048, args.batch * args.input_len), enforce_eager=args.enforce_eager,
-               enable_prefix_caching=False, block_size=BLOCK_SIZE, num_gpu_blocks_override=blocks)
+               enable_prefix_caching=False, block_size=BLOCK_SIZE, num_gpu_blocks_override=blocks,
+               kv_cache_dtype=args.kv_cache_dtype)
 
 
 def start_decoding(llm: LLM, args: argparse.Namespace) -> None:
@@ -340,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="tiny-llama", help="fixture name or model directory")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "int8"])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=20, help="decode steps timed, then as many profiled")
     ap.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")
