@@ -105,7 +105,7 @@ def _runner_settings(config: EngineConfig, hf_config: Any, tokenizer: Any, max_m
                           eos_token_id=tokenizer.eos_token_id, seed=config.seed,
                           cpu_threads=config.cpu_threads, attention_backend=config.attention_backend,
                           kv_cache_dtype=config.kv_cache_dtype,
-                          dequantize=config.dequantize,
+                          dequantize=config.dequantize, cpu_int8_activations=config.cpu_int8_activations,
                           draft_model=draft_model,
                           num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
                           max_num_batched_tokens=config.max_num_batched_tokens,

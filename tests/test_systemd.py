@@ -292,7 +292,7 @@ def test_sysusers_defines_the_units_user_and_groups(service):
 
 # ----------------------------------------------------------- example config ----
 
-SETTING = re.compile(r"^#([a-z_]+) = (.+)$")
+SETTING = re.compile(r"^#([a-z][a-z0-9_]*) = (.+)$")
 
 
 def uncommented(text: str) -> str:

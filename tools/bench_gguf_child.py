@@ -28,7 +28,7 @@ from typing import Any
 # llmd's settings per engine name (bench_gguf.ENGINES), passed to LLM().
 LLMD_SETTINGS: dict[str, dict[str, Any]] = {
     "llmd": dict(dtype="auto"), "llmd-packed-bf16": dict(dtype="bfloat16"),
-    "llmd-x16-1pass": dict(dtype="auto"), "llmd-no-x16": dict(dtype="auto"),
+    "llmd-int8": dict(dtype="auto", cpu_int8_activations=True), "llmd-no-x16": dict(dtype="auto"),
     "llmd-f32": dict(dtype="float32", dequantize=True), "llmd-bf16": dict(dtype="bfloat16", dequantize=True),
 }
 WARMUP_TOKENS = 4  # a short run of the same shape first: kernels built, caches warm

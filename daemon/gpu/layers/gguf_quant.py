@@ -76,8 +76,9 @@ X16_TYPES = PACKED_TYPES  # what the x16 kernel reads: every packed type
 X16_GROUP = 16  # weight rows per x16 record
 # Rows up to which a product with an x16 weight runs through its kernel, by its passes
 # over x (each pass is as many dot products; above, a dequantized slice and a GEMM are
-# faster: measured on AVX-512 VNNI, docs/benchmarks.md).
-X16_MAX_ROWS = {1: 128, 2: 64, 3: 32}
+# faster: measured on AVX-512 VNNI, docs/benchmarks.md; one pass beats the GEMM 1.2-1.4x
+# at 512 rows, so a prompt of up to 512 tokens runs at cpu_int8_activations' precision).
+X16_MAX_ROWS = {1: 512, 2: 64, 3: 32}
 
 
 def row_bytes(quant: str, cols: int) -> int:
@@ -281,12 +282,15 @@ def use_x16(weight: torch.nn.Parameter, part: PackedPart, cols: int, ops: Any) -
     return True
 
 
-def x16_passes(ops: Any, dtype: torch.dtype) -> int:
-    """The int8 passes over x an x16 product takes (cpu/cpu_quant_x16.cpp): as many as
-    the model's activations have bits — 3 (about 23) for float32, 2 (15) for bfloat16
-    and float16 — unless LLMD_GGUF_X16 set them (cpu_kernels)."""
+def x16_passes(ops: Any, dtype: torch.dtype, int8_activations: bool = False) -> int:
+    """The int8 passes over x an x16 product takes (cpu/cpu_quant_x16.cpp): one with
+    `int8_activations` (the engine setting cpu_int8_activations: llama.cpp's precision),
+    else as many as the model's activations have bits — 3 (about 23) for float32, 2 (15)
+    for bfloat16 and float16 — unless LLMD_GGUF_X16 set them (cpu_kernels)."""
     if ops.x16_passes is not None:
         return ops.x16_passes
+    if int8_activations:
+        return 1
     return 3 if dtype == torch.float32 else 2
 
 

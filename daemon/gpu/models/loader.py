@@ -258,7 +258,7 @@ def _targets(model: CausalLM, names: Iterable[str]) -> list[tuple[str, tuple[str
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                max_positions: int, tp_rank: int = 0, tp_size: int = 1,
                attention_backend: str = "torch", progress: LoadProgress | None = None,
-               dequantize: bool = False) -> nn.Module:
+               dequantize: bool = False, int8_activations: bool = False) -> nn.Module:
     """The model, or with tp_size > 1 this rank's tensor-parallel shard of it; its layers
     attend with `attention_backend` (a name resolve_attention_backend returned). From a
     GGUF file on CPU or CUDA on one rank, every quantized weight stays packed (gguf_quant;
@@ -267,7 +267,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     every quantized module stays packed, on any number of ranks, on CPU or CUDA
     (quant_plan). `dequantize`: every weight is dequantized instead, as a GGUF's are
     with tensor parallelism (each rank dequantizes a tensor whole and its layers keep
-    their share). Then its kernels are attached (_attach_kernels)."""
+    their share). Then its kernels are attached (_attach_kernels); `int8_activations`:
+    packed weights on CPU meet activations rounded to int8 once (gguf_quant.x16_passes)."""
     config = load_hf_config(model_dir)
     gguf = is_gguf_path(model_dir)
     scheme = None if gguf else quant_scheme(config)
@@ -304,15 +305,16 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
         release_gguf_readers()  # the model holds its own copy of every weight: the file's map closes
     model.eval()
     model.requires_grad_(False)
-    _attach_kernels(model, dtype, device, packed_gguf=bool(plan))
+    _attach_kernels(model, dtype, device, packed_gguf=bool(plan), int8_activations=int8_activations)
     return model
 
 
-def _attach_kernels(model: nn.Module, dtype: torch.dtype, device: torch.device, packed_gguf: bool) -> None:
+def _attach_kernels(model: nn.Module, dtype: torch.dtype, device: torch.device, packed_gguf: bool,
+                    int8_activations: bool = False) -> None:
     """The loaded model's fast paths: its AWQ / GPTQ / FP8 layers packed for their
     kernels; on CPU oneDNN-packed dense weights and the C++ decode attention; a GGUF's
     packed weights with the C++ kernels (CPU) or the Triton ones (CUDA)."""
-    finalize_quantized(model, dtype, device)
+    finalize_quantized(model, dtype, device, int8_activations)
     if device.type == "cpu":
         pack_linears(model)  # oneDNN's blocked weights: faster GEMMs than MKL's on plain ones (cpu_linear)
         attach_cpu_kernels(model)  # decode attention over the paged cache in place (cpu_kernels)
@@ -321,6 +323,6 @@ def _attach_kernels(model: nn.Module, dtype: torch.dtype, device: torch.device, 
 
         attach_cuda_gguf_kernels(model, dtype)  # the Triton kernels, over planes laid out in place
     elif packed_gguf:
-        attach_gguf_kernels(model, dtype)
+        attach_gguf_kernels(model, dtype, int8_activations)
     if device.type == "cpu":
         attach_decode_layers(model)  # batch-1 decode steps through the layers in C++ where they qualify

@@ -127,10 +127,12 @@ def apply_plan(model: nn.Module, scheme: QuantScheme, plan: dict[str, dict[Shard
         use_quantized(model.get_submodule(name), scheme, shards)
 
 
-def finalize_quantized(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
+def finalize_quantized(model: nn.Module, dtype: torch.dtype, device: torch.device,
+                       int8_activations: bool = False) -> int:
     """After the load: every quantized layer's pieces packed, and its matmul attached (on
     CUDA the Triton kernels, quant/cuda_matmul.py; on CPU the C++ kernels when they can
-    be built, else the torch paths); returns how many."""
+    be built, else the torch paths; `int8_activations`: gguf_quant.x16_passes); returns how
+    many."""
     layers = [m for m in model.modules() if getattr(m, "quant_method", None) is not None]
     if not layers:
         return 0
@@ -145,7 +147,7 @@ def finalize_quantized(model: nn.Module, dtype: torch.dtype, device: torch.devic
     from llmd.gpu.layers.gguf_quant import x16_passes
 
     gguf, fp8 = gguf_ops(), fp8_ops()
-    passes = x16_passes(gguf, dtype) if gguf is not None and gguf.x16 else 0
+    passes = x16_passes(gguf, dtype, int8_activations) if gguf is not None and gguf.x16 else 0
     for layer in layers:
         finalize(layer)
         layer.kernel = quantized_matmul(layer, gguf, passes, fp8)

@@ -74,7 +74,8 @@ class DraftModel:
         self.k = settings.num_speculative_tokens
         self.attention_backend = attention_backend
         self.model = load_model(settings.draft_model, dtype, device, settings.max_model_len,
-                                attention_backend=attention_backend, dequantize=settings.dequantize)
+                                attention_backend=attention_backend, dequantize=settings.dequantize,
+                                int8_activations=settings.cpu_int8_activations)
         self.attention_metadata = metadata_builder(self.model, settings.block_size, device)
         self.sampler = sampler
         self.workspace = workspace

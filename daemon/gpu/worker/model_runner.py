@@ -90,7 +90,8 @@ class ModelRunner:
             self._cuda_before_load = (torch.cuda.mem_get_info(device)[0], torch.cuda.memory_allocated(device),
                                       torch.cuda.memory_reserved(device))
         self.model = load_model(self.model_dir, dtype, device, settings.max_model_len, self.rank, self.world_size,
-                                self.attention_backend, progress, dequantize=settings.dequantize)
+                                self.attention_backend, progress, dequantize=settings.dequantize,
+                                int8_activations=settings.cpu_int8_activations)
         self.vocab_size = self.model.config.vocab_size
         self.workspace = GatherWorkspace()
         self.attention_metadata = metadata_builder(self.model, self.block_size, device)

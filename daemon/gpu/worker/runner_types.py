@@ -52,6 +52,7 @@ class RunnerSettings:
     attention_backend: str = "auto"  # "auto", "torch", "triton" or "flash_attn" (see attention_backends)
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "fp8", "fp8_e4m3" or "int8" (see kv_quant)
     dequantize: bool = False  # GGUF: every weight dequantized at load, none kept packed
+    cpu_int8_activations: bool = False  # packed weights on CPU meet int8-rounded activations (EngineConfig)
     # Speculative decoding: the drafts a request verifies per step (both methods: decode
     # graphs and the memory profile size for them) and, with a draft model, its directory.
     draft_model: str | None = None

@@ -12,9 +12,9 @@ Five sets, one extension:
   (cpu_quant.cpp, used by gguf_quant.GGUFMatmul), and on a CPU with AVX-512 VNNI the
   same over the weight repacked sixteen rows at a time with int8 activations, as
   llama.cpp multiplies (cpu_quant_x16.cpp, every packed type), in as many int8 passes
-  over x as the model's dtype needs (gguf_quant.x16_passes). LLMD_GGUF_X16 (read when a
-  model loads) sets the passes instead: 1 (llama.cpp's precision), 2 or 3; 0 keeps the
-  first kernel (the A/B switch);
+  over x as the model's dtype needs, or one with the engine setting cpu_int8_activations
+  (gguf_quant.x16_passes). LLMD_GGUF_X16 (read when a model loads) sets the passes
+  instead: 1 (llama.cpp's precision), 2 or 3; 0 keeps the first kernel (the A/B switch);
 - the product of a few rows with an FP8 weight kept as its e4m3 bytes (cpu_fp8.cpp, used
   by quant/fp8.FP8Matmul; AWQ and GPTQ weights become GGUF blocks and use the set above);
 - a decoder's layers for a one-token step of one request, chaining the operators above
@@ -221,14 +221,15 @@ def attach_cpu_kernels(model: nn.Module) -> int:
     return len(layers)
 
 
-def attach_gguf_kernels(model: torch.nn.Module, dtype: torch.dtype) -> int:
+def attach_gguf_kernels(model: torch.nn.Module, dtype: torch.dtype, int8_activations: bool = False) -> int:
     """Give every packed layer of a CPU model its matmul (GGUFMatmul, with the C++
     kernels when they can be built) and every packed table the dtype its rows are
     dequantized to; returns how many layers are packed. On a CPU with AVX-512 VNNI the
     weights the x16 kernel reads are repacked in place first (gguf_quant.use_x16: a
-    table tied to the LM head is read through the same layout)."""
+    table tied to the LM head is read through the same layout), and multiplied in
+    x16_passes(dtype, int8_activations) passes over x."""
     ops = gguf_ops()
-    passes = x16_passes(ops, dtype) if ops is not None and ops.x16 else 0
+    passes = x16_passes(ops, dtype, int8_activations) if ops is not None and ops.x16 else 0
     count = 0
     for module in model.modules():
         if getattr(module, "quant", None) is None:
