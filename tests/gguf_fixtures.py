@@ -61,6 +61,21 @@ def random_k_quant(rows: int, cols: int, qtype: T, std: float, rng: np.random.Ge
     return raw.reshape(rows, -1)
 
 
+def gguf_with(path: Path, arch: str, metadata: dict[str, tuple], tensors: dict[str, np.ndarray]) -> Path:
+    """A GGUF of architecture `arch` holding just `metadata` {key: (value, GGUFValueType)}
+    and `tensors` (typed as their numpy dtype: float32 F32, float16 F16)."""
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, (value, vtype) in metadata.items():
+        w.add_key_value(key, value, vtype)
+    for name, array in tensors.items():
+        w.add_tensor(name, array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def write_gguf(hf_dir: Path, out: Path, qtype: T = T.F32, *, k_quant_types: tuple[T, ...] = (),
                extra_metadata: dict[str, tuple] | None = None, extra_tensors: dict[str, np.ndarray] | None = None,
                raw_tensors: dict[str, tuple[np.ndarray, T]] | None = None, seed: int = 0) -> Path:

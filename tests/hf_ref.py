@@ -66,7 +66,14 @@ def hf_greedy(path: str, prompt_ids: list[int], max_tokens: int, k: int = 5,
     The prompt goes through one forward call, or with `prompt_pieces` (lengths summing
     to its length) through one call per piece over the cache of the ones before."""
     model, tokenizer = hf_model(path, dtype, device, attn_implementation)
-    valid = len(tokenizer)
+    return model_greedy(model, len(tokenizer), prompt_ids, max_tokens, k, device, prompt_pieces)
+
+
+@torch.inference_mode()
+def model_greedy(model, valid: int, prompt_ids: list[int], max_tokens: int, k: int = 5, device: str = "cpu",
+                 prompt_pieces: list[int] | None = None) -> tuple[list[int], list[dict[int, float]]]:
+    """hf_greedy over a transformers model already built (`valid`: the tokenizer's size;
+    logits past it are masked)."""
     past = None
     start = 0
     for length in prompt_pieces or [len(prompt_ids)]:

@@ -17,7 +17,7 @@ import torch
 
 import gguf
 from gguf import GGMLQuantizationType as T
-from gguf_fixtures import write_gguf
+from gguf_fixtures import gguf_with, write_gguf
 from hf_ref import check_logprobs_close, engine_result, hf_greedy, hf_model
 from llmd import LLM, SamplingParams
 from llmd.builtin_model import BuiltinModelUnavailable, builtin_model_path
@@ -35,7 +35,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, l
 SETTINGS = dict(device="cpu", dtype="float32", num_gpu_blocks_override=128, max_model_len=256)
 
 # HF fixtures llama.cpp's converter could take: llama without llama3 rope scaling (that
-# becomes a rope_freqs tensor llmd refuses), no vocab padding, and an intermediate size
+# becomes a rope_freqs tensor, which transformers' GGUF loader, the reference here, skips:
+# tests/test_gguf_rope_freqs.py checks it), no vocab padding, and an intermediate size
 # Q8_0's 32-wide blocks fit. transformers' qwen3 GGUF config ignores key_length (its
 # Qwen3Config defaults head_dim to 128), so the qwen3 fixture has head_dim 128.
 HF_FIXTURES = {
@@ -193,6 +194,59 @@ def test_gguf_rope_scaling_metadata(hf_dirs, tmp_path):
         load_hf_config(odd)
 
 
+def test_rope_freqs_become_per_frequency_factors(hf_dirs, tmp_path):
+    """llama.cpp divides each inverse frequency by its rope_freqs factor (and a linear
+    scaling's factor on top): transformers' longrope with those factors, short and long
+    alike, and no attention factor, which divides the same way."""
+    factors = np.array([1.0, 1.25, 2.5, 4.0, 8.0, 8.0, 8.0, 8.0], np.float32)  # the tiny llama's 16 / 2
+    plain = write_gguf(hf_dirs("llama"), tmp_path / "freqs.gguf", extra_tensors={"rope_freqs.weight": factors})
+    longrope = dict(rope_type="longrope", rope_theta=10000.0, short_factor=factors.tolist(),
+                    long_factor=factors.tolist(), original_max_position_embeddings=1024, factor=1.0,
+                    attention_factor=1.0)
+    assert load_hf_config(plain).rope_parameters == longrope
+    linear = write_gguf(hf_dirs("llama"), tmp_path / "freqs-linear.gguf", extra_tensors={"rope_freqs.weight": factors},
+                        extra_metadata={"llama.rope.scaling.type": ("linear", gguf.GGUFValueType.STRING),
+                                        "llama.rope.scaling.factor": (4.0, gguf.GGUFValueType.FLOAT32)})
+    scaled = (factors * 4).tolist()
+    assert load_hf_config(linear).rope_parameters == {**longrope, "short_factor": scaled, "long_factor": scaled}
+    # and the loaded model's tables turn by base^(-2i/d) / factor_i
+    model = load_model(plain, torch.float32, torch.device("cpu"), 64)
+    (table,) = model.rotary.values()
+    expected = torch.arange(64.0)[:, None] * (10000.0 ** (-torch.arange(0, 16, 2) / 16) / torch.from_numpy(factors))
+    torch.testing.assert_close(table.cos_cache[:, :8], expected.cos(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(table.sin_cache[:, 8:], expected.sin(), atol=1e-5, rtol=0)
+
+
+def test_rope_freqs_llama_cpp_would_not_apply_are_refused(hf_dirs, tmp_path):
+    """Refused naming the tensor: a length other than one factor per rotated frequency, a
+    type other than F32 (ggml's rope reads only F32), a factor that is not a positive
+    number, the tensor beside YaRN scaling (not implemented), or on an architecture
+    llama.cpp does not read it for (it refuses the file)."""
+    S, F32 = gguf.GGUFValueType.STRING, gguf.GGUFValueType.FLOAT32
+    ones = np.ones(8, np.float32)
+    cases = [
+        ("llama", dict(extra_tensors={"rope_freqs.weight": np.ones(7, np.float32)}),
+         r"'rope_freqs.weight' has shape \[7\]; it must hold one factor per rotated frequency: \[8\] for the head "
+         r"size 16"),
+        ("llama", dict(extra_tensors={"rope_freqs.weight": np.ones(8, np.float16)}),
+         "'rope_freqs.weight' has type F16; llama.cpp reads per-frequency rope factors only as F32"),
+        ("llama", dict(extra_tensors={"rope_freqs.weight": np.array([1, 1, 0, 1, 1, 1, 1, 1], np.float32)}),
+         "'rope_freqs.weight' holds 0.0 at index 2: every per-frequency rope factor must be a positive finite"),
+        ("llama", dict(extra_tensors={"rope_freqs.weight": np.full(8, np.nan, np.float32)}),
+         "'rope_freqs.weight' holds nan at index 0"),
+        ("llama", dict(extra_tensors={"rope_freqs.weight": ones},
+                       extra_metadata={"llama.rope.scaling.type": ("yarn", S),
+                                       "llama.rope.scaling.factor": (2.0, F32)}),
+         r"'rope_freqs.weight' \(per-frequency rope factors\) together with llama.rope.scaling.type='yarn' is not "
+         "implemented"),
+        ("qwen2", dict(extra_tensors={"rope_freqs.weight": ones}),
+         "'rope_freqs.weight' .* is not part of a 'qwen2' model: llama.cpp reads it only for the llama family"),
+    ]
+    for i, (name, extra, message) in enumerate(cases):
+        with pytest.raises(ValueError, match=message):
+            LLM(model=str(write_gguf(hf_dirs(name), tmp_path / f"refused-{i}.gguf", **extra)), device="cpu")
+
+
 def test_tp2_shards_after_dequantizing(ggufs):
     """TP=2 over a GGUF: each rank dequantizes whole tensors and keeps its shard (packed
     weights are one rank's only); greedy tokens equal TP=1 dequantized, logprobs within
@@ -247,23 +301,9 @@ def test_unsupported_tensor_type(hf_dirs, tmp_path):
         load_hf_config(path)
 
 
-def _gguf_with(tmp_path: Path, arch: str, metadata: dict, tensors: dict[str, np.ndarray]) -> Path:
-    path = tmp_path / f"{arch}.gguf"
-    w = gguf.GGUFWriter(str(path), arch)
-    for key, (value, vtype) in metadata.items():
-        w.add_key_value(key, value, vtype)
-    for name, array in tensors.items():
-        w.add_tensor(name, array)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
 def test_unimplemented_architecture_and_features_are_refused(hf_dirs, tmp_path):
     U32 = gguf.GGUFValueType.UINT32
-    gemma = _gguf_with(tmp_path, "gemma2", {"gemma2.block_count": (1, U32)},
+    gemma = gguf_with(tmp_path / "gemma2.gguf", "gemma2", {"gemma2.block_count": (1, U32)},
                        {"token_embd.weight": np.zeros((8, 4), np.float32)})
     with pytest.raises(ValueError, match=r"GGUF architecture 'gemma2' is not implemented by llmd "
                                          r"\(supported: gemma3, llama, qwen2, qwen3\)"):
@@ -276,7 +316,6 @@ def test_unimplemented_architecture_and_features_are_refused(hf_dirs, tmp_path):
          "llama.attention.sliding_window is not implemented by llmd"),
         (dict(extra_metadata={"llama.rope.dimension_count": (8, U32)}),
          r"llama.rope.dimension_count=8 differs from the head size 16 \(partial rotary\)"),
-        (dict(extra_tensors={"rope_freqs.weight": np.ones(8, np.float32)}), "rope_freqs.weight"),
         (dict(extra_tensors={"blk.0.attn_gate.weight": np.ones((64, 64), np.float32)}),
          "'blk.0.attn_gate.weight' has no counterpart"),
     ]

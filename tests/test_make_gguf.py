@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf_fixtures import gguf_name, permute_rotary_rows  # noqa: E402
 from hf_ref import check_logprobs_close, engine_result, hf_greedy, hf_model  # noqa: E402
 from llmd import LLM, SamplingParams  # noqa: E402
-from llmd_tools import make_gguf, make_model  # noqa: E402
+from llmd_tools import make_gguf  # noqa: E402
 
 NAME = "tiny-llama-256"
 RELATIVE_ERROR = {T.Q8_0: 0.008, T.Q6_K: 0.027, T.Q4_K: 0.1}
@@ -35,10 +35,7 @@ def built(tmp_path_factory):
     cache = tmp_path_factory.mktemp("gguf-cache")
     files = {q: make_gguf.gguf_fixture(NAME, q, cache_dir=cache, threads=1)
              for q in make_gguf.GGUF_FIXTURES[NAME]["types"]}
-    recipe = dict(make_gguf.GGUF_FIXTURES[NAME])
-    recipe.pop("types")
-    hf_dir = make_model.build_model(tmp_path_factory.mktemp("hf") / NAME, recipe.pop("arch"), recipe.pop("preset"),
-                                    cache_dir=cache, **recipe)
+    hf_dir = make_gguf.build_hf_model(NAME, tmp_path_factory.mktemp("hf") / NAME, cache_dir=cache)
     return files, hf_dir
 
 

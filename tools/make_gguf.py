@@ -8,7 +8,9 @@ Built once per recipe and cached under the fixture cache (make_model.default_cac
 `<name>-<key>/<name>-<TYPE>.gguf` for each type of the recipe, the key a hash of the
 recipe, make_model's and this module's sources, the converter, llama-cpp-python's version
 and the library versions. The HF model (bf16 safetensors) and the BF16 GGUF are
-intermediates, deleted once the quantized files exist.
+intermediates, deleted once the quantized files exist (the BF16 GGUF kept where the
+recipe lists BF16 among its types); `build_hf_model` makes the HF model again for a
+test's reference.
 
     python -m llmd_tools.make_gguf --name llama3.2-1b [--type Q4_K_M] [--threads 2]
     python -m llmd_tools.make_gguf --list
@@ -51,18 +53,26 @@ from typing import Any
 from llmd_tools import make_model
 
 # name -> recipe: make_model.build_model's arguments (arch, preset, overrides) and the
-# quantized types to make. llama3_rope is off: llama.cpp's converter writes Llama 3's rope
-# scaling as a `rope_freqs` tensor, which llmd refuses (gguf_loader); the shapes, which
-# are what a benchmark measures, are the real model's.
+# types to make: llama.cpp's quantized types, and "BF16" for the converter's own file.
 GGUF_FIXTURES: dict[str, dict[str, Any]] = {
-    "llama3.2-1b": dict(arch="llama", preset="llama3.2-1b", tie_word_embeddings=True, llama3_rope=False,
+    # Llama 3.2 1B's shapes and rope: theta 500000 (the preset's) and llama3 scaling x32
+    # from 8192 positions (low/high frequency factors 1 and 4, make_model's defaults),
+    # which the converter writes as a `rope_freqs` tensor, as for the real model
+    "llama3.2-1b": dict(arch="llama", preset="llama3.2-1b", tie_word_embeddings=True, llama3_rope={"factor": 32.0},
                         dtype="bfloat16", types=("Q4_K_M", "Q8_0")),
     # the same pipeline in seconds (tests/test_make_gguf.py): rows of 256 and 512, so
-    # every K-quant block fits and Q4_K_M picks its K-quants as for the 1B model
+    # every K-quant block fits and Q4_K_M picks its K-quants as for the 1B model. No llama3
+    # rope: that test's reference is transformers reading the GGUF, which skips rope_freqs
     "tiny-llama-256": dict(arch="llama", preset="tiny", tie_word_embeddings=True, llama3_rope=False,
                            hidden_size=256, intermediate_size=512, num_hidden_layers=2, head_dim=64, rope_theta=500000.0,
                            dtype="bfloat16", types=("Q4_K_M", "Q8_0")),
+    # llama3 rope scaling (the tiny preset's: x8 from 64 positions; of its 8 frequencies one
+    # kept, two blended, five divided by 8) through the converter's rope_freqs
+    # (tests/test_gguf_rope_freqs.py); Q8_0's blocks fit rows of 64 and 192
+    "tiny-llama3-rope": dict(arch="llama", preset="tiny", intermediate_size=192, dtype="bfloat16",
+                             types=("BF16", "Q8_0")),
 }
+CONVERTED_TYPE = "BF16"  # the converter's output, kept when a recipe lists it
 
 # The llama_ftype names llama.cpp's quantize tool takes, for the types offered here.
 QUANT_FTYPES = {"Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "Q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1",
@@ -282,31 +292,43 @@ def gguf_fixture(name: str, quant: str, cache_dir: Path | None = None, threads: 
     def build(tmp: Path) -> None:
         log = (lambda msg: print(f"make_gguf {name}: {msg}", file=sys.stderr)) if verbose else (lambda msg: None)
         started = time.monotonic()
-        hf_dir, bf16 = tmp / "hf", tmp / f"{name}-BF16.gguf"
-        arch, preset = recipe.pop("arch"), recipe.pop("preset")
-        make_model.build_model(hf_dir, arch, preset, cache_dir=cache, **recipe)
+        hf_dir, bf16 = tmp / "hf", tmp / f"{name}-{CONVERTED_TYPE}.gguf"
+        build_hf_model(name, hf_dir, cache)
         gc.collect()  # the float32 model built there: gone before the converter reads
         log(f"HF model built ({time.monotonic() - started:.0f} s)")
-        flavour = recipe.get("tokenizer_flavour", make_model.ARCH_TOKENIZER_FLAVOUR[arch])
+        flavour = recipe.get("tokenizer_flavour", make_model.ARCH_TOKENIZER_FLAVOUR[recipe["arch"]])
         convert_hf_to_gguf(hf_dir, bf16, "bf16", PRE_TOKENIZERS[flavour], model_name=name)
         shutil.copy(hf_dir / "llmd_fixture.json", tmp / "llmd_fixture.json")
         shutil.rmtree(hf_dir)
-        log(f"converted to BF16 ({time.monotonic() - started:.0f} s)")
+        log(f"converted to {CONVERTED_TYPE} ({time.monotonic() - started:.0f} s)")
         for q in quants:
+            if q == CONVERTED_TYPE:
+                continue
             quantize_gguf(bf16, tmp / f"{name}-{q}.gguf", q, threads)
             log(f"quantized to {q} ({time.monotonic() - started:.0f} s)")
-        bf16.unlink()
+        if CONVERTED_TYPE not in quants:
+            bf16.unlink()
 
     path = make_model._build_atomically(final, build) / f"{name}-{quant}.gguf"
     make_model._prune_stale(cache, name, keep=final)
     return path
 
 
+def build_hf_model(name: str, out: Path, cache_dir: Path | None = None) -> Path:
+    """Fixture `name`'s HF model in `out`: the one its GGUFs are converted from (the build
+    deletes its own; the same recipe and seed give the same weights), for a test's
+    reference."""
+    if name not in GGUF_FIXTURES:
+        raise KeyError(f"unknown GGUF fixture {name!r}; known: {sorted(GGUF_FIXTURES)}")
+    recipe = {k: v for k, v in GGUF_FIXTURES[name].items() if k != "types"}
+    return make_model.build_model(Path(out), recipe.pop("arch"), recipe.pop("preset"), cache_dir=cache_dir, **recipe)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m llmd_tools.make_gguf", description=__doc__.splitlines()[0])
     parser.add_argument("--name", choices=sorted(GGUF_FIXTURES), help="the fixture")
     parser.add_argument("--type", dest="types", action="append", default=None,
-                        help="a quantized type of the recipe (repeatable; default: all of them)")
+                        help="a type of the recipe (repeatable; default: all of them)")
     parser.add_argument("--threads", type=int, default=0, help="the quantizer's threads (0: every core)")
     parser.add_argument("--cache-dir", type=Path, default=None, help="default: the fixture cache")
     parser.add_argument("--list", action="store_true", help="list the fixtures and their types")

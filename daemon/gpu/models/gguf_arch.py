@@ -66,6 +66,9 @@ class GGUFArchitecture:
     block_tensors: Mapping[str, str] = field(default_factory=lambda: BLOCK_TENSORS)
     extra_keys: frozenset[str] = frozenset()  # `{arch}.` keys beyond COMMON_KEYS
     norm_offset: float = 0.0  # subtracted from every `*norm.weight` tensor
+    # llama.cpp divides the rotary frequencies by a `rope_freqs.weight` tensor's factors
+    # (gguf_rope); on the other architectures it refuses a file holding one
+    reads_rope_freqs: bool = False
     # (metadata getter, arch, config fields so far) -> the fields this architecture adds
     config_fields: Callable[[Callable[..., Any], str, dict[str, Any]], dict[str, Any]] | None = None
 
@@ -103,7 +106,7 @@ def gemma3_config_fields(get: Callable[..., Any], a: str, fields: dict[str, Any]
 
 
 ARCHITECTURES: dict[str, GGUFArchitecture] = {
-    "llama": GGUFArchitecture("LlamaForCausalLM", "llama", permuted_rotary=True),
+    "llama": GGUFArchitecture("LlamaForCausalLM", "llama", permuted_rotary=True, reads_rope_freqs=True),
     "qwen2": GGUFArchitecture("Qwen2ForCausalLM", "qwen2", permuted_rotary=False),
     "qwen3": GGUFArchitecture("Qwen3ForCausalLM", "qwen3", permuted_rotary=False),
     "gemma3": GGUFArchitecture(

@@ -6,8 +6,9 @@ is read by llmd's own reader (gguf_file), its tokenizer built by gguf_tokenizer.
 
 What llmd cannot run as llama.cpp would is refused naming the metadata key or tensor:
 an architecture other than llama, qwen2, qwen3 and gemma3 (gguf_arch.py says what each
-means), mixture-of-experts, per-frequency rope factors (`rope_freqs.weight`), partial
-rotary, an unknown rope scaling type, or any `{arch}.*` key this module does not know.
+means), mixture-of-experts, partial rotary, an unknown rope scaling type, per-frequency
+rope factors (`rope_freqs.weight`, Llama 3.x's rope scaling) that llama.cpp would not
+apply (gguf_rope.py reads them), or any `{arch}.*` key this module does not know.
 
 llama.cpp's converter reorders the rows of every llama q/k projection head so that its
 rotary embedding can rotate adjacent pairs; llmd (like transformers) rotates halves, so
@@ -29,6 +30,7 @@ from llmd.gpu.layers.gguf_quant import PackedSource
 from llmd.gpu.models.gguf_arch import ARCHITECTURES, BLOCK_TENSORS, GLOBAL_TENSORS, GGUFArchitecture
 from llmd.gpu.models.architectures import get_architecture
 from llmd.gpu.models.gguf_file import GGUFFile
+from llmd.gpu.models.gguf_rope import ROPE_FREQS, gguf_rope_parameters
 from llmd.gpu.models.gguf_tokenizer import build_tokenizer, converter_available
 
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -105,7 +107,7 @@ def load_gguf_config(path: str | Path):
         head_dim=head_dim,
         max_position_embeddings=_int(g, f"{a}.context_length"),
         rms_norm_eps=float(g.require(f"{a}.attention.layer_norm_rms_epsilon")),
-        rope_parameters=_rope_parameters(g, a, where),
+        rope_parameters=gguf_rope_parameters(g, a, where, head_dim, spec.reads_rope_freqs),
         tie_word_embeddings="output.weight" not in g.tensors,
         hidden_act="silu",
         bos_token_id=g.get("tokenizer.ggml.bos_token_id"),
@@ -193,42 +195,13 @@ def _int(g: GGUFFile, key: str, default: int | None = None) -> int:
     return int(value)
 
 
-def _rope_parameters(g: GGUFFile, a: str, where: str) -> dict[str, Any]:
-    """transformers' rope_parameters from llama.cpp's rope keys (which transformers' own
-    GGUF loader ignores; llama.cpp applies them, so llmd does too)."""
-    params: dict[str, Any] = {"rope_type": "default", "rope_theta": float(g.get(f"{a}.rope.freq_base", 10000.0))}
-    scaling = g.get(f"{a}.rope.scaling.type")
-    factor = g.get(f"{a}.rope.scaling.factor")
-    if scaling is None and g.get(f"{a}.rope.scale_linear") is not None:
-        scaling, factor = "linear", g.get(f"{a}.rope.scale_linear")
-    if scaling in (None, "none"):
-        return params
-    if factor is None:
-        raise ValueError(f"{where}: GGUF metadata {a}.rope.scaling.type={scaling!r} without "
-                         f"{a}.rope.scaling.factor")
-    if scaling == "linear":
-        return {**params, "rope_type": "linear", "factor": float(factor)}
-    if scaling == "yarn":
-        params.update(rope_type="yarn", factor=float(factor))
-        original = g.get(f"{a}.rope.scaling.original_context_length")
-        if original is not None:
-            params["original_max_position_embeddings"] = int(original)
-        for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
-            if g.get(f"{a}.rope.scaling.{key}") is not None:
-                params[name] = float(g.get(f"{a}.rope.scaling.{key}"))
-        return params
-    raise ValueError(f"{where}: GGUF metadata {a}.rope.scaling.type={scaling!r} is not implemented by llmd "
-                     "(supported: none, linear, yarn)")
-
-
 def _check_tensors(g: GGUFFile, where: str, block_tensors: dict[str, str]) -> None:
     """Every tensor has an llmd parameter to go to and a type the gguf package can
     dequantize: checked from the header, before any weight is read."""
     types = _dequantizable_types()
     for name, t in g.tensors.items():
-        if name == "rope_freqs.weight":
-            raise ValueError(f"{where}: GGUF tensor rope_freqs.weight (per-frequency rope factors, as llama.cpp "
-                             "writes for Llama 3.1-style rope scaling) is not implemented by llmd")
+        if name == ROPE_FREQS:
+            continue  # not a weight: the rope parameters (gguf_rope), checked with them
         if hf_tensor_name(name, block_tensors) is None and not _is_skipped(name):
             raise ValueError(f"{where}: GGUF tensor {name!r} has no counterpart in llmd's "
                              f"{g.architecture} model")
@@ -238,6 +211,9 @@ def _check_tensors(g: GGUFFile, where: str, block_tensors: dict[str, str]) -> No
 
 
 def _is_skipped(name: str) -> bool:
+    """Tensors that are not weights: read into the config (rope_freqs) or derived from it."""
+    if name == ROPE_FREQS:
+        return True
     m = _BLOCK_NAME.fullmatch(name)
     return m is not None and m.group(2) in _SKIPPED_BLOCK_TENSORS
 

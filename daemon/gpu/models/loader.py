@@ -23,7 +23,7 @@ from llmd.gpu.layers.quant.scheme import quant_scheme
 from llmd.gpu.models.architectures import get_architecture
 from llmd.gpu.models.decoder import CausalLM
 from llmd.gpu.models.gguf_loader import (gguf_stop_token_ids, gguf_tensor_types, is_gguf_path,
-                                         iter_gguf_weights, load_gguf_config, load_gguf_tokenizer, open_gguf,
+                                         iter_gguf_weights, load_gguf_config, load_gguf_tokenizer,
                                          release_gguf_readers)
 from llmd.gpu.models.quant_plan import (apply_plan, finalize_quantized, iter_dequantized, plan_quantized,
                                         resolve_scheme, safetensors_index, without_empty_biases)
@@ -293,7 +293,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     model.reset_rotary(device)
     model.tie_weights()
     if gguf:
-        weights, total = iter_gguf_weights(model_dir, config, packed), len(open_gguf(model_dir).tensors)
+        weights, total = iter_gguf_weights(model_dir, config, packed), len(gguf_tensor_types(model_dir))
     else:
         weights, total = iter_safetensors(model_dir), _count_safetensors(model_dir)
         if scheme is not None:
