@@ -69,6 +69,11 @@ def gguf_with(path: Path, arch: str, metadata: dict[str, tuple], tensors: dict[s
         w.add_key_value(key, value, vtype)
     for name, array in tensors.items():
         w.add_tensor(name, array)
+    return _written(w, path)
+
+
+def _written(w: gguf.GGUFWriter, path: Path) -> Path:
+    """Header, metadata and tensors of `w` written to its file, closed: `path`."""
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -138,11 +143,7 @@ def write_gguf(hf_dir: Path, out: Path, qtype: T = T.F32, *, k_quant_types: tupl
             w.add_tensor(name, array)
     for name, array in (extra_tensors or {}).items():
         w.add_tensor(name, array)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
+    return _written(w, out)
 
 
 def _add_tokenizer(w: gguf.GGUFWriter, hf_dir: Path, cfg: dict) -> None:
