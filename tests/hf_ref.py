@@ -118,6 +118,17 @@ def model_greedy(model, valid: int, prompt_ids: list[int], max_tokens: int, k: i
 
 
 @torch.inference_mode()
+def hf_forced_logprobs(path: str, prompt_ids: list[int], tokens: list[int],
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[len(tokens), V]: transformers' logprobs at each position of `tokens`, given the
+    prompt and the tokens before it (one forward call)."""
+    model, tokenizer = hf_model(path, dtype)
+    logits = model(torch.tensor([prompt_ids + tokens[:-1]])).logits[0, len(prompt_ids) - 1:].float()
+    logits[:, len(tokenizer):] = float("-inf")
+    return torch.log_softmax(logits, dim=-1)
+
+
+@torch.inference_mode()
 def hf_prompt_logprobs(path: str, prompt_ids: list[int]) -> torch.Tensor:
     """[len-1, V] logprobs: row i predicts prompt token i+1."""
     model, tokenizer = hf_model(path)

@@ -20,7 +20,7 @@ import torch
 import gguf
 from gguf import GGMLQuantizationType as T
 from gguf_fixtures import gguf_with, write_gguf
-from hf_ref import check_logprobs_close, engine_result, hf_greedy, hf_model
+from hf_ref import check_logprobs_close, engine_result, hf_forced_logprobs, hf_greedy, hf_model
 from llmd import LLM, SamplingParams
 from llmd.builtin_model import BuiltinModelUnavailable, builtin_model_path
 from llmd.gpu.layers.cpu.cpu_kernels import gguf_ops
@@ -438,16 +438,6 @@ INT8_NEAR_TIE = 1.0
 INT8_NOISE = 0.75
 
 
-@torch.inference_mode()
-def teacher_forced_logprobs(path: str, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    """[len(tokens), V]: transformers' logprobs at each generated position, given the
-    prompt and the tokens before it (one forward)."""
-    model, tokenizer = hf_model(path)
-    logits = model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:].float()
-    logits[:, len(tokenizer):] = float("-inf")
-    return torch.log_softmax(logits, dim=-1)
-
-
 def test_smollm2_with_int8_activations_stays_within_their_rounding_noise(smollm2):
     """The engine setting cpu_int8_activations: x rounded to int8 once per 32 columns
     before every packed product (llama.cpp's arithmetic; test_gguf_x16.py checks each
@@ -473,7 +463,7 @@ def test_smollm2_with_int8_activations_stays_within_their_rounding_noise(smollm2
     largest = 0.0
     for prompt, out in zip([*prompts, prompts[0]], outs):
         tokens = list(out.outputs[0].token_ids)
-        ref = teacher_forced_logprobs(path, prompt, tokens)
+        ref = hf_forced_logprobs(path, prompt, tokens)
         chosen = ref[torch.arange(len(tokens)), torch.tensor(tokens)]
         gap = float((ref.max(dim=-1).values - chosen).max())
         diff = torch.tensor([pos[t].logprob for pos, t in zip(out.outputs[0].logprobs, tokens)]) - chosen
