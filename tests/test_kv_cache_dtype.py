@@ -139,6 +139,22 @@ def test_cpu_paged_decode_kernel_reads_a_quantized_cache(decode_kernel, name: st
     assert (out[:n].float() - ref[:n].float()).abs().max().item() <= tol
 
 
+@pytest.mark.parametrize("head_dim", [16, 24])  # 24: a row widened partly by vector, partly by the table
+def test_cpu_paged_decode_kernel_reads_every_e4m3_byte_exactly(decode_kernel, head_dim: int) -> None:
+    """Each finite e4m3 byte in a value row of its own, attended alone (one cached token
+    per request): the output is the byte's value from the format's definition, exactly,
+    times v_scale."""
+    values = e4m3_values()
+    finite = torch.tensor([b for b in range(256) if not math.isnan(values[b])], dtype=torch.uint8)
+    n = finite.numel()
+    cache = torch.zeros(2, 1, n, 1, head_dim, dtype=torch.uint8)  # K all zero; block size 1
+    cache[1, 0, :, 0, :] = finite.view(-1, 1)
+    out = decode_kernel(torch.zeros(n, 1, head_dim), cache, torch.arange(n).view(n, 1), torch.ones(n, dtype=torch.int64),
+                        1.0, 0.0, 0, 1.0, 0.5)
+    expected = (values[finite.long()] * 0.5).float().view(-1, 1).expand(n, head_dim)
+    assert torch.equal(out[:, 0], expected)
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_fused_rope_cache_write_quantizes_as_torch_does(decode_kernel, kv_cache_dtype: str,
