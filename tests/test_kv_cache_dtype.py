@@ -313,3 +313,45 @@ def test_the_benchmark_runs_every_setting(tiny_llama, capsys, monkeypatch) -> No
     per_token = {line.split()[0]: int(line.split()[1]) for line in out.splitlines() if "B/token" in line}
     assert per_token["auto"] == 4 * per_token["fp8"] == 4 * per_token["int8"]
     assert all(f"  {s} " in out and "ms/call" in out for s in ("auto", "fp8", "int8"))
+
+
+def test_the_attention_benchmark_times_the_kernel_alone_for_every_case(capsys, monkeypatch) -> None:
+    """bench_kv_cache_dtype --attention (docs/benchmarks.md, "Paged decode at batch 32 on
+    the CPU") at a tiny size: a timed row for every setting x batch x context."""
+    from llmd_tools import bench_kv_cache_dtype
+
+    if paged_decode_op() is None:
+        pytest.skip("llmd's CPU kernels cannot be built here")
+    monkeypatch.setattr("sys.argv", ["bench", "--attention", "--dtype", "float32", "--device", "cpu", "--batch", "1",
+                                     "3", "--context", "20", "33", "--heads", "4", "--kv-heads", "2", "--layers", "2",
+                                     "--rounds", "1", "--calls", "1", "--threads", "1", "--clock", "cpu"])
+    bench_kv_cache_dtype.main()
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:1] in (["auto"], ["fp8"],
+                                                                                                   ["int8"])]
+    assert sorted((r[0], int(r[1]), int(r[2])) for r in rows) == sorted(
+        (s, b, c) for s in ("auto", "fp8", "int8") for b in (1, 3) for c in (20, 33))
+    assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in rows)  # microseconds, GMAC/s
+
+
+def test_the_benchmark_baseline_is_the_old_kernel_under_a_namespace_of_its_own() -> None:
+    """--baseline REV's source: that commit's cpu_kernels.cpp and the headers it includes
+    (transitively), its operators registered under another namespace (two libraries may
+    not share one), its code otherwise untouched."""
+    import subprocess
+
+    from llmd_tools.bench.kernel_revision import NAMESPACE, repo_root, revision_sources
+
+    try:
+        repo = repo_root()
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    rev = revision_sources("HEAD", repo)
+    head = subprocess.run(["git", "-C", str(repo), "show", "HEAD:daemon/gpu/layers/cpu/cpu_kernels.cpp"],
+                          capture_output=True, text=True, check=True).stdout
+    assert rev.namespace.startswith(f"{NAMESPACE}_rev_")
+    assert f"TORCH_LIBRARY({rev.namespace}, m)" in rev.source and f"TORCH_LIBRARY_IMPL({rev.namespace}, CPU, m)" in rev.source
+    assert f"TORCH_LIBRARY({NAMESPACE}," not in rev.source
+    assert rev.source.replace(rev.namespace, NAMESPACE) == head
+    assert {"cpu_vec.h", "cpu_e4m3.h"} <= set(rev.headers)
+    with pytest.raises(ValueError, match="--baseline"):
+        revision_sources("no-such-revision", repo)
