@@ -175,12 +175,14 @@ struct ItemRows {
   int64_t first, len;
 };
 
-// Asks for the first two cache lines of the tile `distance` tiles ahead of the one being
-// read, in the order a thread reads them: an item's K tiles, its V tiles, then the next
-// item's. Within a tile the hardware prefetcher follows the lines once the first are
-// asked for; it cannot guess where the next block lies, and a tile read from a cold
-// block waits a whole memory latency for its first lines (random 4 KiB blocks read at
-// ~2/3 of a sequential read's bandwidth here without this, as fast with it).
+// Asks for the cache lines of the tile `distance` tiles ahead of the one being read, in
+// the order a thread reads them: an item's K tiles, its V tiles, then the next item's.
+// The hardware prefetcher cannot guess where the next block lies: a tile read from a
+// cold block waits a memory latency for its first lines, and a short block (1 KiB of
+// int8 rows) ends before the prefetcher has caught up. Measured on 30 layers' caches in
+// turn (32 x 100 tokens, SmolLM2's heads): 13% off a float32 call, 25% off an int8 or
+// e4m3 one, against asking for the first two lines only; ~10% more on a float32 cache
+// small enough to stay in L2 (the lines are there already).
 // `rows(item)` is item's ItemRows.
 template <typename C, typename Rows>
 class TilePrefetcher {
@@ -197,8 +199,7 @@ class TilePrefetcher {
     const int64_t n = cursor_.tile_rows(span_.len - pos_);
     const char* start = reinterpret_cast<const char*>(cursor_.skip(span_.len - pos_));
     pos_ += n;
-    prefetch(start);
-    prefetch(start + 64);
+    for (int64_t byte = 0; byte < n * d_ * static_cast<int64_t>(sizeof(C)); byte += 64) prefetch(start + byte);
     if (pos_ < span_.len) return;
     if (!on_values_) {
       on_values_ = true;
