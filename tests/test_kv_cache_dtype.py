@@ -355,3 +355,18 @@ def test_the_benchmark_baseline_is_the_old_kernel_under_a_namespace_of_its_own()
     assert {"cpu_vec.h", "cpu_e4m3.h"} <= set(rev.headers)
     with pytest.raises(ValueError, match="--baseline"):
         revision_sources("no-such-revision", repo)
+
+
+def test_the_decode_step_benchmark_swaps_the_kernel_in_turns(tiny_llama, capsys) -> None:
+    """tools/bench_decode_step (docs/benchmarks.md's end-to-end figure) at a tiny size,
+    A/A: both sides run this checkout's kernel, in turns, every step timed."""
+    from llmd_tools import bench_decode_step
+
+    if paged_decode_op() is None:
+        pytest.skip("llmd's CPU kernels cannot be built here")
+    assert bench_decode_step.main(["--model", str(tiny_llama), "--batch", "2", "--input-len", "8", "--warmup", "1",
+                                   "--against", "this", "--rounds", "2", "--steps-per-round", "2", "--json"]) == 0
+    r = msgspec.json.decode(capsys.readouterr().out)
+    assert r["layers"] > 0
+    assert [s["steps"] for s in r["ms_per_step"].values()] == [4, 4]
+    assert all(s["median"] > 0 for s in r["ms_per_step"].values()) and r["speedup"] > 0
