@@ -35,14 +35,16 @@ def decode_kernel():
 
 
 def _decode_case(seed: int, dtype: torch.dtype, batch: int, heads: int, kv_heads: int, head_dim: int,
-                 block_size: int, max_len: int, shuffle: bool):
+                 block_size: int, max_len: int, shuffle: bool, seq_lens: list[int] | None = None):
     """A cache with `batch` requests' blocks (in order, or shuffled as after churn), their
-    query rows and the decode metadata the runner would build."""
+    query rows and the decode metadata the runner would build; contexts `seq_lens`, else
+    random up to max_len."""
     rng = random.Random(seed)
-    seq_lens = [rng.randint(1, max_len) for _ in range(batch)]
-    seq_lens[0] = max_len  # one context that ends exactly where the longest does
-    if batch > 1:
-        seq_lens[1] = block_size  # one that fills its last block
+    if seq_lens is None:
+        seq_lens = [rng.randint(1, max_len) for _ in range(batch)]
+        seq_lens[0] = max_len  # one context that ends exactly where the longest does
+        if batch > 1:
+            seq_lens[1] = block_size  # one that fills its last block
     num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
     order = list(range(1, num_blocks))
     if shuffle:
@@ -140,6 +142,25 @@ def test_paged_decode_kernel_over_every_cache_dtype_and_shape(decode_kernel, cac
         got = decode_kernel(q, cache, *args)
         assert got.dtype == dtype
         torch.testing.assert_close(got.float(), attn._decode(q.float(), cache.float(), md), atol=1e-2, rtol=1e-2)
+
+
+def test_paged_decode_kernel_splits_a_lopsided_batch_between_threads(decode_kernel):
+    """The threads take runs of requests of about equal rows: one long context among
+    one-token ones (a run of one request, runs of many, runs with none) decodes as the
+    torch path does, with 2 and 4 threads."""
+    seq_lens = [1] * 20 + [700] + [3] * 11
+    q, cache, md = _decode_case(12, torch.float32, 32, 8, 2, 64, 16, 700, True, seq_lens)
+    attn = TorchAttention(8, 2, 64, 0.125)
+    TorchAttention.metadata_builder([attn], 16, CPU).build(md)
+    expected = attn._decode(q, cache, md)
+    threads = torch.get_num_threads()
+    try:
+        for n in (2, 4):
+            torch.set_num_threads(n)
+            got = decode_kernel(q, cache, md.decode_block_table, md.decode_seq_lens, 0.125, 0.0, 0)
+            torch.testing.assert_close(got, expected, atol=2e-6, rtol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_torch_attention_decodes_through_the_kernel_it_was_given(decode_kernel):

@@ -29,7 +29,7 @@
 // one register). A thread asks for the lines of the tile it reads two tiles from now
 // (TilePrefetcher), across blocks, passes and items: the hardware prefetcher cannot guess
 // where the next block lies. No allocation per call once a thread's buffers have grown;
-// small calls run on one thread.
+// the items are split between the threads by their rows; small calls run on one thread.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -220,6 +220,8 @@ constexpr int64_t kPrefetchTiles = 2;
 // Multiply-adds of the scores (as many again for the values) below which one thread
 // does the call.
 constexpr int64_t kMinParallelMacs = 1 << 16;
+// Runs of items a call is split into at most (one per thread).
+constexpr int64_t kMaxThreads = 256;
 
 // One (request, kv head): its `group` query heads over the request's cached rows (of
 // type C: T, or a quantized cache's bytes). `scale` includes k_scale; v_scale
@@ -290,17 +292,34 @@ void paged_decode_typed(const at::Tensor& q, const at::Tensor& kv_cache, const a
     return ItemRows<C>{kp + h * head_stride, vp + h * head_stride, tp + b * s.max_blocks,
                        window > 0 ? std::max<int64_t>(0, len - window) : 0, len};
   };
-  // One thread for a call too small to pay for waking the others (~a few microseconds).
-  int64_t rows = 0;
-  for (int64_t b = 0; b < batch; ++b) rows += std::min(lp[b], window > 0 ? window : lp[b]);
+  // Each thread takes a run of items of about equal work (rows read, and a tile's worth
+  // per item): split by count, a batch of mixed lengths leaves one thread waiting. One
+  // thread for a call too small to pay for waking the others (~a few microseconds).
   const int64_t items = batch * s.kv_heads;
-  const int64_t grain = rows * s.heads * s.dim < kMinParallelMacs ? items : 1;
-  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+  const auto work_of = [&](int64_t item) {
+    const ItemRows<C> r = rows_of(item);
+    return r.len - r.first + kLanes;
+  };
+  int64_t total = 0;
+  for (int64_t item = 0; item < items; ++item) total += work_of(item);
+  const int64_t threads = total * s.group * s.dim < kMinParallelMacs
+                              ? 1
+                              : std::min<int64_t>({at::get_num_threads(), items, kMaxThreads});
+  int64_t bounds[kMaxThreads + 1];
+  bounds[0] = 0;
+  for (int64_t t = 1, item = 0, done = 0; t <= threads; ++t) {  // the first item past t / threads of the work
+    for (; item < items && done * threads < total * t; ++item) done += work_of(item);
+    bounds[t] = t == threads ? items : item;
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t first_run, int64_t end_run) {
     thread_local Workspace work;
-    TilePrefetcher<C, decltype(rows_of)> ahead(rows_of, begin, end, s.block_size, s.dim, kPrefetchTiles);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t offset = (item / s.kv_heads * s.heads + item % s.kv_heads * s.group) * s.dim;
-      attend_one<T, C>(s, math, qp + offset, rows_of(item), scale, softcap, v_scale, op + offset, work, ahead);
+    for (int64_t run = first_run; run < end_run; ++run) {
+      TilePrefetcher<C, decltype(rows_of)> ahead(rows_of, bounds[run], bounds[run + 1], s.block_size, s.dim,
+                                                 kPrefetchTiles);
+      for (int64_t item = bounds[run]; item < bounds[run + 1]; ++item) {
+        const int64_t offset = (item / s.kv_heads * s.heads + item % s.kv_heads * s.group) * s.dim;
+        attend_one<T, C>(s, math, qp + offset, rows_of(item), scale, softcap, v_scale, op + offset, work, ahead);
+      }
     }
   });
 }
