@@ -231,8 +231,8 @@ void attend_one(const Shape& s, const TileMath& math, const T* q, const ItemRows
                 float softcap, float v_scale, T* out, Workspace& work, Ahead& ahead) {
   const int64_t g_n = s.group, d = s.dim, dp = padded_width(d), chunks = dp / kLanes;
   const int64_t n = item.len - item.first;
-  // Scores are stored a vector at a time from each tile's offset (a multiple of kLanes
-  // past the first tile, which may be short): room for one vector more.
+  // Each tile stores a whole vector of scores from its offset (the lanes past its rows
+  // are overwritten by the next tile's, or masked): room for one vector past the last row.
   const int64_t n_pad = (n + 2 * kLanes - 1) / kLanes * kLanes;
   float* qf = work.take(2 * g_n * dp + kLanes * dp + g_n * n_pad + g_n);
   float* acc = qf + g_n * dp;
