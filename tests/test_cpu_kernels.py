@@ -1,6 +1,7 @@
 """The CPU fast paths against their references: the C++ paged decode kernel
 (cpu_kernels) against TorchAttention's gather-and-GEMM decode over sliding windows,
-soft-caps, GQA groups, head and block sizes, block orders and dtypes; oneDNN-packed
+soft-caps, GQA groups, head and block sizes, block orders, batch sizes and every cache
+dtype (float32, bfloat16, float16, fp8, int8); oneDNN-packed
 linears (cpu_linear) against F.linear; and a model loaded on CPU takes both. The
 kernel's tests skip when it cannot be built here (no C++ compiler or ninja); the
 engine-level equality with transformers runs through the same path in
@@ -17,6 +18,7 @@ from torch import nn
 from llmd.gpu.layers.attention import AttentionMetadata, GatherWorkspace, TorchAttention, set_decode_rows
 from triton_attention_cases import attend
 from llmd.gpu.layers.cpu.cpu_kernels import CPU_KERNELS_ENV, attach_cpu_kernels, paged_decode_op
+from llmd.gpu.layers.kv_quant import KVScales, kv_cache_format, quantize
 from llmd.gpu.layers.linear import LinearBase, ParallelLMHead
 from llmd.gpu.layers.cpu.cpu_linear import PackedLinearForward, pack_linears, packing_supported, unpack_linears
 from llmd.gpu.models.loader import load_model
@@ -33,14 +35,16 @@ def decode_kernel():
 
 
 def _decode_case(seed: int, dtype: torch.dtype, batch: int, heads: int, kv_heads: int, head_dim: int,
-                 block_size: int, max_len: int, shuffle: bool):
+                 block_size: int, max_len: int, shuffle: bool, seq_lens: list[int] | None = None):
     """A cache with `batch` requests' blocks (in order, or shuffled as after churn), their
-    query rows and the decode metadata the runner would build."""
+    query rows and the decode metadata the runner would build; contexts `seq_lens`, else
+    random up to max_len."""
     rng = random.Random(seed)
-    seq_lens = [rng.randint(1, max_len) for _ in range(batch)]
-    seq_lens[0] = max_len  # one context that ends exactly where the longest does
-    if batch > 1:
-        seq_lens[1] = block_size  # one that fills its last block
+    if seq_lens is None:
+        seq_lens = [rng.randint(1, max_len) for _ in range(batch)]
+        seq_lens[0] = max_len  # one context that ends exactly where the longest does
+        if batch > 1:
+            seq_lens[1] = block_size  # one that fills its last block
     num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
     order = list(range(1, num_blocks))
     if shuffle:
@@ -96,6 +100,69 @@ def test_paged_decode_kernel_in_half_precision_is_float32_attention_rounded(deco
     torch.testing.assert_close(got.float(), expected, atol=1e-2, rtol=1e-2)
 
 
+# The kernel's tile math is compiled per row width (head_dim / vector width) and reads
+# rows in tiles of 16 positions (8 with AVX2): the shapes of the models it serves and the
+# paths it takes. Context lengths are random (most not a multiple of 16; one equals
+# max_len, one block_size).
+SHAPES = [  # heads, kv_heads, head_dim, block_size, max_len, window, softcap, batch
+    (9, 3, 64, 16, 100, None, None, 32),  # SmolLM2-135M (group 3) at batch 32
+    (4, 1, 256, 16, 70, None, None, 1),  # Gemma 3 270M (group 4, head 256) at batch 1
+    (4, 1, 256, 16, 300, 37, 50.0, 3),  # its sliding layers: the window starts mid-block; soft-cap
+    (8, 8, 128, 16, 47, None, None, 32),  # group 1, head 128
+    (24, 3, 128, 32, 130, 45, None, 5),  # group 8, two tiles a block, the window starts mid-tile
+    (16, 2, 64, 8, 90, None, 30.0, 4),  # blocks shorter than a tile: rows gathered from several
+    (6, 2, 96, 16, 33, 20, None, 32),  # head 96: a width compiled for no model in particular
+]
+CACHE_DTYPES = ["float32", "bfloat16", "float16", "fp8", "int8"]
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,max_len,window,softcap,batch", SHAPES)
+def test_paged_decode_kernel_over_every_cache_dtype_and_shape(decode_kernel, cache_dtype, heads, kv_heads, head_dim,
+                                                              block_size, max_len, window, softcap, batch):
+    """Against TorchAttention's own decode (gather, dequantize, two GEMMs, softmax) on
+    the same cache: float32 to float32's rounding; a quantized cache (float32 queries)
+    through the torch dequantizer with the layer's scales; a half-precision cache to
+    the output's rounding of float32 attention over its values."""
+    fmt = kv_cache_format(cache_dtype) if cache_dtype in ("fp8", "int8") else None
+    dtype = torch.float32 if fmt is not None else getattr(torch, cache_dtype)
+    q, cache, md = _decode_case(11, dtype, batch, heads, kv_heads, head_dim, block_size, max_len, True)
+    attn = TorchAttention(heads, kv_heads, head_dim, head_dim ** -0.5, window, softcap)
+    TorchAttention.metadata_builder([attn], block_size, CPU).build(md)
+    args = (md.decode_block_table, md.decode_seq_lens, attn.scale, softcap or 0.0, window or 0)
+    if fmt is not None:
+        attn.kv_scales = KVScales(0.03, 0.02)
+        cache = torch.stack([quantize(cache[0], fmt, attn.kv_scales.k_inv), quantize(cache[1], fmt, attn.kv_scales.v_inv)])
+        expected = attn._decode(q, cache, md)
+        got = decode_kernel(q, cache, *args, attn.kv_scales.k, attn.kv_scales.v)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    elif dtype == torch.float32:
+        torch.testing.assert_close(decode_kernel(q, cache, *args), attn._decode(q, cache, md), atol=2e-6, rtol=1e-5)
+    else:
+        got = decode_kernel(q, cache, *args)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), attn._decode(q.float(), cache.float(), md), atol=1e-2, rtol=1e-2)
+
+
+def test_paged_decode_kernel_splits_a_lopsided_batch_between_threads(decode_kernel):
+    """The threads take runs of requests of about equal rows: one long context among
+    one-token ones (a run of one request, runs of many, runs with none) decodes as the
+    torch path does, with 2 and 4 threads."""
+    seq_lens = [1] * 20 + [700] + [3] * 11
+    q, cache, md = _decode_case(12, torch.float32, 32, 8, 2, 64, 16, 700, True, seq_lens)
+    attn = TorchAttention(8, 2, 64, 0.125)
+    TorchAttention.metadata_builder([attn], 16, CPU).build(md)
+    expected = attn._decode(q, cache, md)
+    threads = torch.get_num_threads()
+    try:
+        for n in (2, 4):
+            torch.set_num_threads(n)
+            got = decode_kernel(q, cache, md.decode_block_table, md.decode_seq_lens, 0.125, 0.0, 0)
+            torch.testing.assert_close(got, expected, atol=2e-6, rtol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_torch_attention_decodes_through_the_kernel_it_was_given(decode_kernel):
     """The layer's own call (cache write, decode rows through the kernel) equals its
     torch path for the same step."""
@@ -116,6 +183,14 @@ def test_paged_decode_kernel_refuses_mismatched_inputs(decode_kernel):
         decode_kernel(q[..., :8].contiguous(), cache, md.decode_block_table, md.decode_seq_lens, 0.25, 0.0, 0)
     with pytest.raises(RuntimeError, match="int64"):
         decode_kernel(q, cache, md.decode_block_table.int(), md.decode_seq_lens, 0.25, 0.0, 0)
+    # A context past its table's blocks, an empty one, a block the cache does not have:
+    # refused by name, not read out of bounds.
+    capacity = md.decode_block_table.shape[1] * cache.shape[3]
+    for lens, table, name in [(md.decode_seq_lens + capacity, md.decode_block_table, r"seq_lens\[0\]"),
+                              (md.decode_seq_lens * 0, md.decode_block_table, r"seq_lens\[0\]"),
+                              (md.decode_seq_lens, md.decode_block_table + cache.shape[2], r"block_table\[0, 0\]")]:
+        with pytest.raises(RuntimeError, match=name):
+            decode_kernel(q, cache, table.contiguous(), lens.contiguous(), 0.25, 0.0, 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

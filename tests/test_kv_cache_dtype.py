@@ -139,6 +139,22 @@ def test_cpu_paged_decode_kernel_reads_a_quantized_cache(decode_kernel, name: st
     assert (out[:n].float() - ref[:n].float()).abs().max().item() <= tol
 
 
+@pytest.mark.parametrize("head_dim", [16, 24])  # 24: a row widened partly by vector, partly by the table
+def test_cpu_paged_decode_kernel_reads_every_e4m3_byte_exactly(decode_kernel, head_dim: int) -> None:
+    """Each finite e4m3 byte in a value row of its own, attended alone (one cached token
+    per request): the output is the byte's value from the format's definition, exactly,
+    times v_scale."""
+    values = e4m3_values()
+    finite = torch.tensor([b for b in range(256) if not math.isnan(values[b])], dtype=torch.uint8)
+    n = finite.numel()
+    cache = torch.zeros(2, 1, n, 1, head_dim, dtype=torch.uint8)  # K all zero; block size 1
+    cache[1, 0, :, 0, :] = finite.view(-1, 1)
+    out = decode_kernel(torch.zeros(n, 1, head_dim), cache, torch.arange(n).view(n, 1), torch.ones(n, dtype=torch.int64),
+                        1.0, 0.0, 0, 1.0, 0.5)
+    expected = (values[finite.long()] * 0.5).float().view(-1, 1).expand(n, head_dim)
+    assert torch.equal(out[:, 0], expected)
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_fused_rope_cache_write_quantizes_as_torch_does(decode_kernel, kv_cache_dtype: str,
@@ -297,3 +313,60 @@ def test_the_benchmark_runs_every_setting(tiny_llama, capsys, monkeypatch) -> No
     per_token = {line.split()[0]: int(line.split()[1]) for line in out.splitlines() if "B/token" in line}
     assert per_token["auto"] == 4 * per_token["fp8"] == 4 * per_token["int8"]
     assert all(f"  {s} " in out and "ms/call" in out for s in ("auto", "fp8", "int8"))
+
+
+def test_the_attention_benchmark_times_the_kernel_alone_for_every_case(capsys, monkeypatch) -> None:
+    """bench_kv_cache_dtype --attention (docs/benchmarks.md, "Paged decode at batch 32 on
+    the CPU") at a tiny size: a timed row for every setting x batch x context."""
+    from llmd_tools import bench_kv_cache_dtype
+
+    if paged_decode_op() is None:
+        pytest.skip("llmd's CPU kernels cannot be built here")
+    monkeypatch.setattr("sys.argv", ["bench", "--attention", "--dtype", "float32", "--device", "cpu", "--batch", "1",
+                                     "3", "--context", "20", "33", "--heads", "4", "--kv-heads", "2", "--layers", "2",
+                                     "--rounds", "1", "--calls", "1", "--threads", "1", "--clock", "cpu"])
+    bench_kv_cache_dtype.main()
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:1] in (["auto"], ["fp8"],
+                                                                                                   ["int8"])]
+    assert sorted((r[0], int(r[1]), int(r[2])) for r in rows) == sorted(
+        (s, b, c) for s in ("auto", "fp8", "int8") for b in (1, 3) for c in (20, 33))
+    assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in rows)  # microseconds, GMAC/s
+
+
+def test_the_benchmark_baseline_is_the_old_kernel_under_a_namespace_of_its_own() -> None:
+    """--baseline REV's source: that commit's cpu_kernels.cpp and the headers it includes
+    (transitively), its operators registered under another namespace (two libraries may
+    not share one), its code otherwise untouched."""
+    import subprocess
+
+    from llmd_tools.bench.kernel_revision import NAMESPACE, repo_root, revision_sources
+
+    try:
+        repo = repo_root()
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    rev = revision_sources("HEAD", repo)
+    head = subprocess.run(["git", "-C", str(repo), "show", "HEAD:daemon/gpu/layers/cpu/cpu_kernels.cpp"],
+                          capture_output=True, text=True, check=True).stdout
+    assert rev.namespace.startswith(f"{NAMESPACE}_rev_")
+    assert f"TORCH_LIBRARY({rev.namespace}, m)" in rev.source and f"TORCH_LIBRARY_IMPL({rev.namespace}, CPU, m)" in rev.source
+    assert f"TORCH_LIBRARY({NAMESPACE}," not in rev.source
+    assert rev.source.replace(rev.namespace, NAMESPACE) == head
+    assert {"cpu_vec.h", "cpu_e4m3.h"} <= set(rev.headers)
+    with pytest.raises(ValueError, match="--baseline"):
+        revision_sources("no-such-revision", repo)
+
+
+def test_the_decode_step_benchmark_swaps_the_kernel_in_turns(tiny_llama, capsys) -> None:
+    """tools/bench_decode_step (docs/benchmarks.md's end-to-end figure) at a tiny size,
+    A/A: both sides run this checkout's kernel, in turns, every step timed."""
+    from llmd_tools import bench_decode_step
+
+    if paged_decode_op() is None:
+        pytest.skip("llmd's CPU kernels cannot be built here")
+    assert bench_decode_step.main(["--model", str(tiny_llama), "--batch", "2", "--input-len", "8", "--warmup", "1",
+                                   "--against", "this", "--rounds", "2", "--steps-per-round", "2", "--json"]) == 0
+    r = msgspec.json.decode(capsys.readouterr().out)
+    assert r["layers"] > 0
+    assert [s["steps"] for s in r["ms_per_step"].values()] == [4, 4]
+    assert all(s["median"] > 0 for s in r["ms_per_step"].values()) and r["speedup"] > 0

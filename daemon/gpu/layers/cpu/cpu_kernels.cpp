@@ -17,6 +17,19 @@
 // place too, each row widened to float32 as it is read; k_scale multiplies the scores
 // and v_scale the output (stored * scale is the value: the scales are folded in, not
 // applied per element). A cache in q's dtype takes scales of 1.
+//
+// How it is fast (issue 27; docs/benchmarks.md, "Paged decode at batch 32 on the CPU"):
+// per (request, kv head) the rows are read a tile of kLanes positions at a time
+// (cpu_kv_rows.h: in place, or widened once into a buffer that stays in L1). Scores: for
+// each of the group's query heads, the tile's kLanes dot products accumulate in kLanes
+// independent vectors, finished together by one transpose_sum (~3 instructions a score
+// where a lane sum each takes ~10). Values: each V row, loaded once, is weighed into the
+// accumulators of up to four query heads x 64 columns held in registers (weigh_rows).
+// The tile math is compiled for the common row widths (the row addresses constants off
+// one register). A thread asks for the lines of the tile it reads two tiles from now
+// (TilePrefetcher), across blocks, passes and items: the hardware prefetcher cannot guess
+// where the next block lies. No allocation per call once a thread's buffers have grown;
+// the items are split between the threads by their rows; small calls run on one thread.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -25,171 +38,236 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
-#include "cpu_e4m3.h"
+#include "cpu_kv_rows.h"
 #include "cpu_vec.h"
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-#include <immintrin.h>
-#endif
 #include <type_traits>
 #include <vector>
 
 namespace {
 
-using at::vec::Vectorized;
 using llmd_cpu_vec::fVec;
+using llmd_cpu_vec::keep_in_register;
 using llmd_cpu_vec::kLanes;
+using llmd_cpu_vec::lane_max;
 using llmd_cpu_vec::lane_sum;
+using llmd_cpu_vec::transpose_sum;
 using llmd_cpu_vec::widen;
+using llmd_kv_rows::ItemRows;
+using llmd_kv_rows::padded_width;
+using llmd_kv_rows::RowTiles;
+using llmd_kv_rows::Tile;
+using llmd_kv_rows::TilePrefetcher;
 
-
-// n e4m3 bytes as float32: sixteen at a time with AVX-512 (llmd_e4m3::x16), eight with
-// AVX2 (the same bit move into fp16s), the rest through the table.
-inline void widen_e4m3(const uint8_t* src, float* dst, int64_t n) {
-  int64_t i = 0;
-#if defined(CPU_CAPABILITY_AVX512)
-  const __m512 unit = _mm512_set1_ps(llmd_e4m3::kUnscale);
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, _mm512_mul_ps(llmd_e4m3::x16(src + i), unit));
-#elif defined(CPU_CAPABILITY_AVX2)
-  const __m256 unit = _mm256_set1_ps(256.f);
-  for (; i + 8 <= n; i += 8) {
-    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)));
-    const __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
-    const __m128i magnitude = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7);
-    _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(sign, magnitude)), unit));
-  }
-#endif
-  const auto& table = llmd_e4m3::table();
-  for (; i < n; ++i) dst[i] = table[src[i]];
+// The tile math works on float32 rows of `chunks` vectors. Its functions take the count
+// as a template argument NC where it is one of the common ones (the row addresses are
+// then constants off one register, the loops unrolled), 0 for any other (`nc`).
+template <int NC>
+constexpr int64_t chunks_of(int64_t nc) {
+  return NC > 0 ? NC : nc;
 }
 
-// n int8 as float32 (vector widening where the ISA has it).
-inline void widen_int8(const int8_t* src, float* dst, int64_t n) {
-  int64_t i = 0;
-#if defined(CPU_CAPABILITY_AVX512)
-  for (; i + 16 <= n; i += 16) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-    _mm512_storeu_ps(dst + i, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)));
-  }
-#elif defined(CPU_CAPABILITY_AVX2)
-  for (; i + 8 <= n; i += 8) {
-    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i));
-    _mm256_storeu_ps(dst + i, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
-  }
-#endif
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-// `rows` cached rows of width d as float32: in place for float, else widened into buf
-// (e4m3 bytes and int8 as their values, before the scales).
-template <typename T>
-inline const float* float_rows(const T* src, int64_t rows, int64_t d, float* buf) {
-  if constexpr (std::is_same_v<T, float>) {
-    return src;
-  } else if constexpr (std::is_same_v<T, uint8_t>) {
-    widen_e4m3(src, buf, rows * d);
-    return buf;
-  } else if constexpr (std::is_same_v<T, int8_t>) {
-    widen_int8(src, buf, rows * d);
-    return buf;
-  } else {
-    widen(src, buf, rows * d);
-    return buf;
+// out[g * out_stride + r] = the score of query head g (q + g * padded) on row r of the
+// tile: (q . row) * scale, soft-capped. Each head's kLanes dot products accumulate in
+// kLanes vectors finished by one transpose_sum. The store is a whole vector: lanes past
+// the tile's n rows (rows read again, for no use) are overwritten or masked later.
+template <int NC, bool FULL>
+void tile_scores(const float* q, int64_t heads, const Tile& tile, float scale, float softcap, float* out,
+                 int64_t out_stride, int64_t nc) {
+  const int64_t chunks = chunks_of<NC>(nc), stride = chunks * kLanes;
+  const int64_t last = FULL ? kLanes - 1 : tile.n - 1;
+  const fVec scale_v(scale), cap(softcap);
+  for (int64_t g = 0; g < heads; ++g) {
+    const float* qg = q + g * stride;
+    fVec acc[kLanes];
+    const fVec q0 = fVec::loadu(qg);
+    for (int64_t r = 0; r < kLanes; ++r) acc[r] = q0 * fVec::loadu(tile.rows + std::min(r, last) * stride);
+    for (int64_t c = 1; c < chunks; ++c) {
+      const fVec qc = fVec::loadu(qg + c * kLanes);
+      for (int64_t r = 0; r < kLanes; ++r)
+        acc[r] = at::vec::fmadd(qc, fVec::loadu(tile.rows + std::min(r, last) * stride + c * kLanes), acc[r]);
+    }
+    fVec score = transpose_sum(acc) * scale_v;
+    if (softcap > 0.f) score = cap * (score / cap).tanh();
+    score.store(out + g * out_stride);
   }
 }
 
-inline float dot(const float* a, const float* b, int64_t d) {
-  fVec acc(0.f);
-  int64_t i = 0;
-  for (; i + kLanes <= d; i += kLanes) acc = at::vec::fmadd(fVec::loadu(a + i), fVec::loadu(b + i), acc);
-  float sum = lane_sum(acc);
-  for (; i < d; ++i) sum += a[i] * b[i];
-  return sum;
+// acc[h * acc_stride + j] += sum over r < n of p[h * p_stride + r] * rows[r * stride + j]
+// for HEADS heads and CHUNKS vectors of columns j: each row's vectors loaded once for all
+// the heads, the HEADS x CHUNKS accumulators in registers across the rows.
+template <int HEADS, int CHUNKS>
+inline void weigh_rows(const float* rows, int64_t stride, int64_t n, const float* p, int64_t p_stride, float* acc,
+                       int64_t acc_stride) {
+  fVec a[HEADS][CHUNKS];
+  for (int h = 0; h < HEADS; ++h)
+    for (int c = 0; c < CHUNKS; ++c) a[h][c] = fVec::loadu(acc + h * acc_stride + c * kLanes);
+  for (int64_t r = 0; r < n; ++r) {
+    fVec v[CHUNKS];
+    for (int c = 0; c < CHUNKS; ++c) {
+      v[c] = fVec::loadu(rows + r * stride + c * kLanes);
+      if constexpr (HEADS > 1) keep_in_register(v[c]);
+    }
+    for (int h = 0; h < HEADS; ++h) {
+      const fVec w(p[h * p_stride + r]);
+      for (int c = 0; c < CHUNKS; ++c) a[h][c] = at::vec::fmadd(w, v[c], a[h][c]);
+    }
+  }
+  for (int h = 0; h < HEADS; ++h)
+    for (int c = 0; c < CHUNKS; ++c) a[h][c].store(acc + h * acc_stride + c * kLanes);
 }
 
-// acc[0:d] += sum over r < rows of p[r] * v[r * d : (r + 1) * d], the accumulator held
-// in registers across the rows.
-inline void add_weighted_rows(const float* p, const float* v, int64_t rows, int64_t d, float* acc) {
+// Accumulators held in registers: 16 of AVX-512's 32 vector registers, 8 of AVX2's 16.
+constexpr int kMaxAccumulators = kLanes >= 16 ? 16 : 8;
+
+// weigh_rows over every head for CHUNKS vectors of columns (rows and acc point at the
+// first), in blocks of as many heads as the registers hold.
+template <int CHUNKS>
+inline void weigh_heads(const float* rows, int64_t stride, int64_t n, const float* p, int64_t p_stride, float* acc,
+                        int64_t acc_stride, int64_t heads) {
+  constexpr int kHeads = std::max(1, std::min(4, kMaxAccumulators / CHUNKS));
+  for (int64_t h = 0; h < heads;) {
+    const int64_t take = std::min<int64_t>(kHeads, heads - h);
+    const float* ph = p + h * p_stride;
+    float* ah = acc + h * acc_stride;
+    switch (take) {
+      case 1: weigh_rows<1, CHUNKS>(rows, stride, n, ph, p_stride, ah, acc_stride); break;
+      case 2: weigh_rows<std::min(2, kHeads), CHUNKS>(rows, stride, n, ph, p_stride, ah, acc_stride); break;
+      case 3: weigh_rows<std::min(3, kHeads), CHUNKS>(rows, stride, n, ph, p_stride, ah, acc_stride); break;
+      default: weigh_rows<kHeads, CHUNKS>(rows, stride, n, ph, p_stride, ah, acc_stride);
+    }
+    h += take;
+  }
+}
+
+// acc[g] += sum over the tile's rows r of p[g * p_stride + r] * row r, for every head g
+// (accumulators of the padded row width, one after another), in column blocks of four
+// vectors (then two, one).
+template <int NC>
+void weigh_tile(const Tile& tile, const float* p, int64_t p_stride, float* acc, int64_t heads, int64_t nc) {
+  const int64_t chunks = chunks_of<NC>(nc), stride = chunks * kLanes;
   int64_t c = 0;
-  for (; c + kLanes <= d; c += kLanes) {
-    fVec a = fVec::loadu(acc + c);
-    for (int64_t r = 0; r < rows; ++r) a = at::vec::fmadd(fVec(p[r]), fVec::loadu(v + r * d + c), a);
-    a.store(acc + c);
+  for (; c + 4 <= chunks; c += 4)
+    weigh_heads<4>(tile.rows + c * kLanes, stride, tile.n, p, p_stride, acc + c * kLanes, stride, heads);
+  if (c + 2 <= chunks) {
+    weigh_heads<2>(tile.rows + c * kLanes, stride, tile.n, p, p_stride, acc + c * kLanes, stride, heads);
+    c += 2;
   }
-  for (; c < d; ++c) {
-    float a = acc[c];
-    for (int64_t r = 0; r < rows; ++r) a += p[r] * v[r * d + c];
-    acc[c] = a;
+  if (c < chunks) weigh_heads<1>(tile.rows + c * kLanes, stride, tile.n, p, p_stride, acc + c * kLanes, stride, heads);
+}
+
+// The tile math for one row width.
+struct TileMath {
+  void (*scores_full)(const float*, int64_t, const Tile&, float, float, float*, int64_t, int64_t);
+  void (*scores_part)(const float*, int64_t, const Tile&, float, float, float*, int64_t, int64_t);
+  void (*weigh)(const Tile&, const float*, int64_t, float*, int64_t, int64_t);
+};
+
+template <int NC>
+constexpr TileMath tile_math_for() {
+  return {&tile_scores<NC, true>, &tile_scores<NC, false>, &weigh_tile<NC>};
+}
+
+// Head sizes 16 to 128 (and 256) with AVX-512's 16 lanes, up to 64 (and 128) with AVX2's 8.
+inline TileMath tile_math(int64_t chunks) {
+  switch (chunks) {
+    case 1: return tile_math_for<1>();
+    case 2: return tile_math_for<2>();
+    case 3: return tile_math_for<3>();
+    case 4: return tile_math_for<4>();
+    case 5: return tile_math_for<5>();
+    case 6: return tile_math_for<6>();
+    case 7: return tile_math_for<7>();
+    case 8: return tile_math_for<8>();
+    case 16: return tile_math_for<16>();
+    default: return tile_math_for<0>();
   }
 }
 
-// In place: s[i] = exp(s[i] - max); returns the sum.
+// In place: s[i] = exp(s[i] - max) for i < n (n a multiple of kLanes); returns the sum.
 inline float exp_and_sum(float* s, int64_t n) {
-  float mx = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
-  const fVec mxv(mx);
+  fVec mxv(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < n; i += kLanes) mxv = at::vec::maximum(mxv, fVec::loadu(s + i));
+  const fVec mx(lane_max(mxv));
   fVec sumv(0.f);
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    fVec e = (fVec::loadu(s + i) - mxv).exp_u20();
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const fVec e = (fVec::loadu(s + i) - mx).exp_u20();
     e.store(s + i);
     sumv = sumv + e;
   }
-  float sum = lane_sum(sumv);
-  for (; i < n; ++i) {
-    s[i] = std::exp(s[i] - mx);
-    sum += s[i];
-  }
-  return sum;
+  return lane_sum(sumv);
 }
 
 struct Shape {
   int64_t heads, kv_heads, group, dim, num_blocks, block_size, max_blocks;
 };
 
+// One thread's buffers, kept between calls (no allocation per call once they have grown).
+struct Workspace {
+  std::vector<float> values;
+  float* take(int64_t n) {
+    if (static_cast<int64_t>(values.size()) < n) values.resize(n);
+    return values.data();
+  }
+};
+
+// Tiles ahead of the one read whose lines are asked for (TilePrefetcher): 2 to 4 measured
+// alike, 1 too late.
+constexpr int64_t kPrefetchTiles = 2;
+// Multiply-adds of the scores (as many again for the values) below which one thread
+// does the call.
+constexpr int64_t kMinParallelMacs = 1 << 16;
+// Runs of items a call is split into at most (one per thread).
+constexpr int64_t kMaxThreads = 256;
+
 // One (request, kv head): its `group` query heads over the request's cached rows (of
 // type C: T, or a quantized cache's bytes). `scale` includes k_scale; v_scale
-// multiplies the output.
-template <typename T, typename C>
-void attend_one(const Shape& s, const T* q, const C* k_head, const C* v_head, const int64_t* table,
-                int64_t len, float scale, float softcap, int64_t window, float v_scale, T* out,
-                std::vector<float>& work) {
-  const int64_t g_n = s.group, d = s.dim, bs = s.block_size;
-  const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-  const int64_t n = len - first;
-  work.resize(2 * g_n * d + bs * d + g_n + g_n * n);
-  float* qf = work.data();
-  float* acc = qf + g_n * d;
-  float* rows_buf = acc + g_n * d;
-  float* sums = rows_buf + bs * d;
-  float* scores = sums + g_n;
-  widen(q, qf, g_n * d);
-  std::fill(acc, acc + g_n * d, 0.f);
-  for (int64_t pos = first; pos < len;) {  // scores, block by block
-    const int64_t stop = std::min(len, (pos / bs + 1) * bs);
-    const float* k = float_rows(k_head + (table[pos / bs] * bs + pos % bs) * d, stop - pos, d, rows_buf);
-    for (int64_t r = 0; r < stop - pos; ++r) {
-      for (int64_t g = 0; g < g_n; ++g) {
-        float score = dot(qf + g * d, k + r * d, d) * scale;
-        if (softcap > 0.f) score = softcap * std::tanh(score / softcap);
-        scores[g * n + pos - first + r] = score;
-      }
-    }
-    pos = stop;
+// multiplies the output. `ahead` steps once per tile read.
+template <typename T, typename C, typename Ahead>
+void attend_one(const Shape& s, const TileMath& math, const T* q, const ItemRows<C>& item, float scale,
+                float softcap, float v_scale, T* out, Workspace& work, Ahead& ahead) {
+  const int64_t g_n = s.group, d = s.dim, dp = padded_width(d), chunks = dp / kLanes;
+  const int64_t n = item.len - item.first;
+  // Each tile stores a whole vector of scores from its offset (the lanes past its rows
+  // are overwritten by the next tile's, or masked): room for one vector past the last row.
+  const int64_t n_pad = (n + 2 * kLanes - 1) / kLanes * kLanes;
+  float* qf = work.take(2 * g_n * dp + kLanes * dp + g_n * n_pad + g_n);
+  float* acc = qf + g_n * dp;
+  float* tile_buf = acc + g_n * dp;
+  float* scores = tile_buf + kLanes * dp;  // [g_n, n_pad]
+  float* sums = scores + g_n * n_pad;
+  for (int64_t g = 0; g < g_n; ++g) {  // zero-padded like the rows: the padding adds 0 * 0
+    widen(q + g * d, qf + g * dp, d);
+    std::fill(qf + g * dp + d, qf + (g + 1) * dp, 0.f);
   }
-  for (int64_t g = 0; g < g_n; ++g) sums[g] = exp_and_sum(scores + g * n, n);
-  for (int64_t pos = first; pos < len;) {  // weighted values, block by block
-    const int64_t stop = std::min(len, (pos / bs + 1) * bs);
-    const float* v = float_rows(v_head + (table[pos / bs] * bs + pos % bs) * d, stop - pos, d, rows_buf);
-    for (int64_t g = 0; g < g_n; ++g) add_weighted_rows(scores + g * n + pos - first, v, stop - pos, d, acc + g * d);
-    pos = stop;
+  RowTiles<C> keys(item.k, item.table, s.block_size, d, tile_buf);
+  keys.seek(item.first);
+  for (int64_t i = 0; i < n;) {
+    const Tile tile = keys.next(n - i);
+    ahead.step();
+    (tile.n == kLanes ? math.scores_full : math.scores_part)(qf, g_n, tile, scale, softcap, scores + i, n_pad, chunks);
+    i += tile.n;
+  }
+  const int64_t vec_end = (n + kLanes - 1) / kLanes * kLanes;
+  for (int64_t g = 0; g < g_n; ++g) {  // lanes past n: -inf, whose exp is 0
+    std::fill(scores + g * n_pad + n, scores + g * n_pad + vec_end, -std::numeric_limits<float>::infinity());
+    sums[g] = exp_and_sum(scores + g * n_pad, vec_end);
+  }
+  std::fill(acc, acc + g_n * dp, 0.f);
+  RowTiles<C> values(item.v, item.table, s.block_size, d, tile_buf);
+  values.seek(item.first);
+  for (int64_t i = 0; i < n;) {
+    const Tile tile = values.next(n - i);
+    ahead.step();
+    math.weigh(tile, scores + i, n_pad, acc, g_n, chunks);
+    i += tile.n;
   }
   for (int64_t g = 0; g < g_n; ++g) {
-    const float inv = v_scale / sums[g];
-    for (int64_t i = 0; i < d; ++i) out[g * d + i] = static_cast<T>(acc[g * d + i] * inv);
+    const float factor = v_scale / sums[g];
+    for (int64_t j = 0; j < d; ++j) out[g * d + j] = static_cast<T>(acc[g * dp + j] * factor);
   }
 }
 
@@ -207,13 +285,41 @@ void paged_decode_typed(const at::Tensor& q, const at::Tensor& kv_cache, const a
   const int64_t* tp = table.const_data_ptr<int64_t>();
   const int64_t* lp = seq_lens.const_data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, batch * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> work;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / s.kv_heads, h = item % s.kv_heads;
-      const int64_t offset = (b * s.heads + h * s.group) * s.dim;
-      attend_one<T, C>(s, qp + offset, kp + h * head_stride, vp + h * head_stride, tp + b * s.max_blocks, lp[b],
-                       scale, softcap, window, v_scale, op + offset, work);
+  const TileMath math = tile_math(padded_width(s.dim) / kLanes);
+  // Item b * kv_heads + h: request b's kv head h.
+  const auto rows_of = [&](int64_t item) {
+    const int64_t b = item / s.kv_heads, h = item % s.kv_heads, len = lp[b];
+    return ItemRows<C>{kp + h * head_stride, vp + h * head_stride, tp + b * s.max_blocks,
+                       window > 0 ? std::max<int64_t>(0, len - window) : 0, len};
+  };
+  // Each thread takes a run of items of about equal work (rows read, and a tile's worth
+  // per item): split by count, a batch of mixed lengths leaves one thread waiting. One
+  // thread for a call too small to pay for waking the others (~a few microseconds).
+  const int64_t items = batch * s.kv_heads;
+  const auto work_of = [&](int64_t item) {
+    const ItemRows<C> r = rows_of(item);
+    return r.len - r.first + kLanes;
+  };
+  int64_t total = 0;
+  for (int64_t item = 0; item < items; ++item) total += work_of(item);
+  const int64_t threads = total * s.group * s.dim < kMinParallelMacs
+                              ? 1
+                              : std::min<int64_t>({at::get_num_threads(), items, kMaxThreads});
+  int64_t bounds[kMaxThreads + 1];
+  bounds[0] = 0;
+  for (int64_t t = 1, item = 0, done = 0; t <= threads; ++t) {  // the first item past t / threads of the work
+    for (; item < items && done * threads < total * t; ++item) done += work_of(item);
+    bounds[t] = t == threads ? items : item;
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t first_run, int64_t end_run) {
+    thread_local Workspace work;
+    for (int64_t run = first_run; run < end_run; ++run) {
+      TilePrefetcher<C, decltype(rows_of)> ahead(rows_of, bounds[run], bounds[run + 1], s.block_size, s.dim,
+                                                 kPrefetchTiles);
+      for (int64_t item = bounds[run]; item < bounds[run + 1]; ++item) {
+        const int64_t offset = (item / s.kv_heads * s.heads + item % s.kv_heads * s.group) * s.dim;
+        attend_one<T, C>(s, math, qp + offset, rows_of(item), scale, softcap, v_scale, op + offset, work, ahead);
+      }
     }
   });
 }
@@ -236,6 +342,23 @@ void paged_decode_cache(const at::Tensor& q, const at::Tensor& kv_cache, const a
   }
 }
 
+// Every request's context fits its table and names blocks of the cache: the kernel reads
+// where they point.
+void check_rows(const at::Tensor& block_table, const at::Tensor& seq_lens, int64_t num_blocks, int64_t block_size) {
+  const int64_t batch = seq_lens.numel(), max_blocks = block_table.size(1);
+  const int64_t* tp = block_table.const_data_ptr<int64_t>();
+  const int64_t* lp = seq_lens.const_data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= max_blocks * block_size, "paged_decode: seq_lens[", b, "] = ", lp[b],
+                " is outside [1, ", max_blocks * block_size, "] (block_table's columns x block_size)");
+    for (int64_t j = 0; j < (lp[b] + block_size - 1) / block_size; ++j) {
+      const int64_t id = tp[b * max_blocks + j];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "paged_decode: block_table[", b, ", ", j, "] = ", id,
+                  " is not a block of the cache (", num_blocks, " blocks)");
+    }
+  }
+}
+
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                         const at::Tensor& seq_lens, double scale, double softcap, int64_t window, double k_scale,
                         double v_scale) {
@@ -251,6 +374,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const a
               "paged_decode: int64 block_table [B, max_blocks] and seq_lens [B] expected");
   TORCH_CHECK(q.is_contiguous() && kv_cache.is_contiguous() && block_table.is_contiguous() &&
               seq_lens.is_contiguous(), "paged_decode: contiguous inputs expected");
+  check_rows(block_table, seq_lens, kv_cache.size(2), kv_cache.size(3));
   auto out = at::empty_like(q);
   const float fscale = static_cast<float>(scale), fcap = static_cast<float>(softcap);
   const float ks = static_cast<float>(k_scale), vs = static_cast<float>(v_scale);

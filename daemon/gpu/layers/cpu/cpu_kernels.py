@@ -63,7 +63,7 @@ SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_f
                                                           "cpu_quant_x16.cpp", "cpu_fp8.cpp",
                                                           "cpu_decode_layers.cpp")]
 HEADERS = [Path(__file__).with_name(name)  # part of the digest
-           for name in ("cpu_vec.h", "cpu_e4m3.h", "cpu_quant_formats.h", "cpu_quant_x16_layout.h",
+           for name in ("cpu_vec.h", "cpu_e4m3.h", "cpu_kv_rows.h", "cpu_quant_formats.h", "cpu_quant_x16_layout.h",
                         "cpu_quant_x16_records.h")]
 CPU_KERNELS_ENV = "LLMD_CPU_KERNELS"
 X16_ENV = "LLMD_GGUF_X16"
