@@ -53,6 +53,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         old = revision_paged_decode(args.against)
     engine_args = argparse.Namespace(model=args.model, device="cpu", dtype="auto", batch=args.batch,
                                      input_len=args.input_len, warmup=args.warmup, enforce_eager=False,
+                                     kv_cache_dtype=args.kv_cache_dtype,
                                      steps=args.rounds * args.steps_per_round)  # 2 x steps decode steps fit
     llm = build_engine(engine_args)
     layers = attention_layers(llm)
@@ -72,6 +73,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 seconds[name].append(time.perf_counter() - start)
     llm.engine.shutdown()
     result = {"model": args.model, "batch": args.batch, "input_len": args.input_len, "layers": len(layers),
+              "kv_cache_dtype": args.kv_cache_dtype,
               "torch_threads": torch.get_num_threads(), "loadavg_before": load_before,
               "loadavg_after": os.getloadavg()[0],
               "ms_per_step": {name: {"median": statistics.median(s) * 1e3, "min": min(s) * 1e3, "steps": len(s)}
@@ -83,8 +85,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def render(r: dict[str, Any]) -> str:
     lines = [f"decode steps of {r['model']}: batch {r['batch']}, {r['input_len']}-token prompts, {r['layers']} "
-             f"attention layers, torch threads {r['torch_threads']}, load average {r['loadavg_before']:.2f} before, "
-             f"{r['loadavg_after']:.2f} after"]
+             f"attention layers, KV cache {r['kv_cache_dtype']}, torch threads {r['torch_threads']}, "
+             f"load average {r['loadavg_before']:.2f} before, {r['loadavg_after']:.2f} after"]
     for name, s in r["ms_per_step"].items():
         lines.append(f"  {name:28s} {s['median']:9.2f} ms/step median  {s['min']:9.2f} min  ({s['steps']} steps)")
     lines.append(f"  this checkout's step: {r['speedup']:.2f}x the speed")
@@ -100,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--against", default=THIS, help="a commit whose paged_decode to time against, or 'this'")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps-per-round", type=int, default=5)
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "int8"],
+                    help="the engine's KV cache elements (both sides read the same cache)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     for name in ("batch", "input_len", "rounds", "steps_per_round"):
