@@ -632,9 +632,18 @@ def test_llmctl_process_without_daemon_exits_3_with_one_line(short_dir):
     assert out.stderr.count("\n") == 1 and out.stderr.startswith("llmctl: llmd is not running")
 
 
+# llmctl as a shell starts it: SIGINT handled by default and not blocked. A child inherits
+# its parent's blocked signals and ignored ones across exec, and a test process that ran
+# other tests first may have either: twice in full suites under xdist (never alone) llmctl
+# streamed on through the Ctrl-C here, as it does when the test process blocks SIGINT.
+_AS_A_SHELL_STARTS_IT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                         "signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT]); os.execv(sys.argv[1], sys.argv[1:])")
+
+
 def test_llmctl_process_ctrl_c_aborts_and_exits_130(daemon):
-    proc = subprocess.Popen([LLMCTL, "--socket", daemon.path, "submit", "FOREVER", "--stream",
-                             "--max-tokens", "1000000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", _AS_A_SHELL_STARTS_IT, LLMCTL, "--socket", daemon.path, "submit",
+                             "FOREVER", "--stream", "--max-tokens", "1000000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.read(5) == "tick "  # it is streaming
         submitted = daemon.last_submit()
