@@ -1,9 +1,10 @@
 // The x16 product (cpu_quant_x16.cpp) on CPUs with AVX2, FMA and F16C but no AVX-512 VNNI
-// (AMD Zen 2/3, Intel before Ice Lake), as llama.cpp multiplies int8 there: over the same
-// x16 weight bytes and the same int8 passes over x, with vpmaddubsw (unsigned weight
-// codes times signed x codes, adjacent pairs summed to int16) and vpmaddwd by ones (pairs
-// of those to int32) in place of vpdpbusd. A 256-bit vector holds eight rows, so each
-// 16-row group is read as two halves (cpu_quant_x16_records_avx2.h).
+// (AMD Zen 2/3, Intel servers before Ice Lake, Intel clients since Alder Lake), as
+// llama.cpp multiplies int8 there: over the same x16 weight bytes and the same int8
+// passes over x, with vpmaddubsw (unsigned weight codes times signed x codes, adjacent
+// pairs summed to int16) and vpmaddwd by ones (pairs of those to int32) in place of
+// vpdpbusd. A 256-bit vector holds eight rows, so each 16-row group is read as two halves
+// (cpu_quant_x16_records_avx2.h).
 //
 // vpmaddubsw saturates an int16 past 32767: with x's codes within [-128, 127], a pair of
 // products is at most 2 * 128 * kCodeMax, so the small codes add that many pair sums in
