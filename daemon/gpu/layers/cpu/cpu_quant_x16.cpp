@@ -212,8 +212,9 @@ using llmd_x16::kPrefetchL2;
 using llmd_x16::SubBlock;
 using llmd_x16::X16Record;
 
-// x's rows quantized (cpu_quant_x16_product.h's QuantizedRow). Codes of v / scale to `out` (|v| <= 127 * scale), the sums of each 16 to sums[0..1]; `v`
-// becomes what they leave.
+// x's rows quantized (cpu_quant_x16_product.h's QuantizedRow; cpu_quant_x16_avx2.cpp gives
+// the same codes). Codes of v / scale to `out` (|v| <= 127 * scale), the sums of each 16
+// to sums[0..1]; `v` becomes what they leave.
 LLMD_X16_TARGET void store_codes(__m512& lo, __m512& hi, float scale, int8_t* out, int32_t* sums) {
   const __m512 inv = _mm512_set1_ps(scale > 0.0f ? 1.0f / scale : 0.0f), s = _mm512_set1_ps(scale);
   const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
@@ -346,11 +347,11 @@ void mm_x16_passes(const std::vector<QuantizedRow>& x, int passes, const uint8_t
 #endif
 
 at::Tensor gguf_mm_x16(const at::Tensor& x, const at::Tensor& w, int64_t quant, int64_t cols, int64_t passes,
-                       c10::string_view isa_name) {
+                       c10::string_view isa_choice) {
   const int64_t records = check_layout(w, quant, cols, "gguf_mm_x16");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == cols && x.is_contiguous(), "gguf_mm_x16: contiguous x [M, cols] expected");
   TORCH_CHECK(passes >= 1 && passes <= 3, "gguf_mm_x16: passes 1, 2 or 3 expected, got ", passes);
-  const Isa isa = isa_named(std::string(isa_name), "gguf_mm_x16's isa");
+  const Isa isa = isa_named(std::string(isa_choice), "gguf_mm_x16's isa");
   TORCH_CHECK(isa != Isa::kNone, "gguf_mm_x16: this CPU has neither AVX-512 VNNI nor AVX2 with FMA and F16C");
   const int64_t rows = x.size(0), n = w.size(0), blocks = cols / kBlock;
   at::Tensor out = at::empty({rows, n}, x.options().dtype(at::kFloat));
