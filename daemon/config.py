@@ -76,7 +76,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # keeping the quantized weights packed (gguf_quant, layers/quant/); also what loads a
     # type or module llmd has no packed kernel for, and an AWQ/GPTQ/FP8 checkpoint on CUDA.
     dequantize: bool = False
-    # CPU with AVX-512 VNNI: multiply packed quantized weights (GGUF, AWQ, GPTQ) with the
+    # CPU with AVX-512 VNNI or AVX2: multiply packed quantized weights (GGUF, AWQ, GPTQ) with the
     # activations rounded to int8 per 32 columns once, as llama.cpp and vLLM's GGUF kernels
     # do, instead of in as many int8 passes as the model's dtype has bits (float32: 3,
     # bfloat16: 2). Up to ~2.6x faster products where they are compute-bound (batches,

@@ -448,7 +448,8 @@ def test_smollm2_with_int8_activations_stays_within_their_rounding_noise(smollm2
     noise of its — and the setting must be seen to act (not the float32 result)."""
     ops = gguf_ops()
     if ops is None or not ops.x16:
-        pytest.skip("this CPU lacks AVX-512 VNNI (or the kernels cannot be built): no int8 activations")
+        pytest.skip("this CPU runs no x16 product (neither AVX-512 VNNI nor AVX2; or the kernels cannot be built): "
+                    "no int8 activations")
     path = str(smollm2)
     _, tokenizer = hf_model(path)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
@@ -525,7 +526,7 @@ def test_gemma3_270m_matches_transformers(gemma3_270m):
     kept = {part.quant for m in weights.values() for part in m.packed_parts}
     assert kept == {"Q4_K", "Q6_K", "Q5_0", "Q8_0"}
     ops = gguf_ops()
-    if ops is not None and ops.x16:  # with AVX-512 VNNI every part, K-quants too, through the x16 kernel
+    if ops is not None and ops.x16:  # with AVX-512 VNNI or AVX2 every part, K-quants too, through the x16 kernel
         passes = [p for m in weights.values() if getattr(m, "kernel", None) for *_, p in m.kernel.parts]
         assert len(passes) > 4 * len(model.layers) and set(passes) == {3}
     assert len(weights) == 4 * len(model.layers) + 2  # qkv, o, gate_up, down; embedding, LM head

@@ -3,12 +3,18 @@ type, Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 and the K-quants Q2_K..Q6_K.
 
 The layout holds the GGUF bytes rearranged: reading rows back gives the file's blocks
 exactly (random bytes: every bit pattern of the codes, sub-scales and fifth bits, with
-fp16 scales at the edges). The VNNI product quantizes x in int8 passes, so it equals x
-times the dequantized weight (the gguf package's dequantization, an independent reader)
-within the bound those passes allow: per element of x at most half a step of the last
-pass (amax / 127 / 254^(passes - 1) / 2 in its 32-column block), times the weight's size.
+fp16 scales at the edges). The product (AVX-512 VNNI, or AVX2 where a CPU lacks it: each
+ISA this CPU runs is tested) quantizes x in int8 passes, so it equals x times the
+dequantized weight (the gguf package's dequantization, an independent reader) within the
+bound those passes allow: per element of x at most half a step of the last pass (amax /
+127 / 254^(passes - 1) / 2 in its 32-column block), times the weight's size; an x whose
+blocks are whole multiples of their step exactly (to float32 sums).
 """
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -33,10 +39,21 @@ def ops():
 
 
 @pytest.fixture(scope="module")
-def vnni(ops):
+def x16(ops):
     if not ops.x16:
-        pytest.skip("this CPU lacks AVX-512 VNNI (or LLMD_GGUF_X16=0)")
+        pytest.skip("this CPU runs no x16 product (neither AVX-512 VNNI nor AVX2 with FMA and F16C), "
+                    "or LLMD_GGUF_X16=0")
     return ops
+
+
+ISAS = ("avx512_vnni", "avx2")  # gguf_mm_x16's, best first
+
+
+@pytest.fixture(params=ISAS)
+def isa(request, x16):
+    if request.param not in x16.x16_isas:
+        pytest.skip(f"this CPU lacks {request.param}")
+    return request.param
 
 
 def test_every_packed_type_has_an_x16_layout():
@@ -96,14 +113,14 @@ def test_repacked_rows_read_back_as_the_file_stores_them(ops, quant):
 
 @pytest.mark.parametrize("quant", X16_TYPES)
 @pytest.mark.parametrize("passes", [1, 2, 3])
-def test_the_vnni_product_is_within_what_its_passes_allow(vnni, quant, passes):
+def test_the_product_is_within_what_its_passes_allow(x16, isa, quant, passes):
     cols = width(quant)
     blocks, dense = packed(quant, 48, cols, seed=passes)
-    x16 = vnni.repack_x16(blocks, FORMATS[quant].code, cols)
+    w = x16.repack_x16(blocks, FORMATS[quant].code, cols)
     for rows in (1, 3, 4, 5, 16):
         x = activations(rows, cols, seed=rows)
         exact = x.double() @ dense.double().t()
-        got = vnni.mm_x16(x, x16, FORMATS[quant].code, cols, passes).double()
+        got = x16.mm_x16(x, w, FORMATS[quant].code, cols, passes, isa=isa).double()
         slack = float32_slack(x, dense)
         assert ((got - exact).abs() <= error_bound(x, dense, passes) + slack).all()
     if passes == 1:  # the bound is not loose: one pass is measurably off, three are not
@@ -113,19 +130,113 @@ def test_the_vnni_product_is_within_what_its_passes_allow(vnni, quant, passes):
 
 
 @pytest.mark.parametrize("quant", ["Q4_1", "Q6_K"])
-def test_reduced_precision_inputs_and_empty_rows(vnni, quant):
+def test_reduced_precision_inputs_and_empty_rows(x16, isa, quant):
     cols = width(quant)
     blocks, dense = packed(quant, 32, cols)
     blocks, dense = blocks[16:], dense[16:]  # ordinary scales
     code = FORMATS[quant].code
-    x16 = vnni.repack_x16(blocks, code, cols)
+    w = x16.repack_x16(blocks, code, cols)
     for dtype in (torch.bfloat16, torch.float16):
         x = torch.randn(2, cols).to(dtype)
-        got = vnni.mm_x16(x, x16, code, cols, 2)
+        got = x16.mm_x16(x, w, code, cols, 2, isa=isa)
         assert got.dtype == dtype
         exact = x.double() @ dense.double().t()
         assert ((got.double() - exact).abs() <= error_bound(x, dense, 2) + 1e-2 * exact.abs().amax()).all()
-    assert vnni.mm_x16(torch.zeros(0, cols), x16, code, cols, 3).shape == (0, 16)
+    assert x16.mm_x16(torch.zeros(0, cols), w, code, cols, 3, isa=isa).shape == (0, 16)
+
+
+# Byte ranges of each type's codes in its GGUF block (ggml-common.h's block structs): the
+# quants and their high bits (Q5's qh, Q3_K's hmask, Q6_K's qh), not the scales.
+CODE_BYTES = {"Q8_0": [(2, 34)], "Q4_0": [(2, 18)], "Q4_1": [(4, 20)], "Q5_0": [(2, 22)], "Q5_1": [(4, 24)],
+              "Q2_K": [(16, 80)], "Q3_K": [(0, 96)], "Q4_K": [(16, 144)], "Q5_K": [(16, 176)], "Q6_K": [(0, 192)]}
+
+
+def extreme_codes(quant: str, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """packed()'s rows with each code at its type's largest value in rows 0, 2, 4, ... and
+    its smallest in rows 1, 3, ... (Q8_0: 127 and -128), scales and sub-scales random."""
+    blocks = random_blocks(quant, rows, cols, seed=11).reshape(rows, -1, FORMATS[quant].block_bytes).clone()
+    high, low = (0x7F, 0x80) if quant == "Q8_0" else (0xFF, 0x00)
+    for a, b in CODE_BYTES[quant]:
+        blocks[0::2, :, a:b] = high
+        blocks[1::2, :, a:b] = low
+    blocks = blocks.reshape(rows, -1)
+    dense = gguf_dequantize(blocks.numpy(), getattr(T, quant)).reshape(rows, cols).astype(np.float32)
+    return blocks, torch.from_numpy(dense)
+
+
+def on_the_code_grid(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """x whose 32-column blocks are whole multiples of their step (amax / 127, a power of
+    two): one pass quantizes them exactly. Every block reaches +-127 steps, most at full
+    scale throughout (all +127, all -127, alternating), the rest random steps."""
+    g = torch.Generator().manual_seed(seed)
+    steps = torch.randint(-127, 128, (rows, cols // 32, 32), generator=g)
+    pattern = torch.randint(0, 4, (rows, cols // 32), generator=g)
+    steps[pattern == 0] = 127
+    steps[pattern == 1] = -127
+    steps[pattern == 2] = torch.tensor([127, -127] * 16)
+    steps[..., 5] = 127 * torch.where(pattern == 1, -1, 1)  # every block's amax is 127 steps
+    step = 2.0 ** torch.randint(-10, 0, (rows, cols // 32, 1), generator=g).float()
+    return (steps * step).reshape(rows, cols)
+
+
+@pytest.mark.parametrize("quant", X16_TYPES)
+def test_extreme_codes_against_full_scale_x_are_exact(x16, isa, quant):
+    """The int32 dot products are exact: with every weight code at its extremes against
+    x codes of +-127 (where an AVX2 vpmaddubsw pair sum saturates int16 if more products
+    are summed there than its codes allow, or Q8_0's codes are taken unsigned), an x on
+    its quantization grid gives the float32 product of x and the dequantized weight, in
+    one pass as in three, for each tile of x's rows (1-4 rows, and 33: eight of four and
+    one)."""
+    cols = width(quant)
+    blocks, dense = extreme_codes(quant, 32, cols)
+    w = x16.repack_x16(blocks, FORMATS[quant].code, cols)
+    for rows in (1, 2, 3, 4, 5, 16, 33):
+        x = on_the_code_grid(rows, cols, seed=rows)
+        exact = x.double() @ dense.double().t()
+        for passes in (1, 3):
+            got = x16.mm_x16(x, w, FORMATS[quant].code, cols, passes, isa=isa).double()
+            assert ((got - exact).abs() <= float32_slack(x, dense)).all(), (rows, passes)
+
+
+@pytest.mark.parametrize("quant", X16_TYPES)
+def test_the_two_isas_give_the_same_floats(x16, quant):
+    """Where the CPU runs both, the AVX2 product is the VNNI one's to the bit: the same
+    codes of x, the same int32 dot products, scaled in the same float32 order."""
+    if len(x16.x16_isas) < 2:
+        pytest.skip("this CPU runs one ISA of the x16 product")
+    cols = width(quant)
+    blocks, _ = packed(quant, 48, cols, seed=3)
+    w = x16.repack_x16(blocks, FORMATS[quant].code, cols)
+    for rows in (1, 4, 7):
+        x = activations(rows, cols, seed=rows)
+        for passes in (1, 2, 3):
+            got = [x16.mm_x16(x, w, FORMATS[quant].code, cols, passes, isa=isa) for isa in ISAS]
+            assert torch.equal(got[0], got[1]), (rows, passes)
+
+
+def test_the_isa_is_chosen_by_name_or_by_the_cpu(x16):
+    """isa="" (what the layers pass) is LLMD_GGUF_X16_ISA's, read once per process, else
+    the best this CPU runs; a name it does not run, or no ISA's, is refused."""
+    blocks, _ = packed("Q4_K", 16, 256)
+    code = FORMATS["Q4_K"].code
+    w = x16.repack_x16(blocks, code, 256)
+    x = torch.randn(2, 256)
+    assert x16.x16_isas and set(x16.x16_isas) <= set(ISAS)
+    if "avx512_vnni" not in x16.x16_isas:
+        with pytest.raises(RuntimeError, match="lacks avx512_vnni"):
+            x16.mm_x16(x, w, code, 256, 1, isa="avx512_vnni")
+    with pytest.raises(RuntimeError, match="must be avx512_vnni or avx2"):
+        x16.mm_x16(x, w, code, 256, 1, isa="sse2")
+    chosen = os.environ.get("LLMD_GGUF_X16_ISA") or x16.x16_isas[0]
+    assert torch.equal(x16.mm_x16(x, w, code, 256, 1), x16.mm_x16(x, w, code, 256, 1, isa=chosen))
+    script = ("import torch; from llmd.gpu.layers.cpu.cpu_kernels import gguf_ops; ops = gguf_ops(); "
+              "print(ops.x16 if ops else 'no kernels')")
+    env = {**os.environ, "LLMD_GGUF_X16_ISA": "avx2"}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert run.stdout.strip() == "True", run.stderr[-2000:]
+    env["LLMD_GGUF_X16_ISA"] = "sse2"
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "LLMD_GGUF_X16_ISA must be avx512_vnni or avx2" in run.stderr
 
 
 def test_the_x16_operators_refuse_what_they_cannot_read(ops):
@@ -148,8 +259,8 @@ def test_the_x16_operators_refuse_what_they_cannot_read(ops):
 
 
 @pytest.mark.parametrize("quant", X16_TYPES)
-def test_a_linear_layer_repacked_at_attach_computes_the_reference(vnni, quant, monkeypatch):
-    """Through GGUFMatmul: few rows by the VNNI kernel, more by slices dequantized from
+def test_a_linear_layer_repacked_at_attach_computes_the_reference(x16, quant, monkeypatch):
+    """Through GGUFMatmul: few rows by the x16 kernel, more by slices dequantized from
     the layout and a GEMM (exact to float32 sums); the weight is repacked once, even if
     asked again, a slice of rows at a time (two slices here)."""
     monkeypatch.setattr(gguf_quant, "SLICE_ROWS", 32)
@@ -159,10 +270,10 @@ def test_a_linear_layer_repacked_at_attach_computes_the_reference(vnni, quant, m
     layer.use_packed(quant)
     layer.weight.data = blocks.clone()
     layer.bias.data = torch.randn(48)
-    layer.kernel = GGUFMatmul(layer, vnni, 3)
+    layer.kernel = GGUFMatmul(layer, x16, 3)
     (part,) = layer.packed_parts
-    assert layer.weight.x16_parts == {0} and use_x16(layer.weight, part, 256, vnni)  # not twice
-    assert torch.equal(vnni.unpack_x16(layer.weight, torch.arange(48), FORMATS[quant].code, 256), blocks)
+    assert layer.weight.x16_parts == {0} and use_x16(layer.weight, part, 256, x16)  # not twice
+    assert torch.equal(x16.unpack_x16(layer.weight, torch.arange(48), FORMATS[quant].code, 256), blocks)
     for rows in (1, X16_MAX_ROWS[3], X16_MAX_ROWS[3] + 1, 40):
         x = torch.randn(rows, 256)
         exact = x.double() @ dense.double().t() + layer.bias.double()
@@ -170,7 +281,7 @@ def test_a_linear_layer_repacked_at_attach_computes_the_reference(vnni, quant, m
         assert ((got - exact).abs() <= float32_slack(x, dense) + 1e-6).all(), rows
 
 
-def test_parts_of_whole_row_groups_are_repacked_the_others_stay(vnni):
+def test_parts_of_whole_row_groups_are_repacked_the_others_stay(x16):
     """A fused projection whose parts differ in type (llama.cpp's _M mixes): a part of
     whole 16-row groups is repacked in its own type, one that is not stays in the GGUF
     layout, and the layer computes the reference either way."""
@@ -184,14 +295,14 @@ def test_parts_of_whole_row_groups_are_repacked_the_others_stay(vnni):
     odd.use_packed("Q4_K")
     odd.weight.data = gate.clone()
     before = odd.weight.data.clone()
-    assert not use_x16(odd.weight, odd.packed_parts[0], 256, vnni) and torch.equal(odd.weight.data, before)
-    assert not use_x16(before, PackedPart("Q4_K", 0, 8, 0), 256, vnni)
-    layer.kernel = GGUFMatmul(layer, vnni, 3)
+    assert not use_x16(odd.weight, odd.packed_parts[0], 256, x16) and torch.equal(odd.weight.data, before)
+    assert not use_x16(before, PackedPart("Q4_K", 0, 8, 0), 256, x16)
+    layer.kernel = GGUFMatmul(layer, x16, 3)
     assert [passes for *_, passes in layer.kernel.parts] == [0, 0]  # 24 rows each: neither repacked
     layer16 = MergedColumnParallelLinear(256, 16, bias=False)
     layer16.use_packed({0: "Q4_K", 1: "Q6_K"})
     layer16.weight.data = torch.cat([gate[:16].reshape(-1), up[:16].reshape(-1)])
-    layer16.kernel = GGUFMatmul(layer16, vnni, 3)
+    layer16.kernel = GGUFMatmul(layer16, x16, 3)
     assert [passes for *_, passes in layer16.kernel.parts] == [3, 3]
     x = torch.randn(2, 256)
     for lin, dense in ((layer, torch.cat([gate_dense, up_dense])),
@@ -200,8 +311,8 @@ def test_parts_of_whole_row_groups_are_repacked_the_others_stay(vnni):
         assert ((lin(x).double() - exact).abs() <= float32_slack(x, dense) + 1e-6).all()
 
 
-def test_a_loaded_model_reads_its_weights_through_the_x16_layout(vnni, hf_dirs, tmp_path, monkeypatch):  # noqa: F811
-    """A tied Q4_1 model: its LM head multiplies through the VNNI kernel (three passes for
+def test_a_loaded_model_reads_its_weights_through_the_x16_layout(x16, hf_dirs, tmp_path, monkeypatch):  # noqa: F811
+    """A tied Q4_1 model: its LM head multiplies through the x16 kernel (three passes for
     float32, two for bfloat16) and its embedding reads the same repacked table; the
     setting LLMD_GGUF_X16 turns it off or sets the passes."""
     from gguf_fixtures import write_gguf
@@ -225,7 +336,7 @@ def test_a_loaded_model_reads_its_weights_through_the_x16_layout(vnni, hf_dirs, 
     torch.testing.assert_close(table(ids), plain.embed_tokens(ids), atol=0, rtol=0)
 
 
-def test_a_k_quant_model_with_a_tied_table_runs_through_x16(vnni, hf_dirs, tmp_path, monkeypatch):  # noqa: F811
+def test_a_k_quant_model_with_a_tied_table_runs_through_x16(x16, hf_dirs, tmp_path, monkeypatch):  # noqa: F811
     """Layers in every K-quant and a Q6_K vocabulary tied to the LM head (as Q4_K_M files
     store it): every part repacked, the embedding reads its rows back from the layout
     (exactly what the file stores), and the logits are the float32 kernel's (the GGUF

@@ -32,8 +32,9 @@ tokens`: how much of each sequence's greedy output equals the first engine's (sa
 
 `--kernels`: the packed matmul alone, for each distinct (type, shape) of the file's
 quantized weights: one call on `--rows` rows of float32 x of the float32 kernel over the
-GGUF layout (`gguf_mm`, cpu_quant.cpp), of the VNNI kernel over the x16 layout
-(`gguf_mm_x16`, cpu_quant_x16.cpp; on a CPU that has it) in each of `--passes`, and of
+GGUF layout (`gguf_mm`, cpu_quant.cpp), of the int8 kernel over the x16 layout
+(`gguf_mm_x16`, cpu_quant_x16.cpp: AVX-512 VNNI, or AVX2 where the CPU lacks it or
+LLMD_GGUF_X16_ISA=avx2 says so) in each of `--passes`, and of
 F.linear on the weight dequantized to float32 (the dense anchor), calls alternated (each
 timed call right after an untimed one of the same: the weight in cache, as far as it
 fits), medians, with the packed bytes read per second. `--shape NxK` (repeatable) times weights
@@ -142,7 +143,7 @@ def kernel_weights(model: str, shapes: list[tuple[int, int]], types: list[str]) 
 def kernel_figures(model: str, rows: int, calls: int = 300, passes: tuple[int, ...] = (1, 2, 3),
                    shapes: list[tuple[int, int]] | None = None, types: list[str] | None = None) -> list[dict]:
     """Per weight (kernel_weights): median µs of the float32 kernel (`packed_us`), of the
-    x16 kernel in each of `passes` (`x16_us`: {passes: µs}; empty without VNNI or with
+    x16 kernel in each of `passes` (`x16_us`: {passes: µs}; empty without it or with
     rows not in groups of 16) and of the dense F.linear, calls alternated."""
     import torch
 

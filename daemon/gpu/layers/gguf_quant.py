@@ -33,7 +33,7 @@ a packed table dequantizes the rows it looks up. `dequantize` (torch) is the ref
 every path is tested against; it equals the gguf package's dequantization bit for bit
 (every scale product is exact in float32, so the one rounding is the same final add).
 
-On a CPU with AVX-512 VNNI the parts of whole groups of 16 rows, of every type, are
+On a CPU with AVX-512 VNNI or AVX2 the parts of whole groups of 16 rows, of every type, are
 repacked at load into the x16 layout (cpu/cpu_quant_x16_layout.h: each block of 16 rows
 one record, the same bytes) and few rows multiply through int8 activations as
 llama.cpp's do (cpu/cpu_quant_x16.cpp; a K-quant's sub-block scales and mins applied per

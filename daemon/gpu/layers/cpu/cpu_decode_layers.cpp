@@ -36,7 +36,7 @@
 namespace {
 
 // The operators a layer calls, found once (all registered by this library's other files).
-using MmX16 = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t);
+using MmX16 = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t, c10::string_view);
 using RmsNorm = at::Tensor(const at::Tensor&, const at::Tensor&, double, bool);
 using AddRmsNorm = at::Tensor(at::Tensor&, const at::Tensor&, const at::Tensor&, double, bool);
 using ActAndMul = at::Tensor(const at::Tensor&, int64_t);
@@ -48,6 +48,7 @@ using PagedDecode = at::Tensor(const at::Tensor&, const at::Tensor&, const at::T
 // The cache these layers write and read is in the model's dtype (DecodeLayers.takes
 // declines a quantized one): the K/V scales of the two operators stay 1.
 constexpr double kUnitScale = 1.0;
+constexpr c10::string_view kChosenIsa = "";  // gguf_mm_x16's own choice (LLMD_GGUF_X16_ISA or the best)
 
 template <typename F>
 c10::TypedOperatorHandle<F> find_op(const char* name) {
@@ -84,11 +85,11 @@ struct Projection {
     TORCH_CHECK(!parts.empty(), "DecoderLayers: a projection without parts");
     at::Tensor out;
     if (parts.size() == 1) {
-      out = ops.mm_x16.call(x, parts[0].weight, parts[0].quant, parts[0].cols, parts[0].passes);
+      out = ops.mm_x16.call(x, parts[0].weight, parts[0].quant, parts[0].cols, parts[0].passes, kChosenIsa);
     } else {
       std::vector<at::Tensor> outs;
       outs.reserve(parts.size());
-      for (const Part& p : parts) outs.push_back(ops.mm_x16.call(x, p.weight, p.quant, p.cols, p.passes));
+      for (const Part& p : parts) outs.push_back(ops.mm_x16.call(x, p.weight, p.quant, p.cols, p.passes, kChosenIsa));
       out = at::cat(outs, -1);
     }
     return bias ? at::add(out, *bias) : out;

@@ -9,12 +9,16 @@ Five sets, one extension:
 - the fused layer ops (cpu_fused_ops.cpp, wrapped by cpu_fused_ops.CpuFusedLayerOps):
   residual add + RMSNorm, q/k norm + rotary + K/V write, act(gate) * up;
 - the product of a few rows with a GGUF block-quantized weight kept packed
-  (cpu_quant.cpp, used by gguf_quant.GGUFMatmul), and on a CPU with AVX-512 VNNI the
-  same over the weight repacked sixteen rows at a time with int8 activations, as
-  llama.cpp multiplies (cpu_quant_x16.cpp, every packed type), in as many int8 passes
-  over x as the model's dtype needs, or one with the engine setting cpu_int8_activations
-  (gguf_quant.x16_passes). LLMD_GGUF_X16 (read when a model loads) sets the passes
-  instead: 1 (llama.cpp's precision), 2 or 3; 0 keeps the first kernel (the A/B switch);
+  (cpu_quant.cpp, used by gguf_quant.GGUFMatmul), and on a CPU with AVX-512 VNNI or
+  AVX2 (+FMA, F16C) the same over the weight repacked sixteen rows at a time with int8
+  activations, as llama.cpp multiplies (cpu_quant_x16.cpp, every packed type; the AVX2
+  product in cpu_quant_x16_avx2.cpp), in as many int8 passes over x as the model's dtype
+  needs, or one with the engine setting cpu_int8_activations (gguf_quant.x16_passes).
+  LLMD_GGUF_X16 (read when a model loads) sets the passes instead: 1 (llama.cpp's
+  precision), 2 or 3; 0 keeps the first kernel (the A/B switch). LLMD_GGUF_X16_ISA
+  (read once, by the kernel) picks the x16 product's ISA, avx512_vnni or avx2 (the A/B
+  switch of the two, and how a CI machine with AVX-512 tests the AVX2 one); unset, the
+  best this CPU runs;
 - the product of a few rows with an FP8 weight kept as its e4m3 bytes (cpu_fp8.cpp, used
   by quant/fp8.FP8Matmul; AWQ and GPTQ weights become GGUF blocks and use the set above);
 - a decoder's layers for a one-token step of one request, chaining the operators above
@@ -60,11 +64,11 @@ from llmd.gpu.layers.cpu.kernel_build import ExtensionBuild, KernelBuildCancelle
 logger = logging.getLogger("llmd.cpu_kernels")
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_fused_ops.cpp", "cpu_quant.cpp",
-                                                          "cpu_quant_x16.cpp", "cpu_fp8.cpp",
+                                                          "cpu_quant_x16.cpp", "cpu_quant_x16_avx2.cpp", "cpu_fp8.cpp",
                                                           "cpu_decode_layers.cpp")]
 HEADERS = [Path(__file__).with_name(name)  # part of the digest
            for name in ("cpu_vec.h", "cpu_e4m3.h", "cpu_kv_rows.h", "cpu_quant_formats.h", "cpu_quant_x16_layout.h",
-                        "cpu_quant_x16_records.h")]
+                        "cpu_quant_x16_product.h", "cpu_quant_x16_records.h", "cpu_quant_x16_records_avx2.h")]
 CPU_KERNELS_ENV = "LLMD_CPU_KERNELS"
 X16_ENV = "LLMD_GGUF_X16"
 KERNEL_BUILD_TIMEOUT_ENV = "LLMD_KERNEL_BUILD_TIMEOUT"
@@ -148,9 +152,11 @@ class GGUFOps:
     """The C++ operators of packed GGUF weights (cpu_quant.cpp): `mm(x, w, code, cols)`
     and `dequantize(w, code, cols)`; of weights in the x16 layout (cpu_quant_x16.cpp):
     `repack_x16(w, code, cols)`, `unpack_x16(w, rows, code, cols)`,
-    `dequantize_x16(w, code, cols)` and, when `x16` (the CPU has AVX-512 VNNI and
-    LLMD_GGUF_X16 is not 0), `mm_x16(x, w, code, cols, passes)`;
-    `x16_passes`: LLMD_GGUF_X16's passes, if it set them."""
+    `dequantize_x16(w, code, cols)` and, when `x16` (the CPU has AVX-512 VNNI or AVX2
+    with FMA and F16C, and LLMD_GGUF_X16 is not 0), `mm_x16(x, w, code, cols, passes,
+    isa="")` (isa: one of `x16_isas`, the ISAs this CPU runs it with, best first; "" the
+    one LLMD_GGUF_X16_ISA names, else the best); `x16_passes`: LLMD_GGUF_X16's passes, if
+    it set them."""
 
     mm: Callable[..., torch.Tensor]
     dequantize: Callable[..., torch.Tensor]
@@ -160,6 +166,7 @@ class GGUFOps:
     dequantize_x16: Callable[..., torch.Tensor]
     x16: bool
     x16_passes: int | None = None
+    x16_isas: tuple[str, ...] = ()
 
 
 def gguf_ops() -> GGUFOps | None:
@@ -174,7 +181,8 @@ def gguf_ops() -> GGUFOps | None:
     if value not in ("", "0", "1", "2", "3"):
         raise ValueError(f"{X16_ENV} must be 0, 1, 2 or 3, got {value!r}")
     return GGUFOps(ops.gguf_mm, ops.gguf_dequantize, ops.gguf_repack_x16, ops.gguf_unpack_x16, ops.gguf_mm_x16,
-                   ops.gguf_dequantize_x16, x16=value != "0" and bool(ops.gguf_x16_supported()), x16_passes=int(value) if value else None)
+                   ops.gguf_dequantize_x16, x16=value != "0" and bool(ops.gguf_x16_supported()),
+                   x16_passes=int(value) if value else None, x16_isas=tuple(ops.gguf_x16_isas()))
 
 
 @dataclass(frozen=True)
@@ -224,8 +232,8 @@ def attach_cpu_kernels(model: nn.Module) -> int:
 def attach_gguf_kernels(model: torch.nn.Module, dtype: torch.dtype, int8_activations: bool = False) -> int:
     """Give every packed layer of a CPU model its matmul (GGUFMatmul, with the C++
     kernels when they can be built) and every packed table the dtype its rows are
-    dequantized to; returns how many layers are packed. On a CPU with AVX-512 VNNI the
-    weights the x16 kernel reads are repacked in place first (gguf_quant.use_x16: a
+    dequantized to; returns how many layers are packed. On a CPU with AVX-512 VNNI or
+    AVX2 the weights the x16 kernel reads are repacked in place first (gguf_quant.use_x16: a
     table tied to the LM head is read through the same layout), and multiplied in
     x16_passes(dtype, int8_activations) passes over x."""
     ops = gguf_ops()

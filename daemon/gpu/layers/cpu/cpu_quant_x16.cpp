@@ -1,6 +1,7 @@
 // GGUF weights repacked sixteen rows at a time (every packed type: Q8_0, Q4_0, Q4_1,
 // Q5_0, Q5_1 and the K-quants Q2_K..Q6_K), and the product of a few rows of x with them
-// through AVX-512 VNNI, as llama.cpp multiplies its quantized weights: x is quantized to
+// through AVX-512 VNNI (or AVX2 where a CPU lacks it: cpu_quant_x16_avx2.cpp), as
+// llama.cpp multiplies its quantized weights: x is quantized to
 // int8 per 32-column block (a scale and the sums of its codes), and each 32 columns of
 // sixteen weight rows are one int32 dot product per row, four columns at a time
 // (vpdpbusd: sixteen rows x four unsigned weight codes times four signed activation codes
@@ -22,14 +23,20 @@
 // times the result for Q8_0.
 //
 // Layouts: cpu_quant_x16_layout.h (the same bytes as the GGUF rows, rearranged); reading
-// a record for the product: cpu_quant_x16_records.h.
+// a record for the product: cpu_quant_x16_records.h (and _avx2.h); what both products
+// share: cpu_quant_x16_product.h.
 //
 // gguf_repack_x16(w, quant, cols): the x16 layout of GGUF rows w (N a multiple of 16).
 // gguf_unpack_x16(w, rows, quant, cols): GGUF rows `rows` (int64) of an x16 weight.
-// gguf_mm_x16(x [M, cols], w, quant, cols, passes=3) -> [M, N] in x's dtype (needs VNNI).
+// gguf_mm_x16(x [M, cols], w, quant, cols, passes=3, isa="") -> [M, N] in x's dtype: with
+//   AVX-512 VNNI (here) or AVX2 + FMA + F16C (cpu_quant_x16_avx2.cpp, the same products
+//   to the bit of their int32 sums), `isa` "avx512_vnni" or "avx2", "" the one
+//   LLMD_GGUF_X16_ISA names (read once; the A/B switch, and how a CI machine with
+//   AVX-512 tests the AVX2 path), else the best this CPU has.
 // gguf_dequantize_x16(w, quant, cols) -> float32 [N, cols] (for a GEMM over many rows),
 //   equal to gguf_dequantize of the GGUF rows (any CPU).
-// gguf_x16_supported(): whether this CPU runs gguf_mm_x16.
+// gguf_x16_supported(): whether this CPU runs gguf_mm_x16 (with the ISA "" picks).
+// gguf_x16_isas(): the ISAs this CPU runs it with, best first.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -39,9 +46,12 @@
 
 #include "cpu_quant_formats.h"
 #include "cpu_quant_x16_layout.h"
+#include "cpu_quant_x16_product.h"
 #include "cpu_quant_x16_records.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 namespace {
@@ -50,15 +60,12 @@ using llmd_quant::dispatch;
 using llmd_quant::Format;
 using llmd_x16::kGroup;
 using llmd_x16::kLayouts;
+using llmd_x16::kBlock;
+using llmd_x16::kPassScale;
+using llmd_x16::QuantizedRow;
 using llmd_x16::record_bytes;
 
-constexpr int64_t kBlock = 32;     // columns of x per quantization block (and per sub-block)
-constexpr int64_t kTile = 4;       // rows of x per pass over a record
-constexpr int64_t kPrefetch = 16;  // sub-blocks ahead the product asks the memory for (measured: 2-32)
-// Sub-blocks ahead it also asks for into the L2 (prefetcht2), beside kPrefetch's requests:
-// measured 6-10% faster streamed from memory at one thread, 96 and 256 alike
-// (docs/benchmarks.md, "Batch-1 decode").
-constexpr int64_t kPrefetchL2 = 128;
+constexpr int64_t kTile = 4;  // rows of x per pass over a record
 
 // The weight's GGUF blocks per row, once w is checked to be an x16 weight of this type.
 int64_t check_layout(const at::Tensor& w, int64_t quant, int64_t cols, const char* op) {
@@ -128,15 +135,62 @@ at::Tensor gguf_unpack_x16(const at::Tensor& w, const at::Tensor& rows, int64_t 
   return out;
 }
 
-bool gguf_x16_supported() {
+// What gguf_mm_x16 runs with, best first.
+enum class Isa { kAvx512Vnni, kAvx2, kNone };
+constexpr Isa kIsas[] = {Isa::kAvx512Vnni, Isa::kAvx2};
+
+const char* isa_name(Isa isa) { return isa == Isa::kAvx512Vnni ? "avx512_vnni" : "avx2"; }
+
+bool cpu_runs(Isa isa) {
 #if defined(__x86_64__)
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (isa == Isa::kAvx2) return avx2;
+  return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-         __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+         __builtin_cpu_supports("avx512vnni");
 #else
   return false;
 #endif
 }
+
+std::vector<std::string> gguf_x16_isas() {
+  std::vector<std::string> names;
+  for (Isa isa : kIsas) {
+    if (cpu_runs(isa)) names.emplace_back(isa_name(isa));
+  }
+  return names;
+}
+
+// The ISA `name` ("" picks: chosen_isa), refused unless this CPU runs it; `what` names
+// where the name came from.
+Isa isa_named(const std::string& name, const char* what);
+
+// LLMD_GGUF_X16_ISA's ISA, read once; unset or empty: the best this CPU has (kNone: none).
+Isa chosen_isa() {
+  static const Isa chosen = [] {
+    const char* env = std::getenv("LLMD_GGUF_X16_ISA");
+    if (env != nullptr && *env != '\0') return isa_named(env, "LLMD_GGUF_X16_ISA");
+    for (Isa isa : kIsas) {
+      if (cpu_runs(isa)) return isa;
+    }
+    return Isa::kNone;
+  }();  // (a refused name throws, and the next call reads it again)
+  return chosen;
+}
+
+Isa isa_named(const std::string& name, const char* what) {
+  if (name.empty()) return chosen_isa();
+  for (Isa isa : kIsas) {
+    if (name != isa_name(isa)) continue;
+    std::string runs;
+    for (const std::string& n : gguf_x16_isas()) runs += (runs.empty() ? "" : ", ") + n;
+    TORCH_CHECK(cpu_runs(isa), what, ": this CPU lacks ", name, " (it runs: ", runs.empty() ? "none" : runs, ")");
+    return isa;
+  }
+  TORCH_CHECK(false, what, " must be avx512_vnni or avx2 (or empty: the best this CPU runs), got '", name, "'");
+}
+
+bool gguf_x16_supported() { return chosen_isa() != Isa::kNone; }
 
 // Rows of the group whose records start at `records` as float32 rows [16, cols] at out:
 // each row's blocks read back and decoded as GGUF blocks (the same values as gguf_dequantize).
@@ -153,28 +207,14 @@ void dequantize_group(const uint8_t* records, int64_t blocks, int64_t cols, floa
 }
 
 #if defined(__x86_64__)
+using llmd_x16::kPrefetch;
+using llmd_x16::kPrefetchL2;
 using llmd_x16::SubBlock;
 using llmd_x16::X16Record;
 
-constexpr int kMaxPasses = 3;
-constexpr float kPassScale[kMaxPasses] = {1.0f, 1.0f / 254.0f, 1.0f / (254.0f * 254.0f)};
-
-// One row of x quantized per 32-column block in `passes` int8 passes: pass 0 the codes of
-// x at the block's scale d = amax / 127, each next pass the codes of what the passes
-// before left, at 1/254 of their scale (x = d * (q0 + q1 / 254 + q2 / 254^2) to within
-// the last pass's half step: 7, 15 or 23 bits of the block's largest value). Per 16
-// columns (a K-quant sub-scale's reach): `sums`, the codes' sums (what the weights'
-// offsets multiply), and `ds`, x's sum as the passes give it (what the minimums multiply).
-struct QuantizedRow {
-  const int8_t* codes;  // [passes][cols]
-  const float* d;       // [blocks]
-  const float* ds;      // [2 * blocks]
-  const int32_t* sums;  // [passes][2 * blocks]
-  int64_t cols, blocks;
-};
-
-// Codes of v / scale to `out` (|v| <= 127 * scale), the sums of each 16 to sums[0..1]; `v`
-// becomes what they leave.
+// x's rows quantized (cpu_quant_x16_product.h's QuantizedRow; cpu_quant_x16_avx2.cpp gives
+// the same codes). Codes of v / scale to `out` (|v| <= 127 * scale), the sums of each 16
+// to sums[0..1]; `v` becomes what they leave.
 LLMD_X16_TARGET void store_codes(__m512& lo, __m512& hi, float scale, int8_t* out, int32_t* sums) {
   const __m512 inv = _mm512_set1_ps(scale > 0.0f ? 1.0f / scale : 0.0f), s = _mm512_set1_ps(scale);
   const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
@@ -306,11 +346,13 @@ void mm_x16_passes(const std::vector<QuantizedRow>& x, int passes, const uint8_t
 }
 #endif
 
-at::Tensor gguf_mm_x16(const at::Tensor& x, const at::Tensor& w, int64_t quant, int64_t cols, int64_t passes) {
+at::Tensor gguf_mm_x16(const at::Tensor& x, const at::Tensor& w, int64_t quant, int64_t cols, int64_t passes,
+                       c10::string_view isa_choice) {
   const int64_t records = check_layout(w, quant, cols, "gguf_mm_x16");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == cols && x.is_contiguous(), "gguf_mm_x16: contiguous x [M, cols] expected");
   TORCH_CHECK(passes >= 1 && passes <= 3, "gguf_mm_x16: passes 1, 2 or 3 expected, got ", passes);
-  TORCH_CHECK(gguf_x16_supported(), "gguf_mm_x16: this CPU lacks AVX-512 VNNI");
+  const Isa isa = isa_named(std::string(isa_choice), "gguf_mm_x16's isa");
+  TORCH_CHECK(isa != Isa::kNone, "gguf_mm_x16: this CPU has neither AVX-512 VNNI nor AVX2 with FMA and F16C");
   const int64_t rows = x.size(0), n = w.size(0), blocks = cols / kBlock;
   at::Tensor out = at::empty({rows, n}, x.options().dtype(at::kFloat));
 #if defined(__x86_64__)
@@ -325,13 +367,21 @@ at::Tensor gguf_mm_x16(const at::Tensor& x, const at::Tensor& w, int64_t quant, 
     int8_t* q = codes.data() + r * passes * cols;
     float* d = scales.data() + 3 * r * blocks;
     int32_t* sum = sums.data() + r * passes * 2 * blocks;
-    quantize_row(xp + r * cols, cols, static_cast<int>(passes), q, d, d + blocks, sum);
+    if (isa == Isa::kAvx2) {
+      llmd_x16::quantize_row_avx2(xp + r * cols, cols, static_cast<int>(passes), q, d, d + blocks, sum);
+    } else {
+      quantize_row(xp + r * cols, cols, static_cast<int>(passes), q, d, d + blocks, sum);
+    }
     quantized[r] = {q, d, d + blocks, sum, cols, blocks};
   }
   const uint8_t* wp = w.const_data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   const int p = static_cast<int>(passes);
-  dispatch(quant, [&](auto q) { mm_x16_passes<decltype(q)::value>(quantized, p, wp, n, records, op); });
+  if (isa == Isa::kAvx2) {
+    llmd_x16::mm_x16_avx2(quant, p, quantized, wp, n, records, op);
+  } else {
+    dispatch(quant, [&](auto q) { mm_x16_passes<decltype(q)::value>(quantized, p, wp, n, records, op); });
+  }
 #endif
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
@@ -358,9 +408,10 @@ at::Tensor gguf_dequantize_x16(const at::Tensor& w, int64_t quant, int64_t cols)
 TORCH_LIBRARY_FRAGMENT(llmd_cpu, m) {
   m.def("gguf_repack_x16(Tensor w, int quant, int cols) -> Tensor");
   m.def("gguf_unpack_x16(Tensor w, Tensor rows, int quant, int cols) -> Tensor");
-  m.def("gguf_mm_x16(Tensor x, Tensor w, int quant, int cols, int passes=3) -> Tensor");
+  m.def("gguf_mm_x16(Tensor x, Tensor w, int quant, int cols, int passes=3, str isa=\"\") -> Tensor");
   m.def("gguf_dequantize_x16(Tensor w, int quant, int cols) -> Tensor");
   m.def("gguf_x16_supported() -> bool");
+  m.def("gguf_x16_isas() -> str[]");
 }
 
 TORCH_LIBRARY_IMPL(llmd_cpu, CPU, m) {
@@ -372,4 +423,5 @@ TORCH_LIBRARY_IMPL(llmd_cpu, CPU, m) {
 
 TORCH_LIBRARY_IMPL(llmd_cpu, CatchAll, m) {
   m.impl("gguf_x16_supported", &gguf_x16_supported);
+  m.impl("gguf_x16_isas", &gguf_x16_isas);
 }

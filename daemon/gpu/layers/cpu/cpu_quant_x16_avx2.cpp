@@ -1,0 +1,225 @@
+// The x16 product (cpu_quant_x16.cpp) on CPUs with AVX2, FMA and F16C but no AVX-512 VNNI
+// (AMD Zen 2/3, Intel servers before Ice Lake, Intel clients since Alder Lake), as
+// llama.cpp multiplies int8 there: over the same x16 weight bytes and the same int8
+// passes over x, with vpmaddubsw (unsigned weight codes times signed x codes, adjacent
+// pairs summed to int16) and vpmaddwd by ones (pairs of those to int32) in place of
+// vpdpbusd. A 256-bit vector holds eight rows, so each 16-row group is read as two halves
+// (cpu_quant_x16_records_avx2.h).
+//
+// vpmaddubsw saturates an int16 past 32767: with x's codes within [-128, 127], a pair of
+// products is at most 2 * 128 * kCodeMax, so the small codes add that many pair sums in
+// int16 before one vpmaddwd (8 for 4-bit codes: 8 * 2 * 128 * 15 = 30720; 4 for 5-bit,
+// 2 for Q6_K's 6). Q8_0's codes (0..255 with the offset) would saturate a single pair:
+// llama.cpp's sign trick multiplies |w| (at most 128) by x with w's sign, at most
+// 2 * 128 * 127 = 32512, and no offset is taken off. The int32 dot products are then
+// exactly the VNNI path's, and are scaled in float32 in the same order.
+
+#include "cpu_quant_x16_product.h"
+
+#if defined(__x86_64__)
+#include <ATen/Parallel.h>
+
+#include "cpu_quant_formats.h"
+#include "cpu_quant_x16_records_avx2.h"
+
+#include <algorithm>
+
+namespace llmd_x16 {
+namespace {
+
+using avx2::HalfSubBlock;
+using avx2::X16Half;
+
+// Rows of x per pass over a record: the float32 accumulators are two per row (one per
+// half) in sixteen ymm registers beside eight of codes.
+constexpr int64_t kTile = 4;
+
+// The largest power of two up to `cap` of vpmaddubsw results that add in int16 without
+// saturating, for codes up to `code_max` and x's codes up to 128 in magnitude.
+constexpr int int16_sums(int code_max, int cap) {
+  int n = cap;
+  while (n > 1 && n * 2 * 128 * code_max > 32767) n /= 2;
+  return n;
+}
+
+LLMD_X16_AVX2_TARGET inline int32_t lane_sum(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+LLMD_X16_AVX2_TARGET inline float lane_max(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+// Codes of v / scale (32 columns) to `out`, the sums of each 16 to sums[0..1]; v becomes
+// what they leave. As the VNNI path's store_codes: cvtps rounds to nearest even, the
+// int32 -> int16 -> int8 packs saturate as vpmovsdb does.
+LLMD_X16_AVX2_TARGET void store_codes(__m256* v, float scale, int8_t* out, int32_t* sums) {
+  const __m256 inv = _mm256_set1_ps(scale > 0.0f ? 1.0f / scale : 0.0f), s = _mm256_set1_ps(scale);
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+  // The packs work per 128-bit lane: dwords come out as q0[0..3] q1[0..3] q2[0..3] q3[0..3]
+  // q0[4..7] ...; the permutation puts them in column order.
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  __m256i stored[4];  // as stored (saturated)
+  for (int i = 0; i < 4; ++i) {
+    stored[i] = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(out + 8 * i)));
+    v[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(stored[i]), s, v[i]);
+  }
+  sums[0] = lane_sum(_mm256_add_epi32(stored[0], stored[1]));
+  sums[1] = lane_sum(_mm256_add_epi32(stored[2], stored[3]));
+}
+
+// The int32 dot products of chunks [kFirst, kFirst + kCount) of one half's codes with x's
+// codes xq (four per chunk), added to `acc`.
+template <typename R, int kFirst, int kCount>
+LLMD_X16_AVX2_TARGET inline __m256i dots(const HalfSubBlock& sb, const int32_t* xq, __m256i acc) {
+  constexpr int kSums = R::kSigned ? 1 : int16_sums(R::kCodeMax, kCount);
+  static_assert(kCount % kSums == 0);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int g = kFirst; g < kFirst + kCount; g += kSums) {
+    __m256i pairs = _mm256_setzero_si256();
+    for (int k = g; k < g + kSums; ++k) {
+      const __m256i xk = _mm256_set1_epi32(xq[k]);
+      const __m256i product = R::kSigned
+          ? _mm256_maddubs_epi16(_mm256_abs_epi8(sb.q[k]), _mm256_sign_epi8(xk, sb.q[k]))
+          : _mm256_maddubs_epi16(sb.q[k], xk);
+      pairs = k == g ? product : _mm256_add_epi16(pairs, product);
+    }
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, ones));
+  }
+  return acc;
+}
+
+// out[r][g*16 + lane] for the `T` rows of x and the 16 weight rows of group g, half by
+// half within each record: what the VNNI path's group_tile computes, in the same order.
+template <int Q, int T, int P>
+LLMD_X16_AVX2_TARGET void group_tile(const uint8_t* w, const QuantizedRow* x, float* out, int64_t stride) {
+  using R = X16Half<Q>;
+  constexpr int64_t rec = record_bytes(Q), sub_bytes = rec / R::kSub;
+  const int64_t blocks = x[0].blocks;
+  __m256 acc[2][T];
+  for (int h = 0; h < 2; ++h)
+    for (int r = 0; r < T; ++r) acc[h][r] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < blocks / R::kSub; ++s) {
+    const uint8_t* rp = w + s * rec;
+    for (int h = 0; h < 2; ++h) {
+      const R record(rp, h);
+#pragma GCC unroll 8
+      for (int c = 0; c < R::kSub; ++c) {
+        if (h == 0) {  // as the VNNI path asks, once per sub-block
+          const char* ahead = reinterpret_cast<const char*>(rp + (c + kPrefetch) * sub_bytes);
+          for (int64_t line = 0; line < sub_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+          const char* far = reinterpret_cast<const char*>(rp + (c + kPrefetchL2) * sub_bytes);
+          for (int64_t line = 0; line < sub_bytes; line += 64) _mm_prefetch(far + line, _MM_HINT_T2);
+        }
+        HalfSubBlock sb;
+        record.decode(c, sb);
+        const int64_t b = s * R::kSub + c;
+        for (int r = 0; r < T; ++r) {
+          __m256 t_lo = _mm256_setzero_ps(), t_hi = _mm256_setzero_ps();
+          for (int p = 0; p < P; ++p) {
+            const int32_t* xq = reinterpret_cast<const int32_t*>(x[r].codes + p * x[r].cols + b * kBlock);
+            const int32_t* sum = x[r].sums + p * 2 * x[r].blocks + 2 * b;
+            const __m256 dx = _mm256_set1_ps(x[r].d[b] * kPassScale[p]);
+            if constexpr (R::kHalves) {
+              const __m256i lo = dots<R, 0, 4>(sb, xq, _mm256_set1_epi32(-R::kOffset * sum[0]));
+              const __m256i hi = dots<R, 4, 4>(sb, xq, _mm256_set1_epi32(-R::kOffset * sum[1]));
+              t_lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), dx, t_lo);
+              t_hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), dx, t_hi);
+            } else {
+              const __m256i all = dots<R, 0, 8>(sb, xq, _mm256_set1_epi32(-R::kOffset * (sum[0] + sum[1])));
+              t_lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(all), dx, t_lo);
+            }
+          }
+          __m256& a = acc[h][r];
+          a = _mm256_fmadd_ps(sb.scale[0], t_lo, a);
+          if constexpr (R::kHalves) a = _mm256_fmadd_ps(sb.scale[1], t_hi, a);
+          const float* ds = x[r].ds + 2 * b;
+          if constexpr (R::kMin == 1) a = _mm256_fmadd_ps(sb.min[0], _mm256_set1_ps(ds[0] + ds[1]), a);
+          if constexpr (R::kMin == 2) {
+            a = _mm256_fmadd_ps(sb.min[0], _mm256_set1_ps(ds[0]), a);
+            a = _mm256_fmadd_ps(sb.min[1], _mm256_set1_ps(ds[1]), a);
+          }
+        }
+      }
+    }
+  }
+  for (int h = 0; h < 2; ++h)
+    for (int r = 0; r < T; ++r) _mm256_storeu_ps(out + r * stride + 8 * h, acc[h][r]);
+}
+
+template <int Q, int P>
+void mm_x16(const std::vector<QuantizedRow>& x, const uint8_t* w, int64_t n, int64_t records, float* out) {
+  const int64_t rows = static_cast<int64_t>(x.size()), group_bytes = records * record_bytes(Q);
+  at::parallel_for(0, n / kGroup, 4, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* wg = w + g * group_bytes;
+      for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+        const QuantizedRow* xr = x.data() + r0;
+        float* o = out + r0 * n + g * kGroup;
+        switch (std::min(kTile, rows - r0)) {
+          case 1: group_tile<Q, 1, P>(wg, xr, o, n); break;
+          case 2: group_tile<Q, 2, P>(wg, xr, o, n); break;
+          case 3: group_tile<Q, 3, P>(wg, xr, o, n); break;
+          default: group_tile<Q, 4, P>(wg, xr, o, n); break;
+        }
+      }
+    }
+  });
+}
+
+LLMD_X16_AVX2_TARGET void quantize_row(const float* x, int64_t cols, int passes, int8_t* codes, float* d, float* ds,
+                                       int32_t* sums) {
+  const int64_t blocks = cols / kBlock;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(x + b * kBlock + 8 * i);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    }
+    d[b] = lane_max(amax) / 127.0f;
+    ds[2 * b] = ds[2 * b + 1] = 0.0f;
+    for (int p = 0; p < passes; ++p) {
+      const float scale = d[b] * kPassScale[p];
+      int32_t* s = sums + p * 2 * blocks + 2 * b;
+      store_codes(v, scale, codes + p * cols + b * kBlock, s);
+      ds[2 * b] += scale * static_cast<float>(s[0]);
+      ds[2 * b + 1] += scale * static_cast<float>(s[1]);
+    }
+  }
+}
+
+}  // namespace
+
+// (The entry points carry no target attribute: GCC would take a declaration and a
+// definition that differ in it for two versions of one function.)
+void quantize_row_avx2(const float* x, int64_t cols, int passes, int8_t* codes, float* d, float* ds,
+                       int32_t* sums) {
+  quantize_row(x, cols, passes, codes, d, ds, sums);
+}
+
+void mm_x16_avx2(int64_t quant, int passes, const std::vector<QuantizedRow>& x, const uint8_t* w, int64_t n,
+                 int64_t records, float* out) {
+  llmd_quant::dispatch(quant, [&](auto q) {
+    constexpr int Q = decltype(q)::value;
+    switch (passes) {
+      case 1: mm_x16<Q, 1>(x, w, n, records, out); break;
+      case 2: mm_x16<Q, 2>(x, w, n, records, out); break;
+      default: mm_x16<Q, 3>(x, w, n, records, out); break;
+    }
+  });
+}
+
+}  // namespace llmd_x16
+
+#endif

@@ -1,0 +1,48 @@
+// What the two x16 products share (cpu_quant_x16.cpp: AVX-512 VNNI; cpu_quant_x16_avx2.cpp:
+// AVX2): x quantized per 32-column block in int8 passes, and the AVX2 product's entry
+// points (the VNNI one's live beside the operators).
+
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace llmd_x16 {
+
+constexpr int64_t kBlock = 32;     // columns of x per quantization block (and per sub-block)
+constexpr int64_t kPrefetch = 16;  // sub-blocks ahead the product asks the memory for (measured: 2-32)
+// Sub-blocks ahead it also asks for into the L2 (prefetcht2), beside kPrefetch's requests:
+// measured 6-10% faster streamed from memory at one thread, 96 and 256 alike
+// (docs/benchmarks.md, "Batch-1 decode").
+constexpr int64_t kPrefetchL2 = 128;
+
+constexpr int kMaxPasses = 3;
+constexpr float kPassScale[kMaxPasses] = {1.0f, 1.0f / 254.0f, 1.0f / (254.0f * 254.0f)};
+
+// One row of x quantized per 32-column block in `passes` int8 passes: pass 0 the codes of
+// x at the block's scale d = amax / 127, each next pass the codes of what the passes
+// before left, at 1/254 of their scale (x = d * (q0 + q1 / 254 + q2 / 254^2) to within
+// the last pass's half step: 7, 15 or 23 bits of the block's largest value). Per 16
+// columns (a K-quant sub-scale's reach): `sums`, the codes' sums (what the weights'
+// offsets multiply), and `ds`, x's sum as the passes give it (what the minimums multiply).
+// The codes are within [-127, 127] for finite x (|x| <= amax); only where a pass's
+// 1 / scale overflows float32 (a block whose values are all below ~2e-32) may they be
+// -128, and that block's products are off by amounts of its size (the AVX2 product reads
+// such a -128 against a negative Q8_0 code as if it were +128).
+struct QuantizedRow {
+  const int8_t* codes;  // [passes][cols]
+  const float* d;       // [blocks]
+  const float* ds;      // [2 * blocks]
+  const int32_t* sums;  // [passes][2 * blocks]
+  int64_t cols, blocks;
+};
+
+// The AVX2 (+FMA, F16C) product (cpu_quant_x16_avx2.cpp), for CPUs without AVX-512 VNNI:
+// the same codes, sums and scales as the VNNI path's quantize_row, bit for bit ...
+void quantize_row_avx2(const float* x, int64_t cols, int passes, int8_t* codes, float* d, float* ds, int32_t* sums);
+// ... and the same int32 dot products, scaled in the same float32 order: out [rows, n]
+// for the rows of x and the x16 weight w of type `quant` (`records` per 16-row group).
+void mm_x16_avx2(int64_t quant, int passes, const std::vector<QuantizedRow>& x, const uint8_t* w, int64_t n,
+                 int64_t records, float* out);
+
+}  // namespace llmd_x16
