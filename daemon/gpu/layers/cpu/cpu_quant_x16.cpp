@@ -65,8 +65,6 @@ using llmd_x16::kPassScale;
 using llmd_x16::QuantizedRow;
 using llmd_x16::record_bytes;
 
-constexpr int64_t kTile = 4;  // rows of x per pass over a record
-
 // The weight's GGUF blocks per row, once w is checked to be an x16 weight of this type.
 int64_t check_layout(const at::Tensor& w, int64_t quant, int64_t cols, const char* op) {
   TORCH_CHECK(quant >= 0 && quant < llmd_x16::kNumLayouts, op, ": quant must be a format code 0..",
@@ -317,22 +315,10 @@ LLMD_X16_TARGET void group_tile(const uint8_t* w, const QuantizedRow* x, float* 
 
 template <int Q, int P>
 void mm_x16(const std::vector<QuantizedRow>& x, const uint8_t* w, int64_t n, int64_t records, float* out) {
-  const int64_t rows = static_cast<int64_t>(x.size()), group_bytes = records * record_bytes(Q);
-  at::parallel_for(0, n / kGroup, 4, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const uint8_t* wg = w + g * group_bytes;
-      for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
-        const QuantizedRow* xr = x.data() + r0;
-        float* o = out + r0 * n + g * kGroup;
-        switch (std::min(kTile, rows - r0)) {
-          case 1: group_tile<Q, 1, P>(wg, xr, o, n); break;
-          case 2: group_tile<Q, 2, P>(wg, xr, o, n); break;
-          case 3: group_tile<Q, 3, P>(wg, xr, o, n); break;
-          default: group_tile<Q, 4, P>(wg, xr, o, n); break;
-        }
-      }
-    }
-  });
+  llmd_x16::for_each_tile(x, w, n, records * record_bytes(Q), out,
+                [n](auto t, const uint8_t* wg, const QuantizedRow* xr, float* o) {
+                  group_tile<Q, decltype(t)::value, P>(wg, xr, o, n);
+                });
 }
 
 template <int Q>

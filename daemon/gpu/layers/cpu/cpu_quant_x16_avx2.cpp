@@ -30,10 +30,6 @@ namespace {
 using avx2::HalfSubBlock;
 using avx2::X16Half;
 
-// Rows of x per pass over a record: the float32 accumulators are two per row (one per
-// half) in sixteen ymm registers beside eight of codes.
-constexpr int64_t kTile = 4;
-
 // The largest power of two up to `cap` of vpmaddubsw results that add in int16 without
 // saturating, for codes up to `code_max` and x's codes up to 128 in magnitude.
 constexpr int int16_sums(int code_max, int cap) {
@@ -158,22 +154,10 @@ LLMD_X16_AVX2_TARGET void group_tile(const uint8_t* w, const QuantizedRow* x, fl
 
 template <int Q, int P>
 void mm_x16(const std::vector<QuantizedRow>& x, const uint8_t* w, int64_t n, int64_t records, float* out) {
-  const int64_t rows = static_cast<int64_t>(x.size()), group_bytes = records * record_bytes(Q);
-  at::parallel_for(0, n / kGroup, 4, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const uint8_t* wg = w + g * group_bytes;
-      for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
-        const QuantizedRow* xr = x.data() + r0;
-        float* o = out + r0 * n + g * kGroup;
-        switch (std::min(kTile, rows - r0)) {
-          case 1: group_tile<Q, 1, P>(wg, xr, o, n); break;
-          case 2: group_tile<Q, 2, P>(wg, xr, o, n); break;
-          case 3: group_tile<Q, 3, P>(wg, xr, o, n); break;
-          default: group_tile<Q, 4, P>(wg, xr, o, n); break;
-        }
-      }
-    }
-  });
+  for_each_tile(x, w, n, records * record_bytes(Q), out,
+                [n](auto t, const uint8_t* wg, const QuantizedRow* xr, float* o) {
+                  group_tile<Q, decltype(t)::value, P>(wg, xr, o, n);
+                });
 }
 
 LLMD_X16_AVX2_TARGET void quantize_row(const float* x, int64_t cols, int passes, int8_t* codes, float* d, float* ds,

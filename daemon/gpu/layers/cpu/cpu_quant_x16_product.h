@@ -4,8 +4,14 @@
 
 #pragma once
 
+#include <ATen/Parallel.h>
+
+#include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
+
+#include "cpu_quant_x16_layout.h"
 
 namespace llmd_x16 {
 
@@ -36,6 +42,35 @@ struct QuantizedRow {
   const int32_t* sums;  // [passes][2 * blocks]
   int64_t cols, blocks;
 };
+
+// Rows of x per pass over a record (with AVX2 their float32 accumulators are two per row,
+// one per 8-row half, in sixteen ymm registers beside eight of codes).
+constexpr int64_t kTile = 4;
+
+// Both products' outer loops: threads over the weight's 16-row groups (`group_bytes`
+// each), x's rows in tiles of up to kTile, each tile of T rows through
+// tile(std::integral_constant<int, T>, group's records, its rows of x, their output) (out
+// [rows, n]).
+template <typename Tile>
+void for_each_tile(const std::vector<QuantizedRow>& x, const uint8_t* w, int64_t n, int64_t group_bytes, float* out,
+                   const Tile& tile) {
+  const int64_t rows = static_cast<int64_t>(x.size());
+  at::parallel_for(0, n / kGroup, 4, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* wg = w + g * group_bytes;
+      for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+        const QuantizedRow* xr = x.data() + r0;
+        float* o = out + r0 * n + g * kGroup;
+        switch (std::min(kTile, rows - r0)) {
+          case 1: tile(std::integral_constant<int, 1>{}, wg, xr, o); break;
+          case 2: tile(std::integral_constant<int, 2>{}, wg, xr, o); break;
+          case 3: tile(std::integral_constant<int, 3>{}, wg, xr, o); break;
+          default: tile(std::integral_constant<int, 4>{}, wg, xr, o); break;
+        }
+      }
+    }
+  });
+}
 
 // The AVX2 (+FMA, F16C) product (cpu_quant_x16_avx2.cpp), for CPUs without AVX-512 VNNI:
 // the same codes, sums and scales as the VNNI path's quantize_row, bit for bit ...
