@@ -150,6 +150,27 @@ def _mistral_common_or_placeholders() -> Iterator[None]:
             sys.modules.pop(prefix, None)
 
 
+@contextlib.contextmanager
+def _converter_imports(folder: Path) -> Iterator[None]:
+    """While the converter is imported, what it imports when run as a script: its folder
+    on sys.path (newer ones keep their `conversion` package there) and the gguf-py it is
+    shipped with, where there is one (its classes may be newer than the gguf package's of
+    the same version). Afterwards sys.modules holds the installed gguf again; the
+    converter keeps the one it imported."""
+    vendored = folder / "gguf-py"
+    paths = [str(folder)] + ([str(vendored)] if vendored.is_dir() else [])
+    installed = {name: sys.modules.pop(name) for name in list(sys.modules)
+                 if vendored.is_dir() and (name == "gguf" or name.startswith("gguf."))}
+    sys.path[:0] = paths
+    try:
+        yield
+    finally:
+        del sys.path[:len(paths)]
+        for name in [n for n in sys.modules if n == "gguf" or n.startswith("gguf.")] if installed else ():
+            del sys.modules[name]
+        sys.modules.update(installed)
+
+
 def load_converter() -> types.ModuleType:
     """The shipped converter as a module (imported once), adapted as the module doc says:
     `ModelBase.load_hparams` adds transformers 4's rope keys. The pre-tokenizer is set per
@@ -160,8 +181,10 @@ def load_converter() -> types.ModuleType:
     spec = importlib.util.spec_from_file_location("_llmd_convert_hf_to_gguf", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    with _mistral_common_or_placeholders():
+    with _converter_imports(path.parent), _mistral_common_or_placeholders():
         spec.loader.exec_module(module)
+        if hasattr(module, "load_all_models"):  # newer converters: each model's class in a module of its own
+            module.load_all_models()
     load_hparams = module.ModelBase.load_hparams
 
     def load_hparams_with_legacy_rope(dir_model: Path, is_mistral_format: bool) -> dict[str, Any]:
@@ -204,7 +227,10 @@ def convert_hf_to_gguf(hf_dir: Path, out: Path, outtype: str = "bf16", pre_token
         raise ValueError(f"outtype must be one of {sorted(ftypes)}, not {outtype!r}")
     hparams = conv.ModelBase.load_hparams(Path(hf_dir), False)
     arch = conv.get_model_architecture(hparams, conv.ModelType.TEXT)
-    model_class = conv.ModelBase.from_model_architecture(arch, model_type=conv.ModelType.TEXT)
+    if hasattr(conv, "get_model_class"):  # newer converters import a model's class on demand
+        model_class = conv.get_model_class(arch)
+    else:
+        model_class = conv.ModelBase.from_model_architecture(arch, model_type=conv.ModelType.TEXT)
     recognised = model_class.get_vocab_base_pre
 
     def vocab_base_pre(self: Any, tokenizer: Any) -> str:
