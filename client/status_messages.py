@@ -76,7 +76,8 @@ class ModelStatus(msgspec.Struct, kw_only=True):
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
     # What the KV cache stores per element while loaded: the model's dtype ("bfloat16"),
-    # or a quantized format ("fp8_e4m3", "int8": the engine setting kv_cache_dtype).
+    # a narrower float ("float16") or a quantized format ("fp8_e4m3", "int8": the engine
+    # setting kv_cache_dtype).
     kv_cache_dtype: str = ""
     keep_alive_s: float | None = None  # how long it stays once idle (None: for ever)
     expires_at: float | None = None  # Unix time it will be unloaded (idle, with a finite keep_alive)

@@ -9,7 +9,9 @@ import msgspec
 
 
 # The kv_cache_dtype values (llmd.gpu.layers.kv_quant reads them; this module imports no torch).
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "int8")
+# Those that keep K/V as floats of another width than the model's (half a float32 model's bytes).
+KV_CACHE_FLOATS = ("float16", "bfloat16")
 
 
 class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -67,7 +69,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # KV cache elements (vLLM's name and values): "auto" the model's dtype; "fp8" (or
     # "fp8_e4m3") one float8 e4m3 byte, "int8" one int8, each scaled per layer (see
     # docs/models.md): twice (bf16) or four times (fp32) the tokens in the same memory.
-    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "int8"] = "auto"
+    kv_cache_dtype: Literal["auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "int8"] = "auto"
     # CPU: torch intra-op threads for the model (per TP rank). None: all cores (split
     # between ranks). Fewer than the cores leaves room for other work: with OpenMP,
     # threads competing with other busy processes make every op wait a time slice.
@@ -194,8 +196,9 @@ SETTING_HELP: dict[str, str] = {
     "enforce_eager": "No CUDA graphs (slower; for debugging).",
     "async_scheduling": "Schedule the next step while the model runs this one.",
     "attention_backend": "Paged attention kernels; auto: flash-attn or Triton on CUDA, PyTorch on CPU.",
-    "kv_cache_dtype": "KV cache elements: auto (the model's dtype), fp8 / fp8_e4m3 or int8 (one byte each, "
-                      "scaled per layer: 2x-4x the tokens in the same memory).",
+    "kv_cache_dtype": "KV cache elements: auto (the model's dtype), float16 / bfloat16 (half a float32 model's "
+                      "bytes, as llama.cpp's f16 cache), fp8 / fp8_e4m3 or int8 (one byte each, scaled per layer: "
+                      "2x-4x the tokens in the same memory).",
     "cpu_threads": "CPU: torch threads for the model per rank (default: all cores).",
     "dequantize": "GGUF, AWQ, GPTQ, FP8: dequantize every weight at load instead of running them packed (more "
                   "memory; loads what llmd has no packed kernel for, e.g. IQ4_NL, quantized MoE experts, CUDA).",

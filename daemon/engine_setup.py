@@ -64,6 +64,7 @@ def prepare_model(config: EngineConfig, progress: LoadProgress | None = None) ->
     _check_quantized_device(hf_config, model_dir, device, config.dequantize)
     checkpoint_dtype = str(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", "") or "")
     dtype = resolve_dtype(config.dtype, device, checkpoint_dtype.replace("torch.", ""))
+    _check_kv_cache_dtype(config.kv_cache_dtype, dtype)
     max_pos = getattr(hf_config, "max_position_embeddings", 2048)
     max_model_len = config.max_model_len or max_pos
     if max_model_len > max_pos:
@@ -74,6 +75,19 @@ def prepare_model(config: EngineConfig, progress: LoadProgress | None = None) ->
     return ModelSetup(model_dir, tokenizer, device, dtype, max_model_len, hf_config.vocab_size, eos,
                       stop_token_ids(model_dir) - {eos},
                       _runner_settings(config, hf_config, tokenizer, max_model_len, pooling), pooling)
+
+
+def _check_kv_cache_dtype(kv_cache_dtype: str, dtype: Any) -> None:
+    """A float16 / bfloat16 cache is the model's own dtype or narrows a float32 model's
+    K/V (what the CPU kernels read); one 16-bit float cache under another is refused."""
+    import torch
+
+    from llmd.config import KV_CACHE_FLOATS
+
+    name = str(dtype).removeprefix("torch.")
+    if kv_cache_dtype in KV_CACHE_FLOATS and dtype != torch.float32 and kv_cache_dtype != name:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} with dtype {name!r}: a float cache of another width "
+                         "is for float32 models (use 'auto' to keep the model's dtype)")
 
 
 def _pooling(config: EngineConfig, model_dir: str, hf_config: Any) -> PoolingConfig:

@@ -65,14 +65,14 @@ class Spy:
         return self.inner(*args)
 
 
-def decode_steps(model: torch.nn.Module, prompt: list[int], steps: int, dtype: torch.dtype, c_layers: bool
+def decode_steps(model: torch.nn.Module, prompt: list[int], steps: int, cache_dtype: torch.dtype, c_layers: bool
                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The prompt prefilled (the Python layers), then `steps` one-token decode steps
     (greedy) through the C++ layers or the Python ones: each step's hidden state, and the
-    caches after the last."""
+    caches (of `cache_dtype`) after the last."""
     layers = model.decode_layers
     spy = Spy(model)
-    caches = new_model_kv_caches(model, 8, BLOCK, dtype, CPU)
+    caches = new_model_kv_caches(model, 8, BLOCK, cache_dtype, CPU)
     builder = metadata_builder(model, BLOCK, CPU)
     table = torch.arange(8)
     n = len(prompt)
@@ -96,10 +96,10 @@ def decode_steps(model: torch.nn.Module, prompt: list[int], steps: int, dtype: t
     return hiddens, caches
 
 
-def assert_same_steps(model: torch.nn.Module, prompt: list[int], steps: int, dtype: torch.dtype) -> None:
+def assert_same_steps(model: torch.nn.Module, prompt: list[int], steps: int, cache_dtype: torch.dtype) -> None:
     assert model.decode_layers is not None, why_not(model)
-    c_hidden, c_caches = decode_steps(model, prompt, steps, dtype, c_layers=True)
-    py_hidden, py_caches = decode_steps(model, prompt, steps, dtype, c_layers=False)
+    c_hidden, c_caches = decode_steps(model, prompt, steps, cache_dtype, c_layers=True)
+    py_hidden, py_caches = decode_steps(model, prompt, steps, cache_dtype, c_layers=False)
     for step, (c, py) in enumerate(zip(c_hidden, py_hidden)):
         assert torch.equal(c, py), f"step {step}: max difference {(c.float() - py.float()).abs().max()}"
     for c, py in zip(c_caches, py_caches):
@@ -114,6 +114,14 @@ CASES = [("llama-tied", T.Q4_1, ()), ("qwen2", T.Q8_0, ()), ("qwen3", T.Q8_0, ()
 def test_a_decode_step_through_the_c_layers_is_the_python_layers_step(vnni, ggufs, name, qtype, k_quants, dtype):
     model = load_model(ggufs(name, qtype, k_quants), dtype, CPU, 128)
     assert_same_steps(model, [1, 7, 42, 99, 3, 250], 4, dtype)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_a_16_bit_cache_under_float32_layers_is_the_python_layers_step(vnni, ggufs, cache_dtype):
+    """kv_cache_dtype float16 / bfloat16 on a float32 model: the C++ layers take the step
+    (the operators round K/V into the cache and widen them back as the Python path does)."""
+    model = load_model(ggufs("llama-tied", T.Q4_1, ()), torch.float32, CPU, 128)
+    assert_same_steps(model, [1, 7, 42, 99, 3, 250], 4, cache_dtype)
 
 
 def test_gemma3_270m_decode_steps_through_the_c_layers(vnni):
@@ -156,7 +164,8 @@ def test_steps_and_models_the_c_layers_do_not_take(vnni, ggufs, hf_dirs, monkeyp
     one = AttentionMetadata(torch.tensor([4]), 1, torch.arange(8)[None], torch.tensor([5]), [])
     hidden = torch.zeros(1, model.config.hidden_size)
     assert layers.takes(hidden, one, caches)
-    assert not layers.takes(hidden, one, [c.bfloat16() for c in caches])  # a KV cache of another dtype
+    assert layers.takes(hidden, one, [c.bfloat16() for c in caches])  # a 16-bit float cache under float32 layers
+    assert not layers.takes(hidden, one, [c.to(torch.int8) for c in caches])  # a quantized cache
     assert not layers.takes(hidden.bfloat16(), one, caches)
     assert not layers.takes(torch.zeros(1, 2 * hidden.shape[1])[:, ::2], one, caches)  # not contiguous
     prefill = AttentionMetadata(torch.arange(3), 0, None, None, [(0, 3, 0, torch.arange(8))])

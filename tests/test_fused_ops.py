@@ -35,7 +35,7 @@ from kernel_runs import DEVICES, case_result, run_case_scripts, script_device
 
 from llmd.gpu.layers import fused_ops
 from llmd.gpu.layers.fused_ops import FUSED_OPS_ENV, UNFUSED, LayerOps, attention_inputs_reference, layer_ops
-from llmd.gpu.layers.kv_quant import INT8, UNIT_SCALES, KVScales, kv_cache_format, quantize
+from llmd.gpu.layers.kv_quant import INT8, UNIT_SCALES, KVScales, cache_dtype, kv_cache_format, quantize
 from llmd.gpu.layers.norms import GemmaRMSNorm, RMSNorm
 
 TOLERANCE = {"float32": (1e-5, 1e-5, 1.0), "bfloat16": (1e-5, 2.0 ** -7, 0.02)}  # atol, rtol, mismatch share
@@ -117,6 +117,8 @@ def qkv_case(tokens: int, heads: int, kv_heads: int, head_dim: int, rotary_dim: 
     scales = UNIT_SCALES if fmt is None else KVScales(0.03, 0.02) if fmt is INT8 else KVScales(0.5, 0.01)
     if fmt is not None:  # a quantized cache (int8 clips |K| > 3.8; fp8's V scale lifts |V| < 0.16 from subnormals)
         cache = quantize(cache, fmt, 1.0)
+    elif kv_cache_dtype != "auto":  # float16 / bfloat16 under float32 activations
+        cache = cache.to(cache_dtype(kv_cache_dtype, dt))
     slots = torch.randperm(blocks * block_size, generator=gen)[:tokens]
     if tokens > 1:
         slots[tokens // 2] = -1
@@ -136,7 +138,7 @@ def qkv_case(tokens: int, heads: int, kv_heads: int, head_dim: int, rotary_dim: 
     fused_flat, ref_flat, old_flat = (c.view(flat) for c in (fused_cache, ref_cache, cache))
     result["untouched_changed"] = (fused_flat[:, :, ~named] != old_flat[:, :, ~named]).sum().item()
     result["v_mismatch"] = (fused_flat[1][:, named] != ref_flat[1][:, named]).sum().item()
-    if fmt is not None:  # K rounds where the reference's rounds: at most the next stored value over
+    if kv_cache_dtype != "auto":  # K rounds where the reference's rounds: at most the next stored value over
         steps = (_stored_rank(fused_flat[0][:, named], fmt) - _stored_rank(ref_flat[0][:, named], fmt)).abs()
         result["k_excess"] = steps.max().item() - 1
         result["k_mismatch"] = (steps != 0).float().mean().item()
@@ -147,10 +149,15 @@ def qkv_case(tokens: int, heads: int, kv_heads: int, head_dim: int, rotary_dim: 
 
 
 def _stored_rank(raw: torch.Tensor, fmt) -> torch.Tensor:
-    """A quantized cache's elements as ordinals in their values' order (an e4m3 byte is
-    sign and magnitude: its magnitude bits count up with the value)."""
+    """A quantized or 16-bit float cache's elements as ordinals in their values' order (an
+    e4m3 byte, a float16 or bfloat16 is sign and magnitude: its magnitude bits count up
+    with the value)."""
     if fmt is INT8:
         return raw.long()
+    if fmt is None:  # float16 / bfloat16 (fmt: None)
+        bits = raw.view(torch.int16).long()
+        magnitude = bits & 0x7FFF
+        return torch.where(bits < 0, -magnitude, magnitude)
     magnitude = (raw & 0x7F).long()
     return torch.where(raw >= 0x80, -magnitude, magnitude)
 
@@ -226,6 +233,9 @@ def kernel_cases() -> dict[str, Callable[[], dict]]:
         "qkv-d80-mha-qknorm-fp32-t3-int8": (3, 2, 2, 80, 80, "float32", RMSNorm, "int8"),
         "qkv-d80-partial-qknorm-bf16-t17-fp8": (17, 4, 2, 80, 48, "bfloat16", RMSNorm, "fp8"),
         "qkv-d64-gqa2-bf16-t3-int8": (3, 4, 2, 64, 64, "bfloat16", None, "int8"),
+        # Into a 16-bit float cache under float32 activations: torch's conversion's bits.
+        "qkv-d80-partial-qknorm-fp32-t17-f16cache": (17, 4, 2, 80, 48, "float32", RMSNorm, "float16"),
+        "qkv-d64-gqa2-fp32-t3-bf16cache": (3, 4, 2, 64, 64, "float32", None, "bfloat16"),
     }
     for name, args in qkv.items():
         cases[name] = lambda args=args: qkv_case(*args)

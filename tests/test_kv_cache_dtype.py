@@ -11,7 +11,7 @@ import math
 import msgspec
 import pytest
 import torch
-from triton_attention_cases import CASES, QUANTIZED_CASES, attend, build, layer_args, quantized_reference
+from triton_attention_cases import CASES, STORED_CASES, attend, build, layer_args, stored_reference
 
 from llmd import LLM, SamplingParams
 from llmd.config import EngineConfig, load_engine_config, resolved_kv_cache_dtype
@@ -19,8 +19,9 @@ from llmd.gpu.layers.attention import TorchAttention
 from llmd.gpu.layers.attention_backends import resolve_attention_backend
 from llmd.gpu.layers.cpu.cpu_kernels import paged_decode_op
 from llmd.gpu.layers.fused_ops import attention_inputs_reference
-from llmd.gpu.layers.kv_quant import (FP8_E4M3, INT8, KVScales, calibrated_scale, dequantize, kv_cache_format,
-                                      quantize)
+from llmd.pool.estimate import kv_element_bytes
+from llmd.gpu.layers.kv_quant import (FP8_E4M3, INT8, KVScales, cache_dtype, calibrated_scale, dequantize,
+                                      kv_cache_format, quantize)
 
 CPU = torch.device("cpu")
 
@@ -87,14 +88,14 @@ def test_flash_attn_with_a_quantized_cache_is_refused_by_name() -> None:
         ["bfloat16", "fp8_e4m3", "fp8_e4m3", "int8"]
 
 
-@pytest.mark.parametrize("name", QUANTIZED_CASES)
-def test_torch_backend_over_a_quantized_cache_is_attention_over_the_dequantized_kv(name: str) -> None:
+@pytest.mark.parametrize("name", STORED_CASES)
+def test_torch_backend_over_a_quantized_or_16_bit_cache_is_attention_over_the_stored_kv(name: str) -> None:
     """TorchAttention (the gather path: no decode kernel) over a quantized cache, with
     the layer's scales: the output of the torch reference over the dequantized cache and
     quantized-dequantized K/V, and the cache torch's quantizer writes, byte for byte."""
     case = CASES[name]
     q, k, v, kv_cache, md = build(case)
-    ref, ref_cache = quantized_reference(case, q, k, v, kv_cache, md)
+    ref, ref_cache = stored_reference(case, q, k, v, kv_cache, md)
     layer = TorchAttention(*layer_args(case))
     layer.kv_scales = case.kv_scales
     out = attend(layer, q, k, v, kv_cache, md)
@@ -108,7 +109,7 @@ def test_the_reference_itself_sees_quantization() -> None:
     backend's output is far from the reference."""
     case = CASES["int8-mixed"]
     q, k, v, kv_cache, md = build(case)
-    ref, _ = quantized_reference(case, q, k, v, kv_cache, md)
+    ref, _ = stored_reference(case, q, k, v, kv_cache, md)
     out = attend(TorchAttention(*layer_args(case)), q, k, v, kv_cache, md)  # unit scales
     assert (out - ref).abs().max().item() > 1.0
 
@@ -122,13 +123,15 @@ def decode_kernel():
 
 
 @pytest.mark.parametrize("name", ["fp8-mixed", "fp8-mixed-bf16", "int8-mixed", "int8-mixed-fp16",
-                                  "int8-sliding-softcap-bf16", "fp8-decode-split3-padded"])
-def test_cpu_paged_decode_kernel_reads_a_quantized_cache(decode_kernel, name: str) -> None:
+                                  "int8-sliding-softcap-bf16", "fp8-decode-split3-padded", "fp16-cache-mixed",
+                                  "bf16-cache-sliding-softcap", "fp16-cache-decode-split3-padded",
+                                  "bf16-cache-head-dim-24-bs8"])
+def test_cpu_paged_decode_kernel_reads_a_quantized_or_16_bit_cache(decode_kernel, name: str) -> None:
     """The C++ decode kernel over the quantized cache in place: the reference's output
     on the decode rows."""
     case = CASES[name]
     q, k, v, kv_cache, md = build(case)
-    ref, ref_cache = quantized_reference(case, q, k, v, kv_cache, md)
+    ref, ref_cache = stored_reference(case, q, k, v, kv_cache, md)
     layer = TorchAttention(*layer_args(case))
     layer.kv_scales = case.kv_scales
     layer.decode_kernel = decode_kernel
@@ -155,12 +158,14 @@ def test_cpu_paged_decode_kernel_reads_every_e4m3_byte_exactly(decode_kernel, he
     assert torch.equal(out[:, 0], expected)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_cache_dtype, dtype", [("fp8", torch.float32), ("fp8", torch.bfloat16),
+                                                   ("int8", torch.float32), ("int8", torch.bfloat16),
+                                                   ("float16", torch.float32), ("bfloat16", torch.float32)])
 def test_cpu_fused_rope_cache_write_quantizes_as_torch_does(decode_kernel, kv_cache_dtype: str,
                                                             dtype: torch.dtype) -> None:
-    """The C++ q/k rotary + K/V write into a quantized cache: the bytes torch's quantizer
-    writes for the reference's rotated K and its V, every other byte untouched."""
+    """The C++ q/k rotary + K/V write into a quantized or 16-bit float cache: the bytes
+    torch's quantizer (or conversion) writes for the reference's rotated K and its V,
+    every other byte untouched."""
     fmt = kv_cache_format(kv_cache_dtype)
     gen = torch.Generator().manual_seed(5)
     tokens, heads, kv_heads, d = 7, 4, 2, 32
@@ -168,8 +173,12 @@ def test_cpu_fused_rope_cache_write_quantizes_as_torch_does(decode_kernel, kv_ca
     freqs = torch.outer(torch.arange(tokens).float() * 3, torch.rand(d // 2, generator=gen))
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)
-    scales = KVScales(0.03, 0.05) if fmt is INT8 else KVScales(0.5, 2.0)
-    cache = quantize(torch.randn(2, kv_heads, 5, 4, d, generator=gen), fmt, 1.0)
+    if fmt is None:  # float16 / bfloat16: no scales
+        scales = KVScales()
+        cache = torch.randn(2, kv_heads, 5, 4, d, generator=gen).to(cache_dtype(kv_cache_dtype, dtype))
+    else:
+        scales = KVScales(0.03, 0.05) if fmt is INT8 else KVScales(0.5, 2.0)
+        cache = quantize(torch.randn(2, kv_heads, 5, 4, d, generator=gen), fmt, 1.0)
     slots = torch.randperm(20, generator=gen)[:tokens]
     fused, ref = cache.clone(), cache.clone()
     fused_qkv = qkv.clone()
@@ -181,11 +190,11 @@ def test_cpu_fused_rope_cache_write_quantizes_as_torch_does(decode_kernel, kv_ca
 
 
 def test_pool_holds_four_times_the_blocks_of_float32_in_the_same_bytes(tiny_llama) -> None:
-    """kv_cache_memory_bytes buys 1-byte elements: four times the fp32 blocks (and the
-    runner's bytes per block say so)."""
+    """kv_cache_memory_bytes buys 1-byte elements: four times the fp32 blocks, 2-byte
+    ones twice (and the runner's bytes per block say so, as the pool's estimate does)."""
     budget = 40 * 2 ** 16
     blocks, per_block = {}, {}
-    for kv in ("auto", "fp8", "int8"):
+    for kv in ("auto", "fp8", "int8", "float16", "bfloat16"):
         llm = LLM(model=str(tiny_llama), device="cpu", dtype="float32", max_model_len=128, kv_cache_memory_bytes=budget,
                   kv_cache_dtype=kv)
         try:
@@ -194,8 +203,25 @@ def test_pool_holds_four_times_the_blocks_of_float32_in_the_same_bytes(tiny_llam
             assert sum(c.numel() * c.element_size() for c in caches) == (blocks[kv] + 1) * per_block[kv]
         finally:
             llm.engine.shutdown()
-    assert per_block["auto"] == 4 * per_block["fp8"] == 4 * per_block["int8"]
+    assert per_block["auto"] == 4 * per_block["fp8"] == 4 * per_block["int8"] == 2 * per_block["float16"] \
+        == 2 * per_block["bfloat16"]
     assert blocks["fp8"] == blocks["int8"] == budget // per_block["fp8"] >= 4 * blocks["auto"]
+    assert blocks["float16"] == blocks["bfloat16"] == budget // per_block["float16"] >= 2 * blocks["auto"]
+    assert [kv_element_bytes(kv, 4) for kv in ("auto", "fp8", "int8", "float16", "bfloat16")] == [4, 1, 1, 2, 2]
+
+
+def test_a_16_bit_cache_under_a_16_bit_model_of_another_kind_is_refused(tiny_llama) -> None:
+    """float16 / bfloat16 narrow a float32 model's K/V (or are its own dtype); a bfloat16
+    model with a float16 cache would round twice: refused, naming the setting."""
+    with pytest.raises(ValueError, match="kv_cache_dtype 'float16' with dtype 'bfloat16'"):
+        LLM(model=str(tiny_llama), device="cpu", dtype="bfloat16", max_model_len=64, kv_cache_dtype="float16")
+    llm = LLM(model=str(tiny_llama), device="cpu", dtype="bfloat16", max_model_len=64, num_gpu_blocks_override=8,
+              kv_cache_dtype="bfloat16")  # the model's own dtype: as "auto"
+    try:
+        assert llm.engine.kv_cache_dtype == "bfloat16"
+        assert all(c.dtype == torch.bfloat16 for c in llm.engine.executor.runner.kv_caches)
+    finally:
+        llm.engine.shutdown()
 
 
 # Long enough for whole 16-token blocks, which the prefix cache keeps.
@@ -215,7 +241,7 @@ def runs(tiny_llama) -> dict[str, dict]:
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     forced = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
     runs: dict[str, dict] = {}
-    for kv in ("auto", "fp8", "int8"):
+    for kv in ("auto", "fp8", "int8", "float16", "bfloat16"):
         llm = LLM(model=str(tiny_llama), device="cpu", dtype="float32", max_model_len=256, num_gpu_blocks_override=64,
                   kv_cache_dtype=kv)
         try:
@@ -242,13 +268,13 @@ def runs(tiny_llama) -> dict[str, dict]:
 
 
 # Bounds measured on tiny-llama (277 positions): fp8 72% top-1 agreement, mean |dlogprob|
-# 1.06; int8 84%, 0.66. The fixture is a worst case by construction (make_model's peaked
+# 1.06; int8 84%, 0.66; float16 98.9%, 0.0064; bfloat16 97.8%, 0.052. The fixture is a worst case by construction (make_model's peaked
 # init: attention scores of std 4, logits of std 8, so a 3% error in a key moves a score
 # by ~0.1 and the logits by far more); docs/models.md has the real SmolLM2's figures.
-QUALITY = {"fp8": (0.65, 1.3), "int8": (0.75, 0.85)}
+QUALITY = {"fp8": (0.65, 1.3), "int8": (0.75, 0.85), "float16": (0.96, 0.02), "bfloat16": (0.93, 0.12)}
 
 
-@pytest.mark.parametrize("kv", ["fp8", "int8"])
+@pytest.mark.parametrize("kv", ["fp8", "int8", "float16", "bfloat16"])
 def test_quantized_cache_predicts_the_float32_cache_tokens(runs, kv: str) -> None:
     """Teacher-forced over the float32-cache run's greedy text: the quantized cache's
     greedy token (top-1) is the float32 cache's at most positions, and the text's
@@ -261,7 +287,7 @@ def test_quantized_cache_predicts_the_float32_cache_tokens(runs, kv: str) -> Non
     assert agree >= min_agree and mean_delta <= max_delta, (kv, agree, mean_delta)
 
 
-@pytest.mark.parametrize("kv", ["fp8", "int8"])
+@pytest.mark.parametrize("kv", ["fp8", "int8", "float16", "bfloat16"])
 def test_a_prefix_cache_hit_reads_what_a_fresh_prefill_computed(runs, kv: str) -> None:
     """The second pass of every prompt hits the prefix cache (its blocks hold quantized
     K/V) and decodes the first pass's tokens exactly: a quantized prompt attends over the

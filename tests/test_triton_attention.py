@@ -60,6 +60,7 @@ def test_kernels_match_the_torch_reference(interpreted: dict[str, dict], name: s
     ("model", [None] * 3, [None] * 3),
     ("model-fp8", [None] * 3, [None] * 3),
     ("model-int8", [None] * 3, [None] * 3),
+    ("model-fp16-cache", [None] * 3, [None] * 3),
     ("model-sliding", [None, 24, 24], [None] * 3),
     ("model-softcap", [16, None, 16], [8.0] * 3),
 ])
@@ -71,7 +72,8 @@ def test_model_runner_with_the_triton_backend_matches_torch(interpreted: dict[st
     prefixes) of tiny-llama, of a model with sliding-window layers and of Gemma 2
     (soft-capped scores, its own attention scale), gives the torch backend's hidden
     states and caches; with kv_cache_dtype fp8 and int8 too (each runner calibrates its
-    scales; the caches' stored values at most one step apart)."""
+    scales; the caches' stored values at most one step apart), and float16 (one float16
+    step apart)."""
     result = case_result(interpreted, job)
     assert result["windows"] == windows
     assert result["softcaps"] == softcaps

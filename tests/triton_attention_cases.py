@@ -24,7 +24,7 @@ import torch
 from kernel_runs import script_device
 
 from llmd.gpu.layers.attention import AttentionMetadata, TorchAttention, build_decode_mask, write_kv
-from llmd.gpu.layers.kv_quant import KVScales, dequantize, kv_cache_format, quantize
+from llmd.gpu.layers.kv_quant import KVScales, cache_dtype, dequantize, kv_cache_format, quantize
 
 DEVICE = torch.device("cpu")  # where the cases run (main sets it from --device)
 
@@ -111,7 +111,19 @@ CASES.update({
                                       sliding_window=12, softcap=2.0, kv_cache_dtype="int8", k_scale=0.035,
                                       v_scale=0.035),
 })
-QUANTIZED_CASES = [name for name, case in CASES.items() if case.kv_cache_dtype != "auto"]
+# Float caches of another width under float32 queries (kv_cache_dtype float16 / bfloat16):
+# K/V rounded to it, every read widened.
+CASES.update({
+    "fp16-cache-mixed": Case(8, 2, decodes=MIXED_DECODES, prefills=MIXED_PREFILLS, kv_cache_dtype="float16"),
+    "bf16-cache-sliding-softcap": Case(8, 2, decodes=MIXED_DECODES, prefills=MIXED_PREFILLS, sliding_window=12,
+                                       softcap=2.0, kv_cache_dtype="bfloat16"),
+    "fp16-cache-decode-split3-padded": Case(4, 1, decodes=(70, 5, 33), pad_rows=2, table_blocks=6, decode_splits=3,
+                                            kv_cache_dtype="float16"),
+    "bf16-cache-head-dim-24-bs8": Case(6, 2, decodes=(3, 26, 13), prefills=((19, 6),), head_dim=24, block_size=8,
+                                       kv_cache_dtype="bfloat16"),
+})
+# Every case whose cache holds K/V other than as they are (quantized or narrower floats).
+STORED_CASES = [name for name, case in CASES.items() if case.kv_cache_dtype != "auto"]
 for _group in (1, 4, 8):
     for _bs in (16, 32):
         CASES[f"mixed-gqa{_group}-bs{_bs}"] = Case(8, 8 // _group, decodes=MIXED_DECODES,
@@ -204,6 +216,8 @@ def build(case: Case, seed: int = 0):
     if fmt is not None:  # stored values everywhere (random bytes would hold e4m3 NaNs)
         scales = case.kv_scales
         kv_cache = torch.stack([quantize(kv_cache[0], fmt, scales.k_inv), quantize(kv_cache[1], fmt, scales.v_inv)])
+    else:
+        kv_cache = kv_cache.to(cache_dtype(case.kv_cache_dtype, dtype))
     # Padded rows have the same token and position, so the same K/V for their one slot.
     if case.pad_rows:
         real = len(case.decodes)
@@ -216,17 +230,23 @@ def layer_args(case: Case) -> tuple:
     return case.heads, case.kv_heads, case.head_dim, case.head_dim ** -0.5, case.sliding_window, case.softcap
 
 
-def quantized_reference(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+def stored_reference(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                         md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output, cache) a layer over a quantized cache must give: the output of the torch
-    reference over a cache in the model's dtype holding the dequantized values, with the
-    step's K/V quantized and dequantized by torch (kv_quant.quantize: torch's own float8
-    conversion, or round-and-clamp); the cache as torch's quantized write leaves it."""
+    """(output, cache) a layer over a quantized or narrower float cache must give: the
+    output of the torch reference over a cache in the model's dtype holding the stored
+    values, with the step's K/V stored and read back by torch (kv_quant.quantize: torch's
+    own float8 conversion, or round-and-clamp; a float cache: torch's conversion to it);
+    the cache as torch's write leaves it."""
     fmt, scales = kv_cache_format(case.kv_cache_dtype), case.kv_scales
     dtype = q.dtype
-    plain = torch.stack([dequantize(kv_cache[0], fmt, scales.k, dtype), dequantize(kv_cache[1], fmt, scales.v, dtype)])
-    k_seen = dequantize(quantize(k, fmt, scales.k_inv), fmt, scales.k, dtype)
-    v_seen = dequantize(quantize(v, fmt, scales.v_inv), fmt, scales.v, dtype)
+    if fmt is None:
+        plain = kv_cache.to(dtype)
+        k_seen, v_seen = k.to(kv_cache.dtype).to(dtype), v.to(kv_cache.dtype).to(dtype)
+    else:
+        plain = torch.stack([dequantize(kv_cache[0], fmt, scales.k, dtype),
+                             dequantize(kv_cache[1], fmt, scales.v, dtype)])
+        k_seen = dequantize(quantize(k, fmt, scales.k_inv), fmt, scales.k, dtype)
+        v_seen = dequantize(quantize(v, fmt, scales.v_inv), fmt, scales.v, dtype)
     out = attend(TorchAttention(*layer_args(case)), q, k_seen, v_seen, plain, md)
     written = kv_cache.clone()
     write_kv(written, k, v, md.slot_mapping, scales)
@@ -239,7 +259,7 @@ def run_case(case: Case) -> dict[str, float]:
     q, k, v, kv_cache, md = build(case)
     args = layer_args(case)
     if case.kv_cache_dtype != "auto":
-        ref, ref_cache = quantized_reference(case, q, k, v, kv_cache, md)
+        ref, ref_cache = stored_reference(case, q, k, v, kv_cache, md)
     else:
         ref_cache = kv_cache.clone()
         ref = attend(TorchAttention(*args), q, k, v, ref_cache, md)
@@ -294,7 +314,14 @@ def run_model(model_dir: str, tol: float = 1e-4, kv_cache_dtype: str = "auto") -
         if runner.kv_format is not None:  # stored values as numbers (e4m3 magnitudes count up with the value)
             raw = caches[backend].long()
             caches[backend] = torch.where(raw >= 0x80, 0x80 - raw, raw) if runner.kv_format.code == 1 else raw
-    cache_tol = tol if kv_cache_dtype == "auto" else 1  # a quantized cache: one stored step
+    if kv_cache_dtype == "auto":
+        cache_tol = tol
+    elif runner.kv_format is not None:  # a quantized cache: one stored step
+        cache_tol = 1
+    else:  # a 16-bit float cache: one float16 step at the largest magnitude
+        cache_tol = 2.0 ** -10 * max(1.0, caches["torch"].abs().max().item())
+    if kv_cache_dtype in ("float16", "bfloat16"):
+        caches = {backend: cache.float() for backend, cache in caches.items()}
     return {"out_err": (hidden["triton"] - hidden["torch"]).abs().max().item(),
             "cache_err": (caches["triton"] - caches["torch"]).abs().max().item(),
             "tol": tol, "cache_tol": cache_tol, "windows": windows, "softcaps": softcaps}
@@ -362,6 +389,9 @@ def main(args: list[str]) -> None:
             if not suffix:  # tiny-llama with a quantized cache (scales calibrated by each runner)
                 jobs["model-fp8"] = lambda d=model_dir: run_model(d, 1e-4, "fp8")
                 jobs["model-int8"] = lambda d=model_dir: run_model(d, 1e-4, "int8")
+                # float16 K/V: the backends' float32 K differ in their last bits, which flips
+                # a rounding to float16 here and there (one step, ~1e-3): the output as far.
+                jobs["model-fp16-cache"] = lambda d=model_dir: run_model(d, 2e-3, "float16")
             jobs[f"model-graph{suffix}"] = lambda d=model_dir, t=tol: run_model_graph(d, t)
     for name in args or list(CASES):
         jobs[name] = lambda case=CASES[name]: run_case(case)

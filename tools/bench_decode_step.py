@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from llmd.config import KV_CACHE_DTYPES
 from llmd.gpu.layers.attention import TorchAttention
 from llmd.gpu.layers.cpu.cpu_kernels import paged_decode_op
 from llmd_tools.profile_step import build_engine, start_decoding
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--against", default=THIS, help="a commit whose paged_decode to time against, or 'this'")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps-per-round", type=int, default=5)
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "int8"],
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                     help="the engine's KV cache elements (both sides read the same cache)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)

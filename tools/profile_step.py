@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from llmd import LLM, SamplingParams
-from llmd.config import read_model_info
+from llmd.config import KV_CACHE_DTYPES, read_model_info
 from llmd_tools.bench.roofline import device_bandwidth, weight_elements
 from llmd_tools.bench.workloads import make_prompts
 from llmd_tools.make_model import fixture_path
@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="tiny-llama", help="fixture name or model directory")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "int8"])
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=20, help="decode steps timed, then as many profiled")
     ap.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmd.config import EngineConfig
+from llmd.config import KV_CACHE_FLOATS, EngineConfig
 from llmd.gpu.layers.quant.scheme import config_scheme, weights_per_element
 
 CPU_KV_DEFAULT_CAP = 4 << 30  # as llmd.engine_setup sizes a CPU KV pool with no setting
@@ -119,14 +119,21 @@ def estimate_need(engine: EngineConfig, shape: ModelShape, device_type: str, *, 
               and device_type in ("cpu", "cuda") and not engine.dequantize)
     weights = shape.weights_bytes if packed else shape.num_params * element
     tp = engine.tensor_parallel_size
-    # A quantized KV cache (kv_cache_dtype fp8 / int8) holds one byte per element.
-    kv = kv_pool_bytes(engine, shape, device_type, element if engine.kv_cache_dtype == "auto" else 1, available_ram)
+    kv = kv_pool_bytes(engine, shape, device_type, kv_element_bytes(engine.kv_cache_dtype, element), available_ram)
     if device_type == "cpu":
         return {"cpu": weights + kv}
     if kv is None:  # the pool takes what gpu_memory_utilization leaves: that share is the model's
         total = device_total or 0
         return {f"cuda:{rank}": max(int(engine.gpu_memory_utilization * total), weights // tp) for rank in range(tp)}
     return {f"cuda:{rank}": weights // tp + kv // tp for rank in range(tp)}
+
+
+def kv_element_bytes(kv_cache_dtype: str, element: int) -> int:
+    """Bytes of one KV cache element: the run dtype's (`element`) for "auto", two for a
+    float16 / bfloat16 cache, one for a quantized one (fp8, int8)."""
+    if kv_cache_dtype == "auto":
+        return element
+    return 2 if kv_cache_dtype in KV_CACHE_FLOATS else 1
 
 
 def kv_pool_bytes(engine: EngineConfig, shape: ModelShape, device_type: str, element: int,

@@ -25,7 +25,8 @@ so decode is two plain batched GEMMs with no permute copies (on CPU 1.4x faster 
 SDPA over a token-major gather in fp32, 4.5x in bf16, where SDPA's CPU kernel is slow).
 
 A quantized cache (kv_cache_dtype "fp8" or "int8", kv_quant) is written through the
-layer's scales and read back dequantized into the model's dtype: every key and value a
+layer's scales and read back dequantized into the model's dtype, a float cache of another
+width (float16 / bfloat16 for a float32 model) rounded and widened: every key and value a
 query sees is the stored one, the new tokens' own included, so a prompt attends the same
 whether its prefix came from the prefix cache or was computed in the same step.
 """
@@ -38,7 +39,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from llmd.gpu.layers.kv_quant import UNIT_SCALES, KVScales, cache_format, dequantize, quantize
+from llmd.gpu.layers.kv_quant import UNIT_SCALES, KVScales, cache_format, cached_values, quantize, stores_rounded
 
 
 @dataclass
@@ -224,6 +225,8 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     fmt = cache_format(kv_cache)
     if fmt is not None:
         k, v = quantize(k, fmt, scales.k_inv), quantize(v, fmt, scales.v_inv)
+    elif kv_cache.dtype != k.dtype:  # a float cache of another width: rounded to nearest
+        k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
     kv_cache[0].view(kvh, num_blocks * block_size, d).index_copy_(1, slot_mapping, k.transpose(0, 1))
     kv_cache[1].view(kvh, num_blocks * block_size, d).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
@@ -303,8 +306,7 @@ class TorchAttention(AttentionLayer):
         total = num_cached + num_new
         # Keys before the first query's window are never seen: left out of the gather.
         first_key = 0 if window is None else max(0, num_cached - window + 1)
-        fmt = cache_format(kv_cache)
-        if num_cached == 0 and fmt is None:
+        if num_cached == 0 and not stores_rounded(kv_cache, q.dtype):
             keys = k.transpose(0, 1).unsqueeze(0)
             values = v.transpose(0, 1).unsqueeze(0)
             if self.softcap is None and (window is None or num_new <= window):  # the window holds every earlier token
@@ -313,9 +315,9 @@ class TorchAttention(AttentionLayer):
         else:
             keys = kv_cache[0][:, block_ids].view(kvh, -1, d)[:, first_key:total].unsqueeze(0)
             values = kv_cache[1][:, block_ids].view(kvh, -1, d)[:, first_key:total].unsqueeze(0)
-            if fmt is not None:  # the stored K/V, the new tokens' too (module docstring)
-                keys = dequantize(keys, fmt, self.kv_scales.k, q.dtype)
-                values = dequantize(values, fmt, self.kv_scales.v, q.dtype)
+            # the stored K/V, the new tokens' too (module docstring)
+            keys = cached_values(keys, self.kv_scales.k, q.dtype)
+            values = cached_values(values, self.kv_scales.v, q.dtype)
         mask = causal_mask(num_cached, total, first_key, total, window, q.device)
         if self.softcap is not None:
             return self._capped(query, keys, values, mask)
@@ -349,10 +351,8 @@ class TorchAttention(AttentionLayer):
         k_buf, v_buf = workspace.buffers(index.numel(), width, kv_cache)
         keys = torch.index_select(kv_cache[0].view(kvh * num_blocks, width), 0, index, out=k_buf)
         values = torch.index_select(kv_cache[1].view(kvh * num_blocks, width), 0, index, out=v_buf)
-        fmt = cache_format(kv_cache)
-        if fmt is not None:
-            keys = dequantize(keys, fmt, self.kv_scales.k, q.dtype)
-            values = dequantize(values, fmt, self.kv_scales.v, q.dtype)
+        keys = cached_values(keys, self.kv_scales.k, q.dtype)
+        values = cached_values(values, self.kv_scales.v, q.dtype)
         keys = keys.view(kvh * n, length, d)
         values = values.view(kvh * n, length, d)
         query = q.view(n, kvh, group, d).transpose(0, 1).reshape(kvh * n, group, d)

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from llmd.gpu.layers.kv_quant import UNIT_SCALES, KVScales, cache_format
 from llmd.gpu.layers.kv_quant_triton import kv_encode, kv_mode
-from llmd.gpu.layers.triton_attention import stable_tanh
+from llmd.gpu.layers.triton_attention import bf16_rounded, stable_tanh
 
 # Whether the kernels run in Triton's interpreter (decided when triton was imported).
 # The interpreter rounds fp32 -> bf16 by truncation (a GPU rounds to nearest even), so
@@ -50,9 +50,7 @@ def _rounded(x, DTYPE: tl.constexpr, EMULATE_BF16: tl.constexpr):
     """fp32 x rounded to DTYPE (to nearest even) and kept in fp32: the rounding a torch op
     in DTYPE applies to its fp32 result."""
     if EMULATE_BF16:
-        bits = x.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        y = bits.to(tl.float32, bitcast=True)
+        y = bf16_rounded(x)
     else:
         y = x.to(DTYPE).to(tl.float32)
     return y
@@ -145,7 +143,7 @@ def _qkv_rope_cache(qkv_ptr, q_ptr, k_cache, v_cache, cos_ptr, sin_ptr, q_w_ptr,
                     stride_qt, stride_qh, stride_cos, stride_sin, stride_ch, stride_cs, eps, k_inv, v_inv,
                     H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, NORM: tl.constexpr,
                     GEMMA: tl.constexpr, DTYPE: tl.constexpr, EMULATE_BF16: tl.constexpr, BLOCK_D: tl.constexpr,
-                    KV_MODE: tl.constexpr):
+                    KV_MODE: tl.constexpr, CACHE_EMULATE_BF16: tl.constexpr):
     """Grid (token, head of H query then KVH kv heads). Row t of qkv is [q heads | k heads
     | v heads], D each. A query head goes to q_ptr; a kv head's rotated K and its V go to
     cache slot slot_ptr[t] (nothing for a negative slot)."""
@@ -168,9 +166,13 @@ def _qkv_rope_cache(qkv_ptr, q_ptr, k_cache, v_cache, cos_ptr, sin_ptr, q_w_ptr,
                               EMULATE_BF16, BLOCK_D)
             v = tl.load(row + (H + KVH + kv_head) * D + offs, mask=in_head)
             dst = kv_head.to(tl.int64) * stride_ch + slot * stride_cs + offs
-            if KV_MODE == 0:
-                tl.store(k_cache + dst, k.to(DTYPE), mask=in_head)
-                tl.store(v_cache + dst, v, mask=in_head)
+            if KV_MODE == 0:  # rounded to DTYPE as the reference's k, then to the cache's float (if another)
+                k = k.to(DTYPE)
+                if CACHE_EMULATE_BF16:  # a bfloat16 cache of float32 K/V, in the interpreter
+                    k = bf16_rounded(k.to(tl.float32))
+                    v = bf16_rounded(v.to(tl.float32))
+                tl.store(k_cache + dst, k.to(k_cache.dtype.element_ty), mask=in_head)
+                tl.store(v_cache + dst, v.to(v_cache.dtype.element_ty), mask=in_head)
             else:  # k is already rounded to DTYPE, as the reference quantizes it
                 tl.store(k_cache + dst, kv_encode(k, k_inv, KV_MODE), mask=in_head)
                 tl.store(v_cache + dst, kv_encode(v.to(tl.float32), v_inv, KV_MODE), mask=in_head)
@@ -244,11 +246,13 @@ def qkv_rope_cache(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_di
     `qk_norm` = (q weight, k weight, eps, gemma)) and rotated by cos/sin ([T, 1, rotary
     dim] or [T, rotary dim], rotary.cos_sin's tables); the step's rotated K and its V are
     written into kv_cache ([2, KVH, blocks, block_size, D], contiguous) at slot_mapping,
-    quantized with `scales` when the cache is (kv_quant)."""
+    quantized with `scales` when the cache is (kv_quant), rounded to it when it holds
+    float16 / bfloat16 under float32 activations."""
     fmt = cache_format(kv_cache)
-    if not kv_cache.is_contiguous() or (kv_cache.dtype != qkv.dtype and fmt is None):
-        raise ValueError(f"the fused K/V write needs a contiguous KV cache in the activations' dtype ({qkv.dtype}) "
-                         "or a quantized one")
+    narrower = qkv.dtype == torch.float32 and kv_cache.dtype in (torch.float16, torch.bfloat16)
+    if not kv_cache.is_contiguous() or (kv_cache.dtype != qkv.dtype and fmt is None and not narrower):
+        raise ValueError(f"the fused K/V write needs a contiguous KV cache in the activations' dtype ({qkv.dtype}), "
+                         "a quantized one, or float16 / bfloat16 under float32 activations")
     t = qkv.shape[0]
     q = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if t == 0:
@@ -262,6 +266,7 @@ def qkv_rope_cache(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_di
         qkv, q, kv_cache[0], kv_cache[1], cos, sin, q_w, k_w, slot_mapping, qkv.stride(0), q.stride(0), q.stride(1),
         cos.stride(0), sin.stride(0), kv_cache.stride(1), kv_cache.stride(3), eps, scales.k_inv, scales.v_inv,
         H=num_heads, KVH=num_kv_heads, D=head_dim, ROT=cos.shape[1], NORM=qk_norm is not None, GEMMA=gemma,
-        DTYPE=dtype, EMULATE_BF16=emulate, BLOCK_D=block_d, KV_MODE=kv_mode(fmt), num_warps=_num_warps(block_d),
-        enable_fp_fusion=False)
+        DTYPE=dtype, EMULATE_BF16=emulate, BLOCK_D=block_d, KV_MODE=kv_mode(fmt),
+        CACHE_EMULATE_BF16=INTERPRETED and narrower and kv_cache.dtype == torch.bfloat16,
+        num_warps=_num_warps(block_d), enable_fp_fusion=False)
     return q

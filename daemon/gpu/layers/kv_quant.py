@@ -1,7 +1,9 @@
 """A quantized KV cache (the engine setting `kv_cache_dtype`): what is stored, with which
 scales, and the PyTorch reference of the write (quantize) and the read (dequantize).
 
-"auto" keeps the cache in the model's dtype. "fp8" (or "fp8_e4m3") stores each K/V
+"auto" keeps the cache in the model's dtype; "float16" and "bfloat16" in that float dtype
+(for a float32 model: half the bytes, as llama.cpp's default f16 cache; written rounded
+to nearest, read widened, no scales). "fp8" (or "fp8_e4m3") stores each K/V
 element as one float8 e4m3fn byte (vLLM's `--kv-cache-dtype fp8`), "int8" as one
 symmetric int8: the same memory holds 2x (bf16/fp16) or 4x (fp32) the tokens.
 
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from llmd.config import KV_CACHE_DTYPES
+from llmd.config import KV_CACHE_DTYPES, KV_CACHE_FLOATS
 
 
 @dataclass(frozen=True)
@@ -51,9 +53,14 @@ _BY_STORAGE = {FP8_E4M3.storage: FP8_E4M3, INT8.storage: INT8}
 KV_HEADROOM = 2.0
 
 
+_FLOATS = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+assert set(_FLOATS) == set(KV_CACHE_FLOATS)
+
+
 def kv_cache_format(kv_cache_dtype: str) -> KVCacheFormat | None:
-    """The format setting `kv_cache_dtype` asks for; None for "auto" (the model's dtype)."""
-    if kv_cache_dtype == "auto":
+    """The format setting `kv_cache_dtype` asks for; None for a float cache ("auto": the
+    model's dtype, or float16 / bfloat16)."""
+    if kv_cache_dtype == "auto" or kv_cache_dtype in _FLOATS:
         return None
     fmt = _BY_SETTING.get(kv_cache_dtype)
     if fmt is None:
@@ -68,8 +75,24 @@ def cache_format(kv_cache: torch.Tensor) -> KVCacheFormat | None:
 
 def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The dtype the cache tensors are allocated in."""
+    if kv_cache_dtype in _FLOATS:
+        return _FLOATS[kv_cache_dtype]
     fmt = kv_cache_format(kv_cache_dtype)
     return model_dtype if fmt is None else fmt.storage
+
+
+def stores_rounded(kv_cache: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a cache holds K/V of `dtype` other than as they are (quantized, or floats of
+    another width): attention then reads the stored values, the new tokens' too, so that
+    every path sees what a later step will."""
+    return kv_cache.dtype != dtype
+
+
+def cached_values(raw: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Cache elements `raw` as the values they stand for, in `dtype`: a quantized cache's
+    dequantized with its `scale`, floats converted."""
+    fmt = cache_format(raw)
+    return raw.to(dtype) if fmt is None else dequantize(raw, fmt, scale, dtype)
 
 
 def f32(x: float) -> float:

@@ -85,11 +85,14 @@ def kv_values(raw, KV_MODE: tl.constexpr):
 @triton.jit
 def kv_tiles(k_cache, v_cache, slot, offs_d, k_ok, d_ok, q_dtype, KV_MODE: tl.constexpr):
     """The attention kernels' read of one tile of the cache: the keys [D, BLOCK_N]
-    (transposed) and values [BLOCK_N, D] at `slot` (offsets of each key's row), a
-    quantized cache's widened to the query's dtype `q_dtype` (before its scales)."""
+    (transposed) and values [BLOCK_N, D] at `slot` (offsets of each key's row), in the
+    query's dtype `q_dtype` (a quantized cache's before its scales)."""
     k_t = tl.load(k_cache + slot[None, :] + offs_d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0)
     v = tl.load(v_cache + slot[:, None] + offs_d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0)
     if KV_MODE != 0:
         k_t = kv_values(k_t, KV_MODE).to(q_dtype)
         v = kv_values(v, KV_MODE).to(q_dtype)
+    else:  # a float cache, of q's dtype or (float16 / bfloat16 for float32 queries) another
+        k_t = k_t.to(q_dtype)
+        v = v.to(q_dtype)
     return k_t, v

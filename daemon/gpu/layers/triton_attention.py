@@ -57,9 +57,11 @@ MAX_SPLITS = 16
 @triton.jit
 def _write_kv(k_ptr, v_ptr, k_cache, v_cache, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
               stride_ch, stride_cs, k_inv, v_inv, KVH: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
-              BLOCK_D: tl.constexpr, KV_MODE: tl.constexpr):
+              BLOCK_D: tl.constexpr, KV_MODE: tl.constexpr, EMULATE_BF16: tl.constexpr):
     """One program per new token: all its kv heads into cache slot slot_mapping[t]
-    (quantized with the reciprocal scales k_inv, v_inv when KV_MODE says so)."""
+    (quantized with the reciprocal scales k_inv, v_inv when KV_MODE says so; rounded to
+    a float cache's dtype, to nearest even: with EMULATE_BF16, a bfloat16 cache in the
+    interpreter, on the bits, as fused_ops_triton rounds)."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     if slot >= 0:
@@ -72,8 +74,20 @@ def _write_kv(k_ptr, v_ptr, k_cache, v_cache, slot_ptr, stride_kt, stride_kh, st
         if KV_MODE != 0:
             k = kv_encode(k.to(tl.float32), k_inv, KV_MODE)
             v = kv_encode(v.to(tl.float32), v_inv, KV_MODE)
-        tl.store(k_cache + dst, k, mask=mask)
-        tl.store(v_cache + dst, v, mask=mask)
+        elif EMULATE_BF16:
+            k = bf16_rounded(k.to(tl.float32))
+            v = bf16_rounded(v.to(tl.float32))
+        tl.store(k_cache + dst, k.to(k_cache.dtype.element_ty), mask=mask)  # a float cache: rounded to it
+        tl.store(v_cache + dst, v.to(v_cache.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def bf16_rounded(x):
+    """fp32 x rounded to the nearest bfloat16 (ties to even), kept in fp32: what a GPU's
+    conversion gives, done on the bits (Triton's interpreter truncates)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -328,7 +342,8 @@ class TritonAttention(AttentionLayer):
             _write_kv[(q.shape[0],)](k, v, k_cache, v_cache, md.slot_mapping, k.stride(0), k.stride(1),
                                      v.stride(0), v.stride(1), kv_cache.stride(1), kv_cache.stride(3), scales.k_inv,
                                      scales.v_inv, KVH=kvh, D=d, BLOCK_H=triton.next_power_of_2(kvh),
-                                     BLOCK_D=self.block_d, KV_MODE=mode)
+                                     BLOCK_D=self.block_d, KV_MODE=mode,
+                                     EMULATE_BF16=INTERPRETED and kv_cache.dtype == torch.bfloat16 != k.dtype)
         # Triton's interpreter does no arithmetic on bf16 (it holds bf16 as uint16 bits and
         # tl.dot multiplies those: triton-lang/triton#11584), so there bf16 dot operands
         # are widened to fp32 (after the same rounding of the probabilities as on a GPU).

@@ -45,8 +45,8 @@ using QkRopeCache = void(at::Tensor&, int64_t, int64_t, const at::Tensor&, const
                          double, bool, double, double);
 using PagedDecode = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
                                double, int64_t, double, double);
-// The cache these layers write and read is in the model's dtype (DecodeLayers.takes
-// declines a quantized one): the K/V scales of the two operators stay 1.
+// The cache these layers write and read holds floats (DecodeLayers.takes declines a
+// quantized one): the K/V scales of the two operators stay 1.
 constexpr double kUnitScale = 1.0;
 constexpr c10::string_view kChosenIsa = "";  // gguf_mm_x16's own choice (LLMD_GGUF_X16_ISA or the best)
 

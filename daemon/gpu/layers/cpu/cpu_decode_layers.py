@@ -9,7 +9,7 @@ much time as the operators themselves for a 135M model; docs/benchmarks.md).
 runs exactly those operators: a dense decoder layer (no experts) on one rank, with the
 C++ fused ops, the paged decode kernel, RMSNorms, and every projection packed in the x16
 layout. Anything else keeps the Python layers; and every step it does not take (more
-than one token or request, prefill, a KV cache of another dtype) runs them too
+than one token or request, prefill, a quantized KV cache) runs them too
 (`DecodeLayers.takes`).
 """
 from __future__ import annotations
@@ -38,11 +38,14 @@ class DecodeLayers:
         self.dtype = dtype
 
     def takes(self, hidden: torch.Tensor, md: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
-        """Whether this step is one decode token of one request, its hidden state and
-        caches of the layers' dtype."""
+        """Whether this step is one decode token of one request, its hidden state of the
+        layers' dtype and its caches of floats (the layers' dtype, or float16 / bfloat16
+        under float32 ones: the operators read and write those as they do for the Python
+        layers; a quantized cache's scales are not passed)."""
         return (hidden.dim() == 2 and hidden.shape[0] == 1 and hidden.is_contiguous() and md.num_decodes == 1
                 and not md.prefills and hidden.dtype == self.dtype and bool(kv_caches)
-                and kv_caches[0].dtype == self.dtype)
+                and (kv_caches[0].dtype == self.dtype
+                     or (self.dtype == torch.float32 and kv_caches[0].dtype in (torch.float16, torch.bfloat16))))
 
     def __call__(self, hidden: torch.Tensor, tables: dict[str, tuple[torch.Tensor, torch.Tensor]],
                  kv_caches: list[torch.Tensor], md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

@@ -218,12 +218,16 @@ at::Tensor act_and_mul(const at::Tensor& gate_up, int64_t act) {
   return out;
 }
 
-// One head's n values of T into a cache row of C: copied (C is T), or quantized with
-// `inv` (kv_quant.quantize: the float32 product, to the nearest e4m3 or int8 in range).
+// One head's n values of T into a cache row of C: copied (C is T), rounded to the nearest
+// 16-bit float (C float16 / bfloat16 for float32 T, as torch's conversion), or quantized
+// with `inv` (kv_quant.quantize: the float32 product, to the nearest e4m3 or int8 in range).
 template <typename T, typename C>
 inline void store_row(const T* src, C* dst, int64_t n, float inv) {
   if constexpr (std::is_same_v<C, T>) {
     std::copy(src, src + n, dst);
+  } else if constexpr (std::is_same_v<C, c10::Half> || std::is_same_v<C, c10::BFloat16>) {
+    static_assert(std::is_same_v<T, float>);
+    llmd_cpu_vec::narrow<C>(src, dst, n);
   } else if constexpr (std::is_same_v<C, uint8_t>) {
     for (int64_t i = 0; i < n; ++i) dst[i] = llmd_e4m3::encode(static_cast<float>(src[i]) * inv);
   } else {
@@ -315,10 +319,11 @@ void qk_rope_cache_(at::Tensor& qkv, int64_t heads, int64_t kv_heads, const at::
               "qk_rope_cache_: int64 slot_mapping [T] expected");
   const auto type = qkv.scalar_type();
   const auto cache_type = kv_cache.scalar_type();
+  const bool narrower = type == at::kFloat && (cache_type == at::kHalf || cache_type == at::kBFloat16);
   TORCH_CHECK(cos.scalar_type() == type && sin.scalar_type() == type &&
-              (cache_type == type || cache_type == at::kByte || cache_type == at::kChar),
-              "qk_rope_cache_: qkv, cos and sin differ in dtype, or the cache holds neither theirs nor a quantized "
-              "cache's uint8 (e4m3) or int8");
+              (cache_type == type || cache_type == at::kByte || cache_type == at::kChar || narrower),
+              "qk_rope_cache_: qkv, cos and sin differ in dtype, or the cache holds neither theirs, a quantized "
+              "cache's uint8 (e4m3) or int8, nor float16 / bfloat16 for float32 qkv");
   TORCH_CHECK(cache_type != type || (k_inv_scale == 1.0 && v_inv_scale == 1.0),
               "qk_rope_cache_: scales are for a quantized cache (uint8, int8)");
   TORCH_CHECK(q_norm_w.has_value() == k_norm_w.has_value(), "qk_rope_cache_: q and k norms come together");
@@ -336,6 +341,15 @@ void qk_rope_cache_(at::Tensor& qkv, int64_t heads, int64_t kv_heads, const at::
       rope_rows<T, uint8_t>(qkv, s, cos, sin, kv_cache, slot_mapping, qw, kw, static_cast<float>(eps), gemma, k_inv, v_inv);
     } else if (cache_type == at::kChar) {
       rope_rows<T, int8_t>(qkv, s, cos, sin, kv_cache, slot_mapping, qw, kw, static_cast<float>(eps), gemma, k_inv, v_inv);
+    } else if constexpr (std::is_same_v<T, float>) {
+      if (cache_type == at::kHalf) {
+        rope_rows<T, c10::Half>(qkv, s, cos, sin, kv_cache, slot_mapping, qw, kw, static_cast<float>(eps), gemma, 1.f, 1.f);
+      } else if (cache_type == at::kBFloat16) {
+        rope_rows<T, c10::BFloat16>(qkv, s, cos, sin, kv_cache, slot_mapping, qw, kw, static_cast<float>(eps), gemma, 1.f,
+                                    1.f);
+      } else {
+        rope_rows<T, T>(qkv, s, cos, sin, kv_cache, slot_mapping, qw, kw, static_cast<float>(eps), gemma, 1.f, 1.f);
+      }
     } else {
       rope_rows<T, T>(qkv, s, cos, sin, kv_cache, slot_mapping, qw, kw, static_cast<float>(eps), gemma, 1.f, 1.f);
     }

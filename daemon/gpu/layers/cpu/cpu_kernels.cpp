@@ -324,22 +324,33 @@ void paged_decode_typed(const at::Tensor& q, const at::Tensor& kv_cache, const a
   });
 }
 
-// The cache's element type C for queries of type T: T itself, or a quantized cache's.
+// The cache's element type C for queries of type T: T itself, a quantized cache's, or a
+// 16-bit float cache of float32 queries (kv_cache_dtype float16 / bfloat16).
 template <typename T>
 void paged_decode_cache(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& table,
                         const at::Tensor& seq_lens, float scale, float softcap, int64_t window, float k_scale,
                         float v_scale, at::Tensor& out) {
-  switch (kv_cache.scalar_type()) {
-    case at::kByte:
-      paged_decode_typed<T, uint8_t>(q, kv_cache, table, seq_lens, scale * k_scale, softcap, window, v_scale, out);
-      break;
-    case at::kChar:
-      paged_decode_typed<T, int8_t>(q, kv_cache, table, seq_lens, scale * k_scale, softcap, window, v_scale, out);
-      break;
-    default:
-      TORCH_CHECK(k_scale == 1.f && v_scale == 1.f, "paged_decode: scales are for a quantized cache (uint8, int8)");
-      paged_decode_typed<T, T>(q, kv_cache, table, seq_lens, scale, softcap, window, 1.f, out);
+  const auto cache_type = kv_cache.scalar_type();
+  if (cache_type == at::kByte) {
+    paged_decode_typed<T, uint8_t>(q, kv_cache, table, seq_lens, scale * k_scale, softcap, window, v_scale, out);
+    return;
   }
+  if (cache_type == at::kChar) {
+    paged_decode_typed<T, int8_t>(q, kv_cache, table, seq_lens, scale * k_scale, softcap, window, v_scale, out);
+    return;
+  }
+  TORCH_CHECK(k_scale == 1.f && v_scale == 1.f, "paged_decode: scales are for a quantized cache (uint8, int8)");
+  if constexpr (std::is_same_v<T, float>) {
+    if (cache_type == at::kHalf) {
+      paged_decode_typed<T, c10::Half>(q, kv_cache, table, seq_lens, scale, softcap, window, 1.f, out);
+      return;
+    }
+    if (cache_type == at::kBFloat16) {
+      paged_decode_typed<T, c10::BFloat16>(q, kv_cache, table, seq_lens, scale, softcap, window, 1.f, out);
+      return;
+    }
+  }
+  paged_decode_typed<T, T>(q, kv_cache, table, seq_lens, scale, softcap, window, 1.f, out);
 }
 
 // Every request's context fits its table and names blocks of the cache: the kernel reads
@@ -367,8 +378,10 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const a
   TORCH_CHECK(q.size(2) == kv_cache.size(4) && q.size(1) % kv_cache.size(1) == 0,
               "paged_decode: head sizes of q and the cache disagree");
   const auto cache_type = kv_cache.scalar_type();
-  TORCH_CHECK(q.scalar_type() == cache_type || cache_type == at::kByte || cache_type == at::kChar,
-              "paged_decode: the cache holds q's dtype, or a quantized cache's uint8 (e4m3) or int8");
+  TORCH_CHECK(q.scalar_type() == cache_type || cache_type == at::kByte || cache_type == at::kChar ||
+                  (q.scalar_type() == at::kFloat && (cache_type == at::kHalf || cache_type == at::kBFloat16)),
+              "paged_decode: the cache holds q's dtype, a quantized cache's uint8 (e4m3) or int8, or float16 / "
+              "bfloat16 for float32 q");
   TORCH_CHECK(block_table.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
               block_table.dim() == 2 && block_table.size(0) == q.size(0) && seq_lens.numel() == q.size(0),
               "paged_decode: int64 block_table [B, max_blocks] and seq_lens [B] expected");
