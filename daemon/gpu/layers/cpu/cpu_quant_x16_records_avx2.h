@@ -3,13 +3,15 @@
 // a 256-bit vector holds eight rows, so each 64-byte chunk is read as its low 32 bytes
 // (rows 0..7: half 0) or its high 32 (rows 8..15: half 1); a field of 2-byte units (the
 // fp16 scales) holds half h's rows at 16 h, one of 1-byte units (sub-scales) at 8 h.
-// X16Half<Q> is built on (record, h) (its per-record scales loaded once) and
-// `decode(c, s)` gives sub-block c of those eight rows as a HalfSubBlock:
-//   q[k]: eight lanes, lane l the codes of row 8 h + l, columns 4k..4k+3; a weight is
-//     scale[column / 16] * (q - kOffset) + min[...] — with kSigned (Q8_0), q is the
+// X16Half<Q> is built on (record, h) (its per-record scales loaded once); of sub-block c
+// of those eight rows `code(c, k)` gives chunk k and `scales(c, s)` the scales:
+//   code(c, k): eight lanes, lane l the codes of row 8 h + l, columns 4k..4k+3; a weight
+//     is scale[column / 16] * (q - kOffset) + min[...] — with kSigned (Q8_0), q is the
 //     signed int8 code itself (the layout's flip undone, kOffset 0), what llama.cpp's
-//     sign trick multiplies (cpu_quant_x16_avx2.cpp);
-//   scale, min, kHalves, kMin, kSub: as in cpu_quant_x16_records.h.
+//     sign trick multiplies (cpu_quant_x16_avx2.cpp). One chunk at a time, so that the
+//     product holds one in a register, not eight (sixteen ymm registers: the eight codes
+//     beside three passes' sums spilled to the stack);
+//   scale, min (HalfScales), kHalves, kMin, kSub: as in cpu_quant_x16_records.h.
 // kCodeMax: the largest code (|q| for Q8_0), which bounds how many of vpmaddubsw's int16
 // pair sums the product may add before they could saturate.
 
@@ -24,8 +26,7 @@
 
 namespace llmd_x16::avx2 {
 
-struct HalfSubBlock {
-  __m256i q[8];
+struct HalfScales {
   __m256 scale[2];
   __m256 min[2];
 };
@@ -56,10 +57,10 @@ LLMD_X16_AVX2_TARGET inline __m256i move_bits(__m256i v, int from, int to, int m
   return _mm256_and_si256(moved, _mm256_set1_epi8(static_cast<char>(mask)));
 }
 
-// + 2^bit to the codes whose bit `c` is set in the fifth-bit chunks at p (byte l, bit c:
-// column l of sub-block c; chunk k: columns 4k..4k+3); the codes have that bit clear.
-LLMD_X16_AVX2_TARGET inline void add_high_bits(const uint8_t* p, int c, int bit, __m256i* q) {
-  for (int k = 0; k < 8; ++k) q[k] = _mm256_or_si256(q[k], move_bits(chunk(p + 64 * k), c, bit, 1 << bit));
+// Chunk k's codes q + 2^bit where bit `c` is set in the fifth-bit chunks at p (byte l,
+// bit c: column l of sub-block c; chunk k: columns 4k..4k+3); q has that bit clear.
+LLMD_X16_AVX2_TARGET inline __m256i with_high_bit(__m256i q, const uint8_t* p, int c, int k, int bit) {
+  return _mm256_or_si256(q, move_bits(chunk(p + 64 * k), c, bit, 1 << bit));
 }
 
 template <int Q>
@@ -75,21 +76,17 @@ struct BlockHalf {
   const uint8_t* r;
   int h;
   LLMD_X16_AVX2_TARGET BlockHalf(const uint8_t* record, int half) : r(record), h(half) {}
-  LLMD_X16_AVX2_TARGET void decode(int, HalfSubBlock& s) const {
-    if constexpr (kNibbles) {
-      for (int j = 0; j < 4; ++j) {
-        const __m256i v = chunk(r + 64 * j + 32 * h);
-        s.q[j] = byte_bits(v, 0, 0x0F);
-        s.q[j + 4] = byte_bits(v, 4, 0x0F);
-      }
+  LLMD_X16_AVX2_TARGET __m256i code(int, int k) const {
+    __m256i q;
+    if constexpr (kNibbles) {  // chunk k % 4's low (k < 4) or high nibbles
+      q = byte_bits(chunk(r + 64 * (k % 4) + 32 * h), 4 * (k / 4), 0x0F);
     } else {  // the stored codes are the int8 ones + 128
-      const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-      for (int j = 0; j < 8; ++j) s.q[j] = _mm256_xor_si256(chunk(r + 64 * j + 32 * h), flip);
+      q = _mm256_xor_si256(chunk(r + 64 * k + 32 * h), _mm256_set1_epi8(static_cast<char>(0x80)));
     }
-    if constexpr (kFifth) {  // bit k of byte t: column 4k + t, to bit 4
-      const __m256i bits = chunk(r + field_at(Q, 1) + 32 * h);
-      for (int k = 0; k < 8; ++k) s.q[k] = _mm256_or_si256(s.q[k], move_bits(bits, k, 4, 0x10));
-    }
+    if constexpr (kFifth) q = _mm256_or_si256(q, move_bits(chunk(r + field_at(Q, 1) + 32 * h), k, 4, 0x10));
+    return q;  // (kFifth: bit k of byte t is column 4k + t's, to bit 4)
+  }
+  LLMD_X16_AVX2_TARGET void scales(int, HalfScales& s) const {
     s.scale[0] = halves8(r + field_at(Q, kScaleField) + 16 * h);
     if constexpr (kHasMin) s.min[0] = halves8(r + field_at(Q, kScaleField + 1) + 16 * h);
   }
@@ -112,9 +109,10 @@ struct X16Half<5> {
   LLMD_X16_AVX2_TARGET X16Half(const uint8_t* record, int half)
       : r(record), h(half), d(halves8(record + field_at(5, 2) + 16 * half)),
         neg_dmin(negated(halves8(record + field_at(5, 3) + 16 * half))) {}
-  LLMD_X16_AVX2_TARGET void decode(int c, HalfSubBlock& s) const {
-    const uint8_t* q = r + 64 * 8 * (c / 4) + 32 * h;
-    for (int k = 0; k < 8; ++k) s.q[k] = byte_bits(chunk(q + 64 * k), 2 * (c % 4), 3);
+  LLMD_X16_AVX2_TARGET __m256i code(int c, int k) const {
+    return byte_bits(chunk(r + 64 * 8 * (c / 4) + 32 * h + 64 * k), 2 * (c % 4), 3);
+  }
+  LLMD_X16_AVX2_TARGET void scales(int c, HalfScales& s) const {
     for (int i = 0; i < 2; ++i) {
       const __m256i b = _mm256_cvtepu8_epi32(bytes8(r + field_at(5, 1) + 16 * (2 * c + i) + 8 * h));
       s.scale[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(0xF))));
@@ -143,10 +141,11 @@ struct X16Half<6> {
                                           _mm256_set1_epi32(3));
     return _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32(high, 4)), _mm256_set1_epi32(32));
   }
-  LLMD_X16_AVX2_TARGET void decode(int c, HalfSubBlock& s) const {
-    const uint8_t* q = r + field_at(6, 1) + 64 * 8 * (c / 4) + 32 * h;
-    for (int k = 0; k < 8; ++k) s.q[k] = byte_bits(chunk(q + 64 * k), 2 * (c % 4), 3);
-    add_high_bits(r + 32 * h, c, 2, s.q);
+  LLMD_X16_AVX2_TARGET __m256i code(int c, int k) const {
+    const __m256i q = byte_bits(chunk(r + field_at(6, 1) + 64 * 8 * (c / 4) + 32 * h + 64 * k), 2 * (c % 4), 3);
+    return with_high_bit(q, r + 32 * h, c, k, 2);
+  }
+  LLMD_X16_AVX2_TARGET void scales(int c, HalfScales& s) const {
     s.scale[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(scale_of(2 * c)));
     s.scale[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(scale_of(2 * c + 1)));
   }
@@ -176,10 +175,12 @@ struct KNibbleHalf {
     const __m256i high = _mm256_and_si256(_mm256_srli_epi32(words[m], 8 * j + 2), _mm256_set1_epi32(0x30));
     return _mm256_or_si256(low, high);
   }
-  LLMD_X16_AVX2_TARGET void decode(int c, HalfSubBlock& s) const {
-    const uint8_t* q = r + 64 * 8 * (c / 2) + 32 * h;
-    for (int k = 0; k < 8; ++k) s.q[k] = byte_bits(chunk(q + 64 * k), 4 * (c % 2), 0x0F);
-    if constexpr (kFifth) add_high_bits(r + field_at(Q, 1) + 32 * h, c, 4, s.q);
+  LLMD_X16_AVX2_TARGET __m256i code(int c, int k) const {
+    const __m256i q = byte_bits(chunk(r + 64 * 8 * (c / 2) + 32 * h + 64 * k), 4 * (c % 2), 0x0F);
+    if constexpr (kFifth) return with_high_bit(q, r + field_at(Q, 1) + 32 * h, c, k, 4);
+    return q;
+  }
+  LLMD_X16_AVX2_TARGET void scales(int c, HalfScales& s) const {
     s.scale[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(six_bits(c, 0)));
     s.min[0] = _mm256_mul_ps(neg_dmin, _mm256_cvtepi32_ps(six_bits(c, 1)));
   }
@@ -198,14 +199,14 @@ struct X16Half<9> {
   __m256 d;
   LLMD_X16_AVX2_TARGET X16Half(const uint8_t* record, int half)
       : r(record), h(half), d(halves8(record + field_at(9, 3) + 16 * half)) {}
-  LLMD_X16_AVX2_TARGET void decode(int c, HalfSubBlock& s) const {
+  LLMD_X16_AVX2_TARGET __m256i code(int c, int k) const {
     const int part = c / 4, j = c % 4;  // 128-column part, and which of its four sub-blocks
     const uint8_t* low = r + 64 * (16 * part + 8 * (j % 2)) + 32 * h;
     const uint8_t* high = r + field_at(9, 1) + 64 * 8 * part + 32 * h;
-    for (int k = 0; k < 8; ++k) {  // high bits 2j..2j+1 to bits 4..5
-      s.q[k] = _mm256_or_si256(byte_bits(chunk(low + 64 * k), 4 * (j / 2), 0x0F),
-                               move_bits(chunk(high + 64 * k), 2 * j, 4, 0x30));
-    }
+    return _mm256_or_si256(byte_bits(chunk(low + 64 * k), 4 * (j / 2), 0x0F),  // high bits 2j..2j+1 to 4..5
+                           move_bits(chunk(high + 64 * k), 2 * j, 4, 0x30));
+  }
+  LLMD_X16_AVX2_TARGET void scales(int c, HalfScales& s) const {
     for (int i = 0; i < 2; ++i) {
       s.scale[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
           bytes8(r + field_at(9, 2) + 16 * (2 * c + i) + 8 * h))));
