@@ -29,8 +29,8 @@ import triton
 import triton.language as tl
 
 from llmd.gpu.layers.kv_quant import UNIT_SCALES, KVScales, cache_format
-from llmd.gpu.layers.kv_quant_triton import kv_encode, kv_mode
-from llmd.gpu.layers.triton_attention import bf16_rounded, stable_tanh
+from llmd.gpu.layers.kv_quant_triton import bf16_rounded, kv_encode, kv_mode
+from llmd.gpu.layers.triton_attention import stable_tanh
 
 # Whether the kernels run in Triton's interpreter (decided when triton was imported).
 # The interpreter rounds fp32 -> bf16 by truncation (a GPU rounds to nearest even), so

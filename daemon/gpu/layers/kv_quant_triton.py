@@ -83,6 +83,15 @@ def kv_values(raw, KV_MODE: tl.constexpr):
 
 
 @triton.jit
+def bf16_rounded(x):
+    """fp32 x rounded to the nearest bfloat16 (ties to even), kept in fp32: what a GPU's
+    conversion gives, done on the bits (Triton's interpreter truncates)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def kv_tiles(k_cache, v_cache, slot, offs_d, k_ok, d_ok, q_dtype, KV_MODE: tl.constexpr):
     """The attention kernels' read of one tile of the cache: the keys [D, BLOCK_N]
     (transposed) and values [BLOCK_N, D] at `slot` (offsets of each key's row), in the

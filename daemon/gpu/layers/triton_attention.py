@@ -41,7 +41,7 @@ import triton.language as tl
 
 from llmd.gpu.layers.attention import AttentionLayer, AttentionMetadata, MetadataBuilder
 from llmd.gpu.layers.kv_quant import cache_format
-from llmd.gpu.layers.kv_quant_triton import kv_encode, kv_mode, kv_tiles, stored_unit
+from llmd.gpu.layers.kv_quant_triton import bf16_rounded, kv_encode, kv_mode, kv_tiles, stored_unit
 
 # Whether the kernels below run in Triton's interpreter. Decided when they were
 # decorated (this module's import), from TRITON_INTERPRET.
@@ -58,10 +58,8 @@ MAX_SPLITS = 16
 def _write_kv(k_ptr, v_ptr, k_cache, v_cache, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
               stride_ch, stride_cs, k_inv, v_inv, KVH: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
               BLOCK_D: tl.constexpr, KV_MODE: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """One program per new token: all its kv heads into cache slot slot_mapping[t]
-    (quantized with the reciprocal scales k_inv, v_inv when KV_MODE says so; rounded to
-    a float cache's dtype, to nearest even: with EMULATE_BF16, a bfloat16 cache in the
-    interpreter, on the bits, as fused_ops_triton rounds)."""
+    """One program per new token: all its kv heads into cache slot slot_mapping[t], quantized
+    (k_inv, v_inv) when KV_MODE says so, else rounded to the cache's float (EMULATE_BF16)."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     if slot >= 0:
@@ -79,15 +77,6 @@ def _write_kv(k_ptr, v_ptr, k_cache, v_cache, slot_ptr, stride_kt, stride_kh, st
             v = bf16_rounded(v.to(tl.float32))
         tl.store(k_cache + dst, k.to(k_cache.dtype.element_ty), mask=mask)  # a float cache: rounded to it
         tl.store(v_cache + dst, v.to(v_cache.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def bf16_rounded(x):
-    """fp32 x rounded to the nearest bfloat16 (ties to even), kept in fp32: what a GPU's
-    conversion gives, done on the bits (Triton's interpreter truncates)."""
-    bits = x.to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
