@@ -211,7 +211,7 @@ def test_the_fp8_kernel_decodes_every_byte_as_torch_does(isa):
         pytest.skip("the CPU kernels cannot be built here")
     from llmd.gpu.layers.cpu.cpu_kernels import vector_isa
 
-    env = dict(os.environ)
+    env = dict(os.environ, LLMD_KERNEL_BUILD_TIMEOUT="570")  # as test_gguf_packed's portable build
     if isa == "portable":
         env["ATEN_CPU_CAPABILITY"] = "default"
     want = "DEFAULT" if isa == "portable" else vector_isa()
