@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmd.gpu.layers.kv_quant import UNIT_SCALES, KVScales, cache_format
+from llmd.gpu.layers.kv_quant import UNIT_SCALES, KVScales, cache_format, narrower_float
 from llmd.gpu.layers.kv_quant_triton import bf16_rounded, kv_encode, kv_mode
 from llmd.gpu.layers.triton_attention import stable_tanh
 
@@ -249,7 +249,7 @@ def qkv_rope_cache(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_di
     quantized with `scales` when the cache is (kv_quant), rounded to it when it holds
     float16 / bfloat16 under float32 activations."""
     fmt = cache_format(kv_cache)
-    narrower = qkv.dtype == torch.float32 and kv_cache.dtype in (torch.float16, torch.bfloat16)
+    narrower = narrower_float(kv_cache.dtype, qkv.dtype)
     if not kv_cache.is_contiguous() or (kv_cache.dtype != qkv.dtype and fmt is None and not narrower):
         raise ValueError(f"the fused K/V write needs a contiguous KV cache in the activations' dtype ({qkv.dtype}), "
                          "a quantized one, or float16 / bfloat16 under float32 activations")

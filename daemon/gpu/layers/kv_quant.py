@@ -81,6 +81,12 @@ def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     return model_dtype if fmt is None else fmt.storage
 
 
+def narrower_float(cache_dtype: torch.dtype, dtype: torch.dtype) -> bool:
+    """Whether a cache of `cache_dtype` holds float16 / bfloat16 K/V of float32 activations
+    (kv_cache_dtype "float16" / "bfloat16" under a float32 model)."""
+    return dtype == torch.float32 and cache_dtype in (torch.float16, torch.bfloat16)
+
+
 def stores_rounded(kv_cache: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether a cache holds K/V of `dtype` other than as they are (quantized, or floats of
     another width): attention then reads the stored values, the new tokens' too, so that

@@ -23,6 +23,7 @@ from torch import nn
 from llmd.gpu.layers.attention import AttentionMetadata, TorchAttention
 from llmd.gpu.layers.cpu.cpu_fused_ops import ACT_CODES, CPU_FUSED
 from llmd.gpu.layers.gguf_quant import GGUFMatmul
+from llmd.gpu.layers.kv_quant import narrower_float
 from llmd.gpu.layers.mlp import GatedMLP
 from llmd.gpu.layers.norms import RMSNorm
 
@@ -44,8 +45,7 @@ class DecodeLayers:
         layers; a quantized cache's scales are not passed)."""
         return (hidden.dim() == 2 and hidden.shape[0] == 1 and hidden.is_contiguous() and md.num_decodes == 1
                 and not md.prefills and hidden.dtype == self.dtype and bool(kv_caches)
-                and (kv_caches[0].dtype == self.dtype
-                     or (self.dtype == torch.float32 and kv_caches[0].dtype in (torch.float16, torch.bfloat16))))
+                and (kv_caches[0].dtype == self.dtype or narrower_float(kv_caches[0].dtype, self.dtype)))
 
     def __call__(self, hidden: torch.Tensor, tables: dict[str, tuple[torch.Tensor, torch.Tensor]],
                  kv_caches: list[torch.Tensor], md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
