@@ -32,6 +32,7 @@ whether its prefix came from the prefix cache or was computed in the same step.
 """
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -121,14 +122,17 @@ def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: 
     """One layer's cache: [2, kv_heads, num_blocks, block_size, head_dim] (K then V).
 
     Zeroed, because attention reads whole blocks and a stale NaN would survive its mask.
-    On CPU the zeros come from the kernel (calloc of fresh pages), not from writing them:
-    a page joins the process's resident memory only when a block on it is first written,
-    so a large default cache costs RAM as it fills, not at start."""
+    On CPU the zeros come from the kernel (a private anonymous mapping of its own), not
+    from writing them: a page joins the process's resident memory only when a block on it
+    is first written, so a large default cache costs RAM as it fills, not at start. Not
+    calloc: it may hand back a hole of glibc's heap that `malloc_trim` (a model's sleep or
+    unload) returned to the kernel, and then zeroes it by writing every page."""
     shape = (2, num_kv_heads, num_blocks, block_size, head_dim)
-    if device.type != "cpu":
+    nbytes = 2 * num_kv_heads * num_blocks * block_size * head_dim * dtype.itemsize
+    if device.type != "cpu" or nbytes == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
-    numel = 2 * num_kv_heads * num_blocks * block_size * head_dim
-    raw = torch.from_numpy(np.zeros(numel * dtype.itemsize, dtype=np.uint8))
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(pages, dtype=torch.uint8)  # the tensor holds the mapping
     return raw.view(dtype).view(shape)
 
 
