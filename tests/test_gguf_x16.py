@@ -261,17 +261,20 @@ def test_the_x16_operators_refuse_what_they_cannot_read(ops):
 @pytest.mark.parametrize("quant", X16_TYPES)
 def test_a_linear_layer_repacked_at_attach_computes_the_reference(x16, quant, monkeypatch):
     """Through GGUFMatmul: few rows by the x16 kernel, more by slices dequantized from
-    the layout and a GEMM (exact to float32 sums); the weight is repacked once, even if
-    asked again, a slice of rows at a time (two slices here)."""
-    monkeypatch.setattr(gguf_quant, "SLICE_ROWS", 32)
+    the layout and a GEMM (exact to float32 sums, two slices here); the weight is
+    repacked once, in place, even if asked again."""
+    monkeypatch.setattr(gguf_quant, "SLICE_BYTES", 32 * 4 * 256)
     blocks, dense = packed(quant, 64, 256, seed=5)
     blocks, dense = blocks[16:], dense[16:]  # ordinary scales
     layer = ReplicatedLinear(256, 48, bias=True)
     layer.use_packed(quant)
     layer.weight.data = blocks.clone()
     layer.bias.data = torch.randn(48)
+    storage = layer.weight.data_ptr()
     layer.kernel = GGUFMatmul(layer, x16, 3)
     (part,) = layer.packed_parts
+    assert layer.weight.data_ptr() == storage
+    assert torch.equal(layer.weight, x16.repack_x16(blocks, FORMATS[quant].code, 256))
     assert layer.weight.x16_parts == {0} and use_x16(layer.weight, part, 256, x16)  # not twice
     assert torch.equal(x16.unpack_x16(layer.weight, torch.arange(48), FORMATS[quant].code, 256), blocks)
     for rows in (1, X16_MAX_ROWS[3], X16_MAX_ROWS[3] + 1, 40):

@@ -151,7 +151,7 @@ def paged_decode_op() -> Callable[..., torch.Tensor] | None:
 class GGUFOps:
     """The C++ operators of packed GGUF weights (cpu_quant.cpp): `mm(x, w, code, cols)`
     and `dequantize(w, code, cols)`; of weights in the x16 layout (cpu_quant_x16.cpp):
-    `repack_x16(w, code, cols)`, `unpack_x16(w, rows, code, cols)`,
+    `repack_x16(w, code, cols)` (`repack_x16_` in place), `unpack_x16(w, rows, code, cols)`,
     `dequantize_x16(w, code, cols)` and, when `x16` (the CPU has AVX-512 VNNI or AVX2
     with FMA and F16C, and LLMD_GGUF_X16 is not 0), `mm_x16(x, w, code, cols, passes,
     isa="")` (isa: one of `x16_isas`, the ISAs this CPU runs it with, best first; "" the
@@ -161,6 +161,7 @@ class GGUFOps:
     mm: Callable[..., torch.Tensor]
     dequantize: Callable[..., torch.Tensor]
     repack_x16: Callable[..., torch.Tensor]
+    repack_x16_: Callable[..., torch.Tensor]
     unpack_x16: Callable[..., torch.Tensor]
     mm_x16: Callable[..., torch.Tensor]
     dequantize_x16: Callable[..., torch.Tensor]
@@ -180,8 +181,8 @@ def gguf_ops() -> GGUFOps | None:
     value = os.environ.get(X16_ENV, "").strip()
     if value not in ("", "0", "1", "2", "3"):
         raise ValueError(f"{X16_ENV} must be 0, 1, 2 or 3, got {value!r}")
-    return GGUFOps(ops.gguf_mm, ops.gguf_dequantize, ops.gguf_repack_x16, ops.gguf_unpack_x16, ops.gguf_mm_x16,
-                   ops.gguf_dequantize_x16, x16=value != "0" and bool(ops.gguf_x16_supported()),
+    return GGUFOps(ops.gguf_mm, ops.gguf_dequantize, ops.gguf_repack_x16, ops.gguf_repack_x16_, ops.gguf_unpack_x16,
+                   ops.gguf_mm_x16, ops.gguf_dequantize_x16, x16=value != "0" and bool(ops.gguf_x16_supported()),
                    x16_passes=int(value) if value else None, x16_isas=tuple(ops.gguf_x16_isas()))
 
 

@@ -26,7 +26,8 @@
 // a record for the product: cpu_quant_x16_records.h (and _avx2.h); what both products
 // share: cpu_quant_x16_product.h.
 //
-// gguf_repack_x16(w, quant, cols): the x16 layout of GGUF rows w (N a multiple of 16).
+// gguf_repack_x16(w, quant, cols): the x16 layout of GGUF rows w (N a multiple of 16);
+//   gguf_repack_x16_ the same in place.
 // gguf_unpack_x16(w, rows, quant, cols): GGUF rows `rows` (int64) of an x16 weight.
 // gguf_mm_x16(x [M, cols], w, quant, cols, passes=3, isa="") -> [M, N] in x's dtype: with
 //   AVX-512 VNNI (here) or AVX2 + FMA + F16C (cpu_quant_x16_avx2.cpp, the same products
@@ -51,6 +52,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -86,26 +88,35 @@ inline void read_block(const uint8_t* records, int64_t b, int64_t lane, uint8_t*
   llmd_x16::record_to_block<Q>(records + b * record_bytes(Q), lane, block);
 }
 
-at::Tensor gguf_repack_x16(const at::Tensor& w, int64_t quant, int64_t cols) {
-  const int64_t blocks = check_layout(w, quant, cols, "gguf_repack_x16");
+// In place: each 16-row group's records take the bytes its rows held (the same count),
+// written from a copy of those rows (a thread's scratch of one group), so a weight is
+// repacked at load without a second copy of it (the load's peak).
+at::Tensor& gguf_repack_x16_(at::Tensor& w, int64_t quant, int64_t cols) {
+  const int64_t blocks = check_layout(w, quant, cols, "gguf_repack_x16_");
   const int64_t bytes = kLayouts[quant].block_bytes, row_bytes = blocks * bytes;
-  at::Tensor out = at::empty_like(w);
-  const uint8_t* src = w.const_data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
+  uint8_t* data = w.data_ptr<uint8_t>();
   dispatch(quant, [&](auto q) {
     constexpr int Q = decltype(q)::value;
     at::parallel_for(0, w.size(0) / kGroup, 16, [&](int64_t g0, int64_t g1) {
+      std::vector<uint8_t> rows(kGroup * row_bytes);
       for (int64_t g = g0; g < g1; ++g) {
+        uint8_t* group = data + g * kGroup * row_bytes;
+        std::memcpy(rows.data(), group, rows.size());
         for (int64_t b = 0; b < blocks; ++b) {
           for (int64_t lane = 0; lane < kGroup; ++lane) {
-            llmd_x16::block_to_record<Q>(src + (g * kGroup + lane) * row_bytes + b * bytes, lane,
-                                         dst + (g * blocks + b) * record_bytes(Q));
+            llmd_x16::block_to_record<Q>(rows.data() + lane * row_bytes + b * bytes, lane, group + b * record_bytes(Q));
           }
         }
       }
     });
   });
-  return out;
+  return w;
+}
+
+at::Tensor gguf_repack_x16(const at::Tensor& w, int64_t quant, int64_t cols) {
+  check_layout(w, quant, cols, "gguf_repack_x16");
+  at::Tensor out = w.clone();
+  return gguf_repack_x16_(out, quant, cols);
 }
 
 at::Tensor gguf_unpack_x16(const at::Tensor& w, const at::Tensor& rows, int64_t quant, int64_t cols) {
@@ -393,6 +404,7 @@ at::Tensor gguf_dequantize_x16(const at::Tensor& w, int64_t quant, int64_t cols)
 
 TORCH_LIBRARY_FRAGMENT(llmd_cpu, m) {
   m.def("gguf_repack_x16(Tensor w, int quant, int cols) -> Tensor");
+  m.def("gguf_repack_x16_(Tensor(a!) w, int quant, int cols) -> Tensor(a!)");
   m.def("gguf_unpack_x16(Tensor w, Tensor rows, int quant, int cols) -> Tensor");
   m.def("gguf_mm_x16(Tensor x, Tensor w, int quant, int cols, int passes=3, str isa=\"\") -> Tensor");
   m.def("gguf_dequantize_x16(Tensor w, int quant, int cols) -> Tensor");
@@ -402,6 +414,7 @@ TORCH_LIBRARY_FRAGMENT(llmd_cpu, m) {
 
 TORCH_LIBRARY_IMPL(llmd_cpu, CPU, m) {
   m.impl("gguf_repack_x16", &gguf_repack_x16);
+  m.impl("gguf_repack_x16_", &gguf_repack_x16_);
   m.impl("gguf_unpack_x16", &gguf_unpack_x16);
   m.impl("gguf_mm_x16", &gguf_mm_x16);
   m.impl("gguf_dequantize_x16", &gguf_dequantize_x16);

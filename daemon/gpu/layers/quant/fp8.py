@@ -26,8 +26,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from llmd.gpu.layers.gguf_quant import slice_rows
+
 KERNEL_MAX_ROWS = 16  # rows of x up to which the kernel runs (above: dequantized slices and a GEMM)
-SLICE_ROWS = 4096  # output rows dequantized at a time on the GEMM path
 KERNEL_COLUMN_MULTIPLE = 16  # the kernel reads a group 16 columns at a time
 
 
@@ -116,8 +117,10 @@ class FP8Matmul:
             out = self.ops.mm(rows.contiguous(), weight, scales)
         else:
             dense: Callable[..., torch.Tensor] = self.ops.dequantize if self.ops is not None else dequantize
-            out = torch.cat([F.linear(rows, dense(weight[a:a + SLICE_ROWS], scales[a:a + SLICE_ROWS]).to(rows.dtype))
-                             for a in range(0, weight.shape[0], SLICE_ROWS)], dim=-1)
+            step = slice_rows(weight.shape[1])
+            out = rows.new_empty(rows.shape[0], weight.shape[0])
+            for a in range(0, weight.shape[0], step):  # as gguf_quant's: slices the GEMM reads from cache
+                out[:, a:a + step] = F.linear(rows, dense(weight[a:a + step], scales[a:a + step]).to(rows.dtype))
         bias = layer.bias if self.with_bias else None
         if bias is not None:
             out = out + bias
