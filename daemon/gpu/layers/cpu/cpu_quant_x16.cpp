@@ -37,7 +37,8 @@
 // gguf_dequantize_x16(w, quant, cols) -> float32 [N, cols] (for a GEMM over many rows),
 //   equal to gguf_dequantize of the GGUF rows (any CPU).
 // gguf_x16_supported(): whether this CPU runs gguf_mm_x16 (with the ISA "" picks).
-// gguf_x16_isas(): the ISAs this CPU runs it with, best first.
+// gguf_x16_isas(): the ISAs this CPU runs it with, best first. Both count only the
+//   products this build compiled (cpu_quant_x16_product.h: none in the portable build).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -150,16 +151,18 @@ constexpr Isa kIsas[] = {Isa::kAvx512Vnni, Isa::kAvx2};
 
 const char* isa_name(Isa isa) { return isa == Isa::kAvx512Vnni ? "avx512_vnni" : "avx2"; }
 
+// Whether this build has `isa`'s product (cpu_quant_x16_product.h) and this CPU runs it.
 bool cpu_runs(Isa isa) {
-#if defined(__x86_64__)
+#if defined(LLMD_X16_AVX2)
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   if (isa == Isa::kAvx2) return avx2;
+#if defined(LLMD_X16_VNNI)
   return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
          __builtin_cpu_supports("avx512vnni");
-#else
-  return false;
 #endif
+#endif
+  return false;
 }
 
 std::vector<std::string> gguf_x16_isas() {
@@ -193,7 +196,8 @@ Isa isa_named(const std::string& name, const char* what) {
     if (name != isa_name(isa)) continue;
     std::string runs;
     for (const std::string& n : gguf_x16_isas()) runs += (runs.empty() ? "" : ", ") + n;
-    TORCH_CHECK(cpu_runs(isa), what, ": this CPU lacks ", name, " (it runs: ", runs.empty() ? "none" : runs, ")");
+    TORCH_CHECK(cpu_runs(isa), what, ": this CPU (or this build of the kernels) lacks ", name, " (it runs: ",
+                runs.empty() ? "none" : runs, ")");
     return isa;
   }
   TORCH_CHECK(false, what, " must be avx512_vnni or avx2 (or empty: the best this CPU runs), got '", name, "'");
@@ -215,7 +219,7 @@ void dequantize_group(const uint8_t* records, int64_t blocks, int64_t cols, floa
   }
 }
 
-#if defined(__x86_64__)
+#if defined(LLMD_X16_VNNI)
 using llmd_x16::kPrefetch;
 using llmd_x16::kPrefetchL2;
 using llmd_x16::SubBlock;
@@ -343,16 +347,42 @@ void mm_x16_passes(const std::vector<QuantizedRow>& x, int passes, const uint8_t
 }
 #endif
 
+// x's row quantized, and the product, on `isa` (one this build has: isa_named checked).
+void quantize_on(Isa isa, const float* x, int64_t cols, int passes, int8_t* codes, float* d, float* ds,
+                 int32_t* sums) {
+#if defined(LLMD_X16_AVX2)
+  if (isa == Isa::kAvx2) return llmd_x16::quantize_row_avx2(x, cols, passes, codes, d, ds, sums);
+#endif
+#if defined(LLMD_X16_VNNI)
+  if (isa == Isa::kAvx512Vnni) return quantize_row(x, cols, passes, codes, d, ds, sums);
+#endif
+  TORCH_CHECK(false, "gguf_mm_x16: this build has no ", isa_name(isa), " product");
+}
+
+void mm_on(Isa isa, int64_t quant, int passes, const std::vector<QuantizedRow>& x, const uint8_t* w, int64_t n,
+           int64_t records, float* out) {
+#if defined(LLMD_X16_AVX2)
+  if (isa == Isa::kAvx2) return llmd_x16::mm_x16_avx2(quant, passes, x, w, n, records, out);
+#endif
+#if defined(LLMD_X16_VNNI)
+  if (isa == Isa::kAvx512Vnni) {
+    dispatch(quant, [&](auto q) { mm_x16_passes<decltype(q)::value>(x, passes, w, n, records, out); });
+    return;
+  }
+#endif
+  TORCH_CHECK(false, "gguf_mm_x16: this build has no ", isa_name(isa), " product");
+}
+
 at::Tensor gguf_mm_x16(const at::Tensor& x, const at::Tensor& w, int64_t quant, int64_t cols, int64_t passes,
                        c10::string_view isa_choice) {
   const int64_t records = check_layout(w, quant, cols, "gguf_mm_x16");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == cols && x.is_contiguous(), "gguf_mm_x16: contiguous x [M, cols] expected");
   TORCH_CHECK(passes >= 1 && passes <= 3, "gguf_mm_x16: passes 1, 2 or 3 expected, got ", passes);
   const Isa isa = isa_named(std::string(isa_choice), "gguf_mm_x16's isa");
-  TORCH_CHECK(isa != Isa::kNone, "gguf_mm_x16: this CPU has neither AVX-512 VNNI nor AVX2 with FMA and F16C");
+  TORCH_CHECK(isa != Isa::kNone, "gguf_mm_x16: this CPU has neither AVX-512 VNNI nor AVX2 with FMA and F16C",
+              " (or the kernels are the portable build)");
   const int64_t rows = x.size(0), n = w.size(0), blocks = cols / kBlock;
   at::Tensor out = at::empty({rows, n}, x.options().dtype(at::kFloat));
-#if defined(__x86_64__)
   if (rows == 0) return out.to(x.scalar_type());
   const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
   std::vector<int8_t> codes(rows * passes * cols);
@@ -360,26 +390,15 @@ at::Tensor gguf_mm_x16(const at::Tensor& x, const at::Tensor& w, int64_t quant, 
   std::vector<int32_t> sums(rows * passes * 2 * blocks);
   std::vector<QuantizedRow> quantized(rows);
   const float* xp = xf.const_data_ptr<float>();
+  const int p = static_cast<int>(passes);
   for (int64_t r = 0; r < rows; ++r) {
     int8_t* q = codes.data() + r * passes * cols;
     float* d = scales.data() + 3 * r * blocks;
     int32_t* sum = sums.data() + r * passes * 2 * blocks;
-    if (isa == Isa::kAvx2) {
-      llmd_x16::quantize_row_avx2(xp + r * cols, cols, static_cast<int>(passes), q, d, d + blocks, sum);
-    } else {
-      quantize_row(xp + r * cols, cols, static_cast<int>(passes), q, d, d + blocks, sum);
-    }
+    quantize_on(isa, xp + r * cols, cols, p, q, d, d + blocks, sum);
     quantized[r] = {q, d, d + blocks, sum, cols, blocks};
   }
-  const uint8_t* wp = w.const_data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
-  const int p = static_cast<int>(passes);
-  if (isa == Isa::kAvx2) {
-    llmd_x16::mm_x16_avx2(quant, p, quantized, wp, n, records, op);
-  } else {
-    dispatch(quant, [&](auto q) { mm_x16_passes<decltype(q)::value>(quantized, p, wp, n, records, op); });
-  }
-#endif
+  mm_on(isa, quant, p, quantized, w.const_data_ptr<uint8_t>(), n, records, out.data_ptr<float>());
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 

@@ -16,7 +16,7 @@
 
 #include "cpu_quant_x16_product.h"
 
-#if defined(__x86_64__)
+#if defined(LLMD_X16_AVX2)
 #include <ATen/Parallel.h>
 
 #include "cpu_quant_formats.h"

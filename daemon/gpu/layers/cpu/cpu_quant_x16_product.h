@@ -13,6 +13,17 @@
 
 #include "cpu_quant_x16_layout.h"
 
+// The x16 products a build compiles (their template instances are most of the kernels'
+// compile time): the AVX-512 build both (an AVX-512 CPU runs the AVX2 one too, which is
+// how a machine with VNNI tests it: LLMD_GGUF_X16_ISA), the AVX2 build the AVX2 one, the
+// portable build (a CPU with neither; ATEN_CPU_CAPABILITY=default) none.
+#if defined(__x86_64__) && defined(CPU_CAPABILITY_AVX512)
+#define LLMD_X16_VNNI 1
+#endif
+#if defined(__x86_64__) && (defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2))
+#define LLMD_X16_AVX2 1
+#endif
+
 namespace llmd_x16 {
 
 constexpr int64_t kBlock = 32;     // columns of x per quantization block (and per sub-block)
