@@ -89,6 +89,17 @@ def slice_rows(cols: int) -> int:
     return max(X16_GROUP, SLICE_BYTES // (4 * cols) // X16_GROUP * X16_GROUP)
 
 
+def sliced_linear(rows: torch.Tensor, out_features: int, dense: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+    """rows W^T for a weight dequantized slice by slice (the GEMM path of packed weights):
+    `dense(a, b)` gives W's rows a..b-1 as floats, slice_rows at a time, and each slice's
+    product goes into its columns of one output (few, same-sized temporaries)."""
+    step = slice_rows(rows.shape[1])
+    out = rows.new_empty(rows.shape[0], out_features)
+    for a in range(0, out_features, step):
+        out[:, a:a + step] = F.linear(rows, dense(a, a + step).to(rows.dtype))
+    return out
+
+
 def row_bytes(quant: str, cols: int) -> int:
     """Bytes of one packed row of `cols` weights."""
     f = FORMATS[quant]
@@ -342,15 +353,12 @@ class GGUFMatmul:
         if not passes and rows.shape[0] <= KERNEL_MAX_ROWS and ops is not None:
             return ops.mm(rows.contiguous(), weight, code, cols)
 
-        step = slice_rows(cols)
-        out = rows.new_empty(rows.shape[0], out_features)
-        for a in range(0, out_features, step):  # each slice's product into its columns: few, same-sized temporaries
-            piece = weight[a:a + step]
+
+        def dense(a: int, b: int) -> torch.Tensor:
+            piece = weight[a:b]  # whole x16 groups: slice_rows is a multiple of 16
             if passes:
-                w = ops.dequantize_x16(piece, code, cols)
-            elif ops is not None:
-                w = ops.dequantize(piece, code, cols)
-            else:
-                w = dequantize(piece, quant, cols)
-            out[:, a:a + step] = F.linear(rows, w.to(rows.dtype))
-        return out
+                return ops.dequantize_x16(piece, code, cols)
+            if ops is not None:
+                return ops.dequantize(piece, code, cols)
+            return dequantize(piece, quant, cols)
+        return sliced_linear(rows, out_features, dense)

@@ -24,9 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from llmd.gpu.layers.gguf_quant import slice_rows
+from llmd.gpu.layers.gguf_quant import sliced_linear
 
 KERNEL_MAX_ROWS = 16  # rows of x up to which the kernel runs (above: dequantized slices and a GEMM)
 KERNEL_COLUMN_MULTIPLE = 16  # the kernel reads a group 16 columns at a time
@@ -117,10 +116,7 @@ class FP8Matmul:
             out = self.ops.mm(rows.contiguous(), weight, scales)
         else:
             dense: Callable[..., torch.Tensor] = self.ops.dequantize if self.ops is not None else dequantize
-            step = slice_rows(weight.shape[1])
-            out = rows.new_empty(rows.shape[0], weight.shape[0])
-            for a in range(0, weight.shape[0], step):  # as gguf_quant's: slices the GEMM reads from cache
-                out[:, a:a + step] = F.linear(rows, dense(weight[a:a + step], scales[a:a + step]).to(rows.dtype))
+            out = sliced_linear(rows, weight.shape[0], lambda a, b: dense(weight[a:b], scales[a:b]))
         bias = layer.bias if self.with_bias else None
         if bias is not None:
             out = out + bias
