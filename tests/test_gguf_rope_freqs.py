@@ -141,8 +141,10 @@ def test_llama_3_2_1b_frequencies_are_transformers_llama3(tmp_path):
     config, _ = make_model.resolve_config(recipe.pop("arch"), recipe.pop("preset"), **recipe)
     assert config.rope_parameters == LLAMA_3_2_1B_ROPE
     converter = make_gguf.load_converter()
-    writer = object.__new__(converter.LlamaModel)  # generate_extra_tensors reads only the hparams
+    writer = object.__new__(make_gguf.converter_model_class(converter, "LlamaForCausalLM"))  # reads only the hparams
     writer.hparams = make_gguf.with_legacy_rope_keys(config.to_dict())
+    # what newer converters' __init__ sets from the hparams (ModelBase in conversion/base.py)
+    writer.rope_parameters = writer.hparams.get("rope_parameters", writer.hparams.get("rope_scaling")) or {}
     ((name, factors),) = writer.generate_extra_tensors()
     assert name == "rope_freqs.weight" and factors.shape == (32,)
     U32, F32 = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32

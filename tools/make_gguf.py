@@ -212,6 +212,13 @@ def with_legacy_rope_keys(hparams: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def converter_model_class(conv: types.ModuleType, arch: str) -> Any:
+    """The converter's class for the HF architecture `arch` (e.g. "LlamaForCausalLM")."""
+    if hasattr(conv, "get_model_class"):  # newer converters import a model's class on demand
+        return conv.get_model_class(arch)
+    return conv.ModelBase.from_model_architecture(arch, model_type=conv.ModelType.TEXT)
+
+
 def convert_hf_to_gguf(hf_dir: Path, out: Path, outtype: str = "bf16", pre_tokenizer: str = "gpt-2",
                        model_name: str | None = None) -> Path:
     """Convert the HF directory `hf_dir` to the GGUF `out` (`outtype`: f32, f16, bf16 or
@@ -227,10 +234,7 @@ def convert_hf_to_gguf(hf_dir: Path, out: Path, outtype: str = "bf16", pre_token
         raise ValueError(f"outtype must be one of {sorted(ftypes)}, not {outtype!r}")
     hparams = conv.ModelBase.load_hparams(Path(hf_dir), False)
     arch = conv.get_model_architecture(hparams, conv.ModelType.TEXT)
-    if hasattr(conv, "get_model_class"):  # newer converters import a model's class on demand
-        model_class = conv.get_model_class(arch)
-    else:
-        model_class = conv.ModelBase.from_model_architecture(arch, model_type=conv.ModelType.TEXT)
+    model_class = converter_model_class(conv, arch)
     recognised = model_class.get_vocab_base_pre
 
     def vocab_base_pre(self: Any, tokenizer: Any) -> str:
