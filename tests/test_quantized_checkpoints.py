@@ -38,6 +38,10 @@ from quant_reference import write_dequantized
 from test_engine_vs_hf import TEXTS
 from test_gguf import GREEDY, MAX_TOKENS
 
+# Held to transformers' float32 on the dequantized weights at float32's tolerance: the
+# packed products at float32's precision (conftest.float32_products).
+pytestmark = pytest.mark.usefixtures("float32_products")
+
 SETTINGS = dict(device="cpu", dtype="float32", num_gpu_blocks_override=64, max_model_len=256)
 # Dense fixtures whose linear layers' input sizes are whole 32- and 64-column groups.
 DENSE = {

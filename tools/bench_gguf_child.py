@@ -29,6 +29,7 @@ from typing import Any
 LLMD_SETTINGS: dict[str, dict[str, Any]] = {
     "llmd": dict(dtype="auto"), "llmd-packed-bf16": dict(dtype="bfloat16"),
     "llmd-int8": dict(dtype="auto", cpu_int8_activations=True), "llmd-no-x16": dict(dtype="auto"),
+    "llmd-3p": dict(dtype="auto"),
     "llmd-kv16": dict(dtype="auto", kv_cache_dtype="float16"),
     "llmd-int8-kv16": dict(dtype="auto", cpu_int8_activations=True, kv_cache_dtype="float16"),
     "llmd-f32": dict(dtype="float32", dequantize=True), "llmd-bf16": dict(dtype="bfloat16", dequantize=True),

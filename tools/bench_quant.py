@@ -51,7 +51,7 @@ def _quantized_layer(method_opts: dict, w, dtype):
             layer.quant_method.load(name, None, t, None)
     finalize(layer)
     gguf = gguf_ops()
-    passes = x16_passes(gguf, dtype) if gguf is not None and gguf.x16 else 0
+    passes = x16_passes(gguf) if gguf is not None and gguf.x16 else 0
     layer.kernel = quantized_matmul(layer, gguf, passes, fp8_ops())
     nbytes = sum(t.numel() * t.element_size() for t in (*layer.parameters(), *layer.buffers()))
     return layer, nbytes

@@ -298,16 +298,22 @@ def use_x16(weight: torch.nn.Parameter, part: PackedPart, cols: int, ops: Any) -
     return True
 
 
-def x16_passes(ops: Any, dtype: torch.dtype, int8_activations: bool = False) -> int:
+def x16_passes(ops: Any, int8_activations: bool = False) -> int:
     """The int8 passes over x an x16 product takes (cpu/cpu_quant_x16.cpp): one with
     `int8_activations` (the engine setting cpu_int8_activations: llama.cpp's precision),
-    else as many as the model's activations have bits — 3 (about 23) for float32, 2 (15)
-    for bfloat16 and float16 — unless LLMD_GGUF_X16 set them (cpu_kernels)."""
+    else two, whatever the model's dtype (float32, bfloat16, float16) — unless
+    LLMD_GGUF_X16 set them (cpu_kernels; 3 is float32's precision).
+
+    Two passes hold x to within 1/64516 of each 32-column block's largest value (~16
+    bits: more than bfloat16's and float16's mantissas), while the packed weights carry
+    2-8 bits: a third pass moves a product by ~1e-5 of its scale — not a token of the
+    built-in model's, Gemma 3 270M's or the 1B's greedy output (tests/test_gguf.py) —
+    and costs ~30% of a batch-1 decode step where two passes stream the weights at the
+    memory's speed (the 1B Q4_K_M on 2 Zen 3 cores: 9.3 -> 11.5 tok/s, llama.cpp 11.7;
+    docs/benchmarks.md)."""
     if ops.x16_passes is not None:
         return ops.x16_passes
-    if int8_activations:
-        return 1
-    return 3 if dtype == torch.float32 else 2
+    return 1 if int8_activations else 2
 
 
 def x16_row_reader(module: torch.nn.Module, ops: Any) -> Any:

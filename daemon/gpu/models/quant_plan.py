@@ -147,7 +147,7 @@ def finalize_quantized(model: nn.Module, dtype: torch.dtype, device: torch.devic
     from llmd.gpu.layers.gguf_quant import x16_passes
 
     gguf, fp8 = gguf_ops(), fp8_ops()
-    passes = x16_passes(gguf, dtype, int8_activations) if gguf is not None and gguf.x16 else 0
+    passes = x16_passes(gguf, int8_activations) if gguf is not None and gguf.x16 else 0
     for layer in layers:
         finalize(layer)
         layer.kernel = quantized_matmul(layer, gguf, passes, fp8)

@@ -12,10 +12,10 @@ Five sets, one extension:
   (cpu_quant.cpp, used by gguf_quant.GGUFMatmul), and on a CPU with AVX-512 VNNI or
   AVX2 (+FMA, F16C) the same over the weight repacked sixteen rows at a time with int8
   activations, as llama.cpp multiplies (cpu_quant_x16.cpp, every packed type; the AVX2
-  product in cpu_quant_x16_avx2.cpp), in as many int8 passes over x as the model's dtype
-  needs, or one with the engine setting cpu_int8_activations (gguf_quant.x16_passes).
-  LLMD_GGUF_X16 (read when a model loads) sets the passes instead: 1 (llama.cpp's
-  precision), 2 or 3; 0 keeps the first kernel (the A/B switch). LLMD_GGUF_X16_ISA
+  product in cpu_quant_x16_avx2.cpp), in two int8 passes over x, or one with the engine
+  setting cpu_int8_activations (gguf_quant.x16_passes). LLMD_GGUF_X16 (read when a model
+  loads) sets the passes instead: 1 (llama.cpp's precision), 2 or 3 (float32's); 0 keeps
+  the first kernel (the A/B switch). LLMD_GGUF_X16_ISA
   (read once, by the kernel) picks the x16 product's ISA, avx512_vnni or avx2 (the A/B
   switch of the two, and how a CI machine with AVX-512 tests the AVX2 one); unset, the
   best this CPU runs;
@@ -236,9 +236,9 @@ def attach_gguf_kernels(model: torch.nn.Module, dtype: torch.dtype, int8_activat
     dequantized to; returns how many layers are packed. On a CPU with AVX-512 VNNI or
     AVX2 the weights the x16 kernel reads are repacked in place first (gguf_quant.use_x16: a
     table tied to the LM head is read through the same layout), and multiplied in
-    x16_passes(dtype, int8_activations) passes over x."""
+    x16_passes(int8_activations) passes over x."""
     ops = gguf_ops()
-    passes = x16_passes(ops, dtype, int8_activations) if ops is not None and ops.x16 else 0
+    passes = x16_passes(ops, int8_activations) if ops is not None and ops.x16 else 0
     count = 0
     for module in model.modules():
         if getattr(module, "quant", None) is None:
