@@ -368,7 +368,6 @@ class GGUFMatmul:
         if not passes and rows.shape[0] <= KERNEL_MAX_ROWS and ops is not None:
             return ops.mm(rows.contiguous(), weight, code, cols)
 
-
         def dense(a: int, b: int) -> torch.Tensor:
             piece = weight[a:b]  # whole x16 groups: slice_rows is a multiple of 16
             if passes:
