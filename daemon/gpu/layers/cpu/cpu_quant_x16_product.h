@@ -90,5 +90,16 @@ void quantize_row_avx2(const float* x, int64_t cols, int passes, int8_t* codes, 
 // for the rows of x and the x16 weight w of type `quant` (`records` per 16-row group).
 void mm_x16_avx2(int64_t quant, int passes, const std::vector<QuantizedRow>& x, const uint8_t* w, int64_t n,
                  int64_t records, float* out);
+// The same with P passes (P = 1, 2, 3), for every type: each P's template instances are
+// compiled in a file of their own (cpu_quant_x16_avx2_tiles.h).
+template <int P>
+void mm_x16_avx2_passes(int64_t quant, const std::vector<QuantizedRow>& x, const uint8_t* w, int64_t n,
+                        int64_t records, float* out);
+template <>
+void mm_x16_avx2_passes<1>(int64_t, const std::vector<QuantizedRow>&, const uint8_t*, int64_t, int64_t, float*);
+template <>
+void mm_x16_avx2_passes<2>(int64_t, const std::vector<QuantizedRow>&, const uint8_t*, int64_t, int64_t, float*);
+template <>
+void mm_x16_avx2_passes<3>(int64_t, const std::vector<QuantizedRow>&, const uint8_t*, int64_t, int64_t, float*);
 
 }  // namespace llmd_x16

@@ -1,0 +1,197 @@
+// The x16 product (cpu_quant_x16.cpp) on CPUs with AVX2, FMA and F16C but no AVX-512 VNNI
+// (AMD Zen 2/3, Intel servers before Ice Lake, Intel clients since Alder Lake), as
+// llama.cpp multiplies int8 there: over the same x16 weight bytes and the same int8
+// passes over x, with vpmaddubsw (unsigned weight codes times signed x codes, adjacent
+// pairs summed to int16) and vpmaddwd by ones (pairs of those to int32) in place of
+// vpdpbusd. A 256-bit vector holds eight rows, so each 16-row group is read as two halves
+// (cpu_quant_x16_records_avx2.h).
+//
+// vpmaddubsw saturates an int16 past 32767: with x's codes within [-128, 127], a pair of
+// products is at most 2 * 128 * kCodeMax, so the small codes add that many pair sums in
+// int16 before one vpmaddwd (8 for 4-bit codes: 8 * 2 * 128 * 15 = 30720; 4 for 5-bit,
+// 2 for Q6_K's 6). Q8_0's codes (0..255 with the offset) would saturate a single pair:
+// llama.cpp's sign trick multiplies |w| (at most 128) by x with w's sign, at most
+// 2 * 128 * 127 = 32512, and no offset is taken off. The int32 dot products are then
+// exactly the VNNI path's, and are scaled in float32 in the same order.
+//
+// This header holds the product's templates; each number of passes over x has its
+// instances compiled in its own file (cpu_quant_x16_avx2.cpp: one pass, with x's
+// quantization and the entry points; cpu_quant_x16_avx2_p2.cpp, _p3.cpp), so that a
+// fresh build compiles them side by side (in one file they were 127 of the build's 160 s
+// on two cores).
+
+#pragma once
+
+#include "cpu_quant_x16_product.h"
+
+#if defined(LLMD_X16_AVX2)
+#include <ATen/Parallel.h>
+
+#include "cpu_quant_formats.h"
+#include "cpu_quant_x16_records_avx2.h"
+
+#include <algorithm>
+
+namespace llmd_x16 {
+namespace {
+
+using avx2::HalfScales;
+using avx2::X16Half;
+
+// The largest power of two up to `cap` of vpmaddubsw results that add in int16 without
+// saturating, for codes up to `code_max` and x's codes up to 128 in magnitude.
+constexpr int int16_sums(int code_max, int cap) {
+  int n = cap;
+  while (n > 1 && n * 2 * 128 * code_max > 32767) n /= 2;
+  return n;
+}
+
+// |q| for Q8_0's signed codes (llama.cpp's sign trick), else the codes themselves.
+template <typename R>
+LLMD_X16_AVX2_TARGET inline __m256i magnitude_of(__m256i q) {
+  return R::kSigned ? _mm256_abs_epi8(q) : q;
+}
+
+// vpmaddubsw of a chunk's codes (as magnitude_of gives them) with x's four codes `x`
+// broadcast, carrying q's signs over to x for Q8_0.
+template <typename R>
+LLMD_X16_AVX2_TARGET inline __m256i code_product(__m256i q, __m256i magnitude, int32_t x) {
+  const __m256i xk = _mm256_set1_epi32(x);
+  return _mm256_maddubs_epi16(magnitude, R::kSigned ? _mm256_sign_epi8(xk, q) : xk);
+}
+
+// The int32 dot products of chunks [kFirst, kFirst + kCount) of one half's codes with the
+// codes of x's T rows in each of P passes, added to sums[r][p] (which start at the
+// offset's term); kSums chunks' products add in int16 before one vpmaddwd. The chunks
+// are decoded first and each (row, pass)'s products taken in turn (the loads issued
+// together: chunk by chunk measured 10-15% slower with one pass), unless there are
+// several passes over few rows (kByChunk): then chunk by chunk, each chunk decoded once
+// and used by every (row, pass) while it is in a register (the eight chunks held beside
+// three passes' sums spilled to the stack: with this order the 1B Q4_K_M's batch-1
+// float32 decode 8.9 -> 9.3-10.6 tok/s).
+template <typename R, int T, int P, int kFirst, int kCount>
+LLMD_X16_AVX2_TARGET inline void dots(const R& record, int c, const int32_t* const (&xq)[T][P],
+                                      __m256i (&sums)[T][P]) {
+  constexpr int kSums = R::kSigned ? 1 : int16_sums(R::kCodeMax, kCount);
+  constexpr bool kByChunk = P > 1 && T * P <= 4;  // the (row, pass) sums it holds fit beside a chunk
+  static_assert(kCount % kSums == 0);
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (!kByChunk) {
+    __m256i q[kCount];
+    for (int k = 0; k < kCount; ++k) q[k] = record.code(c, kFirst + k);
+    for (int r = 0; r < T; ++r) {
+      for (int p = 0; p < P; ++p) {
+        for (int g = 0; g < kCount; g += kSums) {
+          __m256i pairs = code_product<R>(q[g], magnitude_of<R>(q[g]), xq[r][p][kFirst + g]);
+          for (int k = g + 1; k < g + kSums; ++k)
+            pairs = _mm256_add_epi16(pairs, code_product<R>(q[k], magnitude_of<R>(q[k]), xq[r][p][kFirst + k]));
+          sums[r][p] = _mm256_add_epi32(sums[r][p], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+    }
+  } else {
+    for (int g = kFirst; g < kFirst + kCount; g += kSums) {
+      __m256i pairs[T][P];
+      for (int k = g; k < g + kSums; ++k) {
+        const __m256i q = record.code(c, k);
+        const __m256i magnitude = magnitude_of<R>(q);
+        for (int r = 0; r < T; ++r) {
+          for (int p = 0; p < P; ++p) {
+            const __m256i pk = code_product<R>(q, magnitude, xq[r][p][k]);
+            pairs[r][p] = k == g ? pk : _mm256_add_epi16(pairs[r][p], pk);
+          }
+        }
+      }
+      for (int r = 0; r < T; ++r)
+        for (int p = 0; p < P; ++p) sums[r][p] = _mm256_add_epi32(sums[r][p], _mm256_madd_epi16(pairs[r][p], ones));
+    }
+  }
+}
+
+// out[r][g*16 + lane] for the `T` rows of x and the 16 weight rows of group g, half by
+// half within each record: what the VNNI path's group_tile computes, in the same order.
+template <int Q, int T, int P>
+LLMD_X16_AVX2_TARGET void group_tile(const uint8_t* w, const QuantizedRow* x, float* out, int64_t stride) {
+  using R = X16Half<Q>;
+  constexpr int64_t rec = record_bytes(Q), sub_bytes = rec / R::kSub;
+  const int64_t blocks = x[0].blocks;
+  __m256 acc[2][T];
+  for (int h = 0; h < 2; ++h)
+    for (int r = 0; r < T; ++r) acc[h][r] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < blocks / R::kSub; ++s) {
+    const uint8_t* rp = w + s * rec;
+    for (int h = 0; h < 2; ++h) {
+      const R record(rp, h);
+#pragma GCC unroll 8
+      for (int c = 0; c < R::kSub; ++c) {
+        if (h == 0) {  // as the VNNI path asks, once per sub-block
+          const char* ahead = reinterpret_cast<const char*>(rp + (c + kPrefetch) * sub_bytes);
+          for (int64_t line = 0; line < sub_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+          const char* far = reinterpret_cast<const char*>(rp + (c + kPrefetchL2) * sub_bytes);
+          for (int64_t line = 0; line < sub_bytes; line += 64) _mm_prefetch(far + line, _MM_HINT_T2);
+        }
+        const int64_t b = s * R::kSub + c;
+        const int32_t* xq[T][P];
+        for (int r = 0; r < T; ++r)
+          for (int p = 0; p < P; ++p) xq[r][p] = reinterpret_cast<const int32_t*>(x[r].codes + p * x[r].cols + b * kBlock);
+        // Each pass's dot products (of the sub-block's two halves of 16 columns apart with
+        // kHalves), the offset's term first: -kOffset * the sum of x's codes.
+        __m256i lo[T][P], hi[T][P];
+        for (int r = 0; r < T; ++r) {
+          for (int p = 0; p < P; ++p) {
+            const int32_t* sum = x[r].sums + p * 2 * x[r].blocks + 2 * b;
+            lo[r][p] = _mm256_set1_epi32(-R::kOffset * (R::kHalves ? sum[0] : sum[0] + sum[1]));
+            if constexpr (R::kHalves) hi[r][p] = _mm256_set1_epi32(-R::kOffset * sum[1]);
+          }
+        }
+        if constexpr (R::kHalves) {
+          dots<R, T, P, 0, 4>(record, c, xq, lo);
+          dots<R, T, P, 4, 4>(record, c, xq, hi);
+        } else {
+          dots<R, T, P, 0, 8>(record, c, xq, lo);
+        }
+        HalfScales sc;
+        record.scales(c, sc);
+        for (int r = 0; r < T; ++r) {
+          __m256 t_lo = _mm256_setzero_ps(), t_hi = _mm256_setzero_ps();
+          for (int p = 0; p < P; ++p) {
+            const __m256 dx = _mm256_set1_ps(x[r].d[b] * kPassScale[p]);
+            t_lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[r][p]), dx, t_lo);
+            if constexpr (R::kHalves) t_hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[r][p]), dx, t_hi);
+          }
+          __m256& a = acc[h][r];
+          a = _mm256_fmadd_ps(sc.scale[0], t_lo, a);
+          if constexpr (R::kHalves) a = _mm256_fmadd_ps(sc.scale[1], t_hi, a);
+          const float* ds = x[r].ds + 2 * b;
+          if constexpr (R::kMin == 1) a = _mm256_fmadd_ps(sc.min[0], _mm256_set1_ps(ds[0] + ds[1]), a);
+          if constexpr (R::kMin == 2) {
+            a = _mm256_fmadd_ps(sc.min[0], _mm256_set1_ps(ds[0]), a);
+            a = _mm256_fmadd_ps(sc.min[1], _mm256_set1_ps(ds[1]), a);
+          }
+        }
+      }
+    }
+  }
+  for (int h = 0; h < 2; ++h)
+    for (int r = 0; r < T; ++r) _mm256_storeu_ps(out + r * stride + 8 * h, acc[h][r]);
+}
+
+template <int Q, int P>
+void mm_x16(const std::vector<QuantizedRow>& x, const uint8_t* w, int64_t n, int64_t records, float* out) {
+  for_each_tile(x, w, n, records * record_bytes(Q), out,
+                [n](auto t, const uint8_t* wg, const QuantizedRow* xr, float* o) {
+                  group_tile<Q, decltype(t)::value, P>(wg, xr, o, n);
+                });
+}
+
+// The product with P passes over x, for every type.
+template <int P>
+void mm_x16_every_type(int64_t quant, const std::vector<QuantizedRow>& x, const uint8_t* w, int64_t n,
+                       int64_t records, float* out) {
+  llmd_quant::dispatch(quant, [&](auto q) { mm_x16<decltype(q)::value, P>(x, w, n, records, out); });
+}
+
+}  // namespace
+}  // namespace llmd_x16
+
+#endif
