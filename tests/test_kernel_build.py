@@ -240,3 +240,13 @@ def test_sigterm_while_the_daemon_builds_its_kernels(tmp_path, tiny_llama, slow_
     assert "stopped while loading the model" in daemon.stderr()
     assert "did not stop within" not in daemon.stderr()  # the load itself gave up
     assert _processes_under(tmp_path) == []
+
+
+def test_every_cpp_source_and_header_is_in_the_build_and_its_digest():
+    """A C++ file beside the kernels that the build's lists leave out would not rebuild them
+    when it changes (a header) or would not be compiled at all (a source)."""
+    folder = Path(cpu_kernels.__file__).parent
+    assert sorted(folder.glob("*.cpp")) == sorted(cpu_kernels.SOURCES)
+    assert sorted(folder.glob("*.h")) == sorted(cpu_kernels.HEADERS)
+    build = cpu_kernels.kernels_build()
+    assert set(build.sources) == set(cpu_kernels.SOURCES) and set(build.headers) == set(cpu_kernels.HEADERS)
