@@ -106,7 +106,7 @@ def float32_products(monkeypatch):
     scale). For the tests that hold a packed model to a float32 reference at float32's
     tolerance (what its dequantized weights compute, transformers on them): their point
     is what the loader reads and lays out; what two passes may change a product by is
-    test_gguf_x16.py's, exactly, and the real models' tests (test_gguf.py) run them."""
+    test_gguf_x16.py's, exactly, and the real models' tests (test_gguf_real_models.py) run them."""
     monkeypatch.setenv("LLMD_GGUF_X16", "3")
 
 
@@ -123,8 +123,8 @@ def _stop_the_zygote():
 # first). `make test` hands whole modules to two processes in collection order; run
 # alphabetically, one of these could start last and leave the other core idle for
 # minutes, so they are collected first and the short modules fill in behind them.
-HEAVY_MODULES = ("test_gguf.py", "test_gguf_packed.py", "test_daemon.py", "test_mp_executor.py", "test_faults.py",
-                 "test_moe.py", "test_triton_attention.py", "test_tensor_parallel.py", "test_fused_ops.py",
+HEAVY_MODULES = ("test_gguf.py", "test_gguf_real_models.py", "test_gguf_packed.py", "test_daemon.py",
+                 "test_mp_executor.py", "test_faults.py", "test_moe.py", "test_triton_attention.py", "test_tensor_parallel.py", "test_fused_ops.py",
                  "test_daemon_ownership.py", "test_guided_overlap.py", "test_quantized_checkpoints.py",
                  "test_kernel_build.py", "test_gemma_phi.py", "test_kv_cache_dtype.py")
 
