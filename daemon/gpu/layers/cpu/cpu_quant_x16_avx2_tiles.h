@@ -108,12 +108,68 @@ LLMD_X16_AVX2_TARGET inline void dots(const R& record, int c, const int32_t* con
   }
 }
 
+// Sub-block c of the half `record` (of the record at rp, the s-th of its group) into
+// acc[h]: the dot products of its codes with x's T rows in P passes, scaled.
+template <int Q, int T, int P>
+LLMD_X16_AVX2_TARGET __attribute__((always_inline)) inline void sub_block_tile(const X16Half<Q>& record,
+                                                                               const uint8_t* rp, int h, int64_t s,
+                                                                               int c, const QuantizedRow* x,
+                                                                               __m256 (&acc)[2][T]) {
+  using R = X16Half<Q>;
+  constexpr int64_t sub_bytes = record_bytes(Q) / R::kSub;
+  if (h == 0) {  // as the VNNI path asks, once per sub-block
+    const char* ahead = reinterpret_cast<const char*>(rp + (c + kPrefetch) * sub_bytes);
+    for (int64_t line = 0; line < sub_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    const char* far = reinterpret_cast<const char*>(rp + (c + kPrefetchL2) * sub_bytes);
+    for (int64_t line = 0; line < sub_bytes; line += 64) _mm_prefetch(far + line, _MM_HINT_T2);
+  }
+  const int64_t b = s * R::kSub + c;
+  const int32_t* xq[T][P];
+  for (int r = 0; r < T; ++r)
+    for (int p = 0; p < P; ++p) xq[r][p] = reinterpret_cast<const int32_t*>(x[r].codes + p * x[r].cols + b * kBlock);
+  // Each pass's dot products (of the sub-block's two halves of 16 columns apart with
+  // kHalves), the offset's term first: -kOffset * the sum of x's codes.
+  __m256i lo[T][P], hi[T][P];
+  for (int r = 0; r < T; ++r) {
+    for (int p = 0; p < P; ++p) {
+      const int32_t* sum = x[r].sums + p * 2 * x[r].blocks + 2 * b;
+      lo[r][p] = _mm256_set1_epi32(-R::kOffset * (R::kHalves ? sum[0] : sum[0] + sum[1]));
+      if constexpr (R::kHalves) hi[r][p] = _mm256_set1_epi32(-R::kOffset * sum[1]);
+    }
+  }
+  if constexpr (R::kHalves) {
+    dots<R, T, P, 0, 4>(record, c, xq, lo);
+    dots<R, T, P, 4, 4>(record, c, xq, hi);
+  } else {
+    dots<R, T, P, 0, 8>(record, c, xq, lo);
+  }
+  HalfScales sc;
+  record.scales(c, sc);
+  for (int r = 0; r < T; ++r) {
+    __m256 t_lo = _mm256_setzero_ps(), t_hi = _mm256_setzero_ps();
+    for (int p = 0; p < P; ++p) {
+      const __m256 dx = _mm256_set1_ps(x[r].d[b] * kPassScale[p]);
+      t_lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[r][p]), dx, t_lo);
+      if constexpr (R::kHalves) t_hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[r][p]), dx, t_hi);
+    }
+    __m256& a = acc[h][r];
+    a = _mm256_fmadd_ps(sc.scale[0], t_lo, a);
+    if constexpr (R::kHalves) a = _mm256_fmadd_ps(sc.scale[1], t_hi, a);
+    const float* ds = x[r].ds + 2 * b;
+    if constexpr (R::kMin == 1) a = _mm256_fmadd_ps(sc.min[0], _mm256_set1_ps(ds[0] + ds[1]), a);
+    if constexpr (R::kMin == 2) {
+      a = _mm256_fmadd_ps(sc.min[0], _mm256_set1_ps(ds[0]), a);
+      a = _mm256_fmadd_ps(sc.min[1], _mm256_set1_ps(ds[1]), a);
+    }
+  }
+}
+
 // out[r][g*16 + lane] for the `T` rows of x and the 16 weight rows of group g, half by
 // half within each record: what the VNNI path's group_tile computes, in the same order.
 template <int Q, int T, int P>
 LLMD_X16_AVX2_TARGET void group_tile(const uint8_t* w, const QuantizedRow* x, float* out, int64_t stride) {
   using R = X16Half<Q>;
-  constexpr int64_t rec = record_bytes(Q), sub_bytes = rec / R::kSub;
+  constexpr int64_t rec = record_bytes(Q);
   const int64_t blocks = x[0].blocks;
   __m256 acc[2][T];
   for (int h = 0; h < 2; ++h)
@@ -122,53 +178,15 @@ LLMD_X16_AVX2_TARGET void group_tile(const uint8_t* w, const QuantizedRow* x, fl
     const uint8_t* rp = w + s * rec;
     for (int h = 0; h < 2; ++h) {
       const R record(rp, h);
+      // One row's sub-blocks unrolled (their shifts constants: 5-15% faster for the
+      // K-quants at one row); several rows' not (unrolled, their tiles ran 1.2-2x slower:
+      // docs/benchmarks.md, "The x16 product's sub-block loop on AVX2").
+      if constexpr (T == 1) {
 #pragma GCC unroll 8
-      for (int c = 0; c < R::kSub; ++c) {
-        if (h == 0) {  // as the VNNI path asks, once per sub-block
-          const char* ahead = reinterpret_cast<const char*>(rp + (c + kPrefetch) * sub_bytes);
-          for (int64_t line = 0; line < sub_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-          const char* far = reinterpret_cast<const char*>(rp + (c + kPrefetchL2) * sub_bytes);
-          for (int64_t line = 0; line < sub_bytes; line += 64) _mm_prefetch(far + line, _MM_HINT_T2);
-        }
-        const int64_t b = s * R::kSub + c;
-        const int32_t* xq[T][P];
-        for (int r = 0; r < T; ++r)
-          for (int p = 0; p < P; ++p) xq[r][p] = reinterpret_cast<const int32_t*>(x[r].codes + p * x[r].cols + b * kBlock);
-        // Each pass's dot products (of the sub-block's two halves of 16 columns apart with
-        // kHalves), the offset's term first: -kOffset * the sum of x's codes.
-        __m256i lo[T][P], hi[T][P];
-        for (int r = 0; r < T; ++r) {
-          for (int p = 0; p < P; ++p) {
-            const int32_t* sum = x[r].sums + p * 2 * x[r].blocks + 2 * b;
-            lo[r][p] = _mm256_set1_epi32(-R::kOffset * (R::kHalves ? sum[0] : sum[0] + sum[1]));
-            if constexpr (R::kHalves) hi[r][p] = _mm256_set1_epi32(-R::kOffset * sum[1]);
-          }
-        }
-        if constexpr (R::kHalves) {
-          dots<R, T, P, 0, 4>(record, c, xq, lo);
-          dots<R, T, P, 4, 4>(record, c, xq, hi);
-        } else {
-          dots<R, T, P, 0, 8>(record, c, xq, lo);
-        }
-        HalfScales sc;
-        record.scales(c, sc);
-        for (int r = 0; r < T; ++r) {
-          __m256 t_lo = _mm256_setzero_ps(), t_hi = _mm256_setzero_ps();
-          for (int p = 0; p < P; ++p) {
-            const __m256 dx = _mm256_set1_ps(x[r].d[b] * kPassScale[p]);
-            t_lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[r][p]), dx, t_lo);
-            if constexpr (R::kHalves) t_hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[r][p]), dx, t_hi);
-          }
-          __m256& a = acc[h][r];
-          a = _mm256_fmadd_ps(sc.scale[0], t_lo, a);
-          if constexpr (R::kHalves) a = _mm256_fmadd_ps(sc.scale[1], t_hi, a);
-          const float* ds = x[r].ds + 2 * b;
-          if constexpr (R::kMin == 1) a = _mm256_fmadd_ps(sc.min[0], _mm256_set1_ps(ds[0] + ds[1]), a);
-          if constexpr (R::kMin == 2) {
-            a = _mm256_fmadd_ps(sc.min[0], _mm256_set1_ps(ds[0]), a);
-            a = _mm256_fmadd_ps(sc.min[1], _mm256_set1_ps(ds[1]), a);
-          }
-        }
+        for (int c = 0; c < R::kSub; ++c) sub_block_tile<Q, T, P>(record, rp, h, s, c, x, acc);
+      } else {
+#pragma GCC unroll 1
+        for (int c = 0; c < R::kSub; ++c) sub_block_tile<Q, T, P>(record, rp, h, s, c, x, acc);
       }
     }
   }
