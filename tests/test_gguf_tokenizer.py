@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType as T
 from llmd.gpu.models.gguf_file import GGUFFile
 from llmd.gpu.models.gguf_loader import load_gguf_tokenizer
 from llmd.gpu.models.gguf_tokenizer import converter_available
-from test_gguf import gemma3_270m, ggufs, hf_dirs, smollm2  # noqa: F401
+from test_gguf import ggufs, hf_dirs  # noqa: F401
 
 TEXTS = [
     "Hello world",
@@ -71,11 +71,11 @@ def test_the_installed_transformers_offers_the_conversion():
     assert converter_available()
 
 
-def test_builtin_model_tokenizer_is_transformers(smollm2):  # noqa: F811
-    assert_same_tokenizer(smollm2)
+def test_builtin_model_tokenizer_is_transformers(builtin_gguf):
+    assert_same_tokenizer(builtin_gguf)
 
 
-def test_gemma3_tokenizer_is_transformers(gemma3_270m):  # noqa: F811
+def test_gemma3_tokenizer_is_transformers(gemma3_270m):
     tokenizer = assert_same_tokenizer(gemma3_270m)
     assert tokenizer("<start_of_turn>user\nhi<end_of_turn>").input_ids == [2, 105, 2364, 107, 2202, 106]
 
