@@ -148,9 +148,9 @@ def _stop_the_zygote():
 # alphabetically, one of these could start last and leave the other core idle for
 # minutes, so they are collected first and the short modules fill in behind them.
 HEAVY_MODULES = ("test_gguf.py", "test_gguf_real_models.py", "test_gguf_packed.py", "test_daemon.py",
-                 "test_mp_executor.py", "test_faults.py", "test_moe.py", "test_triton_attention.py", "test_tensor_parallel.py", "test_fused_ops.py",
-                 "test_daemon_ownership.py", "test_guided_overlap.py", "test_quantized_checkpoints.py",
-                 "test_kernel_build.py", "test_gemma_phi.py", "test_kv_cache_dtype.py")
+                 "test_mp_executor.py", "test_faults.py", "test_moe.py", "test_triton_attention.py",
+                 "test_tensor_parallel.py", "test_fused_ops.py", "test_daemon_ownership.py", "test_guided_overlap.py",
+                 "test_quantized_checkpoints.py", "test_kernel_build.py", "test_gemma_phi.py", "test_kv_cache_dtype.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
