@@ -65,6 +65,8 @@ using llmd_x16::kGroup;
 using llmd_x16::kLayouts;
 using llmd_x16::kBlock;
 using llmd_x16::kPassScale;
+using llmd_x16::first_scaled_pass;
+using llmd_x16::joins_passes;
 using llmd_x16::QuantizedRow;
 using llmd_x16::record_bytes;
 
@@ -276,6 +278,11 @@ LLMD_X16_TARGET inline void sub_block_dots(const SubBlock& sb, const QuantizedRo
   }
 }
 
+// 254 * s0 + s1 (exact within int32 for the dot products of two passes' codes).
+LLMD_X16_TARGET inline __m512i joined(__m512i s0, __m512i s1) {
+  return _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(s0, 8), _mm512_slli_epi32(s0, 1)), s1);
+}
+
 // out[r][g*16 + lane] for the `T` rows of x and the 16 weight rows of group g: per
 // sub-block, its scale times the sum over passes of its dot products times that pass's
 // scale of x, plus the minimums times x's sums.
@@ -302,16 +309,20 @@ LLMD_X16_TARGET void group_tile(const uint8_t* w, const QuantizedRow* x, float* 
       record.decode(c, sb);
       const int64_t b = s * R::kSub + c;
       for (int r = 0; r < T; ++r) {
+        __m512i lo[P], hi[P];
+        for (int p = 0; p < P; ++p) sub_block_dots<R>(sb, x[r], p, b, lo[p], hi[p]);
+        if constexpr (joins_passes(Q, P)) {  // 254 * pass 0's + pass 1's
+          lo[1] = joined(lo[0], lo[1]);
+          hi[1] = joined(hi[0], hi[1]);
+        }
         __m512 t_lo = _mm512_setzero_ps(), t_hi = _mm512_setzero_ps();
-        for (int p = 0; p < P; ++p) {
-          __m512i lo, hi;
-          sub_block_dots<R>(sb, x[r], p, b, lo, hi);
+        for (int p = first_scaled_pass(Q, P); p < P; ++p) {
           const __m512 dx = _mm512_set1_ps(x[r].d[b] * kPassScale[p]);
           if constexpr (R::kHalves) {  // each half its scale: in float32 (an int32 multiply is two slow uops)
-            t_lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), dx, t_lo);
-            t_hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), dx, t_hi);
+            t_lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[p]), dx, t_lo);
+            t_hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[p]), dx, t_hi);
           } else {
-            t_lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi)), dx, t_lo);
+            t_lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo[p], hi[p])), dx, t_lo);
           }
         }
         acc[r] = _mm512_fmadd_ps(sb.scale[0], t_lo, acc[r]);

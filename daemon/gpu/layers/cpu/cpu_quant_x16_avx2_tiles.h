@@ -108,6 +108,31 @@ LLMD_X16_AVX2_TARGET inline void dots(const R& record, int c, const int32_t* con
   }
 }
 
+// Q8_0's int32 dot products with x's passes 0 and 1 joined (QuantizedRow::wide: 254 q0 +
+// q1 in int16) added to joined[r], and with pass 2 (P = 3) to third[r]: vpmaddwd
+// multiplies the codes sign-extended to int16 (a lane's columns 0, 2 and 1, 3) by x's
+// joined codes at once, where two passes of the sign trick would take twice the
+// instructions. The integers are the joined passes' (joins_passes), exactly.
+template <typename R, int T, int P>
+LLMD_X16_AVX2_TARGET inline void wide_dots(const R& record, int c, const int32_t* const (&wide)[T],
+                                           const int32_t* const (&third)[T], __m256i (&joined_sums)[T],
+                                           __m256i (&third_sums)[T]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int k = 0; k < 8; ++k) {
+    const __m256i q = record.code(c, k);
+    const __m256i even = _mm256_srai_epi16(_mm256_slli_epi16(q, 8), 8), odd = _mm256_srai_epi16(q, 8);
+    for (int r = 0; r < T; ++r) {
+      const __m256i e = _mm256_madd_epi16(even, _mm256_set1_epi32(wide[r][2 * k]));
+      const __m256i o = _mm256_madd_epi16(odd, _mm256_set1_epi32(wide[r][2 * k + 1]));
+      joined_sums[r] = _mm256_add_epi32(joined_sums[r], _mm256_add_epi32(e, o));
+      if constexpr (P == 3) {
+        const __m256i pairs = code_product<R>(q, magnitude_of<R>(q), third[r][k]);
+        third_sums[r] = _mm256_add_epi32(third_sums[r], _mm256_madd_epi16(pairs, ones));
+      }
+    }
+  }
+}
+
 // Sub-block c of the half `record` (of the record at rp, the s-th of its group) into
 // acc[h]: the dot products of its codes with x's T rows in P passes, scaled.
 template <int Q, int T, int P>
@@ -117,6 +142,8 @@ LLMD_X16_AVX2_TARGET __attribute__((always_inline)) inline void sub_block_tile(c
                                                                                __m256 (&acc)[2][T]) {
   using R = X16Half<Q>;
   constexpr int64_t sub_bytes = record_bytes(Q) / R::kSub;
+  constexpr bool kWide = joins_passes(Q, P);  // through wide_dots
+  static_assert(!kWide || R::kSigned);
   if (h == 0) {  // as the VNNI path asks, once per sub-block
     const char* ahead = reinterpret_cast<const char*>(rp + (c + kPrefetch) * sub_bytes);
     for (int64_t line = 0; line < sub_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
@@ -124,30 +151,47 @@ LLMD_X16_AVX2_TARGET __attribute__((always_inline)) inline void sub_block_tile(c
     for (int64_t line = 0; line < sub_bytes; line += 64) _mm_prefetch(far + line, _MM_HINT_T2);
   }
   const int64_t b = s * R::kSub + c;
-  const int32_t* xq[T][P];
-  for (int r = 0; r < T; ++r)
-    for (int p = 0; p < P; ++p) xq[r][p] = reinterpret_cast<const int32_t*>(x[r].codes + p * x[r].cols + b * kBlock);
   // Each pass's dot products (of the sub-block's two halves of 16 columns apart with
-  // kHalves), the offset's term first: -kOffset * the sum of x's codes.
+  // kHalves), the offset's term first: -kOffset * the sum of x's codes; for Q8_0 with two
+  // or three passes, passes 0 and 1 joined in lo[r][1] (joins_passes).
   __m256i lo[T][P], hi[T][P];
-  for (int r = 0; r < T; ++r) {
-    for (int p = 0; p < P; ++p) {
-      const int32_t* sum = x[r].sums + p * 2 * x[r].blocks + 2 * b;
-      lo[r][p] = _mm256_set1_epi32(-R::kOffset * (R::kHalves ? sum[0] : sum[0] + sum[1]));
-      if constexpr (R::kHalves) hi[r][p] = _mm256_set1_epi32(-R::kOffset * sum[1]);
+  if constexpr (kWide) {  // (Q8_0: no offset, no halves)
+    const int32_t* wide[T];
+    const int32_t* third[T];
+    __m256i joined_sums[T], third_sums[T];
+    for (int r = 0; r < T; ++r) {
+      wide[r] = reinterpret_cast<const int32_t*>(x[r].wide + b * kBlock);
+      third[r] = P == 3 ? reinterpret_cast<const int32_t*>(x[r].codes + 2 * x[r].cols + b * kBlock) : nullptr;
+      joined_sums[r] = third_sums[r] = _mm256_setzero_si256();
     }
-  }
-  if constexpr (R::kHalves) {
-    dots<R, T, P, 0, 4>(record, c, xq, lo);
-    dots<R, T, P, 4, 4>(record, c, xq, hi);
+    wide_dots<R, T, P>(record, c, wide, third, joined_sums, third_sums);
+    for (int r = 0; r < T; ++r) {
+      lo[r][1] = joined_sums[r];
+      if constexpr (P == 3) lo[r][2] = third_sums[r];
+    }
   } else {
-    dots<R, T, P, 0, 8>(record, c, xq, lo);
+    const int32_t* xq[T][P];
+    for (int r = 0; r < T; ++r)
+      for (int p = 0; p < P; ++p) xq[r][p] = reinterpret_cast<const int32_t*>(x[r].codes + p * x[r].cols + b * kBlock);
+    for (int r = 0; r < T; ++r) {
+      for (int p = 0; p < P; ++p) {
+        const int32_t* sum = x[r].sums + p * 2 * x[r].blocks + 2 * b;
+        lo[r][p] = _mm256_set1_epi32(-R::kOffset * (R::kHalves ? sum[0] : sum[0] + sum[1]));
+        if constexpr (R::kHalves) hi[r][p] = _mm256_set1_epi32(-R::kOffset * sum[1]);
+      }
+    }
+    if constexpr (R::kHalves) {
+      dots<R, T, P, 0, 4>(record, c, xq, lo);
+      dots<R, T, P, 4, 4>(record, c, xq, hi);
+    } else {
+      dots<R, T, P, 0, 8>(record, c, xq, lo);
+    }
   }
   HalfScales sc;
   record.scales(c, sc);
   for (int r = 0; r < T; ++r) {
     __m256 t_lo = _mm256_setzero_ps(), t_hi = _mm256_setzero_ps();
-    for (int p = 0; p < P; ++p) {
+    for (int p = first_scaled_pass(Q, P); p < P; ++p) {
       const __m256 dx = _mm256_set1_ps(x[r].d[b] * kPassScale[p]);
       t_lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[r][p]), dx, t_lo);
       if constexpr (R::kHalves) t_hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[r][p]), dx, t_hi);
@@ -166,6 +210,8 @@ LLMD_X16_AVX2_TARGET __attribute__((always_inline)) inline void sub_block_tile(c
 
 // out[r][g*16 + lane] for the `T` rows of x and the 16 weight rows of group g, half by
 // half within each record: what the VNNI path's group_tile computes, in the same order.
+// (Taking half 0 of every record, then half 1, to hold T accumulators instead of 2T:
+// measured no faster, 2026-11-29.)
 template <int Q, int T, int P>
 LLMD_X16_AVX2_TARGET void group_tile(const uint8_t* w, const QuantizedRow* x, float* out, int64_t stride) {
   using R = X16Half<Q>;
@@ -194,8 +240,35 @@ LLMD_X16_AVX2_TARGET void group_tile(const uint8_t* w, const QuantizedRow* x, fl
     for (int r = 0; r < T; ++r) _mm256_storeu_ps(out + r * stride + 8 * h, acc[h][r]);
 }
 
+// x's passes 0 and 1 joined for wide_dots (QuantizedRow::wide): 254 q0 + q1, each four
+// columns' in the order 0, 2, 1, 3 (a 32-bit broadcast then holds the two columns that
+// vpmaddwd multiplies by one lane's even, or odd, weight codes).
+LLMD_X16_AVX2_TARGET inline void join_passes(const QuantizedRow& x, int16_t* wide) {
+  const __m256i order = _mm256_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15,  //
+                                         0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15);
+  const __m256i step = _mm256_set1_epi16(254);
+  for (int64_t i = 0; i < x.cols; i += 16) {
+    const __m256i q0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x.codes + i)));
+    const __m256i q1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x.codes + x.cols + i)));
+    const __m256i v = _mm256_add_epi16(_mm256_mullo_epi16(q0, step), q1);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(wide + i), _mm256_shuffle_epi8(v, order));
+  }
+}
+
 template <int Q, int P>
-void mm_x16(const std::vector<QuantizedRow>& x, const uint8_t* w, int64_t n, int64_t records, float* out) {
+void mm_x16(const std::vector<QuantizedRow>& rows, const uint8_t* w, int64_t n, int64_t records, float* out) {
+  std::vector<QuantizedRow> joined_rows;
+  std::vector<int16_t> wide;
+  if constexpr (joins_passes(Q, P)) {
+    const int64_t cols = rows[0].cols;
+    joined_rows = rows;
+    wide.resize(rows.size() * cols);
+    for (size_t r = 0; r < rows.size(); ++r) {
+      join_passes(rows[r], wide.data() + r * cols);
+      joined_rows[r].wide = wide.data() + r * cols;
+    }
+  }
+  const std::vector<QuantizedRow>& x = wide.empty() ? rows : joined_rows;
   for_each_tile(x, w, n, records * record_bytes(Q), out,
                 [n](auto t, const uint8_t* wg, const QuantizedRow* xr, float* o) {
                   group_tile<Q, decltype(t)::value, P>(wg, xr, o, n);
