@@ -4,8 +4,8 @@ F32) from a random-weight HF fixture directory, with gguf.GGUFWriter.
 
 `write_gguf(hf_dir, out, qtype)` quantizes every 2-D weight whose rows fit the type's
 block with gguf.quants.quantize (F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0). The gguf
-package cannot quantize the K-quants; `k_quant_types=` writes those tensors from random
-blocks instead (scaled to the fixture's weight size), so a test can check what llmd
+package cannot quantize the K-quants (nor IQ4_NL); `k_quant_types=` writes those tensors
+from random blocks instead (scaled to the fixture's weight size), so a test can check what llmd
 loads from them against an independent dequantizer.
 """
 from __future__ import annotations
@@ -30,9 +30,9 @@ _BLOCK = {
 }
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
-# Byte offsets of the fp16 scales in one block of each K-quant: every value of a block is
-# linear in them.
-K_QUANT_SCALES = {getattr(T, q): SCALE_OFFSETS[q] for q in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")}
+# Byte offsets of the fp16 scales in one block of each K-quant (and of IQ4_NL, which the
+# gguf package cannot quantize either): every value of a block is linear in them.
+K_QUANT_SCALES = {getattr(T, q): SCALE_OFFSETS[q] for q in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")} | {T.IQ4_NL: (0,)}
 
 
 def gguf_name(hf_name: str) -> str:

@@ -29,7 +29,8 @@ from llmd import LLM
 from llmd.gpu.layers.attention import AttentionMetadata, new_model_kv_caches
 from llmd.gpu.layers.attention_backends import metadata_builder
 from llmd.gpu.layers.cpu.cpu_kernels import gguf_ops
-from llmd.gpu.layers.gguf_quant import FORMATS, KERNEL_MAX_ROWS, PACKED_TYPES, GGUFMatmul, dequantize
+from llmd.gpu.layers.gguf_quant import (FORMATS, IQ4_NL_VALUES, KERNEL_MAX_ROWS, PACKED_TYPES, GGUFMatmul, dequantize,
+                                        held_type, reencoded)
 from llmd.gpu.layers.linear import ReplicatedLinear
 from llmd.gpu.models.loader import load_model
 from llmd_tools.gguf_blocks import random_blocks
@@ -265,20 +266,20 @@ def test_a_fused_projection_of_mixed_types_stays_packed_part_by_part(hf_dirs, tm
 
 
 def test_a_quantized_tensor_that_cannot_stay_packed_is_refused_by_name(hf_dirs, tmp_path):  # noqa: F811
-    """A type without a kernel (IQ4_NL), a quantized norm, a fused projection mixing a
+    """A type without a kernel (MXFP4), a quantized norm, a fused projection mixing a
     dense part with quantized ones: the load names the tensor, its type and the way out
     (dequantize=True), which then loads the file as the gguf package reads it."""
     llama = hf_dirs("llama")
     rows, cols = 32, 64  # blk.0.attn_v: kv heads 2 x head dim 16, hidden 64
-    block, block_bytes = gguf.GGML_QUANT_SIZES[T.IQ4_NL]
-    iq4 = np.random.default_rng(0).integers(0, 256, size=(rows * cols // block, block_bytes), dtype=np.uint8)
-    iq4[:, :2] = np.full((iq4.shape[0], 1), 0.01, dtype=np.float16).view(np.uint8)
+    block, block_bytes = gguf.GGML_QUANT_SIZES[T.MXFP4]
+    mxfp4 = np.random.default_rng(0).integers(0, 256, size=(rows * cols // block, block_bytes), dtype=np.uint8)
+    mxfp4[:, 0] = 120  # each block's e8m0 scale: 2^-7
     norm = quantize(np.linspace(0.5, 1.5, cols, dtype=np.float32), T.Q8_0)
     k_f16 = np.zeros((rows, cols), dtype=np.float16)
     cases = [
-        ({"blk.0.attn_v.weight": (iq4.reshape(rows, -1), T.IQ4_NL)},
-         r"GGUF tensor 'blk.0.attn_v.weight' of type IQ4_NL cannot stay packed: llmd has no kernel for IQ4_NL "
-         r"\(packed types: Q8_0, .*Q6_K\); dequantize=True \(--dequantize\) loads it dequantized"),
+        ({"blk.0.attn_v.weight": (mxfp4.reshape(rows, -1), T.MXFP4)},
+         r"GGUF tensor 'blk.0.attn_v.weight' of type MXFP4 cannot stay packed: llmd has no kernel for MXFP4 "
+         r"\(packed types: Q8_0, .*Q6_K; IQ4_NL as Q8_0\); dequantize=True \(--dequantize\) loads it dequantized"),
         ({"blk.0.attn_norm.weight": (norm, T.Q8_0)},
          r"GGUF tensor 'blk.0.attn_norm.weight' of type Q8_0 cannot stay packed: its parameter takes no packed weight"),
         ({"blk.0.attn_k.weight": (k_f16, T.F16)},
@@ -292,8 +293,52 @@ def test_a_quantized_tensor_that_cannot_stay_packed_is_refused_by_name(hf_dirs, 
         assert _packed(dense) == {}
     qkv = load_model(tmp_path / "refused-0.gguf", torch.float32, CPU, 128, dequantize=True).layers[0].self_attn.qkv_proj
     a, b = qkv.part_rows("v")
-    expected = gguf.quants.dequantize(iq4, T.IQ4_NL).reshape(rows, cols)
+    expected = gguf.quants.dequantize(mxfp4, T.MXFP4).reshape(rows, cols)
     assert torch.equal(qkv.weight[a:b], torch.from_numpy(expected.astype(np.float32)))
+
+
+def test_iq4_nl_blocks_reencoded_as_q8_0_hold_the_same_weights():
+    """IQ4_NL's indices into its table of 16 int8 values, written as those values under
+    the same fp16 scale, are a Q8_0 block of exactly the weights the gguf package reads
+    from the IQ4_NL block: every index in both nibbles, scales of every size and sign."""
+    rows, cols = 24, 96
+    rng = np.random.default_rng(3)
+    iq4 = rng.integers(0, 256, size=(rows, cols // 32, 18), dtype=np.uint8)
+    iq4[0, 0, 2:] = np.arange(16, dtype=np.uint8) * 17  # both nibbles of each byte: index i
+    d = (rng.standard_normal((rows, cols // 32)) * 0.02).astype(np.float16)
+    d[:4, 0] = [65504.0, 2.0 ** -24, 0.0, -1.5]
+    iq4[..., :2] = d.view(np.uint8).reshape(rows, -1, 2)
+    iq4 = iq4.reshape(rows, -1)
+    expected = gguf.quants.dequantize(iq4, T.IQ4_NL).reshape(rows, cols)
+    q8 = reencoded("IQ4_NL", iq4)
+    assert q8.shape == (rows, cols // 32 * 34) and held_type("IQ4_NL") == "Q8_0"
+    assert np.array_equal(gguf.quants.dequantize(q8, T.Q8_0).reshape(rows, cols), expected)
+    assert torch.equal(dequantize(torch.from_numpy(q8), "Q8_0", cols), torch.from_numpy(expected))
+    assert np.array_equal(q8[0, 2:18].view(np.int8), IQ4_NL_VALUES)
+    with pytest.raises(ValueError, match="IQ4_XS is not re-encoded"):
+        reencoded("IQ4_XS", iq4)
+
+
+@pytest.mark.usefixtures("float32_products")
+def test_an_iq4_nl_gguf_loads_held_as_q8_0(hf_dirs, tmp_path):  # noqa: F811
+    """Every layer weight IQ4_NL (random blocks), beside a Q4_0 one in the same fused
+    projection: the load keeps them packed as Q8_0 (34 bytes a block for the file's 18),
+    and the model computes what the file dequantized by the gguf package computes."""
+    v = np.random.default_rng(1).standard_normal((32, 64)).astype(np.float32) * 0.1
+    path = write_gguf(hf_dirs("llama"), tmp_path / "iq4.gguf", T.Q4_0, k_quant_types=(T.IQ4_NL,),
+                      raw_tensors={"blk.0.attn_v.weight": (quantize(v, T.Q4_0), T.Q4_0)})
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert types["blk.0.attn_q.weight"] == types["blk.1.ffn_down.weight"] == "IQ4_NL"
+    assert types["blk.0.attn_v.weight"] == types["token_embd.weight"] == "Q4_0"
+    packed = load_model(path, torch.float32, CPU, 128)
+    kept = _packed(packed)
+    assert kept["layers.0.self_attn.qkv_proj"] == "Q8_0+Q8_0+Q4_0" and kept["layers.1.self_attn.qkv_proj"] == "Q8_0"
+    assert kept["layers.1.mlp.down_proj"] == "Q8_0" and kept["embed_tokens"] == "Q4_0"
+    qk, v = packed.layers[0].self_attn.qkv_proj.packed_parts  # q and k merged: one type
+    assert (qk.quant, v.quant) == ("Q8_0", "Q4_0") and v.offset - qk.offset == qk.end * 64 // 32 * 34
+    dense = load_model(path, torch.float32, CPU, 128, dequantize=True)
+    for tokens in ([1, 5, 9, 200, 31], [7]):  # prefill and a decode-sized step
+        torch.testing.assert_close(_logits(packed, tokens), _logits(dense, tokens), atol=2e-4, rtol=1e-4)
 
 
 def test_the_engine_setting_dequantize_keeps_every_weight_dense(hf_dirs, tmp_path):  # noqa: F811

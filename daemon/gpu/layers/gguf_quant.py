@@ -20,7 +20,8 @@ ggml-common.h; cpu/cpu_quant_formats.h spells each out byte by byte):
 | Q6_K | 256 | 210: 4-bit q, 2-bit high q, 16 int8 scales, fp16 d | d * sc * (q - 32) |
 
 (nibbles of a 32-weight block: byte i holds weight i in its low four bits and weight
-i + 16 in its high four, as ggml packs them). The model keeps such a weight as a uint8
+i + 16 in its high four, as ggml packs them). IQ4_NL (32; 18: fp16 d, nibbles indexing a
+table of 16 int8 values; d * table[q]) is held as Q8_0, re-encoded at load (HELD_AS). The model keeps such a weight as a uint8
 tensor [rows, blocks * bytes per block] (`PackedSource` is how the loader hands one over;
 a layer copies its rows in as they are, q and k rows unpermuted for llama like the dense
 ones); a fused projection whose parts come in different types (llama.cpp's _M mixes give
@@ -67,6 +68,12 @@ FORMATS = {
     "Q5_K": Format(8, 256, 176), "Q6_K": Format(9, 256, 210),
 }
 PACKED_TYPES = tuple(FORMATS)
+# GGUF types a weight is held in as another packed type, re-encoded at load without loss
+# (reencoded): IQ4_NL's 4-bit indices into a table of 16 int8 values become those values,
+# a Q8_0 block under the same fp16 scale (d * IQ4_NL_VALUES[i] is Q8_0's d * q), so its
+# weights run through Q8_0's kernels, at 34 bytes per 32 weights where the file has 18.
+HELD_AS = {"IQ4_NL": "Q8_0"}
+IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 # Rows up to which a product runs through the kernel; above, dequantized slices and a GEMM
 # (measured on AVX-512: the kernel is faster to 16 rows, the GEMM from 32; docs/benchmarks.md).
 KERNEL_MAX_ROWS = 16
@@ -113,6 +120,27 @@ def row_bytes(quant: str, cols: int) -> int:
     """Bytes of one packed row of `cols` weights."""
     f = FORMATS[quant]
     return cols // f.block * f.block_bytes
+
+
+def held_type(quant: str) -> str:
+    """The packed type a GGUF weight of type `quant` is held in (itself, or HELD_AS')."""
+    return HELD_AS.get(quant, quant)
+
+
+def reencoded(quant: str, rows: np.ndarray) -> np.ndarray:
+    """Packed rows ([rows, row bytes] uint8) of a HELD_AS type in the type it is held in.
+    IQ4_NL -> Q8_0: each 18-byte block (fp16 d; 16 bytes of nibbles, byte i holding
+    weight i's index in its low four bits and weight i + 16's in its high four) becomes
+    d and the 32 int8 table values, in weight order."""
+    if quant != "IQ4_NL":
+        raise ValueError(f"{quant} is not re-encoded (held as another type: {', '.join(HELD_AS)})")
+    blocks = np.ascontiguousarray(rows).reshape(rows.shape[0], -1, 18)
+    out = np.empty(blocks.shape[:2] + (34,), dtype=np.uint8)
+    out[..., :2] = blocks[..., :2]
+    nibbles = blocks[..., 2:]
+    out[..., 2:18] = IQ4_NL_VALUES[nibbles & 0x0F].view(np.uint8)
+    out[..., 18:] = IQ4_NL_VALUES[nibbles >> 4].view(np.uint8)
+    return out.reshape(rows.shape[0], -1)
 
 
 def packable(quant: str | None, cols: int) -> bool:

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from llmd.gpu.layers.gguf_quant import PackedSource
+from llmd.gpu.layers.gguf_quant import HELD_AS, PackedSource, held_type, reencoded
 from llmd.gpu.models.gguf_arch import ARCHITECTURES, BLOCK_TENSORS, GLOBAL_TENSORS, GGUFArchitecture
 from llmd.gpu.models.architectures import get_architecture
 from llmd.gpu.models.gguf_file import GGUFFile
@@ -249,7 +249,8 @@ def iter_gguf_weights(path: str | Path, config: Any,
     """(HF name, float32 tensor) for every weight of the GGUF, dequantized one tensor at
     a time (with tensor parallelism each rank dequantizes the whole tensor and its layer
     keeps its piece); a weight named in `packed` comes as its packed rows instead
-    (PackedSource: the model keeps it quantized), q and k rows unpermuted the same way."""
+    (PackedSource: the model keeps it quantized; a type held as another, gguf_quant's
+    HELD_AS, re-encoded into it), q and k rows unpermuted the same way."""
     from gguf.quants import dequantize
 
     g = open_gguf(path)
@@ -262,8 +263,12 @@ def iter_gguf_weights(path: str | Path, config: Any,
             raise ValueError(f"{str(path)!r}: GGUF tensor {name!r} has no counterpart in llmd's model")
         shape = t.torch_shape
         if hf_name in packed:
-            rows = g.tensor_data(t).reshape(shape[0], -1)
-            yield hf_name, MappedPackedSource(t.tensor_type.name, _unpermuted(rows, name, spec, config), shape)
+            rows, quant = g.tensor_data(t).reshape(shape[0], -1), t.tensor_type.name
+            if quant in HELD_AS:  # re-encoded into the type it is held in (a copy, not the map)
+                source = PackedSource(held_type(quant), _unpermuted(reencoded(quant, rows), name, spec, config), shape)
+            else:
+                source = MappedPackedSource(quant, _unpermuted(rows, name, spec, config), shape)
+            yield hf_name, source
             g.drop_pages(t)  # the model copied it
             continue
         try:

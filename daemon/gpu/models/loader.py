@@ -16,7 +16,7 @@ from torch import nn
 from llmd.gpu.layers.cpu.cpu_decode_layers import attach_decode_layers
 from llmd.gpu.layers.cpu.cpu_kernels import attach_cpu_kernels, attach_gguf_kernels
 from llmd.gpu.layers.cpu.cpu_linear import pack_linears
-from llmd.gpu.layers.gguf_quant import FORMATS, PACKED_TYPES, PackedSource
+from llmd.gpu.layers.gguf_quant import FORMATS, HELD_AS, PACKED_TYPES, PackedSource, held_type
 from llmd.gpu.layers.linear import Shard, WeightLoading
 from llmd.gpu.layers.quant.gguf_planes import GPU_TYPES
 from llmd.gpu.layers.quant.scheme import quant_scheme
@@ -203,8 +203,9 @@ def packed_params(model: CausalLM, types: dict[str, tuple[str, str]],
     """Parameter -> GGUF type for every quantized weight of the checkpoint (`types`: HF
     name -> (GGUF name, type name)), each kept packed: a linear layer's or the
     vocabulary's weight, rows a whole number of its type's blocks (gguf_quant.FORMATS);
-    a fused projection whose parts differ in type maps to {part: type}. A quantized
-    tensor that cannot stay packed (a type without a kernel, rows its blocks do not fit,
+    a fused projection whose parts differ in type maps to {part: type}; a type held as
+    another (gguf_quant.HELD_AS: IQ4_NL as Q8_0, re-encoded without loss) maps to that
+    one. A quantized tensor that cannot stay packed (a type without a kernel, rows its blocks do not fit,
     a parameter that takes no packed weight, a fused projection mixing it with a dense
     part) is a ValueError naming it: dequantizing it silently would cost memory and
     speed the user did not ask for (`dequantize=True` loads every weight dense)."""
@@ -226,8 +227,9 @@ def packed_params(model: CausalLM, types: dict[str, tuple[str, str]],
             if reason is not None:
                 raise ValueError(f"GGUF tensor {files[param][shard]!r} of type {quant} cannot stay packed: {reason}; "
                                  f"dequantize=True (--dequantize) loads it dequantized")
-        quants = set(shards.values())
-        plan[param] = quants.pop() if len(quants) == 1 else dict(shards)
+        held = {shard: held_type(quant) for shard, quant in shards.items()}
+        quants = set(held.values())
+        plan[param] = quants.pop() if len(quants) == 1 else held
     return plan
 
 
@@ -238,11 +240,13 @@ def _unpackable(layer: Any, attr: str, quant: str, shards: dict[Shard, str], dev
         return "its parameter takes no packed weight"
     if any(q in DENSE_TYPES for q in shards.values()):
         return "its fused projection mixes dense and quantized parts"
-    if quant not in FORMATS:
-        return f"llmd has no kernel for {quant} (packed types: {', '.join(PACKED_TYPES)})"
-    if device_type == "cuda" and quant not in GPU_TYPES:
+    held = held_type(quant)
+    if held not in FORMATS:
+        re_encoded = ", ".join(f"{q} as {h}" for q, h in HELD_AS.items())
+        return f"llmd has no kernel for {quant} (packed types: {', '.join(PACKED_TYPES)}; {re_encoded})"
+    if device_type == "cuda" and held not in GPU_TYPES:
         return f"llmd has no CUDA kernel for {quant} (packed types on CUDA: {', '.join(GPU_TYPES)})"
-    block = FORMATS[quant].block
+    block = FORMATS[held].block
     if layer.in_features % block:
         return f"its rows of {layer.in_features} weights are not a whole number of {quant}'s {block}-weight blocks"
     if set(shards) != set(layer.shards(attr)) and set(shards) != {None}:
