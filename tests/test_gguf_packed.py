@@ -1,5 +1,5 @@
-"""GGUF weights kept packed (gguf_quant, cpu/cpu_quant.cpp): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1
-and the K-quants Q2_K..Q6_K.
+"""GGUF weights kept packed (gguf_quant, cpu/cpu_quant.cpp): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+the K-quants Q2_K..Q6_K and IQ4_NL (held as Q8_0 on CUDA).
 
 Each format's dequantization equals the gguf package's (an independent reader of the
 same bytes) bit for bit, on random blocks and on blocks of extreme scales; the packed
@@ -29,10 +29,13 @@ from llmd import LLM
 from llmd.gpu.layers.attention import AttentionMetadata, new_model_kv_caches
 from llmd.gpu.layers.attention_backends import metadata_builder
 from llmd.gpu.layers.cpu.cpu_kernels import gguf_ops
-from llmd.gpu.layers.gguf_quant import (FORMATS, IQ4_NL_VALUES, KERNEL_MAX_ROWS, PACKED_TYPES, GGUFMatmul, dequantize,
-                                        held_type, reencoded)
+from llmd.gpu.layers.gguf_formats import FORMATS, IQ4_NL_VALUES, PACKED_TYPES, dequantize, held_type, reencoded
+from llmd.gpu.layers.gguf_quant import KERNEL_MAX_ROWS, GGUFMatmul
 from llmd.gpu.layers.linear import ReplicatedLinear
-from llmd.gpu.models.loader import load_model
+from llmd.gpu.layers.quant.gguf_planes import GPU_TYPES
+from llmd.gpu.models.decoder import CausalLM
+from llmd.gpu.models.gguf_loader import gguf_tensor_types, iter_gguf_weights
+from llmd.gpu.models.loader import load_hf_config, load_model, packed_params
 from llmd_tools.gguf_blocks import random_blocks
 from test_gguf import SETTINGS, hf_dirs  # noqa: F401
 
@@ -279,7 +282,7 @@ def test_a_quantized_tensor_that_cannot_stay_packed_is_refused_by_name(hf_dirs, 
     cases = [
         ({"blk.0.attn_v.weight": (mxfp4.reshape(rows, -1), T.MXFP4)},
          r"GGUF tensor 'blk.0.attn_v.weight' of type MXFP4 cannot stay packed: llmd has no kernel for MXFP4 "
-         r"\(packed types: Q8_0, .*Q6_K; IQ4_NL as Q8_0\); dequantize=True \(--dequantize\) loads it dequantized"),
+         r"\(packed types: Q8_0, .*Q6_K, IQ4_NL\); dequantize=True \(--dequantize\) loads it dequantized"),
         ({"blk.0.attn_norm.weight": (norm, T.Q8_0)},
          r"GGUF tensor 'blk.0.attn_norm.weight' of type Q8_0 cannot stay packed: its parameter takes no packed weight"),
         ({"blk.0.attn_k.weight": (k_f16, T.F16)},
@@ -311,7 +314,8 @@ def test_iq4_nl_blocks_reencoded_as_q8_0_hold_the_same_weights():
     iq4 = iq4.reshape(rows, -1)
     expected = gguf.quants.dequantize(iq4, T.IQ4_NL).reshape(rows, cols)
     q8 = reencoded("IQ4_NL", iq4)
-    assert q8.shape == (rows, cols // 32 * 34) and held_type("IQ4_NL") == "Q8_0"
+    assert q8.shape == (rows, cols // 32 * 34)
+    assert held_type("IQ4_NL") == "IQ4_NL" and held_type("IQ4_NL", GPU_TYPES) == "Q8_0"
     assert np.array_equal(gguf.quants.dequantize(q8, T.Q8_0).reshape(rows, cols), expected)
     assert torch.equal(dequantize(torch.from_numpy(q8), "Q8_0", cols), torch.from_numpy(expected))
     assert np.array_equal(q8[0, 2:18].view(np.int8), IQ4_NL_VALUES)
@@ -320,10 +324,12 @@ def test_iq4_nl_blocks_reencoded_as_q8_0_hold_the_same_weights():
 
 
 @pytest.mark.usefixtures("float32_products")
-def test_an_iq4_nl_gguf_loads_held_as_q8_0(hf_dirs, tmp_path):  # noqa: F811
+def test_an_iq4_nl_gguf_loads_packed(hf_dirs, tmp_path):  # noqa: F811
     """Every layer weight IQ4_NL (random blocks), beside a Q4_0 one in the same fused
-    projection: the load keeps them packed as Q8_0 (34 bytes a block for the file's 18),
-    and the model computes what the file dequantized by the gguf package computes."""
+    projection: on CPU the load keeps them packed as the file stores them, and the model
+    computes what the file dequantized by the gguf package computes; on CUDA, whose
+    kernels lack IQ4_NL, the plan holds them as Q8_0 and the loader hands them over
+    re-encoded (the same weights)."""
     v = np.random.default_rng(1).standard_normal((32, 64)).astype(np.float32) * 0.1
     path = write_gguf(hf_dirs("llama"), tmp_path / "iq4.gguf", T.Q4_0, k_quant_types=(T.IQ4_NL,),
                       raw_tensors={"blk.0.attn_v.weight": (quantize(v, T.Q4_0), T.Q4_0)})
@@ -332,13 +338,20 @@ def test_an_iq4_nl_gguf_loads_held_as_q8_0(hf_dirs, tmp_path):  # noqa: F811
     assert types["blk.0.attn_v.weight"] == types["token_embd.weight"] == "Q4_0"
     packed = load_model(path, torch.float32, CPU, 128)
     kept = _packed(packed)
-    assert kept["layers.0.self_attn.qkv_proj"] == "Q8_0+Q8_0+Q4_0" and kept["layers.1.self_attn.qkv_proj"] == "Q8_0"
-    assert kept["layers.1.mlp.down_proj"] == "Q8_0" and kept["embed_tokens"] == "Q4_0"
-    qk, v = packed.layers[0].self_attn.qkv_proj.packed_parts  # q and k merged: one type
-    assert (qk.quant, v.quant) == ("Q8_0", "Q4_0") and v.offset - qk.offset == qk.end * 64 // 32 * 34
+    assert kept["layers.0.self_attn.qkv_proj"] == "IQ4_NL+IQ4_NL+Q4_0" and kept["layers.1.mlp.down_proj"] == "IQ4_NL"
     dense = load_model(path, torch.float32, CPU, 128, dequantize=True)
+    assert _weight_bytes(packed) < _weight_bytes(dense) / 3
     for tokens in ([1, 5, 9, 200, 31], [7]):  # prefill and a decode-sized step
         torch.testing.assert_close(_logits(packed, tokens), _logits(dense, tokens), atol=2e-4, rtol=1e-4)
+    with torch.device("meta"):
+        model = CausalLM(load_hf_config(path), 128)
+    plan = packed_params(model, gguf_tensor_types(path), "cuda")
+    assert plan["layers.0.self_attn.qkv_proj.weight"] == {"q": "Q8_0", "k": "Q8_0", "v": "Q4_0"}
+    held = {"model.layers.1.mlp.down_proj.weight": "Q8_0", "model.layers.0.self_attn.v_proj.weight": "Q4_0"}
+    sources = {name: s for name, s in iter_gguf_weights(path, load_hf_config(path), held) if name in held}
+    down, v_proj = sources["model.layers.1.mlp.down_proj.weight"], sources["model.layers.0.self_attn.v_proj.weight"]
+    assert (down.quant, v_proj.quant) == ("Q8_0", "Q4_0")
+    assert torch.equal(down.dequantize(), dense.layers[1].mlp.down_proj.weight)
 
 
 def test_the_engine_setting_dequantize_keeps_every_weight_dense(hf_dirs, tmp_path):  # noqa: F811

@@ -148,7 +148,8 @@ def test_reduced_precision_inputs_and_empty_rows(x16, isa, quant):
 # Byte ranges of each type's codes in its GGUF block (ggml-common.h's block structs): the
 # quants and their high bits (Q5's qh, Q3_K's hmask, Q6_K's qh), not the scales.
 CODE_BYTES = {"Q8_0": [(2, 34)], "Q4_0": [(2, 18)], "Q4_1": [(4, 20)], "Q5_0": [(2, 22)], "Q5_1": [(4, 24)],
-              "Q2_K": [(16, 80)], "Q3_K": [(0, 96)], "Q4_K": [(16, 144)], "Q5_K": [(16, 176)], "Q6_K": [(0, 192)]}
+              "Q2_K": [(16, 80)], "Q3_K": [(0, 96)], "Q4_K": [(16, 144)], "Q5_K": [(16, 176)], "Q6_K": [(0, 192)],
+              "IQ4_NL": [(2, 18)]}
 
 
 def extreme_codes(quant: str, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -252,7 +253,7 @@ def test_the_x16_operators_refuse_what_they_cannot_read(ops):
     with pytest.raises(RuntimeError, match="multiple of 256"):
         ops.repack_x16(packed("Q4_K", 16, 256)[0], FORMATS["Q4_K"].code, 128)
     with pytest.raises(RuntimeError, match="format code"):
-        ops.dequantize_x16(x16, 10, 64)
+        ops.dequantize_x16(x16, len(FORMATS), 64)
     if ops.x16:
         with pytest.raises(RuntimeError, match="passes"):
             ops.mm_x16(torch.randn(1, 64), x16, code, 64, 4)

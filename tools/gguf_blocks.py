@@ -10,7 +10,7 @@ from llmd.gpu.layers.gguf_quant import FORMATS
 # Byte offsets of each type's fp16 scales (d, and dmin / m where the type has one):
 # ggml-common.h's block structs.
 SCALE_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82),
-                 "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+                 "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,)}
 # fp16 scales at the edges: the largest finite, the smallest subnormal, zero, a negative.
 EXTREME_SCALES = (65504.0, 2.0 ** -24, 0.0, -1.5)
 

@@ -1,28 +1,8 @@
 """GGUF block-quantized weights kept packed: the formats, their dequantization, and the
 matmul a packed linear layer runs.
 
-A GGUF tensor of one of these types stores each row (one output feature) as blocks along
-the input dimension, 32 weights each, or 256 for the K-quants' super-blocks (eight or
-sixteen sub-blocks of their own scale under one fp16 scale). The layouts (llama.cpp's
-ggml-common.h; cpu/cpu_quant_formats.h spells each out byte by byte):
-
-| type | block | bytes | a weight |
-|---|--:|--:|---|
-| Q8_0 | 32 | 34: fp16 d, 32 int8 q | d * q |
-| Q4_0 | 32 | 18: fp16 d, 16 bytes of nibbles | d * (q - 8) |
-| Q4_1 | 32 | 20: fp16 d, fp16 m, nibbles | d * q + m |
-| Q5_0 | 32 | 22: fp16 d, 32 fifth bits, nibbles | d * (q - 16) |
-| Q5_1 | 32 | 24: fp16 d, fp16 m, fifth bits, nibbles | d * q + m |
-| Q2_K | 256 | 84: 16 4-bit scales and mins, 2-bit q, fp16 d, dmin | d * sc * q - dmin * m |
-| Q3_K | 256 | 110: high bits, 2-bit q, 16 6-bit scales, fp16 d | d * sc * (q - 4) |
-| Q4_K | 256 | 144: fp16 d, dmin, 8 6-bit scales and mins, nibbles | d * sc * q - dmin * m |
-| Q5_K | 256 | 176: as Q4_K, with fifth bits | d * sc * q - dmin * m |
-| Q6_K | 256 | 210: 4-bit q, 2-bit high q, 16 int8 scales, fp16 d | d * sc * (q - 32) |
-
-(nibbles of a 32-weight block: byte i holds weight i in its low four bits and weight
-i + 16 in its high four, as ggml packs them). IQ4_NL (32; 18: fp16 d, nibbles indexing a
-table of 16 int8 values; d * table[q]) is held as Q8_0, re-encoded at load (HELD_AS). The model keeps such a weight as a uint8
-tensor [rows, blocks * bytes per block] (`PackedSource` is how the loader hands one over;
+The formats, their layouts and the reference `dequantize` are gguf_formats'. The model
+keeps such a weight as a uint8 tensor [rows, blocks * bytes per block] (`PackedSource` is how the loader hands one over;
 a layer copies its rows in as they are, q and k rows unpermuted for llama like the dense
 ones); a fused projection whose parts come in different types (llama.cpp's _M mixes give
 v another type than q and k) keeps each part's rows in its own type, one after the other
@@ -30,9 +10,7 @@ v another type than q and k) keeps each part's rows in its own type, one after t
 through the C++ kernel (cpu/cpu_quant.cpp: each block dequantized in registers and
 multiplied at once, so the weight is read from memory packed), more rows (prefill)
 through a slice of the weight dequantized at a time and a dense GEMM. An embedding over
-a packed table dequantizes the rows it looks up. `dequantize` (torch) is the reference
-every path is tested against; it equals the gguf package's dequantization bit for bit
-(every scale product is exact in float32, so the one rounding is the same final add).
+a packed table dequantizes the rows it looks up.
 
 On a CPU with AVX-512 VNNI or AVX2 the parts of whole groups of 16 rows, of every type, are
 repacked at load into the x16 layout (cpu/cpu_quant_x16_layout.h: each block of 16 rows
@@ -51,29 +29,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-
-@dataclass(frozen=True)
-class Format:
-    """A packed type: the C++ kernel's number for it, weights and bytes per block."""
-
-    code: int
-    block: int
-    block_bytes: int
+from llmd.gpu.layers.gguf_formats import FORMATS, PACKED_TYPES, dequantize, row_bytes
 
 
-FORMATS = {
-    "Q8_0": Format(0, 32, 34), "Q4_0": Format(1, 32, 18), "Q4_1": Format(2, 32, 20),
-    "Q5_0": Format(3, 32, 22), "Q5_1": Format(4, 32, 24),
-    "Q2_K": Format(5, 256, 84), "Q3_K": Format(6, 256, 110), "Q4_K": Format(7, 256, 144),
-    "Q5_K": Format(8, 256, 176), "Q6_K": Format(9, 256, 210),
-}
-PACKED_TYPES = tuple(FORMATS)
-# GGUF types a weight is held in as another packed type, re-encoded at load without loss
-# (reencoded): IQ4_NL's 4-bit indices into a table of 16 int8 values become those values,
-# a Q8_0 block under the same fp16 scale (d * IQ4_NL_VALUES[i] is Q8_0's d * q), so its
-# weights run through Q8_0's kernels, at 34 bytes per 32 weights where the file has 18.
-HELD_AS = {"IQ4_NL": "Q8_0"}
-IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 # Rows up to which a product runs through the kernel; above, dequantized slices and a GEMM
 # (measured on AVX-512: the kernel is faster to 16 rows, the GEMM from 32; docs/benchmarks.md).
 KERNEL_MAX_ROWS = 16
@@ -114,39 +72,6 @@ def sliced_linear(rows: torch.Tensor, out_features: int, dense: Callable[[int, i
         out[:, a:a + step] = (torch.ops.mkldnn._linear_pointwise(rows, w.contiguous(), None, "none", [], "")
                               if onednn else F.linear(rows, w))
     return out
-
-
-def row_bytes(quant: str, cols: int) -> int:
-    """Bytes of one packed row of `cols` weights."""
-    f = FORMATS[quant]
-    return cols // f.block * f.block_bytes
-
-
-def held_type(quant: str) -> str:
-    """The packed type a GGUF weight of type `quant` is held in (itself, or HELD_AS')."""
-    return HELD_AS.get(quant, quant)
-
-
-def reencoded(quant: str, rows: np.ndarray) -> np.ndarray:
-    """Packed rows ([rows, row bytes] uint8) of a HELD_AS type in the type it is held in.
-    IQ4_NL -> Q8_0: each 18-byte block (fp16 d; 16 bytes of nibbles, byte i holding
-    weight i's index in its low four bits and weight i + 16's in its high four) becomes
-    d and the 32 int8 table values, in weight order."""
-    if quant != "IQ4_NL":
-        raise ValueError(f"{quant} is not re-encoded (held as another type: {', '.join(HELD_AS)})")
-    blocks = np.ascontiguousarray(rows).reshape(rows.shape[0], -1, 18)
-    out = np.empty(blocks.shape[:2] + (34,), dtype=np.uint8)
-    out[..., :2] = blocks[..., :2]
-    nibbles = blocks[..., 2:]
-    out[..., 2:18] = IQ4_NL_VALUES[nibbles & 0x0F].view(np.uint8)
-    out[..., 18:] = IQ4_NL_VALUES[nibbles >> 4].view(np.uint8)
-    return out.reshape(rows.shape[0], -1)
-
-
-def packable(quant: str | None, cols: int) -> bool:
-    """Whether a weight of this type and row width can be kept packed here: a type with a
-    kernel, rows a whole number of its blocks."""
-    return quant in FORMATS and cols % FORMATS[quant].block == 0
 
 
 @dataclass(frozen=True)
@@ -202,122 +127,6 @@ class PackedSource:
     def dequantize(self) -> torch.Tensor:
         """The float32 tensor of its logical shape."""
         return dequantize(self[:], self.quant, self.shape[1])
-
-
-def _f16(b: torch.Tensor, at: int) -> torch.Tensor:
-    """The fp16 at byte `at` of each block, as float32 [..., 1]."""
-    return b[..., at:at + 2].contiguous().view(torch.float16).float()
-
-
-def _shifted(b: torch.Tensor, shifts: Sequence[int]) -> torch.Tensor:
-    """[..., len(shifts), n]: the bytes [..., n] shifted right by each of `shifts`."""
-    return b.unsqueeze(-2) >> torch.tensor(shifts, dtype=torch.uint8, device=b.device).unsqueeze(-1)
-
-
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """A 32-weight block's 4-bit values [..., 32] from its 16 bytes."""
-    return (_shifted(qs, (0, 4)) & 0xF).flatten(-2)
-
-
-def _bits(qh: torch.Tensor) -> torch.Tensor:
-    """[..., 8 n] bits of the bytes [..., n], least significant first (a little-endian
-    bit field: bit i of byte i // 8)."""
-    return ((qh.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8, device=qh.device)) & 1).flatten(-2)
-
-
-def _scale_min_k4(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K/Q5_K's eight 6-bit scales and mins [..., 8] from their 12 bytes."""
-    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
-    sc = torch.cat([d & 0x3F, (md & 0xF) | ((d >> 2) & 0x30)], dim=-1)
-    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
-    return sc.float(), mn.float()
-
-
-def _q8_0(b: torch.Tensor) -> torch.Tensor:
-    return _f16(b, 0) * b[..., 2:].contiguous().view(torch.int8).float()
-
-
-def _q4_0(b: torch.Tensor) -> torch.Tensor:
-    return _f16(b, 0) * (_nibbles(b[..., 2:]).float() - 8)
-
-
-def _q4_1(b: torch.Tensor) -> torch.Tensor:
-    return _f16(b, 0) * _nibbles(b[..., 4:]).float() + _f16(b, 2)
-
-
-def _q5_0(b: torch.Tensor) -> torch.Tensor:
-    q = _nibbles(b[..., 6:]) | (_bits(b[..., 2:6]) << 4)
-    return _f16(b, 0) * (q.float() - 16)
-
-
-def _q5_1(b: torch.Tensor) -> torch.Tensor:
-    q = _nibbles(b[..., 8:]) | (_bits(b[..., 4:8]) << 4)
-    return _f16(b, 0) * q.float() + _f16(b, 2)
-
-
-def _two_bit(qs: torch.Tensor) -> torch.Tensor:
-    """Q2_K/Q3_K's 2-bit values [..., 16, 16] (sub-block, weight) from their 64 bytes:
-    weight 128 h + 32 s + l in bits 2 s of byte 32 h + l."""
-    return (_shifted(qs.unflatten(-1, (2, 32)), (0, 2, 4, 6)) & 3).reshape(*qs.shape[:-1], 16, 16)
-
-
-def _q2_k(b: torch.Tensor) -> torch.Tensor:
-    scales = b[..., :16]
-    dl = (_f16(b, 80) * (scales & 0xF).float()).unsqueeze(-1)
-    ml = (_f16(b, 82) * (scales >> 4).float()).unsqueeze(-1)
-    return (dl * _two_bit(b[..., 16:80]).float() - ml).flatten(-2)
-
-
-def _q3_k(b: torch.Tensor) -> torch.Tensor:
-    s = b[..., 96:108]
-    low = (_shifted(s[..., :8], (0, 4)) & 0xF).flatten(-2)  # scale i: byte i % 8, nibble i // 8
-    high = (_shifted(s[..., 8:], (0, 2, 4, 6)) & 3).flatten(-2)  # byte 8 + i % 4, bits 2 (i // 4)
-    dl = (_f16(b, 108) * ((low | (high << 4)).float() - 32)).unsqueeze(-1)
-    # weight 32 c + l is q - 4 unless bit c of hmask byte l is set
-    hmask = (_shifted(b[..., :32], tuple(range(8))) & 1).reshape(*b.shape[:-1], 16, 16)
-    q = _two_bit(b[..., 32:96]).float() - 4 * (1 - hmask).float()
-    return (dl * q).flatten(-2)
-
-
-def _k_nibbles(b: torch.Tensor, qs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_K/Q5_K: (scales [..., 8, 1], mins [..., 8, 1], 4-bit values [..., 8, 32]);
-    chunk c's weights in nibble c % 2 of bytes 32 (c // 2)..."""
-    sc, mn = _scale_min_k4(b[..., 4:16])
-    q = (_shifted(qs.unflatten(-1, (4, 32)), (0, 4)) & 0xF).reshape(*qs.shape[:-1], 8, 32)
-    return (_f16(b, 0) * sc).unsqueeze(-1), (_f16(b, 2) * mn).unsqueeze(-1), q
-
-
-def _q4_k(b: torch.Tensor) -> torch.Tensor:
-    d, m, q = _k_nibbles(b, b[..., 16:144])
-    return (d * q.float() - m).flatten(-2)
-
-
-def _q5_k(b: torch.Tensor) -> torch.Tensor:
-    d, m, q = _k_nibbles(b, b[..., 48:176])
-    high = _shifted(b[..., 16:48], tuple(range(8))) & 1  # chunk c: bit c of byte l
-    return (d * (q | (high << 4)).float() - m).flatten(-2)
-
-
-def _q6_k(b: torch.Tensor) -> torch.Tensor:
-    lead = b.shape[:-1]
-    d = (_f16(b, 208) * b[..., 192:208].contiguous().view(torch.int8).float()).unsqueeze(-1)
-    low = (_shifted(b[..., :128].unflatten(-1, (2, 64)), (0, 4)) & 0xF).reshape(*lead, 8, 32)
-    high = (_shifted(b[..., 128:192].unflatten(-1, (2, 32)), (0, 2, 4, 6)) & 3).reshape(*lead, 8, 32)
-    q = ((low | (high << 4)).float() - 32).reshape(*lead, 16, 16)
-    return (d * q).flatten(-2)
-
-
-_DEQUANTIZE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
-    "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
-}
-
-
-def dequantize(blocks: torch.Tensor, quant: str, cols: int) -> torch.Tensor:
-    """float32 [rows, cols] from packed rows [rows, row bytes] of type `quant`."""
-    f = FORMATS[quant]
-    rows = blocks.shape[0]
-    return _DEQUANTIZE[quant](blocks.reshape(rows, cols // f.block, f.block_bytes)).reshape(rows, cols)
 
 
 def use_x16(weight: torch.nn.Parameter, part: PackedPart, cols: int, ops: Any) -> bool:

@@ -19,14 +19,15 @@ from __future__ import annotations
 import functools
 import re
 import warnings
-from collections.abc import Collection, Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from llmd.gpu.layers.gguf_quant import HELD_AS, PackedSource, held_type, reencoded
+from llmd.gpu.layers.gguf_formats import reencoded
+from llmd.gpu.layers.gguf_quant import PackedSource
 from llmd.gpu.models.gguf_arch import ARCHITECTURES, BLOCK_TENSORS, GLOBAL_TENSORS, GGUFArchitecture
 from llmd.gpu.models.architectures import get_architecture
 from llmd.gpu.models.gguf_file import GGUFFile
@@ -245,12 +246,13 @@ def gguf_tensor_types(path: str | Path) -> dict[str, tuple[str, str]]:
 
 
 def iter_gguf_weights(path: str | Path, config: Any,
-                      packed: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor | PackedSource]]:
+                      packed: Mapping[str, str] | None = None) -> Iterator[tuple[str, torch.Tensor | PackedSource]]:
     """(HF name, float32 tensor) for every weight of the GGUF, dequantized one tensor at
     a time (with tensor parallelism each rank dequantizes the whole tensor and its layer
-    keeps its piece); a weight named in `packed` comes as its packed rows instead
-    (PackedSource: the model keeps it quantized; a type held as another, gguf_quant's
-    HELD_AS, re-encoded into it), q and k rows unpermuted the same way."""
+    keeps its piece); a weight named in `packed` ({HF name: the type it is held in})
+    comes as its packed rows instead (PackedSource: the model keeps it quantized; re-encoded
+    where it is held in another type than the file's, gguf_quant.HELD_AS), q and k rows
+    unpermuted the same way."""
     from gguf.quants import dequantize
 
     g = open_gguf(path)
@@ -262,10 +264,10 @@ def iter_gguf_weights(path: str | Path, config: Any,
         if hf_name is None:
             raise ValueError(f"{str(path)!r}: GGUF tensor {name!r} has no counterpart in llmd's model")
         shape = t.torch_shape
-        if hf_name in packed:
+        if hf_name in (packed or {}):
             rows, quant = g.tensor_data(t).reshape(shape[0], -1), t.tensor_type.name
-            if quant in HELD_AS:  # re-encoded into the type it is held in (a copy, not the map)
-                source = PackedSource(held_type(quant), _unpermuted(reencoded(quant, rows), name, spec, config), shape)
+            if packed[hf_name] != quant:  # re-encoded into the type it is held in (a copy, not the map)
+                source = PackedSource(packed[hf_name], _unpermuted(reencoded(quant, rows), name, spec, config), shape)
             else:
                 source = MappedPackedSource(quant, _unpermuted(rows, name, spec, config), shape)
             yield hf_name, source

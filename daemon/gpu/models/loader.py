@@ -16,7 +16,8 @@ from torch import nn
 from llmd.gpu.layers.cpu.cpu_decode_layers import attach_decode_layers
 from llmd.gpu.layers.cpu.cpu_kernels import attach_cpu_kernels, attach_gguf_kernels
 from llmd.gpu.layers.cpu.cpu_linear import pack_linears
-from llmd.gpu.layers.gguf_quant import FORMATS, HELD_AS, PACKED_TYPES, PackedSource, held_type
+from llmd.gpu.layers.gguf_formats import FORMATS, PACKED_TYPES, held_type
+from llmd.gpu.layers.gguf_quant import PackedSource
 from llmd.gpu.layers.linear import Shard, WeightLoading
 from llmd.gpu.layers.quant.gguf_planes import GPU_TYPES
 from llmd.gpu.layers.quant.scheme import quant_scheme
@@ -204,8 +205,8 @@ def packed_params(model: CausalLM, types: dict[str, tuple[str, str]],
     name -> (GGUF name, type name)), each kept packed: a linear layer's or the
     vocabulary's weight, rows a whole number of its type's blocks (gguf_quant.FORMATS);
     a fused projection whose parts differ in type maps to {part: type}; a type held as
-    another (gguf_quant.HELD_AS: IQ4_NL as Q8_0, re-encoded without loss) maps to that
-    one. A quantized tensor that cannot stay packed (a type without a kernel, rows its blocks do not fit,
+    another on this device (gguf_quant.HELD_AS: IQ4_NL as Q8_0 on CUDA, re-encoded
+    without loss) maps to that one. A quantized tensor that cannot stay packed (a type without a kernel, rows its blocks do not fit,
     a parameter that takes no packed weight, a fused projection mixing it with a dense
     part) is a ValueError naming it: dequantizing it silently would cost memory and
     speed the user did not ask for (`dequantize=True` loads every weight dense)."""
@@ -227,7 +228,7 @@ def packed_params(model: CausalLM, types: dict[str, tuple[str, str]],
             if reason is not None:
                 raise ValueError(f"GGUF tensor {files[param][shard]!r} of type {quant} cannot stay packed: {reason}; "
                                  f"dequantize=True (--dequantize) loads it dequantized")
-        held = {shard: held_type(quant) for shard, quant in shards.items()}
+        held = {shard: held_type(quant, _kernel_types(device_type)) for shard, quant in shards.items()}
         quants = set(held.values())
         plan[param] = quants.pop() if len(quants) == 1 else held
     return plan
@@ -240,10 +241,9 @@ def _unpackable(layer: Any, attr: str, quant: str, shards: dict[Shard, str], dev
         return "its parameter takes no packed weight"
     if any(q in DENSE_TYPES for q in shards.values()):
         return "its fused projection mixes dense and quantized parts"
-    held = held_type(quant)
+    held = held_type(quant, _kernel_types(device_type))
     if held not in FORMATS:
-        re_encoded = ", ".join(f"{q} as {h}" for q, h in HELD_AS.items())
-        return f"llmd has no kernel for {quant} (packed types: {', '.join(PACKED_TYPES)}; {re_encoded})"
+        return f"llmd has no kernel for {quant} (packed types: {', '.join(PACKED_TYPES)})"
     if device_type == "cuda" and held not in GPU_TYPES:
         return f"llmd has no CUDA kernel for {quant} (packed types on CUDA: {', '.join(GPU_TYPES)})"
     block = FORMATS[held].block
@@ -252,6 +252,11 @@ def _unpackable(layer: Any, attr: str, quant: str, shards: dict[Shard, str], dev
     if set(shards) != set(layer.shards(attr)) and set(shards) != {None}:
         return f"its projection has parts {tuple(layer.shards(attr))}, the file gives {tuple(shards)}"
     return None
+
+
+def _kernel_types(device_type: str) -> tuple[str, ...]:
+    """The packed types the kernels of a device read."""
+    return GPU_TYPES if device_type == "cuda" else PACKED_TYPES
 
 
 def _targets(model: CausalLM, names: Iterable[str]) -> list[tuple[str, tuple[str, Shard]]]:
@@ -281,13 +286,14 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
         model = CausalLM(config, max_positions, tp_rank, tp_size, attention_backend=attention_backend)
     model = model.to(dtype=dtype)  # before any packed weight is placed: those keep their own dtypes
     plan: dict[str, str] = {}
-    packed: list[str] = []  # the file's tensors read as packed rows
+    packed: dict[str, str] = {}  # the file's tensors read as packed rows: the type each is held in
     if gguf and device.type in PACKED_DEVICES and tp_size == 1 and not dequantize:
         types = gguf_tensor_types(model_dir)
         plan = packed_params(model, types, device.type)
         for param, quant in plan.items():
             model.get_submodule(param.rpartition(".")[0]).use_packed(quant)
-        packed = [name for name, (param, _) in _targets(model, types) if param in plan]
+        packed = {name: quant if isinstance(quant := plan[param], str) else quant[shard]
+                  for name, (param, shard) in _targets(model, types) if param in plan}
     index = safetensors_index(model_dir) if scheme is not None else {}
     if scheme is not None:
         scheme = resolve_scheme(scheme, index)

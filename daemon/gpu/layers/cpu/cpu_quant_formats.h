@@ -21,7 +21,7 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(CPU_CAPABILITY_AVX512) || defined(__F16C__)
+#if defined(CPU_CAPABILITY_AVX512) || defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -68,7 +68,7 @@ inline void scales_q3k(const uint8_t* s, int* sc) {
 template <int Q>
 struct Format;
 
-constexpr int64_t kNumFormats = 10;
+constexpr int64_t kNumFormats = 11;
 
 // fn(std::integral_constant<int, Q>{}) for the format of code `quant` (checked before).
 template <typename Fn>
@@ -83,7 +83,8 @@ void dispatch(int64_t quant, Fn&& fn) {
     case 6: fn(std::integral_constant<int, 6>{}); break;
     case 7: fn(std::integral_constant<int, 7>{}); break;
     case 8: fn(std::integral_constant<int, 8>{}); break;
-    default: fn(std::integral_constant<int, 9>{}); break;
+    case 9: fn(std::integral_constant<int, 9>{}); break;
+    default: fn(std::integral_constant<int, 10>{}); break;
   }
 }
 
@@ -244,6 +245,34 @@ struct Format<9> {  // Q6_K: 128 bytes ql (low four bits; chunk c = 4h + k: byte
   }
 };
 
+// IQ4_NL's table: a weight is d * kIq4NlValues[its 4-bit index] (llama.cpp's kvalues_iq4nl).
+constexpr int8_t kIq4NlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+template <>
+struct Format<10> {  // IQ4_NL: fp16 d, 16 bytes of nibbles as Q4_0's (indices into the table)
+  static constexpr int64_t kWeights = 32, kBytes = 18;
+  static void dequant(const uint8_t* b, float* w) {
+    const float d = half_at(b);
+#if defined(__AVX2__)  // the lookup in registers (vpshufb): the scalar one does not vectorize
+    const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4NlValues));
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)), mask = _mm_set1_epi8(0x0F);
+    const __m128i values[2] = {_mm_shuffle_epi8(table, _mm_and_si128(q, mask)),
+                               _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(q, 4), mask))};
+    const __m256 dv = _mm256_set1_ps(d);
+    for (int h = 0; h < 2; ++h) {
+      _mm256_storeu_ps(w + 16 * h, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(values[h]))));
+      _mm256_storeu_ps(w + 16 * h + 8,
+                       _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(values[h], 8)))));
+    }
+#else
+    for (int i = 0; i < 16; ++i) {
+      w[i] = d * static_cast<float>(kIq4NlValues[b[2 + i] & 0xF]);
+      w[i + 16] = d * static_cast<float>(kIq4NlValues[b[2 + i] >> 4]);
+    }
+#endif
+  }
+};
+
 #if defined(CPU_CAPABILITY_AVX512)
 // 16 bytes as float32 (unsigned).
 inline __m512 widen_u8(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
@@ -298,6 +327,20 @@ template <> struct Decoder<1> : NibbleDecoder<2, 0, false, 8> { using NibbleDeco
 template <> struct Decoder<2> : NibbleDecoder<4, 0, true, 0> { using NibbleDecoder::NibbleDecoder; };
 template <> struct Decoder<3> : NibbleDecoder<6, 2, false, 16> { using NibbleDecoder::NibbleDecoder; };
 template <> struct Decoder<4> : NibbleDecoder<8, 4, true, 0> { using NibbleDecoder::NibbleDecoder; };
+
+template <>
+struct Decoder<10> {  // IQ4_NL: the table's values looked up as float32 (vpermps)
+  const uint8_t* b;
+  explicit Decoder(const uint8_t* block) : b(block) {}
+  void chunk(int, __m512& lo, __m512& hi) const {
+    const __m512 d = _mm512_set1_ps(half_at(b));
+    const __m512 table = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)kIq4NlValues)));
+    const __m128i q = _mm_loadu_si128((const __m128i*)(b + 2));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    lo = _mm512_mul_ps(d, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, mask)), table));
+    hi = _mm512_mul_ps(d, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), mask)), table));
+  }
+};
 
 template <>
 struct Decoder<5> {  // Q2_K

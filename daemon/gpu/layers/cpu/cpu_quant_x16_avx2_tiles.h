@@ -46,14 +46,14 @@ constexpr int int16_sums(int code_max, int cap) {
   return n;
 }
 
-// |q| for Q8_0's signed codes (llama.cpp's sign trick), else the codes themselves.
+// |q| for signed codes (Q8_0, IQ4_NL: llama.cpp's sign trick), else the codes themselves.
 template <typename R>
 LLMD_X16_AVX2_TARGET inline __m256i magnitude_of(__m256i q) {
   return R::kSigned ? _mm256_abs_epi8(q) : q;
 }
 
 // vpmaddubsw of a chunk's codes (as magnitude_of gives them) with x's four codes `x`
-// broadcast, carrying q's signs over to x for Q8_0.
+// broadcast, carrying q's signs over to x for signed codes.
 template <typename R>
 LLMD_X16_AVX2_TARGET inline __m256i code_product(__m256i q, __m256i magnitude, int32_t x) {
   const __m256i xk = _mm256_set1_epi32(x);
@@ -108,11 +108,11 @@ LLMD_X16_AVX2_TARGET inline void dots(const R& record, int c, const int32_t* con
   }
 }
 
-// Q8_0's int32 dot products with x's passes 0 and 1 joined (QuantizedRow::wide: 254 q0 +
-// q1 in int16) added to joined[r], and with pass 2 (P = 3) to third[r]: vpmaddwd
-// multiplies the codes sign-extended to int16 (a lane's columns 0, 2 and 1, 3) by x's
-// joined codes at once, where two passes of the sign trick would take twice the
-// instructions. The integers are the joined passes' (joins_passes), exactly.
+// Signed codes' (Q8_0, IQ4_NL) int32 dot products with x's passes 0 and 1 joined
+// (QuantizedRow::wide: 254 q0 + q1 in int16) added to joined[r], and with pass 2 (P = 3)
+// to third[r]: vpmaddwd multiplies the codes sign-extended to int16 (a lane's columns 0,
+// 2 and 1, 3) by x's joined codes at once, where two passes of the sign trick would take
+// twice the instructions. The integers are the joined passes' (joins_passes), exactly.
 template <typename R, int T, int P>
 LLMD_X16_AVX2_TARGET inline void wide_dots(const R& record, int c, const int32_t* const (&wide)[T],
                                            const int32_t* const (&third)[T], __m256i (&joined_sums)[T],
@@ -152,10 +152,10 @@ LLMD_X16_AVX2_TARGET __attribute__((always_inline)) inline void sub_block_tile(c
   }
   const int64_t b = s * R::kSub + c;
   // Each pass's dot products (of the sub-block's two halves of 16 columns apart with
-  // kHalves), the offset's term first: -kOffset * the sum of x's codes; for Q8_0 with two
+  // kHalves), the offset's term first: -kOffset * the sum of x's codes; for signed codes with two
   // or three passes, passes 0 and 1 joined in lo[r][1] (joins_passes).
   __m256i lo[T][P], hi[T][P];
-  if constexpr (kWide) {  // (Q8_0: no offset, no halves)
+  if constexpr (kWide) {  // (signed codes: no offset, no halves)
     const int32_t* wide[T];
     const int32_t* third[T];
     __m256i joined_sums[T], third_sums[T];

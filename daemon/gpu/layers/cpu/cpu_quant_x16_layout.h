@@ -57,6 +57,7 @@ constexpr Layout kLayouts[] = {
     {144, 4, {{16, 128, 4}, {4, 12, 4}, {0, 2, 2}, {2, 2, 2}}},                         // Q4_K: q, scales, d, dmin
     {176, 5, {{48, 128, 4}, {16, 32, 4}, {4, 12, 4}, {0, 2, 2}, {2, 2, 2}}},            // Q5_K: q, qh, scales, d, dmin
     {210, 4, {{0, 128, 4}, {128, 64, 4}, {192, 16, 1}, {208, 2, 2}}},                   // Q6_K: ql, qh, scales, d
+    {18, 2, {{2, 16, 4}, {0, 2, 2}}},                                                   // IQ4_NL: q, d (as Q4_0)
 };
 constexpr int64_t kNumLayouts = sizeof(kLayouts) / sizeof(kLayouts[0]);
 
@@ -87,7 +88,7 @@ constexpr bool covers_block(const Layout& l) {
 static_assert(covers_block(kLayouts[0]) && covers_block(kLayouts[1]) && covers_block(kLayouts[2]) &&
               covers_block(kLayouts[3]) && covers_block(kLayouts[4]) && covers_block(kLayouts[5]) &&
               covers_block(kLayouts[6]) && covers_block(kLayouts[7]) && covers_block(kLayouts[8]) &&
-              covers_block(kLayouts[9]));
+              covers_block(kLayouts[9]) && covers_block(kLayouts[10]));
 
 // Q5's fifth bits: bit 4k + t (column 4k + t) to bit 8t + k, and back.
 inline uint32_t bits_by_column(uint32_t v) {

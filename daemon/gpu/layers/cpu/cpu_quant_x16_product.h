@@ -53,19 +53,20 @@ struct QuantizedRow {
   const int32_t* sums;  // [passes][2 * blocks]
   int64_t cols, blocks;
   // [cols] passes 0 and 1 joined, 254 * q0 + q1 (within int16 for any codes), each four
-  // columns' in the order 0, 2, 1, 3: where the AVX2 product multiplies Q8_0 by them at
-  // once (wide_dots in cpu_quant_x16_avx2_tiles.h); else null.
+  // columns' in the order 0, 2, 1, 3: where the AVX2 product multiplies signed codes
+  // (Q8_0, IQ4_NL) by them at once (wide_dots in cpu_quant_x16_avx2_tiles.h); else null.
   const int16_t* wide = nullptr;
 };
 
-// Q8_0 (type 0) with two or three passes: both products join passes 0 and 1 in int32
+// Q8_0 and IQ4_NL (types 0 and 10: signed codes) with two or three passes: both products
+// join passes 0 and 1 in int32
 // before scaling, 254 * pass 0's dot product + pass 1's (exact: below 2^28 in magnitude
 // for any codes), at pass 1's scale, then pass 2's at its own — one float32 rounding
 // where the passes took two. The AVX2 product reaches those integers at once (vpmaddwd
 // over x's joined codes: QuantizedRow::wide), the VNNI one by joining its two passes', so
 // the floats are the same. Other types scale each pass (a join measured 5-15% slower for
 // the K-quants on AVX2, whose passes are cheap there).
-constexpr bool joins_passes(int quant, int passes) { return quant == 0 && passes >= 2; }
+constexpr bool joins_passes(int quant, int passes) { return (quant == 0 || quant == 10) && passes >= 2; }
 constexpr int first_scaled_pass(int quant, int passes) { return joins_passes(quant, passes) ? 1 : 0; }
 
 // Rows of x per pass over a record (with AVX2 their float32 accumulators are two per row,
