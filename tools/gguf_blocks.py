@@ -1,5 +1,5 @@
 """Valid GGUF blocks of random bytes, for tests and kernel benchmarks: every packed type
-(gguf_quant.FORMATS), the K-quants included (the gguf package cannot quantize those)."""
+(gguf_formats.FORMATS), the K-quants included (the gguf package cannot quantize those)."""
 from __future__ import annotations
 
 import numpy as np

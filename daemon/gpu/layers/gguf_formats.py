@@ -146,11 +146,6 @@ def _two_bit(qs: torch.Tensor) -> torch.Tensor:
     return (_shifted(qs.unflatten(-1, (2, 32)), (0, 2, 4, 6)) & 3).reshape(*qs.shape[:-1], 16, 16)
 
 
-def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
-    table = torch.from_numpy(IQ4_NL_VALUES).to(b.device).float()
-    return _f16(b, 0) * table[_nibbles(b[..., 2:]).long()]
-
-
 def _q2_k(b: torch.Tensor) -> torch.Tensor:
     scales = b[..., :16]
     dl = (_f16(b, 80) * (scales & 0xF).float()).unsqueeze(-1)
@@ -195,6 +190,11 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     high = (_shifted(b[..., 128:192].unflatten(-1, (2, 32)), (0, 2, 4, 6)) & 3).reshape(*lead, 8, 32)
     q = ((low | (high << 4)).float() - 32).reshape(*lead, 16, 16)
     return (d * q).flatten(-2)
+
+
+def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
+    table = torch.from_numpy(IQ4_NL_VALUES).to(b.device).float()
+    return _f16(b, 0) * table[_nibbles(b[..., 2:]).long()]
 
 
 _DEQUANTIZE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

@@ -251,7 +251,7 @@ def iter_gguf_weights(path: str | Path, config: Any,
     a time (with tensor parallelism each rank dequantizes the whole tensor and its layer
     keeps its piece); a weight named in `packed` ({HF name: the type it is held in})
     comes as its packed rows instead (PackedSource: the model keeps it quantized; re-encoded
-    where it is held in another type than the file's, gguf_quant.HELD_AS), q and k rows
+    where it is held in another type than the file's, gguf_formats.HELD_AS), q and k rows
     unpermuted the same way."""
     from gguf.quants import dequantize
 

@@ -176,7 +176,7 @@ class GGUFOps:
 
 def gguf_ops() -> GGUFOps | None:
     """torch.ops.llmd_cpu.gguf_mm(x [M, K], w uint8 [N, K / block * block bytes], quant
-    (gguf_quant.FORMATS' code), K) -> [M, N], x times a packed GGUF weight, and
+    (gguf_formats.FORMATS' code), K) -> [M, N], x times a packed GGUF weight, and
     gguf_dequantize(w, quant, K) -> float32 [N, K] (cpu_quant.cpp). None when the
     kernels are switched off (LLMD_CPU_KERNELS=0) or cannot be built."""
     if not cpu_kernels_enabled() or not _load():

@@ -1,4 +1,4 @@
-// gguf_mm: x [M, K] times a GGUF block-quantized weight [N, K] kept packed (gguf_quant.py
+// gguf_mm: x [M, K] times a GGUF block-quantized weight [N, K] kept packed (gguf_formats.py
 // describes the formats, cpu_quant_formats.h decodes them). Each row of the weight is read
 // from memory packed, once per eight rows of x; each block is dequantized in registers
 // (AVX-512: 32 weights at a time, two weight rows at once for a single row of x;
@@ -6,9 +6,9 @@
 // accumulating in float32. Equal to x @ dequantize(w)^T up to float32 summation order.
 //
 // x: float32, bfloat16 or float16, contiguous; w: uint8 [N, K / block weights * block
-// bytes]; quant: gguf_quant.FORMATS' code (0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_0, 4 Q5_1, 5 Q2_K,
-// 6 Q3_K, 7 Q4_K, 8 Q5_K, 9 Q6_K); cols = K, a multiple of the type's block (32, or 256
-// for the K-quants). Returns [M, N] in x's dtype.
+// bytes]; quant: gguf_formats.FORMATS' code (0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_0, 4 Q5_1, 5 Q2_K,
+// 6 Q3_K, 7 Q4_K, 8 Q5_K, 9 Q6_K, 10 IQ4_NL); cols = K, a multiple of the type's block (32,
+// or 256 for the K-quants). Returns [M, N] in x's dtype.
 //
 // gguf_dequantize: the float32 [N, K] of w (for a dense GEMM over many rows), equal to
 // the gguf package's dequantization bit for bit.
@@ -164,7 +164,7 @@ void gguf_mm_rows(const float* x, int64_t rows, int64_t cols, const uint8_t* w, 
 
 int64_t check_packed(const at::Tensor& w, int64_t quant, int64_t cols, const char* op) {
   TORCH_CHECK(quant >= 0 && quant < kNumFormats, op, ": quant must be a format code 0..", kNumFormats - 1,
-              " (gguf_quant.FORMATS), got ", quant);
+              " (gguf_formats.FORMATS), got ", quant);
   int64_t weights = 0, bytes = 0;
   dispatch(quant, [&](auto q) {
     weights = Format<decltype(q)::value>::kWeights;

@@ -1,7 +1,7 @@
-// The GGUF block formats cpu_quant.cpp reads (gguf_quant.py has the table; llama.cpp's
+// The GGUF block formats cpu_quant.cpp reads (gguf_formats.py has the table; llama.cpp's
 // ggml-common.h the structs): how one block's bytes become its weights.
 //
-// Format<Q> (Q: gguf_quant.FORMATS' code): kWeights per block (32, or 256 for a K-quant
+// Format<Q> (Q: gguf_formats.FORMATS' code): kWeights per block (32, or 256 for a K-quant
 // super-block), kBytes, and dequant(block, w), the portable decoding of a whole block.
 // With AVX-512, Decoder<Q> is built on one block (a K-quant's scales unpacked once) and
 // `chunk(c, lo, hi)` gives its weights 32c..32c+15 and 32c+16..32c+31 as two float32

@@ -73,7 +73,7 @@ using llmd_x16::record_bytes;
 // The weight's GGUF blocks per row, once w is checked to be an x16 weight of this type.
 int64_t check_layout(const at::Tensor& w, int64_t quant, int64_t cols, const char* op) {
   TORCH_CHECK(quant >= 0 && quant < llmd_x16::kNumLayouts, op, ": quant must be a format code 0..",
-              llmd_x16::kNumLayouts - 1, " (gguf_quant.FORMATS), got ", quant);
+              llmd_x16::kNumLayouts - 1, " (gguf_formats.FORMATS), got ", quant);
   int64_t weights = 0;
   dispatch(quant, [&](auto q) { weights = Format<decltype(q)::value>::kWeights; });
   TORCH_CHECK(cols > 0 && cols % weights == 0, op, ": cols must be a multiple of ", weights,

@@ -45,7 +45,7 @@ struct Layout {
   Field field[kMaxFields];
 };
 
-// quant: gguf_quant.FORMATS' code (cpu_quant_formats.h spells out each block).
+// quant: gguf_formats.FORMATS' code (cpu_quant_formats.h spells out each block).
 constexpr Layout kLayouts[] = {
     {34, 2, {{2, 32, 4, Transform::kFlip}, {0, 2, 2}}},                                // Q8_0: q, d
     {18, 2, {{2, 16, 4}, {0, 2, 2}}},                                                   // Q4_0: q, d

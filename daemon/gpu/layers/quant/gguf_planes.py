@@ -28,7 +28,7 @@ import torch
 from llmd.gpu.layers.gguf_quant import FORMATS, PackedPart, part_weight
 
 # Each type's fields as (name, first byte, end byte) within one block (ggml-common.h;
-# gguf_quant's table): d / m / dmin fp16 scales, qs the 4-bit (8-bit for Q8_0) values,
+# gguf_formats' table): d / m / dmin fp16 scales, qs the 4-bit (8-bit for Q8_0) values,
 # qh the high bits, sc the K-quants' sub-block scales.
 FIELDS: dict[str, tuple[tuple[str, int, int], ...]] = {
     "Q8_0": (("d", 0, 2), ("qs", 2, 34)),

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from llmd.gpu.layers.gguf_quant import FORMATS
 
-FP8_CODE = 100  # the kernel's code for FP8 e4m3 rows (GGUF types: gguf_quant.FORMATS' codes)
+FP8_CODE = 100  # the kernel's code for FP8 e4m3 rows (GGUF types: gguf_formats.FORMATS' codes)
 GEMV_MAX_ROWS = 4  # rows of x up to which the GEMV runs (above: the tl.dot GEMM)
 SPLIT_K_WAVES = 2  # a split-K launch aims at this many programs per SM
 # Whether the kernel runs in Triton's interpreter (decided when triton was imported). The
