@@ -143,7 +143,7 @@ LLMD_X16_AVX2_TARGET __attribute__((always_inline)) inline void sub_block_tile(c
   using R = X16Half<Q>;
   constexpr int64_t sub_bytes = record_bytes(Q) / R::kSub;
   constexpr bool kWide = joins_passes(Q, P);  // through wide_dots
-  static_assert(!kWide || R::kSigned);
+  static_assert(kWide == (R::kSigned && P >= 2));  // joins_passes names exactly the signed-code types
   if (h == 0) {  // as the VNNI path asks, once per sub-block
     const char* ahead = reinterpret_cast<const char*>(rp + (c + kPrefetch) * sub_bytes);
     for (int64_t line = 0; line < sub_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
@@ -152,8 +152,8 @@ LLMD_X16_AVX2_TARGET __attribute__((always_inline)) inline void sub_block_tile(c
   }
   const int64_t b = s * R::kSub + c;
   // Each pass's dot products (of the sub-block's two halves of 16 columns apart with
-  // kHalves), the offset's term first: -kOffset * the sum of x's codes; for signed codes with two
-  // or three passes, passes 0 and 1 joined in lo[r][1] (joins_passes).
+  // kHalves), the offset's term first: -kOffset * the sum of x's codes; for signed codes
+  // with two or three passes, passes 0 and 1 joined in lo[r][1] (joins_passes).
   __m256i lo[T][P], hi[T][P];
   if constexpr (kWide) {  // (signed codes: no offset, no halves)
     const int32_t* wide[T];

@@ -59,10 +59,9 @@ struct QuantizedRow {
 };
 
 // Q8_0 and IQ4_NL (types 0 and 10: signed codes) with two or three passes: both products
-// join passes 0 and 1 in int32
-// before scaling, 254 * pass 0's dot product + pass 1's (exact: below 2^28 in magnitude
-// for any codes), at pass 1's scale, then pass 2's at its own — one float32 rounding
-// where the passes took two. The AVX2 product reaches those integers at once (vpmaddwd
+// join passes 0 and 1 in int32 before scaling, 254 * pass 0's dot product + pass 1's
+// (exact: below 2^28 in magnitude for any codes), at pass 1's scale, then pass 2's at its
+// own — one float32 rounding where the passes took two. The AVX2 product reaches those integers at once (vpmaddwd
 // over x's joined codes: QuantizedRow::wide), the VNNI one by joining its two passes', so
 // the floats are the same. Other types scale each pass (a join measured 5-15% slower for
 // the K-quants on AVX2, whose passes are cheap there).

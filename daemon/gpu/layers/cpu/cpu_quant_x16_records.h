@@ -93,25 +93,19 @@ template <> struct X16Record<2> : BlockRecord<2, true, false, true, 0> { using B
 template <> struct X16Record<3> : BlockRecord<3, true, true, false, 16> { using BlockRecord::BlockRecord; };
 template <> struct X16Record<4> : BlockRecord<4, true, true, true, 0> { using BlockRecord::BlockRecord; };
 
-// IQ4_NL: Q4_0's nibbles, each an index into the table of 16 int8 values
-// (cpu_quant_formats.h), looked up (vpshufb) as the values + 128: unsigned codes with
-// Q8_0's offset.
+// IQ4_NL: Q4_0's record (the same layout), each nibble an index into the table of 16
+// int8 values (cpu_quant_formats.h), looked up (vpshufb) as the values + 128: unsigned
+// codes with Q8_0's offset.
 template <>
-struct X16Record<10> {
-  static constexpr int kSub = 1, kOffset = 128, kMin = 0;
-  static constexpr bool kHalves = false;
-  const uint8_t* r;
-  LLMD_X16_TARGET explicit X16Record(const uint8_t* record) : r(record) {}
-  LLMD_X16_TARGET void decode(int, SubBlock& s) const {
+struct X16Record<10> : X16Record<1> {
+  static constexpr int kOffset = 128;
+  using X16Record<1>::X16Record;
+  LLMD_X16_TARGET void decode(int c, SubBlock& s) const {
+    X16Record<1>::decode(c, s);
     const __m512i table = _mm512_xor_si512(
         _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(llmd_quant::kIq4NlValues))),
         _mm512_set1_epi8(static_cast<char>(0x80)));
-    for (int j = 0; j < 4; ++j) {
-      const __m512i v = chunk(r + 64 * j);
-      s.q[j] = _mm512_shuffle_epi8(table, byte_bits(v, 0, 0x0F));
-      s.q[j + 4] = _mm512_shuffle_epi8(table, byte_bits(v, 4, 0x0F));
-    }
-    s.scale[0] = halves16(r + field_at(10, 1));
+    for (int k = 0; k < 8; ++k) s.q[k] = _mm512_shuffle_epi8(table, s.q[k]);
   }
 };
 

@@ -99,22 +99,18 @@ template <> struct X16Half<2> : BlockHalf<2, true, false, true, 0> { using Block
 template <> struct X16Half<3> : BlockHalf<3, true, true, false, 16> { using BlockHalf::BlockHalf; };
 template <> struct X16Half<4> : BlockHalf<4, true, true, true, 0> { using BlockHalf::BlockHalf; };
 
-// IQ4_NL (as X16Record<10>): Q4_0's nibbles looked up (vpshufb) in the table of 16 int8
-// values (cpu_quant_formats.h): signed codes, multiplied as Q8_0's.
+// IQ4_NL (as X16Record<10>): Q4_0's record (the same layout), its nibbles looked up
+// (vpshufb) in the table of 16 int8 values (cpu_quant_formats.h): signed codes, multiplied
+// as Q8_0's.
 template <>
-struct X16Half<10> {
-  static constexpr int kSub = 1, kOffset = 0, kMin = 0, kCodeMax = 128;
-  static constexpr bool kHalves = false, kSigned = true;
-  const uint8_t* r;
-  int h;
+struct X16Half<10> : X16Half<1> {
+  static constexpr int kOffset = 0, kCodeMax = 128;
+  static constexpr bool kSigned = true;
   __m256i table;
   LLMD_X16_AVX2_TARGET X16Half(const uint8_t* record, int half)
-      : r(record), h(half),
+      : X16Half<1>(record, half),
         table(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(llmd_quant::kIq4NlValues)))) {}
-  LLMD_X16_AVX2_TARGET __m256i code(int, int k) const {
-    return _mm256_shuffle_epi8(table, byte_bits(chunk(r + 64 * (k % 4) + 32 * h), 4 * (k / 4), 0x0F));
-  }
-  LLMD_X16_AVX2_TARGET void scales(int, HalfScales& s) const { s.scale[0] = halves8(r + field_at(10, 1) + 16 * h); }
+  LLMD_X16_AVX2_TARGET __m256i code(int c, int k) const { return _mm256_shuffle_epi8(table, X16Half<1>::code(c, k)); }
 };
 
 // Q2_K (as X16Record<5>).
