@@ -21,6 +21,14 @@ checkpoints ship).
   per tensor, a static `input_scale`), `channel` (compressed-tensors float-quantized,
   per output channel, dynamic activations), `block` (HF fine-grained:
   `weight_block_size`, `weight_scale_inv` per block).
+
+`--kv-scales NAMES` adds static per-layer K/V cache scales, as llm-compressor's and
+vLLM's exporters write them: each layer's largest |k_proj| and |v_proj| output over a
+calibration text (transformers on the dense model) over 448 (float8 e4m3), stored as
+`layers.N.self_attn.k_scale` / `v_scale` (`self_attn`), `self_attn.k_proj.output_scale`
+/ `v_proj.output_scale` (`output_scale`: compressed-tensors' older name) or one
+`self_attn.kv_scale` of the larger (`kv_scale`: the deprecated single scale); with the
+compressed-tensors layout the config declares them (`kv_cache_scheme`).
 """
 from __future__ import annotations
 
@@ -156,7 +164,36 @@ def quantization_config(args: argparse.Namespace) -> dict[str, Any]:
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts,
                                           "output_activations": None}},
             "ignore": ["lm_head", *args.keep_dense] if not args.lm_head else list(args.keep_dense),
-            "kv_cache_scheme": None}
+            "kv_cache_scheme": None if args.kv_scales is None else
+            {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}}
+
+
+KV_CALIBRATION_TEXT = "The quick brown fox jumps over the lazy dog. " * 8
+
+
+@torch.no_grad()
+def kv_scale_tensors(model: Path, naming: str) -> dict[str, torch.Tensor]:
+    """Each layer's K/V cache scales (module doc), named as `naming` says."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    ids = AutoTokenizer.from_pretrained(model)(KV_CALIBRATION_TEXT, return_tensors="pt").input_ids
+    amax: dict[str, float] = {}
+    hooks = [module.register_forward_hook(lambda _m, _i, out, name=name: amax.__setitem__(name, out.abs().max().item()))
+             for name, module in hf.named_modules() if re.search(r"self_attn\.[kv]_proj$", name)]
+    hf(ids)
+    for hook in hooks:
+        hook.remove()
+    out = {}
+    for name, value in amax.items():
+        layer, part = name.rsplit(".", 1)[0], name[-6]  # "...self_attn", "k" | "v"
+        if naming == "self_attn":
+            out[f"{layer}.{part}_scale"] = torch.tensor(value / E4M3_MAX)
+        elif naming == "output_scale":
+            out[f"{name}.output_scale"] = torch.tensor([value / E4M3_MAX])
+        elif part == "k":  # kv_scale: the larger of the two
+            out[f"{layer}.kv_scale"] = torch.tensor(max(value, amax[f"{layer}.v_proj"]) / E4M3_MAX)
+    return out
 
 
 def quantize_tensors(weights: dict[str, torch.Tensor], args: argparse.Namespace) -> dict[str, torch.Tensor]:
@@ -188,7 +225,10 @@ def quantize_checkpoint(model: str | Path, out: str | Path, args: argparse.Names
     weights: dict[str, torch.Tensor] = {}
     for file in sorted(model.glob("*.safetensors")):
         weights.update(load_file(str(file)))
-    save_file(quantize_tensors(weights, args), str(out / "model.safetensors"), metadata={"format": "pt"})
+    tensors = quantize_tensors(weights, args)
+    if args.kv_scales is not None:
+        tensors.update(kv_scale_tensors(model, args.kv_scales))
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     for file in model.iterdir():
         if file.is_file() and not file.name.endswith(".safetensors") and file.name != "config.json":
             shutil.copy(file, out / file.name)
@@ -216,6 +256,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lm-head", action="store_true", help="quantize the LM head too")
     p.add_argument("--keep-dense", nargs="*", default=[], help="module names left dense (the skip list)")
     p.add_argument("--dense-dtype", choices=("float16", "bfloat16", "float32"), default=None)
+    p.add_argument("--kv-scales", choices=("self_attn", "output_scale", "kv_scale"), default=None,
+                   help="add static per-layer K/V cache scales, named so")
     return p
 
 

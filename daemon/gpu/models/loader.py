@@ -22,6 +22,7 @@ from llmd.gpu.layers.linear import Shard, WeightLoading
 from llmd.gpu.layers.quant.gguf_planes import GPU_TYPES
 from llmd.gpu.layers.quant.scheme import quant_scheme
 from llmd.gpu.models.architectures import get_architecture
+from llmd.gpu.models.checkpoint_kv_scales import KVScaleCollector
 from llmd.gpu.models.decoder import CausalLM
 from llmd.gpu.models.gguf_loader import (gguf_stop_token_ids, gguf_tensor_types, is_gguf_path,
                                          iter_gguf_weights, load_gguf_config, load_gguf_tokenizer,
@@ -278,7 +279,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     (quant_plan). `dequantize`: every weight is dequantized instead, as a GGUF's are
     with tensor parallelism (each rank dequantizes a tensor whole and its layers keep
     their share). Then its kernels are attached (_attach_kernels); `int8_activations`:
-    packed weights on CPU meet activations rounded to int8 once (gguf_quant.x16_passes)."""
+    packed weights on CPU meet activations rounded to int8 once (gguf_quant.x16_passes).
+    A checkpoint's own K/V cache scales are kept as `model.kv_amax` (checkpoint_kv_scales;
+    None without them)."""
     config = load_hf_config(model_dir)
     gguf = is_gguf_path(model_dir)
     scheme = None if gguf else quant_scheme(config)
@@ -303,15 +306,17 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     model = model.to_empty(device=device)
     model.reset_rotary(device)
     model.tie_weights()
+    kv_scales = KVScaleCollector(getattr(scheme, "kv_qmax", None))  # the checkpoint's own, if any
     if gguf:
         weights, total = iter_gguf_weights(model_dir, config, packed), len(gguf_tensor_types(model_dir))
     else:
-        weights, total = iter_safetensors(model_dir), _count_safetensors(model_dir)
+        weights, total = kv_scales.weights(iter_safetensors(model_dir)), _count_safetensors(model_dir)
         if scheme is not None:
             weights = without_empty_biases(weights, model, scheme, index, checkpoint_target)
         if scheme is not None and dequantize:
             weights = iter_dequantized(weights, scheme, index)
     load_weights(model, progress.track("weights", weights, total) if progress is not None else weights)
+    model.kv_amax = kv_scales.amax(len(model.layers))  # kv_calibration's scales when the cache is quantized
     if gguf:
         release_gguf_readers()  # the model holds its own copy of every weight: the file's map closes
     model.eval()

@@ -40,7 +40,7 @@ from llmd.gpu.layers.attention import (AttentionMetadata, GatherWorkspace, model
                                        new_model_kv_caches, set_decode_rows)
 from llmd.gpu.layers.attention_backends import metadata_builder
 from llmd.gpu.layers.kv_quant import KVCacheFormat, KVScales
-from llmd.gpu.worker.kv_calibration import calibrate_kv_scales, set_kv_scales
+from llmd.gpu.worker.kv_calibration import kv_scales_for, set_kv_scales
 from llmd.gpu.worker.cuda_graphs import DecodeGraphs, build_decode_graphs
 from llmd.gpu.worker.input_batch import InputBatch
 from llmd.gpu.models.loader import load_model
@@ -93,7 +93,7 @@ class DraftModel:
         self.release_decode_graphs()
         self.kv_caches = []
         if kv_format is not None and self.kv_scales is None:
-            self.kv_scales = calibrate_kv_scales(self.model, kv_format, **calibration)
+            self.kv_scales = kv_scales_for(self.model, kv_format, **calibration)
             set_kv_scales(self.model, self.kv_scales)
         self.kv_caches = new_model_kv_caches(self.model, num_blocks, self.settings.block_size, self.cache_dtype,
                                              self.device)

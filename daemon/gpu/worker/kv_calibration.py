@@ -13,7 +13,9 @@ done on a fixed input instead of the first request's:
   first request;
 - a request's output must not depend on which request happened to come first.
 A value beyond the calibrated range is clamped to the format's largest (never wraps or
-becomes NaN).
+becomes NaN). A checkpoint that carries its own per-layer K/V scales
+(models/checkpoint_kv_scales.py, `model.kv_amax`) is not calibrated: its scales are
+used, converted to the chosen format (`kv_scales_for`).
 """
 from __future__ import annotations
 
@@ -42,6 +44,19 @@ def set_kv_scales(model: torch.nn.Module, scales: list[KVScales]) -> None:
         raise ValueError(f"{len(scales)} KV scales for a model of {len(layers)} layers")
     for layer, layer_scales in zip(layers, scales):
         layer.kv_scales = layer_scales
+
+
+def kv_scales_for(model: torch.nn.Module, fmt: KVCacheFormat, **calibration) -> list[KVScales]:
+    """Each layer's scales for a cache of format `fmt`: the checkpoint's own where it has
+    them (each layer's amax at the format's largest value, as the checkpoint's exporter
+    set it), else calibrate_kv_scales(model, fmt, **calibration)."""
+    amax = getattr(model, "kv_amax", None)
+    if amax is None:
+        return calibrate_kv_scales(model, fmt, **calibration)
+    scales = [KVScales(k / fmt.qmax, v / fmt.qmax) for k, v in zip(amax.k, amax.v)]
+    logger.info("KV cache %s: the checkpoint's per-layer scales: k %.3g..%.3g, v %.3g..%.3g", fmt.name,
+                min(s.k for s in scales), max(s.k for s in scales), min(s.v for s in scales), max(s.v for s in scales))
+    return scales
 
 
 @torch.inference_mode()

@@ -21,7 +21,7 @@ import torch
 from llmd.gpu.layers.attention import GatherWorkspace, model_kv_bytes_per_block, new_model_kv_caches
 from llmd.gpu.layers.attention_backends import metadata_builder, resolve_attention_backend
 from llmd.gpu.layers.kv_quant import KVScales, cache_dtype, kv_cache_format
-from llmd.gpu.worker.kv_calibration import calibrate_kv_scales, set_kv_scales
+from llmd.gpu.worker.kv_calibration import kv_scales_for, set_kv_scales
 from llmd.gpu.worker.cuda_graphs import DecodeGraphs, build_decode_graphs, capture_sizes
 from llmd.gpu.worker.draft_model import DraftModel
 from llmd.gpu.sample.graph_sampler import PENALIZED, GraphSampler, graph_sampling_enabled
@@ -92,6 +92,9 @@ class ModelRunner:
         self.model = load_model(self.model_dir, dtype, device, settings.max_model_len, self.rank, self.world_size,
                                 self.attention_backend, progress, dequantize=settings.dequantize,
                                 int8_activations=settings.cpu_int8_activations)
+        if getattr(self.model, "kv_amax", None) is not None and self.kv_format is None and self.rank == 0:
+            logger.info("the checkpoint has per-layer K/V cache scales: kv_cache_dtype fp8 or int8 uses them "
+                        "(kv_cache_dtype %s keeps K/V unquantized)", settings.kv_cache_dtype)
         self.vocab_size = self.model.config.vocab_size
         self.workspace = GatherWorkspace()
         self.attention_metadata = metadata_builder(self.model, self.block_size, device)
@@ -137,13 +140,13 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """num_blocks are the block pool's; the cache has one more, the scratch block
         that padded rows of a graph step write and read (the pool never hands it out).
-        A quantized cache's scales are calibrated first, once (kv_calibration)."""
+        A quantized cache's scales are set first, once: the checkpoint's or calibrated (kv_calibration)."""
         self.release_decode_graphs()
         self.num_blocks = num_blocks
         self.kv_caches = []
         if self.kv_format is not None:
             if self.kv_scales is None:
-                self.kv_scales = calibrate_kv_scales(self.model, self.kv_format, **self._calibration_settings())
+                self.kv_scales = kv_scales_for(self.model, self.kv_format, **self._calibration_settings())
             set_kv_scales(self.model, self.kv_scales)  # again after a level-2 wake: the model is a new one
         self.kv_caches = new_model_kv_caches(self.model, num_blocks + 1, self.block_size, self.cache_dtype,
                                              self.device)

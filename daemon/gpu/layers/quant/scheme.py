@@ -52,6 +52,9 @@ class FP8Scheme:
     block: tuple[int, int] | None
     scale_name: str  # "weight_scale" (vLLM, compressed-tensors) or "weight_scale_inv" (HF fine-grained)
     not_converted: tuple[str, ...]
+    # compressed-tensors' kv_cache_scheme: the largest magnitude of the format its static
+    # per-layer K/V scales were taken for (448: float8 e4m3, 127: int8); None: none declared
+    kv_qmax: float | None = None
     label = "fp8-e4m3"
 
     @property
@@ -206,7 +209,7 @@ def _compressed_tensors(qc: Mapping[str, Any]) -> FP8Scheme:
     if fmt not in ("float-quantized", "naive-quantized"):  # naive: the same float8 tensors, an older name
         _refuse("format", fmt, "is not implemented by llmd for compressed-tensors (implemented: float-quantized, "
                                "naive-quantized with float weights)")
-    for field in ("sparsity_config", "kv_cache_scheme", "transform_config"):
+    for field in ("sparsity_config", "transform_config"):
         if qc.get(field):
             _refuse(field, qc.get(field), "is not implemented by llmd")
     groups = qc.get("config_groups")
@@ -216,7 +219,30 @@ def _compressed_tensors(qc: Mapping[str, Any]) -> FP8Scheme:
     if len(blocks) > 1:
         _refuse("config_groups", sorted(groups), "mix block-wise and other FP8 weight strategies: not implemented "
                                                  "by llmd")
-    return FP8Scheme("compressed-tensors", blocks.pop(), "weight_scale", _names(qc.get("ignore"), "ignore"))
+    return FP8Scheme("compressed-tensors", blocks.pop(), "weight_scale", _names(qc.get("ignore"), "ignore"),
+                     _kv_cache_scheme(qc.get("kv_cache_scheme")))
+
+
+# kv_cache_scheme's type -> the largest magnitude of the format its scales were taken for.
+KV_SCHEME_QMAX = {"float": 448.0, "int": 127.0}
+
+
+def _kv_cache_scheme(kv: Any) -> float | None:
+    """The format's largest magnitude for a kv_cache_scheme of static, symmetric, 8-bit
+    per-tensor K/V scales (one k_scale and v_scale a layer, which the checkpoint
+    carries: models/checkpoint_kv_scales.py); None when there is none."""
+    if not kv:
+        return None
+    if not isinstance(kv, Mapping):
+        _refuse("kv_cache_scheme", kv, "must be a mapping")
+    wanted = {"num_bits": 8, "strategy": "tensor", "dynamic": False, "symmetric": True}
+    for key, value in wanted.items():
+        if kv.get(key, value) != value:
+            _refuse(f"kv_cache_scheme.{key}", kv.get(key), f"is not implemented by llmd (implemented: static, "
+                                                           f"symmetric 8-bit scales per tensor: {key}={value!r})")
+    if kv.get("type", "float") not in KV_SCHEME_QMAX:
+        _refuse("kv_cache_scheme.type", kv.get("type"), "is not implemented by llmd (implemented: float, int)")
+    return KV_SCHEME_QMAX[kv.get("type", "float")]
 
 
 def _ct_group(name: str, group: Any) -> tuple[int, int] | None:
