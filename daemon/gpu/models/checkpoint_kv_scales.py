@@ -18,14 +18,11 @@ them anyway (vLLM's fp8, modelopt), then all of them too. A scale that is not a 
 positive number is refused naming the tensor."""
 from __future__ import annotations
 
-import logging
 import math
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
-
-logger = logging.getLogger("llmd.loader")
 
 # A checkpoint tensor that is a layer's K or V scale -> (layer, "k" | "v" | "kv").
 _SCALE_NAME = re.compile(r"(?:model\.)?layers\.(\d+)\.self_attn\."

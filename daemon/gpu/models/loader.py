@@ -22,7 +22,7 @@ from llmd.gpu.layers.linear import Shard, WeightLoading
 from llmd.gpu.layers.quant.gguf_planes import GPU_TYPES
 from llmd.gpu.layers.quant.scheme import quant_scheme
 from llmd.gpu.models.architectures import get_architecture
-from llmd.gpu.models.checkpoint_kv_scales import KVScaleCollector
+from llmd.gpu.models.checkpoint_kv_scales import KVScaleCollector, kv_scale_target
 from llmd.gpu.models.decoder import CausalLM
 from llmd.gpu.models.gguf_loader import (gguf_stop_token_ids, gguf_tensor_types, is_gguf_path,
                                          iter_gguf_weights, load_gguf_config, load_gguf_tokenizer,
@@ -113,10 +113,11 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, Any]]:
 
 
 def _count_safetensors(model_dir: str | Path) -> int:
+    """The checkpoint's tensors the layers load (its K/V cache scales are not theirs)."""
     total = 0
     for file in Path(model_dir).glob("*.safetensors"):
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            total += len(f.keys())
+            total += sum(kv_scale_target(name) is None for name in f.keys())
     return total
 
 
