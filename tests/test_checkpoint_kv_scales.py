@@ -129,6 +129,17 @@ def test_scales_llmd_cannot_use_are_refused_by_name(checkpoint, tmp_path, edit, 
         LLM(model=str(broken), **SETTINGS)
 
 
+def test_a_query_scale_is_read_past(checkpoint, tmp_path):
+    """FP8 attention's query scales (llm-compressor writes them beside K/V's): queries
+    stay in the model's dtype, the logits are those of the checkpoint without them."""
+    path = _edited(checkpoint("self_attn"), tmp_path / "with-q",
+                   value=("model.layers.1.self_attn.q_scale", torch.tensor(0.01)))
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True)
+    outs = [LLM(model=str(p), kv_cache_dtype="fp8", **SETTINGS).generate([PROMPT], params)[0].outputs[0]
+            for p in (path, checkpoint("self_attn"))]
+    assert outs[0].token_ids == outs[1].token_ids and outs[0].logprobs == outs[1].logprobs
+
+
 def test_the_same_scales_without_the_config_saying_so_are_still_read(checkpoint, tmp_path):
     path = _edited(checkpoint("self_attn"), tmp_path / "undeclared", kv_cache_scheme=None)
     runner = run(path, "fp8").engine.executor.runner

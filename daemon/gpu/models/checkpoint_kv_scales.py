@@ -5,7 +5,8 @@ The names, as vLLM reads them (`maybe_remap_kv_scale_name`, compressed-tensors'
 `get_cache_scale`): `layers.N.self_attn.k_scale` / `v_scale` (compressed-tensors now,
 vLLM's fp8), `self_attn.k_proj.output_scale` / `v_proj.output_scale` (compressed-tensors
 before), `self_attn.k_proj.k_scale` / `v_proj.v_scale` (modelopt) and the deprecated
-`self_attn.kv_scale` (one for both). A scale s means a stored value q reads as q * s in a
+`self_attn.kv_scale` (one for both); a query's scale (`q_scale`, `q_proj.output_scale`:
+FP8 attention) is read past. A scale s means a stored value q reads as q * s in a
 format of largest magnitude qmax: the layer's K (V) spans up to amax = s * qmax, which is
 what is kept here (`KVAmax`). kv_calibration turns it into the scales of the cache
 format a run chooses (fp8 or int8: amax / that format's qmax) instead of calibrating;
@@ -24,9 +25,11 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-# A checkpoint tensor that is a layer's K or V scale -> (layer, "k" | "v" | "kv").
+# A checkpoint tensor that is a layer's K or V scale -> (layer, "k" | "v" | "kv"); "q": a
+# query scale (FP8 attention, which llmd does not do: queries stay in the model's dtype,
+# so it is read past).
 _SCALE_NAME = re.compile(r"(?:model\.)?layers\.(\d+)\.self_attn\."
-                         r"(?:(k|v)_scale|(k|v)_proj\.output_scale|(k|v)_proj\.(?:k|v)_scale|(kv)_scale)")
+                         r"(?:(k|v|q)_scale|(k|v|q)_proj\.output_scale|(k|v)_proj\.(?:k|v)_scale|(kv)_scale)")
 FP8_E4M3_QMAX = 448.0  # the format a scale is for when the config does not say
 
 
@@ -39,7 +42,8 @@ class KVAmax:
 
 
 def kv_scale_target(name: str) -> tuple[int, str] | None:
-    """(layer, "k" | "v" | "kv") for a K/V scale tensor's name; None for any other."""
+    """(layer, "k" | "v" | "kv" | "q") for a K/V (or query) scale tensor's name; None for
+    any other."""
     m = _SCALE_NAME.fullmatch(name)
     if m is None:
         return None
@@ -61,8 +65,10 @@ class KVScaleCollector:
             if target is None:
                 yield name, source
                 continue
-            value = _scalar(name, source)
             layer, which = target
+            if which == "q":
+                continue
+            value = _scalar(name, source)
             for part in ("k", "v") if which == "kv" else (which,):
                 self.found[(layer, part)] = value
 
