@@ -30,9 +30,10 @@ _BLOCK = {
 }
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
-# Byte offsets of the fp16 scales in one block of each K-quant (and of IQ4_NL, which the
+# Byte offsets of the fp16 scales in one block of each K-quant (and of IQ4_NL / IQ4_XS, which the
 # gguf package cannot quantize either): every value of a block is linear in them.
-K_QUANT_SCALES = {getattr(T, q): SCALE_OFFSETS[q] for q in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")} | {T.IQ4_NL: (0,)}
+K_QUANT_SCALES = {getattr(T, q): SCALE_OFFSETS[q] for q in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")} | {
+    T.IQ4_NL: (0,), T.IQ4_XS: (0,)}
 
 
 def gguf_name(hf_name: str) -> str:
@@ -49,15 +50,19 @@ def permute_rotary_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def random_k_quant(rows: int, cols: int, qtype: T, std: float, rng: np.random.Generator) -> np.ndarray:
     """Random blocks of `qtype` (bytes shaped [rows, cols/256*block bytes]) whose values
-    have about `std`."""
+    have about `std`. IQ4_XS' d is a power of two: its sub-block scales d * (ls - 32) are
+    then fp16 values, and the IQ4_NL blocks llmd holds them in carry the file's weights
+    exactly (gguf_formats.HELD_AS)."""
     block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, size=(rows * cols // block_elems, block_bytes), dtype=np.uint8)
     for offset in K_QUANT_SCALES[qtype]:
         raw[:, offset:offset + 2] = np.frombuffer(np.float16(1e-3).tobytes(), dtype=np.uint8)
     values = gguf.quants.dequantize(raw, qtype)
-    scale = std / float(values.std())
+    scale = 1e-3 * std / float(values.std())
+    if qtype == T.IQ4_XS:
+        scale = 2.0 ** round(np.log2(scale))
     for offset in K_QUANT_SCALES[qtype]:
-        raw[:, offset:offset + 2] = np.frombuffer(np.float16(1e-3 * scale).tobytes(), dtype=np.uint8)
+        raw[:, offset:offset + 2] = np.frombuffer(np.float16(scale).tobytes(), dtype=np.uint8)
     return raw.reshape(rows, -1)
 
 

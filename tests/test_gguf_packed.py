@@ -319,8 +319,41 @@ def test_iq4_nl_blocks_reencoded_as_q8_0_hold_the_same_weights():
     assert np.array_equal(gguf.quants.dequantize(q8, T.Q8_0).reshape(rows, cols), expected)
     assert torch.equal(dequantize(torch.from_numpy(q8), "Q8_0", cols), torch.from_numpy(expected))
     assert np.array_equal(q8[0, 2:18].view(np.int8), IQ4_NL_VALUES)
-    with pytest.raises(ValueError, match="IQ4_XS is not re-encoded"):
-        reencoded("IQ4_XS", iq4)
+    with pytest.raises(ValueError, match="Q4_0 is not re-encoded"):
+        reencoded("Q4_0", iq4)
+
+
+def test_iq4_xs_blocks_are_held_as_iq4_nl_blocks_under_their_sub_block_scales():
+    """Each 32-weight sub-block of an IQ4_XS super-block becomes an IQ4_NL block: the
+    same nibbles under d * (ls - 32) rounded to fp16 — the gguf package's weights exactly
+    where that product is an fp16 (d a power of two, every 6-bit ls of both halves of the
+    scale bytes), within 2^-11 of each sub-block's scale otherwise; on CUDA on to Q8_0.
+    A product beyond fp16's range is refused."""
+    rows, cols = 16, 512
+    rng = np.random.default_rng(4)
+    raw = rng.integers(0, 256, size=(rows, cols // 256, 136), dtype=np.uint8)
+    raw[0, 0, 2:8] = [0xE4, 0x1B, 0x10, 0x32, 0x54, 0xF6]  # scales_h, scales_l: ls of every high / low pattern
+    d = (2.0 ** rng.integers(-14, -4, size=(rows, cols // 256))).astype(np.float16)
+    raw[..., :2] = d.view(np.uint8).reshape(rows, -1, 2)
+    exact = raw.reshape(rows, -1)
+    assert held_type("IQ4_XS") == "IQ4_NL" and held_type("IQ4_XS", GPU_TYPES) == "Q8_0"
+    expected = gguf.quants.dequantize(exact, T.IQ4_XS).reshape(rows, cols)
+    nl = reencoded("IQ4_XS", exact)
+    assert nl.shape == (rows, cols // 32 * 18)
+    assert torch.equal(dequantize(torch.from_numpy(nl), "IQ4_NL", cols), torch.from_numpy(expected))
+    q8 = reencoded("IQ4_XS", exact, "Q8_0")
+    assert torch.equal(dequantize(torch.from_numpy(q8), "Q8_0", cols), torch.from_numpy(expected))
+    raw[..., :2] = (rng.standard_normal((rows, cols // 256)) * 0.01).astype(np.float16).view(np.uint8).reshape(
+        rows, -1, 2)
+    rounded = raw.reshape(rows, -1)
+    expected = gguf.quants.dequantize(rounded, T.IQ4_XS).reshape(rows, cols)
+    got = dequantize(torch.from_numpy(reencoded("IQ4_XS", rounded)), "IQ4_NL", cols).numpy()
+    assert (np.abs(got - expected) <= np.abs(expected) * 2.0 ** -11).all()  # each weight: its scale's rounding
+    assert not np.array_equal(got, expected)  # the rounding is there
+    raw[0, 0, :2] = np.array([60000.0], dtype=np.float16).view(np.uint8)
+    raw[0, 0, 2:8] = 0  # ls = 0: 60000 * -32
+    with pytest.raises(ValueError, match="exceeds float16's range"):
+        reencoded("IQ4_XS", raw.reshape(rows, -1))
 
 
 @pytest.mark.usefixtures("float32_products")
@@ -352,6 +385,29 @@ def test_an_iq4_nl_gguf_loads_packed(hf_dirs, tmp_path):  # noqa: F811
     down, v_proj = sources["model.layers.1.mlp.down_proj.weight"], sources["model.layers.0.self_attn.v_proj.weight"]
     assert (down.quant, v_proj.quant) == ("Q8_0", "Q4_0")
     assert torch.equal(down.dequantize(), dense.layers[1].mlp.down_proj.weight)
+
+
+@pytest.mark.usefixtures("float32_products")
+def test_an_iq4_xs_gguf_loads_packed_as_iq4_nl(hf_dirs, tmp_path):  # noqa: F811
+    """Every layer weight IQ4_XS (random super-blocks): on CPU held as IQ4_NL (the same
+    nibbles, each sub-block's scale d * (ls - 32) as an fp16: the fixture's d are powers
+    of two, so exactly) at 144 / 136 of the file's bytes, computing what the gguf
+    package's dequantization of the file computes; the CUDA plan holds them as Q8_0."""
+    path = write_gguf(hf_dirs("llama-256"), tmp_path / "iq4xs.gguf", T.Q8_0, k_quant_types=(T.IQ4_XS,))
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert types["blk.0.attn_q.weight"] == types["blk.1.ffn_down.weight"] == "IQ4_XS"
+    packed = load_model(path, torch.float32, CPU, 128)
+    kept = _packed(packed)
+    assert kept["layers.0.self_attn.qkv_proj"] == "IQ4_NL" and kept["layers.1.mlp.down_proj"] == "IQ4_NL"
+    down = packed.layers[1].mlp.down_proj
+    file_bytes = down.in_features * down.out_features // 256 * 136
+    assert down.weight.numel() == file_bytes * 144 // 136
+    dense = load_model(path, torch.float32, CPU, 128, dequantize=True)
+    for tokens in ([1, 5, 9, 200, 31], [7]):  # prefill and a decode-sized step
+        torch.testing.assert_close(_logits(packed, tokens), _logits(dense, tokens), atol=2e-4, rtol=1e-4)
+    with torch.device("meta"):
+        model = CausalLM(load_hf_config(path), 128)
+    assert packed_params(model, gguf_tensor_types(path), "cuda")["layers.1.mlp.down_proj.weight"] == "Q8_0"
 
 
 def test_the_engine_setting_dequantize_keeps_every_weight_dense(hf_dirs, tmp_path):  # noqa: F811

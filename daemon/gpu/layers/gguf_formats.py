@@ -22,7 +22,12 @@ ggml-common.h; cpu/cpu_quant_formats.h spells each out byte by byte):
 (nibbles of a 32-weight block: byte i holds weight i in its low four bits and weight
 i + 16 in its high four, as ggml packs them; IQ4_NL's index a table of 16 int8 values:
 IQ4_NL_VALUES). On CUDA, whose Triton kernels lack IQ4_NL, it is held as Q8_0,
-re-encoded at load without loss (HELD_AS, reencoded). `dequantize` (torch) is the
+re-encoded at load without loss (HELD_AS, reencoded). IQ4_XS (256 weights in 136 bytes:
+fp16 d, eight 6-bit sub-block scales ls, IQ4_NL's nibbles; a weight is d * (ls - 32) *
+table[q]) has no kernel of its own: each 32-weight sub-block is held as an IQ4_NL block
+of the same nibbles under d * (ls - 32) rounded to fp16 (within 2^-11 of the file's
+scale, far inside the format's own 4-bit error), 144 bytes per 256 weights where the
+file has 136. `dequantize` (torch) is the
 reference every kernel is tested against; it equals the gguf package's dequantization
 bit for bit (every scale product is exact in float32, so the one rounding is the same
 final add).
@@ -57,7 +62,10 @@ PACKED_TYPES = tuple(FORMATS)
 # IQ4_NL's 4-bit indices into a table of 16 int8 values become those values, a Q8_0
 # block under the same fp16 scale (d * IQ4_NL_VALUES[i] is Q8_0's d * q), at 34 bytes
 # per 32 weights where the file has 18.
-HELD_AS = {"IQ4_NL": "Q8_0"}
+HELD_AS = {"IQ4_NL": "Q8_0", "IQ4_XS": "IQ4_NL"}
+# IQ4_XS: its super-block's bytes (fp16 d, 16 high scale bits, 4 bytes of low scale
+# nibbles, 128 of nibbles) and weights.
+IQ4_XS_BYTES, IQ4_XS_BLOCK = 136, 256
 IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 
 
@@ -69,17 +77,29 @@ def row_bytes(quant: str, cols: int) -> int:
 
 def held_type(quant: str, kernel_types: Collection[str] = PACKED_TYPES) -> str:
     """The packed type a GGUF weight of type `quant` is held in where the kernels read
-    `kernel_types`: itself, or HELD_AS' where they lack it."""
-    return quant if quant in kernel_types else HELD_AS.get(quant, quant)
+    `kernel_types`: itself, or HELD_AS' (followed on) where they lack it."""
+    while quant not in kernel_types and quant in HELD_AS:
+        quant = HELD_AS[quant]
+    return quant
 
 
-def reencoded(quant: str, rows: np.ndarray) -> np.ndarray:
-    """Packed rows ([rows, row bytes] uint8) of a HELD_AS type in the type it is held in.
-    IQ4_NL -> Q8_0: each 18-byte block (fp16 d; 16 bytes of nibbles, byte i holding
+def reencoded(quant: str, rows: np.ndarray, held: str | None = None) -> np.ndarray:
+    """Packed rows ([rows, row bytes] uint8) of a HELD_AS type in type `held` (default:
+    HELD_AS[quant]; further along HELD_AS, one step after another)."""
+    if quant not in HELD_AS:
+        raise ValueError(f"{quant} is not re-encoded (held as another type: {', '.join(HELD_AS)})")
+    held = HELD_AS[quant] if held is None else held
+    while quant != held:
+        if quant not in HELD_AS:
+            raise ValueError(f"{quant} is not held as {held}")
+        rows, quant = _REENCODE[quant](rows), HELD_AS[quant]
+    return rows
+
+
+def _iq4_nl_as_q8_0(rows: np.ndarray) -> np.ndarray:
+    """IQ4_NL -> Q8_0: each 18-byte block (fp16 d; 16 bytes of nibbles, byte i holding
     weight i's index in its low four bits and weight i + 16's in its high four) becomes
     d and the 32 int8 table values, in weight order."""
-    if quant != "IQ4_NL":
-        raise ValueError(f"{quant} is not re-encoded (held as another type: {', '.join(HELD_AS)})")
     blocks = np.ascontiguousarray(rows).reshape(rows.shape[0], -1, 18)
     out = np.empty(blocks.shape[:2] + (34,), dtype=np.uint8)
     out[..., :2] = blocks[..., :2]
@@ -87,6 +107,33 @@ def reencoded(quant: str, rows: np.ndarray) -> np.ndarray:
     out[..., 2:18] = IQ4_NL_VALUES[nibbles & 0x0F].view(np.uint8)
     out[..., 18:] = IQ4_NL_VALUES[nibbles >> 4].view(np.uint8)
     return out.reshape(rows.shape[0], -1)
+
+
+def _iq4_xs_as_iq4_nl(rows: np.ndarray) -> np.ndarray:
+    """IQ4_XS -> IQ4_NL: sub-block j of a super-block (scale ls = the low nibble j % 2 of
+    scale byte j // 2, with bits 2j, 2j + 1 of scales_h on top; nibbles in bytes 16j..16j
+    + 15 of qs, packed as IQ4_NL's) becomes an IQ4_NL block of those nibbles under
+    d * (ls - 32), the product exact in float32 and rounded once to fp16. A product
+    beyond fp16's range (only a file with absurd scales) is refused."""
+    blocks = np.ascontiguousarray(rows).reshape(rows.shape[0], -1, IQ4_XS_BYTES)
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # [rows, supers, 1]
+    high = blocks[..., 2:4].copy().view(np.uint16).astype(np.int32)
+    low = blocks[..., 4:8].astype(np.int32)
+    j = np.arange(8)
+    ls = ((low[..., j // 2] >> (4 * (j % 2))) & 0xF) | (((high >> (2 * j)) & 3) << 4)  # [rows, supers, 8]
+    scale = d * (ls - 32).astype(np.float32)
+    with np.errstate(over="ignore"):
+        held = scale.astype(np.float16)
+    if not np.isfinite(held).all() and np.isfinite(scale).all():
+        raise ValueError(f"an IQ4_XS sub-block scale d * (ls - 32) = {float(np.abs(scale).max()):g} exceeds "
+                         f"float16's range: it cannot be held as IQ4_NL")
+    out = np.empty(blocks.shape[:2] + (8, 18), dtype=np.uint8)
+    out[..., :2] = held[..., None].view(np.uint8)
+    out[..., 2:] = blocks[..., 8:].reshape(*blocks.shape[:2], 8, 16)
+    return out.reshape(rows.shape[0], -1)
+
+
+_REENCODE: dict[str, Callable[[np.ndarray], np.ndarray]] = {"IQ4_NL": _iq4_nl_as_q8_0, "IQ4_XS": _iq4_xs_as_iq4_nl}
 
 
 def _f16(b: torch.Tensor, at: int) -> torch.Tensor:

@@ -267,7 +267,11 @@ def iter_gguf_weights(path: str | Path, config: Any,
         if hf_name in (packed or {}):
             rows, quant = g.tensor_data(t).reshape(shape[0], -1), t.tensor_type.name
             if packed[hf_name] != quant:  # re-encoded into the type it is held in (a copy, not the map)
-                source = PackedSource(packed[hf_name], _unpermuted(reencoded(quant, rows), name, spec, config), shape)
+                try:
+                    rows = reencoded(quant, rows, packed[hf_name])
+                except ValueError as exc:
+                    raise ValueError(f"{str(path)!r}: GGUF tensor {name!r} of type {quant}: {exc}") from None
+                source = PackedSource(packed[hf_name], _unpermuted(rows, name, spec, config), shape)
             else:
                 source = MappedPackedSource(quant, _unpermuted(rows, name, spec, config), shape)
             yield hf_name, source
