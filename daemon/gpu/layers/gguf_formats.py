@@ -58,14 +58,13 @@ FORMATS = {
 }
 PACKED_TYPES = tuple(FORMATS)
 # GGUF types a weight is held in as another packed type where the device's kernels lack
-# it (CUDA's Triton kernels lack IQ4_NL), re-encoded at load without loss (reencoded):
-# IQ4_NL's 4-bit indices into a table of 16 int8 values become those values, a Q8_0
-# block under the same fp16 scale (d * IQ4_NL_VALUES[i] is Q8_0's d * q), at 34 bytes
-# per 32 weights where the file has 18.
+# it, re-encoded at load (reencoded). IQ4_NL, on CUDA (its Triton kernels lack it),
+# without loss: its 4-bit indices into a table of 16 int8 values become those values, a
+# Q8_0 block under the same fp16 scale (d * IQ4_NL_VALUES[i] is Q8_0's d * q), at 34
+# bytes per 32 weights where the file has 18. IQ4_XS everywhere, as IQ4_NL blocks (module
+# doc: the one rounding of each sub-block's scale to fp16), and on CUDA on to Q8_0.
 HELD_AS = {"IQ4_NL": "Q8_0", "IQ4_XS": "IQ4_NL"}
-# IQ4_XS: its super-block's bytes (fp16 d, 16 high scale bits, 4 bytes of low scale
-# nibbles, 128 of nibbles) and weights.
-IQ4_XS_BYTES, IQ4_XS_BLOCK = 136, 256
+IQ4_XS_BYTES = 136  # an IQ4_XS super-block: fp16 d, 16 high scale bits, 4 bytes of low scale nibbles, 128 of nibbles
 IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 
 
