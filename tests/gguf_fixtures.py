@@ -32,8 +32,8 @@ _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight"
            "lm_head.weight": "output.weight"}
 # Byte offsets of the fp16 scales in one block of each K-quant (and of IQ4_NL / IQ4_XS, which the
 # gguf package cannot quantize either): every value of a block is linear in them.
-K_QUANT_SCALES = {getattr(T, q): SCALE_OFFSETS[q] for q in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")} | {
-    T.IQ4_NL: (0,), T.IQ4_XS: (0,)}
+K_QUANT_SCALES = {getattr(T, q): SCALE_OFFSETS[q] for q in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL")} | {
+    T.IQ4_XS: (0,)}  # IQ4_XS has no kernel of its own (not in SCALE_OFFSETS): its d leads the super-block
 
 
 def gguf_name(hf_name: str) -> str:

@@ -91,7 +91,7 @@ class KVScaleCollector:
 
 
 def _scalar(name: str, source: Any) -> float:
-    tensor = source[...] if hasattr(source, "get_shape") else source  # a safetensors slice: read it
+    tensor = source[...]  # a safetensors slice read whole (a 0-d one too)
     if tensor.numel() != 1:
         raise ValueError(f"K/V cache scale {name!r} has {tensor.numel()} values (llmd reads one per layer: "
                          "per-head scales are not implemented)")
