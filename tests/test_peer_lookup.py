@@ -358,16 +358,20 @@ def measure(model: str, workdir: Path, rounds: int = 3, *, daemon_args: tuple[st
         d.stop()
 
 
-# The target is 100 ms. The daemon, the burst's client and this reader share
-# two cores with whatever else runs there. The model gets one thread (--cpu-threads 1):
-# with both cores in its OpenMP team, any other busy process stalls its barriers, and a
-# plain busy loop beside the stream (no HTTP at all) already made 87-93 ms gaps here.
-# The bound is on the excess, the burst's largest gap beyond the largest gap of the same
-# stream alone just before and just after it, and on its median over three rounds, so
-# that one spike of someone else's load does not decide. The old code (a /proc/net/tcp
-# scan on the loop for every new connection) slowed the stream to a crawl for the
-# burst's whole length (0.6-1.0 s gaps, a 40 s burst).
-ALLOWANCE_S = 0.100
+# The target is 100 ms, and the figures in docs/benchmarks.md (the script's run,
+# on a quiet machine) show it met: 39-94 ms. This test is the regression guard, not the
+# measurement: the daemon, the burst's client and this reader share two cores with
+# whatever else runs there (in CI, another test file's daemon), and a plain busy loop
+# beside the stream (no HTTP at all) already made 87-93 ms gaps here; CI saw a 115 ms gap
+# with the fixed code. The model gets one thread (--cpu-threads 1): with both cores in its
+# OpenMP team, any other busy process stalls its barriers. The bound is on the excess, the
+# burst's largest gap beyond the largest gap of the same stream alone just before and just
+# after it, and on its median over three rounds, so that one spike of someone else's load
+# does not decide. The old code (a /proc/net/tcp scan on the loop for every new
+# connection) slowed the stream to a crawl for the burst's whole length: 0.6-1.0 s gaps,
+# a 21-40 s burst where the fixed code's takes 0.8-2.8 s. Both bounds sit between.
+ALLOWANCE_S = 0.250
+BURST_ALLOWANCE_S = 10.0
 TEST_DAEMON_ARGS = ("--cpu-threads", "1")
 
 
@@ -381,6 +385,7 @@ def test_health_burst_does_not_stall_a_streaming_socket_client(tmp_path):
     assert all(r["burst_ok"] == BURST_REQUESTS for r in rounds), rounds
     assert all(r["during_outputs"] >= 5 for r in rounds), rounds  # the stream really ran beside the burst
     assert statistics.median(r["excess_s"] for r in rounds) < ALLOWANCE_S, figures
+    assert statistics.median(r["burst_s"] for r in rounds) < BURST_ALLOWANCE_S, figures
 
 
 if __name__ == "__main__":
