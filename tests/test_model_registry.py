@@ -222,8 +222,10 @@ def test_the_estimate_is_the_weights_on_disk_plus_the_kv_setting(tiny_llama):
 
 
 def test_a_gguf_estimate_reads_its_header(tmp_path, tiny_llama):
-    """A GGUF file's shape comes from its header: packed on CPU and CUDA on one rank,
-    dequantized when asked or split by tensor parallelism."""
+    """A GGUF file's shape comes from its header: packed on CPU and CUDA on one rank (its
+    Q8_0 tensors as stored, its F32 norms at the run dtype: float32 on CPU, bfloat16 on
+    CUDA), dequantized when asked or split by tensor parallelism. (tests/test_gguf_packed:
+    the estimate against what a loaded model holds, types held as others included.)"""
     import gguf
 
     from gguf_fixtures import write_gguf
@@ -233,11 +235,15 @@ def test_a_gguf_estimate_reads_its_header(tmp_path, tiny_llama):
     hf, packed = read_shape(str(tiny_llama)), read_shape(str(path))
     assert packed.gguf and packed.kv_elements_per_token == hf.kv_elements_per_token
     assert packed.weights_bytes == path.stat().st_size < hf.weights_bytes
+    tensors = gguf.GGUFReader(path).tensors
+    q8_bytes = sum(int(t.n_bytes) for t in tensors if t.tensor_type.name == "Q8_0")
+    f32 = sum(int(t.n_elements) for t in tensors if t.tensor_type.name == "F32")
+    assert q8_bytes and f32 and {t.tensor_type.name for t in tensors} == {"Q8_0", "F32"}
     engine = EngineConfig(model=str(path), kv_cache_memory_bytes=1000)
-    assert estimate_need(engine, packed, "cpu", available_ram=0) == {"cpu": path.stat().st_size + 1000}
+    assert estimate_need(engine, packed, "cpu", available_ram=0) == {"cpu": q8_bytes + 4 * f32 + 1000}
     dequantized = estimate_need(msgspec.structs.replace(engine, dequantize=True), packed, "cpu", available_ram=0)
     assert dequantized == {"cpu": packed.num_params * 4 + 1000}
-    assert estimate_need(engine, packed, "cuda", available_ram=0) == {"cuda:0": path.stat().st_size + 1000}
+    assert estimate_need(engine, packed, "cuda", available_ram=0) == {"cuda:0": q8_bytes + 2 * f32 + 1000}
     tp2 = estimate_need(msgspec.structs.replace(engine, tensor_parallel_size=2), packed, "cuda", available_ram=0)
     assert tp2 == {f"cuda:{r}": packed.num_params * 2 // 2 + 500 for r in (0, 1)}  # bf16, each rank half
 

@@ -1,7 +1,9 @@
 """How much memory a model takes, per device, for the budget: before it loads, an
-estimate from its files (the weights' size on disk where they stay packed: a GGUF's
-or an AWQ/GPTQ/FP8 checkpoint's on CPU; else their element count at the run dtype)
-plus its KV pool as the engine settings size it;
+estimate from its files (where they stay packed, an AWQ/GPTQ/FP8 checkpoint's size on
+disk, and a GGUF's tensors as the device holds them: each packed one in its own blocks
+or those of the type the device holds it as, each dense one at the run dtype; else
+every weight's element count at the run dtype) plus its KV pool as the engine settings
+size it;
 once loaded, what it holds (weights and KV pool as the executor reports them).
 Reading a model's shape touches its files (config.json, safetensors sizes and, for a
 quantized checkpoint, headers; a GGUF header) but no torch; the sums are plain
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmd.config import KV_CACHE_FLOATS, EngineConfig
+from llmd.gpu.layers.gguf_types import DENSE_TYPES, held_bytes
 from llmd.gpu.layers.quant.scheme import config_scheme, weights_per_element
 
 CPU_KV_DEFAULT_CAP = 4 << 30  # as llmd.engine_setup sizes a CPU KV pool with no setting
@@ -32,6 +35,11 @@ class ModelShape:
     checkpoint_dtype: str | None
     gguf: bool
     quantized: bool = False  # an AWQ/GPTQ/FP8 safetensors checkpoint (kept packed on CPU, as a GGUF's)
+    # A GGUF's weights kept packed: its packed tensors' bytes as each device type holds
+    # them (gguf_types.held_bytes), and the elements of its dense ones (F32, F16, BF16:
+    # held at the run dtype).
+    gguf_packed_bytes: dict[str, int] | None = None
+    gguf_dense_elements: int = 0
 
 
 def read_shape(path: str) -> ModelShape:
@@ -93,9 +101,15 @@ def _gguf_shape(p: Path) -> ModelShape:
         kv_heads = int(max(kv_heads))
     head_dim = get(f"{arch}.attention.key_length") or get(f"{arch}.embedding_length") // heads
     layers = get(f"{arch}.block_count")
-    return ModelShape(weights_bytes=p.stat().st_size, num_params=sum(t.n_elements for t in reader.tensors.values()),
+    tensors = reader.tensors.values()
+    dense = [t for t in tensors if t.tensor_type.name in DENSE_TYPES]
+    packed = [t for t in tensors if t.tensor_type.name not in DENSE_TYPES]
+    return ModelShape(weights_bytes=p.stat().st_size, num_params=sum(t.n_elements for t in tensors),
                       kv_elements_per_token=2 * layers * kv_heads * head_dim,
-                      max_position=get(f"{arch}.context_length", 2048), checkpoint_dtype=None, gguf=True)
+                      max_position=get(f"{arch}.context_length", 2048), checkpoint_dtype=None, gguf=True,
+                      gguf_packed_bytes={device: sum(held_bytes(t.tensor_type.name, t.n_elements, device)
+                                                     for t in packed) for device in ("cpu", "cuda")},
+                      gguf_dense_elements=sum(t.n_elements for t in dense))
 
 
 def run_dtype_bytes(engine: EngineConfig, device_type: str, checkpoint_dtype: str | None) -> int:
@@ -117,7 +131,12 @@ def estimate_need(engine: EngineConfig, shape: ModelShape, device_type: str, *, 
     # on CPU and CUDA (unless dequantize); every other weight is held at the run dtype.
     packed = ((shape.quantized or (shape.gguf and engine.tensor_parallel_size == 1))
               and device_type in ("cpu", "cuda") and not engine.dequantize)
-    weights = shape.weights_bytes if packed else shape.num_params * element
+    if not packed:
+        weights = shape.num_params * element
+    elif shape.gguf_packed_bytes is not None:
+        weights = shape.gguf_packed_bytes[device_type] + shape.gguf_dense_elements * element
+    else:
+        weights = shape.weights_bytes
     tp = engine.tensor_parallel_size
     kv = kv_pool_bytes(engine, shape, device_type, kv_element_bytes(engine.kv_cache_dtype, element), available_ram)
     if device_type == "cpu":

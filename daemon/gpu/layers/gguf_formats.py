@@ -22,7 +22,7 @@ ggml-common.h; cpu/cpu_quant_formats.h spells each out byte by byte):
 (nibbles of a 32-weight block: byte i holds weight i in its low four bits and weight
 i + 16 in its high four, as ggml packs them; IQ4_NL's index a table of 16 int8 values:
 IQ4_NL_VALUES). On CUDA, whose Triton kernels lack IQ4_NL, it is held as Q8_0,
-re-encoded at load without loss (HELD_AS, reencoded). IQ4_XS (256 weights in 136 bytes:
+re-encoded at load without loss (gguf_types.HELD_AS, reencoded). IQ4_XS (256 weights in 136 bytes:
 fp16 d, eight 6-bit sub-block scales ls, IQ4_NL's nibbles; a weight is d * (ls - 32) *
 table[q]) has no kernel of its own: each 32-weight sub-block is held as an IQ4_NL block
 of the same nibbles under d * (ls - 32) rounded to fp16 (within 2^-11 of the file's
@@ -34,11 +34,13 @@ final add).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from llmd.gpu.layers.gguf_types import CPU_TYPES, HELD_AS, held_type  # noqa: F401  (held_type: re-exported)
 
 
 @dataclass(frozen=True)
@@ -57,13 +59,7 @@ FORMATS = {
     "Q5_K": Format(8, 256, 176), "Q6_K": Format(9, 256, 210), "IQ4_NL": Format(10, 32, 18),
 }
 PACKED_TYPES = tuple(FORMATS)
-# GGUF types a weight is held in as another packed type where the device's kernels lack
-# it, re-encoded at load (reencoded). IQ4_NL, on CUDA (its Triton kernels lack it),
-# without loss: its 4-bit indices into a table of 16 int8 values become those values, a
-# Q8_0 block under the same fp16 scale (d * IQ4_NL_VALUES[i] is Q8_0's d * q), at 34
-# bytes per 32 weights where the file has 18. IQ4_XS everywhere, as IQ4_NL blocks (module
-# doc: the one rounding of each sub-block's scale to fp16), and on CUDA on to Q8_0.
-HELD_AS = {"IQ4_NL": "Q8_0", "IQ4_XS": "IQ4_NL"}
+assert PACKED_TYPES == CPU_TYPES, "gguf_types.CPU_TYPES names what these kernels read"
 IQ4_XS_BYTES = 136  # an IQ4_XS super-block: fp16 d, 16 high scale bits, 4 bytes of low scale nibbles, 128 of nibbles
 IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 
@@ -72,14 +68,6 @@ def row_bytes(quant: str, cols: int) -> int:
     """Bytes of one packed row of `cols` weights."""
     f = FORMATS[quant]
     return cols // f.block * f.block_bytes
-
-
-def held_type(quant: str, kernel_types: Collection[str] = PACKED_TYPES) -> str:
-    """The packed type a GGUF weight of type `quant` is held in where the kernels read
-    `kernel_types`: itself, or HELD_AS' (followed on) where they lack it."""
-    while quant not in kernel_types and quant in HELD_AS:
-        quant = HELD_AS[quant]
-    return quant
 
 
 def reencoded(quant: str, rows: np.ndarray, held: str | None = None) -> np.ndarray:

@@ -16,10 +16,10 @@ from torch import nn
 from llmd.gpu.layers.cpu.cpu_decode_layers import attach_decode_layers
 from llmd.gpu.layers.cpu.cpu_kernels import attach_cpu_kernels, attach_gguf_kernels
 from llmd.gpu.layers.cpu.cpu_linear import pack_linears
-from llmd.gpu.layers.gguf_formats import FORMATS, PACKED_TYPES, held_type
+from llmd.gpu.layers.gguf_formats import FORMATS, PACKED_TYPES
 from llmd.gpu.layers.gguf_quant import PackedSource
 from llmd.gpu.layers.linear import Shard, WeightLoading
-from llmd.gpu.layers.quant.gguf_planes import GPU_TYPES
+from llmd.gpu.layers.gguf_types import DENSE_TYPES, GPU_TYPES, held_type, kernel_types
 from llmd.gpu.layers.quant.scheme import quant_scheme
 from llmd.gpu.models.architectures import get_architecture
 from llmd.gpu.models.checkpoint_kv_scales import KVScaleCollector, kv_scale_target
@@ -197,8 +197,6 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, Any]]) -> None:
 
 # Devices a GGUF's quantized weights stay packed on (C++ kernels on the CPU, Triton on CUDA).
 PACKED_DEVICES = ("cpu", "cuda")
-# GGUF types a model keeps as they are (dense): everything else runs packed or is refused.
-DENSE_TYPES = ("F32", "F16", "BF16")
 
 
 def packed_params(model: CausalLM, types: dict[str, tuple[str, str]],
@@ -207,7 +205,7 @@ def packed_params(model: CausalLM, types: dict[str, tuple[str, str]],
     name -> (GGUF name, type name)), each kept packed: a linear layer's or the
     vocabulary's weight, rows a whole number of its type's blocks (gguf_formats.FORMATS);
     a fused projection whose parts differ in type maps to {part: type}; a type held as
-    another on this device (gguf_formats.HELD_AS: IQ4_NL as Q8_0 on CUDA, re-encoded
+    another on this device (gguf_types.HELD_AS: IQ4_NL as Q8_0 on CUDA, re-encoded
     without loss; IQ4_XS as IQ4_NL) maps to that one. A quantized tensor that cannot stay
     packed (a type without a kernel, rows its blocks do not fit, a parameter that takes no
     packed weight, a fused projection mixing it with a dense part) is a ValueError naming it:
@@ -231,7 +229,7 @@ def packed_params(model: CausalLM, types: dict[str, tuple[str, str]],
             if reason is not None:
                 raise ValueError(f"GGUF tensor {files[param][shard]!r} of type {quant} cannot stay packed: {reason}; "
                                  f"dequantize=True (--dequantize) loads it dequantized")
-        held = {shard: held_type(quant, _kernel_types(device_type)) for shard, quant in shards.items()}
+        held = {shard: held_type(quant, kernel_types(device_type)) for shard, quant in shards.items()}
         quants = set(held.values())
         plan[param] = quants.pop() if len(quants) == 1 else held
     return plan
@@ -244,7 +242,7 @@ def _unpackable(layer: Any, attr: str, quant: str, shards: dict[Shard, str], dev
         return "its parameter takes no packed weight"
     if any(q in DENSE_TYPES for q in shards.values()):
         return "its fused projection mixes dense and quantized parts"
-    held = held_type(quant, _kernel_types(device_type))
+    held = held_type(quant, kernel_types(device_type))
     if held not in FORMATS:
         return f"llmd has no kernel for {quant} (packed types: {', '.join(PACKED_TYPES)})"
     if device_type == "cuda" and held not in GPU_TYPES:
@@ -255,11 +253,6 @@ def _unpackable(layer: Any, attr: str, quant: str, shards: dict[Shard, str], dev
     if set(shards) != set(layer.shards(attr)) and set(shards) != {None}:
         return f"its projection has parts {tuple(layer.shards(attr))}, the file gives {tuple(shards)}"
     return None
-
-
-def _kernel_types(device_type: str) -> tuple[str, ...]:
-    """The packed types the kernels of a device read."""
-    return GPU_TYPES if device_type == "cuda" else PACKED_TYPES
 
 
 def _targets(model: CausalLM, names: Iterable[str]) -> list[tuple[str, tuple[str, Shard]]]:

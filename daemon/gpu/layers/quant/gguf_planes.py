@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from llmd.gpu.layers import gguf_types
 from llmd.gpu.layers.gguf_quant import FORMATS, PackedPart, part_weight
 
 # Each type's fields as (name, first byte, end byte) within one block (ggml-common.h;
@@ -41,6 +42,7 @@ FIELDS: dict[str, tuple[tuple[str, int, int], ...]] = {
     "Q6_K": (("qs", 0, 128), ("qh", 128, 192), ("sc", 192, 208), ("d", 208, 210)),
 }
 GPU_TYPES = tuple(FIELDS)
+assert GPU_TYPES == gguf_types.GPU_TYPES, "gguf_types.GPU_TYPES names what these kernels read"
 # How a plane's bytes are read: fp16 scales, signed 8-bit values (Q8_0) and sub-scales (Q6_K).
 _VIEW_DTYPES = {"d": torch.float16, "m": torch.float16}
 _SIGNED = {("Q8_0", "qs"), ("Q6_K", "sc")}

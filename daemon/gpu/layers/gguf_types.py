@@ -1,0 +1,53 @@
+"""Which GGUF tensor types llmd keeps packed on each device, which it holds as another
+packed type there, and what a tensor then takes in memory: names and sizes only, no
+torch, so that the model pool's estimate (llmd.pool.estimate), which runs in the daemon
+before any model loads, counts a GGUF's weights as the loader will hold them.
+
+The types' layouts and kernels live elsewhere (gguf_formats: the CPU kernels' table and
+the re-encodings; quant/gguf_planes: the CUDA kernels' planes); each of those modules
+checks at import that its type list is the one named here.
+"""
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+# What the CPU kernels read (gguf_formats.FORMATS) and the CUDA ones (gguf_planes.FIELDS).
+CPU_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL")
+GPU_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+# GGUF types a model keeps as they are (dense, at the run dtype): everything else runs
+# packed or is refused.
+DENSE_TYPES = ("F32", "F16", "BF16")
+# GGUF types a weight is held in as another packed type where the device's kernels lack
+# it, re-encoded at load (gguf_formats.reencoded). IQ4_NL, on CUDA (its Triton kernels
+# lack it), without loss: its 4-bit indices into a table of 16 int8 values become those
+# values, a Q8_0 block under the same fp16 scale, at 34 bytes per 32 weights where the
+# file has 18. IQ4_XS everywhere, as IQ4_NL blocks (gguf_formats' doc: the one rounding
+# of each sub-block's scale to fp16), and on CUDA on to Q8_0.
+HELD_AS = {"IQ4_NL": "Q8_0", "IQ4_XS": "IQ4_NL"}
+
+
+def kernel_types(device_type: str) -> tuple[str, ...]:
+    """The packed types the kernels of a device read."""
+    return GPU_TYPES if device_type == "cuda" else CPU_TYPES
+
+
+def held_type(quant: str, kernel_types: Collection[str] = CPU_TYPES) -> str:
+    """The packed type a GGUF weight of type `quant` is held in where the kernels read
+    `kernel_types`: itself, or HELD_AS' (followed on) where they lack it."""
+    while quant not in kernel_types and quant in HELD_AS:
+        quant = HELD_AS[quant]
+    return quant
+
+
+def held_bytes(quant: str, elements: int, device_type: str) -> int:
+    """Bytes of a packed tensor of type `quant` and `elements` weights as a device holds
+    it: its own blocks, or those of the type it is held as (ValueError for a type that
+    gguf does not know; a type no kernel reads is refused at load, and counted here at its
+    own size)."""
+    try:
+        block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[held_type(quant, kernel_types(device_type))]]
+    except KeyError:
+        raise ValueError(f"GGUF type {quant!r} is unknown") from None
+    return elements // block * block_bytes
