@@ -79,6 +79,9 @@ class ModelStatus(msgspec.Struct, kw_only=True):
     # a narrower float ("float16") or a quantized format ("fp8_e4m3", "int8": the engine
     # setting kv_cache_dtype).
     kv_cache_dtype: str = ""
+    # Where a quantized cache's per-layer scales come from while loaded: "checkpoint" (the
+    # model's own), "calibrated" (a prefill at start); "" for a float cache.
+    kv_cache_scales: str = ""
     keep_alive_s: float | None = None  # how long it stays once idle (None: for ever)
     expires_at: float | None = None  # Unix time it will be unloaded (idle, with a finite keep_alive)
     last_used: float | None = None  # Unix time its last request ended (None: never used)
@@ -100,6 +103,7 @@ class StatusReply(msgspec.Struct, tag="status_reply", kw_only=True):
     kv_usage: float
     prefix_cache_hit_rate: float
     kv_cache_dtype: str = ""  # the default model's (ModelStatus.kv_cache_dtype)
+    kv_cache_scales: str = ""  # the default model's (ModelStatus.kv_cache_scales)
     generation_tokens_per_s: float
     prompt_tokens_total: int
     generation_tokens_total: int

@@ -19,6 +19,7 @@ def format_status(s: StatusReply) -> str:
         f"requests     {s.num_running} running, {s.num_waiting} waiting, {s.requests_finished_total} finished",
         f"kv cache     {s.kv_blocks_used} / {s.kv_blocks_total} blocks ({s.kv_usage:.1%})"
         + (f", {s.kv_cache_dtype}" if s.kv_cache_dtype else "")
+        + (f" ({s.kv_cache_scales} scales)" if s.kv_cache_scales else "")
         + (f"; {_bytes(s.memory.kv_cache_used)} of {_bytes(s.memory.kv_cache)}" if s.memory is not None else ""),
         f"prefix hits  {s.prefix_cache_hit_rate:.1%}",
         f"throughput   {s.generation_tokens_per_s:.1f} tokens/s; {s.prompt_tokens_total} prompt and "

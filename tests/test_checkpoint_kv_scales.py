@@ -70,11 +70,22 @@ def run(path: Path, kv: str) -> LLM:
 @pytest.mark.parametrize("naming", list(CASES))
 def test_a_quantized_cache_takes_the_checkpoints_scales(checkpoint, naming, kv):
     path = checkpoint(naming)
-    runner = run(path, kv).engine.executor.runner
+    engine = run(path, kv).engine
+    runner = engine.executor.runner
+    assert engine.kv_cache_scales == "checkpoint"  # what llmctl status shows beside the format
     expected = [x * 448.0 / QMAX[kv] for pair in file_scales(path) for x in pair]
     got = [x for s in runner.kv_scales for x in (s.k, s.v)]
     assert got == pytest.approx(expected, rel=1e-6)
     assert len(set(got[::2])) > 1  # the layers' own, not one value for all
+
+
+def test_a_worker_process_reports_where_its_scales_come_from(checkpoint):
+    """With the model in a worker process the engine learns the scales' source from it."""
+    llm = LLM(model=str(checkpoint("self_attn")), kv_cache_dtype="fp8", distributed_executor_backend="mp", **SETTINGS)
+    try:
+        assert llm.engine.kv_cache_scales == "checkpoint" and llm.engine.executor.worker_pids()
+    finally:
+        llm.engine.shutdown()
 
 
 def test_the_cache_stores_k_and_v_rounded_at_the_checkpoints_scales(checkpoint):
@@ -91,8 +102,9 @@ def test_the_cache_stores_k_and_v_rounded_at_the_checkpoints_scales(checkpoint):
 
 def test_a_float_cache_leaves_the_scales_alone(checkpoint):
     path = checkpoint("self_attn")
-    runner = run(path, "auto").engine.executor.runner
-    assert runner.kv_scales is None and runner.model.kv_amax is not None
+    engine = run(path, "auto").engine
+    runner = engine.executor.runner
+    assert runner.kv_scales is None and runner.model.kv_amax is not None and engine.kv_cache_scales == ""
     assert all(layer.self_attn.attn.kv_scales.k == 1.0 for layer in runner.model.layers)
 
 

@@ -305,7 +305,9 @@ def test_speculative_decoding_verifies_over_a_quantized_cache(runs) -> None:
 
 def test_the_daemon_takes_the_flag_and_status_shows_the_format(tiny_llama, tmp_path) -> None:
     """`llmd serve --kv-cache-dtype fp8`: the status reply and `llmctl status` say what
-    the cache stores; a bad value stops the daemon with the field's name."""
+    the cache stores and where its scales come from (this checkpoint has none of its own:
+    calibrated; tests/test_checkpoint_kv_scales: "checkpoint"); a bad value stops the
+    daemon with the field's name."""
     from daemon_util import Daemon, RawConn
 
     from llmd_client.llmctl import format_status
@@ -318,7 +320,8 @@ def test_the_daemon_takes_the_flag_and_status_shows_the_format(tiny_llama, tmp_p
             reply = conn.recv()
         assert reply["kv_cache_dtype"] == "fp8_e4m3"
         assert reply["models"][0]["kv_cache_dtype"] == "fp8_e4m3"
-        assert "blocks (0.0%), fp8_e4m3" in format_status(msgspec.convert(reply, StatusReply))
+        assert reply["kv_cache_scales"] == reply["models"][0]["kv_cache_scales"] == "calibrated"
+        assert "blocks (0.0%), fp8_e4m3 (calibrated scales)" in format_status(msgspec.convert(reply, StatusReply))
     finally:
         assert d.stop() == 0, d.log.read_text()
     bad = Daemon(str(tiny_llama), tmp_path / "bad.sock", "--kv-cache-dtype", "fp4")

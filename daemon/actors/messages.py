@@ -137,6 +137,7 @@ class ModelLoaded(msgspec.Struct, kw_only=True):
     dtype: str
     kv_blocks_total: int
     kv_cache_dtype: str = ""  # its KV cache's elements (LLMEngine.kv_cache_dtype)
+    kv_cache_scales: str = ""  # where a quantized cache's scales come from (LLMEngine.kv_cache_scales)
     memory: Any = None  # () -> llmd.engine.ModelMemory
     load_seconds: float = 0.0
 

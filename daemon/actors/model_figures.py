@@ -79,6 +79,7 @@ class ModelFigures:
         self.dtype = ""
         self.kv_blocks_total = 0
         self.kv_cache_dtype = ""
+        self.kv_cache_scales = ""
         self.memory: Callable[[], ModelMemory] | None = None
         self.last_step: StepStats | None = None
         self.totals = Totals()
@@ -125,7 +126,7 @@ class ModelFigures:
     def loaded_as(self, message: ModelLoaded) -> None:
         self.loaded, self.device, self.dtype = True, message.device, message.dtype
         self.kv_blocks_total, self.memory = message.kv_blocks_total, message.memory
-        self.kv_cache_dtype = message.kv_cache_dtype
+        self.kv_cache_dtype, self.kv_cache_scales = message.kv_cache_dtype, message.kv_cache_scales
         self.engine = EngineState("serving", model=self.name)
         self.last_step, self.sleep_level = None, None
         self.loads += 1

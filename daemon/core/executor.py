@@ -43,6 +43,10 @@ class Executor(Protocol):
         """The weights' bytes on all ranks, by how they are kept: a packed GGUF type,
         a dense dtype, "onednn" for CPU linears' reordered copies."""
 
+    def kv_scale_source(self) -> str:
+        """Where a quantized KV cache's scales come from: "checkpoint" or "calibrated";
+        "" for a float cache."""
+
     def worker_pids(self) -> list[int]:
         """The worker processes holding the model (none when it is in this process)."""
 

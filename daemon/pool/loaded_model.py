@@ -78,7 +78,7 @@ class LoadedModel:
         detokenizer.scheduler = scheduler
         metrics.send(ModelLoaded(model=spec.name, device=str(engine.device),
                                  dtype=str(engine.dtype).removeprefix("torch."), kv_blocks_total=engine.num_blocks,
-                                 kv_cache_dtype=engine.kv_cache_dtype,
+                                 kv_cache_dtype=engine.kv_cache_dtype, kv_cache_scales=engine.kv_cache_scales,
                                  memory=_weak_memory(engine), load_seconds=time.monotonic() - started))
         return cls(spec, engine, served, scheduler, detokenizer, thread, metrics)
 

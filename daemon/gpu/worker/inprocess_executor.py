@@ -26,6 +26,9 @@ class InProcessExecutor:
     def weight_bytes(self) -> dict[str, int]:
         return dict(self._weight_bytes)
 
+    def kv_scale_source(self) -> str:
+        return self.runner.kv_scale_source()
+
     def worker_pids(self) -> list[int]:
         """None: the model is in this process (its memory is this process's)."""
         return []

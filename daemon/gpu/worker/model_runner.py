@@ -108,6 +108,13 @@ class ModelRunner:
         self.sampling = SamplingStep(self.model, self.sampler, settings, self.drafter, self.rank, self.world_size)
         self.pooling = PoolingStep(settings.pooling_type)
 
+    def kv_scale_source(self) -> str:
+        """Where a quantized KV cache's scales come from: "checkpoint" (its own per-layer
+        scales), "calibrated" (a prefill at start, kv_calibration); "" for a float cache."""
+        if self.kv_format is None:
+            return ""
+        return "checkpoint" if getattr(self.model, "kv_amax", None) is not None else "calibrated"
+
     def weight_bytes(self) -> dict[str, int]:
         """This rank's weight bytes by how they are kept (memory_profile.weight_storage),
         the draft model's included."""

@@ -126,6 +126,7 @@ class MultiprocExecutor:
         for message in ready:
             for kind, n in message.weight_bytes.items():
                 self._weight_bytes[kind] = self._weight_bytes.get(kind, 0) + n
+        self._kv_scales = ready[0].kv_scales  # every rank's source is the same
         self.pids = [p.pid for p in self.procs]
 
     def _recv(self, rank: int, timeout: float | None) -> object:
@@ -258,6 +259,10 @@ class MultiprocExecutor:
     def weight_bytes(self) -> dict[str, int]:
         """Every rank's weight bytes, by how they are kept (summed over ranks)."""
         return dict(self._weight_bytes)
+
+    def kv_scale_source(self) -> str:
+        """Where the quantized KV cache's scales come from (ModelRunner.kv_scale_source)."""
+        return self._kv_scales
 
     def worker_pids(self) -> list[int]:
         return list(self.pids)

@@ -41,6 +41,7 @@ class WorkerReady(msgspec.Struct, tag="ready"):
     bytes_per_block: int
     pid: int
     weight_bytes: dict[str, int] = {}  # this rank's, by how they are kept (ModelRunner.weight_bytes)
+    kv_scales: str = ""  # ModelRunner.kv_scale_source
 
 
 class WorkerFailed(msgspec.Struct, tag="failed"):
@@ -169,7 +170,7 @@ def worker_main(conn) -> None:
         runner = ModelRunner(init.model_dir, RunnerSettings(**init.settings), device, dtype,
                              init.rank, init.world_size)
         conn.send_bytes(encoder.encode(WorkerReady(runner.kv_cache_bytes_per_block(), os.getpid(),
-                                                   runner.weight_bytes())))
+                                                   runner.weight_bytes(), runner.kv_scale_source())))
     except Exception as exc:  # start-up errors go back as a message, not a child traceback
         conn.send_bytes(encoder.encode(WorkerFailed(f"{type(exc).__name__}: {exc}")))
         return
