@@ -296,7 +296,7 @@ def recipe_key(name: str) -> str:
     """Hash of everything that determines fixture `name`'s files."""
     if name not in GGUF_FIXTURES:
         raise KeyError(f"unknown GGUF fixture {name!r}; known: {sorted(GGUF_FIXTURES)}")
-    sources = [Path(make_model.__file__), Path(__file__), converter_path()]
+    sources = [*make_model.builder_sources(), Path(__file__), converter_path()]
     return make_model._hash({
         "recipe": GGUF_FIXTURES[name],
         "sources": [hashlib.sha256(p.read_bytes()).hexdigest() for p in sources],

@@ -5,7 +5,8 @@ These random-weight models are fixtures with known, reproducible properties:
 
 * a **byte-level BPE tokenizer** trained (deterministically, in well under a second)
   with the ``tokenizers`` library on Python's stdlib sources plus a short
-  multilingual snippet, saved through transformers with a ChatML chat template;
+  multilingual snippet, saved through transformers with a ChatML chat template
+  (tools/fixture_tokenizer.py; the cache they are built into: tools/fixture_cache.py);
 * **random-weight models** built from transformers' own config / ``*ForCausalLM``
   classes (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text, Phi-3, and the
   mixture-of-experts Qwen3-MoE, Qwen2-MoE and Mixtral), saved as float32 safetensors
@@ -71,51 +72,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
-import hashlib
 import json
 import math
-import os
 import re
 import shutil
 import sys
-import sysconfig
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-# Bump when the build recipe changes in a way the hashed fields below would not notice.
-RECIPE_VERSION = 1
-
-BOS, EOS, PAD, IM_START, IM_END = "<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>"
-SPECIAL_TOKENS = [BOS, EOS, PAD, IM_START, IM_END]  # ids 0..4, in this order
-
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-
-# Training corpus: stdlib *.py (sorted) up to this many characters, plus the snippet.
-CORPUS_CHAR_CAP = 3_000_000
-SNIPPET_REPEATS = 300
-
-# Repeated SNIPPET_REPEATS times (~10% of the corpus) so that even the 1024-token vocab
-# gets some merges for these scripts (with 20 repeats it got none for CJK); any other
-# text is still covered byte by byte (byte-level BPE with the full 256-byte alphabet).
-MULTILINGUAL_SNIPPET = """\
-Héllo wörld! Ça va? Façade, naïve, crème brûlée, jalapeño, Ångström, Øresund, Łódź.
-¿Dónde está la biblioteca? Größe, Straße, schön, über. Été, hiver, àèìòù, âêîôû.
-你好，世界！今天天气很好。我们一起学习机器学习和自然语言处理。中文文本测试。
-こんにちは、世界。日本語のテキストです。ありがとうございます。東京は晴れです。
-안녕하세요, 세계! 한국어 텍스트입니다. 감사합니다.
-Привет, мир! Это тест на русском языке. Спасибо.
-Γειά σου Κόσμε! مرحبا بالعالم! שלום עולם! नमस्ते दुनिया!
-Emoji: 😀 😂 🚀 🎉 👍 ❤️ 🔥 ✨ 🤖 🐍 🌍 👩‍💻 🇯🇵 ⭐ ✅ ❌ →  ← ∑ ∞ ≈ ≠ ≤ ≥ µ °C €100 £5 ¥300
-"""
+from llmd_tools import fixture_cache, fixture_tokenizer
+from llmd_tools.fixture_cache import (RECIPE_VERSION, _build_atomically, _hash, _versions,  # noqa: F401
+                                      default_cache_dir, source_hash)
+from llmd_tools.fixture_tokenizer import (ARCH_TOKENIZER_FLAVOUR, BOS, EOS, IM_END, IM_START, PAD,  # noqa: F401
+                                          SPECIAL_TOKENS, TOKENIZER_FLAVOURS, _corpus_hash, build_tokenizer,
+                                          special_token_ids)
 
 # ---------------------------------------------------------------------------------------
 # presets
@@ -269,239 +240,6 @@ FIXTURES: dict[str, dict[str, Any]] = {
     "small-qwen3-active": dict(arch="qwen3", preset="small", intermediate_size=352),
 }
 DEMO_FIXTURE = "small-llama"
-
-
-# ---------------------------------------------------------------------------------------
-# helpers
-# ---------------------------------------------------------------------------------------
-
-
-def _repo_root() -> Path | None:
-    root = Path(__file__).resolve().parent.parent
-    if (root / "pyproject.toml").is_file() and (root / "tools").is_dir() and (root / "daemon").is_dir():
-        return root
-    return None
-
-
-def default_cache_dir() -> Path:
-    """``$LLMD_FIXTURE_CACHE``, else ``<repo>/.cache/fixtures``, else ``~/.cache/llmd/fixtures``."""
-    env = os.environ.get("LLMD_FIXTURE_CACHE")
-    if env:
-        return Path(env).expanduser()
-    root = _repo_root()
-    if root is not None:
-        return root / ".cache" / "fixtures"
-    return Path.home() / ".cache" / "llmd" / "fixtures"
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as fh:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
-
-
-def _build_atomically(final: Path, build_fn) -> Path:
-    """Run ``build_fn(tmp_dir)`` and rename tmp_dir to ``final``; under a file lock, so
-    concurrent processes build once and never see a half-written directory."""
-    if final.is_dir():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(final.parent / f".{final.name}.lock"):
-        if final.is_dir():
-            return final
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
-        try:
-            build_fn(tmp)
-            os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
-            os.rename(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return final
-
-
-def _hash(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
-
-
-_CORPUS: list[str] | None = None
-
-
-def _corpus() -> list[str]:
-    global _CORPUS
-    if _CORPUS is None:
-        texts: list[str] = []
-        total = 0
-        for f in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-            t = f.read_text(encoding="utf-8", errors="replace")
-            if total + len(t) > CORPUS_CHAR_CAP:
-                break
-            texts.append(t)
-            total += len(t)
-        texts.extend([MULTILINGUAL_SNIPPET] * SNIPPET_REPEATS)
-        _CORPUS = texts
-    return _CORPUS
-
-
-_CORPUS_HASH: str | None = None
-
-
-def _corpus_hash() -> str:
-    global _CORPUS_HASH
-    if _CORPUS_HASH is None:
-        _CORPUS_HASH = _hash([hashlib.sha256(t.encode()).hexdigest() for t in _corpus()])
-    return _CORPUS_HASH
-
-
-def _versions() -> dict[str, str]:
-    import tokenizers
-    import torch
-    import transformers
-
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
-
-
-# ---------------------------------------------------------------------------------------
-# tokenizer
-# ---------------------------------------------------------------------------------------
-
-# Tokenizer flavours. "bytelevel": GPT-2/Llama-3 style (ByteLevel pre-tokenizer with its
-# own regex, no normalizer). "qwen2": exactly the pipeline transformers' Qwen2Tokenizer
-# builds (NFC normalizer, Qwen2 split regex, ByteLevel without regex). transformers 5's
-# AutoTokenizer loads any model_type "qwen2" directory as Qwen2Tokenizer, which *replaces*
-# the normalizer and pre-tokenizer from tokenizer.json with its own (and adds an
-# "<|endoftext|>" unk token unless tokenizer_config.json sets "unk_token": null). So the
-# qwen2 fixtures use that pipeline: tokenizer.json and AutoTokenizer then agree.
-TOKENIZER_FLAVOURS = ("bytelevel", "qwen2")
-ARCH_TOKENIZER_FLAVOUR = {
-    "llama": "bytelevel", "mistral": "bytelevel", "qwen2": "qwen2", "qwen3": "bytelevel",
-    "gemma2": "bytelevel", "gemma3": "bytelevel", "phi3": "bytelevel", "qwen3_moe": "bytelevel",
-    "qwen2_moe": "bytelevel", "mixtral": "bytelevel"}
-_QWEN2_PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
-
-
-def _qwen2_regex() -> str:
-    try:
-        from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
-
-        return PRETOKENIZE_REGEX
-    except ImportError:  # pragma: no cover
-        return _QWEN2_PRETOKENIZE_REGEX
-
-
-_TOKENIZER_JSON: dict[tuple[int, str], str] = {}
-
-
-def _train_tokenizer_json(vocab_size: int, flavour: str) -> str:
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE())
-    if flavour == "qwen2":
-        tok.normalizer = normalizers.NFC()
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(_qwen2_regex()), behavior="isolated", invert=False),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    elif flavour == "bytelevel":
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    else:
-        raise ValueError(f"unknown tokenizer flavour {flavour!r}; expected one of {TOKENIZER_FLAVOURS}")
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_corpus(), trainer)
-    bos_id = tok.token_to_id(BOS)
-    tok.post_processor = processors.Sequence(
-        [
-            processors.ByteLevel(trim_offsets=False),
-            processors.TemplateProcessing(
-                single=f"{BOS} $A",
-                pair=f"{BOS} $A {BOS}:1 $B:1",
-                special_tokens=[(BOS, bos_id)],
-            ),
-        ]
-    )
-    for i, t in enumerate(SPECIAL_TOKENS):
-        assert tok.token_to_id(t) == i, (t, tok.token_to_id(t))
-    assert tok.get_vocab_size() == vocab_size, (tok.get_vocab_size(), vocab_size)
-    return tok.to_str()
-
-
-def _tokenizer_json(vocab_size: int, flavour: str = "bytelevel", cache_dir: Path | None = None) -> str:
-    """Trained tokenizer.json text; cached per (vocab_size, flavour) in memory and on disk."""
-    if (vocab_size, flavour) in _TOKENIZER_JSON:
-        return _TOKENIZER_JSON[(vocab_size, flavour)]
-    key = _hash(
-        {"v": RECIPE_VERSION, "vocab": vocab_size, "flavour": flavour, "corpus": _corpus_hash(), **_versions()}
-    )[:12]
-    final = (cache_dir or default_cache_dir()) / "_tokenizers" / f"bpe{vocab_size}-{flavour}-{key}"
-
-    def build(tmp: Path) -> None:
-        (tmp / "tokenizer.json").write_text(_train_tokenizer_json(vocab_size, flavour), encoding="utf-8")
-
-    text = (_build_atomically(final, build) / "tokenizer.json").read_text(encoding="utf-8")
-    _TOKENIZER_JSON[(vocab_size, flavour)] = text
-    return text
-
-
-def build_tokenizer(
-    out_dir: Path,
-    vocab_size: int,
-    *,
-    flavour: str = "bytelevel",
-    model_max_length: int | None = None,
-    cache_dir: Path | None = None,
-) -> Path:
-    """Write a byte-level BPE tokenizer of ``vocab_size`` tokens (HF format) to ``out_dir``.
-
-    Special tokens ``<|bos|>`` ``<|eos|>`` ``<|pad|>`` ``<|im_start|>`` ``<|im_end|>`` get
-    ids 0..4; encoding prepends BOS; the chat template is ChatML, starting with BOS.
-    ``flavour``: see TOKENIZER_FLAVOURS. The trained tokenizer is cached per
-    (vocab_size, flavour), in memory and under ``cache_dir``."""
-    from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tok_obj = Tokenizer.from_str(_tokenizer_json(vocab_size, flavour, cache_dir))
-    kwargs: dict[str, Any] = {}
-    if model_max_length is not None:
-        kwargs["model_max_length"] = model_max_length
-    hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=tok_obj,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
-        additional_special_tokens=[IM_START, IM_END],
-        clean_up_tokenization_spaces=False,
-        chat_template=CHAT_TEMPLATE,
-        **kwargs,
-    )
-    hf_tok.save_pretrained(str(out_dir))
-    # An explicit null unk token: model-specific tokenizer classes (Qwen2Tokenizer, picked
-    # by AutoTokenizer for model_type qwen2) otherwise add a default unk token.
-    cfg_path = out_dir / "tokenizer_config.json"
-    tcfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-    tcfg["unk_token"] = None
-    cfg_path.write_text(json.dumps(tcfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    return out_dir
-
-
-def special_token_ids() -> dict[str, int]:
-    return {t: i for i, t in enumerate(SPECIAL_TOKENS)}
 
 
 # ---------------------------------------------------------------------------------------
@@ -805,8 +543,10 @@ def build_model(
 # ---------------------------------------------------------------------------------------
 
 
-def _module_source_hash() -> str:
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+def builder_sources() -> tuple[Path, ...]:
+    """The modules whose code makes a fixture's files: this one, the tokenizer's and the
+    cache's (their bytes are part of every fixture's key)."""
+    return (Path(__file__), Path(fixture_tokenizer.__file__), Path(fixture_cache.__file__))
 
 
 def recipe_key(name: str) -> str:
@@ -817,7 +557,7 @@ def recipe_key(name: str) -> str:
         {
             "v": RECIPE_VERSION,
             "recipe": FIXTURES[name],
-            "source": _module_source_hash(),
+            "source": source_hash(*builder_sources()),
             "corpus": _corpus_hash(),
             **_versions(),
         }
