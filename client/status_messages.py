@@ -66,8 +66,8 @@ class ModelStatus(msgspec.Struct, kw_only=True):
     device: str = ""
     dtype: str = ""
     # Bytes it holds while loaded (its weights and KV pool), else what loading it is
-    # estimated to take (weights on disk plus the KV cache setting): what the memory
-    # budget counts.
+    # estimated to take (its weights as the device will hold them plus the KV cache
+    # setting: llmd.pool.estimate): what the memory budget counts.
     memory_bytes: int = 0
     memory_estimated: bool = True  # memory_bytes is an estimate (the model is not loaded)
     memory: MemoryInfo | None = None  # while loaded

@@ -413,20 +413,21 @@ def test_an_iq4_xs_gguf_loads_packed_as_iq4_nl(hf_dirs, tmp_path):  # noqa: F811
 def test_the_pool_estimate_counts_a_gguf_as_each_device_holds_it(hf_dirs, tmp_path):  # noqa: F811
     """The model pool's estimate of a GGUF's weights (llmd.pool.estimate, from the header,
     without torch) is what the loaded model holds on CPU: IQ4_XS layers as IQ4_NL (144 /
-    136 of the file's bytes), Q4_K ones as stored, the F16 vocabulary and norms at float32
-    (the vocabulary twice the file's bytes); on CUDA what the re-encoding to Q8_0 gives
+    136 of the file's bytes), Q4_K ones as stored, the F16 vocabulary, LM head and norms
+    at float32 (twice the file's bytes; the LM head once more, oneDNN's copy); on CUDA what the re-encoding to Q8_0 gives
     (twice the file's), the rest as stored, the dense tensors at bfloat16."""
     from llmd.config import EngineConfig
+    from llmd.gpu.worker.memory_profile import weight_storage
     from llmd.pool.estimate import estimate_need, read_shape
 
     path = write_gguf(hf_dirs("llama-256"), tmp_path / "mixed.gguf", T.F16, k_quant_types=(T.IQ4_XS, T.Q4_K))
     file_types = {t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
     assert {"IQ4_XS", "Q4_K", "F16"} <= file_types
     model = load_model(path, torch.float32, CPU, 128)
-    held = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    held = sum(weight_storage(model).values()) - sum(b.untyped_storage().nbytes() for b in model.buffers())
     engine = EngineConfig(model=str(path), kv_cache_memory_bytes=1)
     shape = read_shape(str(path))
-    assert estimate_need(engine, shape, "cpu", available_ram=0) == {"cpu": sum(held.values()) + 1}
+    assert estimate_need(engine, shape, "cpu", available_ram=0) == {"cpu": held + 1}
     on_cuda = 0
     for t in gguf.GGUFReader(path).tensors:
         kind = t.tensor_type.name

@@ -198,7 +198,13 @@ def test_no_budget_means_everything_fits():
 
 # -- the estimate -------------------------------------------------------------------
 
-def test_the_estimate_is_the_weights_on_disk_plus_the_kv_setting(tiny_llama):
+def _weights(engine: EngineConfig, shape, device: str = "cpu") -> int:
+    """The weights part of an estimate (its KV pool set to one byte)."""
+    engine = msgspec.structs.replace(engine, kv_cache_memory_bytes=1, num_gpu_blocks_override=None)
+    return sum(estimate_need(engine, shape, device, available_ram=0).values()) - engine.tensor_parallel_size
+
+
+def test_the_estimate_is_the_weights_plus_the_kv_setting(tiny_llama):
     shape = read_shape(str(tiny_llama))
     config = json.loads((tiny_llama / "config.json").read_text())
     size = sum(f.stat().st_size for f in tiny_llama.glob("*.safetensors"))
@@ -206,25 +212,66 @@ def test_the_estimate_is_the_weights_on_disk_plus_the_kv_setting(tiny_llama):
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     per_token = 2 * config["num_hidden_layers"] * kv_heads * head_dim * 4  # float32 on CPU
     engine = EngineConfig(model=str(tiny_llama), num_gpu_blocks_override=128, block_size=16)
-    assert shape.weights_bytes == size
-    assert estimate_need(engine, shape, "cpu", available_ram=0) == {"cpu": size + 128 * 16 * per_token}
+    assert shape.weights_bytes == size and shape.num_params * 4 < size  # the file's header and metadata beside
+    weights = _weights(engine, shape)
+    # float32 on CPU: every weight, and oneDNN's copy of every linear one (not the embedding)
+    assert shape.num_params * 4 < weights < 2 * shape.num_params * 4
+    assert estimate_need(engine, shape, "cpu", available_ram=0) == {"cpu": weights + 128 * 16 * per_token}
     for kv in ("fp8", "int8"):  # one byte per element (kv_cache_dtype)
         engine = EngineConfig(model=str(tiny_llama), num_gpu_blocks_override=128, block_size=16, kv_cache_dtype=kv)
-        assert estimate_need(engine, shape, "cpu", available_ram=0) == {"cpu": size + 128 * 16 * per_token // 4}
+        assert estimate_need(engine, shape, "cpu", available_ram=0) == {"cpu": weights + 128 * 16 * per_token // 4}
     engine = EngineConfig(model=str(tiny_llama), kv_cache_memory_bytes=GIB, tensor_parallel_size=2)
     assert estimate_need(engine, shape, "cuda", available_ram=0) == \
-        {"cuda:0": (size // 2) // 2 + GIB // 2, "cuda:1": (size // 2) // 2 + GIB // 2}  # bf16 on CUDA
+        {"cuda:0": shape.num_params + GIB // 2, "cuda:1": shape.num_params + GIB // 2}  # bf16 on CUDA, no copies
     default = estimate_need(EngineConfig(model=str(tiny_llama)), shape, "cpu", available_ram=GIB)
-    assert size < default["cpu"] <= size + GIB // 4  # a share of the free RAM, as the engine sizes it
+    assert weights < default["cpu"] <= weights + GIB // 4  # a share of the free RAM, as the engine sizes it
     cuda = estimate_need(EngineConfig(model=str(tiny_llama)), shape, "cuda", available_ram=0, device_total=80 * GIB)
     assert cuda == {"cuda:0": int(0.9 * 80 * GIB)}  # profiled at load: gpu_memory_utilization of the GPU
     assert loaded_need("cuda:0", 4, 6, 2) == {"cuda:0": 5, "cuda:1": 5} and loaded_need("cpu", 4, 6, 1) == {"cpu": 10}
 
 
+def _held(path, **kw) -> tuple[int, EngineConfig]:
+    """What the loaded model holds on CPU (every weight storage and oneDNN's copies, not
+    its buffers: rotary tables), and the engine settings it was loaded with."""
+    import torch
+
+    from llmd.gpu.models.loader import load_model
+    from llmd.gpu.worker.memory_profile import weight_storage
+    from llmd.pool.estimate import run_dtype
+
+    engine = EngineConfig(model=str(path), **kw)
+    dtype = getattr(torch, run_dtype(engine, "cpu", read_shape(str(path)).checkpoint_dtype))
+    model = load_model(path, dtype, torch.device("cpu"), 128, dequantize=engine.dequantize)
+    buffers = sum(b.untyped_storage().nbytes() for b in model.buffers())
+    return sum(weight_storage(model).values()) - buffers, engine
+
+
+def test_the_estimate_is_what_the_loaded_model_holds(tmp_path, tiny_llama, tiny_llama_tied):
+    """Against the loaded model: a float32 checkpoint exactly (oneDNN's copies of the
+    linear weights included, of the embedding when the LM head is tied to it), an AWQ /
+    GPTQ / FP8 one within 3% packed (their scales widen on CPU) and exactly dequantized.
+    (GGUF files: tests/test_gguf_packed.py.)"""
+    from llmd_tools.make_model import build_model
+    from llmd_tools.quantize_checkpoint import options, quantize_checkpoint
+
+    for path in (tiny_llama, tiny_llama_tied):
+        held, engine = _held(path)
+        assert _weights(engine, read_shape(str(path))) == held, path.name
+    # The tiny llama with whole 32-column groups in every linear layer's input.
+    source = build_model(tmp_path / "dense", "llama", "tiny", intermediate_size=192)
+    for method in ("awq", "gptq", "fp8"):
+        checkpoint = quantize_checkpoint(source, tmp_path / method, options(method=method, group_size=32))
+        shape = read_shape(str(checkpoint))
+        held, engine = _held(checkpoint)
+        assert _weights(engine, shape) == pytest.approx(held, rel=0.03), method
+        held, engine = _held(checkpoint, dequantize=True)
+        assert _weights(engine, shape) == held, method
+
+
 def test_a_gguf_estimate_reads_its_header(tmp_path, tiny_llama):
     """A GGUF file's shape comes from its header: packed on CPU and CUDA on one rank (its
-    Q8_0 tensors as stored, its F32 norms at the run dtype: float32 on CPU, bfloat16 on
-    CUDA), dequantized when asked or split by tensor parallelism. (tests/test_gguf_packed:
+    Q8_0 tensors as stored, its F32 ones at the run dtype: float32 on CPU, with oneDNN's
+    copy of a linear weight, bfloat16 on CUDA), dequantized when asked or split by tensor parallelism. (tests/test_gguf_packed:
     the estimate against what a loaded model holds, types held as others included.)"""
     import gguf
 
@@ -238,20 +285,22 @@ def test_a_gguf_estimate_reads_its_header(tmp_path, tiny_llama):
     tensors = gguf.GGUFReader(path).tensors
     q8_bytes = sum(int(t.n_bytes) for t in tensors if t.tensor_type.name == "Q8_0")
     f32 = sum(int(t.n_elements) for t in tensors if t.tensor_type.name == "F32")
-    assert q8_bytes and f32 and {t.tensor_type.name for t in tensors} == {"Q8_0", "F32"}
+    # rows of 172 weights, which no Q8_0 block fits, stay F32 (the MLP's down projection)
+    f32_linear = sum(int(t.n_elements) for t in tensors if t.tensor_type.name == "F32" and len(t.shape) == 2)
+    assert q8_bytes and f32_linear and {t.tensor_type.name for t in tensors} == {"Q8_0", "F32"}
     engine = EngineConfig(model=str(path), kv_cache_memory_bytes=1000)
-    assert estimate_need(engine, packed, "cpu", available_ram=0) == {"cpu": q8_bytes + 4 * f32 + 1000}
+    assert estimate_need(engine, packed, "cpu", available_ram=0) == {"cpu": q8_bytes + 4 * (f32 + f32_linear) + 1000}
     dequantized = estimate_need(msgspec.structs.replace(engine, dequantize=True), packed, "cpu", available_ram=0)
-    assert dequantized == {"cpu": packed.num_params * 4 + 1000}
+    assert dequantized["cpu"] > packed.num_params * 4 + 1000  # and oneDNN's copies of the linears
     assert estimate_need(engine, packed, "cuda", available_ram=0) == {"cuda:0": q8_bytes + 2 * f32 + 1000}
     tp2 = estimate_need(msgspec.structs.replace(engine, tensor_parallel_size=2), packed, "cuda", available_ram=0)
     assert tp2 == {f"cuda:{r}": packed.num_params * 2 // 2 + 500 for r in (0, 1)}  # bf16, each rank half
 
 
 def test_a_packed_checkpoints_estimate_counts_its_weights_not_its_words(tmp_path):
-    """An AWQ checkpoint stays packed on CPU (its files' size); dequantized, it holds every
-    weight at the run dtype: as many as the dense checkpoint it was made from has (counted
-    by safetensors itself), not its 4-bit words, scales and zero points."""
+    """An AWQ checkpoint's num_params counts the weights its words stand for: as many as
+    the dense checkpoint it was made from has (counted by safetensors itself), not its
+    4-bit words, scales and zero points; its quantized part stays packed on CUDA too."""
     from safetensors import safe_open
 
     from llmd_tools.make_model import build_model
@@ -268,10 +317,10 @@ def test_a_packed_checkpoints_estimate_counts_its_weights_not_its_words(tmp_path
     size = sum(f.stat().st_size for f in awq.glob("*.safetensors"))
     assert shape.quantized and shape.num_params == dense and shape.weights_bytes == size
     engine = EngineConfig(model=str(awq), kv_cache_memory_bytes=1000)
-    assert estimate_need(engine, shape, "cpu", available_ram=0) == {"cpu": size + 1000}
-    dequantized = estimate_need(msgspec.structs.replace(engine, dequantize=True), shape, "cpu", available_ram=0)
-    assert dequantized == {"cpu": dense * 4 + 1000}  # float32 on CPU (the checkpoint is float16)
-    assert estimate_need(engine, shape, "cuda", available_ram=0) == {"cuda:0": size + 1000}  # packed on CUDA too
+    dequantized = estimate_need(msgspec.structs.replace(engine, dequantize=True), shape, "cuda", available_ram=0)
+    assert dequantized == {"cuda:0": dense * 2 + 1000}  # bfloat16 on CUDA
+    packed = estimate_need(engine, shape, "cuda", available_ram=0)["cuda:0"]
+    assert size // 2 < packed - 1000 < dequantized["cuda:0"] - 1000  # the embedding and LM head at bf16
 
 
 # -- how llmctl shows them ----------------------------------------------------------

@@ -1,13 +1,17 @@
 """How much memory a model takes, per device, for the budget: before it loads, an
-estimate from its files (where they stay packed, an AWQ/GPTQ/FP8 checkpoint's size on
-disk, and a GGUF's tensors as the device holds them: each packed one in its own blocks
-or those of the type the device holds it as, each dense one at the run dtype; else
-every weight's element count at the run dtype) plus its KV pool as the engine settings
-size it;
-once loaded, what it holds (weights and KV pool as the executor reports them).
-Reading a model's shape touches its files (config.json, safetensors sizes and, for a
-quantized checkpoint, headers; a GGUF header) but no torch; the sums are plain
-arithmetic."""
+estimate from its files (its weights as the loader will hold them, below) plus its KV
+pool as the engine settings size it; once loaded, what it holds (weights and KV pool as
+the executor reports them).
+
+The weights as held: where quantized weights stay packed, a GGUF's packed tensors in
+the blocks of the type the device holds them as (gguf_types.held_bytes) and an
+AWQ/GPTQ/FP8 checkpoint's quantized tensors at their size on disk (their CPU layouts
+differ from it by a few percent: their scales are widened); every other tensor at the
+run dtype; and on CPU, where oneDNN packs the run dtype (cpu_linear), every dense linear
+weight a second time, oneDNN's reordered copy beside the checkpoint layout (a tied LM
+head's copy of the embedding included). Reading a model's shape touches its files
+(config.json and the safetensors headers, or a GGUF header) but no torch; the sums are
+plain arithmetic."""
 from __future__ import annotations
 
 import functools
@@ -22,6 +26,8 @@ from llmd.gpu.layers.quant.scheme import config_scheme, weights_per_element
 
 CPU_KV_DEFAULT_CAP = 4 << 30  # as llmd.engine_setup sizes a CPU KV pool with no setting
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_FLOAT_TENSORS = ("F32", "F16", "BF16")  # safetensors dtypes held at the run dtype
+_LINEAR_LEAVES = ("weight", "qweight")  # a linear layer's weight (dense, or AWQ/GPTQ words)
 
 
 @dataclass(frozen=True)
@@ -35,11 +41,15 @@ class ModelShape:
     checkpoint_dtype: str | None
     gguf: bool
     quantized: bool = False  # an AWQ/GPTQ/FP8 safetensors checkpoint (kept packed on CPU, as a GGUF's)
-    # A GGUF's weights kept packed: its packed tensors' bytes as each device type holds
-    # them (gguf_types.held_bytes), and the elements of its dense ones (F32, F16, BF16:
-    # held at the run dtype).
-    gguf_packed_bytes: dict[str, int] | None = None
-    gguf_dense_elements: int = 0
+    # Where quantized weights stay packed: those tensors' bytes as each device type holds
+    # them, the elements of every other tensor (held at the run dtype), and of those the
+    # dense linear weights' (oneDNN's copies on CPU). None / 0 for a dense checkpoint.
+    packed_bytes: dict[str, int] | None = None
+    dense_elements: int = 0
+    dense_linear_elements: int = 0
+    # Every linear weight's elements, with all of them dense (a dense checkpoint, or
+    # quantized weights dequantized): what oneDNN copies then.
+    linear_elements: int = 0
 
 
 def read_shape(path: str) -> ModelShape:
@@ -66,16 +76,31 @@ def _read_shape(path: str, mtime_ns: int, size: int) -> ModelShape:
     size = sum(f.stat().st_size for f in weights)
     dtype = str(config.get("torch_dtype") or config.get("dtype") or "") or None
     scheme = config_scheme(config)
-    if scheme is None:
-        num_params = size // _DTYPE_BYTES.get(dtype or "", 4)
-    else:  # packed words stand for several weights, scales and zero points for none
-        num_params = sum(math.prod(info["shape"]) * weights_per_element(name, scheme)
-                         for file in weights for name, info in _safetensors_header(file).items()
-                         if name != "__metadata__")
-    return ModelShape(weights_bytes=size, num_params=num_params,
+    tensors = {name: info for file in weights for name, info in _safetensors_header(file).items()
+               if name != "__metadata__"}
+    # packed words stand for several weights, scales and zero points for none
+    elements = {name: math.prod(info["shape"]) * weights_per_element(name, scheme) for name, info in tensors.items()}
+    quantized = {name for name, info in tensors.items() if scheme is not None and info["dtype"] not in _FLOAT_TENSORS}
+    linears = [name for name, info in tensors.items() if _is_linear(name, info["shape"])]
+    if not any(name.endswith("lm_head.weight") for name in tensors):  # tied: the LM head's weight is the embedding
+        linears += [name for name in tensors if name.endswith("embed_tokens.weight")]
+    return ModelShape(weights_bytes=size, num_params=sum(elements.values()),
                       kv_elements_per_token=2 * text["num_hidden_layers"] * kv_heads * head_dim,
                       max_position=text.get("max_position_embeddings", 2048), checkpoint_dtype=dtype, gguf=False,
-                      quantized=scheme is not None)
+                      quantized=scheme is not None,
+                      packed_bytes=dict.fromkeys(("cpu", "cuda"), sum(
+                          tensors[n]["data_offsets"][1] - tensors[n]["data_offsets"][0] for n in quantized)),
+                      dense_elements=sum(math.prod(info["shape"]) for n, info in tensors.items() if n not in quantized),
+                      dense_linear_elements=sum(elements[n] for n in linears if n not in quantized),
+                      linear_elements=sum(elements[n] for n in linears))
+
+
+def _is_linear(name: str, shape: list[int]) -> bool:
+    """Whether checkpoint tensor `name` is a linear layer's weight (what the CPU packs
+    for oneDNN): a 2-D weight other than the embedding and a mixture's experts (which
+    the fused experts hold)."""
+    return (len(shape) == 2 and name.rpartition(".")[2] in _LINEAR_LEAVES and "embed_tokens" not in name
+            and ".experts." not in name)
 
 
 def _safetensors_header(path: Path) -> dict:
@@ -101,24 +126,44 @@ def _gguf_shape(p: Path) -> ModelShape:
         kv_heads = int(max(kv_heads))
     head_dim = get(f"{arch}.attention.key_length") or get(f"{arch}.embedding_length") // heads
     layers = get(f"{arch}.block_count")
-    tensors = reader.tensors.values()
-    dense = [t for t in tensors if t.tensor_type.name in DENSE_TYPES]
-    packed = [t for t in tensors if t.tensor_type.name not in DENSE_TYPES]
-    return ModelShape(weights_bytes=p.stat().st_size, num_params=sum(t.n_elements for t in tensors),
+    tensors = reader.tensors
+    dense = [t for t in tensors.values() if t.tensor_type.name in DENSE_TYPES]
+    packed = [t for t in tensors.values() if t.tensor_type.name not in DENSE_TYPES]
+    linears = [t for name, t in tensors.items() if len(t.shape) == 2 and not name.startswith("token_embd")]
+    if "output.weight" not in tensors and "token_embd.weight" in tensors:  # tied: the LM head's is the embedding
+        linears.append(tensors["token_embd.weight"])
+    return ModelShape(weights_bytes=p.stat().st_size, num_params=sum(t.n_elements for t in tensors.values()),
                       kv_elements_per_token=2 * layers * kv_heads * head_dim,
                       max_position=get(f"{arch}.context_length", 2048), checkpoint_dtype=None, gguf=True,
-                      gguf_packed_bytes={device: sum(held_bytes(t.tensor_type.name, t.n_elements, device)
-                                                     for t in packed) for device in ("cpu", "cuda")},
-                      gguf_dense_elements=sum(t.n_elements for t in dense))
+                      packed_bytes={device: sum(held_bytes(t.tensor_type.name, t.n_elements, device) for t in packed)
+                                    for device in ("cpu", "cuda")},
+                      dense_elements=sum(t.n_elements for t in dense),
+                      dense_linear_elements=sum(t.n_elements for t in linears if t.tensor_type.name in DENSE_TYPES),
+                      linear_elements=sum(t.n_elements for t in linears))
 
 
-def run_dtype_bytes(engine: EngineConfig, device_type: str, checkpoint_dtype: str | None) -> int:
-    """Bytes per element at the dtype the engine runs (llmd.gpu.models.loader.resolve_dtype's rule)."""
+def run_dtype(engine: EngineConfig, device_type: str, checkpoint_dtype: str | None) -> str:
+    """The dtype the engine runs (llmd.gpu.models.loader.resolve_dtype's rule)."""
     if engine.dtype != "auto":
-        return _DTYPE_BYTES[engine.dtype]
+        return engine.dtype
     if device_type == "cuda" or checkpoint_dtype == "bfloat16":
-        return 2
-    return 4
+        return "bfloat16"
+    return "float32"
+
+
+def onednn_copies(dtype: str) -> bool:
+    """Whether CPU linears of `dtype` get oneDNN's reordered copy (cpu_linear.packing_supported,
+    without torch: float32 always; bfloat16 on CPUs with AVX512-BF16 or AMX)."""
+    if dtype == "float32":
+        return True
+    if dtype != "bfloat16":
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def estimate_need(engine: EngineConfig, shape: ModelShape, device_type: str, *, available_ram: int,
@@ -126,17 +171,19 @@ def estimate_need(engine: EngineConfig, shape: ModelShape, device_type: str, *, 
     """Device -> bytes the model will hold once loaded. `available_ram`: free RAM now
     (a CPU KV pool with no size setting takes a share of it); `device_total`: one GPU's
     memory (a CUDA KV pool with no size setting takes gpu_memory_utilization of it)."""
-    element = run_dtype_bytes(engine, device_type, shape.checkpoint_dtype)
+    dtype = run_dtype(engine, device_type, shape.checkpoint_dtype)
+    element = _DTYPE_BYTES[dtype]
     # A GGUF's (on one rank) or an AWQ/GPTQ/FP8 checkpoint's quantized weights stay packed
     # on CPU and CUDA (unless dequantize); every other weight is held at the run dtype.
     packed = ((shape.quantized or (shape.gguf and engine.tensor_parallel_size == 1))
-              and device_type in ("cpu", "cuda") and not engine.dequantize)
-    if not packed:
-        weights = shape.num_params * element
-    elif shape.gguf_packed_bytes is not None:
-        weights = shape.gguf_packed_bytes[device_type] + shape.gguf_dense_elements * element
+              and device_type in ("cpu", "cuda") and not engine.dequantize and shape.packed_bytes is not None)
+    if packed:
+        weights = shape.packed_bytes[device_type] + shape.dense_elements * element
+        copied = shape.dense_linear_elements
     else:
-        weights = shape.weights_bytes
+        weights, copied = shape.num_params * element, shape.linear_elements
+    if device_type == "cpu" and onednn_copies(dtype):
+        weights += copied * element
     tp = engine.tensor_parallel_size
     kv = kv_pool_bytes(engine, shape, device_type, kv_element_bytes(engine.kv_cache_dtype, element), available_ram)
     if device_type == "cpu":
