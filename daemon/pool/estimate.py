@@ -151,6 +151,7 @@ def run_dtype(engine: EngineConfig, device_type: str, checkpoint_dtype: str | No
     return "float32"
 
 
+@functools.cache
 def onednn_copies(dtype: str) -> bool:
     """Whether CPU linears of `dtype` get oneDNN's reordered copy (cpu_linear.packing_supported,
     without torch: float32 always; bfloat16 on CPUs with AVX512-BF16 or AMX)."""
