@@ -72,7 +72,6 @@ class LLMEngine:
         # What the KV cache stores per element: the model's dtype, or a quantized format.
         self.kv_cache_dtype = resolved_kv_cache_dtype(config.kv_cache_dtype, str(self.dtype).removeprefix("torch."))
         self.num_blocks = self._start_kv_cache(executor, progress)
-        self.kv_cache_scales = executor.kv_scale_source()  # "checkpoint", "calibrated" or "" (a float cache)
         self._progress = None  # a restarted executor does not report a load
         structured = StructuredOutputManager(GrammarCompilerService(
             self.tokenizer, self.vocab_size, sorted({self.eos_token_id} - {None} | self.extra_stop_token_ids),
@@ -111,7 +110,7 @@ class LLMEngine:
         if progress is not None:
             progress.finish()
         bytes_per_block = executor.kv_cache_bytes_per_block()
-        scales = executor.kv_scale_source()
+        self.kv_cache_scales = scales = executor.kv_scale_source()  # "checkpoint", "calibrated" or "" (float)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, %s%s); max_model_len %d",
                     num_blocks, self.config.block_size, num_blocks * self.config.block_size,
                     num_blocks * bytes_per_block / 2**20, self.kv_cache_dtype,

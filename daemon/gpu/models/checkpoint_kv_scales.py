@@ -25,12 +25,13 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from llmd.gpu.layers.quant.scheme import KV_SCHEME_QMAX
+
 # A checkpoint tensor that is a layer's K or V scale -> (layer, "k" | "v" | "kv"); "q": a
 # query scale (FP8 attention, which llmd does not do: queries stay in the model's dtype,
 # so it is read past).
 _SCALE_NAME = re.compile(r"(?:model\.)?layers\.(\d+)\.self_attn\."
                          r"(?:(k|v|q)_scale|(k|v|q)_proj\.output_scale|(k|v)_proj\.(?:k|v)_scale|(kv)_scale)")
-FP8_E4M3_QMAX = 448.0  # the format a scale is for when the config does not say
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class KVScaleCollector:
 
     def __init__(self, qmax: float | None) -> None:
         self.declared = qmax is not None  # the config's kv_cache_scheme says they are there
-        self.qmax = FP8_E4M3_QMAX if qmax is None else qmax
+        self.qmax = KV_SCHEME_QMAX["float"] if qmax is None else qmax  # e4m3 unless the config says
         self.found: dict[tuple[int, str], float] = {}
 
     def weights(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
