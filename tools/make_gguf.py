@@ -41,6 +41,7 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import logging
+import os
 import shutil
 import sys
 import sysconfig
@@ -95,10 +96,15 @@ class LlamaCppUnavailable(RuntimeError):
 
 
 def converter_path() -> Path:
-    """The convert_hf_to_gguf.py that llama-cpp-python installs (`<purelib>/bin/`)."""
-    path = Path(sysconfig.get_paths()["purelib"]) / "bin" / "convert_hf_to_gguf.py"
+    """The convert_hf_to_gguf.py that $LLMD_CONVERT_HF_TO_GGUF names, else the one
+    llama-cpp-python installs (`<purelib>/bin/`; its wheels stopped shipping it by 0.3.36:
+    then the sdist's `vendor/llama.cpp/convert_hf_to_gguf.py`, named by the variable, with
+    the `gguf-py` beside it)."""
+    named = os.environ.get("LLMD_CONVERT_HF_TO_GGUF")
+    path = Path(named) if named else Path(sysconfig.get_paths()["purelib"]) / "bin" / "convert_hf_to_gguf.py"
     if not path.is_file():
-        raise LlamaCppUnavailable(f"{path} not found: install llama-cpp-python (pip install -e '.[llamacpp]')")
+        raise LlamaCppUnavailable(f"{path} not found: install llama-cpp-python (pip install -e '.[llamacpp]'), or set "
+                                  "LLMD_CONVERT_HF_TO_GGUF to the convert_hf_to_gguf.py of its sdist's vendor/llama.cpp")
     return path
 
 
