@@ -2,7 +2,10 @@
 model (make_model) converted by the `convert_hf_to_gguf.py` that llama-cpp-python ships
 (to BF16), then quantized by llama.cpp's own quantizer through the binding
 (`llama_model_quantize`): the K-quant mixes (Q4_K_M: Q4_K with Q6_K for some tensors)
-exactly as llama.cpp picks them. Needs llama-cpp-python (the `llamacpp` extra).
+exactly as llama.cpp picks them. Needs llama-cpp-python (the `llamacpp` extra); where its
+wheel does not install the converter (0.3.36's do not), LLMD_CONVERT_HF_TO_GGUF names the
+one in its sdist (`pip download --no-binary :all: --no-deps llama-cpp-python==V`, then
+`vendor/llama.cpp/convert_hf_to_gguf.py`, its gguf-py beside it).
 
 Built once per recipe and cached under the fixture cache (make_model.default_cache_dir):
 `<name>-<key>/<name>-<TYPE>.gguf` for each type of the recipe, the key a hash of the
