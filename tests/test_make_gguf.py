@@ -4,7 +4,7 @@ shapes. The files hold the model's weights as an independent dequantizer (the gg
 package) reads them, in the types llama.cpp's Q4_K_M and Q8_0 recipes pick; the
 metadata carries the rope base and a pre-tokenizer under which llama.cpp tokenizes as
 the HF tokenizer does; llmd runs the files as transformers runs them; the cache builds
-once. Skipped without llama-cpp-python (the optional `llamacpp` extra)."""
+once. Skipped without llama-cpp-python (the optional `llamacpp` extra) or its converter."""
 from __future__ import annotations
 
 import json
@@ -22,6 +22,11 @@ from gguf_fixtures import gguf_name, permute_rotary_rows  # noqa: E402
 from hf_ref import check_logprobs_close, engine_result, hf_greedy, hf_model  # noqa: E402
 from llmd import LLM, SamplingParams  # noqa: E402
 from llmd_tools import make_gguf  # noqa: E402
+
+try:
+    make_gguf.converter_path()
+except make_gguf.LlamaCppUnavailable as exc:  # a wheel without the converter, no LLMD_CONVERT_HF_TO_GGUF
+    pytest.skip(str(exc), allow_module_level=True)
 
 NAME = "tiny-llama-256"
 RELATIVE_ERROR = {T.Q8_0: 0.008, T.Q6_K: 0.027, T.Q4_K: 0.1}
