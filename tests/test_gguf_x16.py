@@ -12,6 +12,7 @@ blocks are whole multiples of their step exactly (to float32 sums).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from llmd.gpu.layers import gguf_quant
 from llmd.gpu.layers.cpu.cpu_kernels import gguf_ops
-from llmd.gpu.layers.gguf_quant import FORMATS, X16_MAX_ROWS, X16_TYPES, GGUFMatmul, PackedPart, use_x16
+from llmd.gpu.layers.gguf_quant import FORMATS, X16_TYPES, GGUFMatmul, PackedPart, use_x16
 from llmd.gpu.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
 from llmd_tools.gguf_blocks import random_blocks
 from test_gguf import hf_dirs  # noqa: F401
@@ -229,12 +230,13 @@ def test_the_isa_is_chosen_by_name_or_by_the_cpu(x16):
     with pytest.raises(RuntimeError, match="must be avx512_vnni or avx2"):
         x16.mm_x16(x, w, code, 256, 1, isa="sse2")
     chosen = os.environ.get("LLMD_GGUF_X16_ISA") or x16.x16_isas[0]
+    assert x16.x16_isa == chosen
     assert torch.equal(x16.mm_x16(x, w, code, 256, 1), x16.mm_x16(x, w, code, 256, 1, isa=chosen))
     script = ("import torch; from llmd.gpu.layers.cpu.cpu_kernels import gguf_ops; ops = gguf_ops(); "
-              "print(ops.x16 if ops else 'no kernels')")
+              "print(ops.x16, ops.x16_isa if ops else 'no kernels')")
     env = {**os.environ, "LLMD_GGUF_X16_ISA": "avx2"}
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert run.stdout.strip() == "True", run.stderr[-2000:]
+    assert run.stdout.strip() == "True avx2", run.stderr[-2000:]
     env["LLMD_GGUF_X16_ISA"] = "sse2"
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode != 0 and "LLMD_GGUF_X16_ISA must be avx512_vnni or avx2" in run.stderr
@@ -278,11 +280,40 @@ def test_a_linear_layer_repacked_at_attach_computes_the_reference(x16, quant, mo
     assert torch.equal(layer.weight, x16.repack_x16(blocks, FORMATS[quant].code, 256))
     assert layer.weight.x16_parts == {0} and use_x16(layer.weight, part, 256, x16)  # not twice
     assert torch.equal(x16.unpack_x16(layer.weight, torch.arange(48), FORMATS[quant].code, 256), blocks)
-    for rows in (1, X16_MAX_ROWS[3], X16_MAX_ROWS[3] + 1, 40):
+    limit = layer.kernel.max_rows[3]  # the kernel to here, slices and a GEMM above
+    for rows in (1, limit, limit + 1, 40):
         x = torch.randn(rows, 256)
         exact = x.double() @ dense.double().t() + layer.bias.double()
         got = layer(x).double()
         assert ((got - exact).abs() <= float32_slack(x, dense) + 1e-6).all(), rows
+
+
+@pytest.mark.parametrize("isa_name, vendor, limits", [
+    ("avx512_vnni", "AuthenticAMD", {1: 1 << 20, 2: 1024, 3: 64}),  # Zen 4: float32 FMAs at half Intel's rate
+    ("avx512_vnni", "GenuineIntel", {1: 512, 2: 64, 3: 32}),
+    ("avx2", "AuthenticAMD", {1: 512, 2: 64, 3: 32}),
+    ("avx2", "", {1: 512, 2: 64, 3: 32}),
+])
+def test_the_rows_through_the_kernel_follow_the_isa_and_the_cpu(x16, monkeypatch, isa_name, vendor, limits):
+    """Up to max_rows[passes] rows a product runs through the x16 kernel, above through
+    dequantized slices and a GEMM; the limits are the ISA's on this CPU's maker (where the
+    int8 products stop beating a float32 GEMM: gguf_quant.X16_MAX_ROWS)."""
+    monkeypatch.setattr(gguf_quant, "cpu_vendor", lambda: vendor)
+    ops = dataclasses.replace(x16, x16_isa=isa_name)
+    assert gguf_quant.x16_max_rows(ops) == limits
+    calls = []
+    counted = dataclasses.replace(ops, mm_x16=lambda *a, **k: calls.append(a[0].shape[0]) or x16.mm_x16(*a, **k))
+    blocks, dense = packed("Q4_K", 32, 256, seed=3)
+    blocks, dense = blocks[16:], dense[16:]
+    layer = ReplicatedLinear(256, 16, bias=False)
+    layer.use_packed("Q4_K")
+    layer.weight.data = blocks.clone()
+    layer.kernel = GGUFMatmul(layer, counted, 2)
+    for rows in (limits[2], limits[2] + 1):
+        x = torch.randn(rows, 256)
+        exact = x.double() @ dense.double().t()
+        assert ((layer(x).double() - exact).abs() <= error_bound(x, dense, 2) + float32_slack(x, dense)).all()
+    assert calls == [limits[2]]
 
 
 def test_parts_of_whole_row_groups_are_repacked_the_others_stay(x16):

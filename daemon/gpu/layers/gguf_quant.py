@@ -21,6 +21,7 @@ embedding's lookups read rows back in the GGUF layout (`unpack_x16`).
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,10 +44,20 @@ SLICE_BYTES = 4 << 20
 X16_TYPES = PACKED_TYPES  # what the x16 kernel reads: every packed type
 X16_GROUP = 16  # weight rows per x16 record
 # Rows up to which a product with an x16 weight runs through its kernel, by its passes
-# over x (each pass is as many dot products; above, a dequantized slice and a GEMM are
-# faster: measured on AVX-512 VNNI, docs/benchmarks.md; one pass beats the GEMM 1.2-1.4x
-# at 512 rows, so a prompt of up to 512 tokens runs at cpu_int8_activations' precision).
-X16_MAX_ROWS = {1: 512, 2: 64, 3: 32}
+# over x (each pass is as many int8 dot products; above, a dequantized slice and a float32
+# GEMM are faster), per the ISA the product runs with and the CPU's maker: where the
+# crossover lies is the ratio of the CPU's int8 dot-product rate to its float32 FMA rate
+# (docs/benchmarks.md). Intel's AVX-512 cores (measured: a Xeon with VNNI) run two 512-bit
+# FMAs a cycle: one pass beats the GEMM 1.2-1.4x at 512 rows, two only to 64. AMD's Zen 4
+# runs 512-bit operations on 256-bit units, float32 FMAs at half that rate and vpdpbusd
+# not: two passes beat oneDNN's GEMM 1.1-1.7x from 32 to 512 rows and Q4_K 1.4x at 1,024
+# (Q6_K level there; a 1,024-token prefill of the 1B Q4_K_M 16% faster, its 128-token one
+# 1.6x), three to 64, one 2x at 2,048 (any chunk). AVX2 (Zen 3): two passes win to 64.
+X16_MAX_ROWS = {
+    "avx512_vnni": {1: 512, 2: 64, 3: 32},
+    "avx512_vnni/AuthenticAMD": {1: 1 << 20, 2: 1024, 3: 64},
+    "avx2": {1: 512, 2: 64, 3: 32},
+}
 
 
 def slice_rows(cols: int) -> int:
@@ -162,6 +173,24 @@ def x16_passes(ops: Any, int8_activations: bool = False) -> int:
     return 1 if int8_activations else 2
 
 
+def x16_max_rows(ops: Any) -> dict[int, int]:
+    """Passes over x -> the rows up to which an x16 product runs through the kernel
+    (X16_MAX_ROWS for the ISA `ops.mm_x16` runs with, on this CPU's maker)."""
+    table = X16_MAX_ROWS.get(f"{ops.x16_isa}/{cpu_vendor()}") or X16_MAX_ROWS.get(ops.x16_isa)
+    return table or X16_MAX_ROWS["avx2"]
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD; "" where it does not say)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+    return line.partition(":")[2].strip()
+
+
 def x16_row_reader(module: torch.nn.Module, ops: Any) -> Any:
     """ids -> those rows of `module`'s x16 weight in the GGUF layout (an embedding's lookups)."""
     code, cols = FORMATS[module.quant].code, module.in_features
@@ -180,6 +209,7 @@ class GGUFMatmul:
         self.ops = ops
         self.with_bias = not getattr(layer, "reduce", False)
         cols = layer.in_features
+        self.max_rows = x16_max_rows(ops) if x16_passes else {}  # passes -> rows through the x16 kernel
         self.parts = []  # (part, its type's code, its packed rows, x16 passes or 0)
         for part in layer.packed_parts:
             passes = x16_passes if x16_passes and use_x16(layer.weight, part, cols, ops) else 0
@@ -200,7 +230,7 @@ class GGUFMatmul:
         ops, cols, out_features = self.ops, rows.shape[1], weight.shape[0]
         if rows.shape[0] == 0:
             return rows.new_empty(0, out_features)
-        if passes and rows.shape[0] <= X16_MAX_ROWS[passes]:
+        if passes and rows.shape[0] <= self.max_rows[passes]:
             return ops.mm_x16(rows.contiguous(), weight, code, cols, passes)
         if not passes and rows.shape[0] <= KERNEL_MAX_ROWS and ops is not None:
             return ops.mm(rows.contiguous(), weight, code, cols)

@@ -159,8 +159,8 @@ class GGUFOps:
     `dequantize_x16(w, code, cols)` and, when `x16` (the CPU has AVX-512 VNNI or AVX2
     with FMA and F16C, and LLMD_GGUF_X16 is not 0), `mm_x16(x, w, code, cols, passes,
     isa="")` (isa: one of `x16_isas`, the ISAs this CPU runs it with, best first; "" the
-    one LLMD_GGUF_X16_ISA names, else the best); `x16_passes`: LLMD_GGUF_X16's passes, if
-    it set them."""
+    one LLMD_GGUF_X16_ISA names, else the best; `x16_isa` is that one); `x16_passes`:
+    LLMD_GGUF_X16's passes, if it set them."""
 
     mm: Callable[..., torch.Tensor]
     dequantize: Callable[..., torch.Tensor]
@@ -172,6 +172,7 @@ class GGUFOps:
     x16: bool
     x16_passes: int | None = None
     x16_isas: tuple[str, ...] = ()
+    x16_isa: str = ""
 
 
 def gguf_ops() -> GGUFOps | None:
@@ -185,9 +186,12 @@ def gguf_ops() -> GGUFOps | None:
     value = os.environ.get(X16_ENV, "").strip()
     if value not in ("", "0", "1", "2", "3"):
         raise ValueError(f"{X16_ENV} must be 0, 1, 2 or 3, got {value!r}")
+    isas = tuple(ops.gguf_x16_isas())
+    x16 = value != "0" and bool(ops.gguf_x16_supported())  # (refuses an LLMD_GGUF_X16_ISA this CPU lacks)
     return GGUFOps(ops.gguf_mm, ops.gguf_dequantize, ops.gguf_repack_x16, ops.gguf_repack_x16_, ops.gguf_unpack_x16,
-                   ops.gguf_mm_x16, ops.gguf_dequantize_x16, x16=value != "0" and bool(ops.gguf_x16_supported()),
-                   x16_passes=int(value) if value else None, x16_isas=tuple(ops.gguf_x16_isas()))
+                   ops.gguf_mm_x16, ops.gguf_dequantize_x16, x16=x16, x16_passes=int(value) if value else None,
+                   x16_isas=isas, x16_isa=(os.environ.get("LLMD_GGUF_X16_ISA") or (isas[0] if isas else "")) if x16
+                   else "")
 
 
 @dataclass(frozen=True)
