@@ -33,13 +33,10 @@
 //   AVX-512 VNNI (here) or AVX2 + FMA + F16C (cpu_quant_x16_avx2.cpp, the same products
 //   to the bit of their int32 sums), `isa` "avx512_vnni" or "avx2", "" the one
 //   LLMD_GGUF_X16_ISA names (read once; the A/B switch, and how a CI machine with
-//   AVX-512 tests the AVX2 path), else the best this CPU has for M rows (isa_for_rows:
-//   AVX2 for one row on AMD).
+//   AVX-512 tests the AVX2 path), else the best this CPU has.
 // gguf_dequantize_x16(w, quant, cols) -> float32 [N, cols] (for a GEMM over many rows),
 //   equal to gguf_dequantize of the GGUF rows (any CPU).
 // gguf_x16_supported(): whether this CPU runs gguf_mm_x16 (with the ISA "" picks).
-// gguf_x16_isa_for(rows): the ISA gguf_mm_x16 runs `rows` rows with when none is named
-//   ("" where none runs).
 // gguf_x16_isas(): the ISAs this CPU runs it with, best first. Both count only the
 //   products this build compiled (cpu_quant_x16_product.h: none in the portable build).
 
@@ -209,28 +206,6 @@ Isa isa_named(const std::string& name, const char* what) {
 }
 
 bool gguf_x16_supported() { return chosen_isa() != Isa::kNone; }
-
-// The ISA a product of `rows` rows of x runs with when none is named: chosen_isa, except
-// that one row on an AMD CPU with both goes through the AVX2 product. On Zen 4 the VNNI
-// product is faster with its weight in cache but slower streamed from memory at one row
-// (a 1B model's 763 MiB of Q4_K/Q6_K layers, 2 threads: 33 against 22 ms a token at one
-// pass, 34 against 28 at two; from two rows the VNNI one is level or ahead), and a batch-1
-// decode step streams every weight: the 1B Q4_K_M 29 -> 35 tok/s (docs/benchmarks.md).
-// The two give the same floats, so the choice does not change a result.
-Isa isa_for_rows(int64_t rows) {
-  const Isa chosen = chosen_isa();
-  if (rows != 1 || chosen != Isa::kAvx512Vnni) return chosen;
-  static const bool avx2_for_one_row = [] {  // (read once, as chosen_isa reads the variable)
-    const char* env = std::getenv("LLMD_GGUF_X16_ISA");
-    return (env == nullptr || *env == '\0') && __builtin_cpu_is("amd") && cpu_runs(Isa::kAvx2);
-  }();
-  return avx2_for_one_row ? Isa::kAvx2 : chosen;
-}
-
-std::string gguf_x16_isa_for(int64_t rows) {
-  const Isa isa = isa_for_rows(rows);
-  return isa == Isa::kNone ? "" : isa_name(isa);
-}
 
 // Rows of the group whose records start at `records` as float32 rows [16, cols] at out:
 // each row's blocks read back and decoded as GGUF blocks (the same values as gguf_dequantize).
@@ -414,8 +389,7 @@ at::Tensor gguf_mm_x16(const at::Tensor& x, const at::Tensor& w, int64_t quant, 
   const int64_t records = check_layout(w, quant, cols, "gguf_mm_x16");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == cols && x.is_contiguous(), "gguf_mm_x16: contiguous x [M, cols] expected");
   TORCH_CHECK(passes >= 1 && passes <= 3, "gguf_mm_x16: passes 1, 2 or 3 expected, got ", passes);
-  const Isa isa = isa_choice.empty() ? isa_for_rows(x.dim() == 2 ? x.size(0) : 0)
-                                     : isa_named(std::string(isa_choice), "gguf_mm_x16's isa");
+  const Isa isa = isa_named(std::string(isa_choice), "gguf_mm_x16's isa");
   TORCH_CHECK(isa != Isa::kNone, "gguf_mm_x16: this CPU has neither AVX-512 VNNI nor AVX2 with FMA and F16C",
               " (or the kernels are the portable build)");
   const int64_t rows = x.size(0), n = w.size(0), blocks = cols / kBlock;
@@ -466,7 +440,6 @@ TORCH_LIBRARY_FRAGMENT(llmd_cpu, m) {
   m.def("gguf_dequantize_x16(Tensor w, int quant, int cols) -> Tensor");
   m.def("gguf_x16_supported() -> bool");
   m.def("gguf_x16_isas() -> str[]");
-  m.def("gguf_x16_isa_for(int rows) -> str");
 }
 
 TORCH_LIBRARY_IMPL(llmd_cpu, CPU, m) {
@@ -480,5 +453,4 @@ TORCH_LIBRARY_IMPL(llmd_cpu, CPU, m) {
 TORCH_LIBRARY_IMPL(llmd_cpu, CatchAll, m) {
   m.impl("gguf_x16_supported", &gguf_x16_supported);
   m.impl("gguf_x16_isas", &gguf_x16_isas);
-  m.impl("gguf_x16_isa_for", &gguf_x16_isa_for);
 }
