@@ -296,7 +296,11 @@ LLMD_X16_TARGET void group_tile(const uint8_t* w, const QuantizedRow* x, float* 
   for (int64_t s = 0; s < blocks / R::kSub; ++s) {
     const uint8_t* rp = w + s * rec;
     const R record(rp);
-#pragma GCC unroll 8
+    // Not unrolled: with the K-quants' eight sub-blocks unrolled (their shifts constants)
+    // the product was as fast with its weight in cache and 1.2-1.5x slower streamed from
+    // memory at one row on Zen 4 (the 1B's 763 MiB of Q4_K / Q6_K layers, 2 threads: 33.4
+    // / 35.4 ms a token at 1 / 2 passes, not unrolled 21.1 / 22.2; docs/benchmarks.md).
+#pragma GCC unroll 1
     for (int c = 0; c < R::kSub; ++c) {
       // The weight streams from memory once per product: ask for what lies kPrefetch
       // sub-blocks ahead (the next group's first records when this group ends: groups are
