@@ -265,16 +265,31 @@ LLMD_X16_TARGET void quantize_row(const float* x, int64_t cols, int passes, int8
 // The int32 dot products of sub-block `sb` with pass p of x's block b, the codes' offset
 // taken off: columns 0..15 and 16..31 (two chains of four: twice the dot products in
 // flight, and each half's own scale where the type has one).
-template <typename R>
+// kSplit: four chains of two instead (one row in one pass has no other dot products to
+// overlap a chain's latency with: Q6_K / Q8_0 at one row and one pass took longer than at
+// two passes).
+template <typename R, bool kSplit = false>
 LLMD_X16_TARGET inline void sub_block_dots(const SubBlock& sb, const QuantizedRow& x, int p, int64_t b, __m512i& lo,
                                            __m512i& hi) {
   const int32_t* xq = reinterpret_cast<const int32_t*>(x.codes + p * x.cols + b * kBlock);
   const int32_t* sum = x.sums + p * 2 * x.blocks + 2 * b;
   lo = _mm512_set1_epi32(-R::kOffset * sum[0]);
   hi = _mm512_set1_epi32(-R::kOffset * sum[1]);
-  for (int j = 0; j < 4; ++j) {
-    lo = _mm512_dpbusd_epi32(lo, sb.q[j], _mm512_set1_epi32(xq[j]));
-    hi = _mm512_dpbusd_epi32(hi, sb.q[j + 4], _mm512_set1_epi32(xq[j + 4]));
+  if constexpr (kSplit) {
+    __m512i lo2 = _mm512_setzero_si512(), hi2 = _mm512_setzero_si512();
+    for (int j = 0; j < 4; j += 2) {
+      lo = _mm512_dpbusd_epi32(lo, sb.q[j], _mm512_set1_epi32(xq[j]));
+      hi = _mm512_dpbusd_epi32(hi, sb.q[j + 4], _mm512_set1_epi32(xq[j + 4]));
+      lo2 = _mm512_dpbusd_epi32(lo2, sb.q[j + 1], _mm512_set1_epi32(xq[j + 1]));
+      hi2 = _mm512_dpbusd_epi32(hi2, sb.q[j + 5], _mm512_set1_epi32(xq[j + 5]));
+    }
+    lo = _mm512_add_epi32(lo, lo2);
+    hi = _mm512_add_epi32(hi, hi2);
+  } else {
+    for (int j = 0; j < 4; ++j) {
+      lo = _mm512_dpbusd_epi32(lo, sb.q[j], _mm512_set1_epi32(xq[j]));
+      hi = _mm512_dpbusd_epi32(hi, sb.q[j + 4], _mm512_set1_epi32(xq[j + 4]));
+    }
   }
 }
 
@@ -314,7 +329,7 @@ LLMD_X16_TARGET void group_tile(const uint8_t* w, const QuantizedRow* x, float* 
       const int64_t b = s * R::kSub + c;
       for (int r = 0; r < T; ++r) {
         __m512i lo[P], hi[P];
-        for (int p = 0; p < P; ++p) sub_block_dots<R>(sb, x[r], p, b, lo[p], hi[p]);
+        for (int p = 0; p < P; ++p) sub_block_dots<R, T * P == 1>(sb, x[r], p, b, lo[p], hi[p]);
         if constexpr (joins_passes(Q, P)) {  // 254 * pass 0's + pass 1's
           lo[1] = joined(lo[0], lo[1]);
           hi[1] = joined(hi[0], hi[1]);
