@@ -37,6 +37,7 @@ def daemon(tmp_path_factory):
 [models.qwen]
 path = "{fixture_path('tiny-qwen2')}"
 keep_alive = -1
+max_model_len = 1024
 
 [models.napper]
 path = "{fixture_path('tiny-qwen3')}"
@@ -106,14 +107,17 @@ def test_a_sleeping_model_wakes_for_its_requests_with_transformers_tokens(daemon
 
 
 def test_sleep_waits_for_the_request_in_flight(daemon):
-    long = {"max_tokens": 150, "ignore_eos": True}
+    # Long enough to be in flight 0.2 s after the sleep is asked for on any machine (150
+    # tokens of the tiny model took less than that on a Zen 4), within its 1,024 positions.
+    long = {"max_tokens": 1000, "ignore_eos": True}
     with RawConn(daemon.sock) as busy, RawConn(daemon.sock, timeout=60) as control:
         busy.send({"type": "submit", "id": "long", "token_ids": PROMPT_IDS, "model": "qwen", "sampling": long})
-        assert busy.recv()["type"] == "accepted"
+        accepted = busy.recv()
+        assert accepted["type"] == "accepted", accepted
         control.send({"type": "sleep", "model": "qwen"})
         time.sleep(0.2)
         assert models(daemon)["qwen"]["state"] == "serving"
-        assert finals(busy, ["long"])["long"][-1]["usage"]["completion_tokens"] == 150
+        assert finals(busy, ["long"])["long"][-1]["usage"]["completion_tokens"] == 1000
         reply = control.recv()
     assert reply["type"] == "models_reply" and reply["models"][0]["state"] == "asleep"
 
