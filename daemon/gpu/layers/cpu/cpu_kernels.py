@@ -188,10 +188,10 @@ def gguf_ops() -> GGUFOps | None:
         raise ValueError(f"{X16_ENV} must be 0, 1, 2 or 3, got {value!r}")
     isas = tuple(ops.gguf_x16_isas())
     x16 = value != "0" and bool(ops.gguf_x16_supported())  # (refuses an LLMD_GGUF_X16_ISA this CPU lacks)
+    isa = (os.environ.get("LLMD_GGUF_X16_ISA") or isas[0]) if x16 else ""  # what mm_x16's isa="" runs with
     return GGUFOps(ops.gguf_mm, ops.gguf_dequantize, ops.gguf_repack_x16, ops.gguf_repack_x16_, ops.gguf_unpack_x16,
                    ops.gguf_mm_x16, ops.gguf_dequantize_x16, x16=x16, x16_passes=int(value) if value else None,
-                   x16_isas=isas, x16_isa=(os.environ.get("LLMD_GGUF_X16_ISA") or (isas[0] if isas else "")) if x16
-                   else "")
+                   x16_isas=isas, x16_isa=isa)
 
 
 @dataclass(frozen=True)
