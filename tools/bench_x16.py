@@ -7,6 +7,15 @@ SmolLM2-135M's (576x576, 1536x576, 576x1536, the 49152x576 LM head).
 
     python -m llmd_tools.bench_x16 [--threads 2] [--calls 100] [--types Q4_1 Q4_K Q6_K]
         [--shapes 576x576 ...] [--rows 1 4 32] [--passes 1 3] [--isa avx2]
+
+`--stream` times instead what a decode step of the 1B fixture (Llama 3.2 1B's shapes in
+llama.cpp's Q4_K_M mix: Q4_K, Q6_K for attn_v and every other ffn_down, a Q6_K LM head;
+763 MiB, far past any cache) asks of the product: each weight multiplied once a token by
+`--rows` rows of x, per ISA of this CPU and pass count, rounds alternated, min ms a token
+and the weight bytes a second, beside torch.sum over as many bytes (the memory's own rate,
+which on a shared VM moves by 2x over an hour). `--layers` takes fewer layers.
+
+    python -m llmd_tools.bench_x16 --stream [--layers 16] [--rows 1] [--passes 1 2] [--rounds 5]
 """
 from __future__ import annotations
 
@@ -24,10 +33,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=100, help="per figure (a tenth for the largest products)")
     parser.add_argument("--types", nargs="+", default=["Q4_1", "Q4_K", "Q6_K"])
     parser.add_argument("--shapes", nargs="+", default=["576x576", "1536x576", "576x1536", "49152x576"])
-    parser.add_argument("--rows", nargs="+", type=int, default=[1, 4, 32])
+    parser.add_argument("--rows", nargs="+", type=int, default=None, help="default 1 4 32 (--stream: 1)")
     parser.add_argument("--passes", nargs="+", type=int, default=[1, 3])
     parser.add_argument("--isa", default="", help="avx512_vnni or avx2 (default: the layers' choice)")
+    parser.add_argument("--stream", action="store_true", help="the 1B's layer set streamed from memory, every ISA")
+    parser.add_argument("--layers", type=int, default=16, help="--stream: decoder layers (the LM head besides)")
+    parser.add_argument("--rounds", type=int, default=5, help="--stream: alternated rounds")
     args = parser.parse_args(argv)
+    if args.stream:
+        args.rows = args.rows or [1]
+        return stream(args)
+    args.rows = args.rows or [1, 4, 32]
 
     import torch
 
@@ -70,6 +86,58 @@ def main(argv: list[str] | None = None) -> int:
                             times[key].append(time.perf_counter() - start)
                 cells = [f"{min(t) * 1e6:.1f} ({statistics.median(t) * 1e6:.1f})" for t in times.values()]
                 print(f"{quant:<5} {shape:>10} {rows:>4} " + " ".join(f"{c:>20}" for c in cells), flush=True)
+    print(f"load average {os.getloadavg()[0]:.2f} at the end (every tenant)")
+    return 0
+
+
+def stream_shapes(layers: int) -> list[tuple[str, int, int]]:
+    """(type, N, K) of the 1B Q4_K_M fixture's products, in a step's order: per layer q, k,
+    v, o, gate, up, down (v and down Q6_K in every other layer, as llama.cpp's mix), then
+    the tied LM head."""
+    shapes = []
+    for layer in range(layers):
+        mixed = "Q6_K" if layer % 2 == 0 else "Q4_K"
+        shapes += [("Q4_K", 2048, 2048), ("Q4_K", 512, 2048), (mixed, 512, 2048), ("Q4_K", 2048, 2048),
+                   ("Q4_K", 8192, 2048), ("Q4_K", 8192, 2048), (mixed, 2048, 8192)]
+    return shapes + [("Q6_K", 128256, 2048)]
+
+
+def stream(args: argparse.Namespace) -> int:
+    import torch
+
+    from llmd.gpu.layers.cpu.cpu_kernels import gguf_ops
+    from llmd.gpu.layers.gguf_quant import FORMATS
+    from llmd_tools.gguf_blocks import random_blocks
+
+    torch.set_num_threads(args.threads)
+    ops = gguf_ops()
+    if ops is None or not ops.x16:
+        raise SystemExit("no x16 product here (the CPU kernels cannot be built, or the CPU runs no x16 ISA)")
+    weights = []
+    for i, (quant, n, k) in enumerate(stream_shapes(args.layers)):
+        code = FORMATS[quant].code
+        weights.append((ops.repack_x16_(random_blocks(quant, n, k, seed=i % 7), code, k), code, k))
+    total = sum(w.numel() for w, _, _ in weights)
+    plain = torch.ones(total // 4)
+    runs: dict[str, Callable[[], Any]] = {"torch.sum": plain.sum}
+    for rows in args.rows:
+        xs = {k: torch.randn(rows, k) for _, _, k in weights}
+        for isa in ops.x16_isas:
+            for p in args.passes:
+                runs[f"{isa} {p}p {rows} rows"] = lambda xs=xs, isa=isa, p=p: [
+                    ops.mm_x16(xs[k], w, code, k, p, isa=isa) for w, code, k in weights]
+    print(f"{args.threads} threads, {total / 2**20:.0f} MiB of weights ({args.layers} layers and the LM head), "
+          f"{args.rounds} alternated rounds after one; load average {os.getloadavg()[0]:.2f}")
+    times: dict[str, list[float]] = {key: [] for key in runs}
+    for i in range(args.rounds + 1):
+        for key, run in runs.items():
+            start = time.perf_counter()
+            run()
+            if i:
+                times[key].append(time.perf_counter() - start)
+    for key, t in times.items():
+        print(f"{key:<24} {min(t) * 1e3:8.1f} ms a token (median {statistics.median(t) * 1e3:.1f})  "
+              f"{total / min(t) / 1e9:5.1f} GB/s")
     print(f"load average {os.getloadavg()[0]:.2f} at the end (every tenant)")
     return 0
 
