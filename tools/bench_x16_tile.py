@@ -75,8 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.k <= 0 or args.k % 256:
         raise SystemExit(f"--k must be a positive multiple of 256, got {args.k}")
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    if " avx2" not in flags or " fma" not in flags or " f16c" not in flags:
+    from llmd.gpu.layers.cpu.cpu_info import cpuinfo_field
+
+    if not {"avx2", "fma", "f16c"} <= set(cpuinfo_field("flags").split()):
         raise SystemExit("this CPU lacks AVX2, FMA or F16C: the AVX2 product does not run here")
     with tempfile.TemporaryDirectory(prefix="llmd-x16-tile-") as tmp:
         binary = build(args.types, args.passes, args.headers, Path(tmp))

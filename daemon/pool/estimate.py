@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmd.config import KV_CACHE_FLOATS, EngineConfig
+from llmd.gpu.layers.cpu.cpu_info import cpuinfo_field
 from llmd.gpu.layers.gguf_types import DENSE_TYPES, held_bytes
 from llmd.gpu.layers.quant.scheme import config_scheme, weights_per_element
 
@@ -159,11 +160,7 @@ def onednn_copies(dtype: str) -> bool:
         return True
     if dtype != "bfloat16":
         return False
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
+    flags = cpuinfo_field("flags").split()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 

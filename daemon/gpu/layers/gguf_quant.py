@@ -21,7 +21,6 @@ embedding's lookups read rows back in the GGUF layout (`unpack_x16`).
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from llmd.gpu.layers.cpu.cpu_info import cpuinfo_field
 from llmd.gpu.layers.gguf_formats import FORMATS, PACKED_TYPES, dequantize, row_bytes
 
 
@@ -180,15 +180,9 @@ def x16_max_rows(ops: Any) -> dict[int, int]:
     return table or X16_MAX_ROWS["avx2"]
 
 
-@functools.cache
 def cpu_vendor() -> str:
     """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD; "" where it does not say)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith("vendor_id")), "")
-    except OSError:
-        return ""
-    return line.partition(":")[2].strip()
+    return cpuinfo_field("vendor_id")
 
 
 def x16_row_reader(module: torch.nn.Module, ops: Any) -> Any:
