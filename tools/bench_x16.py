@@ -47,14 +47,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from llmd.gpu.layers.cpu.cpu_kernels import gguf_ops
     from llmd.gpu.layers.gguf_quant import FORMATS, KERNEL_MAX_ROWS
     from llmd_tools.gguf_blocks import random_blocks
 
-    torch.set_num_threads(args.threads)
-    ops = gguf_ops()
-    if ops is None or not ops.x16:
-        raise SystemExit("no x16 product here (the CPU kernels cannot be built, or the CPU runs no x16 ISA)")
+    ops = x16_ops(args.threads)
     print(f"{args.threads} threads, x16 ISAs of this CPU {ops.x16_isas}, timed: {args.isa or 'the layers choice'}; "
           f"load average {os.getloadavg()[0]:.2f} at the start")
     print(f"{'type':<5} {'N x K':>10} {'rows':>4} {'fallback':>20} "
@@ -90,6 +86,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def x16_ops(threads: int) -> Any:
+    """The kernels (cpu_kernels.GGUFOps) with torch at `threads` threads, or exit where this
+    CPU runs no x16 product."""
+    import torch
+
+    from llmd.gpu.layers.cpu.cpu_kernels import gguf_ops
+
+    torch.set_num_threads(threads)
+    ops = gguf_ops()
+    if ops is None or not ops.x16:
+        raise SystemExit("no x16 product here (the CPU kernels cannot be built, or the CPU runs no x16 ISA)")
+    return ops
+
+
 def stream_shapes(layers: int) -> list[tuple[str, int, int]]:
     """(type, N, K) of the 1B Q4_K_M fixture's products, in a step's order: per layer q, k,
     v, o, gate, up, down (v and down Q6_K in every other layer, as llama.cpp's mix), then
@@ -105,14 +115,10 @@ def stream_shapes(layers: int) -> list[tuple[str, int, int]]:
 def stream(args: argparse.Namespace) -> int:
     import torch
 
-    from llmd.gpu.layers.cpu.cpu_kernels import gguf_ops
     from llmd.gpu.layers.gguf_quant import FORMATS
     from llmd_tools.gguf_blocks import random_blocks
 
-    torch.set_num_threads(args.threads)
-    ops = gguf_ops()
-    if ops is None or not ops.x16:
-        raise SystemExit("no x16 product here (the CPU kernels cannot be built, or the CPU runs no x16 ISA)")
+    ops = x16_ops(args.threads)
     weights = []
     for i, (quant, n, k) in enumerate(stream_shapes(args.layers)):
         code = FORMATS[quant].code
