@@ -187,8 +187,8 @@ def test_extreme_codes_against_full_scale_x_are_exact(x16, isa, quant):
     x codes of +-127 (where an AVX2 vpmaddubsw pair sum saturates int16 if more products
     are summed there than its codes allow, or Q8_0's codes are taken unsigned), an x on
     its quantization grid gives the float32 product of x and the dequantized weight, in
-    one pass as in two (AVX2's Q8_0: x's two passes joined in int16) and three, for each tile of x's rows (1-4 rows, and 33: eight of four and
-    one)."""
+    one pass as in two (AVX2's Q8_0: x's two passes joined in int16) and three, for each tile of x's rows (1-5
+    rows; 16 and 33: the VNNI product's tiles of eight, AVX2's of four, and one)."""
     cols = width(quant)
     blocks, dense = extreme_codes(quant, 32, cols)
     w = x16.repack_x16(blocks, FORMATS[quant].code, cols)
@@ -203,13 +203,14 @@ def test_extreme_codes_against_full_scale_x_are_exact(x16, isa, quant):
 @pytest.mark.parametrize("quant", X16_TYPES)
 def test_the_two_isas_give_the_same_floats(x16, quant):
     """Where the CPU runs both, the AVX2 product is the VNNI one's to the bit: the same
-    codes of x, the same int32 dot products, scaled in the same float32 order."""
+    codes of x, the same int32 dot products, scaled in the same float32 order, whatever
+    the tiles (VNNI: eight rows at a time, then four and fewer; AVX2: four)."""
     if len(x16.x16_isas) < 2:
         pytest.skip("this CPU runs one ISA of the x16 product")
     cols = width(quant)
     blocks, _ = packed(quant, 48, cols, seed=3)
     w = x16.repack_x16(blocks, FORMATS[quant].code, cols)
-    for rows in (1, 4, 7):
+    for rows in (1, 4, 7, 8, 19):
         x = activations(rows, cols, seed=rows)
         for passes in (1, 2, 3):
             got = [x16.mm_x16(x, w, FORMATS[quant].code, cols, passes, isa=isa) for isa in ISAS]

@@ -262,6 +262,15 @@ LLMD_X16_TARGET void quantize_row(const float* x, int64_t cols, int passes, int8
   }
 }
 
+// acc + the dot products of 16 rows' four unsigned codes (q's lanes) with x's four codes
+// at `x` (vpdpbusd): x broadcast from memory within the instruction ({1to16}), where
+// _mm512_set1_epi32 of it is a load of its own that GCC 12 does not fold (one instruction
+// fewer per four columns: 7-12% faster at 32 rows for Q8_0 and Q6_K; docs/benchmarks.md).
+LLMD_X16_TARGET inline __m512i dot4(__m512i acc, __m512i q, const int32_t* x) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(q), "m"(*x));
+  return acc;
+}
+
 // The int32 dot products of sub-block `sb` with pass p of x's block b, the codes' offset
 // taken off: columns 0..15 and 16..31 (two chains of four: twice the dot products in
 // flight, and each half's own scale where the type has one).
@@ -278,17 +287,17 @@ LLMD_X16_TARGET inline void sub_block_dots(const SubBlock& sb, const QuantizedRo
   if constexpr (kSplit) {
     __m512i lo2 = _mm512_setzero_si512(), hi2 = _mm512_setzero_si512();
     for (int j = 0; j < 4; j += 2) {
-      lo = _mm512_dpbusd_epi32(lo, sb.q[j], _mm512_set1_epi32(xq[j]));
-      hi = _mm512_dpbusd_epi32(hi, sb.q[j + 4], _mm512_set1_epi32(xq[j + 4]));
-      lo2 = _mm512_dpbusd_epi32(lo2, sb.q[j + 1], _mm512_set1_epi32(xq[j + 1]));
-      hi2 = _mm512_dpbusd_epi32(hi2, sb.q[j + 5], _mm512_set1_epi32(xq[j + 5]));
+      lo = dot4(lo, sb.q[j], xq + j);
+      hi = dot4(hi, sb.q[j + 4], xq + j + 4);
+      lo2 = dot4(lo2, sb.q[j + 1], xq + j + 1);
+      hi2 = dot4(hi2, sb.q[j + 5], xq + j + 5);
     }
     lo = _mm512_add_epi32(lo, lo2);
     hi = _mm512_add_epi32(hi, hi2);
   } else {
     for (int j = 0; j < 4; ++j) {
-      lo = _mm512_dpbusd_epi32(lo, sb.q[j], _mm512_set1_epi32(xq[j]));
-      hi = _mm512_dpbusd_epi32(hi, sb.q[j + 4], _mm512_set1_epi32(xq[j + 4]));
+      lo = dot4(lo, sb.q[j], xq + j);
+      hi = dot4(hi, sb.q[j + 4], xq + j + 4);
     }
   }
 }
@@ -358,9 +367,16 @@ LLMD_X16_TARGET void group_tile(const uint8_t* w, const QuantizedRow* x, float* 
   for (int r = 0; r < T; ++r) _mm512_storeu_ps(out + r * stride, acc[r]);
 }
 
+// Rows of x per tile: kWideTile, the codes decoded once per eight rows (32 rows, one thread,
+// in cache: Q4_K / Q6_K 1.2-1.3x faster at one pass, 1.05-1.1x at two), but four where
+// two passes are joined in int32 (Q8_0, IQ4_NL: eight were 5% slower, their registers full).
+constexpr int64_t tile_rows(int quant, int passes) {
+  return llmd_x16::joins_passes(quant, passes) ? llmd_x16::kTile : llmd_x16::kWideTile;
+}
+
 template <int Q, int P>
 void mm_x16(const std::vector<QuantizedRow>& x, const uint8_t* w, int64_t n, int64_t records, float* out) {
-  llmd_x16::for_each_tile(x, w, n, records * record_bytes(Q), out,
+  llmd_x16::for_each_tile<tile_rows(Q, P)>(x, w, n, records * record_bytes(Q), out,
                 [n](auto t, const uint8_t* wg, const QuantizedRow* xr, float* o) {
                   group_tile<Q, decltype(t)::value, P>(wg, xr, o, n);
                 });

@@ -69,21 +69,31 @@ constexpr bool joins_passes(int quant, int passes) { return (quant == 0 || quant
 constexpr int first_scaled_pass(int quant, int passes) { return joins_passes(quant, passes) ? 1 : 0; }
 
 // Rows of x per pass over a record (with AVX2 their float32 accumulators are two per row,
-// one per 8-row half, in sixteen ymm registers beside eight of codes).
+// one per 8-row half, in sixteen ymm registers beside eight of codes). The VNNI product
+// also takes tiles of kWideTile rows where its registers hold them (32 zmm): the weight's
+// codes decoded once per eight rows (tile_rows in cpu_quant_x16.cpp).
 constexpr int64_t kTile = 4;
+constexpr int64_t kWideTile = 8;
 
 // Both products' outer loops: threads over the weight's 16-row groups (`group_bytes`
-// each), x's rows in tiles of up to kTile, each tile of T rows through
-// tile(std::integral_constant<int, T>, group's records, its rows of x, their output) (out
-// [rows, n]).
-template <typename Tile>
+// each), x's rows in tiles of kMaxTile (kTile or kWideTile) while that many are left, then
+// of up to kTile, each tile of T rows through tile(std::integral_constant<int, T>, group's
+// records, its rows of x, their output) (out [rows, n]).
+template <int64_t kMaxTile = kTile, typename Tile>
 void for_each_tile(const std::vector<QuantizedRow>& x, const uint8_t* w, int64_t n, int64_t group_bytes, float* out,
                    const Tile& tile) {
+  static_assert(kMaxTile == kTile || kMaxTile == kWideTile);
   const int64_t rows = static_cast<int64_t>(x.size());
   at::parallel_for(0, n / kGroup, 4, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* wg = w + g * group_bytes;
-      for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+      int64_t r0 = 0;
+      if constexpr (kMaxTile == kWideTile) {
+        for (; r0 + kWideTile <= rows; r0 += kWideTile) {
+          tile(std::integral_constant<int, kWideTile>{}, wg, x.data() + r0, out + r0 * n + g * kGroup);
+        }
+      }
+      for (; r0 < rows; r0 += kTile) {
         const QuantizedRow* xr = x.data() + r0;
         float* o = out + r0 * n + g * kGroup;
         switch (std::min(kTile, rows - r0)) {

@@ -44,12 +44,36 @@ LLMD_X16_TARGET inline __m512i byte_bits(__m512i v, int bits, int mask) {
   return _mm512_and_si512(_mm512_srli_epi16(v, bits), _mm512_set1_epi8(static_cast<char>(mask)));
 }
 
+// The same with the shift a constant (none for 0): the sub-block loop is not unrolled
+// (cpu_quant_x16.cpp's group_tile), so a decoder branches to one of these per shift rather
+// than shift by a variable count (a shift by 0 every other sub-block of Q4_K; docs/benchmarks.md).
+template <int kBits>
+LLMD_X16_TARGET inline __m512i byte_bits(__m512i v, int mask) {
+  if constexpr (kBits == 0) return _mm512_and_si512(v, _mm512_set1_epi8(static_cast<char>(mask)));
+  return byte_bits(v, kBits, mask);
+}
+
 // + `add` to the codes whose bit `bit` is set in the fifth-bit chunks at p (byte l, bit c:
 // column l of sub-block c; chunk k: columns 4k..4k+3).
 LLMD_X16_TARGET inline void add_high_bits(const uint8_t* p, int bit, int add, __m512i* q) {
   const __m512i probe = _mm512_set1_epi8(static_cast<char>(1 << bit)), high = _mm512_set1_epi8(static_cast<char>(add));
   for (int k = 0; k < 8; ++k) {
     q[k] = _mm512_mask_add_epi8(q[k], _mm512_test_epi8_mask(chunk(p + 64 * k), probe), q[k], high);
+  }
+}
+
+// Q2_K's and Q3_K's 2-bit codes at bits 2i..2i+1 of the eight chunks at p.
+template <int I>
+LLMD_X16_TARGET inline void two_bits(const uint8_t* p, __m512i* q) {
+  for (int k = 0; k < 8; ++k) q[k] = byte_bits<2 * I>(chunk(p + 64 * k), 3);
+}
+
+LLMD_X16_TARGET inline void two_bits(const uint8_t* p, int i, __m512i* q) {
+  switch (i) {
+    case 0: two_bits<0>(p, q); break;
+    case 1: two_bits<1>(p, q); break;
+    case 2: two_bits<2>(p, q); break;
+    default: two_bits<3>(p, q); break;
   }
 }
 
@@ -122,7 +146,7 @@ struct X16Record<5> {
         neg_dmin(_mm512_sub_ps(_mm512_setzero_ps(), halves16(record + field_at(5, 3)))) {}
   LLMD_X16_TARGET void decode(int c, SubBlock& s) const {
     const uint8_t* q = r + 64 * 8 * (c / 4);
-    for (int k = 0; k < 8; ++k) s.q[k] = byte_bits(chunk(q + 64 * k), 2 * (c % 4), 3);
+    two_bits(q, c % 4, s.q);
     for (int h = 0; h < 2; ++h) {
       const __m512i b = _mm512_cvtepu8_epi32(
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + field_at(5, 1) + 16 * (2 * c + h))));
@@ -154,7 +178,7 @@ struct X16Record<6> {
   }
   LLMD_X16_TARGET void decode(int c, SubBlock& s) const {
     const uint8_t* q = r + field_at(6, 1) + 64 * 8 * (c / 4);
-    for (int k = 0; k < 8; ++k) s.q[k] = byte_bits(chunk(q + 64 * k), 2 * (c % 4), 3);
+    two_bits(q, c % 4, s.q);
     add_high_bits(r, c, 4, s.q);
     s.scale[0] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(scale_of(2 * c)));
     s.scale[1] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(scale_of(2 * c + 1)));
@@ -188,7 +212,11 @@ struct KNibbleRecord {
   }
   LLMD_X16_TARGET void decode(int c, SubBlock& s) const {
     const uint8_t* q = r + 64 * 8 * (c / 2);
-    for (int k = 0; k < 8; ++k) s.q[k] = byte_bits(chunk(q + 64 * k), 4 * (c % 2), 0x0F);
+    if (c % 2 == 0) {
+      for (int k = 0; k < 8; ++k) s.q[k] = byte_bits<0>(chunk(q + 64 * k), 0x0F);
+    } else {
+      for (int k = 0; k < 8; ++k) s.q[k] = byte_bits<4>(chunk(q + 64 * k), 0x0F);
+    }
     if constexpr (kFifth) add_high_bits(r + field_at(Q, 1), c, 16, s.q);
     s.scale[0] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(six_bits(c, 0)));
     s.min[0] = _mm512_mul_ps(neg_dmin, _mm512_cvtepi32_ps(six_bits(c, 1)));
@@ -208,15 +236,25 @@ struct X16Record<9> {
   const uint8_t* r;
   __m512 d;
   LLMD_X16_TARGET explicit X16Record(const uint8_t* record) : r(record), d(halves16(record + field_at(9, 3))) {}
+  // The codes of sub-block 4h + J: low nibbles J / 2, high bits 2J..2J+1 moved to bits 4..5.
+  template <int J>
+  LLMD_X16_TARGET static void codes(const uint8_t* low, const uint8_t* high, __m512i* q) {
+    const __m512i top = _mm512_set1_epi8(0x30);
+    for (int k = 0; k < 8; ++k) {
+      const __m512i hv = chunk(high + 64 * k);
+      const __m512i moved = J <= 2 ? _mm512_slli_epi16(hv, 4 - 2 * J) : _mm512_srli_epi16(hv, 2 * J - 4);
+      q[k] = _mm512_or_si512(byte_bits<4 * (J / 2)>(chunk(low + 64 * k), 0x0F), _mm512_and_si512(moved, top));
+    }
+  }
   LLMD_X16_TARGET void decode(int c, SubBlock& s) const {
     const int h = c / 4, j = c % 4;
     const uint8_t* low = r + 64 * (16 * h + 8 * (j % 2));
     const uint8_t* high = r + field_at(9, 1) + 64 * 8 * h;
-    const __m512i top = _mm512_set1_epi8(0x30);
-    for (int k = 0; k < 8; ++k) {
-      const __m512i hv = chunk(high + 64 * k);  // bits 2j..2j+1 to bits 4..5
-      const __m512i moved = j <= 2 ? _mm512_slli_epi16(hv, 4 - 2 * j) : _mm512_srli_epi16(hv, 2 * j - 4);
-      s.q[k] = _mm512_or_si512(byte_bits(chunk(low + 64 * k), 4 * (j / 2), 0x0F), _mm512_and_si512(moved, top));
+    switch (j) {  // the shifts constants (byte_bits<>)
+      case 0: codes<0>(low, high, s.q); break;
+      case 1: codes<1>(low, high, s.q); break;
+      case 2: codes<2>(low, high, s.q); break;
+      default: codes<3>(low, high, s.q); break;
     }
     for (int i = 0; i < 2; ++i) {
       s.scale[i] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
