@@ -273,7 +273,8 @@ LLMD_X16_TARGET inline __m512i dot4(__m512i acc, __m512i q, const int32_t* x) {
 
 // The int32 dot products of sub-block `sb` with pass p of x's block b, the codes' offset
 // taken off: columns 0..15 and 16..31 (two chains of four: twice the dot products in
-// flight, and each half's own scale where the type has one).
+// flight, and each half's own scale where the type has one; where it has not, the two
+// are summed, and the offset is taken off the first alone: one broadcast fewer).
 // kSplit: four chains of two instead (one row in one pass has no other dot products to
 // overlap a chain's latency with: Q6_K / Q8_0 at one row and one pass took longer than at
 // two passes).
@@ -282,8 +283,13 @@ LLMD_X16_TARGET inline void sub_block_dots(const SubBlock& sb, const QuantizedRo
                                            __m512i& hi) {
   const int32_t* xq = reinterpret_cast<const int32_t*>(x.codes + p * x.cols + b * kBlock);
   const int32_t* sum = x.sums + p * 2 * x.blocks + 2 * b;
-  lo = _mm512_set1_epi32(-R::kOffset * sum[0]);
-  hi = _mm512_set1_epi32(-R::kOffset * sum[1]);
+  if constexpr (R::kHalves) {
+    lo = _mm512_set1_epi32(-R::kOffset * sum[0]);
+    hi = _mm512_set1_epi32(-R::kOffset * sum[1]);
+  } else {
+    lo = R::kOffset ? _mm512_set1_epi32(-R::kOffset * (sum[0] + sum[1])) : _mm512_setzero_si512();
+    hi = _mm512_setzero_si512();
+  }
   if constexpr (kSplit) {
     __m512i lo2 = _mm512_setzero_si512(), hi2 = _mm512_setzero_si512();
     for (int j = 0; j < 4; j += 2) {
