@@ -200,6 +200,22 @@ def test_extreme_codes_against_full_scale_x_are_exact(x16, isa, quant):
             assert ((got - exact).abs() <= float32_slack(x, dense)).all(), (rows, passes)
 
 
+@pytest.mark.parametrize("quant", ["Q8_0", "Q4_K"])
+def test_a_product_past_the_caches_equals_it_in_pieces(x16, isa, quant):
+    """An output of 8 MiB or more (an LM head's logits at a batch; the VNNI product stores
+    it past the caches, non-temporally) holds the same floats as the product of the
+    weight's halves, each below that size and stored as usual."""
+    cols, n = width(quant), 65536
+    blocks, _ = packed(quant, n, cols, seed=5)
+    w = x16.repack_x16(blocks, FORMATS[quant].code, cols)
+    x = activations(33, cols, seed=9)  # 33 x 65536 float32: 8.25 MiB (four tiles of eight, then one)
+    code = FORMATS[quant].code
+    for passes in (1, 2):
+        whole = x16.mm_x16(x, w, code, cols, passes, isa=isa)
+        halves = [x16.mm_x16(x, w[i:i + n // 2], code, cols, passes, isa=isa) for i in (0, n // 2)]
+        assert torch.equal(whole, torch.cat(halves, dim=1)), passes
+
+
 @pytest.mark.parametrize("quant", X16_TYPES)
 def test_the_two_isas_give_the_same_floats(x16, quant):
     """Where the CPU runs both, the AVX2 product is the VNNI one's to the bit: the same
@@ -287,6 +303,39 @@ def test_a_linear_layer_repacked_at_attach_computes_the_reference(x16, quant, mo
         exact = x.double() @ dense.double().t() + layer.bias.double()
         got = layer(x).double()
         assert ((got - exact).abs() <= float32_slack(x, dense) + 1e-6).all(), rows
+
+
+def test_a_large_output_goes_into_a_buffer_the_layer_reuses(x16, monkeypatch):
+    """A product's output of REUSED_OUTPUT_BYTES or more (an LM head's logits) is written
+    into a buffer the layer keeps, handed out again once nothing holds it: the same
+    floats as a new tensor, and a result still held is never overwritten."""
+    monkeypatch.setattr(gguf_quant, "REUSED_OUTPUT_BYTES", 4 * 64 * 4)  # 4 rows of 64 columns
+    blocks, _ = packed("Q8_0", 80, 320, seed=4)
+    layer = ReplicatedLinear(320, 64, bias=False)
+    layer.use_packed("Q8_0")
+    layer.weight.data = blocks[16:].clone()
+    layer.kernel = GGUFMatmul(layer, x16, 2)
+    code = FORMATS["Q8_0"].code
+    xs = [activations(4, 320, seed=s) for s in range(3)]
+
+    def fresh(x):
+        return x16.mm_x16(x, layer.weight, code, 320, 2)
+
+    first = layer(xs[0])
+    assert torch.equal(first, fresh(xs[0]))
+    second = layer(xs[1])  # the first is still held: it is not written over
+    assert second.data_ptr() != first.data_ptr()
+    assert torch.equal(first, fresh(xs[0])) and torch.equal(second, fresh(xs[1]))
+    view, at = second[1:], second.data_ptr()
+    del first, second
+    third = layer(xs[2])  # a view of the second still holds its buffer
+    assert third.data_ptr() != at and torch.equal(view, fresh(xs[1])[1:])
+    at = third.data_ptr()
+    del view, third
+    assert layer(xs[0]).data_ptr() == at and torch.equal(layer(xs[0]), fresh(xs[0]))  # nothing holds it: reused
+    assert layer(xs[0][:2]).data_ptr() != at  # below the size: a new tensor as before
+    with pytest.raises(RuntimeError, match="out"):
+        x16.mm_x16_into(xs[0], layer.weight, code, 320, 2, "", torch.empty(3, 64))
 
 
 @pytest.mark.parametrize("isa_name, vendor, limits", [

@@ -41,6 +41,13 @@ KERNEL_MAX_ROWS = 16
 # columns) and a scratch that stays small.
 SLICE_BYTES = 4 << 20
 
+# An x16 product's float32 output of at least this many bytes goes into a buffer its layer
+# keeps from call to call (ReusedOutput): an LM head's logits (Gemma 3's 262,144 columns
+# at 32 rows: 32 MiB) are above glibc's largest mmap threshold, so a new tensor each step
+# is mapped afresh and every page faulted in and zeroed by the kernel (~8 ms of that
+# product's 30 ms). The kernel also stores such an output past the caches (its kStreamBytes).
+REUSED_OUTPUT_BYTES = 8 << 20
+
 X16_TYPES = PACKED_TYPES  # what the x16 kernel reads: every packed type
 X16_GROUP = 16  # weight rows per x16 record
 # Rows up to which a product with an x16 weight runs through its kernel, by its passes
@@ -191,6 +198,28 @@ def x16_row_reader(module: torch.nn.Module, ops: Any) -> Any:
     return lambda ids: ops.unpack_x16(module.weight, ids, code, cols)
 
 
+class ReusedOutput:
+    """A float32 buffer handed out again for the next product once nothing else holds
+    it (a caller keeping a product's result gets a new one the next time, never an
+    overwritten one)."""
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+        self.own_uses = 0  # the storage's use count with only this object holding it
+
+    def get(self, rows: int, cols: int) -> torch.Tensor:
+        buf = self.buffer
+        if buf is None or buf.numel() < rows * cols or _uses(buf) > self.own_uses:
+            buf = self.buffer = torch.empty(rows * cols, dtype=torch.float32)
+            self.own_uses = _uses(buf)
+        return buf[: rows * cols].view(rows, cols)
+
+
+def _uses(t: torch.Tensor) -> int:
+    """References to t's storage (tensors and views over it)."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
 class GGUFMatmul:
     """x -> x W^T (+ b unless the layer reduces) over a linear layer's packed weight
     (module doc), part by part (`layer.packed_parts`); `ops` are the C++ kernels
@@ -204,6 +233,7 @@ class GGUFMatmul:
         self.with_bias = not getattr(layer, "reduce", False)
         cols = layer.in_features
         self.max_rows = x16_max_rows(ops) if x16_passes else {}  # passes -> rows through the x16 kernel
+        self.reused = ReusedOutput()  # large outputs (REUSED_OUTPUT_BYTES)
         self.parts = []  # (part, its type's code, its packed rows, x16 passes or 0)
         for part in layer.packed_parts:
             passes = x16_passes if x16_passes and use_x16(layer.weight, part, cols, ops) else 0
@@ -225,6 +255,10 @@ class GGUFMatmul:
         if rows.shape[0] == 0:
             return rows.new_empty(0, out_features)
         if passes and rows.shape[0] <= self.max_rows[passes]:
+            if rows.dtype == torch.float32 and len(self.parts) == 1 and ops.mm_x16_into is not None and \
+                    rows.shape[0] * out_features * 4 >= REUSED_OUTPUT_BYTES:
+                out = self.reused.get(rows.shape[0], out_features)
+                return ops.mm_x16_into(rows.contiguous(), weight, code, cols, passes, "", out)
             return ops.mm_x16(rows.contiguous(), weight, code, cols, passes)
         if not passes and rows.shape[0] <= KERNEL_MAX_ROWS and ops is not None:
             return ops.mm(rows.contiguous(), weight, code, cols)

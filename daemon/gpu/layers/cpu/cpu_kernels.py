@@ -159,7 +159,8 @@ class GGUFOps:
     `dequantize_x16(w, code, cols)` and, when `x16` (the CPU has AVX-512 VNNI or AVX2
     with FMA and F16C, and LLMD_GGUF_X16 is not 0), `mm_x16(x, w, code, cols, passes,
     isa="")` (isa: one of `x16_isas`, the ISAs this CPU runs it with, best first; "" the
-    one LLMD_GGUF_X16_ISA names, else the best; `x16_isa` is that one); `x16_passes`:
+    one LLMD_GGUF_X16_ISA names, else the best; `x16_isa` is that one), and
+    `mm_x16_into(x, w, code, cols, passes, isa, out)` into a float32 buffer; `x16_passes`:
     LLMD_GGUF_X16's passes, if it set them."""
 
     mm: Callable[..., torch.Tensor]
@@ -173,6 +174,7 @@ class GGUFOps:
     x16_passes: int | None = None
     x16_isas: tuple[str, ...] = ()
     x16_isa: str = ""
+    mm_x16_into: Callable[..., torch.Tensor] | None = None  # (x, w, code, cols, passes, isa, out) -> out
 
 
 def gguf_ops() -> GGUFOps | None:
@@ -191,7 +193,7 @@ def gguf_ops() -> GGUFOps | None:
     isa = (os.environ.get("LLMD_GGUF_X16_ISA") or isas[0]) if x16 else ""  # what mm_x16's isa="" runs with
     return GGUFOps(ops.gguf_mm, ops.gguf_dequantize, ops.gguf_repack_x16, ops.gguf_repack_x16_, ops.gguf_unpack_x16,
                    ops.gguf_mm_x16, ops.gguf_dequantize_x16, x16=x16, x16_passes=int(value) if value else None,
-                   x16_isas=isas, x16_isa=isa)
+                   x16_isas=isas, x16_isa=isa, mm_x16_into=ops.gguf_mm_x16_into if x16 else None)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,9 @@
 //   to the bit of their int32 sums), `isa` "avx512_vnni" or "avx2", "" the one
 //   LLMD_GGUF_X16_ISA names (read once; the A/B switch, and how a CI machine with
 //   AVX-512 tests the AVX2 path), else the best this CPU has.
+// gguf_mm_x16_into(x, w, quant, cols, passes, isa, out) -> out: the same into a float32
+//   [M, N] (x float32): a buffer its caller keeps from step to step (gguf_quant's large
+//   outputs, an LM head's logits: a new one is faulted in page by page each time).
 // gguf_dequantize_x16(w, quant, cols) -> float32 [N, cols] (for a GEMM over many rows),
 //   equal to gguf_dequantize of the GGUF rows (any CPU).
 // gguf_x16_supported(): whether this CPU runs gguf_mm_x16 (with the ISA "" picks).
@@ -316,8 +319,9 @@ LLMD_X16_TARGET inline __m512i joined(__m512i s0, __m512i s1) {
 // out[r][g*16 + lane] for the `T` rows of x and the 16 weight rows of group g: per
 // sub-block, its scale times the sum over passes of its dot products times that pass's
 // scale of x, plus the minimums times x's sums.
+// `stream`: the outputs stored past the caches (mm_x16's kStreamBytes).
 template <int Q, int T, int P>
-LLMD_X16_TARGET void group_tile(const uint8_t* w, const QuantizedRow* x, float* out, int64_t stride) {
+LLMD_X16_TARGET void group_tile(const uint8_t* w, const QuantizedRow* x, float* out, int64_t stride, bool stream) {
   using R = X16Record<Q>;
   constexpr int64_t rec = record_bytes(Q), sub_bytes = rec / R::kSub;
   const int64_t blocks = x[0].blocks;
@@ -370,7 +374,11 @@ LLMD_X16_TARGET void group_tile(const uint8_t* w, const QuantizedRow* x, float* 
       }
     }
   }
-  for (int r = 0; r < T; ++r) _mm512_storeu_ps(out + r * stride, acc[r]);
+  if (stream) {
+    for (int r = 0; r < T; ++r) _mm512_stream_ps(out + r * stride, acc[r]);
+  } else {
+    for (int r = 0; r < T; ++r) _mm512_storeu_ps(out + r * stride, acc[r]);
+  }
 }
 
 // Rows of x per tile: kWideTile, the codes decoded once per eight rows (32 rows, one thread,
@@ -380,12 +388,21 @@ constexpr int64_t tile_rows(int quant, int passes) {
   return llmd_x16::joins_passes(quant, passes) ? llmd_x16::kTile : llmd_x16::kWideTile;
 }
 
+// Outputs of at least this many bytes are stored past the caches (non-temporal): an LM
+// head's logits (Gemma 3's 262,144 columns at 32 rows: 32 MiB) would otherwise be read
+// into the cache line by line before each is written, and evict the weights' prefetched
+// lines; what the next layer reads at once stays below it (the 1B's widest, 32 rows of
+// 16,384: 2 MiB). Q8_0 262144 x 640 at 32 rows, one pass: 1.2x faster (docs/benchmarks.md).
+constexpr int64_t kStreamBytes = int64_t{8} << 20;
+
 template <int Q, int P>
 void mm_x16(const std::vector<QuantizedRow>& x, const uint8_t* w, int64_t n, int64_t records, float* out) {
+  const bool stream = static_cast<int64_t>(x.size()) * n * static_cast<int64_t>(sizeof(float)) >= kStreamBytes &&
+                      reinterpret_cast<uintptr_t>(out) % 64 == 0;  // (rows start 64 n bytes apart)
   llmd_x16::for_each_tile<tile_rows(Q, P)>(x, w, n, records * record_bytes(Q), out,
-                [n](auto t, const uint8_t* wg, const QuantizedRow* xr, float* o) {
-                  group_tile<Q, decltype(t)::value, P>(wg, xr, o, n);
-                });
+                [n, stream](auto t, const uint8_t* wg, const QuantizedRow* xr, float* o) {
+                  group_tile<Q, decltype(t)::value, P>(wg, xr, o, n, stream);
+                }, stream);
 }
 
 template <int Q>
@@ -425,8 +442,10 @@ void mm_on(Isa isa, int64_t quant, int passes, const std::vector<QuantizedRow>& 
   TORCH_CHECK(false, "gguf_mm_x16: this build has no ", isa_name(isa), " product");
 }
 
-at::Tensor gguf_mm_x16(const at::Tensor& x, const at::Tensor& w, int64_t quant, int64_t cols, int64_t passes,
-                       c10::string_view isa_choice) {
+// The product into `out` (float32 [M, N], contiguous; x float32), or a new tensor when
+// `out` is undefined.
+at::Tensor mm_x16_into(const at::Tensor& x, const at::Tensor& w, int64_t quant, int64_t cols, int64_t passes,
+                       c10::string_view isa_choice, at::Tensor out) {
   const int64_t records = check_layout(w, quant, cols, "gguf_mm_x16");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == cols && x.is_contiguous(), "gguf_mm_x16: contiguous x [M, cols] expected");
   TORCH_CHECK(passes >= 1 && passes <= 3, "gguf_mm_x16: passes 1, 2 or 3 expected, got ", passes);
@@ -434,7 +453,13 @@ at::Tensor gguf_mm_x16(const at::Tensor& x, const at::Tensor& w, int64_t quant, 
   TORCH_CHECK(isa != Isa::kNone, "gguf_mm_x16: this CPU has neither AVX-512 VNNI nor AVX2 with FMA and F16C",
               " (or the kernels are the portable build)");
   const int64_t rows = x.size(0), n = w.size(0), blocks = cols / kBlock;
-  at::Tensor out = at::empty({rows, n}, x.options().dtype(at::kFloat));
+  if (out.defined()) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && out.is_contiguous() &&
+                    out.dim() == 2 && out.size(0) == rows && out.size(1) == n,
+                "gguf_mm_x16_into: float32 x and a contiguous float32 out [", rows, ", ", n, "] expected");
+  } else {
+    out = at::empty({rows, n}, x.options().dtype(at::kFloat));
+  }
   if (rows == 0) return out.to(x.scalar_type());
   const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
   std::vector<int8_t> codes(rows * passes * cols);
@@ -452,6 +477,18 @@ at::Tensor gguf_mm_x16(const at::Tensor& x, const at::Tensor& w, int64_t quant, 
   }
   mm_on(isa, quant, p, quantized, w.const_data_ptr<uint8_t>(), n, records, out.data_ptr<float>());
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+at::Tensor gguf_mm_x16(const at::Tensor& x, const at::Tensor& w, int64_t quant, int64_t cols, int64_t passes,
+                       c10::string_view isa) {
+  return mm_x16_into(x, w, quant, cols, passes, isa, at::Tensor());
+}
+
+at::Tensor& gguf_mm_x16_into(const at::Tensor& x, const at::Tensor& w, int64_t quant, int64_t cols, int64_t passes,
+                             c10::string_view isa, at::Tensor& out) {
+  TORCH_CHECK(out.defined(), "gguf_mm_x16_into: an out tensor expected");
+  mm_x16_into(x, w, quant, cols, passes, isa, out);
+  return out;
 }
 
 at::Tensor gguf_dequantize_x16(const at::Tensor& w, int64_t quant, int64_t cols) {
@@ -478,6 +515,7 @@ TORCH_LIBRARY_FRAGMENT(llmd_cpu, m) {
   m.def("gguf_repack_x16_(Tensor(a!) w, int quant, int cols) -> Tensor(a!)");
   m.def("gguf_unpack_x16(Tensor w, Tensor rows, int quant, int cols) -> Tensor");
   m.def("gguf_mm_x16(Tensor x, Tensor w, int quant, int cols, int passes=3, str isa=\"\") -> Tensor");
+  m.def("gguf_mm_x16_into(Tensor x, Tensor w, int quant, int cols, int passes, str isa, Tensor(a!) out) -> Tensor(a!)");
   m.def("gguf_dequantize_x16(Tensor w, int quant, int cols) -> Tensor");
   m.def("gguf_x16_supported() -> bool");
   m.def("gguf_x16_isas() -> str[]");
@@ -488,6 +526,7 @@ TORCH_LIBRARY_IMPL(llmd_cpu, CPU, m) {
   m.impl("gguf_repack_x16_", &gguf_repack_x16_);
   m.impl("gguf_unpack_x16", &gguf_unpack_x16);
   m.impl("gguf_mm_x16", &gguf_mm_x16);
+  m.impl("gguf_mm_x16_into", &gguf_mm_x16_into);
   m.impl("gguf_dequantize_x16", &gguf_dequantize_x16);
 }
 

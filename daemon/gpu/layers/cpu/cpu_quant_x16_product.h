@@ -6,6 +6,10 @@
 
 #include <ATen/Parallel.h>
 
+#if defined(__x86_64__)
+#include <immintrin.h>  // _mm_sfence
+#endif
+
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
@@ -78,10 +82,11 @@ constexpr int64_t kWideTile = 8;
 // Both products' outer loops: threads over the weight's 16-row groups (`group_bytes`
 // each), x's rows in tiles of kMaxTile (kTile or kWideTile) while that many are left, then
 // of up to kTile, each tile of T rows through tile(std::integral_constant<int, T>, group's
-// records, its rows of x, their output) (out [rows, n]).
+// records, its rows of x, their output) (out [rows, n]). `fence`: each thread's stores are
+// fenced (sfence) once its share is done: where the tiles store past the caches.
 template <int64_t kMaxTile = kTile, typename Tile>
 void for_each_tile(const std::vector<QuantizedRow>& x, const uint8_t* w, int64_t n, int64_t group_bytes, float* out,
-                   const Tile& tile) {
+                   const Tile& tile, bool fence = false) {
   static_assert(kMaxTile == kTile || kMaxTile == kWideTile);
   const int64_t rows = static_cast<int64_t>(x.size());
   at::parallel_for(0, n / kGroup, 4, [&](int64_t g0, int64_t g1) {
@@ -104,6 +109,9 @@ void for_each_tile(const std::vector<QuantizedRow>& x, const uint8_t* w, int64_t
         }
       }
     }
+#if defined(__x86_64__)
+    if (fence) _mm_sfence();
+#endif
   });
 }
 
