@@ -306,9 +306,9 @@ def test_a_linear_layer_repacked_at_attach_computes_the_reference(x16, quant, mo
 
 
 def test_a_large_output_goes_into_a_buffer_the_layer_reuses(x16, monkeypatch):
-    """A product's output of REUSED_OUTPUT_BYTES or more (an LM head's logits) is written
-    into a buffer the layer keeps, handed out again once nothing holds it: the same
-    floats as a new tensor, and a result still held is never overwritten."""
+    """An LM head's output of REUSED_OUTPUT_BYTES or more (its logits) is written into a
+    buffer the layer keeps, handed out again once nothing holds it: the same floats as a
+    new tensor, and a result still held is never overwritten. Other layers keep none."""
     monkeypatch.setattr(gguf_quant, "REUSED_OUTPUT_BYTES", 4 * 64 * 4)  # 4 rows of 64 columns
     blocks, _ = packed("Q8_0", 80, 320, seed=4)
     layer = ReplicatedLinear(320, 64, bias=False)
@@ -317,6 +317,8 @@ def test_a_large_output_goes_into_a_buffer_the_layer_reuses(x16, monkeypatch):
     layer.kernel = GGUFMatmul(layer, x16, 2)
     code = FORMATS["Q8_0"].code
     xs = [activations(4, 320, seed=s) for s in range(3)]
+    assert layer.kernel.reused is None  # not an LM head: a new tensor each time
+    layer.kernel = GGUFMatmul(layer, x16, 2, reuse_output=True)
 
     def fresh(x):
         return x16.mm_x16(x, layer.weight, code, 320, 2)
@@ -440,6 +442,9 @@ def test_a_k_quant_model_with_a_tied_table_runs_through_x16(x16, hf_dirs, tmp_pa
     assert {part.quant for k in kernels for part, *_ in k.parts} == {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
     assert all(passes == 2 for k in kernels for *_, passes in k.parts)
     assert model.lm_head.weight is model.embed_tokens.weight and model.embed_tokens.read_rows is not None
+    # the LM head alone keeps its large outputs' buffer (gguf_quant.REUSED_OUTPUT_BYTES)
+    assert model.lm_head.kernel.reused is not None and [k for k in kernels if k.reused is not None] == [
+        model.lm_head.kernel]
     ids = torch.tensor([3, 1000, 17, 17])
     assert torch.equal(model.embed_tokens.read_rows(ids), torch.from_numpy(table[ids.numpy()]))
     # the lookup's rows decoded by the C++ kernel: the torch reference's values exactly

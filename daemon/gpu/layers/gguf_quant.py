@@ -41,11 +41,13 @@ KERNEL_MAX_ROWS = 16
 # columns) and a scratch that stays small.
 SLICE_BYTES = 4 << 20
 
-# An x16 product's float32 output of at least this many bytes goes into a buffer its layer
-# keeps from call to call (ReusedOutput): an LM head's logits (Gemma 3's 262,144 columns
-# at 32 rows: 32 MiB) are above glibc's largest mmap threshold, so a new tensor each step
-# is mapped afresh and every page faulted in and zeroed by the kernel (~8 ms of that
-# product's 30 ms). The kernel also stores such an output past the caches (its kStreamBytes).
+# An LM head's x16 product of at least this many bytes of float32 output goes into a
+# buffer the layer keeps from step to step (ReusedOutput): its logits (Gemma 3's 262,144
+# columns at 32 rows: 32 MiB) are above glibc's largest mmap threshold, so a new tensor
+# each step is mapped afresh and every page faulted in and zeroed by the kernel (~8 ms of
+# that product's 30 ms). The kernel also stores such an output past the caches (its
+# kStreamBytes). Only the LM head: a buffer kept by every layer whose prefill outputs
+# reach the size would hold them all (Gemma's 18 gate/up projections at 1,024 rows: 300 MiB).
 REUSED_OUTPUT_BYTES = 8 << 20
 
 X16_TYPES = PACKED_TYPES  # what the x16 kernel reads: every packed type
@@ -227,13 +229,13 @@ class GGUFMatmul:
     slices and a GEMM). With `x16_passes`, the parts the x16 kernel reads are repacked
     (use_x16) and multiplied in that many passes over x."""
 
-    def __init__(self, layer: torch.nn.Module, ops: Any, x16_passes: int = 0) -> None:
+    def __init__(self, layer: torch.nn.Module, ops: Any, x16_passes: int = 0, reuse_output: bool = False) -> None:
         self.layer = layer
         self.ops = ops
         self.with_bias = not getattr(layer, "reduce", False)
         cols = layer.in_features
         self.max_rows = x16_max_rows(ops) if x16_passes else {}  # passes -> rows through the x16 kernel
-        self.reused = ReusedOutput()  # large outputs (REUSED_OUTPUT_BYTES)
+        self.reused = ReusedOutput() if reuse_output else None  # an LM head's (REUSED_OUTPUT_BYTES)
         self.parts = []  # (part, its type's code, its packed rows, x16 passes or 0)
         for part in layer.packed_parts:
             passes = x16_passes if x16_passes and use_x16(layer.weight, part, cols, ops) else 0
@@ -255,7 +257,8 @@ class GGUFMatmul:
         if rows.shape[0] == 0:
             return rows.new_empty(0, out_features)
         if passes and rows.shape[0] <= self.max_rows[passes]:
-            if rows.dtype == torch.float32 and len(self.parts) == 1 and ops.mm_x16_into is not None and \
+            if self.reused is not None and rows.dtype == torch.float32 and len(self.parts) == 1 and \
+                    ops.mm_x16_into is not None and \
                     rows.shape[0] * out_features * 4 >= REUSED_OUTPUT_BYTES:
                 out = self.reused.get(rows.shape[0], out_features)
                 return ops.mm_x16_into(rows.contiguous(), weight, code, cols, passes, "", out)

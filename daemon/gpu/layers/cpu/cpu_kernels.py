@@ -59,6 +59,7 @@ from llmd.gpu.layers.attention import TorchAttention
 from llmd.gpu.layers.cpu.cpu_fused_ops import use_cpu_fused_ops
 from llmd.gpu.layers.fused_ops import fused_ops_setting
 from llmd.gpu.layers.gguf_quant import FORMATS, GGUFMatmul, use_x16, x16_passes, x16_row_reader
+from llmd.gpu.layers.linear import ParallelLMHead
 from llmd.gpu.layers.cpu.kernel_build import ExtensionBuild, KernelBuildCancelled, KernelBuildError, build_library
 
 logger = logging.getLogger("llmd.cpu_kernels")
@@ -246,7 +247,8 @@ def attach_gguf_kernels(model: torch.nn.Module, dtype: torch.dtype, int8_activat
     dequantized to; returns how many layers are packed. On a CPU with AVX-512 VNNI or
     AVX2 the weights the x16 kernel reads are repacked in place first (gguf_quant.use_x16: a
     table tied to the LM head is read through the same layout), and multiplied in
-    x16_passes(int8_activations) passes over x."""
+    x16_passes(int8_activations) passes over x; the LM head's logits into a buffer it
+    reuses (gguf_quant.REUSED_OUTPUT_BYTES)."""
     ops = gguf_ops()
     passes = x16_passes(ops, int8_activations) if ops is not None and ops.x16 else 0
     count = 0
@@ -255,7 +257,7 @@ def attach_gguf_kernels(model: torch.nn.Module, dtype: torch.dtype, int8_activat
             continue
         count += 1
         if hasattr(module, "kernel"):
-            module.kernel = GGUFMatmul(module, ops, passes)
+            module.kernel = GGUFMatmul(module, ops, passes, reuse_output=isinstance(module, ParallelLMHead))
         else:
             module.compute_dtype = dtype
             (table,) = module.packed_parts
