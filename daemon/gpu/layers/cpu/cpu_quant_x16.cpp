@@ -35,8 +35,8 @@
 //   LLMD_GGUF_X16_ISA names (read once; the A/B switch, and how a CI machine with
 //   AVX-512 tests the AVX2 path), else the best this CPU has.
 // gguf_mm_x16_into(x, w, quant, cols, passes, isa, out) -> out: the same into a float32
-//   [M, N] (x float32): a buffer its caller keeps from step to step (gguf_quant's large
-//   outputs, an LM head's logits: a new one is faulted in page by page each time).
+//   [M, N] (x float32): a buffer its caller keeps from step to step (gguf_quant: an LM
+//   head's logits, which a new tensor each step would fault in page by page).
 // gguf_dequantize_x16(w, quant, cols) -> float32 [N, cols] (for a GEMM over many rows),
 //   equal to gguf_dequantize of the GGUF rows (any CPU).
 // gguf_x16_supported(): whether this CPU runs gguf_mm_x16 (with the ISA "" picks).
@@ -268,7 +268,7 @@ LLMD_X16_TARGET void quantize_row(const float* x, int64_t cols, int passes, int8
 // acc + the dot products of 16 rows' four unsigned codes (q's lanes) with x's four codes
 // at `x` (vpdpbusd): x broadcast from memory within the instruction ({1to16}), where
 // _mm512_set1_epi32 of it is a load of its own that GCC 12 does not fold (one instruction
-// fewer per four columns: 7-12% faster at 32 rows for Q8_0 and Q6_K; docs/benchmarks.md).
+// fewer per four columns: 5-12% faster at 32 rows for Q8_0 and Q6_K; docs/benchmarks.md).
 LLMD_X16_TARGET inline __m512i dot4(__m512i acc, __m512i q, const int32_t* x) {
   asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(q), "m"(*x));
   return acc;
@@ -382,7 +382,7 @@ LLMD_X16_TARGET void group_tile(const uint8_t* w, const QuantizedRow* x, float* 
 }
 
 // Rows of x per tile: kWideTile, the codes decoded once per eight rows (32 rows, one thread,
-// in cache: Q4_K / Q6_K 1.2-1.3x faster at one pass, 1.05-1.1x at two), but four where
+// in cache: Q4_K / Q6_K 1.15-1.2x faster at one pass, 1.05-1.1x at two), but four where
 // two passes are joined in int32 (Q8_0, IQ4_NL: eight were 5% slower, their registers full).
 constexpr int64_t tile_rows(int quant, int passes) {
   return llmd_x16::joins_passes(quant, passes) ? llmd_x16::kTile : llmd_x16::kWideTile;
@@ -392,7 +392,9 @@ constexpr int64_t tile_rows(int quant, int passes) {
 // head's logits (Gemma 3's 262,144 columns at 32 rows: 32 MiB) would otherwise be read
 // into the cache line by line before each is written, and evict the weights' prefetched
 // lines; what the next layer reads at once stays below it (the 1B's widest, 32 rows of
-// 16,384: 2 MiB). Q8_0 262144 x 640 at 32 rows, one pass: 1.2x faster (docs/benchmarks.md).
+// 16,384: 2 MiB). Q8_0 262144 x 640 at 32 rows, one pass, into a buffer reused from call
+// to call (gguf_quant's LM head): 1.2x faster; into new pages, which the kernel has just
+// zeroed through the caches, 5% slower (docs/benchmarks.md).
 constexpr int64_t kStreamBytes = int64_t{8} << 20;
 
 template <int Q, int P>
