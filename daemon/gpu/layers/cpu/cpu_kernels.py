@@ -73,7 +73,7 @@ SOURCES = [Path(__file__).with_name(name)
 HEADERS = [Path(__file__).with_name(name)  # part of the digest
            for name in ("cpu_vec.h", "cpu_e4m3.h", "cpu_kv_rows.h", "cpu_quant_formats.h", "cpu_quant_x16_layout.h",
                         "cpu_quant_x16_product.h", "cpu_quant_x16_records.h", "cpu_quant_x16_records_avx2.h",
-                        "cpu_quant_x16_avx2_tiles.h")]
+                        "cpu_quant_x16_avx2_tiles.h", "cpu_quant_x16_vnni.h")]
 CPU_KERNELS_ENV = "LLMD_CPU_KERNELS"
 X16_ENV = "LLMD_GGUF_X16"
 KERNEL_BUILD_TIMEOUT_ENV = "LLMD_KERNEL_BUILD_TIMEOUT"

@@ -1,6 +1,6 @@
-// What the two x16 products share (cpu_quant_x16.cpp: AVX-512 VNNI; cpu_quant_x16_avx2.cpp:
+// What the two x16 products share (cpu_quant_x16_vnni.h: AVX-512 VNNI; cpu_quant_x16_avx2.cpp:
 // AVX2): x quantized per 32-column block in int8 passes, and the AVX2 product's entry
-// points (the VNNI one's live beside the operators).
+// points (the VNNI one is a header of its own, included by the operators).
 
 #pragma once
 
@@ -75,7 +75,7 @@ constexpr int first_scaled_pass(int quant, int passes) { return joins_passes(qua
 // Rows of x per pass over a record (with AVX2 their float32 accumulators are two per row,
 // one per 8-row half, in sixteen ymm registers beside eight of codes). The VNNI product
 // also takes tiles of kWideTile rows where its registers hold them (32 zmm): the weight's
-// codes decoded once per eight rows (tile_rows in cpu_quant_x16.cpp).
+// codes decoded once per eight rows (tile_rows in cpu_quant_x16_vnni.h).
 constexpr int64_t kTile = 4;
 constexpr int64_t kWideTile = 8;
 

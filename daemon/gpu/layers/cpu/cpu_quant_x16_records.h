@@ -1,4 +1,4 @@
-// Reading x16 records (cpu_quant_x16_layout.h) for the VNNI product (cpu_quant_x16.cpp):
+// Reading x16 records (cpu_quant_x16_layout.h) for the VNNI product (cpu_quant_x16_vnni.h):
 // X16Record<Q> is built on one record (its per-record scales loaded once) and
 // `decode(c, s)` gives sub-block c — the 32 columns 32c..32c+31 of the record's block,
 // which one block of x's int8 codes multiplies — as a SubBlock:
@@ -45,7 +45,7 @@ LLMD_X16_TARGET inline __m512i byte_bits(__m512i v, int bits, int mask) {
 }
 
 // The same with the shift a constant (none for 0): the sub-block loop is not unrolled
-// (cpu_quant_x16.cpp's group_tile), so a decoder branches to one of these per shift rather
+// (cpu_quant_x16_vnni.h's group_tile), so a decoder branches to one of these per shift rather
 // than shift by a variable count (a shift by 0 every other sub-block of Q4_K; docs/benchmarks.md).
 template <int kBits>
 LLMD_X16_TARGET inline __m512i byte_bits(__m512i v, int mask) {
