@@ -235,11 +235,13 @@ class GGUFMatmul:
         self.with_bias = not getattr(layer, "reduce", False)
         cols = layer.in_features
         self.max_rows = x16_max_rows(ops) if x16_passes else {}  # passes -> rows through the x16 kernel
-        self.reused = ReusedOutput() if reuse_output else None  # an LM head's (REUSED_OUTPUT_BYTES)
         self.parts = []  # (part, its type's code, its packed rows, x16 passes or 0)
         for part in layer.packed_parts:
             passes = x16_passes if x16_passes and use_x16(layer.weight, part, cols, ops) else 0
             self.parts.append((part, FORMATS[part.quant].code, part_weight(layer.weight, part, cols), passes))
+        # an LM head's large outputs (REUSED_OUTPUT_BYTES), where one x16 part writes them all
+        single = len(self.parts) == 1 and self.parts[0][3] and ops.mm_x16_into is not None
+        self.reused = ReusedOutput() if reuse_output and single else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         layer = self.layer
@@ -257,8 +259,7 @@ class GGUFMatmul:
         if rows.shape[0] == 0:
             return rows.new_empty(0, out_features)
         if passes and rows.shape[0] <= self.max_rows[passes]:
-            if self.reused is not None and rows.dtype == torch.float32 and len(self.parts) == 1 and \
-                    ops.mm_x16_into is not None and \
+            if self.reused is not None and rows.dtype == torch.float32 and \
                     rows.shape[0] * out_features * 4 >= REUSED_OUTPUT_BYTES:
                 out = self.reused.get(rows.shape[0], out_features)
                 return ops.mm_x16_into(rows.contiguous(), weight, code, cols, passes, "", out)

@@ -297,7 +297,6 @@ at::Tensor gguf_mm_x16(const at::Tensor& x, const at::Tensor& w, int64_t quant, 
 
 at::Tensor& gguf_mm_x16_into(const at::Tensor& x, const at::Tensor& w, int64_t quant, int64_t cols, int64_t passes,
                              c10::string_view isa, at::Tensor& out) {
-  TORCH_CHECK(out.defined(), "gguf_mm_x16_into: an out tensor expected");
   mm_x16_into(x, w, quant, cols, passes, isa, out);
   return out;
 }
