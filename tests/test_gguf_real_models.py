@@ -56,30 +56,35 @@ def test_smollm2_matches_transformers(builtin_gguf):
     assert "Paris" in answer.text and answer.finish_reason == "stop"
 
 
-# cpu_int8_activations on the built-in model, against transformers without the rounding
-# (measured: picks at most 0.52 below its best, logprobs within 0.38, mean 0.06).
+# cpu_int8_activations against transformers without the rounding (measured on the built-in
+# model: picks at most 0.52 below its best, logprobs within 0.38, mean 0.06).
 INT8_NEAR_TIE = 1.0
 INT8_NOISE = 0.75
 
 
-def test_smollm2_with_int8_activations_stays_within_their_rounding_noise(builtin_gguf):
-    """The engine setting cpu_int8_activations: x rounded to int8 once per 32 columns
-    before every packed product (llama.cpp's arithmetic; test_gguf_x16.py checks each
-    product against that rounding exactly). Through a model the rounding is not smooth
-    (a 1e-7 change in x moves elements across a rounding edge: ~0.1 in logprobs here), so
-    the reference is transformers without it, teacher-forced on llmd's own greedy tokens:
-    each pick must be its best or a near-tie of it, each logprob within the rounding's
-    noise of its — and the setting must be seen to act (not the float32 result)."""
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_int8_activations_stay_within_their_rounding_noise(request, name):
+    """The engine setting cpu_int8_activations: x rounded to int8 once before every packed
+    product, per 32 columns, or per 256-column super-block for the K-quants (Gemma 3's
+    Q4_K / Q6_K: llama.cpp's arithmetic; test_gguf_x16.py checks each product against
+    that rounding exactly). Through a model the rounding is not smooth (a 1e-7 change in
+    x moves elements across a rounding edge: ~0.1 in logprobs here), so the reference is
+    transformers without it, teacher-forced on llmd's own greedy tokens: each pick must
+    be its best or a near-tie of it, each logprob within the rounding's noise of its —
+    and the setting must be seen to act (not the float32 result)."""
     ops = gguf_ops()
     if ops is None or not ops.x16:
         pytest.skip("this CPU runs no x16 product (neither AVX-512 VNNI nor AVX2; or the kernels cannot be built): "
                     "no int8 activations")
-    path = str(builtin_gguf)
+    path = str(request.getfixturevalue("builtin_gguf" if name == "smollm2" else "gemma3_270m"))
     _, tokenizer = hf_model(path)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                             tokenize=True)["input_ids"] for q in CHATS[:2]]
-    llm = LLM(dtype="float32", num_gpu_blocks_override=32, max_model_len=160, enable_prefix_caching=False,
-              cpu_int8_activations=True)
+    if name == "smollm2":
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                 tokenize=True)["input_ids"] for q in CHATS[:2]]
+    else:
+        prompts = [tokenizer(t).input_ids for t in GEMMA3_TEXTS[:2]]
+    llm = LLM(model=path, dtype="float32", num_gpu_blocks_override=32, max_model_len=160,
+              enable_prefix_caching=False, cpu_int8_activations=True)
     model = llm.engine.executor.runner.model
     assert {passes for m in model.modules() if hasattr(m, "kernel") and hasattr(m.kernel, "parts")
             for *_, passes in m.kernel.parts} == {1}
@@ -95,7 +100,7 @@ def test_smollm2_with_int8_activations_stays_within_their_rounding_noise(builtin
         assert gap < INT8_NEAR_TIE, (out.outputs[0].text, gap)  # a wrong product picks far below
         assert diff.abs().max() < INT8_NOISE and diff.abs().mean() < INT8_NOISE / 4, (out.outputs[0].text, diff)
         largest = max(largest, gap, float(diff.abs().max()))
-    assert largest > 1e-2  # two passes stay within ~1e-3 of the reference (the test above)
+    assert largest > 1e-2  # two passes stay within ~1e-3 of the reference (the tests above and below)
 
 
 GEMMA3_TEXTS = ["The capital of France is", "Once upon a time, there was a little robot who",

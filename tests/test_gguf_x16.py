@@ -82,11 +82,23 @@ def activations(rows: int, cols: int, seed: int) -> torch.Tensor:
     return x
 
 
-def error_bound(x: torch.Tensor, dense: torch.Tensor, passes: int) -> torch.Tensor:
-    """[rows, N]: what `passes` int8 passes over x may change x @ dense^T by."""
-    blocks = x.double().reshape(x.shape[0], -1, 32)
+# The K-quants whose x is quantized per 256-column super-block at one pass (llama.cpp's
+# Q8_K: cpu_quant_x16_product.h's super_blocks); every other type, and two or three
+# passes, per 32-column block.
+SUPER_BLOCK_TYPES = ("Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+
+def x_span(quant: str, passes: int) -> int:
+    """Columns of x that share one scale in a product of `quant` in `passes` passes."""
+    return 256 if quant in SUPER_BLOCK_TYPES and passes == 1 else 32
+
+
+def error_bound(x: torch.Tensor, dense: torch.Tensor, passes: int, span: int = 32) -> torch.Tensor:
+    """[rows, N]: what `passes` int8 passes over x, each `span` columns at one scale, may
+    change x @ dense^T by."""
+    blocks = x.double().reshape(x.shape[0], -1, span)
     step = blocks.abs().amax(dim=-1) / 127 / 254 ** (passes - 1) / 2  # [rows, blocks]
-    weight = dense.double().abs().reshape(dense.shape[0], -1, 32).sum(dim=-1)  # [N, blocks]
+    weight = dense.double().abs().reshape(dense.shape[0], -1, span).sum(dim=-1)  # [N, blocks]
     return step @ weight.t()
 
 
@@ -123,11 +135,42 @@ def test_the_product_is_within_what_its_passes_allow(x16, isa, quant, passes):
         exact = x.double() @ dense.double().t()
         got = x16.mm_x16(x, w, FORMATS[quant].code, cols, passes, isa=isa).double()
         slack = float32_slack(x, dense)
-        assert ((got - exact).abs() <= error_bound(x, dense, passes) + slack).all()
+        assert ((got - exact).abs() <= error_bound(x, dense, passes, x_span(quant, passes)) + slack).all()
     if passes == 1:  # the bound is not loose: one pass is measurably off, three are not
         assert ((got - exact).abs() > 100 * slack).any()
     elif passes == 3:
         assert ((got - exact).abs() <= slack).all()
+
+
+def quantized_x(x: torch.Tensor, span: int) -> torch.Tensor:
+    """x as one int8 pass holds it, `span` columns per scale d = amax / 127 (float32, as
+    the kernels compute it: codes of x * (1 / d) rounded to nearest even), in float64."""
+    blocks = x.float().reshape(x.shape[0], -1, span)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    codes = torch.round(blocks * inv).clamp(-127, 127)  # torch.round: half to even
+    return (codes.double() * d.double()).reshape(x.shape)
+
+
+@pytest.mark.parametrize("quant", X16_TYPES)
+def test_one_pass_quantizes_x_per_block_or_per_super_block(x16, isa, quant):
+    """At one pass x is rounded to int8 per 32 columns, or for SUPER_BLOCK_TYPES per
+    256-column super-block (llama.cpp's Q8_K), and the product is then exact to float32
+    sums: it equals x so rounded times the dequantized weight. An x with one quiet
+    32-column block (its values below half a step of its super-block's largest) tells the
+    two apart: per super-block that block rounds to zero."""
+    cols = width(quant)
+    blocks, dense = packed(quant, 48, cols, seed=4)
+    blocks, dense = blocks[16:], dense[16:]  # ordinary scales
+    w = x16.repack_x16(blocks, FORMATS[quant].code, cols)
+    x = activations(9, cols, seed=21)
+    x[:, 64:96] *= 1e-3  # quiet: |x| < 0.004, the super-block's half step ~ 60 * 3.5 / 254
+    span = x_span(quant, 1)
+    got = x16.mm_x16(x, w, FORMATS[quant].code, cols, 1, isa=isa).double()
+    slack = float32_slack(x, dense)
+    assert ((got - quantized_x(x, span) @ dense.double().t()).abs() <= slack).all()
+    if span == 256:
+        assert ((got - quantized_x(x, 32) @ dense.double().t()).abs() > 100 * slack).any()
 
 
 @pytest.mark.parametrize("quant", ["Q4_1", "Q6_K"])
@@ -166,10 +209,10 @@ def extreme_codes(quant: str, rows: int, cols: int) -> tuple[torch.Tensor, torch
     return blocks, torch.from_numpy(dense)
 
 
-def on_the_code_grid(rows: int, cols: int, seed: int) -> torch.Tensor:
-    """x whose 32-column blocks are whole multiples of their step (amax / 127, a power of
-    two): one pass quantizes them exactly. Every block reaches +-127 steps, most at full
-    scale throughout (all +127, all -127, alternating), the rest random steps."""
+def on_the_code_grid(rows: int, cols: int, seed: int, span: int = 32) -> torch.Tensor:
+    """x whose `span`-column blocks are whole multiples of their step (amax / 127, a power
+    of two): one pass quantizes them exactly. Every 32 columns reach +-127 steps, most at
+    full scale throughout (all +127, all -127, alternating), the rest random steps."""
     g = torch.Generator().manual_seed(seed)
     steps = torch.randint(-127, 128, (rows, cols // 32, 32), generator=g)
     pattern = torch.randint(0, 4, (rows, cols // 32), generator=g)
@@ -177,8 +220,8 @@ def on_the_code_grid(rows: int, cols: int, seed: int) -> torch.Tensor:
     steps[pattern == 1] = -127
     steps[pattern == 2] = torch.tensor([127, -127] * 16)
     steps[..., 5] = 127 * torch.where(pattern == 1, -1, 1)  # every block's amax is 127 steps
-    step = 2.0 ** torch.randint(-10, 0, (rows, cols // 32, 1), generator=g).float()
-    return (steps * step).reshape(rows, cols)
+    step = 2.0 ** torch.randint(-10, 0, (rows, cols // span, 1), generator=g).float()
+    return (steps * step.repeat_interleave(span // 32, dim=1)).reshape(rows, cols)
 
 
 @pytest.mark.parametrize("quant", X16_TYPES)
@@ -193,9 +236,9 @@ def test_extreme_codes_against_full_scale_x_are_exact(x16, isa, quant):
     blocks, dense = extreme_codes(quant, 32, cols)
     w = x16.repack_x16(blocks, FORMATS[quant].code, cols)
     for rows in (1, 2, 3, 4, 5, 16, 33):
-        x = on_the_code_grid(rows, cols, seed=rows)
-        exact = x.double() @ dense.double().t()
         for passes in (1, 2, 3):
+            x = on_the_code_grid(rows, cols, seed=rows, span=x_span(quant, passes))
+            exact = x.double() @ dense.double().t()
             got = x16.mm_x16(x, w, FORMATS[quant].code, cols, passes, isa=isa).double()
             assert ((got - exact).abs() <= float32_slack(x, dense)).all(), (rows, passes)
 

@@ -2,7 +2,8 @@
 // package's headers, or modified copies of them found first, and a generated list of the
 // (type, passes) instances to time: LLMD_TILE_CASES). Single-threaded: one sweep is
 // `groups` 16-row weight groups of K columns against `rows` rows of x in tiles of 4 (as
-// for_each_tile walks one thread's share), timed `reps` times, the fastest kept. The
+// for_each_tile walks one thread's share; the tile the product takes for the type and
+// passes: any_tile), timed `reps` times, the fastest kept. The
 // weight bytes are constant (0x3C: small codes, fp16 scales near 1, no denormals; the
 // integer work does not depend on the values) and x's codes are small.
 #ifndef CPU_CAPABILITY_AVX2
@@ -29,11 +30,12 @@ void time_tile(const char* name, int64_t k, int64_t groups, int rows, int reps, 
   std::vector<int8_t> codes(rows * P * k, 3);
   std::vector<int16_t> wide(rows * k, 5);
   std::vector<float> d(rows * blocks, 0.01f), ds(rows * 2 * blocks, 0.5f);
-  std::vector<int32_t> sums(rows * P * 2 * blocks, 7);
+  std::vector<int32_t> sums(rows * P * 2 * blocks, 7), pairs(rows * blocks / 2, 0x00070007);
   std::vector<QuantizedRow> x(rows);
   for (int r = 0; r < rows; ++r)
     x[r] = QuantizedRow{codes.data() + r * P * k, d.data() + r * blocks, ds.data() + r * 2 * blocks,
-                        sums.data() + r * P * 2 * blocks, k, blocks, wide.data() + r * k};
+                        sums.data() + r * P * 2 * blocks, k, blocks, wide.data() + r * k,
+                        pairs.data() + r * blocks / 2};
   const int64_t n = groups * kGroup;
   std::vector<float> out(rows * n);
   double best = 1e30;
@@ -42,8 +44,8 @@ void time_tile(const char* name, int64_t k, int64_t groups, int rows, int reps, 
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* wg = w.data() + g * records * rec;
       int r0 = 0;
-      for (; r0 + 4 <= rows; r0 += 4) group_tile<Q, 4, P>(wg, x.data() + r0, out.data() + r0 * n + g * kGroup, n);
-      for (; r0 < rows; ++r0) group_tile<Q, 1, P>(wg, x.data() + r0, out.data() + r0 * n + g * kGroup, n);
+      for (; r0 + 4 <= rows; r0 += 4) any_tile<Q, 4, P>(wg, x.data() + r0, out.data() + r0 * n + g * kGroup, n);
+      for (; r0 < rows; ++r0) any_tile<Q, 1, P>(wg, x.data() + r0, out.data() + r0 * n + g * kGroup, n);
     }
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (s < best) best = s;

@@ -228,13 +228,13 @@ using llmd_x16::quantize_row;
 #endif
 
 // x's row quantized, and the product, on `isa` (one this build has: isa_named checked).
-void quantize_on(Isa isa, const float* x, int64_t cols, int passes, int8_t* codes, float* d, float* ds,
+void quantize_on(Isa isa, const float* x, int64_t cols, int passes, int64_t span, int8_t* codes, float* d, float* ds,
                  int32_t* sums) {
 #if defined(LLMD_X16_AVX2)
-  if (isa == Isa::kAvx2) return llmd_x16::quantize_row_avx2(x, cols, passes, codes, d, ds, sums);
+  if (isa == Isa::kAvx2) return llmd_x16::quantize_row_avx2(x, cols, passes, span, codes, d, ds, sums);
 #endif
 #if defined(LLMD_X16_VNNI)
-  if (isa == Isa::kAvx512Vnni) return quantize_row(x, cols, passes, codes, d, ds, sums);
+  if (isa == Isa::kAvx512Vnni) return quantize_row(x, cols, passes, span, codes, d, ds, sums);
 #endif
   TORCH_CHECK(false, "gguf_mm_x16: this build has no ", isa_name(isa), " product");
 }
@@ -279,12 +279,22 @@ at::Tensor mm_x16_into(const at::Tensor& x, const at::Tensor& w, int64_t quant, 
   std::vector<QuantizedRow> quantized(rows);
   const float* xp = xf.const_data_ptr<float>();
   const int p = static_cast<int>(passes);
+  const bool super = llmd_x16::super_blocks(static_cast<int>(quant), p);  // (K-quants: blocks a multiple of 8)
+  std::vector<int32_t> pairs(super ? rows * blocks / 2 : 0);
   for (int64_t r = 0; r < rows; ++r) {
     int8_t* q = codes.data() + r * passes * cols;
     float* d = scales.data() + 3 * r * blocks;
     int32_t* sum = sums.data() + r * passes * 2 * blocks;
-    quantize_on(isa, xp + r * cols, cols, p, q, d, d + blocks, sum);
+    quantize_on(isa, xp + r * cols, cols, p, super ? llmd_x16::kSuperBlock : 1, q, d, d + blocks, sum);
     quantized[r] = {q, d, d + blocks, sum, cols, blocks};
+    if (super) {  // each two blocks' code sums as int16 pairs (within +-32 * 128)
+      int32_t* pair = pairs.data() + r * blocks / 2;
+      for (int64_t i = 0; i < blocks / 2; ++i) {
+        const int32_t even = sum[4 * i] + sum[4 * i + 1], odd = sum[4 * i + 2] + sum[4 * i + 3];
+        pair[i] = static_cast<int32_t>((static_cast<uint32_t>(even) & 0xFFFFu) | (static_cast<uint32_t>(odd) << 16));
+      }
+      quantized[r].pairs = pair;
+    }
   }
   mm_on(isa, quant, p, quantized, w.const_data_ptr<uint8_t>(), n, records, out.data_ptr<float>());
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());

@@ -42,25 +42,31 @@ LLMD_X16_AVX2_TARGET void store_codes(__m256* v, float scale, int8_t* out, int32
   sums[1] = lane_sum(_mm256_add_epi32(stored[2], stored[3]));
 }
 
-LLMD_X16_AVX2_TARGET void quantize_row(const float* x, int64_t cols, int passes, int8_t* codes, float* d, float* ds,
-                                       int32_t* sums) {
-  const int64_t blocks = cols / kBlock;
+LLMD_X16_AVX2_TARGET float block_amax(const float* x) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
-  for (int64_t b = 0; b < blocks; ++b) {
-    __m256 v[4];
-    __m256 amax = _mm256_setzero_ps();
-    for (int i = 0; i < 4; ++i) {
-      v[i] = _mm256_loadu_ps(x + b * kBlock + 8 * i);
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
-    }
-    d[b] = lane_max(amax) / 127.0f;
-    ds[2 * b] = ds[2 * b + 1] = 0.0f;
-    for (int p = 0; p < passes; ++p) {
-      const float scale = d[b] * kPassScale[p];
-      int32_t* s = sums + p * 2 * blocks + 2 * b;
-      store_codes(v, scale, codes + p * cols + b * kBlock, s);
-      ds[2 * b] += scale * static_cast<float>(s[0]);
-      ds[2 * b + 1] += scale * static_cast<float>(s[1]);
+  __m256 amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8 * i)));
+  return lane_max(amax);
+}
+
+LLMD_X16_AVX2_TARGET void quantize_row(const float* x, int64_t cols, int passes, int64_t span, int8_t* codes,
+                                       float* d, float* ds, int32_t* sums) {
+  const int64_t blocks = cols / kBlock;
+  for (int64_t g = 0; g < blocks / span; ++g) {
+    float amax = block_amax(x + g * span * kBlock);  // (as the VNNI path: the same maxima in the same order)
+    for (int64_t b = g * span + 1; b < (g + 1) * span; ++b) amax = std::max(amax, block_amax(x + b * kBlock));
+    d[g] = amax / 127.0f;
+    for (int64_t b = g * span; b < (g + 1) * span; ++b) {
+      __m256 v[4];
+      for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + b * kBlock + 8 * i);
+      ds[2 * b] = ds[2 * b + 1] = 0.0f;
+      for (int p = 0; p < passes; ++p) {
+        const float scale = d[g] * kPassScale[p];
+        int32_t* s = sums + p * 2 * blocks + 2 * b;
+        store_codes(v, scale, codes + p * cols + b * kBlock, s);
+        ds[2 * b] += scale * static_cast<float>(s[0]);
+        ds[2 * b + 1] += scale * static_cast<float>(s[1]);
+      }
     }
   }
 }
@@ -75,9 +81,9 @@ void mm_x16_avx2_passes<1>(int64_t quant, const std::vector<QuantizedRow>& x, co
 
 // (The entry points carry no target attribute: GCC would take a declaration and a
 // definition that differ in it for two versions of one function.)
-void quantize_row_avx2(const float* x, int64_t cols, int passes, int8_t* codes, float* d, float* ds,
+void quantize_row_avx2(const float* x, int64_t cols, int passes, int64_t span, int8_t* codes, float* d, float* ds,
                        int32_t* sums) {
-  quantize_row(x, cols, passes, codes, d, ds, sums);
+  quantize_row(x, cols, passes, span, codes, d, ds, sums);
 }
 
 void mm_x16_avx2(int64_t quant, int passes, const std::vector<QuantizedRow>& x, const uint8_t* w, int64_t n,

@@ -133,13 +133,16 @@ LLMD_X16_AVX2_TARGET inline void wide_dots(const R& record, int c, const int32_t
   }
 }
 
-// Sub-block c of the half `record` (of the record at rp, the s-th of its group) into
-// acc[h]: the dot products of its codes with x's T rows in P passes, scaled.
+// The int32 dot products of sub-block c of the half `record` (of the record at rp, the s-th
+// of its group) with x's T rows in P passes: lo[r][p] (and hi with kHalves: columns 0..15
+// and 16..31 apart), the offset's term included: -kOffset * the sum of x's codes; for
+// signed codes with two or three passes, passes 0 and 1 joined in lo[r][1] (joins_passes).
 template <int Q, int T, int P>
-LLMD_X16_AVX2_TARGET __attribute__((always_inline)) inline void sub_block_tile(const X16Half<Q>& record,
+LLMD_X16_AVX2_TARGET __attribute__((always_inline)) inline void sub_block_sums(const X16Half<Q>& record,
                                                                                const uint8_t* rp, int h, int64_t s,
                                                                                int c, const QuantizedRow* x,
-                                                                               __m256 (&acc)[2][T]) {
+                                                                               __m256i (&lo)[T][P],
+                                                                               __m256i (&hi)[T][P]) {
   using R = X16Half<Q>;
   constexpr int64_t sub_bytes = record_bytes(Q) / R::kSub;
   constexpr bool kWide = joins_passes(Q, P);  // through wide_dots
@@ -151,10 +154,6 @@ LLMD_X16_AVX2_TARGET __attribute__((always_inline)) inline void sub_block_tile(c
     for (int64_t line = 0; line < sub_bytes; line += 64) _mm_prefetch(far + line, _MM_HINT_T2);
   }
   const int64_t b = s * R::kSub + c;
-  // Each pass's dot products (of the sub-block's two halves of 16 columns apart with
-  // kHalves), the offset's term first: -kOffset * the sum of x's codes; for signed codes
-  // with two or three passes, passes 0 and 1 joined in lo[r][1] (joins_passes).
-  __m256i lo[T][P], hi[T][P];
   if constexpr (kWide) {  // (signed codes: no offset, no halves)
     const int32_t* wide[T];
     const int32_t* third[T];
@@ -187,6 +186,18 @@ LLMD_X16_AVX2_TARGET __attribute__((always_inline)) inline void sub_block_tile(c
       dots<R, T, P, 0, 8>(record, c, xq, lo);
     }
   }
+}
+
+// Sub-block c of the half `record` into acc[h]: sub_block_sums, scaled.
+template <int Q, int T, int P>
+LLMD_X16_AVX2_TARGET __attribute__((always_inline)) inline void sub_block_tile(const X16Half<Q>& record,
+                                                                               const uint8_t* rp, int h, int64_t s,
+                                                                               int c, const QuantizedRow* x,
+                                                                               __m256 (&acc)[2][T]) {
+  using R = X16Half<Q>;
+  const int64_t b = s * R::kSub + c;
+  __m256i lo[T][P], hi[T][P];
+  sub_block_sums<Q, T, P>(record, rp, h, s, c, x, lo, hi);
   HalfScales sc;
   record.scales(c, sc);
   for (int r = 0; r < T; ++r) {
@@ -240,6 +251,73 @@ LLMD_X16_AVX2_TARGET void group_tile(const uint8_t* w, const QuantizedRow* x, fl
     for (int r = 0; r < T; ++r) _mm256_storeu_ps(out + r * stride + 8 * h, acc[h][r]);
 }
 
+// group_tile's product where x is quantized per super-block (super_blocks: one pass, a
+// K-quant), half by half: what the VNNI path's super_tile computes, in the same order.
+template <int Q, int T>
+LLMD_X16_AVX2_TARGET void super_tile(const uint8_t* w, const QuantizedRow* x, float* out, int64_t stride) {
+  using R = X16Half<Q>;
+  static_assert(R::kSub == kSuperBlock && R::kMin <= 1);
+  constexpr int64_t rec = record_bytes(Q);
+  const int64_t supers = x[0].blocks / kSuperBlock;
+  __m256 acc[2][T];
+  for (int h = 0; h < 2; ++h)
+    for (int r = 0; r < T; ++r) acc[h][r] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < supers; ++s) {
+    const uint8_t* rp = w + s * rec;
+    for (int h = 0; h < 2; ++h) {
+      const R record(rp, h);
+      __m256i isum[T];
+      for (int r = 0; r < T; ++r) isum[r] = _mm256_setzero_si256();
+      const auto sub_block = [&](int c) __attribute__((always_inline)) {
+        __m256i lo[T][1], hi[T][1], sc[2];
+        sub_block_sums<Q, T, 1>(record, rp, h, s, c, x, lo, hi);
+        record.int_scales(c, sc);
+        for (int r = 0; r < T; ++r) {
+          if constexpr (R::kHalves) {
+            isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_mullo_epi32(lo[r][0], sc[0]),
+                                                                 _mm256_mullo_epi32(hi[r][0], sc[1])));
+          } else {
+            isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(lo[r][0], sc[0]));
+          }
+        }
+      };
+      if constexpr (T == 1) {  // as group_tile: one row's sub-blocks unrolled, several rows' not
+#pragma GCC unroll 8
+        for (int c = 0; c < R::kSub; ++c) sub_block(c);
+      } else {
+#pragma GCC unroll 1
+        for (int c = 0; c < R::kSub; ++c) sub_block(c);
+      }
+      __m256i min_pairs[kSuperBlock / 2];
+      if constexpr (R::kMin == 1) record.min_pairs(min_pairs);
+      for (int r = 0; r < T; ++r) {
+        const __m256 dx = _mm256_set1_ps(x[r].d[s]);
+        __m256& a = acc[h][r];
+        a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(record.d, dx), a);
+        if constexpr (R::kMin == 1) {
+          const int32_t* pairs = x[r].pairs + s * (kSuperBlock / 2);
+          __m256i m = _mm256_setzero_si256();
+          for (int i = 0; i < kSuperBlock / 2; ++i)
+            m = _mm256_add_epi32(m, _mm256_madd_epi16(min_pairs[i], _mm256_set1_epi32(pairs[i])));
+          a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_mul_ps(record.neg_dmin, dx), a);
+        }
+      }
+    }
+  }
+  for (int h = 0; h < 2; ++h)
+    for (int r = 0; r < T; ++r) _mm256_storeu_ps(out + r * stride + 8 * h, acc[h][r]);
+}
+
+// The tile the product takes for (Q, P): super_tile where x is quantized per super-block.
+template <int Q, int T, int P>
+LLMD_X16_AVX2_TARGET void any_tile(const uint8_t* w, const QuantizedRow* x, float* out, int64_t stride) {
+  if constexpr (super_blocks(Q, P)) {
+    super_tile<Q, T>(w, x, out, stride);
+  } else {
+    group_tile<Q, T, P>(w, x, out, stride);
+  }
+}
+
 // x's passes 0 and 1 joined for wide_dots (QuantizedRow::wide): 254 q0 + q1, each four
 // columns' in the order 0, 2, 1, 3 (a 32-bit broadcast then holds the two columns that
 // vpmaddwd multiplies by one lane's even, or odd, weight codes).
@@ -271,7 +349,7 @@ void mm_x16(const std::vector<QuantizedRow>& rows, const uint8_t* w, int64_t n, 
   const std::vector<QuantizedRow>& x = wide.empty() ? rows : joined_rows;
   for_each_tile(x, w, n, records * record_bytes(Q), out,
                 [n](auto t, const uint8_t* wg, const QuantizedRow* xr, float* o) {
-                  group_tile<Q, decltype(t)::value, P>(wg, xr, o, n);
+                  any_tile<Q, decltype(t)::value, P>(wg, xr, o, n);
                 });
 }
 

@@ -40,8 +40,8 @@ constexpr int64_t kPrefetchL2 = 128;
 constexpr int kMaxPasses = 3;
 constexpr float kPassScale[kMaxPasses] = {1.0f, 1.0f / 254.0f, 1.0f / (254.0f * 254.0f)};
 
-// One row of x quantized per 32-column block in `passes` int8 passes: pass 0 the codes of
-// x at the block's scale d = amax / 127, each next pass the codes of what the passes
+// One row of x quantized per 32-column block (or per super-block of them: super_blocks) in
+// `passes` int8 passes: pass 0 the codes of x at the block's scale d = amax / 127, each next pass the codes of what the passes
 // before left, at 1/254 of their scale (x = d * (q0 + q1 / 254 + q2 / 254^2) to within
 // the last pass's half step: 7, 15 or 23 bits of the block's largest value). Per 16
 // columns (a K-quant sub-scale's reach): `sums`, the codes' sums (what the weights'
@@ -52,7 +52,7 @@ constexpr float kPassScale[kMaxPasses] = {1.0f, 1.0f / 254.0f, 1.0f / (254.0f * 
 // such a -128 against a negative Q8_0 code as if it were +128).
 struct QuantizedRow {
   const int8_t* codes;  // [passes][cols]
-  const float* d;       // [blocks]
+  const float* d;       // [blocks]; per super-block (super_blocks) [blocks / kSuperBlock]
   const float* ds;      // [2 * blocks]
   const int32_t* sums;  // [passes][2 * blocks]
   int64_t cols, blocks;
@@ -60,7 +60,27 @@ struct QuantizedRow {
   // columns' in the order 0, 2, 1, 3: where the AVX2 product multiplies signed codes
   // (Q8_0, IQ4_NL) by them at once (wide_dots in cpu_quant_x16_avx2_tiles.h); else null.
   const int16_t* wide = nullptr;
+  // Quantized per super-block (super_blocks): [blocks / 2] the sums of x's codes over each
+  // two 32-column blocks as int16 pairs, block 2i's in the low half, 2i + 1's in the high
+  // (what vpdpwssd / vpmaddwd multiply a K-quant's pairs of sub-block minimums by); else null.
+  const int32_t* pairs = nullptr;
 };
+
+// K-quants whose sub-scales are integers with no minimum per 16 columns (Q3_K, Q4_K,
+// Q5_K, Q6_K: types 6-9) at one pass: x is quantized per 256-column super-block, one
+// scale d = amax / 127 over the super-block (llama.cpp's Q8_K, what it multiplies these
+// types by), so that each sub-block's int32 dot product times its integer sub-scale adds
+// up in int32 over the record, and x's scale, the record's d and its minimums take one
+// float32 step per super-block instead of one per 32 columns (the float work shares the
+// multiply pipes with vpdpbusd: on Zen 4 a tile of eight rows of Q4_K went from 67% of
+// the vpdpbusd peak to 76%, Q6_K from 57% to 67%; docs/benchmarks.md). x's codes,
+// per-16-column sums and the int32 sums are exact, so both products still give the same
+// floats; what changes is x's precision: half a step of 1/127 of the super-block's
+// largest value instead of its 32-column block's — llama.cpp's for these types. Two or
+// three passes keep 32-column blocks (their bits are what they are for); Q2_K (a
+// minimum per 16 columns) keeps them too.
+constexpr bool super_blocks(int quant, int passes) { return quant >= 6 && quant <= 9 && passes == 1; }
+constexpr int64_t kSuperBlock = 8;  // 32-column blocks of x per super-block
 
 // Q8_0 and IQ4_NL (types 0 and 10: signed codes) with two or three passes: both products
 // join passes 0 and 1 in int32 before scaling, 254 * pass 0's dot product + pass 1's
@@ -116,8 +136,10 @@ void for_each_tile(const std::vector<QuantizedRow>& x, const uint8_t* w, int64_t
 }
 
 // The AVX2 (+FMA, F16C) product (cpu_quant_x16_avx2.cpp), for CPUs without AVX-512 VNNI:
-// the same codes, sums and scales as the VNNI path's quantize_row, bit for bit ...
-void quantize_row_avx2(const float* x, int64_t cols, int passes, int8_t* codes, float* d, float* ds, int32_t* sums);
+// the same codes, sums and scales as the VNNI path's quantize_row, bit for bit
+// (`span`: 32-column blocks per scale, 1 or kSuperBlock) ...
+void quantize_row_avx2(const float* x, int64_t cols, int passes, int64_t span, int8_t* codes, float* d, float* ds,
+                       int32_t* sums);
 // ... and the same int32 dot products, scaled in the same float32 order: out [rows, n]
 // for the rows of x and the x16 weight w of type `quant` (`records` per 16-row group).
 void mm_x16_avx2(int64_t quant, int passes, const std::vector<QuantizedRow>& x, const uint8_t* w, int64_t n,

@@ -12,6 +12,11 @@
 //     Q2_K): float32 per row, what x's sum over those columns is multiplied by (the
 //     minimum's sign included).
 // kSub: sub-blocks per record (1 for the 32-weight types, 8 for the K-quants).
+// The K-quants quantized per super-block (super_blocks in cpu_quant_x16_product.h) are
+// also read as their parts: `codes(c, q)` (SubBlock::q), `int_scales(c, sc)` (the
+// integer sub-scales: sc[0], and sc[1] with kHalves; the weight is d * sc * (q - kOffset)
+// [- dmin * m]), `min_pairs` (Q4_K, Q5_K: the integer minimums m, two sub-blocks' per
+// int16 pair), and the record's d (and neg_dmin: -dmin) per row.
 // The per-row products d * sub-scale are exact in float32 (an 11-bit fp16 mantissa times
 // an integer of 4 to 8 bits), as in the dequantization (cpu_quant_formats.h).
 
@@ -176,10 +181,16 @@ struct X16Record<6> {
     const __m512i high = _mm512_and_si512(_mm512_srli_epi32(words[2], 8 * (i % 4) + 2 * (i / 4)), _mm512_set1_epi32(3));
     return _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(high, 4)), _mm512_set1_epi32(32));
   }
+  LLMD_X16_TARGET void codes(int c, __m512i* q) const {
+    two_bits(r + field_at(6, 1) + 64 * 8 * (c / 4), c % 4, q);
+    add_high_bits(r, c, 4, q);
+  }
+  LLMD_X16_TARGET void int_scales(int c, __m512i (&sc)[2]) const {
+    sc[0] = scale_of(2 * c);
+    sc[1] = scale_of(2 * c + 1);
+  }
   LLMD_X16_TARGET void decode(int c, SubBlock& s) const {
-    const uint8_t* q = r + field_at(6, 1) + 64 * 8 * (c / 4);
-    two_bits(q, c % 4, s.q);
-    add_high_bits(r, c, 4, s.q);
+    codes(c, s.q);
     s.scale[0] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(scale_of(2 * c)));
     s.scale[1] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(scale_of(2 * c + 1)));
   }
@@ -210,14 +221,22 @@ struct KNibbleRecord {
     const __m512i high = _mm512_and_si512(_mm512_srli_epi32(words[m], 8 * j + 2), _mm512_set1_epi32(0x30));
     return _mm512_or_si512(low, high);
   }
-  LLMD_X16_TARGET void decode(int c, SubBlock& s) const {
-    const uint8_t* q = r + 64 * 8 * (c / 2);
+  LLMD_X16_TARGET void codes(int c, __m512i* q) const {
+    const uint8_t* p = r + 64 * 8 * (c / 2);
     if (c % 2 == 0) {
-      for (int k = 0; k < 8; ++k) s.q[k] = byte_bits<0>(chunk(q + 64 * k), 0x0F);
+      for (int k = 0; k < 8; ++k) q[k] = byte_bits<0>(chunk(p + 64 * k), 0x0F);
     } else {
-      for (int k = 0; k < 8; ++k) s.q[k] = byte_bits<4>(chunk(q + 64 * k), 0x0F);
+      for (int k = 0; k < 8; ++k) q[k] = byte_bits<4>(chunk(p + 64 * k), 0x0F);
     }
-    if constexpr (kFifth) add_high_bits(r + field_at(Q, 1), c, 16, s.q);
+    if constexpr (kFifth) add_high_bits(r + field_at(Q, 1), c, 16, q);
+  }
+  LLMD_X16_TARGET void int_scales(int c, __m512i (&sc)[2]) const { sc[0] = six_bits(c, 0); }
+  // The minimums of sub-blocks 2i and 2i + 1 as int16 pairs (QuantizedRow::pairs' order).
+  LLMD_X16_TARGET void min_pairs(__m512i (&pairs)[4]) const {
+    for (int i = 0; i < 4; ++i) pairs[i] = _mm512_or_si512(six_bits(2 * i, 1), _mm512_slli_epi32(six_bits(2 * i + 1, 1), 16));
+  }
+  LLMD_X16_TARGET void decode(int c, SubBlock& s) const {
+    codes(c, s.q);
     s.scale[0] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(six_bits(c, 0)));
     s.min[0] = _mm512_mul_ps(neg_dmin, _mm512_cvtepi32_ps(six_bits(c, 1)));
   }
@@ -238,7 +257,7 @@ struct X16Record<9> {
   LLMD_X16_TARGET explicit X16Record(const uint8_t* record) : r(record), d(halves16(record + field_at(9, 3))) {}
   // The codes of sub-block 4h + J: low nibbles J / 2, high bits 2J..2J+1 moved to bits 4..5.
   template <int J>
-  LLMD_X16_TARGET static void codes(const uint8_t* low, const uint8_t* high, __m512i* q) {
+  LLMD_X16_TARGET static void codes_of(const uint8_t* low, const uint8_t* high, __m512i* q) {
     const __m512i top = _mm512_set1_epi8(0x30);
     for (int k = 0; k < 8; ++k) {
       const __m512i hv = chunk(high + 64 * k);
@@ -246,20 +265,27 @@ struct X16Record<9> {
       q[k] = _mm512_or_si512(byte_bits<4 * (J / 2)>(chunk(low + 64 * k), 0x0F), _mm512_and_si512(moved, top));
     }
   }
-  LLMD_X16_TARGET void decode(int c, SubBlock& s) const {
+  LLMD_X16_TARGET void codes(int c, __m512i* q) const {
     const int h = c / 4, j = c % 4;
     const uint8_t* low = r + 64 * (16 * h + 8 * (j % 2));
     const uint8_t* high = r + field_at(9, 1) + 64 * 8 * h;
     switch (j) {  // the shifts constants (byte_bits<>)
-      case 0: codes<0>(low, high, s.q); break;
-      case 1: codes<1>(low, high, s.q); break;
-      case 2: codes<2>(low, high, s.q); break;
-      default: codes<3>(low, high, s.q); break;
+      case 0: codes_of<0>(low, high, q); break;
+      case 1: codes_of<1>(low, high, q); break;
+      case 2: codes_of<2>(low, high, q); break;
+      default: codes_of<3>(low, high, q); break;
     }
+  }
+  LLMD_X16_TARGET void int_scales(int c, __m512i (&sc)[2]) const {
     for (int i = 0; i < 2; ++i) {
-      s.scale[i] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + field_at(9, 2) + 16 * (2 * c + i))))));
+      sc[i] = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + field_at(9, 2) + 16 * (2 * c + i))));
     }
+  }
+  LLMD_X16_TARGET void decode(int c, SubBlock& s) const {
+    codes(c, s.q);
+    __m512i sc[2];
+    int_scales(c, sc);
+    for (int i = 0; i < 2; ++i) s.scale[i] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc[i]));
   }
 };
 

@@ -11,7 +11,8 @@
 //     sign trick multiplies (cpu_quant_x16_avx2.cpp). One chunk at a time, so that the
 //     product holds one in a register, not eight (sixteen ymm registers: the eight codes
 //     beside three passes' sums spilled to the stack);
-//   scale, min (HalfScales), kHalves, kMin, kSub: as in cpu_quant_x16_records.h.
+//   scale, min (HalfScales), kHalves, kMin, kSub: as in cpu_quant_x16_records.h; and for
+//   the K-quants quantized per super-block, int_scales and min_pairs as there.
 // kCodeMax: the largest code (|q| for Q8_0), which bounds how many of vpmaddubsw's int16
 // pair sums the product may add before they could saturate.
 
@@ -160,6 +161,10 @@ struct X16Half<6> {
     const __m256i q = byte_bits(chunk(r + field_at(6, 1) + 64 * 8 * (c / 4) + 32 * h + 64 * k), 2 * (c % 4), 3);
     return with_high_bit(q, r + 32 * h, c, k, 2);
   }
+  LLMD_X16_AVX2_TARGET void int_scales(int c, __m256i (&sc)[2]) const {
+    sc[0] = scale_of(2 * c);
+    sc[1] = scale_of(2 * c + 1);
+  }
   LLMD_X16_AVX2_TARGET void scales(int c, HalfScales& s) const {
     s.scale[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(scale_of(2 * c)));
     s.scale[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(scale_of(2 * c + 1)));
@@ -195,6 +200,10 @@ struct KNibbleHalf {
     if constexpr (kFifth) return with_high_bit(q, r + field_at(Q, 1) + 32 * h, c, k, 4);
     return q;
   }
+  LLMD_X16_AVX2_TARGET void int_scales(int c, __m256i (&sc)[2]) const { sc[0] = six_bits(c, 0); }
+  LLMD_X16_AVX2_TARGET void min_pairs(__m256i (&pairs)[4]) const {
+    for (int i = 0; i < 4; ++i) pairs[i] = _mm256_or_si256(six_bits(2 * i, 1), _mm256_slli_epi32(six_bits(2 * i + 1, 1), 16));
+  }
   LLMD_X16_AVX2_TARGET void scales(int c, HalfScales& s) const {
     s.scale[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(six_bits(c, 0)));
     s.min[0] = _mm256_mul_ps(neg_dmin, _mm256_cvtepi32_ps(six_bits(c, 1)));
@@ -221,11 +230,13 @@ struct X16Half<9> {
     return _mm256_or_si256(byte_bits(chunk(low + 64 * k), 4 * (j / 2), 0x0F),  // high bits 2j..2j+1 to 4..5
                            move_bits(chunk(high + 64 * k), 2 * j, 4, 0x30));
   }
+  LLMD_X16_AVX2_TARGET void int_scales(int c, __m256i (&sc)[2]) const {
+    for (int i = 0; i < 2; ++i) sc[i] = _mm256_cvtepi8_epi32(bytes8(r + field_at(9, 2) + 16 * (2 * c + i) + 8 * h));
+  }
   LLMD_X16_AVX2_TARGET void scales(int c, HalfScales& s) const {
-    for (int i = 0; i < 2; ++i) {
-      s.scale[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-          bytes8(r + field_at(9, 2) + 16 * (2 * c + i) + 8 * h))));
-    }
+    __m256i sc[2];
+    int_scales(c, sc);
+    for (int i = 0; i < 2; ++i) s.scale[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc[i]));
   }
 };
 

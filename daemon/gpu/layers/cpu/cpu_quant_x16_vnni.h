@@ -11,6 +11,7 @@
 #if defined(LLMD_X16_VNNI)
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -34,21 +35,30 @@ LLMD_X16_TARGET inline void store_codes(__m512& lo, __m512& hi, float scale, int
   sums[1] = _mm512_reduce_add_epi32(shi);
 }
 
-LLMD_X16_TARGET inline void quantize_row(const float* x, int64_t cols, int passes, int8_t* codes, float* d, float* ds,
-                                  int32_t* sums) {
-  const int64_t blocks = cols / kBlock;
+LLMD_X16_TARGET inline float block_amax(const float* x) {
   const __m512 sign = _mm512_set1_ps(-0.0f);
-  for (int64_t b = 0; b < blocks; ++b) {
-    __m512 lo = _mm512_loadu_ps(x + b * kBlock), hi = _mm512_loadu_ps(x + b * kBlock + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, lo), _mm512_andnot_ps(sign, hi)));
-    d[b] = amax / 127.0f;
-    ds[2 * b] = ds[2 * b + 1] = 0.0f;
-    for (int p = 0; p < passes; ++p) {
-      const float scale = d[b] * kPassScale[p];
-      int32_t* s = sums + p * 2 * blocks + 2 * b;
-      store_codes(lo, hi, scale, codes + p * cols + b * kBlock, s);
-      ds[2 * b] += scale * static_cast<float>(s[0]);
-      ds[2 * b + 1] += scale * static_cast<float>(s[1]);
+  return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, _mm512_loadu_ps(x)),
+                                            _mm512_andnot_ps(sign, _mm512_loadu_ps(x + 16))));
+}
+
+// `span`: 32-column blocks per scale d (1, or kSuperBlock: one pass).
+LLMD_X16_TARGET inline void quantize_row(const float* x, int64_t cols, int passes, int64_t span, int8_t* codes,
+                                         float* d, float* ds, int32_t* sums) {
+  const int64_t blocks = cols / kBlock;
+  for (int64_t g = 0; g < blocks / span; ++g) {
+    float amax = block_amax(x + g * span * kBlock);  // (the AVX2 product takes the same maxima in the same order)
+    for (int64_t b = g * span + 1; b < (g + 1) * span; ++b) amax = std::max(amax, block_amax(x + b * kBlock));
+    d[g] = amax / 127.0f;
+    for (int64_t b = g * span; b < (g + 1) * span; ++b) {
+      __m512 lo = _mm512_loadu_ps(x + b * kBlock), hi = _mm512_loadu_ps(x + b * kBlock + 16);
+      ds[2 * b] = ds[2 * b + 1] = 0.0f;
+      for (int p = 0; p < passes; ++p) {
+        const float scale = d[g] * kPassScale[p];
+        int32_t* s = sums + p * 2 * blocks + 2 * b;
+        store_codes(lo, hi, scale, codes + p * cols + b * kBlock, s);
+        ds[2 * b] += scale * static_cast<float>(s[0]);
+        ds[2 * b + 1] += scale * static_cast<float>(s[1]);
+      }
     }
   }
 }
@@ -104,6 +114,26 @@ LLMD_X16_TARGET inline __m512i joined(__m512i s0, __m512i s1) {
   return _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(s0, 8), _mm512_slli_epi32(s0, 1)), s1);
 }
 
+// The weight streams from memory once per product: ask, at sub-block c of the record at
+// rp, for what lies kPrefetch sub-blocks ahead (the next group's first records when this
+// group ends: groups are contiguous), and kPrefetchL2 ahead into the L2.
+template <int64_t kSubBytes>
+LLMD_X16_TARGET inline void prefetch_ahead(const uint8_t* rp, int c) {
+  const char* ahead = reinterpret_cast<const char*>(rp + (c + kPrefetch) * kSubBytes);
+  for (int64_t line = 0; line < kSubBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+  const char* far = reinterpret_cast<const char*>(rp + (c + kPrefetchL2) * kSubBytes);
+  for (int64_t line = 0; line < kSubBytes; line += 64) _mm_prefetch(far + line, _MM_HINT_T2);
+}
+
+template <int T>
+LLMD_X16_TARGET inline void store_tile(const __m512 (&acc)[T], float* out, int64_t stride, bool stream) {
+  if (stream) {
+    for (int r = 0; r < T; ++r) _mm512_stream_ps(out + r * stride, acc[r]);
+  } else {
+    for (int r = 0; r < T; ++r) _mm512_storeu_ps(out + r * stride, acc[r]);
+  }
+}
+
 // out[r][g*16 + lane] for the `T` rows of x and the 16 weight rows of group g: per
 // sub-block, its scale times the sum over passes of its dot products times that pass's
 // scale of x, plus the minimums times x's sums.
@@ -124,13 +154,7 @@ LLMD_X16_TARGET void group_tile(const uint8_t* w, const QuantizedRow* x, float* 
     // / 35.4 ms a token at 1 / 2 passes, not unrolled 21.1 / 22.2; docs/benchmarks.md).
 #pragma GCC unroll 1
     for (int c = 0; c < R::kSub; ++c) {
-      // The weight streams from memory once per product: ask for what lies kPrefetch
-      // sub-blocks ahead (the next group's first records when this group ends: groups are
-      // contiguous).
-      const char* ahead = reinterpret_cast<const char*>(rp + (c + kPrefetch) * sub_bytes);
-      for (int64_t line = 0; line < sub_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-      const char* far = reinterpret_cast<const char*>(rp + (c + kPrefetchL2) * sub_bytes);
-      for (int64_t line = 0; line < sub_bytes; line += 64) _mm_prefetch(far + line, _MM_HINT_T2);
+      prefetch_ahead<sub_bytes>(rp, c);
       SubBlock sb;
       record.decode(c, sb);
       const int64_t b = s * R::kSub + c;
@@ -162,11 +186,57 @@ LLMD_X16_TARGET void group_tile(const uint8_t* w, const QuantizedRow* x, float* 
       }
     }
   }
-  if (stream) {
-    for (int r = 0; r < T; ++r) _mm512_stream_ps(out + r * stride, acc[r]);
-  } else {
-    for (int r = 0; r < T; ++r) _mm512_storeu_ps(out + r * stride, acc[r]);
+  store_tile<T>(acc, out, stride, stream);
+}
+
+// group_tile's product where x is quantized per super-block (super_blocks: one pass, a
+// K-quant): per row, each sub-block's dot products times its integer sub-scale added in
+// int32 over the record, then scaled once by the record's d and x's d; the minimums
+// (Q4_K, Q5_K) times x's sums likewise, two sub-blocks per vpdpwssd.
+template <int Q, int T>
+LLMD_X16_TARGET void super_tile(const uint8_t* w, const QuantizedRow* x, float* out, int64_t stride, bool stream) {
+  using R = X16Record<Q>;
+  static_assert(R::kSub == kSuperBlock && R::kMin <= 1);
+  constexpr int64_t rec = record_bytes(Q), sub_bytes = rec / R::kSub;
+  const int64_t supers = x[0].blocks / kSuperBlock;
+  __m512 acc[T];
+  for (int r = 0; r < T; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < supers; ++s) {
+    const uint8_t* rp = w + s * rec;
+    const R record(rp);
+    __m512i isum[T];
+    for (int r = 0; r < T; ++r) isum[r] = _mm512_setzero_si512();
+#pragma GCC unroll 1
+    for (int c = 0; c < R::kSub; ++c) {
+      prefetch_ahead<sub_bytes>(rp, c);
+      SubBlock sb;
+      __m512i sc[2];
+      record.codes(c, sb.q);
+      record.int_scales(c, sc);
+      for (int r = 0; r < T; ++r) {
+        __m512i lo, hi;
+        sub_block_dots<R, T == 1>(sb, x[r], 0, s * kSuperBlock + c, lo, hi);
+        if constexpr (R::kHalves) {
+          isum[r] = _mm512_add_epi32(isum[r], _mm512_add_epi32(_mm512_mullo_epi32(lo, sc[0]), _mm512_mullo_epi32(hi, sc[1])));
+        } else {
+          isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(_mm512_add_epi32(lo, hi), sc[0]));
+        }
+      }
+    }
+    __m512i min_pairs[kSuperBlock / 2];
+    if constexpr (R::kMin == 1) record.min_pairs(min_pairs);
+    for (int r = 0; r < T; ++r) {
+      const __m512 dx = _mm512_set1_ps(x[r].d[s]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(record.d, dx), acc[r]);
+      if constexpr (R::kMin == 1) {
+        const int32_t* pairs = x[r].pairs + s * (kSuperBlock / 2);
+        __m512i m = _mm512_setzero_si512();
+        for (int i = 0; i < kSuperBlock / 2; ++i) m = _mm512_dpwssd_epi32(m, min_pairs[i], _mm512_set1_epi32(pairs[i]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m), _mm512_mul_ps(record.neg_dmin, dx), acc[r]);
+      }
+    }
   }
+  store_tile<T>(acc, out, stride, stream);
 }
 
 // Rows of x per tile: kWideTile, the codes decoded once per eight rows (32 rows, one thread,
@@ -191,7 +261,11 @@ void mm_x16(const std::vector<QuantizedRow>& x, const uint8_t* w, int64_t n, int
                       reinterpret_cast<uintptr_t>(out) % 64 == 0;  // (rows start 64 n bytes apart)
   llmd_x16::for_each_tile<tile_rows(Q, P)>(x, w, n, records * record_bytes(Q), out,
                 [n, stream](auto t, const uint8_t* wg, const QuantizedRow* xr, float* o) {
-                  group_tile<Q, decltype(t)::value, P>(wg, xr, o, n, stream);
+                  if constexpr (super_blocks(Q, P)) {
+                    super_tile<Q, decltype(t)::value>(wg, xr, o, n, stream);
+                  } else {
+                    group_tile<Q, decltype(t)::value, P>(wg, xr, o, n, stream);
+                  }
                 }, stream);
 }
 
