@@ -79,8 +79,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # type or module llmd has no packed kernel for, and an AWQ/GPTQ/FP8 checkpoint on CUDA.
     dequantize: bool = False
     # CPU with AVX-512 VNNI or AVX2: multiply packed quantized weights (GGUF, AWQ, GPTQ) with the
-    # activations rounded to int8 per 32 columns once, as llama.cpp and vLLM's GGUF kernels
-    # do, instead of in two (~16 bits of each block's largest value; gguf_quant.x16_passes).
+    # activations rounded to int8 once per 32 columns (per 256 for the K-quants Q3_K-Q6_K, as
+    # llama.cpp's Q8_K), as llama.cpp and vLLM's GGUF kernels do, instead of in two (~16 bits
+    # of each block's largest value; gguf_quant.x16_passes).
     # Up to ~2x faster products where they are compute-bound (batches,
     # small models), at llama.cpp's precision: ~0.5% of a product's scale, so greedy output
     # can part from the float reference where two tokens are close.
