@@ -41,9 +41,10 @@ constexpr int kMaxPasses = 3;
 constexpr float kPassScale[kMaxPasses] = {1.0f, 1.0f / 254.0f, 1.0f / (254.0f * 254.0f)};
 
 // One row of x quantized per 32-column block (or per super-block of them: super_blocks) in
-// `passes` int8 passes: pass 0 the codes of x at the block's scale d = amax / 127, each next pass the codes of what the passes
-// before left, at 1/254 of their scale (x = d * (q0 + q1 / 254 + q2 / 254^2) to within
-// the last pass's half step: 7, 15 or 23 bits of the block's largest value). Per 16
+// `passes` int8 passes: pass 0 the codes of x at the block's scale d = amax / 127, each
+// next pass the codes of what the passes before left, at 1/254 of their scale
+// (x = d * (q0 + q1 / 254 + q2 / 254^2) to within the last pass's half step: 7, 15 or 23
+// bits of the block's largest value). Per 16
 // columns (a K-quant sub-scale's reach): `sums`, the codes' sums (what the weights'
 // offsets multiply), and `ds`, x's sum as the passes give it (what the minimums multiply).
 // The codes are within [-127, 127] for finite x (|x| <= amax); only where a pass's

@@ -233,7 +233,9 @@ struct KNibbleRecord {
   LLMD_X16_TARGET void int_scales(int c, __m512i (&sc)[2]) const { sc[0] = six_bits(c, 0); }
   // The minimums of sub-blocks 2i and 2i + 1 as int16 pairs (QuantizedRow::pairs' order).
   LLMD_X16_TARGET void min_pairs(__m512i (&pairs)[4]) const {
-    for (int i = 0; i < 4; ++i) pairs[i] = _mm512_or_si512(six_bits(2 * i, 1), _mm512_slli_epi32(six_bits(2 * i + 1, 1), 16));
+    for (int i = 0; i < 4; ++i) {
+      pairs[i] = _mm512_or_si512(six_bits(2 * i, 1), _mm512_slli_epi32(six_bits(2 * i + 1, 1), 16));
+    }
   }
   LLMD_X16_TARGET void decode(int c, SubBlock& s) const {
     codes(c, s.q);
@@ -278,7 +280,8 @@ struct X16Record<9> {
   }
   LLMD_X16_TARGET void int_scales(int c, __m512i (&sc)[2]) const {
     for (int i = 0; i < 2; ++i) {
-      sc[i] = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + field_at(9, 2) + 16 * (2 * c + i))));
+      const uint8_t* bytes = r + field_at(9, 2) + 16 * (2 * c + i);
+      sc[i] = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
     }
   }
   LLMD_X16_TARGET void decode(int c, SubBlock& s) const {

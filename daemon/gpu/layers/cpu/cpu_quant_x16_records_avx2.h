@@ -202,7 +202,9 @@ struct KNibbleHalf {
   }
   LLMD_X16_AVX2_TARGET void int_scales(int c, __m256i (&sc)[2]) const { sc[0] = six_bits(c, 0); }
   LLMD_X16_AVX2_TARGET void min_pairs(__m256i (&pairs)[4]) const {
-    for (int i = 0; i < 4; ++i) pairs[i] = _mm256_or_si256(six_bits(2 * i, 1), _mm256_slli_epi32(six_bits(2 * i + 1, 1), 16));
+    for (int i = 0; i < 4; ++i) {
+      pairs[i] = _mm256_or_si256(six_bits(2 * i, 1), _mm256_slli_epi32(six_bits(2 * i + 1, 1), 16));
+    }
   }
   LLMD_X16_AVX2_TARGET void scales(int c, HalfScales& s) const {
     s.scale[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(six_bits(c, 0)));

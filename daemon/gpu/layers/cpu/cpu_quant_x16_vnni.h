@@ -217,7 +217,8 @@ LLMD_X16_TARGET void super_tile(const uint8_t* w, const QuantizedRow* x, float* 
         __m512i lo, hi;
         sub_block_dots<R, T == 1>(sb, x[r], 0, s * kSuperBlock + c, lo, hi);
         if constexpr (R::kHalves) {
-          isum[r] = _mm512_add_epi32(isum[r], _mm512_add_epi32(_mm512_mullo_epi32(lo, sc[0]), _mm512_mullo_epi32(hi, sc[1])));
+          const __m512i scaled = _mm512_add_epi32(_mm512_mullo_epi32(lo, sc[0]), _mm512_mullo_epi32(hi, sc[1]));
+          isum[r] = _mm512_add_epi32(isum[r], scaled);
         } else {
           isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(_mm512_add_epi32(lo, hi), sc[0]));
         }
@@ -231,7 +232,9 @@ LLMD_X16_TARGET void super_tile(const uint8_t* w, const QuantizedRow* x, float* 
       if constexpr (R::kMin == 1) {
         const int32_t* pairs = x[r].pairs + s * (kSuperBlock / 2);
         __m512i m = _mm512_setzero_si512();
-        for (int i = 0; i < kSuperBlock / 2; ++i) m = _mm512_dpwssd_epi32(m, min_pairs[i], _mm512_set1_epi32(pairs[i]));
+        for (int i = 0; i < kSuperBlock / 2; ++i) {
+          m = _mm512_dpwssd_epi32(m, min_pairs[i], _mm512_set1_epi32(pairs[i]));
+        }
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m), _mm512_mul_ps(record.neg_dmin, dx), acc[r]);
       }
     }
