@@ -1,6 +1,7 @@
 // What the two x16 products share (cpu_quant_x16_vnni.h: AVX-512 VNNI; cpu_quant_x16_avx2.cpp:
-// AVX2): x quantized per 32-column block in int8 passes, and the AVX2 product's entry
-// points (the VNNI one is a header of its own, included by the operators).
+// AVX2): x quantized per 32-column block in int8 passes (or, for the K-quants at one pass,
+// per 256-column super-block: super_blocks), and the AVX2 product's entry points (the
+// VNNI one is a header of its own, included by the operators).
 
 #pragma once
 
@@ -44,9 +45,9 @@ constexpr float kPassScale[kMaxPasses] = {1.0f, 1.0f / 254.0f, 1.0f / (254.0f * 
 // `passes` int8 passes: pass 0 the codes of x at the block's scale d = amax / 127, each
 // next pass the codes of what the passes before left, at 1/254 of their scale
 // (x = d * (q0 + q1 / 254 + q2 / 254^2) to within the last pass's half step: 7, 15 or 23
-// bits of the block's largest value). Per 16
-// columns (a K-quant sub-scale's reach): `sums`, the codes' sums (what the weights'
-// offsets multiply), and `ds`, x's sum as the passes give it (what the minimums multiply).
+// bits of the block's largest value). Per 16 columns (a K-quant sub-scale's reach):
+// `sums`, the codes' sums (what the weights' offsets multiply), and `ds`, x's sum as the
+// passes give it (what the minimums multiply, where x is quantized per 32 columns).
 // The codes are within [-127, 127] for finite x (|x| <= amax); only where a pass's
 // 1 / scale overflows float32 (a block whose values are all below ~2e-32) may they be
 // -128, and that block's products are off by amounts of its size (the AVX2 product reads
