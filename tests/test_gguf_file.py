@@ -18,10 +18,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import gguf
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFValueType as V
+from llmd.gpu.layers import linear
+from llmd.gpu.layers.gguf_quant import PackedSource
 from llmd.gpu.models import gguf_loader
 from llmd.gpu.models.gguf_file import GGUFFile, GGUFFormatError, GGUFStringArray
 from test_gguf import K_QUANTS, ggufs, hf_dirs  # noqa: F401
@@ -176,6 +179,61 @@ def test_released_reader_closes_its_map_at_once(ggufs):  # noqa: F811
         assert ref() is None
     finally:
         gc.enable()
+
+
+def _resident_kib(path: Path) -> int:
+    """KiB of `path`'s maps resident in this process (/proc/self/smaps' Rss)."""
+    target, total, ours = str(Path(path).resolve()), 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):
+                fields = line.split(maxsplit=5)
+                ours = len(fields) == 6 and fields[5].strip() == target
+            elif ours and line.startswith("Rss:"):
+                total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's /proc/self/smaps")
+def test_a_weight_copied_from_the_map_leaves_the_files_pages_out_of_memory(tmp_path, monkeypatch):
+    """A layer's copy of a tensor viewing the file's map (linear.copy_checked of
+    MappedPackedSource's rows) drops each slice's pages once copied, so the load never
+    holds the weight twice: after copying 17 MiB in 1 MiB slices, less than a slice of
+    the file is resident (all of it before), and the copy is the file's bytes, whole or
+    in part; a source that is a copy (PackedSource) is copied as it is. While it copies,
+    the file's resident pages stay under a slice and two 2 MiB folios (the kernel may
+    map a file's pages 2 MiB at a time)."""
+    monkeypatch.setattr(linear, "COPY_SLICE_BYTES", 1 << 20)
+    rows = np.random.default_rng(0).integers(0, 256, size=(4096, 4096 // 32 * 34), dtype=np.uint8)
+    w = gguf.GGUFWriter(str(tmp_path / "w.gguf"), "llama")
+    w.add_tensor("w", rows, raw_dtype=T.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    g = GGUFFile(tmp_path / "w.gguf")
+    data = g.tensor_data("w")
+    source = gguf_loader.MappedPackedSource("Q8_0", data, (4096, 4096), g)
+    whole = source[:]
+    assert int(whole.sum()) == int(rows.sum())  # every page read: resident
+    assert _resident_kib(tmp_path / "w.gguf") >= rows.nbytes >> 10
+    g.drop_memory(whole.data_ptr(), whole.nbytes)
+    assert _resident_kib(tmp_path / "w.gguf") < 1 << 10
+    resident = []  # the file's pages as each slice is copied, before they are dropped
+    whole.drop_pages = lambda address, nbytes: (resident.append(_resident_kib(tmp_path / "w.gguf")),
+                                               g.drop_memory(address, nbytes))
+    target = torch.empty(rows.shape, dtype=torch.uint8)
+    linear.copy_checked(target, whole)
+    assert torch.equal(target, torch.from_numpy(rows))
+    assert len(resident) == -(-4096 // ((1 << 20) // rows.shape[1])) and max(resident) <= (1 << 10) + (4 << 10), resident
+    assert _resident_kib(tmp_path / "w.gguf") < 1 << 10
+    part = torch.empty(100, rows.shape[1], dtype=torch.uint8)
+    linear.copy_checked(part, source[1000:1100])  # the pages read again from the page cache
+    assert torch.equal(part, torch.from_numpy(rows[1000:1100]))
+    linear.copy_checked(target, PackedSource("Q8_0", data, (4096, 4096))[:])
+    assert torch.equal(target, torch.from_numpy(rows))
+    with pytest.raises(ValueError, match=r"has shape \(100, 4352\), expected \(4096, 4352\)"):
+        linear.copy_checked(target, source[:100])
 
 
 # -- bad files: GGUFFormatError naming the file and the problem ------------------------------

@@ -43,6 +43,7 @@ from llmd.gpu.layers.gguf_quant import PackedPart, dequantize, packed_parts, par
 from llmd.gpu.layers.tp import TPShape
 
 Shard = Any  # a shard id: "q" / "k" / "v", 0 / 1 (gate / up), an expert index or (expert, part)
+COPY_SLICE_BYTES = 16 << 20  # rows copied at a time from a file's map (copy_checked)
 
 
 def shape_of(source: Any) -> tuple[int, ...]:
@@ -62,11 +63,23 @@ def read(source: Any, rows: tuple[int, int] | None = None, cols: tuple[int, int]
 
 
 def copy_checked(target: torch.Tensor, tensor: torch.Tensor) -> None:
-    """target <- tensor, or ValueError saying the two shapes."""
+    """target <- tensor, or ValueError saying the two shapes. A tensor viewing a file's
+    map (it carries `drop_pages(address, nbytes)`: gguf_loader.MappedPackedSource) is
+    copied COPY_SLICE_BYTES of rows at a time, the file's pages of every row copied so far
+    dropped after each slice: the load's peak holds the weight and about a slice, not the
+    weight twice. (Every row so far, not the slice's alone: the kernel may map a file in
+    2 MiB folios, and reading the next slice maps the whole folio again.)"""
     if tuple(tensor.shape) != tuple(target.shape):
         raise ValueError(f"has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+    drop = getattr(tensor, "drop_pages", None)
     with torch.no_grad():
-        target.copy_(tensor)
+        if drop is None or tensor.dim() == 0 or tensor.shape[0] == 0:
+            target.copy_(tensor)
+            return
+        step = max(1, COPY_SLICE_BYTES // max(1, tensor[0].nbytes))
+        for a in range(0, tensor.shape[0], step):
+            target[a:a + step].copy_(tensor[a:a + step])
+            drop(tensor.data_ptr(), tensor[:a + step].nbytes)
 
 
 class WeightLoading:

@@ -144,6 +144,7 @@ class GGUFFile:
             self.size = os.fstat(f.fileno()).st_size
             # Views of the map (np.frombuffer) keep it open; it closes with the last of them.
             self.buffer: mmap.mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._address = np.frombuffer(self.buffer, dtype=np.uint8).ctypes.data if self.size else 0
         self._pos = 4
         self.version = self._version()
         self.tensor_count = self._u64("the tensor count")
@@ -206,8 +207,21 @@ class GGUFFile:
         """Take the tensor's pages out of this process's resident memory (the page cache
         keeps them; a later read maps them again): called once a loaded model holds its
         own copy, so the file's pages and the copy are not both counted."""
-        start = info.data_offset - info.data_offset % mmap.PAGESIZE
-        end = min(info.data_offset + info.n_bytes, self.size)
+        self._drop(info.data_offset, info.data_offset + info.n_bytes)
+
+    def drop_memory(self, address: int, nbytes: int) -> None:
+        """drop_pages for `nbytes` at `address` in this process where they lie in the map
+        (the rows of a tensor viewing it once copied: linear.copy_checked); nothing for
+        memory elsewhere."""
+        start = address - self._address
+        if 0 <= start < self.size:
+            self._drop(start, start + nbytes)
+
+    def _drop(self, start: int, end: int) -> None:
+        """Drop the pages of bytes [start, end) (whole pages: one shared with a neighbour
+        is read again from the page cache if the neighbour is read later)."""
+        start -= start % mmap.PAGESIZE
+        end = min(end, self.size)
         if end > start and hasattr(mmap, "MADV_DONTNEED"):  # Linux, macOS
             self.buffer.madvise(mmap.MADV_DONTNEED, start, end - start)
 

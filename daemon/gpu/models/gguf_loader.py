@@ -20,6 +20,7 @@ import functools
 import re
 import warnings
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -273,7 +274,7 @@ def iter_gguf_weights(path: str | Path, config: Any,
                     raise ValueError(f"{str(path)!r}: GGUF tensor {name!r} of type {quant}: {exc}") from None
                 source = PackedSource(packed[hf_name], _unpermuted(rows, name, spec, config), shape)
             else:
-                source = MappedPackedSource(quant, _unpermuted(rows, name, spec, config), shape)
+                source = MappedPackedSource(quant, _unpermuted(rows, name, spec, config), shape, g)
             yield hf_name, source
             g.drop_pages(t)  # the model copied it
             continue
@@ -291,20 +292,29 @@ def iter_gguf_weights(path: str | Path, config: Any,
         g.drop_pages(t)
 
 
+@dataclass
 class MappedPackedSource(PackedSource):
     """Packed rows that the layer reads straight from the file's map: its rows come as
     tensors viewing the map, not as copies (PackedSource copies, as the map is read-only),
     so loading a weight does not hold a third copy of it (the file's pages and the
-    layer's weight are the other two: Gemma 3's 171 MB vocabulary table). The layers only
-    read a source (linear.read, copy_checked); the map is read-only, so one that wrote to
-    it would fault rather than change the file."""
+    layer's weight are the other two: Gemma 3's 171 MB vocabulary table). Each view
+    carries `drop_pages` (the file's GGUFFile.drop_memory), with which the layer's copy
+    (linear.copy_checked) drops the file's pages of each slice of rows once copied, so
+    the two are not both resident either. The layers only read a source (linear.read,
+    copy_checked); the map is read-only, so one that wrote to it would fault rather than
+    change the file."""
+
+    file: GGUFFile | None = None
 
     def __getitem__(self, index) -> torch.Tensor:
         if not isinstance(index, slice):
             return super().__getitem__(index)  # its error
         with warnings.catch_warnings():  # torch warns that it cannot write to the view: it won't
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            return torch.from_numpy(self.data[index])
+            view = torch.from_numpy(self.data[index])
+        if self.file is not None:
+            view.drop_pages = self.file.drop_memory
+        return view
 
 
 def _unpermuted(rows: np.ndarray, name: str, spec: GGUFArchitecture, config: Any) -> np.ndarray:
