@@ -10,6 +10,7 @@ or an add_bos key. A file whose vocabulary cannot make a tokenizer is a clear er
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,8 @@ import gguf
 from gguf import GGMLQuantizationType as T
 from llmd.gpu.models.gguf_file import GGUFFile
 from llmd.gpu.models.gguf_loader import load_gguf_tokenizer
-from llmd.gpu.models.gguf_tokenizer import converter_available
+from llmd.gpu.models import gguf_tokenizer
+from llmd.gpu.models.gguf_tokenizer import converter_available, derived_merges
 from test_gguf import ggufs, hf_dirs  # noqa: F401
 
 TEXTS = [
@@ -133,3 +135,39 @@ def test_vocabulary_that_makes_no_tokenizer_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match=r"no-vocab.gguf': GGUF metadata tokenizer.ggml.tokens is missing"):
         load_gguf_tokenizer(no_vocab)
     assert GGUFFile(no_vocab).architecture == "llama"
+
+
+def test_merges_derived_from_a_vocabulary_are_transformers():
+    """derived_merges is transformers' generate_merges, order included: on a vocabulary of
+    short strings over four letters (so most tokens split several ways) whose ids are
+    shuffled (a token's splits go by the pieces' ids), with scores that tie (ties keep
+    their order), with int scores (Gemma's file positions) and with none (by id)."""
+    from transformers.tokenization_utils_base import generate_merges
+
+    rng = random.Random(0)
+    letters = "ab▁c"
+    tokens = list(dict.fromkeys(list(letters) + ["".join(rng.choice(letters) for _ in range(rng.randint(2, 6)))
+                                                 for _ in range(700)]))
+    ids = list(range(len(tokens)))
+    rng.shuffle(ids)
+    vocab = dict(zip(tokens, ids))
+    tied = {t: rng.choice([0.0, -1.0, -2.5]) for t in tokens}
+    positions = {t: -i for t, i in vocab.items()}
+    for scores in (tied, positions, None):
+        want = generate_merges(vocab, scores)
+        assert len(want) > 1000
+        assert derived_merges(vocab, scores) == want
+    assert derived_merges({"a": 0, "b": 1}, None) == []
+
+
+def test_a_vocabulary_without_merges_takes_the_lean_derivation(tmp_path, monkeypatch):
+    """Building a sentencepiece tokenizer without merges derives them through
+    derived_merges (the tokenizer equals transformers' own: the test above and
+    test_gemma3_tokenizer_is_transformers), and leaves transformers' conversion as it was."""
+    from transformers.integrations.gguf import gguf_tokenizer_mapping as mapping
+
+    calls = []
+    monkeypatch.setattr(gguf_tokenizer, "derived_merges", lambda *a: calls.append(a) or derived_merges(*a))
+    before = mapping.get_merges
+    assert_same_tokenizer(_sentencepiece_gguf(tmp_path / "sp.gguf"))
+    assert len(calls) == 1 and mapping.get_merges is before

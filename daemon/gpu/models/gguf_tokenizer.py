@@ -11,11 +11,16 @@ checks the result against transformers' own reading of the same files).
 """
 from __future__ import annotations
 
+import contextlib
+import threading
+from array import array
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
 
 from llmd.gpu.models.gguf_file import GGUFFile, GGUFStringArray
+from llmd.heap import trim_heap
 
 # tokenizer_config entry -> the GGUF key of the token id it names (as transformers maps them)
 _SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
@@ -66,12 +71,14 @@ def build_tokenizer(g: GGUFFile):
 
     tokenizer, config = tokenizer_fields(g)
     try:
-        backend, extra = convert_gguf_tokenizer(g.architecture, tokenizer)
+        with _lean_merges():
+            backend, extra = convert_gguf_tokenizer(g.architecture, tokenizer)
     except (ValueError, KeyError, IndexError) as exc:
         raise g.error(f"cannot build a tokenizer from the GGUF's vocabulary ({exc})") from None
     del tokenizer  # the vocabulary's lists: the backend holds its own copy
-    return PreTrainedTokenizerFast(tokenizer_object=_Handover(backend), name_or_path=str(g.path),
-                                  **config, **extra)
+    fast = PreTrainedTokenizerFast(tokenizer_object=_Handover(backend), name_or_path=str(g.path), **config, **extra)
+    trim_heap()  # the conversion's lists, freed, back to the system (Gemma 3: 60 MB of glibc's heap)
+    return fast
 
 
 class _Handover:
@@ -91,3 +98,74 @@ def _plain(value: Any) -> Any:
     if isinstance(value, GGUFStringArray | np.ndarray):
         return value.tolist()
     return value
+
+
+# --- merges derived from a vocabulary ------------------------------------------------------
+
+_PATCH_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _lean_merges() -> Iterator[None]:
+    """transformers' conversion with its `get_merges` taking derived_merges' way where a
+    file has no merges (Gemma's: 515k of them from its 262k-token vocabulary); the same
+    list either way. Put back after (a lock: two loads in threads do not interleave the
+    swap); nothing changes where the installed transformers has no such function."""
+    from transformers.integrations.gguf import gguf_tokenizer_mapping as mapping
+
+    original = getattr(mapping, "get_merges", None)
+    if original is None:
+        yield
+        return
+
+    def get_merges(tokenizer_dict: dict[str, Any], vocab_scores: Mapping[str, float] | None = None):
+        if "merges" in tokenizer_dict:
+            return original(tokenizer_dict, vocab_scores)
+        tokens = tokenizer_dict["tokens"]
+        if vocab_scores is None:
+            vocab_scores = dict(zip(tokens, tokenizer_dict["scores"]))
+        return derived_merges({token: index for index, token in enumerate(tokens)}, vocab_scores)
+
+    with _PATCH_LOCK:
+        mapping.get_merges = get_merges
+        try:
+            yield
+        finally:
+            mapping.get_merges = original
+
+
+def derived_merges(vocab: Mapping[str, int], vocab_scores: Mapping[str, float] | None = None) -> list[tuple[str, str]]:
+    """The merges transformers' `generate_merges(vocab, vocab_scores)` derives from a
+    vocabulary (tokenization_utils_base), the same list in the same order, at a fraction
+    of its peak: every split of a token into two tokens of the vocabulary, a token's
+    splits ordered by the pieces' ids, all of them ordered by the token's score
+    (descending; with no scores, by the token's id, ascending), then by the pieces'
+    lengths, ties kept in that order. transformers holds each merge as a tuple of two new
+    strings and a score through two sorts (~315 bytes a merge: 160 MB at Gemma 3's load);
+    here the merges are ids and sort keys in arrays until the last list, whose tuples
+    hold the vocabulary's own strings."""
+    reverse = vocab_scores is not None
+    scores = vocab_scores if reverse else vocab
+    left, right, left_len, right_len, score = array("q"), array("q"), array("q"), array("q"), array("d")
+    for token, token_score in scores.items():
+        splits = []
+        for i in range(1, len(token)):
+            a = vocab.get(token[:i])
+            if a is not None and (b := vocab.get(token[i:])) is not None:
+                splits.append((a, b, i))
+        splits.sort()  # by the pieces' ids (two splits never share the left piece)
+        for a, b, i in splits:
+            left.append(a)
+            right.append(b)
+            left_len.append(i)
+            right_len.append(len(token) - i)
+            score.append(token_score)
+    keys = [np.frombuffer(k, dtype=np.int64) if k.typecode == "q" else np.frombuffer(k, dtype=np.float64)
+            for k in (right_len, left_len, score)]
+    if reverse:  # descending, ties in order: a stable sort of the negated keys
+        keys = [-k for k in keys]
+    order = np.lexsort(keys) if len(score) else np.zeros(0, dtype=np.int64)
+    by_id = [""] * (max(vocab.values(), default=-1) + 1)
+    for token, index in vocab.items():
+        by_id[index] = token
+    return [(by_id[left[k]], by_id[right[k]]) for k in order.tolist()]
