@@ -1,5 +1,5 @@
 """GGUF weights kept packed (gguf_quant, cpu/cpu_quant.cpp): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
-the K-quants Q2_K..Q6_K and IQ4_NL (held as Q8_0 on CUDA).
+the K-quants Q2_K..Q6_K and IQ4_NL (IQ4_XS held as IQ4_NL).
 
 Each format's dequantization equals the gguf package's (an independent reader of the
 same bytes) bit for bit, on random blocks and on blocks of extreme scales; the packed
@@ -29,7 +29,7 @@ from llmd import LLM
 from llmd.gpu.layers.attention import AttentionMetadata, new_model_kv_caches
 from llmd.gpu.layers.attention_backends import metadata_builder
 from llmd.gpu.layers.cpu.cpu_kernels import gguf_ops
-from llmd.gpu.layers.gguf_formats import FORMATS, IQ4_NL_VALUES, PACKED_TYPES, dequantize, held_type, reencoded
+from llmd.gpu.layers.gguf_formats import FORMATS, PACKED_TYPES, dequantize, held_type, reencoded
 from llmd.gpu.layers.gguf_quant import KERNEL_MAX_ROWS, GGUFMatmul
 from llmd.gpu.layers.linear import ReplicatedLinear
 from llmd.gpu.layers.quant.gguf_planes import GPU_TYPES
@@ -300,35 +300,12 @@ def test_a_quantized_tensor_that_cannot_stay_packed_is_refused_by_name(hf_dirs, 
     assert torch.equal(qkv.weight[a:b], torch.from_numpy(expected.astype(np.float32)))
 
 
-def test_iq4_nl_blocks_reencoded_as_q8_0_hold_the_same_weights():
-    """IQ4_NL's indices into its table of 16 int8 values, written as those values under
-    the same fp16 scale, are a Q8_0 block of exactly the weights the gguf package reads
-    from the IQ4_NL block: every index in both nibbles, scales of every size and sign."""
-    rows, cols = 24, 96
-    rng = np.random.default_rng(3)
-    iq4 = rng.integers(0, 256, size=(rows, cols // 32, 18), dtype=np.uint8)
-    iq4[0, 0, 2:] = np.arange(16, dtype=np.uint8) * 17  # both nibbles of each byte: index i
-    d = (rng.standard_normal((rows, cols // 32)) * 0.02).astype(np.float16)
-    d[:4, 0] = [65504.0, 2.0 ** -24, 0.0, -1.5]
-    iq4[..., :2] = d.view(np.uint8).reshape(rows, -1, 2)
-    iq4 = iq4.reshape(rows, -1)
-    expected = gguf.quants.dequantize(iq4, T.IQ4_NL).reshape(rows, cols)
-    q8 = reencoded("IQ4_NL", iq4)
-    assert q8.shape == (rows, cols // 32 * 34)
-    assert held_type("IQ4_NL") == "IQ4_NL" and held_type("IQ4_NL", GPU_TYPES) == "Q8_0"
-    assert np.array_equal(gguf.quants.dequantize(q8, T.Q8_0).reshape(rows, cols), expected)
-    assert torch.equal(dequantize(torch.from_numpy(q8), "Q8_0", cols), torch.from_numpy(expected))
-    assert np.array_equal(q8[0, 2:18].view(np.int8), IQ4_NL_VALUES)
-    with pytest.raises(ValueError, match="Q4_0 is not re-encoded"):
-        reencoded("Q4_0", iq4)
-
-
 def test_iq4_xs_blocks_are_held_as_iq4_nl_blocks_under_their_sub_block_scales():
     """Each 32-weight sub-block of an IQ4_XS super-block becomes an IQ4_NL block: the
     same nibbles under d * (ls - 32) rounded to fp16 — the gguf package's weights exactly
     where that product is an fp16 (d a power of two, every 6-bit ls of both halves of the
-    scale bytes), within 2^-11 of each sub-block's scale otherwise; on CUDA on to Q8_0.
-    A product beyond fp16's range is refused."""
+    scale bytes), within 2^-11 of each sub-block's scale otherwise; the same on CUDA.
+    A product beyond fp16's range is refused; other types are not re-encoded."""
     rows, cols = 16, 512
     rng = np.random.default_rng(4)
     raw = rng.integers(0, 256, size=(rows, cols // 256, 136), dtype=np.uint8)
@@ -336,13 +313,16 @@ def test_iq4_xs_blocks_are_held_as_iq4_nl_blocks_under_their_sub_block_scales():
     d = (2.0 ** rng.integers(-14, -4, size=(rows, cols // 256))).astype(np.float16)
     raw[..., :2] = d.view(np.uint8).reshape(rows, -1, 2)
     exact = raw.reshape(rows, -1)
-    assert held_type("IQ4_XS") == "IQ4_NL" and held_type("IQ4_XS", GPU_TYPES) == "Q8_0"
+    assert held_type("IQ4_XS") == held_type("IQ4_XS", GPU_TYPES) == "IQ4_NL"
+    assert held_type("IQ4_NL") == held_type("IQ4_NL", GPU_TYPES) == "IQ4_NL"
     expected = gguf.quants.dequantize(exact, T.IQ4_XS).reshape(rows, cols)
     nl = reencoded("IQ4_XS", exact)
     assert nl.shape == (rows, cols // 32 * 18)
     assert torch.equal(dequantize(torch.from_numpy(nl), "IQ4_NL", cols), torch.from_numpy(expected))
-    q8 = reencoded("IQ4_XS", exact, "Q8_0")
-    assert torch.equal(dequantize(torch.from_numpy(q8), "Q8_0", cols), torch.from_numpy(expected))
+    with pytest.raises(ValueError, match="IQ4_XS is not held as Q8_0"):
+        reencoded("IQ4_XS", exact, "Q8_0")
+    with pytest.raises(ValueError, match="IQ4_NL is not re-encoded"):
+        reencoded("IQ4_NL", nl)
     raw[..., :2] = (rng.standard_normal((rows, cols // 256)) * 0.01).astype(np.float16).view(np.uint8).reshape(
         rows, -1, 2)
     rounded = raw.reshape(rows, -1)
@@ -360,9 +340,9 @@ def test_iq4_xs_blocks_are_held_as_iq4_nl_blocks_under_their_sub_block_scales():
 def test_an_iq4_nl_gguf_loads_packed(hf_dirs, tmp_path):  # noqa: F811
     """Every layer weight IQ4_NL (random blocks), beside a Q4_0 one in the same fused
     projection: on CPU the load keeps them packed as the file stores them, and the model
-    computes what the file dequantized by the gguf package computes; on CUDA, whose
-    kernels lack IQ4_NL, the plan holds them as Q8_0 and the loader hands them over
-    re-encoded (the same weights)."""
+    computes what the file dequantized by the gguf package computes; the CUDA plan keeps
+    them as IQ4_NL too (its Triton kernel: tests/test_triton_quant.py), the loader handing
+    over the file's blocks."""
     v = np.random.default_rng(1).standard_normal((32, 64)).astype(np.float32) * 0.1
     path = write_gguf(hf_dirs("llama"), tmp_path / "iq4.gguf", T.Q4_0, k_quant_types=(T.IQ4_NL,),
                       raw_tensors={"blk.0.attn_v.weight": (quantize(v, T.Q4_0), T.Q4_0)})
@@ -379,11 +359,11 @@ def test_an_iq4_nl_gguf_loads_packed(hf_dirs, tmp_path):  # noqa: F811
     with torch.device("meta"):
         model = CausalLM(load_hf_config(path), 128)
     plan = packed_params(model, gguf_tensor_types(path), "cuda")
-    assert plan["layers.0.self_attn.qkv_proj.weight"] == {"q": "Q8_0", "k": "Q8_0", "v": "Q4_0"}
-    held = {"model.layers.1.mlp.down_proj.weight": "Q8_0", "model.layers.0.self_attn.v_proj.weight": "Q4_0"}
+    assert plan["layers.0.self_attn.qkv_proj.weight"] == {"q": "IQ4_NL", "k": "IQ4_NL", "v": "Q4_0"}
+    held = {"model.layers.1.mlp.down_proj.weight": "IQ4_NL", "model.layers.0.self_attn.v_proj.weight": "Q4_0"}
     sources = {name: s for name, s in iter_gguf_weights(path, load_hf_config(path), held) if name in held}
     down, v_proj = sources["model.layers.1.mlp.down_proj.weight"], sources["model.layers.0.self_attn.v_proj.weight"]
-    assert (down.quant, v_proj.quant) == ("Q8_0", "Q4_0")
+    assert (down.quant, v_proj.quant) == ("IQ4_NL", "Q4_0")
     assert torch.equal(down.dequantize(), dense.layers[1].mlp.down_proj.weight)
 
 
@@ -392,7 +372,7 @@ def test_an_iq4_xs_gguf_loads_packed_as_iq4_nl(hf_dirs, tmp_path):  # noqa: F811
     """Every layer weight IQ4_XS (random super-blocks): on CPU held as IQ4_NL (the same
     nibbles, each sub-block's scale d * (ls - 32) as an fp16: the fixture's d are powers
     of two, so exactly) at 144 / 136 of the file's bytes, computing what the gguf
-    package's dequantization of the file computes; the CUDA plan holds them as Q8_0."""
+    package's dequantization of the file computes; the CUDA plan holds them as IQ4_NL too."""
     path = write_gguf(hf_dirs("llama-256"), tmp_path / "iq4xs.gguf", T.Q8_0, k_quant_types=(T.IQ4_XS,))
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
     assert types["blk.0.attn_q.weight"] == types["blk.1.ffn_down.weight"] == "IQ4_XS"
@@ -407,15 +387,15 @@ def test_an_iq4_xs_gguf_loads_packed_as_iq4_nl(hf_dirs, tmp_path):  # noqa: F811
         torch.testing.assert_close(_logits(packed, tokens), _logits(dense, tokens), atol=2e-4, rtol=1e-4)
     with torch.device("meta"):
         model = CausalLM(load_hf_config(path), 128)
-    assert packed_params(model, gguf_tensor_types(path), "cuda")["layers.1.mlp.down_proj.weight"] == "Q8_0"
+    assert packed_params(model, gguf_tensor_types(path), "cuda")["layers.1.mlp.down_proj.weight"] == "IQ4_NL"
 
 
 def test_the_pool_estimate_counts_a_gguf_as_each_device_holds_it(hf_dirs, tmp_path):  # noqa: F811
     """The model pool's estimate of a GGUF's weights (llmd.pool.estimate, from the header,
     without torch) is what the loaded model holds on CPU: IQ4_XS layers as IQ4_NL (144 /
     136 of the file's bytes), Q4_K ones as stored, the F16 vocabulary, LM head and norms
-    at float32 (twice the file's bytes; the LM head once more, oneDNN's copy); on CUDA what the re-encoding to Q8_0 gives
-    (twice the file's), the rest as stored, the dense tensors at bfloat16."""
+    at float32 (twice the file's bytes; the LM head once more, oneDNN's copy); on CUDA the
+    IQ4_XS layers as IQ4_NL too, the rest as stored, the dense tensors at bfloat16."""
     from llmd.config import EngineConfig
     from llmd.gpu.worker.memory_profile import weight_storage
     from llmd.pool.estimate import estimate_need, read_shape
@@ -434,7 +414,7 @@ def test_the_pool_estimate_counts_a_gguf_as_each_device_holds_it(hf_dirs, tmp_pa
         if kind in ("F32", "F16", "BF16"):
             on_cuda += int(t.n_elements) * 2
         elif kind == "IQ4_XS":
-            on_cuda += reencoded(kind, np.asarray(t.data).reshape(int(t.shape[1]), -1), "Q8_0").nbytes
+            on_cuda += reencoded(kind, np.asarray(t.data).reshape(int(t.shape[1]), -1)).nbytes
         else:
             on_cuda += int(t.n_bytes)
     assert estimate_need(engine, shape, "cuda", available_ram=0) == {"cuda:0": on_cuda + 1}

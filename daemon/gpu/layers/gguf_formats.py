@@ -21,13 +21,12 @@ ggml-common.h; cpu/cpu_quant_formats.h spells each out byte by byte):
 
 (nibbles of a 32-weight block: byte i holds weight i in its low four bits and weight
 i + 16 in its high four, as ggml packs them; IQ4_NL's index a table of 16 int8 values:
-IQ4_NL_VALUES). On CUDA, whose Triton kernels lack IQ4_NL, it is held as Q8_0,
-re-encoded at load without loss (gguf_types.HELD_AS, reencoded). IQ4_XS (256 weights in 136 bytes:
-fp16 d, eight 6-bit sub-block scales ls, IQ4_NL's nibbles; a weight is d * (ls - 32) *
-table[q]) has no kernel of its own: each 32-weight sub-block is held as an IQ4_NL block
-of the same nibbles under d * (ls - 32) rounded to fp16 (within 2^-11 of the file's
-scale, far inside the format's own 4-bit error), 144 bytes per 256 weights where the
-file has 136. `dequantize` (torch) is the
+IQ4_NL_VALUES). IQ4_XS (256 weights in 136 bytes: fp16 d, eight 6-bit sub-block
+scales ls, IQ4_NL's nibbles; a weight is d * (ls - 32) * table[q]) has no kernel of its
+own: each 32-weight sub-block is held as an IQ4_NL block of the same nibbles under
+d * (ls - 32) rounded to fp16 (within 2^-11 of the file's scale, far inside the format's
+own 4-bit error), 144 bytes per 256 weights where the file has 136, re-encoded at load
+(gguf_types.HELD_AS, reencoded). `dequantize` (torch) is the
 reference every kernel is tested against; it equals the gguf package's dequantization
 bit for bit (every scale product is exact in float32, so the one rounding is the same
 final add).
@@ -76,24 +75,15 @@ def reencoded(quant: str, rows: np.ndarray, held: str | None = None) -> np.ndarr
     if quant not in HELD_AS:
         raise ValueError(f"{quant} is not re-encoded (held as another type: {', '.join(HELD_AS)})")
     held = HELD_AS[quant] if held is None else held
-    while quant != held:
-        if quant not in HELD_AS:
+    steps, step = [], quant
+    while step != held:
+        if step not in HELD_AS:
             raise ValueError(f"{quant} is not held as {held}")
-        rows, quant = _REENCODE[quant](rows), HELD_AS[quant]
+        steps.append(step)
+        step = HELD_AS[step]
+    for step in steps:
+        rows = _REENCODE[step](rows)
     return rows
-
-
-def _iq4_nl_as_q8_0(rows: np.ndarray) -> np.ndarray:
-    """IQ4_NL -> Q8_0: each 18-byte block (fp16 d; 16 bytes of nibbles, byte i holding
-    weight i's index in its low four bits and weight i + 16's in its high four) becomes
-    d and the 32 int8 table values, in weight order."""
-    blocks = np.ascontiguousarray(rows).reshape(rows.shape[0], -1, 18)
-    out = np.empty(blocks.shape[:2] + (34,), dtype=np.uint8)
-    out[..., :2] = blocks[..., :2]
-    nibbles = blocks[..., 2:]
-    out[..., 2:18] = IQ4_NL_VALUES[nibbles & 0x0F].view(np.uint8)
-    out[..., 18:] = IQ4_NL_VALUES[nibbles >> 4].view(np.uint8)
-    return out.reshape(rows.shape[0], -1)
 
 
 def _iq4_xs_as_iq4_nl(rows: np.ndarray) -> np.ndarray:
@@ -120,7 +110,7 @@ def _iq4_xs_as_iq4_nl(rows: np.ndarray) -> np.ndarray:
     return out.reshape(rows.shape[0], -1)
 
 
-_REENCODE: dict[str, Callable[[np.ndarray], np.ndarray]] = {"IQ4_NL": _iq4_nl_as_q8_0, "IQ4_XS": _iq4_xs_as_iq4_nl}
+_REENCODE: dict[str, Callable[[np.ndarray], np.ndarray]] = {"IQ4_XS": _iq4_xs_as_iq4_nl}
 
 
 def _f16(b: torch.Tensor, at: int) -> torch.Tensor:

@@ -15,17 +15,14 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 # What the CPU kernels read (gguf_formats.FORMATS) and the CUDA ones (gguf_planes.FIELDS).
 CPU_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL")
-GPU_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+GPU_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL")
 # GGUF types a model keeps as they are (dense, at the run dtype): everything else runs
 # packed or is refused.
 DENSE_TYPES = ("F32", "F16", "BF16")
 # GGUF types a weight is held in as another packed type where the device's kernels lack
-# it, re-encoded at load (gguf_formats.reencoded). IQ4_NL, on CUDA (its Triton kernels
-# lack it), without loss: its 4-bit indices into a table of 16 int8 values become those
-# values, a Q8_0 block under the same fp16 scale, at 34 bytes per 32 weights where the
-# file has 18. IQ4_XS everywhere, as IQ4_NL blocks (gguf_formats' doc: the one rounding
-# of each sub-block's scale to fp16), and on CUDA on to Q8_0.
-HELD_AS = {"IQ4_NL": "Q8_0", "IQ4_XS": "IQ4_NL"}
+# it, re-encoded at load (gguf_formats.reencoded): IQ4_XS, on every device, as IQ4_NL
+# blocks (gguf_formats' doc: the one rounding of each sub-block's scale to fp16).
+HELD_AS = {"IQ4_XS": "IQ4_NL"}
 
 
 def kernel_types(device_type: str) -> tuple[str, ...]:

@@ -205,12 +205,11 @@ def packed_params(model: CausalLM, types: dict[str, tuple[str, str]],
     name -> (GGUF name, type name)), each kept packed: a linear layer's or the
     vocabulary's weight, rows a whole number of its type's blocks (gguf_formats.FORMATS);
     a fused projection whose parts differ in type maps to {part: type}; a type held as
-    another on this device (gguf_types.HELD_AS: IQ4_NL as Q8_0 on CUDA, re-encoded
-    without loss; IQ4_XS as IQ4_NL) maps to that one. A quantized tensor that cannot stay
-    packed (a type without a kernel, rows its blocks do not fit, a parameter that takes no
-    packed weight, a fused projection mixing it with a dense part) is a ValueError naming it:
-    dequantizing it silently would cost memory and speed the user did not ask for
-    (`dequantize=True` loads every weight dense)."""
+    another on this device (gguf_types.HELD_AS: IQ4_XS as IQ4_NL) maps to that one. A
+    quantized tensor that cannot stay packed (a type without a kernel, rows its blocks do
+    not fit, a parameter that takes no packed weight, a fused projection mixing it with a
+    dense part) is a ValueError naming it: dequantizing it silently would cost memory and
+    speed the user did not ask for (`dequantize=True` loads every weight dense)."""
     modules = dict(model.named_modules())
     parts: dict[str, dict[Shard, str]] = {}
     files: dict[str, dict[Shard, str]] = {}  # the GGUF tensor behind each part

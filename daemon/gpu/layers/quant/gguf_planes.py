@@ -30,7 +30,7 @@ from llmd.gpu.layers.gguf_quant import FORMATS, PackedPart, part_weight
 
 # Each type's fields as (name, first byte, end byte) within one block (ggml-common.h;
 # gguf_formats' table): d / m / dmin fp16 scales, qs the 4-bit (8-bit for Q8_0) values,
-# qh the high bits, sc the K-quants' sub-block scales.
+# qh the high bits, sc the K-quants' sub-block scales; IQ4_NL's qs are indices into its table.
 FIELDS: dict[str, tuple[tuple[str, int, int], ...]] = {
     "Q8_0": (("d", 0, 2), ("qs", 2, 34)),
     "Q4_0": (("d", 0, 2), ("qs", 2, 18)),
@@ -40,6 +40,7 @@ FIELDS: dict[str, tuple[tuple[str, int, int], ...]] = {
     "Q4_K": (("d", 0, 2), ("m", 2, 4), ("sc", 4, 16), ("qs", 16, 144)),
     "Q5_K": (("d", 0, 2), ("m", 2, 4), ("sc", 4, 16), ("qh", 16, 48), ("qs", 48, 176)),
     "Q6_K": (("qs", 0, 128), ("qh", 128, 192), ("sc", 192, 208), ("d", 208, 210)),
+    "IQ4_NL": (("d", 0, 2), ("qs", 2, 18)),
 }
 GPU_TYPES = tuple(FIELDS)
 assert GPU_TYPES == gguf_types.GPU_TYPES, "gguf_types.GPU_TYPES names what these kernels read"

@@ -19,8 +19,8 @@ columns `lo(j)` (low nibble) and `lo(j) + PAIR` (high), ggml's order (PAIR 16 in
 taken at `lo` and `lo + PAIR`. Scales come per group of GP columns of a stream (GP
 divides both the type's scale group and PAIR), one load per group. Every type computes
 `(q - zero) * scale + offset` in fp32 with gguf_quant.dequantize's operands (K-quant
-scales d * sc, offsets -dmin * m), so a GEMV equals x times that reference to fp32
-summation order. Shapes alone decide grids and nothing is read back to the host, so a
+scales d * sc, offsets -dmin * m; IQ4_NL its table's value at q times d), so a GEMV
+equals x times that reference to fp32 summation order. Shapes alone decide grids and nothing is read back to the host, so a
 launch can be captured in a CUDA graph.
 """
 from __future__ import annotations
@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from llmd.gpu.layers.gguf_formats import IQ4_NL_VALUES
 from llmd.gpu.layers.gguf_quant import FORMATS
 
 FP8_CODE = 100  # the kernel's code for FP8 e4m3 rows (GGUF types: gguf_formats.FORMATS' codes)
@@ -42,9 +43,12 @@ SPLIT_K_WAVES = 2  # a split-K launch aims at this many programs per SM
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 
 # The type codes as the kernels compare them (a jit function reads only constexpr globals).
-_Q8_0, _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q4_K, _Q5_K, _Q6_K = (
-    tl.constexpr(FORMATS[q].code) for q in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"))
+_Q8_0, _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q4_K, _Q5_K, _Q6_K, _IQ4_NL = (
+    tl.constexpr(FORMATS[q].code) for q in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL"))
 _FP8 = tl.constexpr(FP8_CODE)
+# IQ4_NL's 16 int8 values four to a little-endian int32 word (_iq4_nl reads them).
+_IQ4_W0, _IQ4_W1, _IQ4_W2, _IQ4_W3 = (
+    tl.constexpr(int.from_bytes(IQ4_NL_VALUES[i:i + 4].tobytes(), "little", signed=True)) for i in range(0, 16, 4))
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,7 @@ LAYOUTS = {
     "Q4_K": Layout(_Q4_K, True, 32, 0, 32),
     "Q5_K": Layout(_Q5_K, True, 32, 0, 32),
     "Q6_K": Layout(_Q6_K, True, 64, 32, 16),
+    "IQ4_NL": Layout(_IQ4_NL, True, 16, 0, 16),
     # per-tensor and per-row scales are one group of K; block scales' columns are
     # multiples of 16 (quant/scheme.py), so 16 columns never span two groups
     "FP8": Layout(FP8_CODE, False, 0, 0, 16),
@@ -104,6 +109,16 @@ def _e4m3(b):
     sub = tl.where((b & 0x80) != 0, -sub, sub)
     nan = (b * 0 + 0x7FC00000).to(tl.float32, bitcast=True)
     return tl.where((b & 0x7F) == 0x7F, nan, tl.where(e == 0, sub, normal))
+
+
+@triton.jit
+def _iq4_nl(q):
+    """IQ4_NL's table values (gguf_formats.IQ4_NL_VALUES) at indices q (int32 0..15): the
+    word of four values q's high two bits pick, its byte q's low two bits pick, shifted
+    to the top and back (sign-extended). Arithmetic, not a load: no table to keep on
+    the device, and the same in the interpreter."""
+    word = tl.where(q < 8, tl.where(q < 4, _IQ4_W0, _IQ4_W1), tl.where(q < 12, _IQ4_W2, _IQ4_W3))
+    return (word << (24 - 8 * (q & 3))) >> 24
 
 
 @triton.jit
@@ -167,6 +182,8 @@ def _dequantized(q, kg, rn, nmask, K, SC, D, MN, stride_sc, stride_d, stride_m, 
     q3 = tl.reshape(q, [BN, H // GP, GP])
     if QUANT == _FP8:
         v = _e4m3(q3)
+    elif QUANT == _IQ4_NL:
+        v = _iq4_nl(q3).to(tl.float32)
     else:
         v = (q3 - ZERO).to(tl.float32)
     return tl.reshape(v * scale[:, :, None] + offset[:, :, None], [BN, H])
