@@ -197,7 +197,7 @@ def _resident_kib(path: Path) -> int:
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's /proc/self/smaps")
 def test_a_weight_copied_from_the_map_leaves_the_files_pages_out_of_memory(tmp_path, monkeypatch):
     """A layer's copy of a tensor viewing the file's map (linear.copy_checked of
-    MappedPackedSource's rows) drops each slice's pages once copied, so the load never
+    MappedPackedSource's rows) drops the pages of the rows copied as it goes, so the load never
     holds the weight twice: after copying 17 MiB in 1 MiB slices, less than a slice of
     the file is resident (all of it before), and the copy is the file's bytes, whole or
     in part; a source that is a copy (PackedSource) is copied as it is. While it copies,
@@ -225,7 +225,8 @@ def test_a_weight_copied_from_the_map_leaves_the_files_pages_out_of_memory(tmp_p
     target = torch.empty(rows.shape, dtype=torch.uint8)
     linear.copy_checked(target, whole)
     assert torch.equal(target, torch.from_numpy(rows))
-    assert len(resident) == -(-4096 // ((1 << 20) // rows.shape[1])) and max(resident) <= (1 << 10) + (4 << 10), resident
+    assert len(resident) == -(-4096 // ((1 << 20) // rows.shape[1]))  # slices of 240 rows
+    assert max(resident) <= (1 << 10) + (4 << 10), resident
     assert _resident_kib(tmp_path / "w.gguf") < 1 << 10
     part = torch.empty(100, rows.shape[1], dtype=torch.uint8)
     linear.copy_checked(part, source[1000:1100])  # the pages read again from the page cache

@@ -299,7 +299,7 @@ class MappedPackedSource(PackedSource):
     so loading a weight does not hold a third copy of it (the file's pages and the
     layer's weight are the other two: Gemma 3's 171 MB vocabulary table). Each view
     carries `drop_pages` (the file's GGUFFile.drop_memory), with which the layer's copy
-    (linear.copy_checked) drops the file's pages of each slice of rows once copied, so
+    (linear.copy_checked) drops the file's pages of the rows it has copied as it goes, so
     the two are not both resident either. The layers only read a source (linear.read,
     copy_checked); the map is read-only, so one that wrote to it would fault rather than
     change the file."""

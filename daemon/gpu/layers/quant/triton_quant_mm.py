@@ -20,8 +20,8 @@ taken at `lo` and `lo + PAIR`. Scales come per group of GP columns of a stream (
 divides both the type's scale group and PAIR), one load per group. Every type computes
 `(q - zero) * scale + offset` in fp32 with gguf_quant.dequantize's operands (K-quant
 scales d * sc, offsets -dmin * m; IQ4_NL its table's value at q times d), so a GEMV
-equals x times that reference to fp32 summation order. Shapes alone decide grids and nothing is read back to the host, so a
-launch can be captured in a CUDA graph.
+equals x times that reference to fp32 summation order. Shapes alone decide grids and
+nothing is read back to the host, so a launch can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
