@@ -17,6 +17,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmd.gpu.models.llama_config import LeanLlamaConfig
+
 # `{arch}.` keys every architecture's config is read from, and ones that change nothing
 # llmd computes.
 COMMON_KEYS = frozenset({
@@ -71,6 +73,8 @@ class GGUFArchitecture:
     reads_rope_freqs: bool = False
     # (metadata getter, arch, config fields so far) -> the fields this architecture adds
     config_fields: Callable[[Callable[..., Any], str, dict[str, Any]], dict[str, Any]] | None = None
+    # the config's class where it is not transformers' for model_type (llama_config.py)
+    config_class: type | None = None
 
     @property
     def known_keys(self) -> frozenset[str]:
@@ -106,7 +110,8 @@ def gemma3_config_fields(get: Callable[..., Any], a: str, fields: dict[str, Any]
 
 
 ARCHITECTURES: dict[str, GGUFArchitecture] = {
-    "llama": GGUFArchitecture("LlamaForCausalLM", "llama", permuted_rotary=True, reads_rope_freqs=True),
+    "llama": GGUFArchitecture("LlamaForCausalLM", "llama", permuted_rotary=True, reads_rope_freqs=True,
+                              config_class=LeanLlamaConfig),
     "qwen2": GGUFArchitecture("Qwen2ForCausalLM", "qwen2", permuted_rotary=False),
     "qwen3": GGUFArchitecture("Qwen3ForCausalLM", "qwen3", permuted_rotary=False),
     "gemma3": GGUFArchitecture(

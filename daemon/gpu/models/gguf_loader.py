@@ -127,7 +127,10 @@ def load_gguf_config(path: str | Path):
     if spec.config_fields is not None:
         fields.pop("hidden_act")  # the architecture names its own
         fields.update(spec.config_fields(g.get, a, fields))
-    config = AutoConfig.for_model(spec.model_type, **fields)
+    if spec.config_class is not None:
+        config = spec.config_class(**fields)
+    else:
+        config = AutoConfig.for_model(spec.model_type, **fields)
     get_architecture(spec.hf_architecture).check_config(config)
     return config
 

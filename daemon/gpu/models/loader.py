@@ -296,7 +296,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
         scheme = resolve_scheme(scheme, index)
     if scheme is not None and not dequantize:
         apply_plan(model, scheme, plan_quantized(model, scheme, index, checkpoint_target))
-    model = model.to_empty(device=device)
+    model = _materialized(model, device)
     model.reset_rotary(device)
     model.tie_weights()
     kv_scales = KVScaleCollector(getattr(scheme, "kv_qmax", None))  # the checkpoint's own, if any
@@ -316,6 +316,19 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     model.requires_grad_(False)
     _attach_kernels(model, dtype, device, packed_gguf=bool(plan), int8_activations=int8_activations)
     return model
+
+
+def _materialized(model: nn.Module, device: torch.device) -> nn.Module:
+    """nn.Module.to_empty: every tensor an uninitialized one on `device`, of its shape,
+    dtype and (contiguous or not) layout. torch.empty_like of a meta tensor runs torch's
+    Python reference, which imports torch.fx's symbolic shapes and with them sympy (~30 MiB
+    resident, for nothing llmd computes); an empty tensor of the same size does not."""
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if t.is_contiguous():
+            return torch.empty(t.shape, dtype=t.dtype, device=device)
+        return torch.empty_like(t, device=device)
+
+    return model._apply(empty)
 
 
 def _attach_kernels(model: nn.Module, dtype: torch.dtype, device: torch.device, packed_gguf: bool,
