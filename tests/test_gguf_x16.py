@@ -259,6 +259,22 @@ def test_a_product_past_the_caches_equals_it_in_pieces(x16, isa, quant):
         assert torch.equal(whole, torch.cat(halves, dim=1)), passes
 
 
+@pytest.mark.parametrize("quant", ["Q8_0", "Q6_K"])
+def test_rows_of_x_past_the_l2_go_in_blocks_that_equal_the_rows_in_pieces(x16, isa, quant):
+    """x's rows beyond kRowBlockBytes (512 KiB: 64 rows of 8,192 columns at one pass, 32 at
+    two, 16 at three) go through the weight block by block, the last one short with a tail
+    of fewer than eight: every row as the product of the rows 16 at a time gives it."""
+    cols, n = 8192, 48
+    blocks, _ = packed(quant, n, cols, seed=4)
+    code = FORMATS[quant].code
+    w = x16.repack_x16(blocks, code, cols)
+    x = activations(150, cols, seed=11)
+    for passes in (1, 2, 3):
+        whole = x16.mm_x16(x, w, code, cols, passes, isa=isa)
+        pieces = [x16.mm_x16(x[a:a + 16], w, code, cols, passes, isa=isa) for a in range(0, 150, 16)]
+        assert torch.equal(whole, torch.cat(pieces)), passes
+
+
 @pytest.mark.parametrize("quant", X16_TYPES)
 def test_the_two_isas_give_the_same_floats(x16, quant):
     """Where the CPU runs both, the AVX2 product is the VNNI one's to the bit: the same

@@ -347,7 +347,7 @@ void mm_x16(const std::vector<QuantizedRow>& rows, const uint8_t* w, int64_t n, 
     }
   }
   const std::vector<QuantizedRow>& x = wide.empty() ? rows : joined_rows;
-  for_each_tile(x, w, n, records * record_bytes(Q), out,
+  for_each_tile(x, P, w, n, records * record_bytes(Q), out,
                 [n](auto t, const uint8_t* wg, const QuantizedRow* xr, float* o) {
                   any_tile<Q, decltype(t)::value, P>(wg, xr, o, n);
                 });

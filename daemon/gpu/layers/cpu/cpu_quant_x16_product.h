@@ -101,33 +101,59 @@ constexpr int first_scaled_pass(int quant, int passes) { return joins_passes(qua
 constexpr int64_t kTile = 4;
 constexpr int64_t kWideTile = 8;
 
+// Bytes of x's rows a block of them may take while the threads' groups of the weight pass
+// over it (row_blocks): half of Zen 4's 1 MiB L2 per core (Intel's AVX-512 cores have
+// 1.25-2 MiB), the other half the weight's group (up to 107 KiB: Q6_K over 8,192 columns)
+// and the outputs' lines. (An AVX2 core with 256 KiB reads x from the L3 either way.)
+constexpr int64_t kRowBlockBytes = int64_t{512} << 10;
+
+// Rows of x per block: every tile reads its rows of x once per 16-row group of the weight,
+// so where x outgrows the L2 each group reads it from the L3 again. In blocks of
+// kRowBlockBytes x stays in the L2 and the weight streams once per block instead (it
+// streams from memory at any size past the L2, and the tiles prefetch it): at 1,024 rows
+// on Zen 4, one pass, Q4_K 16384 x 2048 and 2048 x 8192 ran 3% faster, Q6_K 1%
+// (docs/benchmarks.md). A multiple of kWideTile; all the rows where they fit (decode
+// steps, short prefills).
+inline int64_t row_blocks(int64_t rows, int64_t row_bytes) {
+  const int64_t fit = std::max<int64_t>(kRowBlockBytes / std::max<int64_t>(row_bytes, 1) / kWideTile, 1) * kWideTile;
+  return std::min(rows, fit);
+}
+
 // Both products' outer loops: threads over the weight's 16-row groups (`group_bytes`
-// each), x's rows in tiles of kMaxTile (kTile or kWideTile) while that many are left, then
-// of up to kTile, each tile of T rows through tile(std::integral_constant<int, T>, group's
-// records, its rows of x, their output) (out [rows, n]). `fence`: each thread's stores are
-// fenced (sfence) once its share is done: where the tiles store past the caches.
+// each); within a thread x's rows in blocks of row_blocks (a row of x is `passes` int8
+// codes per column: the bytes a tile reads of it, the AVX2 product's passes 0 and 1
+// joined in int16 alike), and per block each group in turn over the
+// block's rows in tiles of kMaxTile (kTile or kWideTile) while that many are left, then of
+// up to kTile: tile(std::integral_constant<int, T>, group's records, its rows of x,
+// their output) (out [rows, n]). `fence`: each thread's stores are fenced (sfence) once
+// its share is done: where the tiles store past the caches.
 template <int64_t kMaxTile = kTile, typename Tile>
-void for_each_tile(const std::vector<QuantizedRow>& x, const uint8_t* w, int64_t n, int64_t group_bytes, float* out,
-                   const Tile& tile, bool fence = false) {
+void for_each_tile(const std::vector<QuantizedRow>& x, int passes, const uint8_t* w, int64_t n, int64_t group_bytes,
+                   float* out, const Tile& tile, bool fence = false) {
   static_assert(kMaxTile == kTile || kMaxTile == kWideTile);
   const int64_t rows = static_cast<int64_t>(x.size());
+  if (rows == 0) return;
+  const int64_t block = row_blocks(rows, passes * x[0].cols);
   at::parallel_for(0, n / kGroup, 4, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const uint8_t* wg = w + g * group_bytes;
-      int64_t r0 = 0;
-      if constexpr (kMaxTile == kWideTile) {
-        for (; r0 + kWideTile <= rows; r0 += kWideTile) {
-          tile(std::integral_constant<int, kWideTile>{}, wg, x.data() + r0, out + r0 * n + g * kGroup);
+    for (int64_t b0 = 0; b0 < rows; b0 += block) {
+      const int64_t b1 = std::min(rows, b0 + block);
+      for (int64_t g = g0; g < g1; ++g) {
+        const uint8_t* wg = w + g * group_bytes;
+        int64_t r0 = b0;
+        if constexpr (kMaxTile == kWideTile) {
+          for (; r0 + kWideTile <= b1; r0 += kWideTile) {
+            tile(std::integral_constant<int, kWideTile>{}, wg, x.data() + r0, out + r0 * n + g * kGroup);
+          }
         }
-      }
-      for (; r0 < rows; r0 += kTile) {
-        const QuantizedRow* xr = x.data() + r0;
-        float* o = out + r0 * n + g * kGroup;
-        switch (std::min(kTile, rows - r0)) {
-          case 1: tile(std::integral_constant<int, 1>{}, wg, xr, o); break;
-          case 2: tile(std::integral_constant<int, 2>{}, wg, xr, o); break;
-          case 3: tile(std::integral_constant<int, 3>{}, wg, xr, o); break;
-          default: tile(std::integral_constant<int, 4>{}, wg, xr, o); break;
+        for (; r0 < b1; r0 += kTile) {
+          const QuantizedRow* xr = x.data() + r0;
+          float* o = out + r0 * n + g * kGroup;
+          switch (std::min(kTile, b1 - r0)) {
+            case 1: tile(std::integral_constant<int, 1>{}, wg, xr, o); break;
+            case 2: tile(std::integral_constant<int, 2>{}, wg, xr, o); break;
+            case 3: tile(std::integral_constant<int, 3>{}, wg, xr, o); break;
+            default: tile(std::integral_constant<int, 4>{}, wg, xr, o); break;
+          }
         }
       }
     }

@@ -262,7 +262,7 @@ template <int Q, int P>
 void mm_x16(const std::vector<QuantizedRow>& x, const uint8_t* w, int64_t n, int64_t records, float* out) {
   const bool stream = static_cast<int64_t>(x.size()) * n * static_cast<int64_t>(sizeof(float)) >= kStreamBytes &&
                       reinterpret_cast<uintptr_t>(out) % 64 == 0;  // (rows 4n bytes apart: n a multiple of 16)
-  llmd_x16::for_each_tile<tile_rows(Q, P)>(x, w, n, records * record_bytes(Q), out,
+  llmd_x16::for_each_tile<tile_rows(Q, P)>(x, P, w, n, records * record_bytes(Q), out,
                 [n, stream](auto t, const uint8_t* wg, const QuantizedRow* xr, float* o) {
                   if constexpr (super_blocks(Q, P)) {
                     super_tile<Q, decltype(t)::value>(wg, xr, o, n, stream);
