@@ -1,6 +1,6 @@
 """The config of a llama GGUF: transformers' LlamaConfig, field for field, default for
 default, validator for validator — declared here because importing LlamaConfig's own
-module costs ~56 MiB of resident memory for nothing llmd uses (13% of the daemon serving
+module costs ~56 MiB of resident memory for nothing llmd uses (12% of the daemon serving
 its built-in model). That module imports `transformers.utils.type_validators` for the
 range check of `initializer_range`; it imports `transformers.activations`, whose
 hub-kernel integration imports transformers' model loading and with it

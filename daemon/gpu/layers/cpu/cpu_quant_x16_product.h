@@ -120,11 +120,11 @@ inline int64_t row_blocks(int64_t rows, int64_t row_bytes) {
 }
 
 // Both products' outer loops: threads over the weight's 16-row groups (`group_bytes`
-// each); within a thread x's rows in blocks of row_blocks (a row of x is `passes` int8
+// each); within a thread, x's rows in blocks of row_blocks (a row of x is `passes` int8
 // codes per column: the bytes a tile reads of it, the AVX2 product's passes 0 and 1
-// joined in int16 alike), and per block each group in turn over the
-// block's rows in tiles of kMaxTile (kTile or kWideTile) while that many are left, then of
-// up to kTile: tile(std::integral_constant<int, T>, group's records, its rows of x,
+// joined in int16 alike), and per block each of the thread's groups in turn over the
+// block's rows, in tiles of kMaxTile (kTile or kWideTile) while that many are left, then
+// of up to kTile: tile(std::integral_constant<int, T>, group's records, its rows of x,
 // their output) (out [rows, n]). `fence`: each thread's stores are fenced (sfence) once
 // its share is done: where the tiles store past the caches.
 template <int64_t kMaxTile = kTile, typename Tile>
