@@ -66,7 +66,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        step = max(1, MLP_CHUNK_BYTES // (self.gate_up_proj.out_features * x.element_size()))
+        # (float32's 4 bytes a value whatever x's dtype: what the packed products write)
+        step = max(1, MLP_CHUNK_BYTES // (self.gate_up_proj.out_features * 4))
         if x.device.type != "cpu" or rows <= step:
             return self._mlp(x)
         flat = x.reshape(rows, x.shape[-1])
