@@ -65,10 +65,12 @@ class GatedMLP(nn.Module):
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu":
+            return self._mlp(x)
         rows = x.numel() // x.shape[-1]
         # (float32's 4 bytes a value whatever x's dtype: what the packed products write)
         step = max(1, MLP_CHUNK_BYTES // (self.gate_up_proj.out_features * 4))
-        if x.device.type != "cpu" or rows <= step:
+        if rows <= step:
             return self._mlp(x)
         flat = x.reshape(rows, x.shape[-1])
         out = torch.cat([self._mlp(flat[a:a + step]) for a in range(0, rows, step)])

@@ -160,8 +160,7 @@ def derived_merges(vocab: Mapping[str, int], vocab_scores: Mapping[str, float] |
             left_len.append(i)
             right_len.append(len(token) - i)
             score.append(token_score)
-    keys = [np.frombuffer(k, dtype=np.int64) if k.typecode == "q" else np.frombuffer(k, dtype=np.float64)
-            for k in (right_len, left_len, score)]
+    keys = [np.frombuffer(k, dtype=k.typecode) for k in (right_len, left_len, score)]  # int64, float64
     if reverse:  # descending, ties in order: a stable sort of the negated keys
         keys = [-k for k in keys]
     order = np.lexsort(keys) if len(score) else np.zeros(0, dtype=np.int64)
