@@ -121,6 +121,23 @@ def test_capture_sizes() -> None:
     assert capture_sizes(128, max_num_batched_tokens=20) == [1, 2, 4, 8, 16]  # no step holds more rows
 
 
+def test_the_capture_warm_up_runs_padding_rows_into_the_scratch_block_only() -> None:
+    """Capture's warm-up (every size, no real row) on the emulated graphs: each forward
+    runs, and of the KV cache only the scratch block changes (the same step on CUDA
+    failed on an empty block-table list before a capture could start)."""
+    llm = make_llm(True, max_num_seqs=16)
+    runner = llm.engine.executor.runner
+    graphs = runner.decode_graphs
+    scratch = graphs.scratch_block
+    for cache in runner.kv_caches:
+        cache.normal_()
+    before = [c.clone() for c in runner.kv_caches]
+    graphs.warm_up(reversed(graphs.sizes))
+    for old, new in zip(before, runner.kv_caches):
+        blocks = (old != new).transpose(0, 2).flatten(1).any(dim=1)  # [blocks]
+        assert torch.nonzero(blocks).flatten().tolist() == [scratch]
+
+
 def test_cpu_and_enforce_eager_run_without_graphs() -> None:
     """Graphs are captured only on CUDA; the cache always has the scratch block."""
     for settings in ({}, {"enforce_eager": True}):

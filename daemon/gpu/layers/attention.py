@@ -154,7 +154,7 @@ def new_model_kv_caches(model: torch.nn.Module, num_blocks: int, block_size: int
 def pad_tables(tables: list[list[int]]) -> np.ndarray:
     """Block tables of different lengths as one [rows, longest] int64 array (0 past a
     row's end: never read, the context lengths stop before)."""
-    table = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int64)
+    table = np.zeros((len(tables), max((len(t) for t in tables), default=0)), dtype=np.int64)
     for i, t in enumerate(tables):
         table[i, :len(t)] = t
     return table

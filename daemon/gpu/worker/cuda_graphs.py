@@ -38,7 +38,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
@@ -167,6 +167,15 @@ class DecodeGraphs:
 
     # -- capture ----------------------------------------------------------------------------
     @torch.inference_mode()
+    def warm_up(self, sizes: Iterable[int]) -> None:
+        """One forward of each size on padding rows alone (they write the scratch block
+        only): capture's warm-up, also run emulated by the tests."""
+        for b in sizes:
+            count = self._stage(b, [], [], [], [], [])
+            self.static[:count].copy_(self.staging[:count])  # blocking: staging is reused next size
+            self._forward(b)
+
+    @torch.inference_mode()
     def capture(self) -> None:
         """Warm up every size (Triton compiles its kernels, the backend caches what it
         asks the device once), then capture them largest first into one pool. The
@@ -178,10 +187,7 @@ class DecodeGraphs:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for b in reversed(self.sizes):
-                count = self._stage(b, [], [], [], [], [])
-                self.static[:count].copy_(self.staging[:count])  # blocking: staging is reused next size
-                self._forward(b)
+            self.warm_up(reversed(self.sizes))
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # the warm-up's activations are not the pool's
