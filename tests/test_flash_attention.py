@@ -177,6 +177,23 @@ def test_model_runner_step_and_graph_path_match_torch(flash_on_cpu, model_dirs, 
         assert (got["flash_attn"] - got["torch"]).abs().max().item() <= 0.02 * scale
 
 
+def test_a_cpu_model_on_a_machine_with_a_gpu_runs_the_unfused_ops(flash_on_cpu, model_dirs, monkeypatch) -> None:
+    """With a GPU present, layer_ops hands a kernel backend's layers the compiled fused
+    ops; a model placed on the CPU (here with the flash-attn stand-in) is given the
+    unfused ones at load (the compiled kernels refuse CPU tensors: on a machine with an
+    H200 the model runner's step failed in its first RMSNorm)."""
+    pytest.importorskip("triton")
+    from llmd.gpu.layers import fused_ops, fused_ops_triton
+
+    monkeypatch.setattr(fused_ops_triton, "INTERPRETED", False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert isinstance(fused_ops.layer_ops("flash_attn"), fused_ops.FusedLayerOps)
+    runner = ModelRunner(str(model_dirs("tiny-llama")), runner_settings(attention_backend="flash_attn"), CPU,
+                         torch.float16)
+    ops = [m.ops for m in runner.model.modules() if hasattr(m, "ops")]
+    assert ops and not any(isinstance(o, fused_ops.FusedLayerOps) for o in ops)
+
+
 def test_engine_greedy_tokens_match_torch(flash_on_cpu, tiny_llama: Path) -> None:
     """Whole requests through the engine: chunked prefill (64-token steps), a shared
     300-token prefix served from the prefix cache (one full 256-token page), decode
@@ -187,7 +204,7 @@ def test_engine_greedy_tokens_match_torch(flash_on_cpu, tiny_llama: Path) -> Non
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
     results, cached = {}, {}
     for backend in ("torch", "flash_attn"):
-        llm = LLM(model=str(tiny_llama), dtype="float16", block_size=BS, max_model_len=1024,
+        llm = LLM(model=str(tiny_llama), device="cpu", dtype="float16", block_size=BS, max_model_len=1024,
                   num_gpu_blocks_override=12, max_num_batched_tokens=64, attention_backend=backend)
         first = llm.generate(prompts[:1], params)  # fills the prefix cache
         rest = llm.generate(prompts[1:], params)

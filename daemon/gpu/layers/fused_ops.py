@@ -158,3 +158,19 @@ def layer_ops(attention_backend: str) -> LayerOps:
         # interpreter: the compiled kernels have no device to run on.
         return UNFUSED
     return _fused_ops()
+
+
+def unfuse_off_cuda(model: torch.nn.Module, device: torch.device) -> int:
+    """The compiled kernels take CUDA tensors only: a model placed on another device
+    whose layers were given them (a kernel backend there, e.g. a test's flash-attn
+    stand-in on a machine that also has a GPU) runs the unfused ops instead; returns how
+    many modules changed. Under the interpreter the fused ops run anywhere and stay."""
+    if device.type == "cuda":
+        return 0
+    changed = 0
+    for module in model.modules():
+        ops = getattr(module, "ops", None)
+        if isinstance(ops, FusedLayerOps) and not ops.kernels.INTERPRETED:
+            module.ops = UNFUSED
+            changed += 1
+    return changed
