@@ -120,3 +120,30 @@ def test_a_quantized_kv_cache_keeps_its_scales_through_a_deep_sleep():
     assert runner.kv_scales is scales
     assert tokens(llm) == before
     llm.engine.shutdown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("level", [1, 2])
+def test_on_cuda_a_sleep_gives_the_device_memory_back_and_the_wake_answers_as_before(level):
+    """The CUDA path itself: the KV cache and the weights (level 1: into pinned host
+    memory; level 2: the whole model) leave the device and torch's cache is emptied, so
+    another process could take the memory; after the wake (weights copied back or loaded
+    again, decode graphs captured over the new cache) the tokens are those of before."""
+    llm = LLM(model=str(fixture_path("tiny-llama")), device="cuda", dtype="float32", max_model_len=128,
+              num_gpu_blocks_override=4096)  # a KV cache of its own segments (50 MB), which empty_cache returns
+    runner = llm.engine.executor.runner
+    before = tokens(llm)
+    assert runner.decode_graphs is not None
+    memory = llm.engine.memory()
+    torch.cuda.synchronize()
+    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    llm.sleep(level)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= allocated - memory.kv_cache - sum(memory.weights.values())
+    assert torch.cuda.memory_reserved() <= reserved - memory.kv_cache
+    assert runner.decode_graphs is None
+    llm.wake_up()
+    assert runner.kv_caches and runner.kv_caches[0].device.type == "cuda"
+    assert tokens(llm) == before
+    assert runner.decode_graphs is not None
+    llm.engine.shutdown()
