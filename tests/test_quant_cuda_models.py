@@ -18,6 +18,7 @@ from llmd import LLM, SamplingParams
 from llmd.gpu.layers.attention import AttentionMetadata, new_model_kv_caches
 from llmd.gpu.layers.attention_backends import metadata_builder
 from llmd.gpu.layers.quant.cuda_matmul import TritonFP8Matmul, TritonGGUFMatmul
+from llmd.gpu.layers.quant.fp8_scaled_mm import quantize_rows
 from llmd.gpu.layers.quant.quant_linear import IntGroupMatmul
 from llmd.gpu.models.loader import load_model
 from test_gguf import hf_dirs  # noqa: F401
@@ -99,11 +100,36 @@ def test_quantized_checkpoints_on_cuda_compute_what_their_dequantized_weights_do
 
 def test_fp8_in_bf16_runs_w8a8_on_hopper_within_activation_rounding(checkpoints):  # noqa: F811
     """bf16 on compute capability 9.0: activations quantized to e4m3 per token
-    (fp8_scaled_mm): close to the dequantized run, not equal."""
+    (fp8_scaled_mm). Each W8A8 layer, on the inputs the model gave it, computes what its
+    dequantized twin computes on those inputs rounded the same way (quantize_rows, then
+    back): equal up to bf16 rounding. The whole model's logits only stay near the
+    dequantized run's: on an H200 the e4m3 rounding moved this random model's logits
+    14% from the plain dequantized run and 10% from one with its activations rounded
+    (a rounding flipped by an earlier difference moves a value by 1/16, and the random
+    layers carry it on), so that comparison guards only against gross errors."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("W8A8 needs fp8 tensor cores (compute capability 9.0)")
     path = checkpoints("fp8-channel-qwen3")
     packed = load_model(path, torch.bfloat16, CUDA, 128)
     dense = load_model(path, torch.bfloat16, CUDA, 128, dequantize=True)
-    _close(_logits(packed, TOKENS, torch.bfloat16), _logits(dense, TOKENS, torch.bfloat16), 0.1)
+    _close(_logits(packed, TOKENS, torch.bfloat16), _logits(dense, TOKENS, torch.bfloat16), 0.25)
+    w8a8 = {name: m for name, m in packed.named_modules()
+            if isinstance(getattr(m, "kernel", None), TritonFP8Matmul) and m.kernel.w8a8.get(torch.bfloat16)}
+    assert w8a8, "no layer ran W8A8"
+    calls = []
+    hooks = [m.register_forward_hook(lambda m, args, out, name=name: calls.append((name, args[0], out)))
+             for name, m in w8a8.items()]
+    try:
+        _logits(packed, TOKENS, torch.bfloat16)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert {name for name, _, _ in calls} == set(w8a8)
+    twins = dict(dense.named_modules())
+    with torch.no_grad():
+        for name, x, out in calls:
+            codes, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+            _close(out.float(), twins[name]((codes.float() * scale).to(x.dtype).view(x.shape)).float(), 2e-2)
 
 
 def test_a_packed_gguf_served_on_cuda_generates_the_dequantized_runs_tokens(hf_dirs, tmp_path):  # noqa: F811
