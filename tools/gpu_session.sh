@@ -7,19 +7,21 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
-#     msgspec==0.22.0 xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 pydantic==2.14.3 \
-#     pydantic-core==2.50.4 annotated-types typing-inspection typing-extensions==4.16.0 \
+#     msgspec==0.23.0 xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 pydantic==2.14.4 \
+#     pydantic-core==2.50.5 annotated-types typing-inspection typing-extensions==4.16.0 \
 #     jsonschema==4.26.0 jsonschema-specifications referencing rpds-py gguf==0.19.0
 # Then, with the device tool, carrying .whl (timeout_s a little over the phases' sum):
-#   bash tools/gpu_session.sh all        # every phase below in this order: > 8 minutes
+#   bash tools/gpu_session.sh all        # every phase below in this order: > 10 minutes
 #   bash tools/gpu_session.sh PHASE ...  # some of them: tests, pytests, latency, latency1,
 #                                        # throughput, spec, guided, kernels, moe, quant, serve, hf
-# What the steps took on an H100 (2026-11-26; the machine started and took the tree in
-# ~30 s): pip ~10 s, make-model 33 s, tests-graphs > 140 s (34 of 57 tests), tests-kernels
-# > 100 s (79 of ~89), each profile_step 14-20 s, each throughput 27-33 s, spec 20 s,
-# guided 17 s, fused-ops 14 s, moe 29-34 s, serve 25 s with the daemon's start,
-# throughput-hf > 80 s. A 15-minute lease holds one ~8-minute call and one ~4-minute
-# call: split the tests over them (pytests with PYTEST_ARGS), figures in between.
+# What the steps took on an H200 (2026-11-30; the machine started and took the tree in
+# ~30 s): pip ~10 s, make-model 41-43 s (in the background while the tests run), the
+# tests' two groups side by side 86 s (kernels, 121 tests) and 130 s (graphs and packed
+# models, 85), then tests-sizing 47 s; each profile_step 17-20 s, bench-quant 41 s, each
+# throughput 26-30 s (40-44 s with graphs off), spec 28 s, guided 24 s, moe 43 s.
+# Call 1 of that session, `LATENCY="b1 b32" ROUNDS=1 bash tools/gpu_session.sh tests
+# latency quant throughput guided spec moe`, took 423 s; the confirming call (tests again,
+# latency, spec, guided, throughput) 333 s: together 14 of the 15 minutes.
 #
 # Each step runs under its own time limit (`step NAME SECONDS CMD`), so one that hangs or
 # runs long costs its limit and the later ones still run. Every step's output goes to
@@ -65,8 +67,10 @@ setup() {
       nproc; uptime; } | tee -a "$LOGS/device.txt"
 }
 
+MODEL=${MODEL:-/tmp/tinyllama}
+MAKE_PID=
 need_model() {  # the TinyLlama-shaped fixture the figures are taken on (~30 s to build there)
-    MODEL=${MODEL:-/tmp/tinyllama}
+    if [ -n "$MAKE_PID" ]; then wait "$MAKE_PID"; MAKE_PID=; fi
     if [ ! -f "$MODEL/model.safetensors" ]; then
         preset=tinyllama
         [ "$QUICK" = 1 ] && preset=small
@@ -77,14 +81,36 @@ need_model() {  # the TinyLlama-shaped fixture the figures are taken on (~30 s t
 tests() {
     # Most of the suite is written for the CPU (fp32, exact equality with HF); on this
     # machine "auto" picks CUDA and bf16, so these run here: the files about graphs,
-    # sizing and profiling whole, and of the rest the CUDA cases (the Triton kernels
-    # compiled, the sampler on CUDA, bf16 vs HF on CUDA).
-    local pt=($PY -m pytest -q -rfEs -p no:cacheprovider --timeout 90)
-    step tests-graphs 140 "${pt[@]}" --junitxml="$LOGS/tests-graphs.xml" tests/test_cuda_graphs.py \
-        tests/test_graph_sampling.py tests/test_spec_graphs.py tests/test_memory_sizing.py \
-        tests/test_profile_step.py tests/test_flash_attention.py
-    step tests-kernels 100 "${pt[@]}" --junitxml="$LOGS/tests-kernels.xml" tests/test_fused_ops.py \
-        tests/test_triton_attention.py tests/test_moe.py tests/test_sampler.py tests/test_engine_vs_hf.py -k cuda
+    # packed weights on CUDA and profiling whole, and of the rest the CUDA cases (the
+    # Triton kernels compiled, the sampler on CUDA, bf16 vs HF on CUDA, sleep on CUDA).
+    # The two groups run side by side, each over TEST_WORKERS processes a file each
+    # (a kernel file compiles all its cases once per process that runs any of them);
+    # then, alone on the device, the files that read its free memory.
+    # TESTS_GRAPHS, TESTS_KERNELS (run with -k cuda) and TESTS_SIZING name other files or
+    # node ids for a rerun ("-" for none).
+    local pt=($PY -m pytest -q -rfEs -p no:cacheprovider --timeout 120)
+    local par=(-n "${TEST_WORKERS:-5}" --dist loadfile) pids=()
+    local graphs=${TESTS_GRAPHS:-tests/test_cuda_graphs.py tests/test_graph_sampling.py tests/test_spec_graphs.py
+        tests/test_flash_attention.py tests/test_quant_cuda_models.py}
+    local kernels=${TESTS_KERNELS:-tests/test_fused_ops.py tests/test_triton_attention.py tests/test_moe.py
+        tests/test_triton_quant.py tests/test_sampler.py tests/test_engine_vs_hf.py tests/test_sleep_mode.py}
+    local sizing=${TESTS_SIZING:-tests/test_memory_sizing.py tests/test_profile_step.py}
+    # shellcheck disable=SC2086
+    if [ "$graphs" != - ]; then
+        OMP_NUM_THREADS=2 step tests-graphs "${TESTS_LIMIT:-170}" "${pt[@]}" "${par[@]}" \
+            --junitxml="$LOGS/tests-graphs.xml" $graphs &
+        pids+=($!)
+    fi
+    # shellcheck disable=SC2086
+    if [ "$kernels" != - ]; then
+        OMP_NUM_THREADS=2 step tests-kernels "${TESTS_LIMIT:-170}" "${pt[@]}" "${par[@]}" \
+            --junitxml="$LOGS/tests-kernels.xml" $kernels -k cuda &
+        pids+=($!)
+    fi
+    [ ${#pids[@]} -gt 0 ] && wait "${pids[@]}"
+    # shellcheck disable=SC2086
+    [ "$sizing" != - ] && step tests-sizing 90 "${pt[@]}" --junitxml="$LOGS/tests-sizing.xml" $sizing
+    return 0
 }
 
 pytests() {
@@ -97,16 +123,22 @@ pytests() {
 
 latency() {
     need_model
-    # Batch-1 decode: graphs with fused ops (the default), fused ops off, eager; then
-    # batch 32. Each: wall vs kernel time per step, kernels per step, roofline.
-    local steps=40
+    # Batch-1 decode: graphs with fused ops (the default), fused ops off, sampling after
+    # the graph, eager; then batch 32. Each: wall vs kernel time per step, kernels per
+    # step, roofline. LATENCY names a subset (e.g. "b1 b32").
+    local steps=40 v
     [ "$QUICK" = 1 ] && steps=4
     local ps=($PY -m llmd_tools.profile_step --model "$MODEL" --device "$DEVICE" --dtype bfloat16 --steps $steps)
-    step profile-b1 40 "${ps[@]}" --batch 1
-    LLMD_FUSED_OPS=0 step profile-b1-unfused 40 "${ps[@]}" --batch 1
-    LLMD_GRAPH_SAMPLING=0 step profile-b1-eager-sampling 40 "${ps[@]}" --batch 1
-    step profile-b1-eager 40 "${ps[@]}" --batch 1 --enforce-eager
-    step profile-b32 40 "${ps[@]}" --batch 32
+    for v in ${LATENCY:-b1 b1-unfused b1-eager-sampling b1-eager b32}; do
+        case $v in
+        b1) step profile-b1 40 "${ps[@]}" --batch 1 ;;
+        b1-unfused) LLMD_FUSED_OPS=0 step profile-b1-unfused 40 "${ps[@]}" --batch 1 ;;
+        b1-eager-sampling) LLMD_GRAPH_SAMPLING=0 step profile-b1-eager-sampling 40 "${ps[@]}" --batch 1 ;;
+        b1-eager) step profile-b1-eager 40 "${ps[@]}" --batch 1 --enforce-eager ;;
+        b32) step profile-b32 40 "${ps[@]}" --batch 32 ;;
+        *) echo "unknown LATENCY variant $v" >&2 ;;
+        esac
+    done
 }
 
 latency1() {  # batch-1 decode with the defaults alone
@@ -124,9 +156,9 @@ throughput() {
     [ "$QUICK" = 1 ] && n=8
     local tp=($PY -m llmd.cli bench throughput --model "$MODEL" --device "$DEVICE" --dtype bfloat16 --dataset nano
               --num-prompts $n --max-len 1024 --max-model-len 2048 --max-num-seqs 256)
-    for round in 1 2; do
+    for round in $(seq "${ROUNDS:-2}"); do
         step throughput-$round 60 "${tp[@]}"
-        LLMD_GRAPH_SAMPLING=0 step throughput-eager-sampling-$round 60 "${tp[@]}"
+        [ "${THROUGHPUT_AB:-1}" = 1 ] && LLMD_GRAPH_SAMPLING=0 step throughput-eager-sampling-$round 60 "${tp[@]}"
     done
 }
 
@@ -166,13 +198,9 @@ moe() {
 }
 
 quant() {
-    # Packed weights on CUDA (issue 27): the Triton kernels compiled against the
-    # dequantizers, the packed models against their dequantized runs, then W4A16 / FP8
-    # decode as a fraction of the packed bytes' roofline beside bf16 dense.
-    local pt=($PY -m pytest -q -rfEs -p no:cacheprovider --timeout 120)
-    step tests-quant 150 "${pt[@]}" --junitxml="$LOGS/tests-quant.xml" tests/test_triton_quant.py \
-        tests/test_quant_cuda_models.py
-    step bench-quant 90 $PY -m llmd_tools.bench_quant_gpu --types Q4_0 Q4_K Q6_K FP8 --rows 1 16 \
+    # Packed weights on CUDA (issue 27; their tests are in the tests phase): W4A16 / FP8
+    # decode matmuls as a fraction of the packed bytes' roofline beside bf16 dense.
+    step bench-quant 90 $PY -m llmd_tools.bench_quant_gpu --types Q4_0 Q4_K Q6_K Q8_0 IQ4_NL FP8 --rows 1 16 \
         --shapes 4096x4096 14336x4096
 }
 
@@ -196,7 +224,7 @@ serve() {
 
 phases=("$@")
 [ ${#phases[@]} -eq 0 ] && phases=(all)
-[ "${phases[0]}" = all ] && phases=(tests latency throughput spec guided kernels quant serve hf)
+[ "${phases[0]}" = all ] && phases=(tests latency quant throughput guided spec kernels serve hf)
 for phase in "${phases[@]}"; do
     case "$phase" in
     tests | pytests | latency | latency1 | throughput | spec | guided | kernels | moe | quant | serve | hf) ;;
@@ -205,6 +233,9 @@ for phase in "${phases[@]}"; do
     esac
 done
 setup
+for phase in "${phases[@]}"; do  # the fixture built while the tests run, when a later phase needs it
+    case "$phase" in latency | latency1 | throughput | spec | guided | serve | hf) need_model & MAKE_PID=$!; break ;; esac
+done
 for phase in "${phases[@]}"; do
     "$phase"
 done
