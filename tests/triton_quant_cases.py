@@ -32,8 +32,10 @@ from kernel_runs import script_device
 
 DEVICE = torch.device("cpu")  # where the cases run (main sets it from --device)
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2.0 ** -6, torch.float16: 2.0 ** -6}
-# (rows of x, dtype, K splits): GEMV, GEMV split-K, tl.dot in fp32, tl.dot in bf16 with split-K
-RUNS = ((1, torch.float32, None), (3, torch.bfloat16, 2), (17, torch.float32, None), (17, torch.bfloat16, 2))
+# (rows of x, dtype, K splits): GEMV, GEMV split-K, tl.dot in bf16 with split-K (3 rows
+# padded to 16), tl.dot in fp32, tl.dot in bf16 with split-K
+RUNS = ((1, torch.float32, None), (1, torch.bfloat16, 2), (3, torch.bfloat16, 2), (17, torch.float32, None),
+        (17, torch.bfloat16, 2))
 N = 37  # weight rows: odd, over two BN tiles of the GEMV
 # Columns: 32-weight types over a K tail (160 = 1.25 tiles of 128), K-quants two super-blocks.
 COLS = {"Q8_0": 160, "Q4_0": 160, "Q4_1": 160, "Q5_0": 160, "Q5_1": 160, "Q4_K": 512, "Q5_K": 512, "Q6_K": 256,
@@ -96,6 +98,29 @@ def fp16_case() -> list[dict]:
     weight = gguf_quant_weight(to_planes(blocks, "Q4_K", 256).to(DEVICE), "Q4_K", 256)
     return _runs(lambda x, split: quant_matmul(x, weight, split_k=split), ref.reshape(N, 256), seed=6,
                  runs=((1, torch.float16, None), (17, torch.float16, None)))
+
+
+def tiles_case() -> list[dict]:
+    """The tiles bench_quant_gpu's sweep may pick (narrow and wide BN, BK 256, 2 and 8
+    warps, a 32-row dot tile over 17 rows) compute the same product: Q4_K over two
+    super-blocks, one and 17 rows."""
+    import gguf
+
+    from llmd.gpu.layers.quant.cuda_matmul import gguf_quant_weight
+    from llmd.gpu.layers.quant.gguf_planes import to_planes
+    from llmd.gpu.layers.quant.triton_quant_mm import Tiles, quant_matmul
+    from llmd_tools.gguf_blocks import random_blocks
+
+    blocks = random_blocks("Q4_K", N, 512, seed=11)
+    ref = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType.Q4_K)).reshape(N, 512)
+    weight = gguf_quant_weight(to_planes(blocks, "Q4_K", 512).to(DEVICE), "Q4_K", 512)
+    results = []
+    for tiles in (Tiles(1, 16, 256, False, 2), Tiles(1, 64, 128, False, 8), Tiles(32, 32, 256, True, 8)):
+        runs = ((17, torch.float32, None), (17, torch.bfloat16, 2)) if tiles.dot else ((1, torch.float32, 2),)
+        for r in _runs(lambda x, split: quant_matmul(x, weight, split_k=split, tiles=tiles), ref, seed=12,
+                       runs=runs):
+            results.append({**r, "tiles": str(tiles)})
+    return results
 
 
 def fp8_case(strategy: str) -> list[dict]:
@@ -239,6 +264,7 @@ def _cases() -> dict[str, Callable[[], list[dict]]]:
 
     cases: dict[str, Callable[[], list[dict]]] = {f"gguf-{q}": (lambda q=q: gguf_case(q)) for q in GPU_TYPES}
     cases["gguf-fp16"] = fp16_case
+    cases["gguf-tiles"] = tiles_case
     cases.update({f"fp8-{s}": (lambda s=s: fp8_case(s)) for s in ("tensor", "channel", "block")})
     cases["fp8-every-byte"] = fp8_bytes_case
     cases.update({f"int-{n}": (lambda n=n: int_groups_case(n))
@@ -249,7 +275,7 @@ def _cases() -> dict[str, Callable[[], list[dict]]]:
 
 
 CASE_NAMES = ("gguf-Q8_0", "gguf-Q4_0", "gguf-Q4_1", "gguf-Q5_0", "gguf-Q5_1", "gguf-Q4_K", "gguf-Q5_K",
-              "gguf-Q6_K", "gguf-IQ4_NL", "gguf-fp16", "fp8-tensor", "fp8-channel", "fp8-block", "fp8-every-byte",
+              "gguf-Q6_K", "gguf-IQ4_NL", "gguf-fp16", "gguf-tiles", "fp8-tensor", "fp8-channel", "fp8-block", "fp8-every-byte",
               "int-awq-g32", "int-gptq4-sym-v1", "int-gptq4-asym-v2-act-order", "int-gptq8-sym-act-order",
               "fused-mixed-types", "model-tied-q4_1")
 

@@ -6,12 +6,21 @@ group of columns (quant/fp8.py's FP8Rows; the fallback where no FP8 tensor core 
 W8A8, quant/fp8_scaled_mm.py). One Triton kernel, one program per tile of M x N over a
 range of K tiles:
 
-- decode (M <= GEMV_MAX_ROWS): a GEMV, the dequantized tile times x by broadcast and sum
-  in fp32 (the weight never rounded to the activation dtype), and split-K: the K tiles
-  spread over enough programs to fill the GPU (N / BN programs alone leave most SMs
-  idle), their fp32 partial sums added by one torch sum after (deterministic, no atomics);
-- prefill: a tiled GEMM, the dequantized tile rounded to the activation dtype (as the
-  dequantized model's weight is) into `tl.dot` on the tensor cores, fp32 accumulate.
+- one row of x (M <= GEMV_MAX_ROWS, batch-1 decode): a GEMV, the dequantized tile times
+  x elementwise in fp32 into a [BN, H] accumulator that is summed once after the last
+  tile (the weight never rounded to the activation dtype; no reduction inside the loop);
+- more rows: a tiled GEMM, the dequantized tile rounded to the activation dtype (as the
+  dequantized model's weight is) into `tl.dot` on the tensor cores, fp32 accumulate
+  (x padded to BM = 16 rows: the tensor cores' work is free beside the weight's bytes);
+- both with split-K: the K tiles spread over enough programs to fill the GPU (N / BN
+  programs alone leave most SMs idle), their fp32 partial sums added by one torch sum
+  after (deterministic, no atomics).
+
+On an H200 (2026-11-30) the first form of the GEMV (x broadcast against the tile, padded
+to two rows, a [BM, BN, H] product reduced every tile) ran at 2-8 % of its roofline and
+1.4-8x slower than bf16 dense; the rows-16 GEMM at 10-19 %. `quant_matmul` takes a
+`tiles` and `split_k` for tools/bench_quant_gpu.py's sweep, which times the choices in
+one device call.
 
 A tile of BK columns reads its 4-bit values as BK / 2 bytes: byte j holds the weights of
 columns `lo(j)` (low nibble) and `lo(j) + PAIR` (high), ggml's order (PAIR 16 in a
@@ -35,7 +44,7 @@ from llmd.gpu.layers.gguf_formats import IQ4_NL_VALUES
 from llmd.gpu.layers.gguf_quant import FORMATS
 
 FP8_CODE = 100  # the kernel's code for FP8 e4m3 rows (GGUF types: gguf_formats.FORMATS' codes)
-GEMV_MAX_ROWS = 4  # rows of x up to which the GEMV runs (above: the tl.dot GEMM)
+GEMV_MAX_ROWS = 1  # rows of x up to which the GEMV runs (above: the tl.dot GEMM)
 SPLIT_K_WAVES = 2  # a split-K launch aims at this many programs per SM
 # Whether the kernel runs in Triton's interpreter (decided when triton was imported). The
 # interpreter holds bf16 as uint16 bits and its tl.dot multiplies those
@@ -191,7 +200,8 @@ def _dequantized(q, kg, rn, nmask, K, SC, D, MN, stride_sc, stride_d, stride_m, 
 
 @triton.jit
 def _accumulate(acc, x, w, DOT: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
-    """acc [BM, BN] + x [BM, H] times w [BN, H]^T."""
+    """x [BM, H] times w [BN, H]^T into acc: with DOT, acc [BM, BN] += x w^T on the tensor
+    cores; else (one row, BM 1) acc [BN, H] += w * x elementwise, summed by the caller."""
     if DOT:
         if DOT_F32:  # the interpreter's bf16 (INTERPRETED): w rounded to bf16 (to nearest even, on the
             # bits: the interpreter's own conversion truncates), multiplied in fp32
@@ -203,7 +213,7 @@ def _accumulate(acc, x, w, DOT: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.co
         else:
             acc += tl.dot(x, tl.trans(w.to(x.dtype)))
     else:
-        acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+        acc += w * x.to(tl.float32)
     return acc
 
 
@@ -219,7 +229,10 @@ def _quant_mm_kernel(X, OUT, QS, QH, SC, D, MN, M, N, K, stride_xm, stride_om, s
     mmask, nmask = rm < M, rn < N
     j = tl.arange(0, H)
     jg = tl.arange(0, H // GP) * GP  # the first byte of each scale group of a stream
-    acc = tl.zeros([BM, BN], tl.float32)
+    if DOT:
+        acc = tl.zeros([BM, BN], tl.float32)
+    else:  # one row: the products summed over the tiles, reduced once after
+        acc = tl.zeros([BN, H], tl.float32)
     first = pid_s * tiles_per_split
     last = tl.minimum(first + tiles_per_split, tl.cdiv(K, BK))
     for t in range(first, last):
@@ -251,6 +264,8 @@ def _quant_mm_kernel(X, OUT, QS, QH, SC, D, MN, M, N, K, stride_xm, stride_om, s
             x = tl.load(X + rm[:, None] * stride_xm + khi[None, :], mask=mmask[:, None] & kmask[None, :],
                         other=0.0)
             acc = _accumulate(acc, x, w, DOT, IEEE, DOT_F32)
+    if not DOT:
+        acc = tl.sum(acc, axis=1)[None, :]  # [1, BN]
     out = OUT + pid_s * stride_os + rm[:, None] * stride_om + rn[None, :]
     mask = mmask[:, None] & nmask[None, :]
     if PARTIAL:
@@ -261,19 +276,25 @@ def _quant_mm_kernel(X, OUT, QS, QH, SC, D, MN, M, N, K, stride_xm, stride_om, s
 
 @dataclass(frozen=True)
 class Tiles:
-    """A launch's tile: rows of x, rows of the weight, columns; GEMV or tl.dot."""
+    """A launch's tile: rows of x, rows of the weight, columns; GEMV (bm 1) or tl.dot;
+    the warps of a program. BK must hold a whole number of every type's value pairs
+    (2 PAIR <= 128: a multiple of 128) and of FP8's groups of 16."""
 
     bm: int
     bn: int
     bk: int
     dot: bool
+    warps: int = 4
+
+    def __post_init__(self) -> None:
+        if self.bk % 128 or (self.dot and self.bm < 16) or (not self.dot and self.bm != 1):
+            raise ValueError(f"no such tile: {self}")
 
 
 def tiles_for(rows: int) -> Tiles:
-    """The tile for `rows` rows of x (module doc). BK 128 is a whole number of every
-    type's value pairs (2 PAIR <= 128) and a multiple of 16 (FP8's groups)."""
+    """The tile for `rows` rows of x (module doc)."""
     if rows <= GEMV_MAX_ROWS:
-        return Tiles(max(2, triton.next_power_of_2(rows)), 32, 128, False)
+        return Tiles(1, 32, 128, False)
     return Tiles(16 if rows <= 16 else 32 if rows <= 32 else 64, 64, 128, True)
 
 
@@ -298,9 +319,11 @@ def sm_count(device: torch.device) -> int:
     return _SM_COUNT[index]
 
 
-def quant_matmul(x: torch.Tensor, weight: QuantWeight, split_k: int | None = None) -> torch.Tensor:
+def quant_matmul(x: torch.Tensor, weight: QuantWeight, split_k: int | None = None,
+                 tiles: Tiles | None = None) -> torch.Tensor:
     """x [M, K] (bf16, fp16 or fp32) times `weight`^T -> [M, N] in x's dtype; `split_k`
-    forces the number of K splits (tests; None: split_count's choice)."""
+    forces the number of K splits and `tiles` the tile (tests, the benchmark's sweep;
+    None: split_count's and tiles_for's choices). A GEMV tile takes one row of x."""
     if x.dim() != 2 or x.shape[1] != weight.k:
         raise ValueError(f"x of shape {tuple(x.shape)} does not multiply a [{weight.n}, {weight.k}] weight")
     rows = x.shape[0]
@@ -308,7 +331,9 @@ def quant_matmul(x: torch.Tensor, weight: QuantWeight, split_k: int | None = Non
     if rows == 0 or weight.n == 0:
         return out
     x = x if x.stride(1) == 1 else x.contiguous()
-    layout, tiles = LAYOUTS[weight.quant], tiles_for(rows)
+    layout, tiles = LAYOUTS[weight.quant], tiles or tiles_for(rows)
+    if not tiles.dot and rows > 1:
+        raise ValueError(f"a GEMV tile takes one row of x, not {rows}")
     grid_m, grid_n = triton.cdiv(rows, tiles.bm), triton.cdiv(weight.n, tiles.bn)
     k_tiles = triton.cdiv(weight.k, tiles.bk)
     splits = split_k if split_k is not None else split_count(grid_m * grid_n, k_tiles, sm_count(x.device))
@@ -324,7 +349,7 @@ def quant_matmul(x: torch.Tensor, weight: QuantWeight, split_k: int | None = Non
         QUANT=layout.code, NIBBLES=layout.nibbles, PAIR=layout.pair, ZERO=layout.zero, GP=layout.gp,
         BM=tiles.bm, BN=tiles.bn, BK=tiles.bk,
         H=tiles.bk // 2 if layout.nibbles else tiles.bk, DOT=tiles.dot, IEEE=x.dtype == torch.float32,
-        DOT_F32=INTERPRETED and x.dtype == torch.bfloat16, PARTIAL=splits > 1)
+        DOT_F32=INTERPRETED and x.dtype == torch.bfloat16, PARTIAL=splits > 1, num_warps=tiles.warps)
     if splits > 1:
         out.copy_(target.sum(0))
     return out
