@@ -13,7 +13,7 @@
 # Then, with the device tool, carrying .whl (timeout_s a little over the phases' sum):
 #   bash tools/gpu_session.sh all        # every phase below in this order: > 10 minutes
 #   bash tools/gpu_session.sh PHASE ...  # some of them: tests, pytests, latency, latency1,
-#                                        # throughput, spec, guided, kernels, moe, quant, serve, hf
+#                                        # throughput, spec, guided, kernels, moe, quant, sweep, serve, hf
 # What the steps took on an H200 (2026-11-30; the machine started and took the tree in
 # ~30 s): pip ~10 s, make-model 41-43 s (in the background while the tests run), the
 # tests' two groups side by side 86 s (kernels, 121 tests) and 130 s (graphs and packed
@@ -204,6 +204,12 @@ quant() {
         --shapes 4096x4096 14336x4096
 }
 
+sweep() {
+    # The packed matmul's tile and split-K over a grid (issue 27: the defaults were never
+    # tuned on a GPU); the fastest points beside the default's.
+    step quant-sweep 180 $PY -m llmd_tools.bench_quant_sweep --types Q4_K Q8_0 --rows 1 16 --shapes 14336x4096
+}
+
 serve() {
     need_model
     local sock=/tmp/llmd-bench.sock n=48
@@ -224,12 +230,12 @@ serve() {
 
 phases=("$@")
 [ ${#phases[@]} -eq 0 ] && phases=(all)
-[ "${phases[0]}" = all ] && phases=(tests latency quant throughput guided spec kernels serve hf)
+[ "${phases[0]}" = all ] && phases=(tests latency quant sweep throughput guided spec kernels serve hf)
 for phase in "${phases[@]}"; do
     case "$phase" in
-    tests | pytests | latency | latency1 | throughput | spec | guided | kernels | moe | quant | serve | hf) ;;
+    tests | pytests | latency | latency1 | throughput | spec | guided | kernels | moe | quant | sweep | serve | hf) ;;
     *) echo "unknown phase $phase (all, tests, pytests, latency, latency1, throughput, spec, guided, kernels," \
-            "moe, quant, serve, hf)" >&2; exit 2 ;;
+            "moe, quant, sweep, serve, hf)" >&2; exit 2 ;;
     esac
 done
 setup
@@ -250,7 +256,7 @@ for f in "$LOGS"/profile-*.log; do
     [ -f "$f" ] && { echo "--- $(basename "$f")"; grep -E -A8 "^profile_step:" "$f" | cut -c1-220; tail -2 "$f"; }
 done
 for name in throughput-1 throughput-eager-sampling-1 throughput-2 throughput-eager-sampling-2 throughput-hf spec \
-        guided fused-ops moe bench-quant serve; do
+        guided fused-ops moe bench-quant quant-sweep serve; do
     f="$LOGS/$name.log"
     [ -f "$f" ] && { echo "--- $name"; grep -v "^{" "$f" | grep -v -E "it/s\]|%\|" | tail -14 | cut -c1-220; }
 done
