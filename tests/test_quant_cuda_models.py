@@ -144,6 +144,8 @@ def test_a_packed_gguf_served_on_cuda_generates_the_dequantized_runs_tokens(hf_d
         llm = LLM(model=str(path), dequantize=dequantize, **settings)
         try:
             outputs[dequantize] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            graphs = llm.engine.executor.runner.decode_graphs  # captured, and the decode steps replayed them
+            assert graphs is not None and graphs.num_replays > 0
         finally:
             llm.engine.shutdown()
     assert outputs[False] == outputs[True]
