@@ -13,7 +13,8 @@
 # Then, with the device tool, carrying .whl (timeout_s a little over the phases' sum):
 #   bash tools/gpu_session.sh all        # every phase below in this order: > 10 minutes
 #   bash tools/gpu_session.sh PHASE ...  # some of them: tests, pytests, latency, latency1,
-#                                        # throughput, spec, guided, kernels, moe, quant, sweep, serve, hf
+#                                        # async, throughput, spec, guided, kernels, moe, quant, sweep,
+#                                        # serve, hf
 # What the steps took on an H200 (2026-11-30; the machine started and took the tree in
 # ~30 s): pip ~10 s, make-model 41-43 s (in the background while the tests run), the
 # tests' two groups side by side 86 s (kernels, 121 tests) and 130 s (graphs and packed
@@ -204,6 +205,16 @@ quant() {
         --shapes 4096x4096 14336x4096
 }
 
+async() {
+    need_model
+    # Async scheduling (off by default until measured on a GPU): the same greedy requests
+    # with it off and on, in process and in a worker process, batch 1 and 32 — what of
+    # the batch-1 step's host gap (0.33 ms of 1.42 on the H200) it hides.
+    local tokens=128
+    [ "$QUICK" = 1 ] && tokens=8
+    step async 120 $PY -m llmd_tools.bench_async --model "$MODEL" --dtype bfloat16 --tokens $tokens --repeats 2
+}
+
 sweep() {
     # The packed matmul's tile and split-K over a grid (issue 27: the defaults were never
     # tuned on a GPU); the fastest points beside the default's.
@@ -230,17 +241,18 @@ serve() {
 
 phases=("$@")
 [ ${#phases[@]} -eq 0 ] && phases=(all)
-[ "${phases[0]}" = all ] && phases=(tests latency quant sweep throughput guided spec kernels serve hf)
+[ "${phases[0]}" = all ] && phases=(tests latency async quant sweep throughput guided spec kernels serve hf)
 for phase in "${phases[@]}"; do
     case "$phase" in
-    tests | pytests | latency | latency1 | throughput | spec | guided | kernels | moe | quant | sweep | serve | hf) ;;
-    *) echo "unknown phase $phase (all, tests, pytests, latency, latency1, throughput, spec, guided, kernels," \
-            "moe, quant, sweep, serve, hf)" >&2; exit 2 ;;
+    tests | pytests | latency | latency1 | async | throughput | spec | guided | kernels | moe | quant | sweep | serve | hf)
+        ;;
+    *) echo "unknown phase $phase (all, tests, pytests, latency, latency1, async, throughput, spec, guided," \
+            "kernels, moe, quant, sweep, serve, hf)" >&2; exit 2 ;;
     esac
 done
 setup
 for phase in "${phases[@]}"; do  # the fixture built while the tests run, when a later phase needs it
-    case "$phase" in latency | latency1 | throughput | spec | guided | serve | hf) need_model & MAKE_PID=$!; break ;; esac
+    case "$phase" in latency | latency1 | async | throughput | spec | guided | serve | hf) need_model & MAKE_PID=$!; break ;; esac
 done
 for phase in "${phases[@]}"; do
     "$phase"
@@ -256,7 +268,7 @@ for f in "$LOGS"/profile-*.log; do
     [ -f "$f" ] && { echo "--- $(basename "$f")"; grep -E -A8 "^profile_step:" "$f" | cut -c1-220; tail -2 "$f"; }
 done
 for name in throughput-1 throughput-eager-sampling-1 throughput-2 throughput-eager-sampling-2 throughput-hf spec \
-        guided fused-ops moe bench-quant quant-sweep serve; do
+        guided async fused-ops moe bench-quant quant-sweep serve; do
     f="$LOGS/$name.log"
     [ -f "$f" ] && { echo "--- $name"; grep -v "^{" "$f" | grep -v -E "it/s\]|%\|" | tail -14 | cut -c1-220; }
 done
