@@ -71,6 +71,19 @@ def test_planes_hold_the_blocks_bytes_and_give_them_back(quant):
     assert views["d"][0, 0] == first[0] and views["d"].shape[1] == blocks_per_row * (1 if quant != "Q6_K" else 1)
 
 
+def test_split_k_fills_the_gpu_without_an_empty_split():
+    """split_count: enough K splits for SPLIT_K_WAVES programs per SM, none where the
+    tiles alone fill the GPU, never more splits than K tiles, none without an SM count
+    (the interpreter)."""
+    from llmd.gpu.layers.quant.triton_quant_mm import SPLIT_K_WAVES, split_count
+
+    sms = 132
+    assert split_count(448, 32, sms) == sms * SPLIT_K_WAVES // 448  # a 14336-row GEMV's 448 tiles
+    assert split_count(sms * SPLIT_K_WAVES, 32, sms) == 1
+    assert split_count(4, 3, sms) == 3  # at most one split per K tile
+    assert split_count(448, 32, 0) == 1
+
+
 def test_types_without_a_gpu_kernel_are_refused_by_name():
     blocks = random_blocks("Q3_K", 2, 256)
     with pytest.raises(ValueError, match=r"Q3_K has no GPU kernel \(GPU types: Q8_0, Q4_0"):

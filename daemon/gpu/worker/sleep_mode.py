@@ -92,7 +92,9 @@ def free_released_memory(device: torch.device) -> None:
     otherwise, so the resident size would not come down)."""
     gc.collect()
     if device.type == "cuda":
-        torch._C._cuda_clearCublasWorkspaces()
+        clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # private: not in every build
+        if clear_workspaces is not None:
+            clear_workspaces()
         torch.cuda.empty_cache()
     trim_heap()
 

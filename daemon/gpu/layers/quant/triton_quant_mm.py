@@ -19,8 +19,8 @@ range of K tiles:
 On an H200 (2026-11-30) the first form of the GEMV (x broadcast against the tile, padded
 to two rows, a [BM, BN, H] product reduced every tile) ran at 2-8 % of its roofline and
 1.4-8x slower than bf16 dense; the rows-16 GEMM at 10-19 %. `quant_matmul` takes a
-`tiles` and `split_k` for tools/bench_quant_gpu.py's sweep, which times the choices in
-one device call.
+`tiles` and `split_k` for tools/bench_quant_sweep.py, which times the choices in one
+device call.
 
 A tile of BK columns reads its 4-bit values as BK / 2 bytes: byte j holds the weights of
 columns `lo(j)` (low nibble) and `lo(j) + PAIR` (high), ggml's order (PAIR 16 in a
@@ -45,7 +45,13 @@ from llmd.gpu.layers.gguf_quant import FORMATS
 
 FP8_CODE = 100  # the kernel's code for FP8 e4m3 rows (GGUF types: gguf_formats.FORMATS' codes)
 GEMV_MAX_ROWS = 1  # rows of x up to which the GEMV runs (above: the tl.dot GEMM)
-SPLIT_K_WAVES = 2  # a split-K launch aims at this many programs per SM
+# A split-K launch aims at this many programs per SM. A program reads one tile of bytes
+# per K step and waits for it (these loads feed the dequantization, not tl.dot, so Triton
+# does not pipeline them): the bytes in flight per SM are its programs' tiles, and an
+# H200 needs ~30 KB in flight per SM to stream at its bandwidth (4.2 TB/s x ~1 us over
+# 132 SMs). At 2 programs per SM (2-4 KB each) the H200 measured 2-8 % of the roofline;
+# 16 is Little's law's figure, not yet measured (bench_quant_sweep times it and others).
+SPLIT_K_WAVES = 16
 # Whether the kernel runs in Triton's interpreter (decided when triton was imported). The
 # interpreter holds bf16 as uint16 bits and its tl.dot multiplies those
 # (triton-lang/triton#11584), so there a bf16 tile is widened to fp32 before the dot.
