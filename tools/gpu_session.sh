@@ -125,18 +125,21 @@ pytests() {
 latency() {
     need_model
     # Batch-1 decode: graphs with fused ops (the default), fused ops off, sampling after
-    # the graph, eager; then batch 32. Each: wall vs kernel time per step, kernels per
-    # step, roofline. LATENCY names a subset (e.g. "b1 b32").
+    # the graph, eager; then batch 32, and batch 256 over 512-token contexts (the nano
+    # workload's steps: 8.3 ms on average on the H200, where b32 took 1.9; host work at
+    # 256 rows, ~3 ms a step on a 2-core CPU, or the device?). Each: wall vs kernel time
+    # per step, kernels per step, roofline. LATENCY names a subset (e.g. "b1 b32").
     local steps=40 v
     [ "$QUICK" = 1 ] && steps=4
     local ps=($PY -m llmd_tools.profile_step --model "$MODEL" --device "$DEVICE" --dtype bfloat16 --steps $steps)
-    for v in ${LATENCY:-b1 b1-unfused b1-eager-sampling b1-eager b32}; do
+    for v in ${LATENCY:-b1 b1-unfused b1-eager-sampling b1-eager b32 b256}; do
         case $v in
         b1) step profile-b1 40 "${ps[@]}" --batch 1 ;;
         b1-unfused) LLMD_FUSED_OPS=0 step profile-b1-unfused 40 "${ps[@]}" --batch 1 ;;
         b1-eager-sampling) LLMD_GRAPH_SAMPLING=0 step profile-b1-eager-sampling 40 "${ps[@]}" --batch 1 ;;
         b1-eager) step profile-b1-eager 40 "${ps[@]}" --batch 1 --enforce-eager ;;
         b32) step profile-b32 40 "${ps[@]}" --batch 32 ;;
+        b256) step profile-b256 60 "${ps[@]}" --batch 256 --input-len 512 ;;
         *) echo "unknown LATENCY variant $v" >&2 ;;
         esac
     done
