@@ -24,7 +24,7 @@
 # latency quant throughput guided spec moe`, took 423 s; the confirming call (tests again,
 # latency, spec, guided, throughput) 333 s: together 14 of the 15 minutes.
 # A plan for the next lease, from those times (each call ~35 s more to start and copy):
-#   call 1 (~480 s): LATENCY="b1 b32 b256" bash tools/gpu_session.sh tests latency quant sweep moe
+#   call 1 (~500 s): LATENCY="b1 b32 b256 b32-guided" bash tools/gpu_session.sh tests latency quant sweep moe
 #   call 2 (~260 s): ROUNDS=1 bash tools/gpu_session.sh async serve throughput spec guided
 # with TESTS_* naming only what failed in call 1 when a rerun must join call 2.
 #
@@ -136,7 +136,7 @@ latency() {
     local steps=40 v
     [ "$QUICK" = 1 ] && steps=4
     local ps=($PY -m llmd_tools.profile_step --model "$MODEL" --device "$DEVICE" --dtype bfloat16 --steps $steps)
-    for v in ${LATENCY:-b1 b1-unfused b1-eager-sampling b1-eager b32 b256}; do
+    for v in ${LATENCY:-b1 b1-unfused b1-eager-sampling b1-eager b32 b256 b32-guided}; do
         case $v in
         b1) step profile-b1 40 "${ps[@]}" --batch 1 ;;
         b1-unfused) LLMD_FUSED_OPS=0 step profile-b1-unfused 40 "${ps[@]}" --batch 1 ;;
@@ -144,6 +144,7 @@ latency() {
         b1-eager) step profile-b1-eager 40 "${ps[@]}" --batch 1 --enforce-eager ;;
         b32) step profile-b32 40 "${ps[@]}" --batch 32 ;;
         b256) step profile-b256 60 "${ps[@]}" --batch 256 --input-len 512 ;;
+        b32-guided) step profile-b32-guided 40 "${ps[@]}" --batch 32 --guided ;;  # guided cost 35%: where
         *) echo "unknown LATENCY variant $v" >&2 ;;
         esac
     done

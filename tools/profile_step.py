@@ -3,10 +3,11 @@ counts, graph replay, and the bandwidth roofline beside the measured step.
 
     python -m llmd_tools.profile_step [--model tiny-llama|DIR] [--device auto|cpu|cuda]
         [--dtype auto|float32|bfloat16|float16] [--batch 1] [--steps 20] [--input-len 32]
-        [--warmup 5] [--enforce-eager] [--top 15] [--trace FILE] [--json]
+        [--warmup 5] [--enforce-eager] [--guided] [--top 15] [--trace FILE] [--json]
 
 It builds the offline engine, prefills `--batch` prompts of `--input-len` random tokens
-(greedy, ignore_eos, long enough that none finishes), runs `--warmup` decode steps, then
+(greedy, ignore_eos, long enough that none finishes; with `--guided` each under
+bench_guided's JSON schema, which no request can complete), runs `--warmup` decode steps, then
 `--steps` decode steps twice: first timed with the host clock around engine.step() (the
 wall time per step), then under torch.profiler (CUDA and CPU activities on CUDA, CPU
 only on CPU), each step inside a `llmd_step` range. From the profiled steps it prints:
@@ -53,7 +54,7 @@ from typing import Any
 
 import torch
 
-from llmd import LLM, SamplingParams
+from llmd import LLM, GuidedDecodingParams, SamplingParams
 from llmd.config import KV_CACHE_DTYPES, read_model_info
 from llmd_tools.bench.roofline import device_bandwidth, weight_elements
 from llmd_tools.bench.workloads import make_prompts
@@ -87,7 +88,13 @@ def start_decoding(llm: LLM, args: argparse.Namespace) -> None:
     the warm-up decode steps; afterwards every step is one decode step of the batch."""
     engine = llm.engine
     vocab = min(len(llm.tokenizer), engine.vocab_size)
-    params = SamplingParams(temperature=0, max_tokens=args.warmup + 2 * args.steps + 8, ignore_eos=True)
+    guided = None
+    if args.guided:  # bench_guided's schema: no request can end before max_tokens
+        from llmd_tools.bench_guided import SCHEMA
+
+        guided = GuidedDecodingParams(json_schema=SCHEMA)
+    params = SamplingParams(temperature=0, max_tokens=args.warmup + 2 * args.steps + 8, ignore_eos=not args.guided,
+                            guided=guided)
     ids = [engine.add_request(f"profile-{i}", prompt, params)
            for i, prompt in enumerate(make_prompts(args.batch, args.input_len, args.input_len, vocab, seed=0))]
     started: set[str] = set()
@@ -278,7 +285,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         "model": str(engine.model_dir), "device": torch.cuda.get_device_name(engine.device) if cuda else "cpu",
         "dtype": str(engine.dtype).removeprefix("torch."), "batch": args.batch, "input_len": args.input_len,
         "steps": args.steps, "warmup": args.warmup, "cuda_graphs": cuda and not engine.config.enforce_eager,
-        "fused_ops": os.environ.get("LLMD_FUSED_OPS", "auto"),
+        "fused_ops": os.environ.get("LLMD_FUSED_OPS", "auto"), "guided": args.guided,
         "torch_threads": None if cuda else torch.get_num_threads(), "loadavg": os.getloadavg()[0],
         "wall_ms": _ms_stats(wall), "profiled_wall_ms": _ms_stats(profiled_wall), **summary,
         "roofline": roofline(llm, args.batch, mean_context, statistics.fmean(wall)),
@@ -316,6 +323,7 @@ def render(r: dict[str, Any]) -> str:
              f"{r['device']}, {r['dtype']}, batch {r['batch']}, {r['steps']} decode steps after {r['input_len']}-token "
              f"prompts and {r['warmup']} warm-up steps; CUDA graphs {'on' if r['cuda_graphs'] else 'off'}, "
              f"LLMD_FUSED_OPS={r['fused_ops']}, "
+             + ("every request guided by a JSON schema, " if r.get("guided") else "")
              + (f"torch threads {r['torch_threads']}, " if r.get("torch_threads") else "")
              + f"load avg {r['loadavg']:.2f}",
              f"wall per step       {wall['mean']:.3f} ms (median {wall['median']:.3f}, min {wall['min']:.3f}, "
@@ -347,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")
     ap.add_argument("--warmup", type=int, default=5, help="decode steps before timing")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--guided", action="store_true", help="every request guided by bench_guided's JSON schema")
     ap.add_argument("--top", type=int, default=15, help="kernels (CPU: operators) in the table")
     ap.add_argument("--trace", default=None, help="also keep the profiler's Chrome trace in this file")
     ap.add_argument("--json", action="store_true")
