@@ -635,3 +635,37 @@ def test_cuda_sampling_makes_no_host_sync():
         torch.cuda.set_sync_debug_mode("default")
     assert result.sampled_token_ids.shape == (3,)
     assert result.sampled_token_ids[1].item() == logits[1].argmax().item()
+
+
+@pytest.mark.parametrize("name", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_grammar_rows_sample_only_allowed_tokens_and_the_gpu_path_makes_no_host_sync(name: str):
+    """A step's grammar bitmask (xgrammar's int32 words, bit 31 included) reaches the
+    device and masks its rows only: sampled and greedy rows under a grammar take allowed
+    ids, the free row its own argmax. On a GPU the words go through pinned memory and
+    nothing waits for the device."""
+    dev = torch.device(name)
+    vocab = 4096
+    params = [SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0)]
+    md = SamplingMetadata.build(params, [[1, 2, 3]] * 3, [[4, 5]] * 3, valid_vocab_size=vocab,
+                                eos_token_id=0, device=dev)
+    allowed = {0: [7, 31, 100, 4095], 2: [63]}  # 31 and 63: a word's sign bit
+    words = np.zeros((2, vocab // 32), dtype=np.uint32)
+    for i, ids in enumerate(allowed.values()):
+        for t in ids:
+            words[i, t // 32] |= np.uint32(1 << (t % 32))
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0)).to(dev) * 4
+    logits[2, 63] = -50.0  # the grammar's only choice, far from the row's argmax
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        md.set_grammar_bitmask([0, 2], words.view(np.int32).tobytes(), dev)
+        result = Sampler(seed=0)(logits, md)
+    finally:
+        if dev.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    tokens = result.sampled_token_ids.tolist()
+    assert tokens[0] in allowed[0] and tokens[2] == 63
+    assert tokens[1] == logits[1].argmax().item()

@@ -100,11 +100,16 @@ class SamplingMetadata:
     def set_grammar_bitmask(self, rows: Sequence[int], bitmask: bytes, device: torch.device) -> None:
         """Rows `rows` sample under a grammar; `bitmask` holds their allowed-token bits
         (xgrammar's layout: int32 words, bit b of word w = token 32*w + b). The words go to
-        the device as they are, every other row all ones: the host never expands them."""
+        the device as they are, every other row all ones: the host never expands them.
+        For a GPU they are written into pinned memory (torch's caching host allocator
+        keeps a block until its copy is done), so the copy is queued behind the forward
+        instead of the host waiting on a pageable one."""
         given = np.frombuffer(bitmask, dtype=np.int32).reshape(len(rows), -1)
-        words = np.full((self.num_rows, given.shape[1]), -1, dtype=np.int32)
+        host = torch.empty((self.num_rows, given.shape[1]), dtype=torch.int32, pin_memory=device.type == "cuda")
+        words = host.numpy()
+        words.fill(-1)
         words[np.asarray(rows, dtype=np.int64)] = given
-        self.grammar_bitmask = torch.from_numpy(words).to(device, non_blocking=True)
+        self.grammar_bitmask = host.to(device, non_blocking=True)
 
     def mask_grammar(self, logits: torch.Tensor) -> torch.Tensor:
         """[N, vocab_limit] float32 logits plus the grammar's bias: -inf on the ids each
