@@ -642,8 +642,7 @@ def test_cuda_sampling_makes_no_host_sync():
 def test_grammar_rows_sample_only_allowed_tokens_and_the_gpu_path_makes_no_host_sync(name: str):
     """A step's grammar bitmask (xgrammar's int32 words, bit 31 included) reaches the
     device and masks its rows only: sampled and greedy rows under a grammar take allowed
-    ids, the free row its own argmax. On a GPU the words go through pinned memory and
-    nothing waits for the device."""
+    ids, the free row its own argmax. On a GPU nothing waits for the device."""
     dev = torch.device(name)
     vocab = 4096
     params = [SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0.0),

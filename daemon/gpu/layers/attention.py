@@ -167,8 +167,8 @@ def set_decode_rows(md: AttentionMetadata, tables: np.ndarray | list[list[int]],
     them, its MetadataBuilder adds)."""
     if isinstance(tables, list):
         tables = pad_tables(tables)
-    md.decode_block_table = torch.from_numpy(np.ascontiguousarray(tables, dtype=np.int64)).to(device)
-    md.decode_seq_lens = torch.from_numpy(np.asarray(seq_lens, dtype=np.int64)).to(device)
+    md.decode_block_table = torch.from_numpy(np.ascontiguousarray(tables, dtype=np.int64)).to(device, non_blocking=True)
+    md.decode_seq_lens = torch.from_numpy(np.asarray(seq_lens, dtype=np.int64)).to(device, non_blocking=True)
 
 
 def build_decode_mask(md: AttentionMetadata, block_size: int) -> None:

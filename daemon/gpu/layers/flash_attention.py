@@ -71,8 +71,8 @@ def flash_rows(md: AttentionMetadata, block_size: int, device: torch.device) -> 
         table = decode_table
         seq_lens = md.decode_seq_lens.to(torch.int32)
     else:
-        cu_q = torch.tensor(offsets, dtype=torch.int32).to(device)
-        prefill_lens = torch.tensor(k_lens, dtype=torch.int32).to(device)
+        cu_q = torch.tensor(offsets, dtype=torch.int32).to(device, non_blocking=True)
+        prefill_lens = torch.tensor(k_lens, dtype=torch.int32).to(device, non_blocking=True)
         seq_lens = torch.cat([md.decode_seq_lens.to(torch.int32), prefill_lens]) if n else prefill_lens
         table = torch.zeros(n + len(md.prefills), max(widths), dtype=torch.int32, device=device)
         if n:

@@ -270,7 +270,8 @@ def prefill_rows(md: AttentionMetadata, device: torch.device) -> tuple[torch.Ten
         rows += [start, num_new, num_cached, offset]
         tables.append(block_ids)
         offset += block_ids.numel()
-    return (torch.tensor(rows, dtype=torch.int32).to(device), torch.cat(tables).to(device),
+    return (torch.tensor(rows, dtype=torch.int32).to(device, non_blocking=True),
+            torch.cat(tables).to(device, non_blocking=True),
             max(n for _, n, _, _ in md.prefills))
 
 

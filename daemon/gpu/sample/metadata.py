@@ -77,7 +77,7 @@ class SamplingMetadata:
         pad_mask = None
         if any(v < vocab_limit for v in vocab_sizes):
             arange = torch.arange(vocab_limit)
-            pad_mask = (arange[None, :] >= torch.tensor(vocab_sizes)[:, None]).to(device)
+            pad_mask = (arange[None, :] >= torch.tensor(vocab_sizes)[:, None]).to(device, non_blocking=True)
         greedy = [p.temperature < SAMPLING_EPS for p in params]
         all_greedy, all_random = all(greedy), not any(greedy)
         num_output_tokens = [len(out) for out in output_token_ids]
@@ -100,16 +100,11 @@ class SamplingMetadata:
     def set_grammar_bitmask(self, rows: Sequence[int], bitmask: bytes, device: torch.device) -> None:
         """Rows `rows` sample under a grammar; `bitmask` holds their allowed-token bits
         (xgrammar's layout: int32 words, bit b of word w = token 32*w + b). The words go to
-        the device as they are, every other row all ones: the host never expands them.
-        For a GPU they are written into pinned memory (torch's caching host allocator
-        keeps a block until its copy is done), so the copy is queued behind the forward
-        instead of the host waiting on a pageable one."""
+        the device as they are, every other row all ones: the host never expands them."""
         given = np.frombuffer(bitmask, dtype=np.int32).reshape(len(rows), -1)
-        host = torch.empty((self.num_rows, given.shape[1]), dtype=torch.int32, pin_memory=device.type == "cuda")
-        words = host.numpy()
-        words.fill(-1)
+        words = np.full((self.num_rows, given.shape[1]), -1, dtype=np.int32)
         words[np.asarray(rows, dtype=np.int64)] = given
-        self.grammar_bitmask = host.to(device, non_blocking=True)
+        self.grammar_bitmask = torch.from_numpy(words).to(device, non_blocking=True)
 
     def mask_grammar(self, logits: torch.Tensor) -> torch.Tensor:
         """[N, vocab_limit] float32 logits plus the grammar's bias: -inf on the ids each
@@ -257,7 +252,7 @@ def _token_table(token_lists: list[Sequence[int]], rows: list[int], num_rows: in
     tokens = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64,
                          count=int(lengths.sum()))
     flat = np.repeat(np.asarray(rows, dtype=np.int64), lengths) * vocab + tokens
-    flat = torch.from_numpy(flat[(tokens >= 0) & (tokens < vocab)]).to(device)
+    flat = torch.from_numpy(flat[(tokens >= 0) & (tokens < vocab)]).to(device, non_blocking=True)
     table = torch.zeros(num_rows * vocab, dtype=torch.float32, device=device)
     table.index_add_(0, flat, torch.ones(flat.numel(), dtype=torch.float32, device=device))
     table = table.view(num_rows, vocab)

@@ -238,7 +238,7 @@ def _pad_rows(tokens: list[list[int]], num_reqs: int, drafts: list[list[int]],
     padded = torch.full((num_reqs, width), -1, dtype=torch.int64)
     for i, row in enumerate(tokens):
         padded[i, :len(row)] = torch.tensor(row, dtype=torch.int64)
-    return padded.to(device)
+    return padded.to(device, non_blocking=True)
 
 
 def _broadcast_tokens(tokens: torch.Tensor) -> None:
