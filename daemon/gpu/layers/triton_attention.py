@@ -271,8 +271,7 @@ def prefill_rows(md: AttentionMetadata, device: torch.device) -> tuple[torch.Ten
         tables.append(block_ids)
         offset += block_ids.numel()
     return (torch.tensor(rows, dtype=torch.int32).to(device, non_blocking=True),
-            torch.cat(tables).to(device, non_blocking=True),
-            max(n for _, n, _, _ in md.prefills))
+            torch.cat(tables).to(device, non_blocking=True), max(n for _, n, _, _ in md.prefills))
 
 
 class TritonMetadataBuilder(MetadataBuilder):
