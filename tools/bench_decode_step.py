@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         old = revision_paged_decode(args.against)
     engine_args = argparse.Namespace(model=args.model, device="cpu", dtype="auto", batch=args.batch,
                                      input_len=args.input_len, warmup=args.warmup, enforce_eager=False,
-                                     kv_cache_dtype=args.kv_cache_dtype,
+                                     kv_cache_dtype=args.kv_cache_dtype, guided=False,
                                      steps=args.rounds * args.steps_per_round)  # 2 x steps decode steps fit
     llm = build_engine(engine_args)
     layers = attention_layers(llm)
