@@ -20,7 +20,8 @@ from triton_attention_cases import attend
 from llmd.gpu.layers.cpu.cpu_kernels import CPU_KERNELS_ENV, attach_cpu_kernels, paged_decode_op
 from llmd.gpu.layers.kv_quant import KVScales, kv_cache_format, quantize
 from llmd.gpu.layers.linear import LinearBase, ParallelLMHead
-from llmd.gpu.layers.cpu.cpu_linear import PackedLinearForward, pack_linears, packing_supported, unpack_linears
+from llmd.gpu.layers.cpu.cpu_linear import (PackedLinearForward, checkpoint_weight, pack_linears, packing_supported,
+                                           unpack_linears)
 from llmd.gpu.models.loader import load_model
 
 CPU = torch.device("cpu")
@@ -251,6 +252,44 @@ def test_pack_linears_leaves_subclasses_alone():
     model = nn.Sequential(nn.Linear(8, 8), Sharded(8, 8))
     assert pack_linears(model) == (1 if packing_supported(torch.float32) else 0)
     assert "forward" not in model[1].__dict__
+
+
+@pytest.mark.skipif(not packing_supported(torch.float32), reason="oneDNN packs nothing on this CPU")
+@pytest.mark.parametrize("tied", [False, True])
+def test_packed_model_linears_hold_their_weights_once(tiny_llama, tiny_llama_tied, tied):
+    """A loaded CPU model's linears keep only oneDNN's layout (their `weight` emptied),
+    from which checkpoint_weight gives the checkpoint's values back exactly; a tied LM
+    head keeps the embedding's table, which lookups read; unpack_linears restores every
+    plain weight and F.linear then gives the same logits."""
+    from safetensors.torch import load_file
+
+    path = tiny_llama_tied if tied else tiny_llama
+    model = load_model(path, torch.float32, CPU, 128)
+    saved = {k.removeprefix("model."): v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
+    layer = model.layers[0]
+    q, k, v = (saved[f"layers.0.self_attn.{n}_proj.weight"] for n in "qkv")
+    for module, expected in ((layer.self_attn.qkv_proj, torch.cat([q, k, v])),
+                             (layer.mlp.down_proj, saved["layers.0.mlp.down_proj.weight"])):
+        assert module.weight.numel() == 0 and module.kernel.released_shape == expected.shape
+        assert torch.equal(checkpoint_weight(module), expected)
+    head = model.lm_head
+    if tied:
+        assert head.weight is model.embed_tokens.weight and head.kernel.released_shape is None
+        assert torch.equal(model.embed_tokens.weight, saved["embed_tokens.weight"])
+    else:
+        assert head.weight.numel() == 0 and torch.equal(checkpoint_weight(head), saved["lm_head.weight"])
+    hidden = torch.randn(3, model.lm_head.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        packed_out = layer.mlp.down_proj(torch.randn(3, layer.mlp.down_proj.in_features,
+                                                     generator=torch.Generator().manual_seed(1)))
+        logits = model.lm_head(hidden)
+        unpack_linears(model)
+        assert layer.mlp.down_proj.kernel is None
+        assert torch.equal(layer.mlp.down_proj.weight, saved["layers.0.mlp.down_proj.weight"])
+        torch.testing.assert_close(model.lm_head(hidden), logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer.mlp.down_proj(torch.randn(3, layer.mlp.down_proj.in_features,
+                                                                   generator=torch.Generator().manual_seed(1))),
+                                   packed_out, rtol=1e-5, atol=1e-5)
 
 
 def test_a_cpu_model_loads_with_packed_linears_and_the_decode_kernel(tiny_llama, monkeypatch):

@@ -22,6 +22,7 @@ from gguf import GGMLQuantizationType as T
 from gguf_fixtures import gguf_with, write_gguf
 from hf_ref import check_logprobs_close, engine_result, hf_greedy, hf_model
 from llmd import LLM, SamplingParams
+from llmd.gpu.layers.cpu.cpu_linear import checkpoint_weight
 from llmd.gpu.layers.linear import LinearBase
 from llmd.gpu.models.gguf_arch import gemma3_config_fields
 from llmd.gpu.models.gguf_summary import gguf_summary
@@ -113,7 +114,7 @@ def test_k_quants_load_as_an_independent_dequantizer_reads_them(ggufs):
     reader = gguf.GGUFReader(path)
     assert {t.tensor_type for t in reader.tensors} >= set(K_QUANTS)
     model = load_model(path, torch.float32, torch.device("cpu"), 256, dequantize=True)
-    params = dict(model.named_parameters())
+    params = {name + ".weight": checkpoint_weight(m) for name, m in model.named_modules() if hasattr(m, "weight")}
     unpermute = LlamaTensorProcessor(config={"num_attention_heads": config.num_attention_heads,
                                              "num_key_value_heads": config.num_key_value_heads})
     attn = model.layers[0].self_attn

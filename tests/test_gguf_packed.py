@@ -29,6 +29,7 @@ from llmd import LLM
 from llmd.gpu.layers.attention import AttentionMetadata, new_model_kv_caches
 from llmd.gpu.layers.attention_backends import metadata_builder
 from llmd.gpu.layers.cpu.cpu_kernels import gguf_ops
+from llmd.gpu.layers.cpu.cpu_linear import checkpoint_weight
 from llmd.gpu.layers.gguf_formats import FORMATS, PACKED_TYPES, dequantize, held_type, reencoded
 from llmd.gpu.layers.gguf_quant import KERNEL_MAX_ROWS, GGUFMatmul
 from llmd.gpu.layers.linear import ReplicatedLinear
@@ -226,7 +227,11 @@ def _packed(model) -> dict[str, str]:
 
 
 def _weight_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    """What the model holds for its weights (oneDNN's layouts of a CPU model's dense
+    linears included: their plain layouts are released)."""
+    from llmd.gpu.worker.memory_profile import weight_storage
+
+    return sum(weight_storage(model).values())
 
 
 @pytest.mark.usefixtures("float32_products")
@@ -297,7 +302,7 @@ def test_a_quantized_tensor_that_cannot_stay_packed_is_refused_by_name(hf_dirs, 
     qkv = load_model(tmp_path / "refused-0.gguf", torch.float32, CPU, 128, dequantize=True).layers[0].self_attn.qkv_proj
     a, b = qkv.part_rows("v")
     expected = gguf.quants.dequantize(mxfp4, T.MXFP4).reshape(rows, cols)
-    assert torch.equal(qkv.weight[a:b], torch.from_numpy(expected.astype(np.float32)))
+    assert torch.equal(checkpoint_weight(qkv)[a:b], torch.from_numpy(expected.astype(np.float32)))
 
 
 def test_iq4_xs_blocks_are_held_as_iq4_nl_blocks_under_their_sub_block_scales():
@@ -364,7 +369,7 @@ def test_an_iq4_nl_gguf_loads_packed(hf_dirs, tmp_path):  # noqa: F811
     sources = {name: s for name, s in iter_gguf_weights(path, load_hf_config(path), held) if name in held}
     down, v_proj = sources["model.layers.1.mlp.down_proj.weight"], sources["model.layers.0.self_attn.v_proj.weight"]
     assert (down.quant, v_proj.quant) == ("IQ4_NL", "Q4_0")
-    assert torch.equal(down.dequantize(), dense.layers[1].mlp.down_proj.weight)
+    assert torch.equal(down.dequantize(), checkpoint_weight(dense.layers[1].mlp.down_proj))
 
 
 @pytest.mark.usefixtures("float32_products")

@@ -214,8 +214,8 @@ def test_the_estimate_is_the_weights_plus_the_kv_setting(tiny_llama):
     engine = EngineConfig(model=str(tiny_llama), num_gpu_blocks_override=128, block_size=16)
     assert shape.weights_bytes == size and shape.num_params * 4 < size  # the file's header and metadata beside
     weights = _weights(engine, shape)
-    # float32 on CPU: every weight, and oneDNN's copy of every linear one (not the embedding)
-    assert shape.num_params * 4 < weights < 2 * shape.num_params * 4
+    # float32 on CPU: every weight once (the linear ones in oneDNN's layout instead of the checkpoint's)
+    assert weights == shape.num_params * 4
     assert estimate_need(engine, shape, "cpu", available_ram=0) == {"cpu": weights + 128 * 16 * per_token}
     for kv in ("fp8", "int8"):  # one byte per element (kv_cache_dtype)
         engine = EngineConfig(model=str(tiny_llama), num_gpu_blocks_override=128, block_size=16, kv_cache_dtype=kv)
@@ -247,10 +247,10 @@ def _held(path, **kw) -> tuple[int, EngineConfig]:
 
 
 def test_the_estimate_is_what_the_loaded_model_holds(tmp_path, tiny_llama, tiny_llama_tied):
-    """Against the loaded model: a float32 checkpoint exactly (oneDNN's copies of the
-    linear weights included, of the embedding when the LM head is tied to it), an AWQ /
-    GPTQ / FP8 one within 3% packed (their scales widen on CPU) and exactly dequantized.
-    (GGUF files: tests/test_gguf_packed.py.)"""
+    """Against the loaded model: a float32 checkpoint exactly (the linear weights once,
+    in oneDNN's layout; a tied LM head's copy beside the embedding), an AWQ / GPTQ / FP8
+    one within 5% packed (their scales widen on CPU, a GPTQ's act-order indices go: 3.0%
+    for GPTQ here) and exactly dequantized. (GGUF files: tests/test_gguf_packed.py.)"""
     from llmd_tools.make_model import build_model
     from llmd_tools.quantize_checkpoint import options, quantize_checkpoint
 
@@ -263,15 +263,15 @@ def test_the_estimate_is_what_the_loaded_model_holds(tmp_path, tiny_llama, tiny_
         checkpoint = quantize_checkpoint(source, tmp_path / method, options(method=method, group_size=32))
         shape = read_shape(str(checkpoint))
         held, engine = _held(checkpoint)
-        assert _weights(engine, shape) == pytest.approx(held, rel=0.03), method
+        assert _weights(engine, shape) == pytest.approx(held, rel=0.05), method
         held, engine = _held(checkpoint, dequantize=True)
         assert _weights(engine, shape) == held, method
 
 
 def test_a_gguf_estimate_reads_its_header(tmp_path, tiny_llama):
     """A GGUF file's shape comes from its header: packed on CPU and CUDA on one rank (its
-    Q8_0 tensors as stored, its F32 ones at the run dtype: float32 on CPU, with oneDNN's
-    copy of a linear weight, bfloat16 on CUDA), dequantized when asked or split by tensor parallelism. (tests/test_gguf_packed:
+    Q8_0 tensors as stored, its F32 ones at the run dtype: float32 on CPU, a linear one
+    in oneDNN's layout, bfloat16 on CUDA), dequantized when asked or split by tensor parallelism. (tests/test_gguf_packed:
     the estimate against what a loaded model holds, types held as others included.)"""
     import gguf
 
@@ -289,9 +289,9 @@ def test_a_gguf_estimate_reads_its_header(tmp_path, tiny_llama):
     f32_linear = sum(int(t.n_elements) for t in tensors if t.tensor_type.name == "F32" and len(t.shape) == 2)
     assert q8_bytes and f32_linear and {t.tensor_type.name for t in tensors} == {"Q8_0", "F32"}
     engine = EngineConfig(model=str(path), kv_cache_memory_bytes=1000)
-    assert estimate_need(engine, packed, "cpu", available_ram=0) == {"cpu": q8_bytes + 4 * (f32 + f32_linear) + 1000}
+    assert estimate_need(engine, packed, "cpu", available_ram=0) == {"cpu": q8_bytes + 4 * f32 + 1000}
     dequantized = estimate_need(msgspec.structs.replace(engine, dequantize=True), packed, "cpu", available_ram=0)
-    assert dequantized["cpu"] > packed.num_params * 4 + 1000  # and oneDNN's copies of the linears
+    assert dequantized["cpu"] == packed.num_params * 4 + 1000  # untied: every weight once
     assert estimate_need(engine, packed, "cuda", available_ram=0) == {"cuda:0": q8_bytes + 2 * f32 + 1000}
     tp2 = estimate_need(msgspec.structs.replace(engine, tensor_parallel_size=2), packed, "cuda", available_ram=0)
     assert tp2 == {f"cuda:{r}": packed.num_params * 2 // 2 + 500 for r in (0, 1)}  # bf16, each rank half

@@ -242,7 +242,7 @@ def test_a_model_in_a_worker_process_sleeps_and_wakes_there(daemon):
 def test_unloading_gives_the_memory_back(daemon):
     """The daemon and its children's resident memory after an unload is back near where
     it was before the load (small-llama, 44M parameters, in the daemon's process: what
-    its weights, their oneDNN copies and its KV pool held); figures and the benchmark in
+    its weights, 176 MB in float32, and its KV pool held); figures and the benchmark in
     docs/benchmarks.md (llmd_tools.bench_model_pool)."""
     with Client(daemon.sock) as client:
         before = settled_rss(daemon.proc.pid)
@@ -251,8 +251,8 @@ def test_unloading_gives_the_memory_back(daemon):
         loaded = settled_rss(daemon.proc.pid)
         client.unload("small")
         after = settled_rss(daemon.proc.pid)
-    assert status.state == "serving" and status.memory_bytes > 300 * MIB
-    assert loaded - before > 300 * MIB  # it was really there
+    assert status.state == "serving" and status.memory_bytes > 200 * MIB
+    assert loaded - before > 150 * MIB  # it was really there (its weights alone: 168 MiB)
     assert after - before < 0.1 * (loaded - before), (before / MIB, loaded / MIB, after / MIB)
 
 

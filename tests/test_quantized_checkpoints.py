@@ -174,7 +174,9 @@ def test_the_memory_account_shows_the_packed_storage(checkpoints, case, low, hig
         # these 64- and 192-column rows, 0.2 % of a 2048-column one).
         assert low * in_file <= weights[label] <= high * in_file, (weights, in_file)
         assert label not in dense_weights and _quantized_layers(dense) == {}
-        assert sum(dense_weights.values()) > sum(weights.values()) + 3 * weights[label]
+        # float32 holds 4 bytes a weight (once: oneDNN's layout), the packed label at most
+        # 1.1 (FP8): the dense model holds at least 4 / 1.1 - 1 > 2.6 times the label more
+        assert sum(dense_weights.values()) > sum(weights.values()) + 2.6 * weights[label]
     finally:
         packed.engine.shutdown()
         dense.engine.shutdown()

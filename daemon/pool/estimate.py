@@ -7,9 +7,10 @@ The weights as held: where quantized weights stay packed, a GGUF's packed tensor
 the blocks of the type the device holds them as (gguf_types.held_bytes) and an
 AWQ/GPTQ/FP8 checkpoint's quantized tensors at their size on disk (their CPU layouts
 differ from it by a few percent: their scales are widened); every other tensor at the
-run dtype; and on CPU, where oneDNN packs the run dtype (cpu_linear), every dense linear
-weight a second time, oneDNN's reordered copy beside the checkpoint layout (a tied LM
-head's copy of the embedding included). Reading a model's shape touches its files
+run dtype; on CPU, where oneDNN packs the run dtype (cpu_linear), the dense linear
+weights are held in its reordered layout instead of the checkpoint's, once, but for a
+tied LM head's: its copy of the embedding comes beside the table the lookups read, so a
+tied model holds its embedding twice. Reading a model's shape touches its files
 (config.json and the safetensors headers, or a GGUF header) but no torch; the sums are
 plain arithmetic."""
 from __future__ import annotations
@@ -28,7 +29,6 @@ from llmd.gpu.layers.quant.scheme import config_scheme, weights_per_element
 CPU_KV_DEFAULT_CAP = 4 << 30  # as llmd.engine_setup sizes a CPU KV pool with no setting
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _FLOAT_TENSORS = ("F32", "F16", "BF16")  # safetensors dtypes held at the run dtype
-_LINEAR_LEAVES = ("weight", "qweight")  # a linear layer's weight (dense, or AWQ/GPTQ words)
 
 
 @dataclass(frozen=True)
@@ -43,14 +43,14 @@ class ModelShape:
     gguf: bool
     quantized: bool = False  # an AWQ/GPTQ/FP8 safetensors checkpoint (kept packed on CPU, as a GGUF's)
     # Where quantized weights stay packed: those tensors' bytes as each device type holds
-    # them, the elements of every other tensor (held at the run dtype), and of those the
-    # dense linear weights' (oneDNN's copies on CPU). None / 0 for a dense checkpoint.
+    # them, and the elements of every other tensor (held at the run dtype). None / 0 for
+    # a dense checkpoint.
     packed_bytes: dict[str, int] | None = None
     dense_elements: int = 0
-    dense_linear_elements: int = 0
-    # Every linear weight's elements, with all of them dense (a dense checkpoint, or
-    # quantized weights dequantized): what oneDNN copies then.
-    linear_elements: int = 0
+    # A tied LM head's elements (the embedding's), which oneDNN copies on CPU beside the
+    # table: where quantized weights stay packed, only if the embedding is dense.
+    tied_dense_elements: int = 0
+    tied_elements: int = 0
 
 
 def read_shape(path: str) -> ModelShape:
@@ -82,9 +82,9 @@ def _read_shape(path: str, mtime_ns: int, size: int) -> ModelShape:
     # packed words stand for several weights, scales and zero points for none
     elements = {name: math.prod(info["shape"]) * weights_per_element(name, scheme) for name, info in tensors.items()}
     quantized = {name for name, info in tensors.items() if scheme is not None and info["dtype"] not in _FLOAT_TENSORS}
-    linears = [name for name, info in tensors.items() if _is_linear(name, info["shape"])]
+    tied = []
     if not any(name.endswith("lm_head.weight") for name in tensors):  # tied: the LM head's weight is the embedding
-        linears += [name for name in tensors if name.endswith("embed_tokens.weight")]
+        tied = [name for name in tensors if name.endswith("embed_tokens.weight")]
     return ModelShape(weights_bytes=size, num_params=sum(elements.values()),
                       kv_elements_per_token=2 * text["num_hidden_layers"] * kv_heads * head_dim,
                       max_position=text.get("max_position_embeddings", 2048), checkpoint_dtype=dtype, gguf=False,
@@ -92,16 +92,8 @@ def _read_shape(path: str, mtime_ns: int, size: int) -> ModelShape:
                       packed_bytes=dict.fromkeys(("cpu", "cuda"), sum(
                           tensors[n]["data_offsets"][1] - tensors[n]["data_offsets"][0] for n in quantized)),
                       dense_elements=sum(math.prod(info["shape"]) for n, info in tensors.items() if n not in quantized),
-                      dense_linear_elements=sum(elements[n] for n in linears if n not in quantized),
-                      linear_elements=sum(elements[n] for n in linears))
-
-
-def _is_linear(name: str, shape: list[int]) -> bool:
-    """Whether checkpoint tensor `name` is a linear layer's weight (what the CPU packs
-    for oneDNN): a 2-D weight other than the embedding and a mixture's experts (which
-    the fused experts hold)."""
-    return (len(shape) == 2 and name.rpartition(".")[2] in _LINEAR_LEAVES and "embed_tokens" not in name
-            and ".experts." not in name)
+                      tied_dense_elements=sum(elements[n] for n in tied if n not in quantized),
+                      tied_elements=sum(elements[n] for n in tied))
 
 
 def _safetensors_header(path: Path) -> dict:
@@ -130,17 +122,17 @@ def _gguf_shape(p: Path) -> ModelShape:
     tensors = reader.tensors
     dense = [t for t in tensors.values() if t.tensor_type.name in DENSE_TYPES]
     packed = [t for t in tensors.values() if t.tensor_type.name not in DENSE_TYPES]
-    linears = [t for name, t in tensors.items() if len(t.shape) == 2 and not name.startswith("token_embd")]
+    tied = []
     if "output.weight" not in tensors and "token_embd.weight" in tensors:  # tied: the LM head's is the embedding
-        linears.append(tensors["token_embd.weight"])
+        tied.append(tensors["token_embd.weight"])
     return ModelShape(weights_bytes=p.stat().st_size, num_params=sum(t.n_elements for t in tensors.values()),
                       kv_elements_per_token=2 * layers * kv_heads * head_dim,
                       max_position=get(f"{arch}.context_length", 2048), checkpoint_dtype=None, gguf=True,
                       packed_bytes={device: sum(held_bytes(t.tensor_type.name, t.n_elements, device) for t in packed)
                                     for device in ("cpu", "cuda")},
                       dense_elements=sum(t.n_elements for t in dense),
-                      dense_linear_elements=sum(t.n_elements for t in linears if t.tensor_type.name in DENSE_TYPES),
-                      linear_elements=sum(t.n_elements for t in linears))
+                      tied_dense_elements=sum(t.n_elements for t in tied if t.tensor_type.name in DENSE_TYPES),
+                      tied_elements=sum(t.n_elements for t in tied))
 
 
 def run_dtype(engine: EngineConfig, device_type: str, checkpoint_dtype: str | None) -> str:
@@ -177,9 +169,9 @@ def estimate_need(engine: EngineConfig, shape: ModelShape, device_type: str, *, 
               and device_type in ("cpu", "cuda") and not engine.dequantize and shape.packed_bytes is not None)
     if packed:
         weights = shape.packed_bytes[device_type] + shape.dense_elements * element
-        copied = shape.dense_linear_elements
+        copied = shape.tied_dense_elements
     else:
-        weights, copied = shape.num_params * element, shape.linear_elements
+        weights, copied = shape.num_params * element, shape.tied_elements
     if device_type == "cpu" and onednn_copies(dtype):
         weights += copied * element
     tp = engine.tensor_parallel_size

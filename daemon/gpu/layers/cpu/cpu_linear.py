@@ -11,13 +11,16 @@ as MKL does; a row's result does not depend on how many rows share the call.
 `pack_linears` gives every linear of a model a packed matmul: the model's own layers
 (layers/linear.py: LinearBase and the LM head) take it as their `kernel`, so a
 row-parallel layer still reduces and adds its bias after; a plain `nn.Linear` gets a
-packed forward. The checkpoint
-layout stays the module's `weight` (the tied embedding reads it, and so may anyone who
-inspects the model), so the packed copy is extra memory: one more copy of the linear
-weights. A weight changed after packing is packed again at the next call: a new
-parameter set on the module, or an in-place write that bumps its version (under
-`torch.no_grad()`); a write through `.data` is not seen. `unpack_linears` restores MKL's
-path (benchmarks compare the two in one process).
+packed forward. The model's own layers then give up the checkpoint layout: their
+`weight` becomes an empty tensor of its dtype (`released_shape` keeps the shape), so a
+model holds its linear weights once, in oneDNN's layout, where it held them twice (a 1B
+model in float32: 9.7 GB for 4.7). A weight whose storage another parameter shares
+stays (a tied LM head's is the embedding's table, which lookups read), and so does a
+plain `nn.Linear`'s (other code may read it). A weight changed after packing is packed
+again at the next call: a new parameter set on the module, or an in-place write that
+bumps its version (under `torch.no_grad()`); a write through `.data` is not seen.
+`unpack_linears` restores MKL's path and the checkpoint layout (benchmarks compare the
+two in one process).
 """
 from __future__ import annotations
 
@@ -50,12 +53,26 @@ class PackedLinearForward:
         self.module = weakref.ref(linear)  # the module holds this forward: no cycle
         self.out_features = linear.weight.shape[0]
         self.with_bias = with_bias
+        self.released_shape: torch.Size | None = None  # the weight's, once its plain layout was given up
         self._pack(linear)
 
     def _pack(self, linear: nn.Linear) -> None:
         self.source = linear.weight
         self.version = _version(linear.weight)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+        self.released_shape = None
+
+    def release_plain(self, linear: nn.Module) -> None:
+        """Hold the weight in the packed layout alone: the module's `weight` becomes an
+        empty tensor of its dtype and device (module doc)."""
+        weight = linear.weight
+        linear.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
+        self.source, self.version = linear.weight, _version(linear.weight)
+        self.released_shape = weight.shape
+
+    def plain(self) -> torch.Tensor:
+        """The weight in the checkpoint layout (from the packed one where it was released)."""
+        return self.packed.to_dense() if self.released_shape is not None else self.source.detach()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         linear = self.module()
@@ -78,9 +95,11 @@ def _kernel_slot(module: nn.Module) -> bool:
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Give every linear of `model` (on CPU, of a dtype oneDNN packs) a packed matmul
-    (module doc); returns how many were packed. Subclasses of nn.Linear (with their own
-    forward) keep theirs."""
+    """Give every linear of `model` (on CPU, of a dtype oneDNN packs) a packed matmul and
+    release the plain layout of the model's own layers' weights that no other parameter
+    shares (module doc); returns how many were packed. Subclasses of nn.Linear (with
+    their own forward) keep theirs."""
+    shared = _shared_storages(model)
     count = 0
     for module in model.modules():
         slot = _kernel_slot(module)
@@ -90,16 +109,40 @@ def pack_linears(model: nn.Module) -> int:
             continue
         if slot:
             module.kernel = PackedLinearForward(module, with_bias=not getattr(module, "reduce", False))
+            if module.weight.untyped_storage().data_ptr() not in shared:
+                module.kernel.release_plain(module)
         else:
             module.forward = PackedLinearForward(module)
         count += 1
     return count
 
 
+def checkpoint_weight(module: nn.Module) -> torch.Tensor:
+    """A linear's weight in the checkpoint layout, also where pack_linears released it
+    (then made again from oneDNN's copy: for inspection, not a step's work)."""
+    kernel = getattr(module, "kernel", None)
+    if isinstance(kernel, PackedLinearForward) and kernel.released_shape is not None:
+        return kernel.plain()
+    return module.weight
+
+
+def _shared_storages(model: nn.Module) -> set[int]:
+    """The storages more than one of the model's parameters views (tied weights)."""
+    seen: set[int] = set()
+    shared: set[int] = set()
+    for _, p in model.named_parameters(remove_duplicate=False):
+        key = p.untyped_storage().data_ptr()
+        (shared if key in seen else seen).add(key)
+    return shared
+
+
 def unpack_linears(model: nn.Module) -> None:
-    """Back to F.linear for every packed linear of `model`."""
+    """Back to F.linear for every packed linear of `model`, each weight in its checkpoint
+    layout again."""
     for module in model.modules():
         if _kernel_slot(module):
+            if isinstance(module.kernel, PackedLinearForward) and module.kernel.released_shape is not None:
+                module.weight = nn.Parameter(module.kernel.plain(), requires_grad=False)
             module.kernel = None
         elif isinstance(module.__dict__.get("forward"), PackedLinearForward):
             del module.forward
