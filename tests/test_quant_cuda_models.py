@@ -117,8 +117,9 @@ def test_fp8_in_bf16_runs_w8a8_on_hopper_within_activation_rounding(checkpoints)
             if isinstance(getattr(m, "kernel", None), TritonFP8Matmul) and m.kernel.w8a8.get(torch.bfloat16)}
     assert w8a8, "no layer ran W8A8"
     calls = []
-    hooks = [m.register_forward_hook(lambda m, args, out, name=name: calls.append((name, args[0], out)))
-             for name, m in w8a8.items()]
+    hooks = [m.register_forward_hook(  # copies: a later fused op may write into a buffer in place
+        lambda m, args, out, name=name: calls.append((name, args[0].detach().clone(), out.detach().clone())))
+        for name, m in w8a8.items()]
     try:
         _logits(packed, TOKENS, torch.bfloat16)
     finally:
