@@ -84,6 +84,31 @@ def test_split_k_fills_the_gpu_without_an_empty_split():
     assert split_count(448, 32, 0) == 1
 
 
+def test_every_default_tile_compiles_for_hopper_and_keeps_its_values_in_registers():
+    """Each GPU type's default tiles (the GEMV and tl.dot at 16, 32 and 64 rows) compiled
+    by Triton for sm_90 on this machine — what the interpreter cannot check — and with no
+    local-memory traffic in the machine code (the first defaults spilled hundreds of
+    loads and stores a K step). A newer Triton that spills: re-pick the table with
+    tools/quant_kernel_resources.py --grid."""
+    import os
+
+    import triton
+
+    from llmd.gpu.layers.quant.gguf_planes import GPU_TYPES
+    from llmd_tools.quant_kernel_resources import compile_tile, resources, tiles_to_check
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
+        pytest.skip("this Triton ships no CUDA tools")
+    spilled = {}
+    for quant in (*GPU_TYPES, "FP8"):
+        for tiles in tiles_to_check(False, quant):
+            found = resources(compile_tile(quant, tiles))
+            assert 0 < found["registers"] <= 255
+            if found["local_ops"]:
+                spilled[(quant, tiles.bm, tiles.bn, tiles.warps)] = found
+    assert not spilled, spilled
+
+
 def test_types_without_a_gpu_kernel_are_refused_by_name():
     blocks = random_blocks("Q3_K", 2, 256)
     with pytest.raises(ValueError, match=r"Q3_K has no GPU kernel \(GPU types: Q8_0, Q4_0"):

@@ -25,8 +25,8 @@ import torch
 
 from llmd_tools.bench_quant_gpu import _rotating, _weights, copy_bandwidth
 
-GEMV_GRID = {"bn": (16, 32, 64, 128), "bk": (128, 256), "warps": (2, 4, 8)}
-DOT_GRID = {"bn": (32, 64, 128), "bk": (128, 256), "warps": (4, 8)}
+GEMV_GRID = {"bn": (8, 16, 32, 64), "bk": (128, 256), "warps": (2, 4, 8)}
+DOT_GRID = {"bn": (16, 32, 64), "bk": (128, 256), "warps": (4, 8)}
 SPLITS = (1, 2, 4, 8, 16, 32)
 
 
@@ -50,7 +50,7 @@ def sweep(quant: str, n: int, k: int, rows: int, copies: int, bandwidth: float, 
     x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
     ref = x.float() @ dense.T
     floor_us = (packed_bytes + 2 * rows * (k + n)) / bandwidth * 1e6
-    default = tiles_for(rows)
+    default = tiles_for(rows, quant)
     default_split = split_count(-(-rows // default.bm) * -(-n // default.bn), -(-k // default.bk), sm_count(device))
     points = []
     for tiles in grid(rows):

@@ -297,11 +297,28 @@ class Tiles:
             raise ValueError(f"no such tile: {self}")
 
 
-def tiles_for(rows: int) -> Tiles:
-    """The tile for `rows` rows of x (module doc)."""
+# The default tiles: for each type and BM the first of (BN, warps) = (32, 8), (64, 8),
+# (64, 4), (32, 4), (16, 8) whose kernel compiled for sm_90 keeps every value in
+# registers (tools/quant_kernel_resources.py, Triton 3.9's ptxas, 2026-11-30). The
+# first tiles (GEMV 2 x 32 rows and tl.dot 64 columns, 4 warps) spilled up to ~400
+# loads and stores to local memory a K step in most types (a GEMV's 32 x 128 tile of
+# Q4_K: 214); the GEMV's 16 x 128 over 8 warps spills in none. Speed on a GPU: not yet
+# measured (bench_quant_sweep).
+GEMV_TILE = (16, 8)
+DOT_TILES = {  # type -> BN, warps at BM 16, 32, 64
+    "Q5_0": ((64, 8), (32, 8), (32, 8)), "IQ4_NL": ((64, 8), (64, 8), (32, 8)),
+    "Q4_K": ((32, 8), (32, 8), (16, 8)), "Q5_K": ((32, 8), (32, 8), (16, 8)),
+}
+DOT_DEFAULT = ((32, 8), (32, 8), (32, 8))
+
+
+def tiles_for(rows: int, quant: str | None = None) -> Tiles:
+    """The tile for `rows` rows of x times a weight of type `quant` (the tables above)."""
     if rows <= GEMV_MAX_ROWS:
-        return Tiles(1, 32, 128, False)
-    return Tiles(16 if rows <= 16 else 32 if rows <= 32 else 64, 64, 128, True)
+        return Tiles(1, GEMV_TILE[0], 128, False, GEMV_TILE[1])
+    size = 0 if rows <= 16 else 1 if rows <= 32 else 2
+    bn, warps = DOT_TILES.get(quant, DOT_DEFAULT)[size]
+    return Tiles((16, 32, 64)[size], bn, 128, True, warps)
 
 
 def split_count(programs: int, k_tiles: int, sm_count: int) -> int:
@@ -337,7 +354,7 @@ def quant_matmul(x: torch.Tensor, weight: QuantWeight, split_k: int | None = Non
     if rows == 0 or weight.n == 0:
         return out
     x = x if x.stride(1) == 1 else x.contiguous()
-    layout, tiles = LAYOUTS[weight.quant], tiles or tiles_for(rows)
+    layout, tiles = LAYOUTS[weight.quant], tiles or tiles_for(rows, weight.quant)
     if not tiles.dot and rows > 1:
         raise ValueError(f"a GEMV tile takes one row of x, not {rows}")
     grid_m, grid_n = triton.cdiv(rows, tiles.bm), triton.cdiv(weight.n, tiles.bn)
