@@ -161,7 +161,9 @@ def test_idle_action_sleep_at_keep_alives_end(daemon):
 def test_memory_comes_back_asleep_and_after_unload(daemon):
     """small-llama (44M parameters, float32) in the daemon's process: its KV cache goes at
     level 1 (the resident size drops by more than 0.8 of the 18 MiB the 768-token prompt wrote),
-    its weights and their oneDNN copies (320 MiB) at level 2, and once unloaded the
+    its weights (168 MiB, the linears in oneDNN's layout alone) at level 2 (by more than 0.8
+    of them: 0.87 measured, the heap keeping some 20 MiB of freed blocks it cannot hand
+    back; before the linears were held once, 0.9 of 320 MiB), and once unloaded the
     daemon's resident size is back within half of what the KV pool held (the level-1
     drop) of where it was before the load: keeping the weights or the KV pool would fail
     it. Measured from the second cycle, after a first one of the same steps: the first
@@ -196,5 +198,5 @@ def test_memory_comes_back_asleep_and_after_unload(daemon):
                                            kv_written=kv_written, weights=weights).items()}
     assert reply.usage.completion_tokens == 4
     assert loaded - level1 > 0.8 * kv_written, figures
-    assert level1 - level2 > 0.9 * weights, figures
+    assert level1 - level2 > 0.8 * weights, figures
     assert after - before < 0.5 * (loaded - level1), figures
