@@ -4,21 +4,19 @@ on this machine (its own ptxas), then the cubin read with the cuobjdump Triton s
 registers per thread, stack bytes, and the local-memory loads and stores (LDL / STL) in
 the machine code, which a kernel that keeps its values in registers has none of.
 
-    python -m llmd_tools.quant_kernel_resources [--types Q4_K Q8_0 ...] [--defaults | --grid]
-        [--json]
+    python -m llmd_tools.quant_kernel_resources [--types Q4_K Q8_0 ...] [--grid] [--json]
 
-`--defaults` (the default): the tiles tiles_for picks (the GEMV and tl.dot at BM 16, 32,
-64). `--grid`: every BN in 8-64 x warps 2-8 for the GEMV and BN 16-64 x warps 4-8 per BM
-for tl.dot, BK 128. A tile that spills moves values through local memory every K step;
-with Triton 3.9 the first default tiles did, by hundreds of instructions in most types,
-which is how the defaults were chosen (triton_quant_mm's table). Registers also bound how
+By default the tiles tiles_for picks (the GEMV and tl.dot at BM 16, 32, 64); `--grid`:
+bench_quant_sweep's grid at each of those (BN x BK x warps). A tile that spills moves
+values through local memory every K step; with Triton 3.9 the first default tiles did,
+by hundreds of instructions in most types, which is how the defaults were chosen
+(triton_quant_mm's table). Registers also bound how
 many programs an SM holds, and so the weight bytes in flight. Timings need the GPU:
 tools/bench_quant_sweep.py.
 """
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import re
@@ -68,13 +66,14 @@ def resources(kernel) -> dict[str, int]:
 
 
 def tiles_to_check(grid: bool, quant: str) -> list:
-    from llmd.gpu.layers.quant.triton_quant_mm import Tiles, tiles_for
+    """The default tiles for 1, 16, 32 and 64 rows, or bench_quant_sweep's grid for each."""
+    from llmd.gpu.layers.quant.triton_quant_mm import tiles_for
 
     if not grid:
         return [tiles_for(rows, quant) for rows in (1, 16, 32, 64)]
-    gemv = [Tiles(1, bn, 128, False, w) for bn, w in itertools.product((8, 16, 32, 64), (2, 4, 8))]
-    dots = [Tiles(bm, bn, 128, True, w) for bm, bn, w in itertools.product((16, 32, 64), (16, 32, 64), (4, 8))]
-    return gemv + dots
+    from llmd_tools.bench_quant_sweep import grid as sweep_grid
+
+    return [tiles for rows in (1, 16, 32, 64) for tiles in sweep_grid(rows)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,8 @@ computes exactly what it did before fusion existed. `FusedLayerOps` runs the ker
 and tells the attention backend that the cache already holds the step's K/V
 (`kv_written=True`: TritonAttention and FlashAttention skip their own write).
 
-A model takes its ops from `layer_ops(attention_backend)` when it is built. The
+A model takes its ops from `layer_ops(attention_backend, device)` when it is built (a
+model placed off CUDA never gets the compiled kernels, which take CUDA tensors only). The
 environment variable LLMD_FUSED_OPS, read then, decides:
 - unset, "auto": fused when the layers attend with a kernel backend ("triton" or
   "flash_attn") on CUDA: triton imports and does not run in its interpreter;
@@ -143,9 +144,10 @@ def _fused_ops() -> FusedLayerOps:
     return FusedLayerOps()
 
 
-def layer_ops(attention_backend: str) -> LayerOps:
+def layer_ops(attention_backend: str, device: torch.device | None = None) -> LayerOps:
     """The ops of a model whose layers attend with `attention_backend` (a name
-    resolve_attention_backend returned), under LLMD_FUSED_OPS (module docstring)."""
+    resolve_attention_backend returned) on `device` (None: wherever CUDA is present),
+    under LLMD_FUSED_OPS (module docstring)."""
     setting = fused_ops_setting()
     if attention_backend not in KERNEL_BACKENDS or setting == "off":
         return UNFUSED
@@ -153,24 +155,11 @@ def layer_ops(attention_backend: str) -> LayerOps:
         from llmd.gpu.layers import fused_ops_triton
     except ImportError:
         return UNFUSED
+    if device is not None and device.type != "cuda" and not fused_ops_triton.INTERPRETED:
+        return UNFUSED  # e.g. a test's flash-attn stand-in on the CPU of a machine with a GPU
     if setting == "auto" and (fused_ops_triton.INTERPRETED or not torch.cuda.is_available()):
         # A kernel backend on a CPU-only machine is a test's fake (flash-attn stubs) or the
         # interpreter: the compiled kernels have no device to run on.
         return UNFUSED
     return _fused_ops()
 
-
-def unfuse_off_cuda(model: torch.nn.Module, device: torch.device) -> int:
-    """The compiled kernels take CUDA tensors only: a model placed on another device
-    whose layers were given them (a kernel backend there, e.g. a test's flash-attn
-    stand-in on a machine that also has a GPU) runs the unfused ops instead; returns how
-    many modules changed. Under the interpreter the fused ops run anywhere and stay."""
-    if device.type == "cuda":
-        return 0
-    changed = 0
-    for module in model.modules():
-        ops = getattr(module, "ops", None)
-        if isinstance(ops, FusedLayerOps) and not ops.kernels.INTERPRETED:
-            module.ops = UNFUSED
-            changed += 1
-    return changed

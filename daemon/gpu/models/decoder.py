@@ -17,7 +17,7 @@ from torch import nn
 
 from llmd.gpu.layers.attention import AttentionMetadata
 from llmd.gpu.layers.attention_backends import make_attention
-from llmd.gpu.layers.fused_ops import layer_ops
+from llmd.gpu.layers.fused_ops import LayerOps, layer_ops
 from llmd.gpu.layers.linear import ParallelLMHead, QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from llmd.gpu.layers.mlp import GatedMLP, SparseMoeBlock
 from llmd.gpu.layers.norms import RMSNorm
@@ -40,7 +40,8 @@ class DecoderAttention(nn.Module):
 
     def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, tp: TPShape | None = None,
                  attention_backend: str = "torch", sliding_window: int | None = None, *,
-                 scale: float | None = None, softcap: float | None = None, norm: type[RMSNorm] = RMSNorm) -> None:
+                 scale: float | None = None, softcap: float | None = None, norm: type[RMSNorm] = RMSNorm,
+                 ops: LayerOps | None = None) -> None:
         super().__init__()
         heads = config.num_attention_heads
         kv_heads = config.num_key_value_heads or heads
@@ -58,7 +59,7 @@ class DecoderAttention(nn.Module):
         self.sliding_window = sliding_window  # None: full attention
         self.attn = make_attention(attention_backend, self.num_heads, self.num_kv_heads, self.head_dim,
                                    self.head_dim ** -0.5 if scale is None else scale, sliding_window, softcap)
-        self.ops = layer_ops(attention_backend)
+        self.ops = ops if ops is not None else layer_ops(attention_backend)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
@@ -71,9 +72,9 @@ class DecoderLayer(nn.Module):
     architecture's norms (module doc)."""
 
     def __init__(self, arch: Architecture, config: Any, mlp: nn.Module, tp: TPShape | None,
-                 attention_backend: str, sliding_window: int | None) -> None:
+                 attention_backend: str, sliding_window: int | None, ops: LayerOps | None = None) -> None:
         super().__init__()
-        self.ops = layer_ops(attention_backend)
+        self.ops = ops if ops is not None else layer_ops(attention_backend)
         hidden, eps, norm = config.hidden_size, config.rms_norm_eps, arch.norm
         scale = softcap = None
         if arch.attention_scale_field is not None:
@@ -82,7 +83,7 @@ class DecoderLayer(nn.Module):
             softcap = config.attn_logit_softcapping
         self.input_layernorm = norm(hidden, eps)
         self.self_attn = DecoderAttention(config, arch.qkv_bias(config), arch.qk_norm, tp, attention_backend,
-                                          sliding_window, scale=scale, softcap=softcap, norm=norm)
+                                          sliding_window, scale=scale, softcap=softcap, norm=norm, ops=self.ops)
         self.post_attention_layernorm = norm(hidden, eps)
         self.sandwich = arch.sandwich_norms
         if self.sandwich:
@@ -118,7 +119,8 @@ class CausalLM(nn.Module):
     decode_layers: Any = None
 
     def __init__(self, config: Any, max_positions: int, tp_rank: int = 0, tp_size: int = 1,
-                 attention_backend: str = "torch", arch: Architecture | None = None) -> None:
+                 attention_backend: str = "torch", arch: Architecture | None = None,
+                 device: torch.device | None = None) -> None:
         super().__init__()
         arch = arch or get_architecture((getattr(config, "architectures", None) or [""])[0])
         arch.check_config(config)
@@ -135,7 +137,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         moe = arch.moe_spec(config)
         activation = arch.activation(config)
-        ops = layer_ops(attention_backend)
+        ops = layer_ops(attention_backend, device)  # `device`: where the model will run (built on meta)
         layers = []
         for i, window in enumerate(arch.attention_windows(config)):
             if moe is not None and moe.sparse_layers[i]:
@@ -143,7 +145,7 @@ class CausalLM(nn.Module):
             else:
                 mlp = GatedMLP(config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)),
                                activation, tp, ops)
-            layers.append(DecoderLayer(arch, config, mlp, tp, attention_backend, window))
+            layers.append(DecoderLayer(arch, config, mlp, tp, attention_backend, window, ops))
         self.layers = nn.ModuleList(layers)
         self.norm = arch.norm(config.hidden_size, config.rms_norm_eps)
         self.ops = ops  # the final norm's

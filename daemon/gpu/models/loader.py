@@ -19,7 +19,6 @@ from llmd.gpu.layers.cpu.cpu_linear import pack_linears
 from llmd.gpu.layers.gguf_formats import FORMATS, PACKED_TYPES
 from llmd.gpu.layers.gguf_quant import PackedSource
 from llmd.gpu.layers.linear import Shard, WeightLoading
-from llmd.gpu.layers.fused_ops import unfuse_off_cuda
 from llmd.gpu.layers.gguf_types import DENSE_TYPES, GPU_TYPES, held_type, kernel_types
 from llmd.gpu.layers.quant.scheme import quant_scheme
 from llmd.gpu.models.architectures import get_architecture
@@ -281,7 +280,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     scheme = None if gguf else quant_scheme(config)
     # Build on meta (no random init, no memory), then materialize and fill from disk.
     with torch.device("meta"):
-        model = CausalLM(config, max_positions, tp_rank, tp_size, attention_backend=attention_backend)
+        model = CausalLM(config, max_positions, tp_rank, tp_size, attention_backend=attention_backend,
+                         device=device)
     model = model.to(dtype=dtype)  # before any packed weight is placed: those keep their own dtypes
     plan: dict[str, str] = {}
     packed: dict[str, str] = {}  # the file's tensors read as packed rows: the type each is held in
@@ -338,7 +338,6 @@ def _attach_kernels(model: nn.Module, dtype: torch.dtype, device: torch.device, 
     kernels; on CPU oneDNN-packed dense weights and the C++ decode attention; a GGUF's
     packed weights with the C++ kernels (CPU) or the Triton ones (CUDA)."""
     finalize_quantized(model, dtype, device, int8_activations)
-    unfuse_off_cuda(model, device)
     if device.type == "cpu":
         pack_linears(model)  # oneDNN's blocked weights: faster GEMMs than MKL's on plain ones (cpu_linear)
         attach_cpu_kernels(model)  # decode attention over the paged cache in place (cpu_kernels)

@@ -71,8 +71,8 @@ class PackedLinearForward:
         self.released_shape = weight.shape
 
     def plain(self) -> torch.Tensor:
-        """The weight in the checkpoint layout (from the packed one where it was released)."""
-        return self.packed.to_dense() if self.released_shape is not None else self.source.detach()
+        """The released weight in the checkpoint layout, made again from the packed one."""
+        return self.packed.to_dense()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         linear = self.module()
