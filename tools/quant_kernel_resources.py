@@ -1,22 +1,32 @@
 """What the packed-weight matmul's kernel (llmd.gpu.layers.quant.triton_quant_mm) needs of
-a Hopper GPU per tile, found without one: each (type, tile) compiled by Triton for sm_90
-on this machine (its own ptxas), then the cubin read with the cuobjdump Triton ships —
-registers per thread, stack bytes, and the local-memory loads and stores (LDL / STL) in
-the machine code, which a kernel that keeps its values in registers has none of.
+a Hopper GPU per tile, found without one: the launch quant_matmul makes for a weight of a
+real shape, specialized by Triton's own launcher code as at run time (pointers and the
+integers that are multiples of 16 marked divisible by 16, a value of 1 made a constant —
+one row of x, a split of one K tile), compiled for sm_90 on this machine (its own ptxas),
+then the cubin read with the cuobjdump Triton ships.
 
-    python -m llmd_tools.quant_kernel_resources [--types Q4_K Q8_0 ...] [--grid] [--json]
+    python -m llmd_tools.quant_kernel_resources [--types Q4_K Q8_0 ...] [--rows 1 16] [--grid | --stages 1 3]
+        [--shape NxK] [--json]
+
+Per (type, tile): registers a thread, stack bytes, the local-memory loads and stores
+(LDL / STL) in the machine code, which a kernel that keeps its values in registers has
+none of; shared memory; whether the K loop's loads are pipelined (cp.async); and what
+those give a decode GEMV on an H200 (132 SMs, 64 K registers, 64 warps, 228 KiB of
+shared memory an SM): programs an SM holds at once, and the packed weight bytes in
+flight per SM — resident programs x a tile's packed bytes x the stages in flight. A
+load that waits for its tile before the next is issued leaves memory idle; an H200
+needs ~30 KB in flight per SM to stream at its bandwidth (Little's law: 4.2 TB/s x ~1 us
+over 132 SMs). The estimate ranks tiles; timings need the GPU: tools/bench_quant_sweep.py.
 
 By default the tiles tiles_for picks (the GEMV and tl.dot at BM 16, 32, 64); `--grid`:
-bench_quant_sweep's grid at each of those (BN x BK x warps). A tile that spills moves
-values through local memory every K step; with Triton 3.9 the first default tiles did,
-by hundreds of instructions in most types, which is how the defaults were chosen
-(triton_quant_mm's table). Registers also bound how
-many programs an SM holds, and so the weight bytes in flight. Timings need the GPU:
-tools/bench_quant_sweep.py.
+bench_quant_sweep's grid at each of those. Compiling without the launcher's
+specialization (every integer of unknown divisibility) gave byte-wide loads and 2.5x the
+registers: the first default table was chosen from such figures.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -25,33 +35,57 @@ import sys
 import tempfile
 
 GPU_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "FP8")
+SHAPE = (4096, 4096)  # the weight compiled for: a 7-8B model's attention output projection
+# An H200 (sm_90): multiprocessors, and each one's registers, warps, shared memory and
+# programs (Hopper tuning guide); registers go to a warp in units of 256.
+SMS, SM_REGISTERS, SM_WARPS, SM_SHARED, SM_PROGRAMS = 132, 65536, 64, 228 * 1024, 32
+IN_FLIGHT_GOAL = 30_000  # bytes per SM (above)
 
 
-def compile_tile(quant: str, tiles, x_dtype: str = "bf16"):
-    """The kernel for `quant` and `tiles` compiled for sm_90 (no GPU needed), writing
-    float32 partial sums (a split-K launch)."""
+def cpu_weight(quant: str, n: int, k: int):
+    """A [n, k] weight of `quant` on the CPU, as the loader lays it out (zeros: only its
+    strides and alignment reach the compiler)."""
+    import torch
+
+    from llmd.gpu.layers.gguf_formats import row_bytes
+    from llmd.gpu.layers.quant.cuda_matmul import gguf_quant_weight
+    from llmd.gpu.layers.quant.gguf_planes import to_planes
+    from llmd.gpu.layers.quant.triton_quant_mm import QuantWeight
+
+    if quant == "FP8":
+        return QuantWeight("FP8", n, k, torch.zeros(n, k, dtype=torch.uint8), torch.ones(n, 1), fp8_group=k)
+    return gguf_quant_weight(to_planes(torch.zeros(n, row_bytes(quant, k), dtype=torch.uint8), quant, k), quant, k)
+
+
+def compile_tile(quant: str, tiles, shape: tuple[int, int] = SHAPE, rows: int | None = None):
+    """(the kernel quant_matmul launches for `rows` rows of bf16 x — default the tile's
+    BM — times a `shape` weight of `quant` with `tiles` on an H200, compiled for sm_90;
+    its grid)."""
+    import torch
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
 
-    from llmd.gpu.layers.quant import triton_quant_mm as mm
+    from llmd.gpu.layers.quant.triton_quant_mm import _quant_mm_kernel as fn
+    from llmd.gpu.layers.quant.triton_quant_mm import kernel_launch
 
-    layout = mm.LAYOUTS[quant]
-    fn = mm._quant_mm_kernel
-    signature = dict.fromkeys(fn.arg_names, "i32")
-    signature.update(X=f"*{x_dtype}", OUT="*fp32", QS="*u8", QH="*u8", SC="*u8", MN="*fp16",
-                     D="*fp32" if quant == "FP8" else "*fp16")
-    constants = dict(QUANT=layout.code, NIBBLES=layout.nibbles, PAIR=layout.pair, ZERO=layout.zero, GP=layout.gp,
-                     BM=tiles.bm, BN=tiles.bn, BK=tiles.bk, H=tiles.bk // 2 if layout.nibbles else tiles.bk,
-                     DOT=tiles.dot, IEEE=False, DOT_F32=False, PARTIAL=True)
-    signature.update(dict.fromkeys(constants, "constexpr"))
-    source = ASTSource(fn=fn, signature=signature,
-                       constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": tiles.warps})
+    n, k = shape
+    rows = rows or tiles.bm
+    x = torch.zeros(rows, k, dtype=torch.bfloat16)
+    grid, args, meta, _ = kernel_launch(x, cpu_weight(quant, n, k), torch.empty(rows, n, dtype=x.dtype), None, tiles,
+                                        SMS)
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    bound, specialization, options = create_function_from_signature(fn.signature, fn.params, backend)(*args, **meta)
+    options, signature, constexprs, attrs = fn._pack_args(backend, meta, bound, specialization, options)
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=target, options=options.__dict__), grid
 
 
 def resources(kernel) -> dict[str, int]:
-    """Registers, stack bytes and local loads / stores of a compiled kernel's cubin."""
+    """Registers, stack bytes, local loads / stores, shared memory bytes and cp.async
+    instructions of a compiled kernel."""
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -62,41 +96,80 @@ def resources(kernel) -> dict[str, int]:
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
     return {"registers": int(re.search(r"REG:(\d+)", usage).group(1)),
             "stack": int(re.search(r"STACK:(\d+)", usage).group(1)),
-            "local_ops": len(re.findall(r"\b(?:LDL|STL)\b", sass))}
+            "local_ops": len(re.findall(r"\b(?:LDL|STL)\b", sass)),
+            "shared": int(kernel.metadata.shared),
+            "async_loads": len(re.findall(r"\bLDGSTS\b", sass))}
 
 
-def tiles_to_check(grid: bool, quant: str) -> list:
-    """The default tiles for 1, 16, 32 and 64 rows, or bench_quant_sweep's grid for each."""
+def tile_bytes(quant: str, tiles) -> int:
+    """Packed weight bytes one K step of a tile reads (values, high bits and scales)."""
+    from llmd.gpu.layers.gguf_formats import row_bytes
+
+    if quant == "FP8":  # a byte a value, a float32 scale at most every 16 columns
+        return tiles.bn * (tiles.bk + tiles.bk // 4)
+    return tiles.bn * row_bytes(quant, 256) * tiles.bk // 256  # every block size divides 256
+
+
+def occupancy(found: dict, tiles, grid: tuple[int, int, int], k: int, quant: str) -> dict[str, float]:
+    """Programs an SM holds at once, and the weight bytes in flight per SM they keep."""
+    per_warp = -(-found["registers"] * 32 // 256) * 256
+    resident = min(SM_PROGRAMS, SM_WARPS // tiles.warps, SM_REGISTERS // (per_warp * tiles.warps),
+                   SM_SHARED // (found["shared"] + 1024))
+    programs = grid[0] * grid[1] * grid[2]
+    per_split = -(-(-(-k // tiles.bk)) // grid[2])
+    ahead = min(tiles.stages, per_split) if found["async_loads"] else 1
+    per_sm = min(programs, SMS * resident) / SMS
+    return {"programs_per_sm": resident, "in_flight": int(per_sm * tile_bytes(quant, tiles) * ahead)}
+
+
+def tiles_to_check(grid: bool, quant: str, rows: tuple[int, ...] = (1, 16, 32, 64),
+                   stages: tuple[int, ...] = ()) -> list:
+    """The default tiles for each number of rows (each at every one of `stages`, if
+    given), or bench_quant_sweep's grid for each."""
     from llmd.gpu.layers.quant.triton_quant_mm import tiles_for
 
     if not grid:
-        return [tiles_for(rows, quant) for rows in (1, 16, 32, 64)]
+        defaults = [tiles_for(r, quant) for r in rows]
+        return [dataclasses.replace(t, stages=s) for t in defaults for s in stages] if stages else defaults
     from llmd_tools.bench_quant_sweep import grid as sweep_grid
 
-    return [tiles for rows in (1, 16, 32, 64) for tiles in sweep_grid(rows)]
+    return [tiles for r in rows for tiles in sweep_grid(r)]
+
+
+def measure(quant: str, tiles, shape: tuple[int, int] = SHAPE) -> dict:
+    """One (type, tile)'s row: its resources and what they give on an H200."""
+    kernel, grid = compile_tile(quant, tiles, shape)
+    found = resources(kernel)
+    return {"type": quant, "bm": tiles.bm, "bn": tiles.bn, "bk": tiles.bk, "warps": tiles.warps,
+            "stages": tiles.stages, "split": grid[2], **found, **occupancy(found, tiles, grid, shape[1], quant)}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--types", nargs="+", default=list(GPU_TYPES))
     parser.add_argument("--grid", action="store_true", help="a grid of tiles instead of the defaults")
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 16, 32, 64], help="rows of x (1: the GEMV)")
+    parser.add_argument("--stages", nargs="+", type=int, default=[], help="the default tiles at these stages")
+    parser.add_argument("--shape", default="x".join(map(str, SHAPE)), help="the weight's N x K")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns while it is unset
     import triton
 
-    print(f"quant_kernel_resources: Triton {triton.__version__}, sm_90", flush=True)
+    shape = tuple(int(v) for v in args.shape.split("x"))
+    print(f"quant_kernel_resources: Triton {triton.__version__}, sm_90, a {shape[0]} x {shape[1]} weight", flush=True)
     for quant in args.types:
-        for tiles in tiles_to_check(args.grid, quant):
-            row = {"type": quant, "bm": tiles.bm, "bn": tiles.bn, "bk": tiles.bk, "warps": tiles.warps,
-                   **resources(compile_tile(quant, tiles))}
+        for tiles in tiles_to_check(args.grid, quant, tuple(args.rows), tuple(args.stages)):
+            row = measure(quant, tiles, shape)
             if args.json:
                 print(json.dumps(row), flush=True)
-            else:
-                mark = "" if row["local_ops"] == 0 else "  spills"
-                print(f"{quant:6} {'GEMV' if not tiles.dot else 'dot ':4} BM {tiles.bm:>2} BN {tiles.bn:>2} "
-                      f"BK {tiles.bk} warps {tiles.warps}: {row['registers']:>3} registers, stack "
-                      f"{row['stack']:>3} B, {row['local_ops']:>3} LDL/STL{mark}", flush=True)
+                continue
+            mark = "  spills" if row["local_ops"] else ""
+            print(f"{quant:6} {'dot ' if tiles.dot else 'GEMV'} BM {tiles.bm:>2} BN {tiles.bn:>2} BK {tiles.bk:>4} "
+                  f"warps {tiles.warps} stages {tiles.stages} split {row['split']:>2}: {row['registers']:>3} "
+                  f"registers, {row['local_ops']:>3} LDL/STL, shared {row['shared']:>6} B, "
+                  f"{'cp.async' if row['async_loads'] else 'ld     '}, {row['programs_per_sm']:>2} programs/SM, "
+                  f"{row['in_flight'] / 1024:5.1f} KiB in flight/SM{mark}", flush=True)
     return 0
 
 

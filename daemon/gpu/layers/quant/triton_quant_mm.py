@@ -18,9 +18,12 @@ range of K tiles:
 
 On an H200 (2026-11-30) the first form of the GEMV (x broadcast against the tile, padded
 to two rows, a [BM, BN, H] product reduced every tile) ran at 2-8 % of its roofline and
-1.4-8x slower than bf16 dense; the rows-16 GEMM at 10-19 %. `quant_matmul` takes a
-`tiles` and `split_k` for tools/bench_quant_sweep.py, which times the choices in one
-device call.
+1.4-8x slower than bf16 dense; the rows-16 GEMM at 10-19 %: each program waited for its
+tile's bytes before asking for the next. The default tiles now pipeline the K loop
+(Tiles.stages, tl.range's num_stages: the next tiles' loads in flight by cp.async while
+one is dequantized), chosen offline by the bytes they keep in flight per SM
+(tools/quant_kernel_resources.py); `quant_matmul` takes a `tiles` and `split_k` for
+tools/bench_quant_sweep.py, which times the choices in one device call.
 
 A tile of BK columns reads its 4-bit values as BK / 2 bytes: byte j holds the weights of
 columns `lo(j)` (low nibble) and `lo(j) + PAIR` (high), ggml's order (PAIR 16 in a
@@ -45,12 +48,11 @@ from llmd.gpu.layers.gguf_quant import FORMATS
 
 FP8_CODE = 100  # the kernel's code for FP8 e4m3 rows (GGUF types: gguf_formats.FORMATS' codes)
 GEMV_MAX_ROWS = 1  # rows of x up to which the GEMV runs (above: the tl.dot GEMM)
-# A split-K launch aims at this many programs per SM. A program reads one tile of bytes
-# per K step and waits for it (these loads feed the dequantization, not tl.dot, so Triton
-# does not pipeline them): the bytes in flight per SM are its programs' tiles, and an
-# H200 needs ~30 KB in flight per SM to stream at its bandwidth (4.2 TB/s x ~1 us over
-# 132 SMs). At 2 programs per SM (2-4 KB each) the H200 measured 2-8 % of the roofline;
-# 16 is Little's law's figure, not yet measured (bench_quant_sweep times it and others).
+# A split-K launch aims at this many programs per SM: programs an SM holds at once keep
+# its weight bytes in flight (each its tile, or its next STAGES - 1 tiles where the K loop
+# is pipelined), and an H200 needs ~30 KB in flight per SM to stream at its bandwidth
+# (4.2 TB/s x ~1 us over 132 SMs). At 2 programs per SM (2-4 KB each) the H200 measured
+# 2-8 % of the roofline; 16 is Little's law's figure, not yet measured (bench_quant_sweep).
 SPLIT_K_WAVES = 16
 # Whether the kernel runs in Triton's interpreter (decided when triton was imported). The
 # interpreter holds bf16 as uint16 bits and its tl.dot multiplies those
@@ -228,7 +230,8 @@ def _quant_mm_kernel(X, OUT, QS, QH, SC, D, MN, M, N, K, stride_xm, stride_om, s
                      stride_qs, stride_qh, stride_sc, stride_d, stride_m, fp8_group, tiles_per_split,
                      QUANT: tl.constexpr, NIBBLES: tl.constexpr, PAIR: tl.constexpr, ZERO: tl.constexpr,
                      GP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, H: tl.constexpr,
-                     DOT: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr, PARTIAL: tl.constexpr):
+                     DOT: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr, PARTIAL: tl.constexpr,
+                     STAGES: tl.constexpr):
     pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -241,7 +244,7 @@ def _quant_mm_kernel(X, OUT, QS, QH, SC, D, MN, M, N, K, stride_xm, stride_om, s
         acc = tl.zeros([BN, H], tl.float32)
     first = pid_s * tiles_per_split
     last = tl.minimum(first + tiles_per_split, tl.cdiv(K, BK))
-    for t in range(first, last):
+    for t in tl.range(first, last, num_stages=STAGES):  # STAGES > 1: the next tiles' loads issued ahead
         k0 = t * BK
         if NIBBLES:
             klo = k0 + (j // PAIR) * (2 * PAIR) + j % PAIR
@@ -283,42 +286,48 @@ def _quant_mm_kernel(X, OUT, QS, QH, SC, D, MN, M, N, K, stride_xm, stride_om, s
 @dataclass(frozen=True)
 class Tiles:
     """A launch's tile: rows of x, rows of the weight, columns; GEMV (bm 1) or tl.dot;
-    the warps of a program. BK must hold a whole number of every type's value pairs
-    (2 PAIR <= 128: a multiple of 128) and of FP8's groups of 16."""
+    the warps of a program; `stages` K tiles in flight (Triton's software pipeline over
+    the K loop: the loads of the next stages - 1 tiles go to shared memory by cp.async
+    while this one is multiplied; 1: each tile loaded, then used). BK must hold a whole
+    number of every type's value pairs (2 PAIR <= 128: a multiple of 128) and of FP8's
+    groups of 16."""
 
     bm: int
     bn: int
     bk: int
     dot: bool
     warps: int = 4
+    stages: int = 1
 
     def __post_init__(self) -> None:
-        if self.bk % 128 or (self.dot and self.bm < 16) or (not self.dot and self.bm != 1):
+        if (self.bk % 128 or (self.dot and self.bm < 16) or (not self.dot and self.bm != 1)
+                or not 1 <= self.stages <= 6):
             raise ValueError(f"no such tile: {self}")
 
 
-# The default tiles: for each type and BM the first of (BN, warps) = (32, 8), (64, 8),
-# (64, 4), (32, 4), (16, 8) whose kernel compiled for sm_90 keeps every value in
-# registers (tools/quant_kernel_resources.py, Triton 3.9's ptxas, 2026-11-30). The
-# first tiles (GEMV 2 x 32 rows and tl.dot 64 columns, 4 warps) spilled up to ~400
-# loads and stores to local memory a K step in most types (a GEMV's 32 x 128 tile of
-# Q4_K: 214); the GEMV's 16 x 128 over 8 warps spills in none. Speed on a GPU: not yet
-# measured (bench_quant_sweep).
-GEMV_TILE = (16, 8)
-DOT_TILES = {  # type -> BN, warps at BM 16, 32, 64
-    "Q5_0": ((64, 8), (32, 8), (32, 8)), "IQ4_NL": ((64, 8), (64, 8), (32, 8)),
-    "Q4_K": ((32, 8), (32, 8), (16, 8)), "Q5_K": ((32, 8), (32, 8), (16, 8)),
-}
-DOT_DEFAULT = ((32, 8), (32, 8), (32, 8))
+# The default tiles, chosen offline (tools/quant_kernel_resources.py: Triton 3.9's ptxas
+# for sm_90, a 4096 x 4096 weight's launch as the launcher specializes it, 2026-11-30):
+# no spill, and of those the most weight bytes in flight per SM. Pipelined over 3 stages
+# a GEMV keeps 30-77 KiB in flight per SM, where the tiles before (16 x 128, 8 warps, one
+# stage) kept 4-17 and the first GEMV ~2; tl.dot at 16 rows 22-77 KiB (was 6-17). Speed
+# on a GPU: not yet measured (bench_quant_sweep). Each (BN, BK, warps, stages):
+GEMV_TILES = {"Q8_0": (8, 256, 4, 3), "Q6_K": (32, 128, 4, 3)}
+GEMV_DEFAULT = (16, 128, 4, 3)
+DOT_16_ROWS = (32, 128, 4, 3)
+DOT_TILES = {"Q5_0": (32, 32), "IQ4_NL": (64, 32), "Q4_K": (32, 16), "Q5_K": (32, 16)}  # BN at BM 32, 64
+DOT_DEFAULT = (32, 32)  # (BK 128, 8 warps, 3 stages)
 
 
 def tiles_for(rows: int, quant: str | None = None) -> Tiles:
     """The tile for `rows` rows of x times a weight of type `quant` (the tables above)."""
     if rows <= GEMV_MAX_ROWS:
-        return Tiles(1, GEMV_TILE[0], 128, False, GEMV_TILE[1])
-    size = 0 if rows <= 16 else 1 if rows <= 32 else 2
-    bn, warps = DOT_TILES.get(quant, DOT_DEFAULT)[size]
-    return Tiles((16, 32, 64)[size], bn, 128, True, warps)
+        bn, bk, warps, stages = GEMV_TILES.get(quant, GEMV_DEFAULT)
+        return Tiles(1, bn, bk, False, warps, stages)
+    if rows <= 16:
+        bn, bk, warps, stages = DOT_16_ROWS
+        return Tiles(16, bn, bk, True, warps, stages)
+    wide = rows > 32
+    return Tiles(64 if wide else 32, DOT_TILES.get(quant, DOT_DEFAULT)[wide], 128, True, 8, 3)
 
 
 def split_count(programs: int, k_tiles: int, sm_count: int) -> int:
@@ -349,30 +358,41 @@ def quant_matmul(x: torch.Tensor, weight: QuantWeight, split_k: int | None = Non
     None: split_count's and tiles_for's choices). A GEMV tile takes one row of x."""
     if x.dim() != 2 or x.shape[1] != weight.k:
         raise ValueError(f"x of shape {tuple(x.shape)} does not multiply a [{weight.n}, {weight.k}] weight")
-    rows = x.shape[0]
-    out = torch.empty(rows, weight.n, dtype=x.dtype, device=x.device)
-    if rows == 0 or weight.n == 0:
+    out = torch.empty(x.shape[0], weight.n, dtype=x.dtype, device=x.device)
+    if x.shape[0] == 0 or weight.n == 0:
         return out
     x = x if x.stride(1) == 1 else x.contiguous()
+    grid, args, meta, target = kernel_launch(x, weight, out, split_k, tiles, sm_count(x.device))
+    _quant_mm_kernel[grid](*args, **meta)
+    if target is not out:
+        out.copy_(target.sum(0))
+    return out
+
+
+def kernel_launch(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, split_k: int | None, tiles: Tiles | None,
+                  sms: int) -> tuple[tuple[int, int, int], tuple, dict, torch.Tensor]:
+    """The kernel's launch for x (unit column stride) times `weight` into `out` on a
+    device of `sms` multiprocessors: (grid, arguments, keyword arguments, the tensor the
+    kernel writes: `out`, or [splits, M, N] float32 partial sums to add). quant_matmul
+    launches it; tools/quant_kernel_resources.py compiles it for sm_90 from CPU tensors,
+    specialized as Triton's launcher specializes these arguments."""
+    rows = x.shape[0]
     layout, tiles = LAYOUTS[weight.quant], tiles or tiles_for(rows, weight.quant)
     if not tiles.dot and rows > 1:
         raise ValueError(f"a GEMV tile takes one row of x, not {rows}")
     grid_m, grid_n = triton.cdiv(rows, tiles.bm), triton.cdiv(weight.n, tiles.bn)
     k_tiles = triton.cdiv(weight.k, tiles.bk)
-    splits = split_k if split_k is not None else split_count(grid_m * grid_n, k_tiles, sm_count(x.device))
+    splits = split_k if split_k is not None else split_count(grid_m * grid_n, k_tiles, sms)
     per_split = triton.cdiv(k_tiles, max(1, min(splits, k_tiles)))
     splits = triton.cdiv(k_tiles, per_split)  # no empty split
     target = out if splits == 1 else torch.empty(splits, rows, weight.n, dtype=torch.float32, device=x.device)
     qs = weight.qs
     planes = [p if p is not None else qs for p in (weight.qh, weight.sc, weight.d, weight.m)]
     strides = [p.stride(0) if p.dim() == 2 else 0 for p in planes]
-    _quant_mm_kernel[(grid_m, grid_n, splits)](
-        x, target, qs, *planes, rows, weight.n, weight.k, x.stride(0), target.stride(-2),
-        target.stride(0) if splits > 1 else 0, qs.stride(0), *strides, max(1, weight.fp8_group), per_split,
-        QUANT=layout.code, NIBBLES=layout.nibbles, PAIR=layout.pair, ZERO=layout.zero, GP=layout.gp,
-        BM=tiles.bm, BN=tiles.bn, BK=tiles.bk,
-        H=tiles.bk // 2 if layout.nibbles else tiles.bk, DOT=tiles.dot, IEEE=x.dtype == torch.float32,
-        DOT_F32=INTERPRETED and x.dtype == torch.bfloat16, PARTIAL=splits > 1, num_warps=tiles.warps)
-    if splits > 1:
-        out.copy_(target.sum(0))
-    return out
+    args = (x, target, qs, *planes, rows, weight.n, weight.k, x.stride(0), target.stride(-2),
+            target.stride(0) if splits > 1 else 0, qs.stride(0), *strides, max(1, weight.fp8_group), per_split)
+    meta = dict(QUANT=layout.code, NIBBLES=layout.nibbles, PAIR=layout.pair, ZERO=layout.zero, GP=layout.gp,
+                BM=tiles.bm, BN=tiles.bn, BK=tiles.bk, H=tiles.bk // 2 if layout.nibbles else tiles.bk,
+                DOT=tiles.dot, IEEE=x.dtype == torch.float32, DOT_F32=INTERPRETED and x.dtype == torch.bfloat16,
+                PARTIAL=splits > 1, STAGES=tiles.stages, num_warps=tiles.warps)
+    return (grid_m, grid_n, splits), args, meta, target
