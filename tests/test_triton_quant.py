@@ -75,7 +75,7 @@ def test_split_k_fills_the_gpu_without_an_empty_split():
     """split_count: enough K splits for SPLIT_K_WAVES programs per SM, none where the
     tiles alone fill the GPU, never more splits than K tiles, none without an SM count
     (the interpreter)."""
-    from llmd.gpu.layers.quant.triton_quant_mm import SPLIT_K_WAVES, split_count
+    from llmd.gpu.layers.quant.quant_tiles import SPLIT_K_WAVES, split_count
 
     sms = 132
     assert split_count(448, 32, sms) == sms * SPLIT_K_WAVES // 448  # a 14336-row GEMV's 448 tiles

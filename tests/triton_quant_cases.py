@@ -55,7 +55,7 @@ def _runs(mm: Callable[[torch.Tensor, int | None], torch.Tensor], w: torch.Tenso
           runs=RUNS) -> list[dict]:
     """Each run's err against x times `w`, or on the tl.dot path in bf16 / fp16 times `w`
     rounded to that dtype (what the dequantized model multiplies)."""
-    from llmd.gpu.layers.quant.triton_quant_mm import GEMV_MAX_ROWS
+    from llmd.gpu.layers.quant.quant_tiles import GEMV_MAX_ROWS
 
     gen = torch.Generator().manual_seed(seed)
     results = []
@@ -108,7 +108,8 @@ def tiles_case() -> list[dict]:
 
     from llmd.gpu.layers.quant.cuda_matmul import gguf_quant_weight
     from llmd.gpu.layers.quant.gguf_planes import to_planes
-    from llmd.gpu.layers.quant.triton_quant_mm import Tiles, quant_matmul
+    from llmd.gpu.layers.quant.quant_tiles import Tiles
+    from llmd.gpu.layers.quant.triton_quant_mm import quant_matmul
     from llmd_tools.gguf_blocks import random_blocks
 
     blocks = random_blocks("Q4_K", N, 512, seed=11)

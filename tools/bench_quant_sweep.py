@@ -37,7 +37,7 @@ SPLITS = (1, 2, 4, 8, 16, 32)
 
 def grid(rows: int) -> list:
     """Every tile of the grid for `rows` rows of x."""
-    from llmd.gpu.layers.quant.triton_quant_mm import GEMV_MAX_ROWS, Tiles
+    from llmd.gpu.layers.quant.quant_tiles import GEMV_MAX_ROWS, Tiles
 
     if rows <= GEMV_MAX_ROWS:
         return [Tiles(1, bn, bk, False, w, st) for st, bn, bk, w in itertools.product(*GEMV_GRID.values())]
@@ -51,7 +51,8 @@ def sweep(quant: str, n: int, k: int, rows: int, copies: int, bandwidth: float, 
     `deadline` (time.monotonic()); the default's marked `default`."""
     from triton.testing import do_bench
 
-    from llmd.gpu.layers.quant.triton_quant_mm import quant_matmul, sm_count, split_count, tiles_for
+    from llmd.gpu.layers.quant.quant_tiles import sm_count, split_count, tiles_for
+    from llmd.gpu.layers.quant.triton_quant_mm import quant_matmul
 
     weights, dense, packed_bytes = _weights(quant, n, k, copies, device)
     x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)

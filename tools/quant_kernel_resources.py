@@ -40,6 +40,10 @@ SHAPE = (4096, 4096)  # the weight compiled for: a 7-8B model's attention output
 # programs (Hopper tuning guide); registers go to a warp in units of 256.
 SMS, SM_REGISTERS, SM_WARPS, SM_SHARED, SM_PROGRAMS = 132, 65536, 64, 228 * 1024, 32
 IN_FLIGHT_GOAL = 30_000  # bytes per SM (above)
+# An SM issues 4 warp instructions a clock (1.98 GHz); the H200 copied at 4.16 TB/s
+# (docs/benchmarks.md). A K loop of I instructions a warp over a tile of B bytes can
+# stream at most 4 B / (I x warps) bytes a clock per SM, whatever the memory does.
+CLOCK, BANDWIDTH = 1.98e9, 4.16e12
 
 
 def cpu_weight(quant: str, n: int, k: int):
@@ -98,7 +102,23 @@ def resources(kernel) -> dict[str, int]:
             "stack": int(re.search(r"STACK:(\d+)", usage).group(1)),
             "local_ops": len(re.findall(r"\b(?:LDL|STL)\b", sass)),
             "shared": int(kernel.metadata.shared),
-            "async_loads": len(re.findall(r"\bLDGSTS\b", sass))}
+            "async_loads": len(re.findall(r"\bLDGSTS\b", sass)),
+            **loop_body(sass)}
+
+
+def loop_body(sass: str) -> dict[str, int]:
+    """The K loop's machine code: the instructions from the target of the widest
+    backward branch to it, and of those the int-to-float conversions (I2F / I2FP: a
+    quarter-rate pipe on Hopper)."""
+    code = [(int(a, 16), text) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    spans = [(target, at) for at, text in code
+             for target in [int(m.group(1), 16) for m in [re.search(r"\bBRA\s+0x([0-9a-f]+)", text)] if m]
+             if target < at]
+    if not spans:
+        return {"loop_instructions": 0, "loop_conversions": 0}
+    first, last = max(spans, key=lambda span: span[1] - span[0])
+    body = [text for at, text in code if first <= at <= last]
+    return {"loop_instructions": len(body), "loop_conversions": sum(bool(re.search(r"\bI2FP?\b", t)) for t in body)}
 
 
 def tile_bytes(quant: str, tiles) -> int:
@@ -111,7 +131,8 @@ def tile_bytes(quant: str, tiles) -> int:
 
 
 def occupancy(found: dict, tiles, grid: tuple[int, int, int], k: int, quant: str) -> dict[str, float]:
-    """Programs an SM holds at once, and the weight bytes in flight per SM they keep."""
+    """Programs an SM holds at once, the weight bytes in flight per SM they keep, and the
+    fraction of the H200's bandwidth its K loop's instructions can issue for."""
     per_warp = -(-found["registers"] * 32 // 256) * 256
     resident = min(SM_PROGRAMS, SM_WARPS // tiles.warps, SM_REGISTERS // (per_warp * tiles.warps),
                    SM_SHARED // (found["shared"] + 1024))
@@ -119,14 +140,16 @@ def occupancy(found: dict, tiles, grid: tuple[int, int, int], k: int, quant: str
     per_split = -(-(-(-k // tiles.bk)) // grid[2])
     ahead = min(tiles.stages, per_split) if found["async_loads"] else 1
     per_sm = min(programs, SMS * resident) / SMS
-    return {"programs_per_sm": resident, "in_flight": int(per_sm * tile_bytes(quant, tiles) * ahead)}
+    issue = 4 * tile_bytes(quant, tiles) / max(1, found["loop_instructions"] * tiles.warps) * SMS * CLOCK
+    return {"programs_per_sm": resident, "in_flight": int(per_sm * tile_bytes(quant, tiles) * ahead),
+            "issue_ceiling": round(issue / BANDWIDTH, 3)}
 
 
 def tiles_to_check(grid: bool, quant: str, rows: tuple[int, ...] = (1, 16, 32, 64),
                    stages: tuple[int, ...] = ()) -> list:
     """The default tiles for each number of rows (each at every one of `stages`, if
     given), or bench_quant_sweep's grid for each."""
-    from llmd.gpu.layers.quant.triton_quant_mm import tiles_for
+    from llmd.gpu.layers.quant.quant_tiles import tiles_for
 
     if not grid:
         defaults = [tiles_for(r, quant) for r in rows]
@@ -169,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"warps {tiles.warps} stages {tiles.stages} split {row['split']:>2}: {row['registers']:>3} "
                   f"registers, {row['local_ops']:>3} LDL/STL, shared {row['shared']:>6} B, "
                   f"{'cp.async' if row['async_loads'] else 'ld     '}, {row['programs_per_sm']:>2} programs/SM, "
-                  f"{row['in_flight'] / 1024:5.1f} KiB in flight/SM{mark}", flush=True)
+                  f"{row['in_flight'] / 1024:5.1f} KiB in flight/SM, K loop {row['loop_instructions']} "
+                  f"instructions ({row['loop_conversions']} I2F): issue ceiling {100 * row['issue_ceiling']:.0f}% of "
+                  f"the bandwidth{mark}", flush=True)
     return 0
 
 

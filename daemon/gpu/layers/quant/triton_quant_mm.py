@@ -6,7 +6,7 @@ group of columns (quant/fp8.py's FP8Rows; the fallback where no FP8 tensor core 
 W8A8, quant/fp8_scaled_mm.py). One Triton kernel, one program per tile of M x N over a
 range of K tiles:
 
-- one row of x (M <= GEMV_MAX_ROWS, batch-1 decode): a GEMV, the dequantized tile times
+- one row of x (M <= quant_tiles.GEMV_MAX_ROWS, batch-1 decode): a GEMV, the dequantized tile times
   x elementwise in fp32 into a [BN, H] accumulator that is summed once after the last
   tile (the weight never rounded to the activation dtype; no reduction inside the loop);
 - more rows: a tiled GEMM, the dequantized tile rounded to the activation dtype (as the
@@ -45,15 +45,9 @@ import triton.language as tl
 
 from llmd.gpu.layers.gguf_formats import IQ4_NL_VALUES
 from llmd.gpu.layers.gguf_quant import FORMATS
+from llmd.gpu.layers.quant.quant_tiles import Tiles, sm_count, split_count, tiles_for
 
 FP8_CODE = 100  # the kernel's code for FP8 e4m3 rows (GGUF types: gguf_formats.FORMATS' codes)
-GEMV_MAX_ROWS = 1  # rows of x up to which the GEMV runs (above: the tl.dot GEMM)
-# A split-K launch aims at this many programs per SM: programs an SM holds at once keep
-# its weight bytes in flight (each its tile, or its next STAGES - 1 tiles where the K loop
-# is pipelined), and an H200 needs ~30 KB in flight per SM to stream at its bandwidth
-# (4.2 TB/s x ~1 us over 132 SMs). At 2 programs per SM (2-4 KB each) the H200 measured
-# 2-8 % of the roofline; 16 is Little's law's figure, not yet measured (bench_quant_sweep).
-SPLIT_K_WAVES = 16
 # Whether the kernel runs in Triton's interpreter (decided when triton was imported). The
 # interpreter holds bf16 as uint16 bits and its tl.dot multiplies those
 # (triton-lang/triton#11584), so there a bf16 tile is widened to fp32 before the dot.
@@ -116,13 +110,22 @@ class QuantWeight:
 
 
 @triton.jit
+def _as_float(q):
+    """float32 of int32 q in [-2^22, 2^22) with no conversion instruction (Hopper runs
+    those at 16 a clock per SM, an eighth of an add's rate: at two a packed byte they
+    alone would hold a 4-bit GEMV to ~2 TB/s): q added to the bits of 1.5 * 2^23, read as
+    a float, less 1.5 * 2^23 — exact."""
+    return (q + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+
+
+@triton.jit
 def _e4m3(b):
     """float32 of e4m3 bytes (int32 0..255): sign, 4 exponent bits biased by 7, 3
     mantissa bits; subnormal below exponent 1; 0x7F and 0xFF NaN."""
     e = (b >> 3) & 0xF
     mantissa = b & 7
     normal = (((b & 0x80) << 24) | ((e + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
-    sub = mantissa.to(tl.float32) * 0.001953125  # mantissa / 8 * 2^-6
+    sub = _as_float(mantissa) * 0.001953125  # mantissa / 8 * 2^-6
     sub = tl.where((b & 0x80) != 0, -sub, sub)
     nan = (b * 0 + 0x7FC00000).to(tl.float32, bitcast=True)
     return tl.where((b & 0x7F) == 0x7F, nan, tl.where(e == 0, sub, normal))
@@ -157,14 +160,15 @@ def _with_high_bits(q, k, rn, nmask, kmask, QH, stride_qh, QUANT: tl.constexpr):
 
 
 @triton.jit
-def _group_scales(kg, rn, nmask, K, SC, D, MN, stride_sc, stride_d, stride_m, fp8_group,
+def _group_scales(kg, rn, nmask, gmask, SC, D, MN, stride_sc, stride_d, stride_m, fp8_group,
                   QUANT: tl.constexpr):
-    """(scale, offset) fp32 [BN, NG] of the groups starting at columns kg [NG]."""
-    mask = nmask[:, None] & (kg < K)[None, :]
+    """(scale, offset) fp32 [BN, NG] of the groups starting at columns kg [NG] (in K
+    where gmask)."""
+    mask = nmask[:, None] & gmask[None, :]
     rows_d = D + rn[:, None] * stride_d
     offset = tl.zeros(mask.shape, tl.float32)
     if QUANT == _FP8:
-        scale = tl.load(rows_d + (kg // fp8_group)[None, :], mask=mask, other=0.0)
+        scale = tl.load(rows_d + (kg.to(tl.int32) // fp8_group)[None, :], mask=mask, other=0.0)
     elif QUANT == _Q4_K or QUANT == _Q5_K:
         s = kg // 256
         j = (kg % 256) // 32  # the sub-block: 6-bit scale and min packed in 12 bytes (gguf_quant._scale_min_k4)
@@ -177,12 +181,12 @@ def _group_scales(kg, rn, nmask, K, SC, D, MN, stride_sc, stride_d, stride_m, fp
         b2 = tl.load(packed + tl.where(low, j, j + 4)[None, :], mask=mask, other=0).to(tl.int32)
         sc = tl.where(low[None, :], b0 & 63, (b2 & 0xF) | ((b0 >> 6) << 4))
         mn = tl.where(low[None, :], b1 & 63, (b2 >> 4) | ((b1 >> 6) << 4))
-        scale = d * sc.to(tl.float32)
-        offset = -(dmin * mn.to(tl.float32))
+        scale = d * _as_float(sc)
+        offset = -(dmin * _as_float(mn))
     elif QUANT == _Q6_K:
         d = tl.load(rows_d + (kg // 256)[None, :], mask=mask, other=0.0).to(tl.float32)
-        sc = tl.load(SC + rn[:, None] * stride_sc + (kg // 16)[None, :], mask=mask, other=0).to(tl.float32)
-        scale = d * sc
+        sc = tl.load(SC + rn[:, None] * stride_sc + (kg // 16)[None, :], mask=mask, other=0)
+        scale = d * _as_float(sc.to(tl.int32))
     else:  # 32-weight blocks
         scale = tl.load(rows_d + (kg // 32)[None, :], mask=mask, other=0.0).to(tl.float32)
         if QUANT == _Q4_1 or QUANT == _Q5_1:
@@ -191,18 +195,18 @@ def _group_scales(kg, rn, nmask, K, SC, D, MN, stride_sc, stride_d, stride_m, fp
 
 
 @triton.jit
-def _dequantized(q, kg, rn, nmask, K, SC, D, MN, stride_sc, stride_d, stride_m, fp8_group,
+def _dequantized(q, kg, rn, nmask, gmask, SC, D, MN, stride_sc, stride_d, stride_m, fp8_group,
                  QUANT: tl.constexpr, ZERO: tl.constexpr, BN: tl.constexpr, H: tl.constexpr, GP: tl.constexpr):
     """fp32 weights [BN, H] of one stream's values q (int32 [BN, H]); kg [H / GP] the
     first column of each group of GP."""
-    scale, offset = _group_scales(kg, rn, nmask, K, SC, D, MN, stride_sc, stride_d, stride_m, fp8_group, QUANT)
+    scale, offset = _group_scales(kg, rn, nmask, gmask, SC, D, MN, stride_sc, stride_d, stride_m, fp8_group, QUANT)
     q3 = tl.reshape(q, [BN, H // GP, GP])
     if QUANT == _FP8:
         v = _e4m3(q3)
     elif QUANT == _IQ4_NL:
-        v = _iq4_nl(q3).to(tl.float32)
+        v = _as_float(_iq4_nl(q3))
     else:
-        v = (q3 - ZERO).to(tl.float32)
+        v = _as_float(q3 - ZERO)
     return tl.reshape(v * scale[:, :, None] + offset[:, :, None], [BN, H])
 
 
@@ -231,11 +235,12 @@ def _quant_mm_kernel(X, OUT, QS, QH, SC, D, MN, M, N, K, stride_xm, stride_om, s
                      QUANT: tl.constexpr, NIBBLES: tl.constexpr, PAIR: tl.constexpr, ZERO: tl.constexpr,
                      GP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, H: tl.constexpr,
                      DOT: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr, PARTIAL: tl.constexpr,
-                     STAGES: tl.constexpr):
+                     STAGES: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
     pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
-    mmask, nmask = rm < M, rn < N
+    mmask = rm < M
+    nmask = tl.full([BN], True, tl.int1) if EVEN_N else rn < N  # a constant mask: no per-element test
     j = tl.arange(0, H)
     jg = tl.arange(0, H // GP) * GP  # the first byte of each scale group of a stream
     if DOT:
@@ -245,7 +250,7 @@ def _quant_mm_kernel(X, OUT, QS, QH, SC, D, MN, M, N, K, stride_xm, stride_om, s
     first = pid_s * tiles_per_split
     last = tl.minimum(first + tiles_per_split, tl.cdiv(K, BK))
     for t in tl.range(first, last, num_stages=STAGES):  # STAGES > 1: the next tiles' loads issued ahead
-        k0 = t * BK
+        k0 = tl.cast(t * BK, tl.uint32)  # unsigned: the columns' divisions below are shifts
         if NIBBLES:
             klo = k0 + (j // PAIR) * (2 * PAIR) + j % PAIR
             kg = k0 + (jg // PAIR) * (2 * PAIR) + jg % PAIR
@@ -254,21 +259,23 @@ def _quant_mm_kernel(X, OUT, QS, QH, SC, D, MN, M, N, K, stride_xm, stride_om, s
             klo = k0 + j
             kg = k0 + jg
             byte = k0 + j
-        kmask = klo < K  # whole blocks: a high nibble's column is in range when its low one is
+        # whole blocks: a high nibble's column is in range when its low one is
+        kmask = tl.full([H], True, tl.int1) if EVEN_K else klo < K
+        gmask = tl.full([H // GP], True, tl.int1) if EVEN_K else kg < K
         raw = tl.load(QS + rn[:, None] * stride_qs + byte[None, :], mask=nmask[:, None] & kmask[None, :],
                       other=0).to(tl.int32)
         q = raw
         if NIBBLES:
             q = raw & 0xF
         q = _with_high_bits(q, klo, rn, nmask, kmask, QH, stride_qh, QUANT)
-        w = _dequantized(q, kg, rn, nmask, K, SC, D, MN, stride_sc, stride_d, stride_m, fp8_group,
+        w = _dequantized(q, kg, rn, nmask, gmask, SC, D, MN, stride_sc, stride_d, stride_m, fp8_group,
                          QUANT, ZERO, BN, H, GP)
         x = tl.load(X + rm[:, None] * stride_xm + klo[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
         acc = _accumulate(acc, x, w, DOT, IEEE, DOT_F32)
         if NIBBLES:
             khi = klo + PAIR
             q = _with_high_bits(raw >> 4, khi, rn, nmask, kmask, QH, stride_qh, QUANT)
-            w = _dequantized(q, kg + PAIR, rn, nmask, K, SC, D, MN, stride_sc, stride_d, stride_m, fp8_group,
+            w = _dequantized(q, kg + PAIR, rn, nmask, gmask, SC, D, MN, stride_sc, stride_d, stride_m, fp8_group,
                              QUANT, ZERO, BN, H, GP)
             x = tl.load(X + rm[:, None] * stride_xm + khi[None, :], mask=mmask[:, None] & kmask[None, :],
                         other=0.0)
@@ -281,74 +288,6 @@ def _quant_mm_kernel(X, OUT, QS, QH, SC, D, MN, M, N, K, stride_xm, stride_om, s
         tl.store(out, acc, mask=mask)
     else:
         tl.store(out, acc.to(OUT.dtype.element_ty), mask=mask)
-
-
-@dataclass(frozen=True)
-class Tiles:
-    """A launch's tile: rows of x, rows of the weight, columns; GEMV (bm 1) or tl.dot;
-    the warps of a program; `stages` K tiles in flight (Triton's software pipeline over
-    the K loop: the loads of the next stages - 1 tiles go to shared memory by cp.async
-    while this one is multiplied; 1: each tile loaded, then used). BK must hold a whole
-    number of every type's value pairs (2 PAIR <= 128: a multiple of 128) and of FP8's
-    groups of 16."""
-
-    bm: int
-    bn: int
-    bk: int
-    dot: bool
-    warps: int = 4
-    stages: int = 1
-
-    def __post_init__(self) -> None:
-        if (self.bk % 128 or (self.dot and self.bm < 16) or (not self.dot and self.bm != 1)
-                or not 1 <= self.stages <= 6):
-            raise ValueError(f"no such tile: {self}")
-
-
-# The default tiles, chosen offline (tools/quant_kernel_resources.py: Triton 3.9's ptxas
-# for sm_90, a 4096 x 4096 weight's launch as the launcher specializes it, 2026-11-30):
-# no spill, and of those the most weight bytes in flight per SM. Pipelined over 3 stages
-# a GEMV keeps 30-77 KiB in flight per SM, where the tiles before (16 x 128, 8 warps, one
-# stage) kept 4-17 and the first GEMV ~2; tl.dot at 16 rows 22-77 KiB (was 6-17). Speed
-# on a GPU: not yet measured (bench_quant_sweep). Each (BN, BK, warps, stages):
-GEMV_TILES = {"Q8_0": (8, 256, 4, 3), "Q6_K": (32, 128, 4, 3)}
-GEMV_DEFAULT = (16, 128, 4, 3)
-DOT_16_ROWS = (32, 128, 4, 3)
-DOT_TILES = {"Q5_0": (32, 32), "IQ4_NL": (64, 32), "Q4_K": (32, 16), "Q5_K": (32, 16)}  # BN at BM 32, 64
-DOT_DEFAULT = (32, 32)  # (BK 128, 8 warps, 3 stages)
-
-
-def tiles_for(rows: int, quant: str | None = None) -> Tiles:
-    """The tile for `rows` rows of x times a weight of type `quant` (the tables above)."""
-    if rows <= GEMV_MAX_ROWS:
-        bn, bk, warps, stages = GEMV_TILES.get(quant, GEMV_DEFAULT)
-        return Tiles(1, bn, bk, False, warps, stages)
-    if rows <= 16:
-        bn, bk, warps, stages = DOT_16_ROWS
-        return Tiles(16, bn, bk, True, warps, stages)
-    wide = rows > 32
-    return Tiles(64 if wide else 32, DOT_TILES.get(quant, DOT_DEFAULT)[wide], 128, True, 8, 3)
-
-
-def split_count(programs: int, k_tiles: int, sm_count: int) -> int:
-    """Splits of K for a launch of `programs` tiles (module doc): enough to give every SM
-    SPLIT_K_WAVES programs, at most one split per K tile; 1 without an SM count."""
-    if sm_count <= 0 or programs >= sm_count * SPLIT_K_WAVES:
-        return 1
-    return max(1, min(k_tiles, sm_count * SPLIT_K_WAVES // programs))
-
-
-_SM_COUNT: dict[int, int] = {}
-
-
-def sm_count(device: torch.device) -> int:
-    """Multiprocessors of a CUDA device (0 elsewhere: the interpreter takes no split)."""
-    if device.type != "cuda":
-        return 0
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
 
 
 def quant_matmul(x: torch.Tensor, weight: QuantWeight, split_k: int | None = None,
@@ -394,5 +333,6 @@ def kernel_launch(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, split
     meta = dict(QUANT=layout.code, NIBBLES=layout.nibbles, PAIR=layout.pair, ZERO=layout.zero, GP=layout.gp,
                 BM=tiles.bm, BN=tiles.bn, BK=tiles.bk, H=tiles.bk // 2 if layout.nibbles else tiles.bk,
                 DOT=tiles.dot, IEEE=x.dtype == torch.float32, DOT_F32=INTERPRETED and x.dtype == torch.bfloat16,
-                PARTIAL=splits > 1, STAGES=tiles.stages, num_warps=tiles.warps)
+                PARTIAL=splits > 1, STAGES=tiles.stages, EVEN_N=weight.n % tiles.bn == 0,
+                EVEN_K=weight.k % tiles.bk == 0, num_warps=tiles.warps)
     return (grid_m, grid_n, splits), args, meta, target

@@ -1,0 +1,86 @@
+"""Which tile and how many K splits the packed-weight matmul
+(quant/triton_quant_mm.py) launches with, by the rows of x and the weight's type: the
+tile's shape, warps and pipeline stages, chosen offline from what each compiles to for
+Hopper (tools/quant_kernel_resources.py), and split-K from the device's multiprocessors.
+Shapes alone decide: nothing is read back from the device."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GEMV_MAX_ROWS = 1  # rows of x up to which the GEMV runs (above: the tl.dot GEMM)
+# A split-K launch aims at this many programs per SM: programs an SM holds at once keep
+# its weight bytes in flight (each its tile, or its next STAGES - 1 tiles where the K loop
+# is pipelined), and an H200 needs ~30 KB in flight per SM to stream at its bandwidth
+# (4.2 TB/s x ~1 us over 132 SMs). At 2 programs per SM (2-4 KB each) the H200 measured
+# 2-8 % of the roofline; 16 is Little's law's figure, not yet measured (bench_quant_sweep).
+SPLIT_K_WAVES = 16
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """A launch's tile: rows of x, rows of the weight, columns; GEMV (bm 1) or tl.dot;
+    the warps of a program; `stages` K tiles in flight (Triton's software pipeline over
+    the K loop: the loads of the next stages - 1 tiles go to shared memory by cp.async
+    while this one is multiplied; 1: each tile loaded, then used). BK must hold a whole
+    number of every type's value pairs (2 PAIR <= 128: a multiple of 128) and of FP8's
+    groups of 16."""
+
+    bm: int
+    bn: int
+    bk: int
+    dot: bool
+    warps: int = 4
+    stages: int = 1
+
+    def __post_init__(self) -> None:
+        if (self.bk % 128 or (self.dot and self.bm < 16) or (not self.dot and self.bm != 1)
+                or not 1 <= self.stages <= 6):
+            raise ValueError(f"no such tile: {self}")
+
+
+# The default tiles, chosen offline (tools/quant_kernel_resources.py: Triton 3.9's ptxas
+# for sm_90, a 4096 x 4096 weight's launch as the launcher specializes it, 2026-11-30):
+# no spill, and of those the most weight bytes in flight per SM. Pipelined over 3 stages
+# a GEMV keeps 30-77 KiB in flight per SM, where the tiles before (16 x 128, 8 warps, one
+# stage) kept 4-17 and the first GEMV ~2; tl.dot at 16 rows 22-77 KiB (was 6-17). Speed
+# on a GPU: not yet measured (bench_quant_sweep). Each (BN, BK, warps, stages):
+GEMV_TILES = {"Q8_0": (8, 256, 4, 3), "Q6_K": (32, 128, 4, 3)}
+GEMV_DEFAULT = (16, 128, 4, 3)
+DOT_16_ROWS = (32, 128, 4, 3)
+DOT_TILES = {"Q5_0": (32, 32), "IQ4_NL": (64, 32), "Q4_K": (32, 16), "Q5_K": (32, 16)}  # BN at BM 32, 64
+DOT_DEFAULT = (32, 32)  # (BK 128, 8 warps, 3 stages)
+
+
+def tiles_for(rows: int, quant: str | None = None) -> Tiles:
+    """The tile for `rows` rows of x times a weight of type `quant` (the tables above)."""
+    if rows <= GEMV_MAX_ROWS:
+        bn, bk, warps, stages = GEMV_TILES.get(quant, GEMV_DEFAULT)
+        return Tiles(1, bn, bk, False, warps, stages)
+    if rows <= 16:
+        bn, bk, warps, stages = DOT_16_ROWS
+        return Tiles(16, bn, bk, True, warps, stages)
+    wide = rows > 32
+    return Tiles(64 if wide else 32, DOT_TILES.get(quant, DOT_DEFAULT)[wide], 128, True, 8, 3)
+
+
+def split_count(programs: int, k_tiles: int, sm_count: int) -> int:
+    """Splits of K for a launch of `programs` tiles (module doc): enough to give every SM
+    SPLIT_K_WAVES programs, at most one split per K tile; 1 without an SM count."""
+    if sm_count <= 0 or programs >= sm_count * SPLIT_K_WAVES:
+        return 1
+    return max(1, min(k_tiles, sm_count * SPLIT_K_WAVES // programs))
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (0 elsewhere: the interpreter takes no split)."""
+    if device.type != "cuda":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
