@@ -90,15 +90,16 @@ def test_every_default_tile_compiles_for_hopper_keeps_its_values_in_registers_an
     launcher specializes it and compiled for sm_90 on this machine — what the interpreter
     cannot check: no local-memory traffic in the machine code (the first defaults spilled
     hundreds of loads and stores a K step); the K loop's loads pipelined (cp.async) in a
-    tile of more than one stage; and a GEMV's tile keeping the bytes in flight per SM an
-    H200 needs to stream (the first GEMV kept ~2 KB). A newer Triton that fails this:
-    re-pick the table with tools/quant_kernel_resources.py --grid."""
+    tile of more than one stage; and a GEMV's tile estimated at a quarter of the H200's
+    bandwidth or more by its bytes in flight and its K loop's issue rate (the defaults
+    before pipelining and _as_float: 3-19 % in all but Q8_0). A newer Triton that fails
+    this: re-pick the table with tools/quant_kernel_resources.py --grid --pick."""
     import os
 
     import triton
 
     from llmd.gpu.layers.quant.gguf_planes import GPU_TYPES
-    from llmd_tools.quant_kernel_resources import IN_FLIGHT_GOAL, measure, tiles_to_check
+    from llmd_tools.quant_kernel_resources import estimate, measure, tiles_to_check
 
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
         pytest.skip("this Triton ships no CUDA tools")
@@ -108,7 +109,7 @@ def test_every_default_tile_compiles_for_hopper_keeps_its_values_in_registers_an
             found = measure(quant, tiles)
             if not (0 < found["registers"] <= 255 and found["local_ops"] == 0
                     and (tiles.stages == 1 or found["async_loads"] > 0)
-                    and (tiles.dot or found["in_flight"] >= IN_FLIGHT_GOAL)):
+                    and (tiles.dot or estimate(found) >= 0.25)):
                 failed[(quant, tiles.bm, tiles.bn, tiles.bk, tiles.warps, tiles.stages)] = found
     assert not failed, failed
 

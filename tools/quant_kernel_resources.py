@@ -5,7 +5,7 @@ integers that are multiples of 16 marked divisible by 16, a value of 1 made a co
 one row of x, a split of one K tile), compiled for sm_90 on this machine (its own ptxas),
 then the cubin read with the cuobjdump Triton ships.
 
-    python -m llmd_tools.quant_kernel_resources [--types Q4_K Q8_0 ...] [--rows 1 16] [--grid | --stages 1 3]
+    python -m llmd_tools.quant_kernel_resources [--types Q4_K Q8_0 ...] [--rows 1 16] [--grid [--pick] | --stages 1 3]
         [--shape NxK] [--json]
 
 Per (type, tile): registers a thread, stack bytes, the local-memory loads and stores
@@ -40,9 +40,11 @@ SHAPE = (4096, 4096)  # the weight compiled for: a 7-8B model's attention output
 # programs (Hopper tuning guide); registers go to a warp in units of 256.
 SMS, SM_REGISTERS, SM_WARPS, SM_SHARED, SM_PROGRAMS = 132, 65536, 64, 228 * 1024, 32
 IN_FLIGHT_GOAL = 30_000  # bytes per SM (above)
-# An SM issues 4 warp instructions a clock (1.98 GHz); the H200 copied at 4.16 TB/s
-# (docs/benchmarks.md). A K loop of I instructions a warp over a tile of B bytes can
-# stream at most 4 B / (I x warps) bytes a clock per SM, whatever the memory does.
+# An SM issues 4 warp instructions a clock (1.98 GHz), and converts int to float for 16
+# lanes a clock (the XU pipe); the H200 copied at 4.16 TB/s (docs/benchmarks.md). A K
+# loop of I instructions (C of them conversions) a warp over a tile of B bytes can
+# stream at most min(4 B / I, B / 2C) / warps bytes a clock per SM, whatever the memory
+# does.
 CLOCK, BANDWIDTH = 1.98e9, 4.16e12
 
 
@@ -140,7 +142,10 @@ def occupancy(found: dict, tiles, grid: tuple[int, int, int], k: int, quant: str
     per_split = -(-(-(-k // tiles.bk)) // grid[2])
     ahead = min(tiles.stages, per_split) if found["async_loads"] else 1
     per_sm = min(programs, SMS * resident) / SMS
-    issue = 4 * tile_bytes(quant, tiles) / max(1, found["loop_instructions"] * tiles.warps) * SMS * CLOCK
+    per_clock = 4 * tile_bytes(quant, tiles) / max(1, found["loop_instructions"] * tiles.warps)
+    if found["loop_conversions"]:  # 16 lanes a clock per SM: half a warp instruction
+        per_clock = min(per_clock, 0.5 * tile_bytes(quant, tiles) / (found["loop_conversions"] * tiles.warps))
+    issue = per_clock * SMS * CLOCK
     return {"programs_per_sm": resident, "in_flight": int(per_sm * tile_bytes(quant, tiles) * ahead),
             "issue_ceiling": round(issue / BANDWIDTH, 3)}
 
@@ -167,6 +172,14 @@ def measure(quant: str, tiles, shape: tuple[int, int] = SHAPE) -> dict:
             "stages": tiles.stages, "split": grid[2], **found, **occupancy(found, tiles, grid, shape[1], quant)}
 
 
+def estimate(row: dict) -> float:
+    """A tile's expected fraction of the bandwidth: the lower of what its bytes in flight
+    and its K loop's issue allow (0 where it spills) — the rank `--pick` orders by."""
+    if row["local_ops"]:
+        return 0.0
+    return min(1.0, row["in_flight"] / IN_FLIGHT_GOAL) * min(1.0, row["issue_ceiling"])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--types", nargs="+", default=list(GPU_TYPES))
@@ -174,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 16, 32, 64], help="rows of x (1: the GEMV)")
     parser.add_argument("--stages", nargs="+", type=int, default=[], help="the default tiles at these stages")
     parser.add_argument("--shape", default="x".join(map(str, SHAPE)), help="the weight's N x K")
+    parser.add_argument("--pick", action="store_true", help="after the rows, each type's best tile by the estimate")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns while it is unset
@@ -181,9 +195,11 @@ def main(argv: list[str] | None = None) -> int:
 
     shape = tuple(int(v) for v in args.shape.split("x"))
     print(f"quant_kernel_resources: Triton {triton.__version__}, sm_90, a {shape[0]} x {shape[1]} weight", flush=True)
+    rows = []
     for quant in args.types:
         for tiles in tiles_to_check(args.grid, quant, tuple(args.rows), tuple(args.stages)):
             row = measure(quant, tiles, shape)
+            rows.append(row)
             if args.json:
                 print(json.dumps(row), flush=True)
                 continue
@@ -195,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['in_flight'] / 1024:5.1f} KiB in flight/SM, K loop {row['loop_instructions']} "
                   f"instructions ({row['loop_conversions']} I2F): issue ceiling {100 * row['issue_ceiling']:.0f}% of "
                   f"the bandwidth{mark}", flush=True)
+    for key in sorted({(r["type"], r["bm"]) for r in rows}) if args.pick else ():
+        best = max((r for r in rows if (r["type"], r["bm"]) == key), key=estimate)
+        print(f"pick {key[0]:6} BM {key[1]:>2}: BN {best['bn']} BK {best['bk']} warps {best['warps']} stages "
+              f"{best['stages']} (estimate {100 * estimate(best):.0f}%)", flush=True)
     return 0
 
 

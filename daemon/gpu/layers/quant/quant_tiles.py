@@ -40,14 +40,15 @@ class Tiles:
             raise ValueError(f"no such tile: {self}")
 
 
-# The default tiles, chosen offline (tools/quant_kernel_resources.py: Triton 3.9's ptxas
-# for sm_90, a 4096 x 4096 weight's launch as the launcher specializes it, 2026-11-30):
-# no spill, and of those the most weight bytes in flight per SM. Pipelined over 3 stages
-# a GEMV keeps 30-77 KiB in flight per SM, where the tiles before (16 x 128, 8 warps, one
-# stage) kept 4-17 and the first GEMV ~2; tl.dot at 16 rows 22-77 KiB (was 6-17). Speed
-# on a GPU: not yet measured (bench_quant_sweep). Each (BN, BK, warps, stages):
-GEMV_TILES = {"Q8_0": (8, 256, 4, 3), "Q6_K": (32, 128, 4, 3)}
-GEMV_DEFAULT = (16, 128, 4, 3)
+# The default tiles, chosen offline (tools/quant_kernel_resources.py --grid --pick:
+# Triton 3.9's ptxas for sm_90, a 4096 x 4096 weight's launch as the launcher specializes
+# it, 2026-11-30): no spill, and of those the best estimate — the lower of what the bytes
+# in flight per SM and the K loop's instruction issue allow. The GEMV's defaults estimate
+# 27-100 % of the H200's bandwidth by type (Q4_K 38, Q4_0 64), the tiles before 3-19 %
+# in all but Q8_0; tl.dot at 16 rows 18-100 %. Speed on a GPU: not yet measured
+# (bench_quant_sweep). Each (BN, BK, warps, stages):
+GEMV_TILES = {"Q4_0": (16, 256, 4, 3), "Q4_1": (16, 256, 4, 3), "IQ4_NL": (16, 256, 4, 3)}
+GEMV_DEFAULT = (32, 128, 4, 3)
 DOT_16_ROWS = (32, 128, 4, 3)
 DOT_TILES = {"Q5_0": (32, 32), "IQ4_NL": (64, 32), "Q4_K": (32, 16), "Q5_K": (32, 16)}  # BN at BM 32, 64
 DOT_DEFAULT = (32, 32)  # (BK 128, 8 warps, 3 stages)
