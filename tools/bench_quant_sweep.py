@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from llmd.gpu.layers.quant.quant_tiles import tiles_for
 from llmd_tools.bench_quant_gpu import _rotating, _weights, copy_bandwidth
 
 GEMV_GRID = {"stages": (3, 1), "bn": (8, 16, 32), "bk": (128, 256, 512), "warps": (4, 8)}
@@ -51,7 +52,7 @@ def sweep(quant: str, n: int, k: int, rows: int, copies: int, bandwidth: float, 
     `deadline` (time.monotonic()); the default's marked `default`."""
     from triton.testing import do_bench
 
-    from llmd.gpu.layers.quant.quant_tiles import sm_count, split_count, tiles_for
+    from llmd.gpu.layers.quant.quant_tiles import sm_count, split_count
     from llmd.gpu.layers.quant.triton_quant_mm import quant_matmul
 
     weights, dense, packed_bytes = _weights(quant, n, k, copies, device)
@@ -113,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         timed = sorted((p for p in points if "us" in p), key=lambda p: p["us"])
         shown = timed[:args.top] + [p for p in timed[args.top:] if p["default"]]
         reached = len({(tuple(p["tiles"]), p["warps"], p["stages"]) for p in points})
-        print(f"-- {quant} {n}x{k}, {rows} rows: {reached} of {len(grid(rows))} tiles (the budget), "
+        total = len({*grid(rows), tiles_for(rows, quant)})
+        print(f"-- {quant} {n}x{k}, {rows} rows: {reached} of {total} tiles (the budget), "
               f"{len(timed)} points timed, {len(points) - len(timed)} dropped")
         for p in shown:
             bm, bn, bk = p["tiles"]

@@ -5,8 +5,8 @@ integers that are multiples of 16 marked divisible by 16, a value of 1 made a co
 one row of x, a split of one K tile), compiled for sm_90 on this machine (its own ptxas),
 then the cubin read with the cuobjdump Triton ships.
 
-    python -m llmd_tools.quant_kernel_resources [--types Q4_K Q8_0 ...] [--rows 1 16] [--grid [--pick] | --stages 1 3]
-        [--shape NxK] [--json]
+    python -m llmd_tools.quant_kernel_resources [--types Q4_K Q8_0 ...] [--rows 1 16]
+        [--grid [--pick] | --stages 1 3] [--shape NxK] [--json]
 
 Per (type, tile): registers a thread, stack bytes, the local-memory loads and stores
 (LDL / STL) in the machine code, which a kernel that keeps its values in registers has
@@ -16,7 +16,10 @@ shared memory an SM): programs an SM holds at once, and the packed weight bytes 
 flight per SM — resident programs x a tile's packed bytes x the stages in flight. A
 load that waits for its tile before the next is issued leaves memory idle; an H200
 needs ~30 KB in flight per SM to stream at its bandwidth (Little's law: 4.2 TB/s x ~1 us
-over 132 SMs). The estimate ranks tiles; timings need the GPU: tools/bench_quant_sweep.py.
+over 132 SMs). Also the K loop's instructions, which bound the rate whatever the memory
+does (an SM issues 4 warp instructions a clock; CLOCK below). `estimate` takes the lower
+of the two limits; `--pick` prints each type's best tile of the grid by it. A model, not
+a measure: timings need the GPU, tools/bench_quant_sweep.py.
 
 By default the tiles tiles_for picks (the GEMV and tl.dot at BM 16, 32, 64); `--grid`:
 bench_quant_sweep's grid at each of those. Compiling without the launcher's
@@ -139,7 +142,8 @@ def occupancy(found: dict, tiles, grid: tuple[int, int, int], k: int, quant: str
     resident = min(SM_PROGRAMS, SM_WARPS // tiles.warps, SM_REGISTERS // (per_warp * tiles.warps),
                    SM_SHARED // (found["shared"] + 1024))
     programs = grid[0] * grid[1] * grid[2]
-    per_split = -(-(-(-k // tiles.bk)) // grid[2])
+    k_tiles = -(-k // tiles.bk)
+    per_split = -(-k_tiles // grid[2])  # K tiles a program runs
     ahead = min(tiles.stages, per_split) if found["async_loads"] else 1
     per_sm = min(programs, SMS * resident) / SMS
     per_clock = 4 * tile_bytes(quant, tiles) / max(1, found["loop_instructions"] * tiles.warps)

@@ -19,11 +19,13 @@ range of K tiles:
 On an H200 (2026-11-30) the first form of the GEMV (x broadcast against the tile, padded
 to two rows, a [BM, BN, H] product reduced every tile) ran at 2-8 % of its roofline and
 1.4-8x slower than bf16 dense; the rows-16 GEMM at 10-19 %: each program waited for its
-tile's bytes before asking for the next. The default tiles now pipeline the K loop
-(Tiles.stages, tl.range's num_stages: the next tiles' loads in flight by cp.async while
-one is dequantized), chosen offline by the bytes they keep in flight per SM
-(tools/quant_kernel_resources.py); `quant_matmul` takes a `tiles` and `split_k` for
-tools/bench_quant_sweep.py, which times the choices in one device call.
+tile's bytes before asking for the next, and its K loop spent ~10-20 instructions a
+weight (int-to-float conversions among them, a quarter-rate pipe). The K loop is now
+pipelined (Tiles.stages, tl.range's num_stages: the next tiles' loads in flight by
+cp.async while one is dequantized), converts by _as_float, and drops its masks where the
+shape is whole tiles; the tiles are chosen offline (quant_tiles.py). `quant_matmul` takes
+a `tiles` and `split_k` for tools/bench_quant_sweep.py, which times the choices in one
+device call.
 
 A tile of BK columns reads its 4-bit values as BK / 2 bytes: byte j holds the weights of
 columns `lo(j)` (low nibble) and `lo(j) + PAIR` (high), ggml's order (PAIR 16 in a
