@@ -211,6 +211,11 @@ quant() {
     # decode matmuls as a fraction of the packed bytes' roofline beside bf16 dense.
     step bench-quant 90 $PY -m llmd_tools.bench_quant_gpu --types Q4_0 Q4_K Q6_K Q8_0 IQ4_NL FP8 --rows 1 16 \
         --shapes 4096x4096 14336x4096
+    # The same defaults as the device's own Triton compiles them (registers, K loop
+    # instructions, the offline estimate), beside the times above: does the model that
+    # chose the tiles (on this machine's Triton 3.9) hold for the device's compiler?
+    step quant-resources 60 $PY -m llmd_tools.quant_kernel_resources --types Q4_0 Q4_K Q6_K Q8_0 IQ4_NL FP8 \
+        --rows 1 16
 }
 
 async() {
@@ -279,7 +284,7 @@ for f in "$LOGS"/profile-*.log; do
     [ -f "$f" ] && { echo "--- $(basename "$f")"; grep -E -A8 "^profile_step:" "$f" | cut -c1-220; tail -2 "$f"; }
 done
 for name in throughput-1 throughput-eager-sampling-1 throughput-2 throughput-eager-sampling-2 throughput-hf spec \
-        guided async fused-ops moe bench-quant quant-sweep serve; do
+        guided async fused-ops moe bench-quant quant-resources quant-sweep serve; do
     f="$LOGS/$name.log"
     [ -f "$f" ] && { echo "--- $name"; grep -v "^{" "$f" | grep -v -E "it/s\]|%\|" | tail -14 | cut -c1-220; }
 done
