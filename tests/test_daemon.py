@@ -375,7 +375,8 @@ def test_connection_limits_idle_timeout_and_backlog(model, tmp_path):
     try:
         listing = subprocess.run(["ss", "-xlnH"], capture_output=True, text=True).stdout
         # The socket was bound under a staging name (then renamed): the kernel shows that one.
-        staged = f"/.{os.path.basename(d.sock)}."
+        # Its whole path: other tests' daemons (another xdist worker) stage an "s.sock" too.
+        staged = os.path.join(os.path.dirname(str(d.sock)), f".{os.path.basename(d.sock)}.")
         line = next(row for row in listing.splitlines() if staged in row)
         assert int(line.split()[3]) == 2048  # Send-Q of a listening socket: its backlog
         held = [RawConn(d.sock) for _ in range(3)]
