@@ -147,21 +147,33 @@ def test_llmctl_sampling_flags_match_the_client(daemon):
     assert bad.returncode == 2 and "--min-p" in bad.stderr
 
 
-def test_llmctl_exit_codes_for_abort_and_limits(daemon):
-    proc = subprocess.Popen([LLMCTL, "--socket", daemon.sock, "submit", "hi", "--max-tokens", "240", "--ignore-eos",
-                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 30
-    with Client(socket=daemon.sock) as client:
-        while not (running := client.status().requests):
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.01)
-    aborted = llmctl(daemon, "abort", running[0].request_id)
-    assert aborted.returncode == 0, aborted.stderr
-    stdout, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 4 and "aborted" in stderr
-    assert json.loads(stdout)["finish_reason"] == "abort"
-    too_long = llmctl(daemon, "submit", "hi", "--max-tokens", "5000")
-    assert too_long.returncode == 1 and "max_model_len (256)" in too_long.stderr and "5000" in too_long.stderr
+def test_llmctl_exit_codes_for_abort_and_limits(model, tmp_path):
+    """`llmctl abort` of a running request exits 0 and its submitter 4; a request past
+    max_model_len exits 1 naming both. A daemon of its own, whose request runs 1,000
+    tokens: the abort is a new llmctl process, and on a loaded machine the module's
+    daemon (max_model_len 256) finished 240 tokens before it arrived."""
+    d = Daemon(model, tmp_path / "a.sock", "--max-model-len", "1024").wait_ready()
+    proc = None
+    try:
+        proc = subprocess.Popen([LLMCTL, "--socket", d.sock, "submit", "hi", "--max-tokens", "1000", "--ignore-eos",
+                                 "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 30
+        with Client(socket=d.sock) as client:
+            while not (running := client.status().requests):
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.01)
+        aborted = llmctl(d, "abort", running[0].request_id)
+        assert aborted.returncode == 0, aborted.stderr
+        stdout, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 4 and "aborted" in stderr
+        assert json.loads(stdout)["finish_reason"] == "abort"
+        too_long = llmctl(d, "submit", "hi", "--max-tokens", "5000")
+        assert too_long.returncode == 1 and "max_model_len (1024)" in too_long.stderr and "5000" in too_long.stderr
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        assert d.stop() == 0, d.stderr()
 
 
 def test_llmctl_chat_keeps_the_conversation(daemon):

@@ -142,7 +142,8 @@ class LoadingResponder:
                 reply = self.status()
             case _:
                 return False
-        held.writer.write(held.codec.encode(reply))
+        if not held.writer.is_closing():  # closed by close() (a failed load) after this frame was read
+            held.writer.write(held.codec.encode(reply))
         return True
 
     def _drop(self, held: _Held) -> None:
