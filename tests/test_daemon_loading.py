@@ -5,6 +5,7 @@ closed there: `llmctl chat` started during a load failed on its first line)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import time
@@ -129,3 +130,37 @@ def test_a_frame_read_as_the_load_fails_is_dropped_not_answered_on_the_closed_co
             listener.close()
 
     uvloop.run(main())  # the daemon's loop: stock asyncio ignores a write to a closed transport
+
+
+def test_a_failed_load_exits_while_clients_flood_it_and_never_read(tmp_path: Path) -> None:
+    """Four clients send status frames as fast as they can and never read the replies
+    while the load fails (max_model_len past the model's positions): the daemon exits 1
+    naming the cause, with no traceback, while they still send. Before, the loading
+    responder closed such clients gracefully, a close that waits for the client to read
+    what backed up; their tasks' reads never ended and the daemon hung in asyncio's
+    teardown until they went away (1 start in 3-5; four starts here)."""
+    for attempt in range(4):
+        path = tmp_path / f"s{attempt}.sock"
+        d = Daemon(str(fixture_path("tiny-qwen3")), path, "--max-model-len", "4096")
+        conns: list[RawConn] = []
+        try:
+            deadline = time.monotonic() + 60
+            while not path.exists():
+                assert time.monotonic() < deadline and d.proc.poll() is None
+                time.sleep(0.005)
+            conns = [RawConn(str(path), timeout=2.0) for _ in range(4)]
+            deadline = time.monotonic() + 15
+            while d.proc.poll() is None:
+                assert time.monotonic() < deadline, f"start {attempt}: still running 15 s on"
+                for conn in conns:
+                    with contextlib.suppress(OSError):
+                        conn.send({"type": "status"})
+                time.sleep(0.001)
+            assert d.proc.poll() == 1
+            log = d.log.read_text()
+            assert "max_model_len 4096 exceeds the model's max_position_embeddings" in log
+            assert "Traceback" not in log, log
+        finally:
+            for conn in conns:
+                conn.close()
+            d.stop()

@@ -191,5 +191,10 @@ class LoadingResponder:
             if error is not None and held.codec is not None:
                 with contextlib.suppress(ConnectionError, RuntimeError):
                     held.writer.write(held.codec.encode(error))
-            held.writer.close()
+            if held.writer.transport.get_write_buffer_size():
+                # Replies backed up unread: a graceful close would wait for this client to
+                # read them, its task's read with it, and the daemon's exit on that task.
+                held.writer.transport.abort()
+            else:
+                held.writer.close()
         self._connections = []
