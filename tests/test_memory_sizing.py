@@ -213,6 +213,7 @@ def test_cuda_profile_gives_a_sane_breakdown():
     import torch
 
     from llmd.gpu.worker.model_runner import ModelRunner
+    from llmd.gpu.worker.sleep_mode import clear_cublas_workspaces
     from llmd_tools.make_model import fixture_path
 
     dev = torch.device("cuda:0")
@@ -231,7 +232,7 @@ def test_cuda_profile_gives_a_sane_breakdown():
     assert b.num_blocks == b.kv_budget // runner.kv_cache_bytes_per_block() > 0
     # The throwaway cache and activations are freed: only the weights stay allocated
     # (and cuBLAS's workspace, 32 MiB on an H200 once a GEMM ran, which torch keeps).
-    torch._C._cuda_clearCublasWorkspaces()
+    clear_cublas_workspaces()
     assert torch.cuda.memory_allocated(dev) - runner._cuda_before_load[1] - b.weights < 16 * MiB
     runner.initialize_kv_cache(min(b.num_blocks, 64))
 

@@ -162,4 +162,3 @@ def layer_ops(attention_backend: str, device: torch.device | None = None) -> Lay
         # interpreter: the compiled kernels have no device to run on.
         return UNFUSED
     return _fused_ops()
-

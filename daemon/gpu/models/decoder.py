@@ -41,7 +41,7 @@ class DecoderAttention(nn.Module):
     def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, tp: TPShape | None = None,
                  attention_backend: str = "torch", sliding_window: int | None = None, *,
                  scale: float | None = None, softcap: float | None = None, norm: type[RMSNorm] = RMSNorm,
-                 ops: LayerOps | None = None) -> None:
+                 ops: LayerOps) -> None:
         super().__init__()
         heads = config.num_attention_heads
         kv_heads = config.num_key_value_heads or heads
@@ -59,7 +59,7 @@ class DecoderAttention(nn.Module):
         self.sliding_window = sliding_window  # None: full attention
         self.attn = make_attention(attention_backend, self.num_heads, self.num_kv_heads, self.head_dim,
                                    self.head_dim ** -0.5 if scale is None else scale, sliding_window, softcap)
-        self.ops = ops if ops is not None else layer_ops(attention_backend)
+        self.ops = ops  # its layer's
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:

@@ -92,9 +92,15 @@ def free_released_memory(device: torch.device) -> None:
     otherwise, so the resident size would not come down)."""
     gc.collect()
     if device.type == "cuda":
-        clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # private: not in every build
-        if clear_workspaces is not None:
-            clear_workspaces()
+        clear_cublas_workspaces()
         torch.cuda.empty_cache()
     trim_heap()
+
+
+def clear_cublas_workspaces() -> None:
+    """Free cuBLAS's workspaces (torch keeps them once a GEMM ran; the next one makes
+    them again), where this torch build has the private call."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
 
