@@ -253,7 +253,11 @@ def test_unloading_gives_the_memory_back(daemon):
         after = settled_rss(daemon.proc.pid)
     assert status.state == "serving" and status.memory_bytes > 200 * MIB
     assert loaded - before > 150 * MIB  # it was really there (its weights alone: 168 MiB)
-    assert after - before < 0.1 * (loaded - before), (before / MIB, loaded / MIB, after / MIB)
+    # What stays is glibc's freed heap blocks it cannot hand back (~20 MiB, as
+    # test_model_sleep measures), not a proportion of the model: 0.1 of the load was 33 MiB
+    # of room while the linears were held twice, 18 once they are held once (CI at a9aedf8
+    # kept 20.3). Keeping the weights (168 MiB) or the KV pool still fails this.
+    assert after - before < 32 * MIB, (before / MIB, loaded / MIB, after / MIB)
 
 
 def test_llmctl_ps_load_and_unload(daemon):
