@@ -23,6 +23,7 @@ from llmd.actors.metrics import MetricsActor
 from llmd.actors.runtime import Actor, Supervisor
 from llmd.config import EngineConfig
 from llmd.daemon_config import DaemonConfig, model_registry
+from llmd.heap import one_arena
 from llmd.pool.budget import MemoryBudget
 from llmd.pool.loaded_model import LoadedModel, estimate_memory
 from llmd.pool.pool import ModelPool
@@ -318,4 +319,5 @@ async def _serve(daemon: DaemonConfig, engine_config: EngineConfig) -> int:
 
 
 def serve(daemon: DaemonConfig, engine_config: EngineConfig) -> int:
+    one_arena()  # before the models' threads: their freed memory can be given back whole
     return uvloop.run(_serve(daemon, engine_config))
