@@ -4,6 +4,7 @@ clear Error and the daemon keeps serving; closing a connection aborts its reques
 frees their blocks; SIGTERM drains."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -18,6 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon_util import Daemon, RawConn
+from http_clients import http_socket
 from llmd import LLM, SamplingParams
 from llmd_tools.make_model import fixture_path
 
@@ -317,6 +319,48 @@ def test_sigterm_aborts_what_outlasts_the_drain_timeout(model, tmp_path, extra):
         final = conn.until_final("a")[-1]
         assert final["finish_reason"] == "abort"
     assert d.proc.wait(30) == 0
+
+
+def test_sigterm_ends_while_clients_flood_and_never_read(model, tmp_path):
+    """Clients send as fast as they can and never read the replies: two status frames on
+    the daemon's socket, two pipelined HTTP GET /v1/models on its HTTP socket, until the
+    daemon stops reading them too (their sends block: its replies backed up); then
+    SIGTERM. The daemon exits 0 within 15 s with no traceback, while they still send.
+    Before, its stop closed such connections gracefully, a close that waits for the
+    client to read (the socket face never exited), and aiohttp waited 60 s twice for a
+    handler stuck writing (still running 60 s on)."""
+    status = msgspec.msgpack.encode({"type": "status"})
+    frames = [struct.pack(">I", len(status)) + status] * 2 + [b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"] * 2
+    for attempt in range(2):
+        d = Daemon(model, tmp_path / f"s{attempt}.sock", "--drain-timeout-s", "1").wait_ready()
+        conns = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in frames]
+        try:
+            for i, conn in enumerate(conns):
+                conn.settimeout(0.5)
+                conn.connect(d.sock if i < 2 else http_socket(d.sock))
+            blocked: set[int] = set()
+            deadline = time.monotonic() + 30
+            while len(blocked) < len(conns):
+                assert time.monotonic() < deadline, f"the daemon went on reading clients that never read: {blocked}"
+                for i, conn in enumerate(conns):
+                    if i not in blocked:
+                        try:
+                            conn.sendall(frames[i] * 16)
+                        except TimeoutError:
+                            blocked.add(i)
+            d.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 15
+            while d.proc.poll() is None:
+                assert time.monotonic() < deadline, f"attempt {attempt}: still running 15 s after SIGTERM"
+                for i, conn in enumerate(conns):
+                    with contextlib.suppress(OSError):
+                        conn.sendall(frames[i])
+            assert d.proc.poll() == 0
+            assert "Traceback" not in d.log.read_text(), d.log.read_text()[-3000:]
+        finally:
+            for conn in conns:
+                conn.close()
+            d.stop()
 
 
 def test_requests_during_model_load_wait_not_refused(model, tmp_path):

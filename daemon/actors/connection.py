@@ -25,6 +25,7 @@ from llmd_client.protocol import (MAX_ID_CHARS, PROTOCOL_VERSION, Abort, Accepte
 
 logger = logging.getLogger("llmd.intake")
 MAX_CLIENT_ID_CHARS = MAX_ID_CHARS
+CLOSE_TIMEOUT_S = 2.0  # a closing connection's last bytes: how long its peer has to take them
 
 
 class ConnectionOwner(Protocol):
@@ -167,7 +168,7 @@ class Connection:
                     return  # the stream cannot be resynchronised
                 for body in frames:
                     await self._dispatch_frame(body)
-                    if self.closed:
+                    if self.closed or self.writer.is_closing():  # frames read before a close go unanswered
                         return
                 await self.writer.drain()
                 data = await self._read(1 << 16)
@@ -313,12 +314,15 @@ class Connection:
             task.cancel()
         if self.requests:
             self.intake.abort([s.request_id for s in self.requests.values()])
-        self.intake.connections.discard(self)
         try:
             self.writer.close()
-            await self.writer.wait_closed()
+            await asyncio.wait_for(self.writer.wait_closed(), CLOSE_TIMEOUT_S)
+        except TimeoutError:  # the peer stopped reading after the close began
+            self.writer.transport.abort()
         except (ConnectionError, OSError):
             pass
+        finally:  # counted until its descriptor is closed; a daemon's stop waits for this
+            self.intake.connections.discard(self)
 
 
 class OpenConnections:
@@ -370,6 +374,22 @@ class OpenConnections:
         for task in done:
             task.exception()
 
-    def close_all(self) -> None:
+    async def close_all(self) -> None:
+        """Close every connection gracefully (what was written still goes out to a slow
+        reader); one whose peer has not taken its last replies within CLOSE_TIMEOUT_S is
+        cut off: a graceful close waits for the peer to read, and a client that sends and
+        never reads would hold the connection's task, and the daemon's stop with it,
+        forever. Returns once their tasks have ended (before the loop's teardown would
+        cancel them)."""
         for conn in list(self._open):
             conn.writer.close()
+        if not await self._until_closed(CLOSE_TIMEOUT_S):
+            for conn in list(self._open):
+                conn.writer.transport.abort()
+            await self._until_closed(1.0)
+
+    async def _until_closed(self, timeout: float) -> bool:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self._open and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+        return not self._open

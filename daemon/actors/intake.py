@@ -347,8 +347,8 @@ class IntakeActor(Actor):
         """Write out every connection's buffered replies, within `timeout` for all."""
         await self.connections.flush(timeout)
 
-    def close_connections(self) -> None:
-        self.connections.close_all()
+    async def close_connections(self) -> None:
+        await self.connections.close_all()
 
 
 def _template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:

@@ -311,9 +311,9 @@ async def _serve(daemon: DaemonConfig, engine_config: EngineConfig) -> int:
     if metrics_server is not None:
         metrics_server.close()
     await supervisor.stop(actors.faces)
+    await actors.intake.close_connections()  # while the actors their frames may ask still answer
     await _shutdown_pool(pool)
     await supervisor.stop(["metrics"])
-    actors.intake.close_connections()
     listeners.close()
     return code
 
