@@ -73,11 +73,12 @@ def test_k_quant_mixes_on_cuda_compute_what_their_dequantized_weights_do(hf_dirs
     _assert_as_dequantized(path)
 
 
-def test_iq4_nl_and_iq4_xs_on_cuda_stay_packed_as_iq4_nl(hf_dirs, tmp_path):  # noqa: F811
-    for qtype in (T.IQ4_NL, T.IQ4_XS):
+def test_types_held_as_others_on_cuda_stay_packed_and_compute_as_dequantized(hf_dirs, tmp_path):  # noqa: F811
+    """IQ4_NL as it is, IQ4_XS as IQ4_NL, Q3_K as Q6_K (gguf_types.HELD_AS)."""
+    for qtype, held in ((T.IQ4_NL, "IQ4_NL"), (T.IQ4_XS, "IQ4_NL"), (T.Q3_K, "Q6_K")):
         path = write_gguf(hf_dirs("llama-256"), tmp_path / f"{qtype.name}.gguf", T.Q8_0, k_quant_types=(qtype,))
         packed = load_model(path, torch.float32, CUDA, 128)
-        assert packed.layers[0].mlp.down_proj.quant == "IQ4_NL"
+        assert packed.layers[0].mlp.down_proj.quant == held
         _assert_as_dequantized(path)
 
 

@@ -115,16 +115,17 @@ def test_every_default_tile_compiles_for_hopper_keeps_its_values_in_registers_an
 
 
 def test_types_without_a_gpu_kernel_are_refused_by_name():
-    blocks = random_blocks("Q3_K", 2, 256)
-    with pytest.raises(ValueError, match=r"Q3_K has no GPU kernel \(GPU types: Q8_0, Q4_0"):
-        to_planes(blocks, "Q3_K", 256)
-    with pytest.raises(ValueError, match=r"packed Q4_0 rows of shape \(2, 110\) do not hold 256 columns"):
+    blocks = random_blocks("Q2_K", 2, 256)
+    with pytest.raises(ValueError, match=r"Q2_K has no GPU kernel \(GPU types: Q8_0, Q4_0"):
+        to_planes(blocks, "Q2_K", 256)
+    with pytest.raises(ValueError, match=r"packed Q4_0 rows of shape \(2, 84\) do not hold 256 columns"):
         to_planes(blocks, "Q4_0", 256)
 
 
 def test_a_gguf_type_without_a_cuda_kernel_is_refused_naming_the_tensor(hf_dirs, tmp_path):  # noqa: F811
-    """On CUDA the loader's plan refuses a Q3_K tensor by its GGUF name (the CPU keeps
-    it packed), with the --dequantize hint."""
+    """On CUDA the loader's plan refuses a Q2_K tensor by its GGUF name (the CPU keeps
+    it packed; Q2_K's per-16 mins have no exact form in a type with a CUDA kernel), with
+    the --dequantize hint."""
     import gguf
     from gguf_fixtures import write_gguf
 
@@ -132,14 +133,14 @@ def test_a_gguf_type_without_a_cuda_kernel_is_refused_naming_the_tensor(hf_dirs,
     from llmd.gpu.models.gguf_loader import gguf_tensor_types
     from llmd.gpu.models.loader import load_hf_config, packed_params
 
-    path = write_gguf(hf_dirs("llama-256"), tmp_path / "k.gguf", k_quant_types=(gguf.GGMLQuantizationType.Q3_K,))
+    path = write_gguf(hf_dirs("llama-256"), tmp_path / "k.gguf", k_quant_types=(gguf.GGMLQuantizationType.Q2_K,))
     config = load_hf_config(path)
     with torch.device("meta"):
         model = CausalLM(config, 64)
     types = gguf_tensor_types(path)
     assert packed_params(model, types, "cpu")
-    with pytest.raises(ValueError, match=r"GGUF tensor 'blk\.0\.\w+\.weight' of type Q3_K cannot stay packed: llmd "
-                                         r"has no CUDA kernel for Q3_K .*--dequantize"):
+    with pytest.raises(ValueError, match=r"GGUF tensor 'blk\.0\.\w+\.weight' of type Q2_K cannot stay packed: llmd "
+                                         r"has no CUDA kernel for Q2_K .*--dequantize"):
         packed_params(model, types, "cuda")
 
 

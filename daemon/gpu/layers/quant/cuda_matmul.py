@@ -9,8 +9,9 @@ per-channel weights through the FP8 tensor cores where they run W8A8 (fp8_scaled
 - An FP8 layer (`TritonFP8Matmul`): W8A8 through torch._scaled_mm where
   fp8_scaled_mm.w8a8_applies, else W8A16 through the Triton kernel.
 
-Types without a GPU kernel (Q2_K, Q3_K) never reach here: the loader refuses them by
-name on CUDA (loader.packed_params), `dequantize=True` loads them dense.
+Types without a GPU kernel never reach here: Q3_K comes re-encoded as Q6_K
+(gguf_types.HELD_AS), Q2_K the loader refuses by name on CUDA (loader.packed_params),
+`dequantize=True` loads it dense.
 """
 from __future__ import annotations
 
