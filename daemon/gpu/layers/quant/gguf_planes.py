@@ -19,7 +19,8 @@ for each field of the block (`FIELDS`, in the block's order), its bytes of every
 of every row, [rows, blocks * field width] row-major, one plane after the other. The
 repack (`to_planes`) and its inverse (`from_planes`, what an embedding reads its rows
 back through) are byte permutations; `plane_views` gives the kernels typed views.
-Types without a Triton kernel (Q2_K, Q3_K: held as Q6_K) are not laid out (`GPU_TYPES`).
+Types without a Triton kernel are not laid out (`GPU_TYPES`): Q3_K arrives re-encoded
+as Q6_K (gguf_types.HELD_AS), Q2_K is refused at load.
 """
 from __future__ import annotations
 
