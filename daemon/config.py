@@ -202,7 +202,7 @@ SETTING_HELP: dict[str, str] = {
                       "2x-4x the tokens in the same memory).",
     "cpu_threads": "CPU: torch threads for the model per rank (default: all cores).",
     "dequantize": "GGUF, AWQ, GPTQ, FP8: dequantize every weight at load instead of running them packed (more "
-                  "memory; loads what llmd has no packed kernel for, e.g. IQ2/IQ3 types, Q2_K on CUDA, "
+                  "memory; loads what llmd has no packed kernel for, e.g. IQ2/IQ3 types, "
                   "quantized MoE experts).",
     "cpu_int8_activations": "CPU: multiply packed quantized weights with int8-rounded activations, as llama.cpp "
                             "(faster batches; greedy output may part from the float reference on close calls).",

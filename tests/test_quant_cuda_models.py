@@ -69,7 +69,7 @@ def test_a_packed_gguf_on_cuda_computes_what_its_dequantized_weights_do(hf_dirs,
 
 
 def test_k_quant_mixes_on_cuda_compute_what_their_dequantized_weights_do(hf_dirs, tmp_path):  # noqa: F811
-    path = write_gguf(hf_dirs("llama-256"), tmp_path / "k.gguf", T.Q8_0, k_quant_types=(T.Q4_K, T.Q6_K, T.Q5_K))
+    path = write_gguf(hf_dirs("llama-256"), tmp_path / "k.gguf", T.Q8_0, k_quant_types=(T.Q4_K, T.Q6_K, T.Q5_K, T.Q2_K))
     _assert_as_dequantized(path)
 
 

@@ -37,7 +37,9 @@ import subprocess
 import sys
 import tempfile
 
-GPU_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "FP8")
+from llmd.gpu.layers import gguf_types
+
+GPU_TYPES = (*gguf_types.GPU_TYPES, "FP8")
 SHAPE = (4096, 4096)  # the weight compiled for: a 7-8B model's attention output projection
 # An H200 (sm_90): multiprocessors, and each one's registers, warps, shared memory and
 # programs (Hopper tuning guide); registers go to a warp in units of 256.

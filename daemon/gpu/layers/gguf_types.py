@@ -15,7 +15,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 # What the CPU kernels read (gguf_formats.FORMATS) and the CUDA ones (gguf_planes.FIELDS).
 CPU_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL")
-GPU_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL")
+GPU_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL")
 # GGUF types a model keeps as they are (dense, at the run dtype): everything else runs
 # packed or is refused.
 DENSE_TYPES = ("F32", "F16", "BF16")
@@ -49,3 +49,8 @@ def held_bytes(quant: str, elements: int, device_type: str) -> int:
     except KeyError:
         raise ValueError(f"GGUF type {quant!r} is unknown") from None
     return elements // block * block_bytes
+
+
+# What the CPU keeps packed, CUDA keeps packed too (as itself, or as HELD_AS' type): the
+# loader's plan refuses no CPU-packed type on CUDA.
+assert all(held_type(q, GPU_TYPES) in GPU_TYPES for q in CPU_TYPES + tuple(HELD_AS)), "a packed type CUDA cannot hold"

@@ -19,7 +19,7 @@ from llmd.gpu.layers.cpu.cpu_linear import pack_linears
 from llmd.gpu.layers.gguf_formats import FORMATS, PACKED_TYPES
 from llmd.gpu.layers.gguf_quant import PackedSource
 from llmd.gpu.layers.linear import Shard, WeightLoading
-from llmd.gpu.layers.gguf_types import DENSE_TYPES, GPU_TYPES, held_type, kernel_types
+from llmd.gpu.layers.gguf_types import DENSE_TYPES, held_type, kernel_types
 from llmd.gpu.layers.quant.scheme import quant_scheme
 from llmd.gpu.models.architectures import get_architecture
 from llmd.gpu.models.checkpoint_kv_scales import KVScaleCollector, kv_scale_target
@@ -244,8 +244,6 @@ def _unpackable(layer: Any, attr: str, quant: str, shards: dict[Shard, str], dev
     held = held_type(quant, kernel_types(device_type))
     if held not in FORMATS:
         return f"llmd has no kernel for {quant} (packed types: {', '.join(PACKED_TYPES)})"
-    if device_type == "cuda" and held not in GPU_TYPES:
-        return f"llmd has no CUDA kernel for {quant} (packed types on CUDA: {', '.join(GPU_TYPES)})"
     block = FORMATS[held].block
     if layer.in_features % block:
         return f"its rows of {layer.in_features} weights are not a whole number of {quant}'s {block}-weight blocks"

@@ -9,9 +9,7 @@ per-channel weights through the FP8 tensor cores where they run W8A8 (fp8_scaled
 - An FP8 layer (`TritonFP8Matmul`): W8A8 through torch._scaled_mm where
   fp8_scaled_mm.w8a8_applies, else W8A16 through the Triton kernel.
 
-Types without a GPU kernel never reach here: Q3_K comes re-encoded as Q6_K
-(gguf_types.HELD_AS), Q2_K the loader refuses by name on CUDA (loader.packed_params),
-`dequantize=True` loads it dense.
+Q3_K, which has no GPU kernel, comes re-encoded as Q6_K (gguf_types.HELD_AS).
 """
 from __future__ import annotations
 

@@ -30,10 +30,12 @@ device call.
 A tile of BK columns reads its 4-bit values as BK / 2 bytes: byte j holds the weights of
 columns `lo(j)` (low nibble) and `lo(j) + PAIR` (high), ggml's order (PAIR 16 in a
 32-weight block, 32 in Q4_K/Q5_K, 64 in Q6_K), so the kernel multiplies two streams, x
-taken at `lo` and `lo + PAIR`. Scales come per group of GP columns of a stream (GP
-divides both the type's scale group and PAIR), one load per group. Every type computes
-`(q - zero) * scale + offset` in fp32 with gguf_quant.dequantize's operands (K-quant
-scales d * sc, offsets -dmin * m; IQ4_NL its table's value at q times d), so a GEMV
+taken at `lo` and `lo + PAIR`; Q2_K's 2-bit values four streams, BK / 4 bytes, byte j
+the weights of columns `lo(j) + s * 32` in bits 2 s. Scales come per group of GP
+columns of a stream (GP divides both the type's scale group and PAIR), one load per
+group. Every type computes `(q - zero) * scale + offset` in fp32 with
+gguf_quant.dequantize's operands (K-quant scales d * sc, offsets -dmin * m; IQ4_NL its
+table's value at q times d), so a GEMV
 equals x times that reference to fp32 summation order. Shapes alone decide grids and
 nothing is read back to the host, so a launch can be captured in a CUDA graph.
 """
@@ -56,8 +58,9 @@ FP8_CODE = 100  # the kernel's code for FP8 e4m3 rows (GGUF types: gguf_formats.
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 
 # The type codes as the kernels compare them (a jit function reads only constexpr globals).
-_Q8_0, _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q4_K, _Q5_K, _Q6_K, _IQ4_NL = (
-    tl.constexpr(FORMATS[q].code) for q in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL"))
+_Q8_0, _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q2_K, _Q4_K, _Q5_K, _Q6_K, _IQ4_NL = (
+    tl.constexpr(FORMATS[q].code)
+    for q in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL"))
 _FP8 = tl.constexpr(FP8_CODE)
 # IQ4_NL's 16 int8 values four to a little-endian int32 word (_iq4_nl reads them).
 _IQ4_W0, _IQ4_W1, _IQ4_W2, _IQ4_W3 = (
@@ -66,30 +69,31 @@ _IQ4_W0, _IQ4_W1, _IQ4_W2, _IQ4_W3 = (
 
 @dataclass(frozen=True)
 class Layout:
-    """How the kernel reads a type: 4-bit values in two streams (`nibbles`), `pair`
-    bytes apart in columns; `zero` subtracted from each value; scale groups of `gp`
-    columns per stream."""
+    """How the kernel reads a type: `streams` values a byte (1: bytes; 2: 4-bit, 4:
+    2-bit, the lowest bits first), `pair` columns apart; `zero` subtracted from each
+    value; scale groups of `gp` columns per stream."""
 
     code: int
-    nibbles: bool
+    streams: int
     pair: int
     zero: int
     gp: int
 
 
 LAYOUTS = {
-    "Q8_0": Layout(_Q8_0, False, 0, 0, 32),
-    "Q4_0": Layout(_Q4_0, True, 16, 8, 16),
-    "Q4_1": Layout(_Q4_1, True, 16, 0, 16),
-    "Q5_0": Layout(_Q5_0, True, 16, 16, 16),
-    "Q5_1": Layout(_Q5_1, True, 16, 0, 16),
-    "Q4_K": Layout(_Q4_K, True, 32, 0, 32),
-    "Q5_K": Layout(_Q5_K, True, 32, 0, 32),
-    "Q6_K": Layout(_Q6_K, True, 64, 32, 16),
-    "IQ4_NL": Layout(_IQ4_NL, True, 16, 0, 16),
+    "Q8_0": Layout(_Q8_0, 1, 0, 0, 32),
+    "Q4_0": Layout(_Q4_0, 2, 16, 8, 16),
+    "Q4_1": Layout(_Q4_1, 2, 16, 0, 16),
+    "Q5_0": Layout(_Q5_0, 2, 16, 16, 16),
+    "Q5_1": Layout(_Q5_1, 2, 16, 0, 16),
+    "Q2_K": Layout(_Q2_K, 4, 32, 0, 16),
+    "Q4_K": Layout(_Q4_K, 2, 32, 0, 32),
+    "Q5_K": Layout(_Q5_K, 2, 32, 0, 32),
+    "Q6_K": Layout(_Q6_K, 2, 64, 32, 16),
+    "IQ4_NL": Layout(_IQ4_NL, 2, 16, 0, 16),
     # per-tensor and per-row scales are one group of K; block scales' columns are
     # multiples of 16 (quant/scheme.py), so 16 columns never span two groups
-    "FP8": Layout(FP8_CODE, False, 0, 0, 16),
+    "FP8": Layout(FP8_CODE, 1, 0, 0, 16),
 }
 
 
@@ -185,6 +189,13 @@ def _group_scales(kg, rn, nmask, gmask, SC, D, MN, stride_sc, stride_d, stride_m
         mn = tl.where(low[None, :], b1 & 63, (b2 >> 4) | ((b1 >> 6) << 4))
         scale = d * _as_float(sc)
         offset = -(dmin * _as_float(mn))
+    elif QUANT == _Q2_K:  # per 16: the scale in a byte's low nibble, the min in its high one
+        s = kg // 256
+        d = tl.load(rows_d + s[None, :], mask=mask, other=0.0).to(tl.float32)
+        dmin = tl.load(MN + rn[:, None] * stride_m + s[None, :], mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(SC + rn[:, None] * stride_sc + (kg // 16)[None, :], mask=mask, other=0).to(tl.int32)
+        scale = d * _as_float(b & 0xF)
+        offset = -(dmin * _as_float(b >> 4))
     elif QUANT == _Q6_K:
         d = tl.load(rows_d + (kg // 256)[None, :], mask=mask, other=0.0).to(tl.float32)
         sc = tl.load(SC + rn[:, None] * stride_sc + (kg // 16)[None, :], mask=mask, other=0)
@@ -234,7 +245,7 @@ def _accumulate(acc, x, w, DOT: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.co
 @triton.jit
 def _quant_mm_kernel(X, OUT, QS, QH, SC, D, MN, M, N, K, stride_xm, stride_om, stride_os,
                      stride_qs, stride_qh, stride_sc, stride_d, stride_m, fp8_group, tiles_per_split,
-                     QUANT: tl.constexpr, NIBBLES: tl.constexpr, PAIR: tl.constexpr, ZERO: tl.constexpr,
+                     QUANT: tl.constexpr, STREAMS: tl.constexpr, PAIR: tl.constexpr, ZERO: tl.constexpr,
                      GP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, H: tl.constexpr,
                      DOT: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr, PARTIAL: tl.constexpr,
                      STAGES: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
@@ -253,34 +264,30 @@ def _quant_mm_kernel(X, OUT, QS, QH, SC, D, MN, M, N, K, stride_xm, stride_om, s
     last = tl.minimum(first + tiles_per_split, tl.cdiv(K, BK))
     for t in tl.range(first, last, num_stages=STAGES):  # STAGES > 1: the next tiles' loads issued ahead
         k0 = tl.cast(t * BK, tl.uint32)  # unsigned: the columns' divisions below are shifts
-        if NIBBLES:
-            klo = k0 + (j // PAIR) * (2 * PAIR) + j % PAIR
-            kg = k0 + (jg // PAIR) * (2 * PAIR) + jg % PAIR
-            byte = k0 // 2 + j
+        if STREAMS > 1:  # byte j holds the values of columns klo(j) + s PAIR, s < STREAMS
+            klo = k0 + (j // PAIR) * (STREAMS * PAIR) + j % PAIR
+            kg = k0 + (jg // PAIR) * (STREAMS * PAIR) + jg % PAIR
+            byte = k0 // STREAMS + j
         else:
             klo = k0 + j
             kg = k0 + jg
             byte = k0 + j
-        # whole blocks: a high nibble's column is in range when its low one is
+        # whole blocks: a later stream's column is in range when the first one's is
         kmask = tl.full([H], True, tl.int1) if EVEN_K else klo < K
         gmask = tl.full([H // GP], True, tl.int1) if EVEN_K else kg < K
         raw = tl.load(QS + rn[:, None] * stride_qs + byte[None, :], mask=nmask[:, None] & kmask[None, :],
                       other=0).to(tl.int32)
-        q = raw
-        if NIBBLES:
-            q = raw & 0xF
-        q = _with_high_bits(q, klo, rn, nmask, kmask, QH, stride_qh, QUANT)
-        w = _dequantized(q, kg, rn, nmask, gmask, SC, D, MN, stride_sc, stride_d, stride_m, fp8_group,
-                         QUANT, ZERO, BN, H, GP)
-        x = tl.load(X + rm[:, None] * stride_xm + klo[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-        acc = _accumulate(acc, x, w, DOT, IEEE, DOT_F32)
-        if NIBBLES:
-            khi = klo + PAIR
-            q = _with_high_bits(raw >> 4, khi, rn, nmask, kmask, QH, stride_qh, QUANT)
-            w = _dequantized(q, kg + PAIR, rn, nmask, gmask, SC, D, MN, stride_sc, stride_d, stride_m, fp8_group,
-                             QUANT, ZERO, BN, H, GP)
-            x = tl.load(X + rm[:, None] * stride_xm + khi[None, :], mask=mmask[:, None] & kmask[None, :],
-                        other=0.0)
+        for s in tl.static_range(STREAMS):
+            q = raw
+            if STREAMS > 1:
+                q = raw >> (8 // STREAMS * s)
+                if s < STREAMS - 1:  # the last stream's bits are the byte's top: nothing above them
+                    q = q & ((1 << (8 // STREAMS)) - 1)
+            k = klo + s * PAIR
+            q = _with_high_bits(q, k, rn, nmask, kmask, QH, stride_qh, QUANT)
+            w = _dequantized(q, kg + s * PAIR, rn, nmask, gmask, SC, D, MN, stride_sc, stride_d, stride_m,
+                             fp8_group, QUANT, ZERO, BN, H, GP)
+            x = tl.load(X + rm[:, None] * stride_xm + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
             acc = _accumulate(acc, x, w, DOT, IEEE, DOT_F32)
     if not DOT:
         acc = tl.sum(acc, axis=1)[None, :]  # [1, BN]
@@ -332,8 +339,8 @@ def kernel_launch(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, split
     strides = [p.stride(0) if p.dim() == 2 else 0 for p in planes]
     args = (x, target, qs, *planes, rows, weight.n, weight.k, x.stride(0), target.stride(-2),
             target.stride(0) if splits > 1 else 0, qs.stride(0), *strides, max(1, weight.fp8_group), per_split)
-    meta = dict(QUANT=layout.code, NIBBLES=layout.nibbles, PAIR=layout.pair, ZERO=layout.zero, GP=layout.gp,
-                BM=tiles.bm, BN=tiles.bn, BK=tiles.bk, H=tiles.bk // 2 if layout.nibbles else tiles.bk,
+    meta = dict(QUANT=layout.code, STREAMS=layout.streams, PAIR=layout.pair, ZERO=layout.zero, GP=layout.gp,
+                BM=tiles.bm, BN=tiles.bn, BK=tiles.bk, H=tiles.bk // layout.streams,
                 DOT=tiles.dot, IEEE=x.dtype == torch.float32, DOT_F32=INTERPRETED and x.dtype == torch.bfloat16,
                 PARTIAL=splits > 1, STAGES=tiles.stages, EVEN_N=weight.n % tiles.bn == 0,
                 EVEN_K=weight.k % tiles.bk == 0, num_warps=tiles.warps)
