@@ -1,5 +1,5 @@
 """GGUF weights kept packed (gguf_quant, cpu/cpu_quant.cpp): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
-the K-quants Q2_K..Q6_K and IQ4_NL (IQ4_XS held as IQ4_NL; on CUDA Q3_K as Q6_K).
+the K-quants Q2_K..Q6_K and IQ4_NL (IQ4_XS held as IQ4_NL).
 
 Each format's dequantization equals the gguf package's (an independent reader of the
 same bytes) bit for bit, on random blocks and on blocks of extreme scales; the packed
@@ -339,47 +339,6 @@ def test_iq4_xs_blocks_are_held_as_iq4_nl_blocks_under_their_sub_block_scales():
     raw[0, 0, 2:8] = 0  # ls = 0: 60000 * -32
     with pytest.raises(ValueError, match="exceeds float16's range"):
         reencoded("IQ4_XS", raw.reshape(rows, -1))
-
-
-def test_q3_k_blocks_are_held_on_cuda_as_q6_k_blocks_exactly():
-    """Q3_K has no CUDA kernel; there each super-block becomes a Q6_K one (the same d,
-    each 16-weight sub-block's scale sc - 32 as Q6_K's int8, each 3-bit value q as q + 28)
-    whose weights are the gguf package's dequantization of the file, bit for bit: random
-    bytes everywhere (every scale, value and high-bit pattern), d random fp16s. The CPU
-    keeps Q3_K as it is."""
-    rows, cols = 16, 1024
-    rng = np.random.default_rng(5)
-    raw = rng.integers(0, 256, size=(rows, cols // 256, 110), dtype=np.uint8)
-    d = (rng.standard_normal((rows, cols // 256)) * 0.01).astype(np.float16)
-    raw[..., 108:110] = d.view(np.uint8).reshape(rows, -1, 2)
-    raw[0, 0, 96:108] = [0x00, 0xFF, 0x0F, 0xF0, 0x5A, 0xA5, 0x3C, 0xC3, 0x00, 0xFF, 0x1B, 0xE4]  # sc 0, 63, mixed
-    raw[0, 0, :32], raw[0, 1, :32] = 0, 0xFF  # no high bit set, every one set
-    blocks = raw.reshape(rows, -1)
-    assert held_type("Q3_K") == "Q3_K" and held_type("Q3_K", GPU_TYPES) == "Q6_K"
-    q6 = reencoded("Q3_K", blocks, "Q6_K")
-    assert q6.shape == (rows, cols // 256 * 210)
-    expected = gguf.quants.dequantize(blocks, T.Q3_K).reshape(rows, cols)
-    assert torch.equal(dequantize(torch.from_numpy(q6), "Q6_K", cols), torch.from_numpy(expected))
-    assert (np.abs(expected[0, :256]) > 0).any() and np.isfinite(expected).all()
-
-
-def test_a_q3_k_gguf_is_planned_on_cuda_as_q6_k(hf_dirs, tmp_path):  # noqa: F811
-    """A Q3_K file's layers: the CPU keeps them as Q3_K, the CUDA plan holds them as Q6_K,
-    and the loader hands over Q6_K rows whose weights are the gguf package's of the file's
-    tensor (tests/test_quant_cuda_models.py runs the model on a GPU)."""
-    path = write_gguf(hf_dirs("llama-256"), tmp_path / "q3k.gguf", T.Q8_0, k_quant_types=(T.Q3_K,))
-    with torch.device("meta"):
-        model = CausalLM(load_hf_config(path), 128)
-    types = gguf_tensor_types(path)
-    assert packed_params(model, types, "cpu")["layers.1.mlp.down_proj.weight"] == "Q3_K"
-    assert packed_params(model, types, "cuda")["layers.1.mlp.down_proj.weight"] == "Q6_K"
-    name = "model.layers.1.mlp.down_proj.weight"
-    (source,) = [s for n, s in iter_gguf_weights(path, load_hf_config(path), {name: "Q6_K"}) if n == name]
-    assert source.quant == "Q6_K"
-    (file,) = [t for t in gguf.GGUFReader(path).tensors if t.name == "blk.1.ffn_down.weight"]
-    assert file.tensor_type == T.Q3_K
-    expected = gguf.quants.dequantize(file.data, T.Q3_K).reshape(source.shape)
-    assert torch.equal(source.dequantize(), torch.from_numpy(expected))
 
 
 @pytest.mark.usefixtures("float32_products")

@@ -64,9 +64,9 @@ def test_planes_hold_the_blocks_bytes_and_give_them_back(quant):
     views = plane_views(planes, quant, cols)
     blocks_per_row = cols // FORMATS[quant].block
     assert views["d"].dtype == torch.float16 and views["d"].shape[0] == 7
-    assert views["qs"].shape == (7, {"Q8_0": cols, "Q2_K": cols // 4}.get(quant, cols // 2))
+    assert views["qs"].shape == (7, {"Q8_0": cols, "Q2_K": cols // 4, "Q3_K": cols // 4}.get(quant, cols // 2))
     # the first block's d, read from its plane, is the block's first scale
-    d_at = {"Q6_K": 208, "Q2_K": 80}.get(quant, 0)
+    d_at = {"Q6_K": 208, "Q2_K": 80, "Q3_K": 108}.get(quant, 0)
     first = blocks[0, d_at:d_at + 2].contiguous().view(torch.float16)
     assert views["d"][0, 0] == first[0] and views["d"].shape[1] == blocks_per_row * (1 if quant != "Q6_K" else 1)
 
@@ -91,9 +91,9 @@ def test_every_default_tile_compiles_for_hopper_keeps_its_values_in_registers_an
     cannot check: no local-memory traffic in the machine code (the first defaults spilled
     hundreds of loads and stores a K step); the K loop's loads pipelined (cp.async) in a
     tile of more than one stage; and a GEMV's tile estimated, by its bytes in flight and
-    its K loop's issue rate, to multiply weights at 0.35 a byte of the H200's bandwidth or
-    more (a 4.5-bit Q4_K at 20 % of the bandwidth, 2.6-bit Q2_K at 11.5 %; the defaults
-    before pipelining and _as_float: 3-19 % in all but Q8_0). A newer Triton that fails
+    its K loop's issue rate, to multiply weights at 0.3 a byte of the H200's bandwidth or
+    more (a 4.5-bit Q4_K at 17 % of the bandwidth, 3.4-bit Q3_K at 13 %; the defaults
+    before pipelining and _as_float: 3-19 % in all but Q8_0, Q4_K 5 %). A newer Triton that fails
     this: re-pick the table with tools/quant_kernel_resources.py --grid --pick."""
     import os
 
@@ -110,22 +110,22 @@ def test_every_default_tile_compiles_for_hopper_keeps_its_values_in_registers_an
             found = measure(quant, tiles)
             if not (0 < found["registers"] <= 255 and found["local_ops"] == 0
                     and (tiles.stages == 1 or found["async_loads"] > 0)
-                    and (tiles.dot or estimate(found) * 8 * tiles.bn * tiles.bk / tile_bytes(quant, tiles) >= 0.35)):
+                    and (tiles.dot or estimate(found) * 8 * tiles.bn * tiles.bk / tile_bytes(quant, tiles) >= 0.3)):
                 failed[(quant, tiles.bm, tiles.bn, tiles.bk, tiles.warps, tiles.stages)] = found
     assert not failed, failed
 
 
 def test_types_without_a_gpu_kernel_are_refused_by_name():
-    blocks = random_blocks("Q3_K", 2, 256)  # held as Q6_K on CUDA (gguf_types.HELD_AS), never laid out
-    with pytest.raises(ValueError, match=r"Q3_K has no GPU kernel \(GPU types: Q8_0, Q4_0"):
-        to_planes(blocks, "Q3_K", 256)
+    blocks = random_blocks("Q3_K", 2, 256)
+    with pytest.raises(ValueError, match=r"IQ4_XS has no GPU kernel \(GPU types: Q8_0, Q4_0"):
+        to_planes(torch.zeros(2, 136, dtype=torch.uint8), "IQ4_XS", 256)  # held as IQ4_NL, never laid out
     with pytest.raises(ValueError, match=r"packed Q4_0 rows of shape \(2, 110\) do not hold 256 columns"):
         to_planes(blocks, "Q4_0", 256)
 
 
 def test_every_k_quant_is_planned_packed_on_cuda(hf_dirs, tmp_path):  # noqa: F811
-    """A file of Q2_K..Q6_K layers: the CUDA plan keeps every one packed, Q3_K as Q6_K
-    (no CPU-packed type is refused on CUDA: gguf_types checks it at import)."""
+    """A file of Q2_K..Q6_K layers: the CUDA plan keeps every one packed as the CPU's
+    does (no CPU-packed type is refused on CUDA: gguf_types checks it at import)."""
     import gguf
     from gguf_fixtures import write_gguf
 
@@ -141,12 +141,9 @@ def test_every_k_quant_is_planned_packed_on_cuda(hf_dirs, tmp_path):  # noqa: F8
     file_types = {kind for _, kind in types.values()}
     assert {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"} <= file_types
     on_cpu, on_cuda = packed_params(model, types, "cpu"), packed_params(model, types, "cuda")
-    kinds = {kind for plan in (on_cpu, on_cuda) for held in plan.values()
-             for kind in (held.values() if isinstance(held, dict) else [held])}
-    assert {"Q2_K", "Q3_K"} <= kinds and on_cpu.keys() == on_cuda.keys()
-    for name, held in on_cuda.items():
-        for kind in (held.values() if isinstance(held, dict) else [held]):
-            assert kind in GPU_TYPES, (name, kind)
+    assert on_cuda == on_cpu
+    kinds = {kind for held in on_cuda.values() for kind in (held.values() if isinstance(held, dict) else [held])}
+    assert {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"} <= kinds <= set(GPU_TYPES)
 
 
 # ---- FP8 W8A8 (fp8_scaled_mm): the arithmetic on CPU, _scaled_mm itself where it runs.

@@ -26,8 +26,7 @@ scales ls, IQ4_NL's nibbles; a weight is d * (ls - 32) * table[q]) has no kernel
 own: each 32-weight sub-block is held as an IQ4_NL block of the same nibbles under
 d * (ls - 32) rounded to fp16 (within 2^-11 of the file's scale, far inside the format's
 own 4-bit error), 144 bytes per 256 weights where the file has 136, re-encoded at load
-(gguf_types.HELD_AS, reencoded). On CUDA, which has no Q3_K kernel, Q3_K is held as
-Q6_K, exactly (_q3_k_as_q6_k). `dequantize` (torch) is the
+(gguf_types.HELD_AS, reencoded). `dequantize` (torch) is the
 reference every kernel is tested against; it equals the gguf package's dequantization
 bit for bit (every scale product is exact in float32, so the one rounding is the same
 final add).
@@ -111,33 +110,7 @@ def _iq4_xs_as_iq4_nl(rows: np.ndarray) -> np.ndarray:
     return out.reshape(rows.shape[0], -1)
 
 
-def _q3_k_as_q6_k(rows: np.ndarray) -> np.ndarray:
-    """Q3_K -> Q6_K, exactly: both are d * sc * (value - offset) per 16-weight sub-block
-    under one fp16 d, so sub-block i keeps the file's d, its scale becomes the int8
-    sc - 32 (Q3_K's 6-bit sc, low nibble in byte i % 8 of the scales at nibble i // 8,
-    high two bits in byte 8 + i % 4 at bits 2 (i // 4)), and weight w's 3-bit q (two
-    bits at 2 s of qs byte 32 h + l for w = 128 h + 32 s + l, a third from bit w // 32
-    of hmask byte w % 32) becomes the 6-bit q + 28 (q - 4 = (q + 28) - 32), packed as
-    Q6_K packs its values: low nibbles of w = 128 h + 64 n + j in ql byte 64 h + j at
-    nibble n, high two bits of w = 128 h + 32 s + l in qh byte 32 h + l at bits 2 s."""
-    blocks = np.ascontiguousarray(rows).reshape(rows.shape[0], -1, 110)
-    hmask, qs, scales = blocks[..., :32], blocks[..., 32:96], blocks[..., 96:108]
-    two_bit = (qs.reshape(*qs.shape[:-1], 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3  # [h, s, l]
-    high = (hmask[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [w // 32, w % 32]
-    q = (two_bit.reshape(*qs.shape[:-1], 256) | (high.reshape(*qs.shape[:-1], 256) << 2)) + 28
-    i = np.arange(16)
-    sc = ((scales[..., i % 8] >> (4 * (i // 8))) & 0xF) | (((scales[..., 8 + i % 4] >> (2 * (i // 4))) & 3) << 4)
-    out = np.empty(blocks.shape[:2] + (210,), dtype=np.uint8)
-    by_half = q.reshape(*q.shape[:-1], 2, 2, 64)  # [h, n, j]
-    out[..., :128] = ((by_half[..., 0, :] & 0xF) | ((by_half[..., 1, :] & 0xF) << 4)).reshape(*q.shape[:-1], 128)
-    upper = (q.reshape(*q.shape[:-1], 2, 4, 32) >> 4) << np.array([0, 2, 4, 6], np.uint8)[:, None]  # [h, s, l]
-    out[..., 128:192] = upper.sum(axis=-2, dtype=np.uint8).reshape(*q.shape[:-1], 64)
-    out[..., 192:208] = (sc.astype(np.int16) - 32).astype(np.int8).view(np.uint8)
-    out[..., 208:210] = blocks[..., 108:110]
-    return out.reshape(rows.shape[0], -1)
-
-
-_REENCODE: dict[str, Callable[[np.ndarray], np.ndarray]] = {"IQ4_XS": _iq4_xs_as_iq4_nl, "Q3_K": _q3_k_as_q6_k}
+_REENCODE: dict[str, Callable[[np.ndarray], np.ndarray]] = {"IQ4_XS": _iq4_xs_as_iq4_nl}
 
 
 def _f16(b: torch.Tensor, at: int) -> torch.Tensor:

@@ -15,15 +15,14 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 # What the CPU kernels read (gguf_formats.FORMATS) and the CUDA ones (gguf_planes.FIELDS).
 CPU_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL")
-GPU_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL")
+GPU_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL")
 # GGUF types a model keeps as they are (dense, at the run dtype): everything else runs
 # packed or is refused.
 DENSE_TYPES = ("F32", "F16", "BF16")
 # GGUF types a weight is held in as another packed type where the device's kernels lack
 # it, re-encoded at load (gguf_formats.reencoded): IQ4_XS, on every device, as IQ4_NL
-# blocks (gguf_formats' doc: the one rounding of each sub-block's scale to fp16); Q3_K,
-# on CUDA, as Q6_K blocks (exactly: 210 bytes per 256 weights where the file has 110).
-HELD_AS = {"IQ4_XS": "IQ4_NL", "Q3_K": "Q6_K"}
+# blocks (gguf_formats' doc: the one rounding of each sub-block's scale to fp16).
+HELD_AS = {"IQ4_XS": "IQ4_NL"}
 
 
 def kernel_types(device_type: str) -> tuple[str, ...]:

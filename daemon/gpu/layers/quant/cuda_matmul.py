@@ -9,7 +9,6 @@ per-channel weights through the FP8 tensor cores where they run W8A8 (fp8_scaled
 - An FP8 layer (`TritonFP8Matmul`): W8A8 through torch._scaled_mm where
   fp8_scaled_mm.w8a8_applies, else W8A16 through the Triton kernel.
 
-Q3_K, which has no GPU kernel, comes re-encoded as Q6_K (gguf_types.HELD_AS).
 """
 from __future__ import annotations
 

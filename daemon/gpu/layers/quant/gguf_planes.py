@@ -19,8 +19,7 @@ for each field of the block (`FIELDS`, in the block's order), its bytes of every
 of every row, [rows, blocks * field width] row-major, one plane after the other. The
 repack (`to_planes`) and its inverse (`from_planes`, what an embedding reads its rows
 back through) are byte permutations; `plane_views` gives the kernels typed views.
-Types without a Triton kernel are not laid out (`GPU_TYPES`): Q3_K arrives re-encoded
-as Q6_K (gguf_types.HELD_AS).
+IQ4_XS, which has no Triton kernel, arrives re-encoded as IQ4_NL (gguf_types.HELD_AS).
 """
 from __future__ import annotations
 
@@ -31,7 +30,8 @@ from llmd.gpu.layers.gguf_quant import FORMATS, PackedPart, part_weight
 
 # Each type's fields as (name, first byte, end byte) within one block (ggml-common.h;
 # gguf_formats' table): d / m / dmin fp16 scales, qs the 4-bit (8-bit for Q8_0, 2-bit for
-# Q2_K) values, qh the high bits, sc the K-quants' sub-block scales (Q2_K's with their mins);
+# Q2_K, Q3_K) values, qh the high bits (Q3_K's hmask), sc the K-quants' sub-block scales
+# (Q2_K's with their mins);
 # IQ4_NL's qs are indices into its table.
 FIELDS: dict[str, tuple[tuple[str, int, int], ...]] = {
     "Q8_0": (("d", 0, 2), ("qs", 2, 34)),
@@ -40,6 +40,7 @@ FIELDS: dict[str, tuple[tuple[str, int, int], ...]] = {
     "Q5_0": (("d", 0, 2), ("qh", 2, 6), ("qs", 6, 22)),
     "Q5_1": (("d", 0, 2), ("m", 2, 4), ("qh", 4, 8), ("qs", 8, 24)),
     "Q2_K": (("sc", 0, 16), ("qs", 16, 80), ("d", 80, 82), ("m", 82, 84)),
+    "Q3_K": (("qh", 0, 32), ("qs", 32, 96), ("sc", 96, 108), ("d", 108, 110)),
     "Q4_K": (("d", 0, 2), ("m", 2, 4), ("sc", 4, 16), ("qs", 16, 144)),
     "Q5_K": (("d", 0, 2), ("m", 2, 4), ("sc", 4, 16), ("qh", 16, 48), ("qs", 48, 176)),
     "Q6_K": (("qs", 0, 128), ("qh", 128, 192), ("sc", 192, 208), ("d", 208, 210)),

@@ -58,9 +58,9 @@ FP8_CODE = 100  # the kernel's code for FP8 e4m3 rows (GGUF types: gguf_formats.
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 
 # The type codes as the kernels compare them (a jit function reads only constexpr globals).
-_Q8_0, _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q2_K, _Q4_K, _Q5_K, _Q6_K, _IQ4_NL = (
+_Q8_0, _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q2_K, _Q3_K, _Q4_K, _Q5_K, _Q6_K, _IQ4_NL = (
     tl.constexpr(FORMATS[q].code)
-    for q in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL"))
+    for q in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL"))
 _FP8 = tl.constexpr(FP8_CODE)
 # IQ4_NL's 16 int8 values four to a little-endian int32 word (_iq4_nl reads them).
 _IQ4_W0, _IQ4_W1, _IQ4_W2, _IQ4_W3 = (
@@ -87,6 +87,7 @@ LAYOUTS = {
     "Q5_0": Layout(_Q5_0, 2, 16, 16, 16),
     "Q5_1": Layout(_Q5_1, 2, 16, 0, 16),
     "Q2_K": Layout(_Q2_K, 4, 32, 0, 16),
+    "Q3_K": Layout(_Q3_K, 4, 32, 4, 16),
     "Q4_K": Layout(_Q4_K, 2, 32, 0, 32),
     "Q5_K": Layout(_Q5_K, 2, 32, 0, 32),
     "Q6_K": Layout(_Q6_K, 2, 64, 32, 16),
@@ -158,6 +159,9 @@ def _with_high_bits(q, k, rn, nmask, kmask, QH, stride_qh, QUANT: tl.constexpr):
     elif QUANT == _Q5_K:  # per 256: bit (k % 256) / 32 of byte k % 32
         h = tl.load(row + ((k // 256) * 32 + k % 32)[None, :], mask=mask, other=0).to(tl.int32)
         q = q | (((h >> ((k % 256) // 32)[None, :]) & 1) << 4)
+    elif QUANT == _Q3_K:  # per 256: bit (k % 256) / 32 of byte k % 32
+        h = tl.load(row + ((k // 256) * 32 + k % 32)[None, :], mask=mask, other=0).to(tl.int32)
+        q = q | (((h >> ((k % 256) // 32)[None, :]) & 1) << 2)
     elif QUANT == _Q6_K:  # per 256: bits 2 ((k % 128) / 32) of byte 32 ((k % 256) / 128) + k % 32
         h = tl.load(row + ((k // 256) * 64 + ((k % 256) // 128) * 32 + k % 32)[None, :], mask=mask,
                     other=0).to(tl.int32)
@@ -196,6 +200,16 @@ def _group_scales(kg, rn, nmask, gmask, SC, D, MN, stride_sc, stride_d, stride_m
         b = tl.load(SC + rn[:, None] * stride_sc + (kg // 16)[None, :], mask=mask, other=0).to(tl.int32)
         scale = d * _as_float(b & 0xF)
         offset = -(dmin * _as_float(b >> 4))
+    elif QUANT == _Q3_K:  # per 16, 6 bits: the low four in byte i % 8 (nibble i / 8), the high two in
+        # byte 8 + i % 4 (bits 2 (i / 4)); less 32
+        s = kg // 256
+        i = (kg % 256) // 16
+        d = tl.load(rows_d + s[None, :], mask=mask, other=0.0).to(tl.float32)
+        packed = SC + rn[:, None] * stride_sc + (s * 12)[None, :]
+        low = tl.load(packed + (i % 8)[None, :], mask=mask, other=0).to(tl.int32)
+        high = tl.load(packed + (8 + i % 4)[None, :], mask=mask, other=0).to(tl.int32)
+        sc = ((low >> (4 * (i // 8))[None, :]) & 0xF) | (((high >> (2 * (i // 4))[None, :]) & 3) << 4)
+        scale = d * _as_float(sc - 32)
     elif QUANT == _Q6_K:
         d = tl.load(rows_d + (kg // 256)[None, :], mask=mask, other=0.0).to(tl.float32)
         sc = tl.load(SC + rn[:, None] * stride_sc + (kg // 16)[None, :], mask=mask, other=0)
