@@ -209,12 +209,12 @@ moe() {
 quant() {
     # Packed weights on CUDA (issue 27; their tests are in the tests phase): W4A16 / FP8
     # decode matmuls as a fraction of the packed bytes' roofline beside bf16 dense.
-    step bench-quant 90 $PY -m llmd_tools.bench_quant_gpu --types Q4_0 Q4_K Q6_K Q8_0 IQ4_NL FP8 --rows 1 16 \
+    step bench-quant 90 $PY -m llmd_tools.bench_quant_gpu --types Q4_0 Q3_K Q4_K Q6_K Q8_0 IQ4_NL FP8 --rows 1 16 \
         --shapes 4096x4096 14336x4096
     # The same defaults as the device's own Triton compiles them (registers, K loop
     # instructions, the offline estimate), beside the times above: does the model that
     # chose the tiles (on this machine's Triton 3.9) hold for the device's compiler?
-    step quant-resources 60 $PY -m llmd_tools.quant_kernel_resources --types Q4_0 Q4_K Q6_K Q8_0 IQ4_NL FP8 \
+    step quant-resources 60 $PY -m llmd_tools.quant_kernel_resources --types Q4_0 Q2_K Q3_K Q4_K Q6_K Q8_0 IQ4_NL FP8 \
         --rows 1 16
 }
 
