@@ -46,7 +46,8 @@ class Tiles:
 # in flight per SM and the K loop's instruction issue allow. The GEMV's defaults estimate
 # 27-100 % of the H200's bandwidth by type (Q4_K 38, Q4_0 64), the tiles before 3-19 %
 # in all but Q8_0; tl.dot at 16 rows 18-100 %. Q2_K's GEMV 14 %, Q3_K's 15 %: at 2.6 and
-# 3.4 bits a weight the loop gets more weights a byte (Q2_K about Q4_K's weights a second).
+# 3.4 bits a weight the loop gets more weights a byte (two thirds, a half of Q4_K's
+# weights a second).
 # Speed on a GPU: not yet measured (bench_quant_sweep). Each (BN, BK, warps, stages):
 GEMV_TILES = {"Q4_0": (16, 256, 4, 3), "Q4_1": (16, 256, 4, 3), "IQ4_NL": (16, 256, 4, 3), "Q2_K": (16, 256, 4, 3),
               "Q3_K": (16, 256, 4, 3)}
