@@ -31,8 +31,7 @@ from llmd.gpu.layers.gguf_quant import FORMATS, PackedPart, part_weight
 # Each type's fields as (name, first byte, end byte) within one block (ggml-common.h;
 # gguf_formats' table): d / m / dmin fp16 scales, qs the 4-bit (8-bit for Q8_0, 2-bit for
 # Q2_K, Q3_K) values, qh the high bits (Q3_K's hmask), sc the K-quants' sub-block scales
-# (Q2_K's with their mins);
-# IQ4_NL's qs are indices into its table.
+# (Q2_K's with their mins); IQ4_NL's qs are indices into its table.
 FIELDS: dict[str, tuple[tuple[str, int, int], ...]] = {
     "Q8_0": (("d", 0, 2), ("qs", 2, 34)),
     "Q4_0": (("d", 0, 2), ("qs", 2, 18)),

@@ -30,8 +30,9 @@ device call.
 A tile of BK columns reads its 4-bit values as BK / 2 bytes: byte j holds the weights of
 columns `lo(j)` (low nibble) and `lo(j) + PAIR` (high), ggml's order (PAIR 16 in a
 32-weight block, 32 in Q4_K/Q5_K, 64 in Q6_K), so the kernel multiplies two streams, x
-taken at `lo` and `lo + PAIR`; Q2_K's 2-bit values four streams, BK / 4 bytes, byte j
-the weights of columns `lo(j) + s * 32` in bits 2 s. Scales come per group of GP
+taken at `lo` and `lo + PAIR`; Q2_K's and Q3_K's 2-bit values four streams, BK / 4
+bytes, byte j the weights of columns `lo(j) + s * 32` in bits 2 s (Q3_K's third bit from
+its hmask, as the 5-bit types' fifth from theirs). Scales come per group of GP
 columns of a stream (GP divides both the type's scale group and PAIR), one load per
 group. Every type computes `(q - zero) * scale + offset` in fp32 with
 gguf_quant.dequantize's operands (K-quant scales d * sc, offsets -dmin * m; IQ4_NL its
@@ -156,12 +157,9 @@ def _with_high_bits(q, k, rn, nmask, kmask, QH, stride_qh, QUANT: tl.constexpr):
     if QUANT == _Q5_0 or QUANT == _Q5_1:  # a little-endian bit field per row: bit k % 8 of byte k / 8
         h = tl.load(row + (k // 8)[None, :], mask=mask, other=0).to(tl.int32)
         q = q | (((h >> (k % 8)[None, :]) & 1) << 4)
-    elif QUANT == _Q5_K:  # per 256: bit (k % 256) / 32 of byte k % 32
+    elif QUANT == _Q5_K or QUANT == _Q3_K:  # per 256: bit (k % 256) / 32 of byte k % 32, over 4 or 2 bits
         h = tl.load(row + ((k // 256) * 32 + k % 32)[None, :], mask=mask, other=0).to(tl.int32)
-        q = q | (((h >> ((k % 256) // 32)[None, :]) & 1) << 4)
-    elif QUANT == _Q3_K:  # per 256: bit (k % 256) / 32 of byte k % 32
-        h = tl.load(row + ((k // 256) * 32 + k % 32)[None, :], mask=mask, other=0).to(tl.int32)
-        q = q | (((h >> ((k % 256) // 32)[None, :]) & 1) << 2)
+        q = q | (((h >> ((k % 256) // 32)[None, :]) & 1) << (4 if QUANT == _Q5_K else 2))
     elif QUANT == _Q6_K:  # per 256: bits 2 ((k % 128) / 32) of byte 32 ((k % 256) / 128) + k % 32
         h = tl.load(row + ((k // 256) * 64 + ((k % 256) // 128) * 32 + k % 32)[None, :], mask=mask,
                     other=0).to(tl.int32)
