@@ -93,8 +93,8 @@ def test_every_default_tile_compiles_for_hopper_keeps_its_values_in_registers_an
     tile of more than one stage; and a GEMV's tile estimated, by its bytes in flight and
     its K loop's issue rate, to multiply weights at 0.3 a byte of the H200's bandwidth or
     more (a 4.5-bit Q4_K at 17 % of the bandwidth, 3.4-bit Q3_K at 13 %; the defaults
-    before pipelining and _as_float: 3-19 % in all but Q8_0, Q4_K 5 %). A newer Triton that fails
-    this: re-pick the table with tools/quant_kernel_resources.py --grid --pick."""
+    before pipelining and _as_float: 3-19 % in all but Q8_0, Q4_K 5 %). A newer Triton
+    that fails this: re-pick the table with tools/quant_kernel_resources.py --grid --pick."""
     import os
 
     import triton
@@ -108,9 +108,10 @@ def test_every_default_tile_compiles_for_hopper_keeps_its_values_in_registers_an
     for quant in (*GPU_TYPES, "FP8"):
         for tiles in tiles_to_check(False, quant):
             found = measure(quant, tiles)
+            weights_a_byte = estimate(found) * 8 * tiles.bn * tiles.bk / tile_bytes(quant, tiles)
             if not (0 < found["registers"] <= 255 and found["local_ops"] == 0
                     and (tiles.stages == 1 or found["async_loads"] > 0)
-                    and (tiles.dot or estimate(found) * 8 * tiles.bn * tiles.bk / tile_bytes(quant, tiles) >= 0.3)):
+                    and (tiles.dot or weights_a_byte >= 0.3)):
                 failed[(quant, tiles.bm, tiles.bn, tiles.bk, tiles.warps, tiles.stages)] = found
     assert not failed, failed
 
@@ -134,7 +135,8 @@ def test_every_k_quant_is_planned_packed_on_cuda(hf_dirs, tmp_path):  # noqa: F8
     from llmd.gpu.models.loader import load_hf_config, packed_params
 
     T = gguf.GGMLQuantizationType
-    path = write_gguf(hf_dirs("llama-256"), tmp_path / "k.gguf", k_quant_types=(T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K))
+    path = write_gguf(hf_dirs("llama-256"), tmp_path / "k.gguf",
+                      k_quant_types=(T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K))
     with torch.device("meta"):
         model = CausalLM(load_hf_config(path), 64)
     types = gguf_tensor_types(path)

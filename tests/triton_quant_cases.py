@@ -38,8 +38,8 @@ RUNS = ((1, torch.float32, None), (1, torch.bfloat16, 2), (3, torch.bfloat16, 2)
         (17, torch.bfloat16, 2))
 N = 37  # weight rows: odd, over two BN tiles of the GEMV
 # Columns: 32-weight types over a K tail (160 = 1.25 tiles of 128), K-quants two super-blocks.
-COLS = {"Q8_0": 160, "Q4_0": 160, "Q4_1": 160, "Q5_0": 160, "Q5_1": 160, "Q2_K": 512, "Q3_K": 512, "Q4_K": 512, "Q5_K": 512,
-        "Q6_K": 256, "IQ4_NL": 160}
+COLS = {"Q8_0": 160, "Q4_0": 160, "Q4_1": 160, "Q5_0": 160, "Q5_1": 160, "Q2_K": 512, "Q3_K": 512, "Q4_K": 512,
+        "Q5_K": 512, "Q6_K": 256, "IQ4_NL": 160}
 
 
 def _err(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
@@ -276,8 +276,8 @@ def _cases() -> dict[str, Callable[[], list[dict]]]:
     return cases
 
 
-CASE_NAMES = ("gguf-Q8_0", "gguf-Q4_0", "gguf-Q4_1", "gguf-Q5_0", "gguf-Q5_1", "gguf-Q2_K", "gguf-Q3_K", "gguf-Q4_K", "gguf-Q5_K",
-              "gguf-Q6_K", "gguf-IQ4_NL", "gguf-fp16", "gguf-tiles", "fp8-tensor", "fp8-channel", "fp8-block", "fp8-every-byte",
+CASE_NAMES = ("gguf-Q8_0", "gguf-Q4_0", "gguf-Q4_1", "gguf-Q5_0", "gguf-Q5_1", "gguf-Q2_K", "gguf-Q3_K", "gguf-Q4_K",
+              "gguf-Q5_K", "gguf-Q6_K", "gguf-IQ4_NL", "gguf-fp16", "gguf-tiles", "fp8-tensor", "fp8-channel", "fp8-block", "fp8-every-byte",
               "int-awq-g32", "int-gptq4-sym-v1", "int-gptq4-asym-v2-act-order", "int-gptq8-sym-act-order",
               "fused-mixed-types", "model-tied-q4_1")
 
