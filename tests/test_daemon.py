@@ -249,6 +249,52 @@ def test_closing_connection_aborts_prefill_and_decode(model, tmp_path, extra):
         assert d.stop() == 0, d.stderr()
 
 
+def test_http_connections_count_against_the_same_limits(model, tmp_path):
+    """A user's connections to the HTTP faces count with their socket connections against
+    max_connections_per_user: three HTTP clients that send half a request and wait (each
+    holds a descriptor) use the user's limit; a fourth HTTP connection is answered 503
+    naming the limit and a socket one `overloaded`; once one of them goes, an HTTP request
+    is served. Before, the HTTP faces took connections without limit (400 half-sent
+    requests held 415 descriptors)."""
+    config = tmp_path / "llmd.toml"
+    config.write_text("max_connections_per_user = 3\n")
+    d = Daemon(model, tmp_path / "s.sock", "--config", str(config)).wait_ready()
+    held = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(3)]
+    try:
+        for conn in held:
+            conn.settimeout(10)
+            conn.connect(http_socket(d.sock))
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")
+        time.sleep(0.5)  # the daemon has taken them
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as extra:
+            extra.settimeout(10)
+            extra.connect(http_socket(d.sock))
+            reply = b""
+            while chunk := extra.recv(4096):
+                reply += chunk
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503") and b"too many connections from this user (limit 3)" in body, reply
+        with RawConn(d.sock, json_mode=True) as refused:
+            refused.send({"type": "status"})
+            assert refused.recv()["code"] == "overloaded"
+        held.pop().close()
+        deadline = time.monotonic() + 10
+        while True:  # the daemon sees the close within a moment
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as again:
+                again.settimeout(10)
+                again.connect(http_socket(d.sock))
+                again.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                status = again.recv(64)
+            if status.startswith(b"HTTP/1.1 200") or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert status.startswith(b"HTTP/1.1 200"), status
+    finally:
+        for conn in held:
+            conn.close()
+        assert d.stop() == 0, d.stderr()
+
+
 def test_abort_by_id_gets_final_message(daemon):
     with RawConn(daemon.sock) as conn:
         conn.send({"type": "submit", "id": "long", "prompt": "hi", "sampling": {"max_tokens": 200, "ignore_eos": True}})

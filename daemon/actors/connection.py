@@ -5,15 +5,13 @@ and the table of open connections with its limits, in all and per user."""
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 import logging
-import math
-import time
 from typing import Protocol
 
 import msgspec
 
+from llmd.actors.connection_limits import CLOSE_TIMEOUT_S
 from llmd.actors.error_text import frame_error_message, safe_message
 from llmd.actors.peer_credentials import peer_ids
 from llmd.actors.request_sink import RequestSink
@@ -25,7 +23,6 @@ from llmd_client.protocol import (MAX_ID_CHARS, PROTOCOL_VERSION, Abort, Accepte
 
 logger = logging.getLogger("llmd.intake")
 MAX_CLIENT_ID_CHARS = MAX_ID_CHARS
-CLOSE_TIMEOUT_S = 2.0  # a closing connection's last bytes: how long its peer has to take them
 
 
 class ConnectionOwner(Protocol):
@@ -323,73 +320,3 @@ class Connection:
             pass
         finally:  # counted until its descriptor is closed; a daemon's stop waits for this
             self.intake.connections.discard(self)
-
-
-class OpenConnections:
-    """The connections being served, counted in all and per user against their limits
-    (each holds a file descriptor; one user's flood of connections meets its own limit)."""
-
-    def __init__(self, max_connections: int, max_connections_per_user: int) -> None:
-        self.max_connections = max_connections
-        self.max_connections_per_user = max_connections_per_user
-        self._open: set[Connection] = set()
-        self._by_uid: collections.Counter[int] = collections.Counter()
-        self._last_refusal_log = -math.inf
-
-    def __len__(self) -> int:
-        return len(self._open)
-
-    def refusal(self, uid: int) -> Error | None:
-        """Why a new connection cannot be served (too many in all, or from its user), or None."""
-        if len(self._open) >= self.max_connections:
-            reason = f"too many connections (limit {self.max_connections})"
-        elif self._by_uid[uid] >= self.max_connections_per_user:
-            reason = f"too many connections from this user (limit {self.max_connections_per_user})"
-        else:
-            return None
-        now = time.monotonic()
-        if now - self._last_refusal_log >= 10.0:  # a storm of refusals logs one line per 10 s
-            self._last_refusal_log = now
-            logger.warning("refusing connections: %s (uid %d)", reason, uid)
-        return Error(code="overloaded", message=reason)
-
-    def add(self, conn: Connection) -> None:
-        self._open.add(conn)
-        self._by_uid[conn.uid] += 1
-
-    def discard(self, conn: Connection) -> None:
-        if conn in self._open:
-            self._open.discard(conn)
-            self._by_uid[conn.uid] -= 1
-
-    async def flush(self, timeout: float) -> None:
-        """Write out what every connection still has buffered, under one deadline for all
-        (so a stop stays within bounds); a peer that went away is not an error here."""
-        flushes = [asyncio.ensure_future(conn.writer.drain()) for conn in list(self._open)]
-        if not flushes:
-            return
-        done, pending = await asyncio.wait(flushes, timeout=timeout)
-        for task in pending:
-            task.cancel()
-        for task in done:
-            task.exception()
-
-    async def close_all(self) -> None:
-        """Close every connection gracefully (what was written still goes out to a slow
-        reader); one whose peer has not taken its last replies within CLOSE_TIMEOUT_S is
-        cut off: a graceful close waits for the peer to read, and a client that sends and
-        never reads would hold the connection's task, and the daemon's stop with it,
-        forever. Returns once their tasks have ended (before the loop's teardown would
-        cancel them)."""
-        for conn in list(self._open):
-            conn.writer.close()
-        if not await self._until_closed(CLOSE_TIMEOUT_S):
-            for conn in list(self._open):
-                conn.writer.transport.abort()
-            await self._until_closed(1.0)
-
-    async def _until_closed(self, timeout: float) -> bool:
-        deadline = asyncio.get_running_loop().time() + timeout
-        while self._open and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.01)
-        return not self._open

@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from llmd.actors.connection import CLOSE_TIMEOUT_S
+from llmd.actors.connection_limits import CLOSE_TIMEOUT_S
 from llmd.actors.intake import IntakeActor
 from llmd.actors.messages import Query
 from llmd.actors.peer_credentials import peer_ids, tcp_peer_uid
@@ -93,12 +93,14 @@ class HttpIntakeActor(Actor):
     async def run(self) -> None:
         # handler_cancellation: a client that hangs up cancels its handler, which aborts
         # its requests (llmd.http.bridge.Generation) within one engine step.
-        # QuietAppRunner: a malformed request gets a 400 that echoes nothing, and no traceback.
+        # QuietAppRunner: a malformed request gets a 400 that echoes nothing, and no traceback;
+        # each connection counts against the intake's connection limits (a 503 past them).
         # shutdown_timeout: at a stop (the requests drained already) a handler still writing
         # to a client that does not read is waited for this long, then cancelled and cut
         # off; aiohttp's 60 s, twice over, outlasts a service manager's stop timeout.
         runner = QuietAppRunner(self.make_app(), handler_cancellation=True, access_log=None,
-                                shutdown_timeout=CLOSE_TIMEOUT_S)
+                                shutdown_timeout=CLOSE_TIMEOUT_S,
+                                connections=getattr(self.intake, "connections", None))
         await runner.setup()
         try:
             for sock in self.sockets:

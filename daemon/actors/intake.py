@@ -21,7 +21,8 @@ from typing import Any, NamedTuple, TypeVar
 
 import msgspec
 
-from llmd.actors.connection import Connection, OpenConnections
+from llmd.actors.connection import Connection
+from llmd.actors.connection_limits import OpenConnections
 from llmd.actors.error_text import safe_message
 from llmd.actors.messages import AbortRequest, AddRequest, Query, RegisterRequest, RequestEvent
 from llmd.actors.peer_credentials import is_admin

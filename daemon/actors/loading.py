@@ -23,7 +23,8 @@ from typing import Protocol
 import msgspec
 import psutil
 
-from llmd.actors.connection import OpenConnections, codec_for, read_or_idle, tell_peer
+from llmd.actors.connection import codec_for, read_or_idle, tell_peer
+from llmd.actors.connection_limits import OpenConnections
 from llmd.actors.peer_credentials import peer_ids
 from llmd_client.framing import MAX_NESTING_DEPTH, FrameError, JsonLinesCodec, MsgpackCodec
 from llmd_client.protocol import (MAX_FRAME_BYTES, PROTOCOL_VERSION, Error, Hello, Status,
