@@ -1,7 +1,7 @@
 """One protocol connection, from its first byte to its close: the framing it speaks
 (msgpack frames, or JSON lines when the first byte is `{`), its messages decoded and
-dispatched, its requests (a closed connection aborts them all) and its idle timeout;
-and the table of open connections with its limits, in all and per user."""
+dispatched, its requests (a closed connection aborts them all) and its idle timeout.
+The table of open connections and their limits is actors/connection_limits.py."""
 from __future__ import annotations
 
 import asyncio
