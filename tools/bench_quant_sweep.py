@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from llmd.gpu.layers.quant.quant_tiles import tiles_for
+from llmd.gpu.layers.quant.quant_tiles import GEMV_MAX_ROWS, Tiles, sm_count, split_count, tiles_for
 from llmd_tools.bench_quant_gpu import _rotating, _weights, copy_bandwidth
 
 GEMV_GRID = {"stages": (3, 1), "bn": (8, 16, 32), "bk": (128, 256, 512), "warps": (4, 8)}
@@ -38,8 +38,6 @@ SPLITS = (1, 2, 4, 8, 16, 32)
 
 def grid(rows: int) -> list:
     """Every tile of the grid for `rows` rows of x."""
-    from llmd.gpu.layers.quant.quant_tiles import GEMV_MAX_ROWS, Tiles
-
     if rows <= GEMV_MAX_ROWS:
         return [Tiles(1, bn, bk, False, w, st) for st, bn, bk, w in itertools.product(*GEMV_GRID.values())]
     bm = 16 if rows <= 16 else 32 if rows <= 32 else 64
@@ -52,7 +50,6 @@ def sweep(quant: str, n: int, k: int, rows: int, copies: int, bandwidth: float, 
     `deadline` (time.monotonic()); the default's marked `default`."""
     from triton.testing import do_bench
 
-    from llmd.gpu.layers.quant.quant_tiles import sm_count, split_count
     from llmd.gpu.layers.quant.triton_quant_mm import quant_matmul
 
     weights, dense, packed_bytes = _weights(quant, n, k, copies, device)

@@ -57,7 +57,7 @@ def reason(exc: BaseException) -> str:
 class QuietRequestHandler(web_protocol.RequestHandler):
     """aiohttp's protocol, answering a request its parser refused without echo or
     traceback, and counting its connection against the limits (`_Server.connections`,
-    an llmd.actors.connection.OpenConnections): a Unix socket's by its peer's uid, a TCP
+    an llmd.actors.connection_limits.OpenConnections): a Unix socket's by its peer's uid, a TCP
     one in all only (its owner is looked up per request, off the event loop)."""
 
     _counted_uid: int | None = None

@@ -8,7 +8,6 @@ per-channel weights through the FP8 tensor cores where they run W8A8 (fp8_scaled
   back through them (gguf_planes.from_planes) and dequantize those (gguf_quant).
 - An FP8 layer (`TritonFP8Matmul`): W8A8 through torch._scaled_mm where
   fp8_scaled_mm.w8a8_applies, else W8A16 through the Triton kernel.
-
 """
 from __future__ import annotations
 

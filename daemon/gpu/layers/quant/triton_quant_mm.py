@@ -6,9 +6,10 @@ group of columns (quant/fp8.py's FP8Rows; the fallback where no FP8 tensor core 
 W8A8, quant/fp8_scaled_mm.py). One Triton kernel, one program per tile of M x N over a
 range of K tiles:
 
-- one row of x (M <= quant_tiles.GEMV_MAX_ROWS, batch-1 decode): a GEMV, the dequantized tile times
-  x elementwise in fp32 into a [BN, H] accumulator that is summed once after the last
-  tile (the weight never rounded to the activation dtype; no reduction inside the loop);
+- one row of x (M <= quant_tiles.GEMV_MAX_ROWS, batch-1 decode): a GEMV, the dequantized
+  tile times x elementwise in fp32 into a [BN, H] accumulator that is summed once after
+  the last tile (the weight never rounded to the activation dtype; no reduction inside
+  the loop);
 - more rows: a tiled GEMM, the dequantized tile rounded to the activation dtype (as the
   dequantized model's weight is) into `tl.dot` on the tensor cores, fp32 accumulate
   (x padded to BM = 16 rows: the tensor cores' work is free beside the weight's bytes);
@@ -32,12 +33,11 @@ columns `lo(j)` (low nibble) and `lo(j) + PAIR` (high), ggml's order (PAIR 16 in
 32-weight block, 32 in Q4_K/Q5_K, 64 in Q6_K), so the kernel multiplies two streams, x
 taken at `lo` and `lo + PAIR`; Q2_K's and Q3_K's 2-bit values four streams, BK / 4
 bytes, byte j the weights of columns `lo(j) + s * 32` in bits 2 s (Q3_K's third bit from
-its hmask, as the 5-bit types' fifth from theirs). Scales come per group of GP
-columns of a stream (GP divides both the type's scale group and PAIR), one load per
-group. Every type computes `(q - zero) * scale + offset` in fp32 with
-gguf_quant.dequantize's operands (K-quant scales d * sc, offsets -dmin * m; IQ4_NL its
-table's value at q times d), so a GEMV
-equals x times that reference to fp32 summation order. Shapes alone decide grids and
+its hmask, as the 5-bit types' fifth from theirs). Scales come per group of GP columns
+of a stream (GP divides both the type's scale group and PAIR), one load per group. Every
+type computes `(q - zero) * scale + offset` in fp32 with gguf_quant.dequantize's
+operands (K-quant scales d * sc, offsets -dmin * m; IQ4_NL its table's value at q times
+d), so a GEMV equals x times that reference to fp32 summation order. Shapes alone decide grids and
 nothing is read back to the host, so a launch can be captured in a CUDA graph.
 """
 from __future__ import annotations
