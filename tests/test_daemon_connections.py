@@ -63,13 +63,25 @@ def test_http_connections_count_against_the_same_limits(model, tmp_path):
     config = tmp_path / "llmd.toml"
     config.write_text("max_connections_per_user = 3\n")
     d = Daemon(model, tmp_path / "s.sock", "--config", str(config)).wait_ready()
-    held = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(3)]
+    held: list[socket.socket] = []
     try:
-        for conn in held:
-            conn.settimeout(10)
+        deadline = time.monotonic() + 30
+        while len(held) < 3:
+            # wait_ready's own connection counts until the daemon has closed its end: a
+            # connection refused meanwhile (a 503 at once) is tried again
+            assert time.monotonic() < deadline, "the user's limit never came free"
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             conn.connect(http_socket(d.sock))
             conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")
-        time.sleep(0.5)  # the daemon has taken them
+            conn.settimeout(0.5)
+            try:
+                refused_now = conn.recv(64).startswith(b"HTTP/1.1 503")
+            except TimeoutError:  # no answer: it is held, waiting for the rest of its body
+                refused_now = False
+            if refused_now:
+                conn.close()
+            else:
+                held.append(conn)
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as extra:
             extra.settimeout(10)
             extra.connect(http_socket(d.sock))
