@@ -1,6 +1,12 @@
 """GGUF files for tests, written the way llama.cpp's convert_hf_to_gguf.py writes them
 (metadata keys, tensor names, q/k rows permuted for llama's rotary layout, norms kept in
-F32) from a random-weight HF fixture directory, with gguf.GGUFWriter.
+F32) from a random-weight HF fixture directory, with gguf.GGUFWriter. A mixture of experts
+(qwen2_moe, qwen3_moe, mixtral: GGUF architectures qwen2moe, qwen3moe and llama) gets
+the converter's layout: each layer's experts' gate, up and down projections stacked into
+one 3-D tensor each (`ffn_gate_exps` [experts, inter, hidden]), the router
+`ffn_gate_inp`, Qwen2-MoE's shared expert `ffn_*_shexp` and its gate
+`ffn_gate_inp_shexp` (a vector, [hidden], as llama.cpp reads it); routers and that gate
+stay F32, as llama.cpp's quantizer leaves them.
 
 `write_gguf(hf_dir, out, qtype)` quantizes every 2-D weight whose rows fit the type's
 block with gguf.quants.quantize (F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0). The gguf
@@ -11,6 +17,7 @@ loads from them against an independent dequantizer.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +35,18 @@ _BLOCK = {
     "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
 }
+_BLOCK_MOE = {
+    "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp", "block_sparse_moe.gate": "ffn_gate_inp",
+}
+# checkpoint name of an expert's projection -> (its GGUF stacked tensor, the expert)
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                     r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
+_EXPERT_TENSORS = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps",
+                   "w3": "ffn_up_exps", "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
+# HF model_type -> GGUF architecture, where they differ
+GGUF_ARCHS = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
 # Byte offsets of the fp16 scales in one block of each K-quant (and of IQ4_NL / IQ4_XS, which the
@@ -40,7 +59,10 @@ def gguf_name(hf_name: str) -> str:
     if hf_name in _GLOBAL:
         return _GLOBAL[hf_name]
     parts = hf_name.split(".")  # model.layers.N.<module...>.weight|bias
-    return f"blk.{parts[2]}.{_BLOCK['.'.join(parts[3:-1])]}.{parts[-1]}"
+    module = ".".join(parts[3:-1])
+    if module in _EXPERT_TENSORS.values():  # stacked already (_stacked_experts)
+        return f"blk.{parts[2]}.{module}.{parts[-1]}"
+    return f"blk.{parts[2]}.{_BLOCK.get(module) or _BLOCK_MOE[module]}.{parts[-1]}"
 
 
 def permute_rotary_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -89,13 +111,14 @@ def _written(w: gguf.GGUFWriter, path: Path) -> Path:
 def write_gguf(hf_dir: Path, out: Path, qtype: T = T.F32, *, k_quant_types: tuple[T, ...] = (),
                extra_metadata: dict[str, tuple] | None = None, extra_tensors: dict[str, np.ndarray] | None = None,
                raw_tensors: dict[str, tuple[np.ndarray, T]] | None = None, seed: int = 0) -> Path:
-    """A GGUF of the HF fixture at `hf_dir` (llama, qwen2 or qwen3). With k_quant_types,
-    the 2-D layer weights cycle through those types (random blocks, see random_k_quant)
+    """A GGUF of the HF fixture at `hf_dir` (llama, qwen2, qwen3 or a mixture of experts:
+    module doc). With k_quant_types, the layer weights (an expert tensor as one) cycle
+    through those types (random blocks, see random_k_quant)
     instead of quantizing the fixture's weights. `extra_metadata` {key: (value,
     GGUFValueType)} adds keys or replaces the converter's; `extra_tensors` adds tensors;
     `raw_tensors` {gguf name: (bytes, type)} replaces tensors with raw data."""
     cfg = json.loads((hf_dir / "config.json").read_text())
-    arch = cfg["model_type"]
+    arch = GGUF_ARCHS.get(cfg["model_type"], cfg["model_type"])
     heads, kv_heads, hidden = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["hidden_size"]
     head_dim = cfg.get("head_dim") or hidden // heads
     V = gguf.GGUFValueType
@@ -112,6 +135,7 @@ def write_gguf(hf_dir: Path, out: Path, qtype: T = T.F32, *, k_quant_types: tupl
     }
     if arch == "llama":
         metadata[f"{arch}.rope.dimension_count"] = (head_dim, V.UINT32)
+    metadata.update(_moe_metadata(cfg, arch))
     if head_dim != hidden // heads:
         metadata[f"{arch}.attention.key_length"] = (head_dim, V.UINT32)
         metadata[f"{arch}.attention.value_length"] = (head_dim, V.UINT32)
@@ -122,7 +146,7 @@ def write_gguf(hf_dir: Path, out: Path, qtype: T = T.F32, *, k_quant_types: tupl
         w.add_key_value(key, value, vtype)
     _add_tokenizer(w, hf_dir, cfg)
 
-    tensors = load_file(str(hf_dir / "model.safetensors"))
+    tensors = _stacked_experts(load_file(str(hf_dir / "model.safetensors")))
     rng = np.random.default_rng(seed)
     k_cycle = 0
     for hf_name, array in tensors.items():
@@ -134,14 +158,18 @@ def write_gguf(hf_dir: Path, out: Path, qtype: T = T.F32, *, k_quant_types: tupl
         elif arch == "llama" and ".k_proj." in hf_name:
             array = permute_rotary_rows(array, kv_heads)
         name = gguf_name(hf_name)
+        if hf_name.endswith("shared_expert_gate.weight"):
+            array = array.reshape(-1)
         if name in (raw_tensors or {}):
             data, raw_type = raw_tensors[name]
             w.add_tensor(name, data, raw_dtype=raw_type)
-        elif array.ndim == 2 and k_quant_types and hf_name.startswith("model.layers."):
+        elif array.ndim in (2, 3) and k_quant_types and hf_name.startswith("model.layers."):
             kq = k_quant_types[k_cycle % len(k_quant_types)]
             k_cycle += 1
-            w.add_tensor(name, random_k_quant(*array.shape, kq, float(array.std()), rng), raw_dtype=kq)
-        elif array.ndim == 2 and qtype != T.F32 and array.shape[1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
+            rows = random_k_quant(int(np.prod(array.shape[:-1])), array.shape[-1], kq, float(array.std()), rng)
+            w.add_tensor(name, rows.reshape(*array.shape[:-1], -1), raw_dtype=kq)
+        elif array.ndim in (2, 3) and qtype != T.F32 and array.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0 \
+                and not _kept_f32(hf_name):
             data = quantize(array, qtype)
             w.add_tensor(name, data, raw_dtype=qtype if data.dtype == np.uint8 else None)
         else:  # norms, and rows no block of qtype fits (llama.cpp falls back the same way)
@@ -149,6 +177,42 @@ def write_gguf(hf_dir: Path, out: Path, qtype: T = T.F32, *, k_quant_types: tupl
     for name, array in (extra_tensors or {}).items():
         w.add_tensor(name, array)
     return _written(w, out)
+
+
+def _kept_f32(hf_name: str) -> bool:
+    """A router or shared-expert gate: llama.cpp's quantizer leaves them F32."""
+    return hf_name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight"))
+
+
+def _moe_metadata(cfg: dict, arch: str) -> dict[str, tuple]:
+    """The expert counts and sizes llama.cpp's converter writes."""
+    V = gguf.GGUFValueType
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if not experts:
+        return {}
+    out = {f"{arch}.expert_count": (experts, V.UINT32),
+           f"{arch}.expert_used_count": (cfg["num_experts_per_tok"], V.UINT32)}
+    if cfg.get("moe_intermediate_size"):
+        out[f"{arch}.expert_feed_forward_length"] = (cfg["moe_intermediate_size"], V.UINT32)
+    if cfg.get("shared_expert_intermediate_size"):
+        out[f"{arch}.expert_shared_feed_forward_length"] = (cfg["shared_expert_intermediate_size"], V.UINT32)
+    return out
+
+
+def _stacked_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The checkpoint's tensors with each layer's experts' projections stacked, [experts,
+    rows, cols], under a name gguf_name maps (`model.layers.N.<GGUF tensor>.weight`)."""
+    out: dict[str, np.ndarray] = {}
+    stacks: dict[str, dict[int, np.ndarray]] = {}
+    for name, array in tensors.items():
+        m = _EXPERT.fullmatch(name)
+        if m is None:
+            out[name] = array
+        else:
+            stacks.setdefault(f"model.layers.{m[1]}.{_EXPERT_TENSORS[m[3]]}.weight", {})[int(m[2])] = array
+    for name, experts in stacks.items():
+        out[name] = np.stack([experts[e] for e in range(len(experts))])
+    return out
 
 
 def _add_tokenizer(w: gguf.GGUFWriter, hf_dir: Path, cfg: dict) -> None:

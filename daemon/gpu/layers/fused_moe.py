@@ -12,6 +12,8 @@ Two implementations of `fused_experts`, the same contract:
   rows at once; the weighted rows go back to their tokens with one gather and a sum. The
   loop is over experts, never over tokens, but it reads the per-expert counts on the
   host, so its shapes follow the routing (fine on CPU, not capturable in a CUDA graph).
+  Experts kept packed (a GGUF's, mlp.ExpertWeights) run through it with their own
+  products (`ExpertProducts`: each expert's packed matmuls) in place of the two matmuls.
 - `fused_moe_triton.triton_fused_experts` (CUDA): vLLM's fused-MoE layout. The pairs are
   sorted by expert and each expert's run padded to a multiple of the kernel's row block
   (moe_align.moe_align_block_size, all on the device), so every row block belongs to one
@@ -31,11 +33,21 @@ loads triton for MoE.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
 from llmd.gpu.layers.fused_ops import UNFUSED, LayerOps
 from llmd.gpu.layers.norms import ACTIVATIONS, act_and_mul
+
+
+class ExpertProducts(NamedTuple):
+    """Each expert's rows -> rows products: gate_up[e](x) = x w13[e]^T, down[e](h) = h w2[e]^T."""
+
+    gate_up: Sequence[Callable[[torch.Tensor], torch.Tensor]]
+    down: Sequence[Callable[[torch.Tensor], torch.Tensor]]
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool
@@ -66,9 +78,11 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
 
 
 def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+                  topk_ids: torch.Tensor, activation: str = "silu",
+                  products: ExpertProducts | None = None) -> torch.Tensor:
     """The experts with batched matmuls per expert over its sorted rows (see the module
-    docstring); experts that got no token cost nothing."""
+    docstring); experts that got no token cost nothing. `products`: each expert's own
+    matmuls (packed experts), w13 and w2 then only give the experts' count and sizes."""
     act = ACTIVATIONS[activation]
     top_k = topk_ids.shape[1]
     flat = topk_ids.reshape(-1)
@@ -76,13 +90,17 @@ def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
     tokens = order // top_k
     rows = x[tokens]
-    out_rows = torch.empty(rows.shape[0], w2.shape[1], dtype=x.dtype, device=x.device)
+    out_rows = torch.empty(rows.shape[0], x.shape[-1], dtype=x.dtype, device=x.device)
     start = 0
     for expert, count in enumerate(counts):
         if count:
             end = start + count
-            hidden = act_and_mul(F.linear(rows[start:end], w13[expert]), act)
-            out_rows[start:end] = F.linear(hidden, w2[expert])
+            if products is None:
+                hidden = act_and_mul(F.linear(rows[start:end], w13[expert]), act)
+                out_rows[start:end] = F.linear(hidden, w2[expert])
+            else:
+                hidden = act_and_mul(products.gate_up[expert](rows[start:end]), act)
+                out_rows[start:end] = products.down[expert](hidden)
             start = end
     out_rows *= topk_weights.reshape(-1)[order].unsqueeze(-1).to(x.dtype)
     # Back to pair order (t * top_k + k) by a gather, then each token's top_k rows summed:

@@ -97,9 +97,10 @@ class WeightLoading:
     def shards(self, name: str) -> Sequence[Shard]:
         return (None,)
 
-    def packed_quant(self, shard: Shard) -> str | None:
-        """The packed type checkpoint shard `shard` of the weight must come in (None: dense)."""
-        return self.quant
+    def packed_quant(self, shard: Shard, name: str = "weight") -> str | None:
+        """The packed type checkpoint shard `shard` of attribute `name` must come in (None:
+        dense)."""
+        return self.quant if name == "weight" else None
 
     @property
     def packed_parts(self) -> tuple[PackedPart, ...]:
@@ -190,7 +191,9 @@ class ColumnSplitLinear(LinearBase):
             self.quant = "+".join(quants)
         self.part_quants = quants
 
-    def packed_quant(self, shard: Shard) -> str | None:
+    def packed_quant(self, shard: Shard, name: str = "weight") -> str | None:
+        if name != "weight":
+            return None
         return self.part_quants[self.parts.index(shard)] if self.part_quants and shard is not None else self.quant
 
     @property

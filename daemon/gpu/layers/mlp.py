@@ -21,19 +21,27 @@ A checkpoint stores each expert separately; `ExpertWeights` loads them into the 
 parameters the fused kernel reads, `w13 [experts, 2 * inter, hidden]` (expert e's gate
 rows, then its up rows) and `w2 [experts, hidden, inter]`: shard (e, 0) / (e, 1) is
 expert e's gate / up projection, shard e its down projection.
+
+A GGUF's experts stay packed on CPU (`use_packed`, the loader's plan, one rank): `w13`
+is then uint8 [experts, bytes], each expert's gate rows then its up rows in their
+GGUF types (the two may differ: llama.cpp's mixes), `w2` uint8 [experts, bytes] its
+down rows; each expert's projections multiply through gguf_quant.GGUFMatmul over its
+rows (`use_kernels`, cpu_kernels.attach_gguf_kernels) inside the reference MoE loop.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
-from llmd.gpu.layers.fused_moe import fused_experts, select_experts
+from llmd.gpu.layers.fused_moe import ExpertProducts, fused_experts, moe_reference, select_experts
 from llmd.gpu.layers.fused_ops import UNFUSED, LayerOps
+from llmd.gpu.layers.gguf_quant import GGUFMatmul, PackedPart, packed_parts, row_bytes
 from llmd.gpu.layers.linear import (MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear, Shard,
                                     WeightLoading, copy_checked, read)
 from llmd.gpu.layers.tp import TPShape
@@ -93,22 +101,66 @@ class MoeSpec:
 
 
 class ExpertWeights(WeightLoading, nn.Module):
-    """Every expert's weights, stacked (module doc); with TP, inter is this rank's slice."""
+    """Every expert's weights, stacked (module doc); with TP, inter is this rank's slice.
+    Packed (module doc): `packed_types[attr]` the types of w13's parts (gate, up) or
+    w2's (down), absent while dense."""
 
     def __init__(self, num_experts: int, hidden_size: int, expert_size: int, tp: TPShape | None) -> None:
         super().__init__()
         self.rank, self.world_size = (0, 1) if tp is None else (tp.rank, tp.world_size)
         self.inter = expert_size // self.world_size
+        self.hidden = hidden_size
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter))
+        self.packed_types: dict[str, tuple[str, ...]] = {}
+        self.quant_tensors: tuple[str, ...] = ()  # the packed ones (memory_profile.weight_storage)
+        self.products: ExpertProducts | None = None  # packed: each expert's matmuls (use_kernels)
+        self._views: dict[str, list[_PackedExpert]] = {}
 
     def shards(self, name: str) -> Sequence[Shard]:
         experts = range(self.w13.shape[0])
         return [(e, part) for e in experts for part in (0, 1)] if name == "w13" else list(experts)
 
+    def packed_columns(self, name: str) -> int:
+        """The weights in a row of `name`'s projections (what a packed type's blocks must fit)."""
+        return self.hidden if name == "w13" else self.inter
+
+    def use_packed(self, quant: str | Mapping[Shard, str], name: str = "w13") -> None:
+        """Keep `name`'s experts packed: in type `quant`, or {shard: type}, one type per
+        part across the experts (an expert tensor of the file gives a part of every
+        expert); before loading."""
+        parts = (0, 1) if name == "w13" else (None,)
+        if isinstance(quant, Mapping):
+            by_part: dict[Shard, set[str]] = {}
+            for shard, q in quant.items():
+                by_part.setdefault(shard[1] if name == "w13" else None, set()).add(q)
+            if sorted(by_part, key=str) != sorted(parts, key=str) or any(len(t) != 1 for t in by_part.values()):
+                raise ValueError(f"its experts' {name} parts must each come in one type, not {by_part}")
+            types = tuple(by_part[p].pop() for p in parts)
+        else:
+            types = (quant,) * len(parts)
+        rows = (self.inter,) * 2 if name == "w13" else (self.hidden,)
+        cols = self.packed_columns(name)
+        size = sum(r * row_bytes(q, cols) for q, r in zip(types, rows))
+        experts = self.w13.shape[0]
+        setattr(self, name, nn.Parameter(torch.empty(experts, size, dtype=torch.uint8, device=self.w13.device),
+                                         requires_grad=False))
+        self.packed_types[name] = types
+        self.quant_tensors = tuple(self.packed_types)
+        self.quant = "+".join(dict.fromkeys(q for t in self.packed_types.values() for q in t))
+
+    def packed_quant(self, shard: Shard, name: str = "weight") -> str | None:
+        types = self.packed_types.get(name)
+        if types is None:
+            return None
+        return types[shard[1]] if name == "w13" else types[0]
+
     def load(self, name: str, param: nn.Parameter, source: Any, shard: Shard = None) -> None:
         if shard not in self.shards(name):
             raise ValueError(f"names expert shard {shard!r}, which this model does not have")
+        if name in self.packed_types:
+            self._load_packed(name, param, source, shard)
+            return
         mine = (self.rank * self.inter, (self.rank + 1) * self.inter)
         whole = self.world_size == 1
         if name == "w13":
@@ -117,6 +169,46 @@ class ExpertWeights(WeightLoading, nn.Module):
             copy_checked(rows, read(source) if whole else read(source, rows=mine))
         else:
             copy_checked(param.data[shard], read(source) if whole else read(source, cols=mine))
+
+    def _load_packed(self, name: str, param: nn.Parameter, source: Any, shard: Shard) -> None:
+        """An expert's packed rows of one part, copied in as they are (one rank)."""
+        types, cols = self.packed_types[name], self.packed_columns(name)
+        if name == "w13":
+            (expert, part), rows = shard, self.inter
+            start = part * rows * row_bytes(types[0], cols)
+        else:
+            expert, part, rows, start = shard, 0, self.hidden, 0
+        width = row_bytes(types[part], cols)
+        copy_checked(param.data[expert, start:start + rows * width].view(rows, width), read(source))
+
+    def packed_parts_of(self, name: str) -> tuple[PackedPart, ...]:
+        """Where each type's rows lie in one expert's packed `name` (gguf_quant.PackedPart)."""
+        rows = (self.inter,) * 2 if name == "w13" else (self.hidden,)
+        return packed_parts(self.packed_types[name], rows, self.packed_columns(name))
+
+    def use_kernels(self, ops: Any, x16_passes: int) -> None:
+        """Each expert's products (`products`): a packed projection through GGUFMatmul over
+        its rows (`ops`, `x16_passes`: as a packed linear layer's), a dense one F.linear."""
+        def products(name: str) -> list[Any]:
+            param = getattr(self, name)
+            if name not in self.packed_types:
+                return [lambda x, w=param[e]: F.linear(x, w) for e in range(param.shape[0])]
+            if name not in self._views:  # made once: an x16 repack is recorded on its view (use_x16)
+                parts, cols = self.packed_parts_of(name), self.packed_columns(name)
+                self._views[name] = [_PackedExpert(param[e], parts, cols) for e in range(param.shape[0])]
+            return [GGUFMatmul(view, ops, x16_passes) for view in self._views[name]]
+
+        self.products = ExpertProducts(products("w13"), products("w2"))
+
+
+class _PackedExpert:
+    """One expert's packed projection, as GGUFMatmul reads a layer: its rows, their parts."""
+
+    bias = None
+    reduce = False
+
+    def __init__(self, weight: torch.Tensor, parts: tuple[PackedPart, ...], in_features: int) -> None:
+        self.weight, self.packed_parts, self.in_features = weight, parts, in_features
 
 
 class SparseMoeBlock(nn.Module):
@@ -144,8 +236,13 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
-        out = fused_experts(x, self.experts.w13, self.experts.w2, weights, ids, self.activation, self.use_triton,
-                            self.ops)
+        experts = self.experts
+        if experts.packed_types:
+            if experts.products is None:
+                raise RuntimeError(f"experts packed as {experts.quant} have no kernels (cpu_kernels.attach_gguf_kernels)")
+            out = moe_reference(x, experts.w13, experts.w2, weights, ids, self.activation, experts.products)
+        else:
+            out = fused_experts(x, experts.w13, experts.w2, weights, ids, self.activation, self.use_triton, self.ops)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         if self.reduce:

@@ -10,6 +10,20 @@ take `rope.freq_base` and the rope scaling keys; attention scale 1/sqrt(head_dim
 converter adds the 1 that Gemma's norms add at run time, since llama.cpp's norm
 multiplies by the weight), so the loader subtracts it, as transformers' GGUF loader
 does; `ffn_norm` is Gemma's pre-feed-forward norm.
+
+Mixtures of experts, as llama.cpp's converter writes them: every expert's gate, up and
+down projections stacked in one 3-D tensor each (`ffn_gate_exps` [experts, inter,
+hidden], `ffn_down_exps` [experts, hidden, inter]), the router `ffn_gate_inp`; every
+layer sparse (a dense `ffn_gate` has no counterpart). An expert tensor's HF name holds `{e}`: it stands for each expert's
+checkpoint tensor (`mlp.experts.{e}.gate_proj`), as an HF checkpoint stores them.
+- qwen2moe: Qwen2-MoE, with its shared expert (`ffn_*_shexp`, its sigmoid gate
+  `ffn_gate_inp_shexp`); the top-k weights not renormalised (llama.cpp's
+  llm_build_qwen2moe passes norm_w false);
+- qwen3moe: Qwen3-MoE, the top-k weights renormalised (llama.cpp's qwen3moe passes
+  norm_w true, whatever the HF config's norm_topk_prob was; transformers' GGUF reader
+  sets it true likewise);
+- llama with `expert_count` > 0: Mixtral (renormalised, as always), q/k rows permuted as
+  llama's.
 """
 from __future__ import annotations
 
@@ -30,7 +44,7 @@ COMMON_KEYS = frozenset({
     # harmless: a training note, and the layout a llama checkpoint had before conversion
     # (the file's q/k rows are in llama.cpp's order either way)
     "rope.scaling.finetuned", "tensor_data_layout",
-    # mixture-of-experts counts: refused unless zero
+    # mixture-of-experts counts: refused unless zero where the architecture has no experts
     "expert_count", "expert_used_count",
 })
 
@@ -52,6 +66,29 @@ BLOCK_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+DENSE_MLP = ("ffn_gate", "ffn_up", "ffn_down")
+MOE_BLOCK_TENSORS = {
+    **{k: v for k, v in BLOCK_TENSORS.items() if k not in DENSE_MLP},
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{e}.up_proj",
+    "ffn_down_exps": "mlp.experts.{e}.down_proj",
+}
+QWEN2MOE_BLOCK_TENSORS = {
+    **MOE_BLOCK_TENSORS,
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+MIXTRAL_BLOCK_TENSORS = {
+    **{k: v for k, v in BLOCK_TENSORS.items() if k not in DENSE_MLP},
+    "ffn_gate_inp": "block_sparse_moe.gate",
+    "ffn_gate_exps": "block_sparse_moe.experts.{e}.w1",
+    "ffn_up_exps": "block_sparse_moe.experts.{e}.w3",
+    "ffn_down_exps": "block_sparse_moe.experts.{e}.w2",
+}
+EXPERT = "{e}"  # in an HF name: each expert's index (module doc)
 GEMMA_BLOCK_TENSORS = {
     **BLOCK_TENSORS,
     "post_attention_norm": "post_attention_layernorm",
@@ -75,6 +112,7 @@ class GGUFArchitecture:
     config_fields: Callable[[Callable[..., Any], str, dict[str, Any]], dict[str, Any]] | None = None
     # the config's class where it is not transformers' for model_type (llama_config.py)
     config_class: type | None = None
+    moe: bool = False  # experts (else `expert_count` > 0 is refused)
 
     @property
     def known_keys(self) -> frozenset[str]:
@@ -87,7 +125,9 @@ GEMMA3_27B_LAYERS = 62
 
 
 def gemma3_config_fields(get: Callable[..., Any], a: str, fields: dict[str, Any]) -> dict[str, Any]:
-    """Gemma3TextConfig fields of a gemma3 GGUF, as llama.cpp derives them (module doc)."""
+    """Gemma3TextConfig fields of a gemma3 GGUF, as llama.cpp derives them (module doc);
+    the activation is Gemma's own (hidden_activation), not the common hidden_act."""
+    fields.pop("hidden_act", None)
     layers = fields["num_hidden_layers"]
     window = get(f"{a}.attention.sliding_window")
     layer_types = ["sliding_attention" if window and (i + 1) % GEMMA3_SWA_PATTERN else "full_attention"
@@ -109,6 +149,37 @@ def gemma3_config_fields(get: Callable[..., Any], a: str, fields: dict[str, Any]
     )
 
 
+def _required_int(get: Callable[..., Any], key: str) -> int:
+    value = get(key)
+    if value is None:
+        raise ValueError(f"GGUF metadata {key} is missing")
+    return int(value)
+
+
+def qwen_moe_config_fields(shared_expert: bool, renormalize: bool) -> Callable[..., dict[str, Any]]:
+    """Qwen2MoeConfig / Qwen3MoeConfig fields of a qwen2moe / qwen3moe GGUF: every layer
+    sparse, the top-k weights renormalised as llama.cpp does (module doc)."""
+    def config_fields(get: Callable[..., Any], a: str, fields: dict[str, Any]) -> dict[str, Any]:
+        out = dict(num_experts=_required_int(get, f"{a}.expert_count"),
+                   num_experts_per_tok=_required_int(get, f"{a}.expert_used_count"),
+                   moe_intermediate_size=_required_int(get, f"{a}.expert_feed_forward_length"),
+                   norm_topk_prob=renormalize, decoder_sparse_step=1, mlp_only_layers=[])
+        if shared_expert:
+            out["shared_expert_intermediate_size"] = _required_int(get, f"{a}.expert_shared_feed_forward_length")
+        return out
+    return config_fields
+
+
+def mixtral_config_fields(get: Callable[..., Any], a: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """MixtralConfig fields of a llama GGUF with experts: each expert's size is
+    `feed_forward_length` (intermediate_size already), no sliding window."""
+    return dict(num_local_experts=_required_int(get, f"{a}.expert_count"),
+                num_experts_per_tok=_required_int(get, f"{a}.expert_used_count"), sliding_window=None)
+
+
+MIXTRAL = GGUFArchitecture("MixtralForCausalLM", "mixtral", permuted_rotary=True,
+                           block_tensors=MIXTRAL_BLOCK_TENSORS, config_fields=mixtral_config_fields, moe=True)
+
 ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "llama": GGUFArchitecture("LlamaForCausalLM", "llama", permuted_rotary=True, reads_rope_freqs=True,
                               config_class=LeanLlamaConfig),
@@ -118,4 +189,20 @@ ARCHITECTURES: dict[str, GGUFArchitecture] = {
         "Gemma3ForCausalLM", "gemma3_text", permuted_rotary=False, block_tensors=GEMMA_BLOCK_TENSORS,
         extra_keys=frozenset({"attention.sliding_window", "rope.freq_base_swa", "final_logit_softcapping"}),
         norm_offset=1.0, config_fields=gemma3_config_fields),
+    "qwen2moe": GGUFArchitecture(
+        "Qwen2MoeForCausalLM", "qwen2_moe", permuted_rotary=False, block_tensors=QWEN2MOE_BLOCK_TENSORS,
+        extra_keys=frozenset({"expert_feed_forward_length", "expert_shared_feed_forward_length"}),
+        config_fields=qwen_moe_config_fields(shared_expert=True, renormalize=False), moe=True),
+    "qwen3moe": GGUFArchitecture(
+        "Qwen3MoeForCausalLM", "qwen3_moe", permuted_rotary=False, block_tensors=MOE_BLOCK_TENSORS,
+        extra_keys=frozenset({"expert_feed_forward_length"}),
+        config_fields=qwen_moe_config_fields(shared_expert=False, renormalize=True), moe=True),
 }
+
+
+def gguf_architecture(arch: str, expert_count: int) -> GGUFArchitecture | None:
+    """What a file of `general.architecture` `arch` with `{arch}.expert_count` experts
+    runs as (None: not implemented): llama with experts is Mixtral."""
+    if arch == "llama" and expert_count:
+        return MIXTRAL
+    return ARCHITECTURES.get(arch)

@@ -5,14 +5,17 @@ model keeps packed (gguf_quant), else dequantized at load by the `gguf` package.
 is read by llmd's own reader (gguf_file), its tokenizer built by gguf_tokenizer.
 
 What llmd cannot run as llama.cpp would is refused naming the metadata key or tensor:
-an architecture other than llama, qwen2, qwen3 and gemma3 (gguf_arch.py says what each
-means), mixture-of-experts, partial rotary, an unknown rope scaling type, per-frequency
+an architecture other than llama (with experts: Mixtral), qwen2, qwen3, gemma3, qwen2moe
+and qwen3moe (gguf_arch.py says what each means), experts in another, partial rotary, an unknown rope scaling type, per-frequency
 rope factors (`rope_freqs.weight`, Llama 3.x's rope scaling) that llama.cpp would not
 apply (gguf_rope.py reads them), or any `{arch}.*` key this module does not know.
 
 llama.cpp's converter reorders the rows of every llama q/k projection head so that its
 rotary embedding can rotate adjacent pairs; llmd (like transformers) rotates halves, so
 those rows are put back in HF order here (transformers' GGUF loader undoes the same).
+
+A 3-D expert tensor (`ffn_gate_exps`: every expert's projection stacked) comes out as
+one tensor per expert, under the name an HF checkpoint gives that expert's projection.
 """
 from __future__ import annotations
 
@@ -29,7 +32,8 @@ import torch
 
 from llmd.gpu.layers.gguf_formats import reencoded
 from llmd.gpu.layers.gguf_quant import PackedSource
-from llmd.gpu.models.gguf_arch import ARCHITECTURES, BLOCK_TENSORS, GLOBAL_TENSORS, GGUFArchitecture
+from llmd.gpu.models.gguf_arch import (ARCHITECTURES, BLOCK_TENSORS, EXPERT, GLOBAL_TENSORS, GGUFArchitecture,
+                                       gguf_architecture)
 from llmd.gpu.models.architectures import get_architecture
 from llmd.gpu.models.gguf_file import GGUFFile
 from llmd.gpu.models.gguf_rope import ROPE_FREQS, gguf_rope_parameters
@@ -39,6 +43,8 @@ _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Rotary inverse frequencies some old converters stored; derived from the config instead,
 # as the HF loader skips `rotary_emb.inv_freq`.
 _SKIPPED_BLOCK_TENSORS = {"attn_rot_embd"}
+# Qwen2-MoE's shared-expert gate: llama.cpp keeps it as a vector, HF as a [1, hidden] weight.
+SHARED_EXPERT_GATE = "mlp.shared_expert_gate.weight"
 
 
 def is_gguf_path(path: str | Path) -> bool:
@@ -116,16 +122,15 @@ def load_gguf_config(path: str | Path):
         eos_token_id=g.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=g.get("tokenizer.ggml.padding_token_id"),
     )
-    if a == "llama":
+    if spec.hf_architecture == "LlamaForCausalLM":
         fields["attention_bias"] = "blk.0.attn_q.bias" in g.tensors
         fields["mlp_bias"] = "blk.0.ffn_up.bias" in g.tensors
-    if a == "qwen2":
-        fields.pop("head_dim")  # Qwen2Config derives it; key_length must agree
+    if a in ("qwen2", "qwen2moe"):
+        fields.pop("head_dim")  # Qwen2Config and Qwen2MoeConfig derive it; key_length must agree
         if head_dim != hidden // heads:
             raise ValueError(f"{where}: GGUF metadata {a}.attention.key_length={head_dim} differs from "
                              f"embedding_length / head_count = {hidden // heads}: not implemented for qwen2")
     if spec.config_fields is not None:
-        fields.pop("hidden_act")  # the architecture names its own
         fields.update(spec.config_fields(g.get, a, fields))
     if spec.config_class is not None:
         config = spec.config_class(**fields)
@@ -137,8 +142,9 @@ def load_gguf_config(path: str | Path):
 
 def _supported_architecture(g: GGUFFile, where: str) -> GGUFArchitecture:
     """The file's architecture, after checking from the header alone that llmd runs it as
-    llama.cpp would: every `{arch}.*` key known, no experts, every tensor placeable."""
-    spec = ARCHITECTURES.get(g.architecture)
+    llama.cpp would: every `{arch}.*` key known, experts only where the architecture has
+    them, every tensor placeable."""
+    spec = file_architecture(g)
     if spec is None:
         raise ValueError(f"{where}: GGUF architecture {g.architecture!r} is not implemented by llmd "
                          f"(supported: {', '.join(sorted(ARCHITECTURES))})")
@@ -149,11 +155,22 @@ def _supported_architecture(g: GGUFFile, where: str) -> GGUFArchitecture:
         raise ValueError(f"{where}: GGUF metadata {', '.join(unknown)} is not implemented by llmd for "
                          f"architecture {a!r}; refusing rather than running the model differently")
     for key in ("expert_count", "expert_used_count"):
-        if g.get(f"{a}.{key}", 0):
+        if g.get(f"{a}.{key}", 0) and not spec.moe:
             raise ValueError(f"{where}: GGUF metadata {a}.{key}={g.get(f'{a}.{key}')}: mixture-of-experts "
-                             "models are not implemented by llmd")
-    _check_tensors(g, where, spec.block_tensors)
+                             f"models of architecture {a!r} are not implemented by llmd")
+    _check_tensors(g, where, spec)
     return spec
+
+
+def file_architecture(g: GGUFFile) -> GGUFArchitecture | None:
+    """What the file runs as (gguf_arch.gguf_architecture; None: not implemented)."""
+    a = g.architecture
+    try:
+        experts = int(g.get(f"{a}.expert_count", 0) or 0)
+    except (TypeError, ValueError):
+        raise ValueError(f"{str(g.path)!r}: GGUF metadata {a}.expert_count={g.get(f'{a}.expert_count')!r} "
+                         "is not a number") from None
+    return gguf_architecture(a, experts)
 
 
 def _attention_sizes(g: GGUFFile, a: str, where: str) -> tuple[int, int, int, int]:
@@ -200,16 +217,21 @@ def _int(g: GGUFFile, key: str, default: int | None = None) -> int:
     return int(value)
 
 
-def _check_tensors(g: GGUFFile, where: str, block_tensors: dict[str, str]) -> None:
+def _check_tensors(g: GGUFFile, where: str, spec: GGUFArchitecture) -> None:
     """Every tensor has an llmd parameter to go to and a type the gguf package can
     dequantize: checked from the header, before any weight is read."""
     types = _dequantizable_types()
     for name, t in g.tensors.items():
         if name == ROPE_FREQS:
             continue  # not a weight: the rope parameters (gguf_rope), checked with them
-        if hf_tensor_name(name, block_tensors) is None and not _is_skipped(name):
+        hf_name = hf_tensor_name(name, spec.block_tensors)
+        if hf_name is None and not _is_skipped(name):
             raise ValueError(f"{where}: GGUF tensor {name!r} has no counterpart in llmd's "
-                             f"{g.architecture} model")
+                             f"{g.architecture} model ({spec.hf_architecture})")
+        try:
+            hf_expert_names(hf_name or "", t.torch_shape)
+        except ValueError as exc:
+            raise ValueError(f"{where}: GGUF tensor {name!r}: {exc}") from None
         if t.tensor_type not in types:
             raise ValueError(f"{where}: GGUF tensor {name!r} has type {t.tensor_type.name}, which llmd cannot "
                              f"dequantize (supported: {', '.join(supported_tensor_types())})")
@@ -225,13 +247,24 @@ def _is_skipped(name: str) -> bool:
 
 def hf_tensor_name(name: str, block_tensors: dict[str, str] = BLOCK_TENSORS) -> str | None:
     """The HF checkpoint name of GGUF tensor `name` (None: no counterpart), block
-    tensors named by the architecture's `block_tensors`."""
+    tensors named by the architecture's `block_tensors`; an expert tensor's holds EXPERT
+    where each expert's index goes (hf_expert_names)."""
     if name in GLOBAL_TENSORS:
         return GLOBAL_TENSORS[name]
     m = _BLOCK_NAME.fullmatch(name)
     if m is None or m.group(2) not in block_tensors:
         return None
     return f"model.layers.{m.group(1)}.{block_tensors[m.group(2)]}.{m.group(3)}"
+
+
+def hf_expert_names(hf_name: str, shape: tuple[int, ...]) -> list[str] | None:
+    """The HF name of each expert's projection in an expert tensor of torch shape `shape`
+    ([experts, rows, cols]); None for a tensor of one weight."""
+    if EXPERT not in hf_name:
+        return None
+    if len(shape) != 3:
+        raise ValueError(f"an expert tensor must have 3 dimensions [experts, rows, columns], has shape {shape}")
+    return [hf_name.replace(EXPERT, str(e)) for e in range(shape[0])]
 
 
 def unpermute_rotary_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -242,11 +275,17 @@ def unpermute_rotary_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def gguf_tensor_types(path: str | Path) -> dict[str, tuple[str, str]]:
-    """HF name -> (GGUF name, GGUF type name: F32, Q4_K, ...) of every weight of the file."""
+    """HF name -> (GGUF name, GGUF type name: F32, Q4_K, ...) of every weight of the file
+    (each expert's projection of an expert tensor under its own HF name)."""
     g = open_gguf(path)
-    spec = ARCHITECTURES[g.architecture]
-    return {hf: (name, t.tensor_type.name) for name, t in g.tensors.items()
-            if not _is_skipped(name) and (hf := hf_tensor_name(name, spec.block_tensors)) is not None}
+    spec = file_architecture(g)
+    types = {}
+    for name, t in g.tensors.items():
+        if _is_skipped(name) or (hf := hf_tensor_name(name, spec.block_tensors)) is None:
+            continue
+        for one in hf_expert_names(hf, t.torch_shape) or [hf]:
+            types[one] = (name, t.tensor_type.name)
+    return types
 
 
 def iter_gguf_weights(path: str | Path, config: Any,
@@ -260,7 +299,7 @@ def iter_gguf_weights(path: str | Path, config: Any,
     from gguf.quants import dequantize
 
     g = open_gguf(path)
-    spec = ARCHITECTURES[g.architecture]
+    spec = file_architecture(g)
     for name, t in g.tensors.items():
         if _is_skipped(name):
             continue
@@ -268,17 +307,20 @@ def iter_gguf_weights(path: str | Path, config: Any,
         if hf_name is None:
             raise ValueError(f"{str(path)!r}: GGUF tensor {name!r} has no counterpart in llmd's model")
         shape = t.torch_shape
-        if hf_name in (packed or {}):
-            rows, quant = g.tensor_data(t).reshape(shape[0], -1), t.tensor_type.name
-            if packed[hf_name] != quant:  # re-encoded into the type it is held in (a copy, not the map)
-                try:
-                    rows = reencoded(quant, rows, packed[hf_name])
+        experts = hf_expert_names(hf_name, shape)  # an expert tensor: a weight per expert
+        hf_names = experts or [hf_name]
+        if hf_names[0] in (packed or {}):
+            held, quant = packed[hf_names[0]], t.tensor_type.name
+            pieces = g.tensor_data(t).reshape(len(hf_names), shape[-2], -1)
+            for one, rows in zip(hf_names, pieces):
+                rows = _unpermuted(rows, name, spec, config)
+                if held == quant:
+                    yield one, MappedPackedSource(quant, rows, shape[-2:], g)
+                    continue
+                try:  # re-encoded into the type it is held in (a copy, not the map)
+                    yield one, PackedSource(held, reencoded(quant, rows, held), shape[-2:])
                 except ValueError as exc:
                     raise ValueError(f"{str(path)!r}: GGUF tensor {name!r} of type {quant}: {exc}") from None
-                source = PackedSource(packed[hf_name], _unpermuted(rows, name, spec, config), shape)
-            else:
-                source = MappedPackedSource(quant, _unpermuted(rows, name, spec, config), shape, g)
-            yield hf_name, source
             g.drop_pages(t)  # the model copied it
             continue
         try:
@@ -288,10 +330,13 @@ def iter_gguf_weights(path: str | Path, config: Any,
         array = np.asarray(array, dtype=np.float32).reshape(shape)
         if spec.norm_offset and name.endswith("norm.weight"):
             array = array - np.float32(spec.norm_offset)
+        if hf_name.endswith(SHARED_EXPERT_GATE) and array.ndim == 1:
+            array = array[None]  # llama.cpp's [hidden]: the HF layer's one row
         array = _unpermuted(array, name, spec, config)
         if not (array.flags.writeable and array.flags.c_contiguous):
             array = np.array(array, order="C")  # F32 data is a read-only view of the file's map
-        yield hf_name, torch.from_numpy(array)
+        for one, piece in zip(hf_names, array if experts else [array]):
+            yield one, torch.from_numpy(piece)
         g.drop_pages(t)
 
 

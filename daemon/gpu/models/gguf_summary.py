@@ -8,9 +8,8 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmd.gpu.models.gguf_arch import ARCHITECTURES
 from llmd.gpu.models.gguf_file import GGUFFile
-from llmd.gpu.models.gguf_loader import open_gguf
+from llmd.gpu.models.gguf_loader import file_architecture, open_gguf
 
 
 @dataclass(frozen=True)
@@ -34,7 +33,10 @@ def gguf_summary(path: str | Path) -> GGUFSummary:
 @functools.lru_cache(maxsize=16)
 def _summary(path: str, mtime_ns: int, size: int) -> GGUFSummary:
     g = open_gguf(path)
-    spec = ARCHITECTURES.get(g.architecture)
+    try:
+        spec = file_architecture(g)
+    except ValueError:  # an expert count that is not a number: the file's own name
+        spec = None
     data_start = min((t.data_offset for t in g.tensors.values()), default=g.path.stat().st_size)
     with g.path.open("rb") as f:
         header_sha256 = hashlib.sha256(f.read(data_start)).hexdigest()

@@ -174,7 +174,7 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, Any]]) -> None:
         if param not in params:
             raise ValueError(f"unexpected weight {name!r} in checkpoint")
         layer, attr = owner(param)
-        quant = layer.packed_quant(shard) if attr == "weight" else None
+        quant = layer.packed_quant(shard, attr)
         if isinstance(source, PackedSource) and source.quant != quant:
             if quant is not None:
                 raise ValueError(f"weight {name!r} is {source.quant}, but its layer keeps {quant} (the parts of a "
@@ -237,19 +237,33 @@ def packed_params(model: CausalLM, types: dict[str, tuple[str, str]],
 def _unpackable(layer: Any, attr: str, quant: str, shards: dict[Shard, str], device_type: str) -> str | None:
     """Why a weight part of type `quant` (its parameter's parts: `shards`) cannot be kept
     packed, or None."""
-    if attr != "weight" or not hasattr(layer, "use_packed"):
+    experts = hasattr(layer, "packed_columns")  # mlp.ExpertWeights: w13, w2
+    if not hasattr(layer, "use_packed") or attr != "weight" and not (experts and attr in ("w13", "w2")):
         return "its parameter takes no packed weight"
+    if experts and device_type != "cpu":
+        return f"llmd keeps a GGUF's experts packed on CPU only (no packed MoE kernel for {device_type} yet)"
     if any(q in DENSE_TYPES for q in shards.values()):
         return "its fused projection mixes dense and quantized parts"
     held = held_type(quant, kernel_types(device_type))
     if held not in FORMATS:
         return f"llmd has no kernel for {quant} (packed types: {', '.join(PACKED_TYPES)})"
-    block = FORMATS[held].block
-    if layer.in_features % block:
-        return f"its rows of {layer.in_features} weights are not a whole number of {quant}'s {block}-weight blocks"
+    block, cols = FORMATS[held].block, layer.packed_columns(attr) if experts else layer.in_features
+    if cols % block:
+        return f"its rows of {cols} weights are not a whole number of {quant}'s {block}-weight blocks"
     if set(shards) != set(layer.shards(attr)) and set(shards) != {None}:
         return f"its projection has parts {tuple(layer.shards(attr))}, the file gives {tuple(shards)}"
     return None
+
+
+def _use_packed(model: CausalLM, plan: dict[str, str | dict[Shard, str]]) -> None:
+    """Each planned parameter's layer keeps it packed (before any weight is placed)."""
+    for param, quant in plan.items():
+        module, _, attr = param.rpartition(".")
+        layer = model.get_submodule(module)
+        if attr == "weight":
+            layer.use_packed(quant)
+        else:  # an ExpertWeights' w13 or w2
+            layer.use_packed(quant, attr)
 
 
 def _targets(model: CausalLM, names: Iterable[str]) -> list[tuple[str, tuple[str, Shard]]]:
@@ -286,8 +300,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     if gguf and device.type in PACKED_DEVICES and tp_size == 1 and not dequantize:
         types = gguf_tensor_types(model_dir)
         plan = packed_params(model, types, device.type)
-        for param, quant in plan.items():
-            model.get_submodule(param.rpartition(".")[0]).use_packed(quant)
+        _use_packed(model, plan)
         packed = {name: quant if isinstance(quant := plan[param], str) else quant[shard]
                   for name, (param, shard) in _targets(model, types) if param in plan}
     index = safetensors_index(model_dir) if scheme is not None else {}

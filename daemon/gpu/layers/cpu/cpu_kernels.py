@@ -243,8 +243,9 @@ def attach_cpu_kernels(model: nn.Module) -> int:
 
 def attach_gguf_kernels(model: torch.nn.Module, dtype: torch.dtype, int8_activations: bool = False) -> int:
     """Give every packed layer of a CPU model its matmul (GGUFMatmul, with the C++
-    kernels when they can be built) and every packed table the dtype its rows are
-    dequantized to; returns how many layers are packed. On a CPU with AVX-512 VNNI or
+    kernels when they can be built; a MoE layer's packed experts one per projection of
+    each expert) and every packed table the dtype its rows are dequantized to; returns
+    how many layers are packed. On a CPU with AVX-512 VNNI or
     AVX2 the weights the x16 kernel reads are repacked in place first (gguf_quant.use_x16: a
     table tied to the LM head is read through the same layout), and multiplied in
     x16_passes(int8_activations) passes over x; the LM head's logits into a buffer it
@@ -256,7 +257,9 @@ def attach_gguf_kernels(model: torch.nn.Module, dtype: torch.dtype, int8_activat
         if getattr(module, "quant", None) is None:
             continue
         count += 1
-        if hasattr(module, "kernel"):
+        if hasattr(module, "use_kernels"):  # a MoE layer's packed experts (mlp.ExpertWeights)
+            module.use_kernels(ops, passes)
+        elif hasattr(module, "kernel"):
             module.kernel = GGUFMatmul(module, ops, passes, reuse_output=isinstance(module, ParallelLMHead))
         else:
             module.compute_dtype = dtype
