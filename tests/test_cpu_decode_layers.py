@@ -4,16 +4,21 @@ The C++ layers call the operators the Python layers call at a one-token step, in
 order: a decode step through them equals the Python layers' step bit for bit (hidden
 state and the K/V written to the cache), for Llama (tied Q4_1; every K-quant), Qwen2
 (q/k/v biases), Qwen3 (q/k norms), in float32 and bfloat16, and for Gemma 3 270M (sandwich
-norms, two rotary tables, sliding windows, GELU-tanh); a batch-1 generation agrees with
-transformers reading the same GGUF (the independent reference), token for token. Steps
+norms, two rotary tables, sliding windows, GELU-tanh), and for mixtures of experts
+(Qwen2-MoE with its shared expert and its gate, Qwen3-MoE, Mixtral: packed experts, F32
+routers; a Q8_0 router of 8 rows, which no x16 group fits, keeps the Python layers); a batch-1 generation agrees with transformers
+reading the same GGUF (the independent reference), token for token. Steps
 they do not take (two requests, a prefill) and models they cannot run (the fused ops or
 x16 switched off, dense weights) keep the Python layers.
 """
 from __future__ import annotations
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
+from gguf.quants import quantize
 
 from gguf_fixtures import write_gguf
 from hf_ref import check_logprobs_close, engine_result, hf_greedy
@@ -25,6 +30,7 @@ from llmd.gpu.layers.cpu.cpu_kernels import gguf_ops
 from llmd.gpu.models.loader import load_model
 from real_ggufs import RealModelUnavailable, gemma3_270m_gguf
 from test_gguf import K_QUANTS, hf_dirs  # noqa: F401
+from test_gguf_moe import hf_moe  # noqa: F401
 
 CPU = torch.device("cpu")
 BLOCK = 16
@@ -114,6 +120,47 @@ CASES = [("llama-tied", T.Q4_1, ()), ("qwen2", T.Q8_0, ()), ("qwen3", T.Q8_0, ()
 def test_a_decode_step_through_the_c_layers_is_the_python_layers_step(vnni, ggufs, name, qtype, k_quants, dtype):
     model = load_model(ggufs(name, qtype, k_quants), dtype, CPU, 128)
     assert_same_steps(model, [1, 7, 42, 99, 3, 250], 4, dtype)
+
+
+MOE_CASES = [("qwen2-moe", T.Q8_0), ("qwen3-moe", T.Q4_0), ("mixtral", T.Q8_0)]
+
+
+@pytest.mark.parametrize("name,qtype", MOE_CASES, ids=[c[0] for c in MOE_CASES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_moe_decode_step_through_the_c_layers_is_the_python_layers_step(vnni, hf_moe, tmp_path, name, qtype,
+                                                                         dtype):
+    """Router (F32, F.linear), top-k and its weights, each chosen expert, the
+    shared expert and its gate: the C++ layers' step equals the Python layers' bit for bit."""
+    path = write_gguf(hf_moe(name), tmp_path / f"{name}.gguf", qtype)
+    assert_same_steps(load_model(str(path), dtype, CPU, 128), [1, 7, 42, 99, 3, 250, 17], 5, dtype)
+
+
+def test_a_router_the_c_layers_cannot_read_keeps_the_python_layers(vnni, hf_moe, tmp_path):
+    """A router quantized in the file, 8 experts: 8 rows, no x16 group of 16 (its kernel is
+    the float32 one), so the model keeps the Python layers, which still match its
+    dequantized load."""
+    path = write_gguf(hf_moe("qwen3-moe"), tmp_path / "plain.gguf", T.Q8_0)
+    routers = {}
+    for t in gguf.GGUFReader(path).tensors:
+        if t.name.endswith("ffn_gate_inp.weight"):
+            routers[t.name] = (quantize(np.array(t.data, dtype=np.float32), T.Q8_0), T.Q8_0)
+    quantized = write_gguf(hf_moe("qwen3-moe"), tmp_path / "q8-router.gguf", T.Q8_0, raw_tensors=routers)
+    model = load_model(str(quantized), torch.float32, CPU, 128)
+    assert model.layers[0].mlp.gate.quant == "Q8_0" and model.decode_layers is None
+    assert why_not(model) == "layer 0's router is neither packed in the x16 layout nor dense"
+
+
+@pytest.mark.usefixtures("float32_products")
+def test_a_batch_1_moe_generation_matches_transformers_through_the_c_layers(vnni, hf_moe, tmp_path):
+    path = str(write_gguf(hf_moe("qwen2-moe"), tmp_path / "qwen2-moe.gguf", T.Q8_0))
+    llm = LLM(model=path, dtype="float32", max_num_seqs=1, num_gpu_blocks_override=16, max_model_len=128,
+              enable_prefix_caching=False)
+    spy = Spy(llm.engine.executor.runner.model)
+    prompt, steps = [1, 17, 300, 5, 77, 901, 12], 12
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=5)
+    (out,) = llm.generate([prompt], params)
+    assert spy.calls == steps - 1
+    assert check_logprobs_close(hf_greedy(path, prompt, steps), engine_result(out), path) == steps
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])

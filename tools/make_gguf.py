@@ -75,6 +75,14 @@ GGUF_FIXTURES: dict[str, dict[str, Any]] = {
     # (tests/test_gguf_rope_freqs.py); Q8_0's blocks fit rows of 64 and 192
     "tiny-llama3-rope": dict(arch="llama", preset="tiny", intermediate_size=192, dtype="bfloat16",
                              types=("BF16", "Q8_0")),
+    # a mixture of experts of real shapes (Qwen3-30B-A3B's layout scaled down: 32 experts of
+    # 512, 4 per token, hidden 1024, 8 layers; ~440M weights, ~80M active per token):
+    # llama.cpp's converter stacks the experts (ffn_*_exps) and its Q4_K_M mix gives them
+    # their own types (tools/bench_gguf.py against llama.cpp, docs/benchmarks.md)
+    "qwen3-moe-32x512": dict(arch="qwen3_moe", preset="small", hidden_size=1024, num_hidden_layers=8,
+                             num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=32,
+                             num_experts_per_tok=4, moe_intermediate_size=512, norm_topk_prob=True,
+                             dtype="bfloat16", types=("Q4_K_M", "Q8_0")),
 }
 CONVERTED_TYPE = "BF16"  # the converter's output, kept when a recipe lists it
 

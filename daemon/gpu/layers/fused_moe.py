@@ -79,10 +79,11 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
 
 def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, activation: str = "silu",
-                  products: ExpertProducts | None = None) -> torch.Tensor:
+                  products: ExpertProducts | None = None, ops: LayerOps = UNFUSED) -> torch.Tensor:
     """The experts with batched matmuls per expert over its sorted rows (see the module
     docstring); experts that got no token cost nothing. `products`: each expert's own
-    matmuls (packed experts), w13 and w2 then only give the experts' count and sizes."""
+    matmuls (packed experts), w13 and w2 then only give the experts' count and sizes, and
+    act(gate) * up runs as `ops` says (the C++ layers' batch-1 step calls the same)."""
     act = ACTIVATIONS[activation]
     top_k = topk_ids.shape[1]
     flat = topk_ids.reshape(-1)
@@ -99,7 +100,7 @@ def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
                 hidden = act_and_mul(F.linear(rows[start:end], w13[expert]), act)
                 out_rows[start:end] = F.linear(hidden, w2[expert])
             else:
-                hidden = act_and_mul(products.gate_up[expert](rows[start:end]), act)
+                hidden = ops.act_and_mul(products.gate_up[expert](rows[start:end]), activation)
                 out_rows[start:end] = products.down[expert](hidden)
             start = end
     out_rows *= topk_weights.reshape(-1)[order].unsqueeze(-1).to(x.dtype)

@@ -227,12 +227,14 @@ class SparseMoeBlock(nn.Module):
         self.ops = ops
         self.use_triton: bool | None = None
         self.gate = ReplicatedLinear(hidden_size, spec.num_experts)
+        self.gate.plain_matmul = True  # few outputs: F.linear, not oneDNN (cpu_linear.pack_linears)
         self.experts = ExpertWeights(spec.num_experts, hidden_size, spec.expert_size, tp)
         self.shared_expert = self.shared_expert_gate = None
         if spec.shared_expert_size is not None:
             self.shared_expert = GatedMLP(hidden_size, spec.shared_expert_size, False, activation, tp, ops,
                                           reduce=False)
             self.shared_expert_gate = ReplicatedLinear(hidden_size, 1)
+            self.shared_expert_gate.plain_matmul = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
@@ -240,7 +242,7 @@ class SparseMoeBlock(nn.Module):
         if experts.packed_types:
             if experts.products is None:
                 raise RuntimeError(f"experts packed as {experts.quant} have no kernels (cpu_kernels.attach_gguf_kernels)")
-            out = moe_reference(x, experts.w13, experts.w2, weights, ids, self.activation, experts.products)
+            out = moe_reference(x, experts.w13, experts.w2, weights, ids, self.activation, experts.products, self.ops)
         else:
             out = fused_experts(x, experts.w13, experts.w2, weights, ids, self.activation, self.use_triton, self.ops)
         if self.shared_expert is not None:

@@ -19,12 +19,26 @@
 //   sandwich (Gemma): h, residual = add_norm(post_attention_norm(a), residual);
 //                     hidden = post_feedforward_norm(mlp(h))
 //   mlp(h) = act(gate) * up of h W_gate_up^T (+ b), times W_down^T (+ b)
+//   or a mixture of experts (mlp.SparseMoeBlock with packed experts, fused_moe.moe_reference's
+//   ops for one row): probs = softmax(router(h)) in float32, the top_k (renormalised or
+//   not); each chosen expert's mlp(h), in the top-k order, cast to h's dtype and scaled
+//   by its weight, summed over the k; Qwen2-MoE adds sigmoid(shared_gate(h)) * shared mlp(h).
+//   A router or shared gate is an x16 projection or a dense weight (at::linear, as
+//   F.linear: cpu_linear leaves such layers unpacked).
 // forward returns (hidden, residual) after the last layer; the final norm is the model's.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/div.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/sigmoid.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/sum.h>
+#include <ATen/ops/topk.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -96,6 +110,25 @@ struct Projection {
   }
 };
 
+// A linear that is either an x16 projection or a dense weight (F.linear's at::linear).
+struct Linear {
+  Projection packed;
+  std::optional<at::Tensor> dense;
+
+  at::Tensor operator()(const Ops& ops, const at::Tensor& x) const {
+    return dense ? at::linear(x, *dense, packed.bias) : packed(ops, x);
+  }
+};
+
+// A mixture-of-experts feed-forward (module doc); top_k 0: the layer's is a gated MLP.
+struct Moe {
+  int64_t top_k = 0;
+  bool renormalize = false, shared = false;
+  Linear router, shared_gate;
+  std::vector<Projection> gate_up, down;  // per expert
+  Projection shared_gate_up, shared_down;
+};
+
 struct Norm {
   std::optional<at::Tensor> weight;  // none: the layer has no such norm
   double eps = 1e-6;
@@ -108,6 +141,7 @@ struct Layer {
   bool sandwich;
   Norm input, post_attention, pre_feedforward, post_feedforward, q_norm, k_norm;
   Projection qkv, o, gate_up, down;
+  Moe moe;
 };
 
 class DecoderLayers : public torch::CustomClassHolder {
@@ -131,14 +165,44 @@ class DecoderLayers : public torch::CustomClassHolder {
 
   // which: qkv, o, gate_up, down; parts in row order.
   void add_part(const std::string& which, const at::Tensor& weight, int64_t quant, int64_t cols, int64_t passes) {
-    TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.is_contiguous(),
-                "DecoderLayers.add_part: packed rows (contiguous uint8 [N, row bytes]) expected");
-    TORCH_CHECK(passes >= 1 && passes <= 3, "DecoderLayers.add_part: passes 1..3 expected, got ", passes);
+    check_part(weight, passes);
     projection_of(last("add_part"), which)->parts.push_back(Part{weight, quant, cols, passes});
   }
 
   void set_bias(const std::string& which, const at::Tensor& bias) {
     projection_of(last("set_bias"), which)->bias = bias;
+  }
+
+  // The last layer's feed-forward is a mixture of `experts` experts, `top_k` per token;
+  // `shared`: with a shared expert. Its parts come next (add_expert_part, add_part and
+  // set_dense for router, shared_gate, shared_gate_up, shared_down).
+  void set_moe(int64_t experts, int64_t top_k, bool renormalize, bool shared) {
+    TORCH_CHECK(experts > 0 && top_k > 0 && top_k <= experts,
+                "DecoderLayers.set_moe: 0 < top_k <= experts expected");
+    Moe& m = last("set_moe").moe;
+    m.top_k = top_k;
+    m.renormalize = renormalize;
+    m.shared = shared;
+    m.gate_up.assign(experts, Projection{});
+    m.down.assign(experts, Projection{});
+  }
+
+  // which: gate_up, down, of expert `expert`; parts in row order.
+  void add_expert_part(const std::string& which, int64_t expert, const at::Tensor& weight, int64_t quant,
+                       int64_t cols, int64_t passes) {
+    Moe& m = last("add_expert_part").moe;
+    TORCH_CHECK(expert >= 0 && expert < static_cast<int64_t>(m.gate_up.size()),
+                "DecoderLayers.add_expert_part: no expert ", expert, " (set_moe first)");
+    TORCH_CHECK(which == "gate_up" || which == "down", "DecoderLayers.add_expert_part: no projection named ", which);
+    check_part(weight, passes);
+    (which == "gate_up" ? m.gate_up : m.down)[expert].parts.push_back(Part{weight, quant, cols, passes});
+  }
+
+  // which: router, shared_gate; a dense weight [out, in] (and its bias, if any).
+  void set_dense(const std::string& which, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+    Linear& linear = linear_of(last("set_dense"), which);
+    linear.dense = weight;
+    linear.packed.bias = bias;
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -179,7 +243,7 @@ class DecoderLayers : public torch::CustomClassHolder {
       at::Tensor a = l.o(ops, attended.view({1, l.heads * l.head_dim}));
       if (l.sandwich) a = norm(ops, l.post_attention, a);
       h = add_norm(ops, l.sandwich ? l.pre_feedforward : l.post_attention, a, residual);
-      hidden = l.down(ops, ops.act_and_mul.call(l.gate_up(ops, h), l.act));
+      hidden = l.moe.top_k ? moe(ops, l, h) : l.down(ops, ops.act_and_mul.call(l.gate_up(ops, h), l.act));
       if (l.sandwich) hidden = norm(ops, l.post_feedforward, hidden);
     }
     return {hidden, residual};
@@ -208,7 +272,44 @@ class DecoderLayers : public torch::CustomClassHolder {
     if (which == "o") return &l.o;
     if (which == "gate_up") return &l.gate_up;
     if (which == "down") return &l.down;
+    if (which == "shared_gate_up") return &l.moe.shared_gate_up;
+    if (which == "shared_down") return &l.moe.shared_down;
+    if (which == "router" || which == "shared_gate") return &linear_of(l, which).packed;
     TORCH_CHECK(false, "DecoderLayers: no projection named ", which);
+  }
+
+  static Linear& linear_of(Layer& l, const std::string& which) {
+    if (which == "router") return l.moe.router;
+    if (which == "shared_gate") return l.moe.shared_gate;
+    TORCH_CHECK(false, "DecoderLayers: no router or gate named ", which);
+  }
+
+  static void check_part(const at::Tensor& weight, int64_t passes) {
+    TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.is_contiguous(),
+                "DecoderLayers.add_part: packed rows (contiguous uint8 [N, row bytes]) expected");
+    TORCH_CHECK(passes >= 1 && passes <= 3, "DecoderLayers.add_part: passes 1..3 expected, got ", passes);
+  }
+
+  // The experts of one row h [1, N] (module doc), as fused_moe.moe_reference and
+  // mlp.SparseMoeBlock compute them for it.
+  static at::Tensor moe(const Ops& ops, const Layer& l, const at::Tensor& h) {
+    const Moe& m = l.moe;
+    auto [weights, ids] = at::topk(at::softmax(m.router(ops, h), -1, at::kFloat), m.top_k, -1);
+    if (m.renormalize) weights = at::div(weights, at::sum(weights, {-1}, true));
+    const int64_t n = h.size(1), experts = static_cast<int64_t>(m.gate_up.size());
+    at::Tensor rows = at::empty({m.top_k, n}, h.options());
+    const at::Tensor chosen = ids.contiguous();
+    const int64_t* id = chosen.data_ptr<int64_t>();
+    for (int64_t i = 0; i < m.top_k; ++i) {
+      TORCH_CHECK(id[i] >= 0 && id[i] < experts, "DecoderLayers.forward: the router chose expert ", id[i]);
+      const at::Tensor act = ops.act_and_mul.call(m.gate_up[id[i]](ops, h), l.act);
+      rows.select(0, i).copy_(m.down[id[i]](ops, act).view({n}));
+    }
+    rows.mul_(weights.view({m.top_k, 1}).to(h.scalar_type()));
+    at::Tensor out = at::sum(rows.view({1, m.top_k, n}), {1});
+    if (!m.shared) return out;
+    const at::Tensor shared = m.shared_down(ops, ops.act_and_mul.call(m.shared_gate_up(ops, h), l.act));
+    return at::add(out, at::mul(at::sigmoid(m.shared_gate(ops, h)), shared));
   }
 
   static const at::Tensor& weight_of(const Norm& n) {
@@ -237,6 +338,9 @@ TORCH_LIBRARY_FRAGMENT(llmd_cpu, m) {
       .def("set_norm", &DecoderLayers::set_norm)
       .def("add_part", &DecoderLayers::add_part)
       .def("set_bias", &DecoderLayers::set_bias)
+      .def("set_moe", &DecoderLayers::set_moe)
+      .def("add_expert_part", &DecoderLayers::add_expert_part)
+      .def("set_dense", &DecoderLayers::set_dense)
       .def("num_layers", &DecoderLayers::num_layers)
       .def("forward", &DecoderLayers::forward);
 }

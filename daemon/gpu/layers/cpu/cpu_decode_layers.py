@@ -6,9 +6,11 @@ without the Python between the operators (module calls, checks, views: at batch 
 much time as the operators themselves for a 135M model; docs/benchmarks.md).
 
 `attach_decode_layers` builds it once the kernels are attached, only when every layer
-runs exactly those operators: a dense decoder layer (no experts) on one rank, with the
-C++ fused ops, the paged decode kernel, RMSNorms, and every projection packed in the x16
-layout. Anything else keeps the Python layers; and every step it does not take (more
+runs exactly those operators: a decoder layer on one rank, with the C++ fused ops, the
+paged decode kernel, RMSNorms, and every projection packed in the x16 layout; its
+feed-forward a gated MLP, or a mixture of experts whose experts are packed (a GGUF's:
+mlp.ExpertWeights), its router and shared-expert gate x16 or dense (F.linear: cpu_linear
+leaves them so). Anything else keeps the Python layers; and every step it does not take (more
 than one token or request, prefill, a quantized KV cache) runs them too
 (`DecodeLayers.takes`).
 """
@@ -24,7 +26,7 @@ from llmd.gpu.layers.attention import AttentionMetadata, TorchAttention
 from llmd.gpu.layers.cpu.cpu_fused_ops import ACT_CODES, CPU_FUSED
 from llmd.gpu.layers.gguf_quant import GGUFMatmul
 from llmd.gpu.layers.kv_quant import narrower_float
-from llmd.gpu.layers.mlp import GatedMLP
+from llmd.gpu.layers.mlp import GatedMLP, SparseMoeBlock
 from llmd.gpu.layers.norms import RMSNorm
 
 logger = logging.getLogger("llmd.cpu_decode_layers")
@@ -66,8 +68,9 @@ def why_not(model: nn.Module) -> str | None:
         attn, mlp = layer.self_attn, layer.mlp
         if not (layer.ops is CPU_FUSED and attn.ops is CPU_FUSED):
             return f"layer {i} does not run the C++ fused ops"
-        if not isinstance(mlp, GatedMLP) or mlp.ops is not CPU_FUSED or mlp.activation not in ACT_CODES:
-            return f"layer {i}'s feed-forward is not a gated MLP of the C++ fused ops"
+        if not isinstance(mlp, GatedMLP | SparseMoeBlock) or mlp.ops is not CPU_FUSED or \
+                mlp.activation not in ACT_CODES:
+            return f"layer {i}'s feed-forward is not a gated MLP or experts of the C++ fused ops"
         if not isinstance(attn.attn, TorchAttention) or attn.attn.decode_kernel is None:
             return f"layer {i} does not decode through the paged decode kernel"
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
@@ -79,10 +82,32 @@ def why_not(model: nn.Module) -> str | None:
             return f"layer {i} has a norm other than RMSNorm"
         if any(n.weight.dtype != model.layers[0].input_layernorm.weight.dtype for n in norms):
             return f"layer {i}'s norms differ in dtype from the model's"
-        for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            kernel = getattr(proj, "kernel", None)
-            if not isinstance(kernel, GGUFMatmul) or not all(passes for *_, passes in kernel.parts):
-                return f"layer {i}'s projections are not all packed in the x16 layout"
+        if isinstance(mlp, SparseMoeBlock) and (reason := _why_not_experts(mlp)) is not None:
+            return f"layer {i}'s {reason}"
+        projections = (mlp.gate_up_proj, mlp.down_proj) if isinstance(mlp, GatedMLP) else ()
+        if not all(_x16(proj.kernel) for proj in (attn.qkv_proj, attn.o_proj, *projections)):
+            return f"layer {i}'s projections are not all packed in the x16 layout"
+    return None
+
+
+def _x16(kernel: Any) -> bool:
+    """Whether a product is a packed weight's, every part in the x16 layout."""
+    return isinstance(kernel, GGUFMatmul) and all(passes for *_, passes in kernel.parts)
+
+
+def _why_not_experts(mlp: SparseMoeBlock) -> str | None:
+    products = mlp.experts.products
+    if mlp.reduce or products is None:
+        return "experts are not packed on one rank"
+    if not all(_x16(kernel) for kernel in (*products.gate_up, *products.down)):
+        return "experts are not all packed in the x16 layout"
+    gates = [mlp.gate] if mlp.shared_expert is None else [mlp.gate, mlp.shared_expert_gate]
+    if not all(_x16(g.kernel) or (g.kernel is None and g.quant is None) for g in gates):
+        return "router is neither packed in the x16 layout nor dense"
+    shared = mlp.shared_expert
+    if shared is not None and not (shared.ops is CPU_FUSED and _x16(shared.gate_up_proj.kernel)
+                                   and _x16(shared.down_proj.kernel)):
+        return "shared expert is not packed in the x16 layout"
     return None
 
 
@@ -108,14 +133,46 @@ def build_decode_layers(model: nn.Module) -> DecodeLayers | None:
         for name, norm in norms.items():
             if norm is not None:
                 layers.set_norm(name, norm.weight, norm.eps, norm.gemma_scale)
-        for name, proj in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", layer.mlp.gate_up_proj),
-                           ("down", layer.mlp.down_proj)):
-            kernel = proj.kernel
-            for part, code, weight, passes in kernel.parts:
-                layers.add_part(name, weight, code, proj.in_features, passes)
-            if kernel.with_bias and proj.bias is not None:
-                layers.set_bias(name, proj.bias)
+        mlp = layer.mlp
+        projections = [("qkv", attn.qkv_proj), ("o", attn.o_proj)]
+        if isinstance(mlp, GatedMLP):
+            projections += [("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)]
+        else:
+            projections += _add_experts(layers, mlp)
+        for name, proj in projections:
+            _add_projection(layers, name, proj)
     return DecodeLayers(layers, rope_keys, model.layers[0].input_layernorm.weight.dtype)
+
+
+def _add_projection(layers: Any, name: str, proj: nn.Module) -> None:
+    """A projection of the last layer: its x16 parts (and bias), or its dense weight (a
+    router's, F.linear's)."""
+    kernel = proj.kernel
+    if kernel is None:
+        layers.set_dense(name, proj.weight, proj.bias)
+        return
+    bias = proj.bias if kernel.with_bias else None
+    for part, code, weight, passes in kernel.parts:
+        layers.add_part(name, weight, code, proj.in_features, passes)
+    if bias is not None:
+        layers.set_bias(name, bias)
+
+
+def _add_experts(layers: Any, mlp: SparseMoeBlock) -> list[tuple[str, nn.Module]]:
+    """The last layer's experts set (their parts); the projections of its router and
+    shared expert, for _add_projection."""
+    experts, products = mlp.experts, mlp.experts.products
+    shared = mlp.shared_expert
+    layers.set_moe(len(products.gate_up), mlp.top_k, mlp.renormalize, shared is not None)
+    for name, kernels in (("gate_up", products.gate_up), ("down", products.down)):
+        cols = experts.packed_columns("w13" if name == "gate_up" else "w2")
+        for expert, kernel in enumerate(kernels):
+            for part, code, weight, passes in kernel.parts:
+                layers.add_expert_part(name, expert, weight, code, cols, passes)
+    if shared is None:
+        return [("router", mlp.gate)]
+    return [("router", mlp.gate), ("shared_gate", mlp.shared_expert_gate), ("shared_gate_up", shared.gate_up_proj),
+            ("shared_down", shared.down_proj)]
 
 
 def attach_decode_layers(model: nn.Module) -> bool:
