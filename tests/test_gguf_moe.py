@@ -155,6 +155,13 @@ def test_packed_experts_compute_what_the_dequantized_file_does(hf_moe, tmp_path,
     storage = weight_storage(packed)
     experts = sum(e.w13.nbytes + e.w2.nbytes for e in _experts(packed))
     assert storage[qtype.name] >= experts  # counted as the packed type, not as uint8
+    # the model pool's estimate from the file's header is what the model holds
+    from llmd.config import EngineConfig
+    from llmd.pool.estimate import estimate_need, read_shape
+
+    held = sum(storage.values()) - sum(b.untyped_storage().nbytes() for b in packed.buffers())
+    engine = EngineConfig(model=str(path), kv_cache_memory_bytes=1)
+    assert estimate_need(engine, read_shape(str(path)), "cpu", available_ram=0) == {"cpu": held + 1}
     assert _weight_bytes(packed) < _weight_bytes(dense) / 2.5
     tokens = [1, 7, 42, 99, 3, 250, 17, 8, 8, 64, 500, 12, 13, 900, 4, 4, 33]
     torch.testing.assert_close(_logits(packed, tokens), _logits(dense, tokens), atol=2e-4, rtol=1e-4)
