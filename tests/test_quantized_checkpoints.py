@@ -211,23 +211,6 @@ def test_modules_the_config_keeps_dense_stay_dense(checkpoints, tmp_path):
         llm.engine.shutdown()
 
 
-def test_quantized_experts_are_refused_and_load_dequantized(checkpoints, tmp_path):
-    """Mixture-of-experts experts have no packed kernel: refused by name, and
-    dequantize=True loads the checkpoint dense, computing what transformers computes on
-    the dequantized weights."""
-    path = checkpoints("qwen3-moe", method="awq", group_size=32)
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.0\.\w+_proj is quantized \(awq-int4\): "
-                                         r"quantized mixture-of-experts experts are not implemented packed by llmd; "
-                                         r"dequantize=True \(--dequantize\) loads it dense"):
-        LLM(model=str(path), **SETTINGS)
-    llm = LLM(model=str(path), dequantize=True, **SETTINGS)
-    try:
-        assert _quantized_layers(llm) == {}
-        _compare(str(write_dequantized(path, tmp_path / "dense")), llm, "awq moe, dequantized")
-    finally:
-        llm.engine.shutdown()
-
-
 def _e5m2(tensors: dict) -> None:
     name = "model.layers.0.mlp.up_proj.weight"
     tensors[name] = tensors[name].float().to(torch.float8_e5m2)

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from torch import nn
 
 from llmd.gpu.layers.cpu.cpu_decode_layers import attach_decode_layers
-from llmd.gpu.layers.cpu.cpu_kernels import attach_cpu_kernels, attach_gguf_kernels
+from llmd.gpu.layers.cpu.cpu_kernels import attach_cpu_kernels, attach_expert_kernels, attach_gguf_kernels
 from llmd.gpu.layers.cpu.cpu_linear import pack_linears
 from llmd.gpu.layers.gguf_formats import FORMATS, PACKED_TYPES
 from llmd.gpu.layers.gguf_quant import PackedSource
@@ -27,8 +27,8 @@ from llmd.gpu.models.decoder import CausalLM
 from llmd.gpu.models.gguf_loader import (gguf_stop_token_ids, gguf_tensor_types, is_gguf_path,
                                          iter_gguf_weights, load_gguf_config, load_gguf_tokenizer,
                                          release_gguf_readers)
-from llmd.gpu.models.quant_plan import (apply_plan, finalize_quantized, iter_dequantized, plan_quantized,
-                                        resolve_scheme, safetensors_index, without_empty_biases)
+from llmd.gpu.models.quant_plan import (apply_plan, finalize_quantized, plan_quantized, plan_quantized_experts,
+                                        quantized_weights, resolve_scheme, safetensors_index)
 from llmd.load_progress import LoadProgress
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -306,8 +306,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     index = safetensors_index(model_dir) if scheme is not None else {}
     if scheme is not None:
         scheme = resolve_scheme(scheme, index)
+    experts: dict[str, str] = {}  # quantized experts: the GGUF type each is held in
     if scheme is not None and not dequantize:
         apply_plan(model, scheme, plan_quantized(model, scheme, index, checkpoint_target))
+        experts = plan_quantized_experts(model, scheme, index, checkpoint_target, device.type)
     model = _materialized(model, device)
     model.reset_rotary(device)
     model.tie_weights()
@@ -317,9 +319,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     else:
         weights, total = kv_scales.weights(iter_safetensors(model_dir)), _count_safetensors(model_dir)
         if scheme is not None:
-            weights = without_empty_biases(weights, model, scheme, index, checkpoint_target)
-        if scheme is not None and dequantize:
-            weights = iter_dequantized(weights, scheme, index)
+            weights = quantized_weights(weights, model, scheme, index, checkpoint_target, dequantize, experts)
     load_weights(model, progress.track("weights", weights, total) if progress is not None else weights)
     model.kv_amax = kv_scales.amax(len(model.layers))  # kv_calibration's scales when the cache is quantized
     if gguf:
@@ -358,5 +358,7 @@ def _attach_kernels(model: nn.Module, dtype: torch.dtype, device: torch.device, 
         attach_cuda_gguf_kernels(model, dtype)  # the Triton kernels, over planes laid out in place
     elif packed_gguf:
         attach_gguf_kernels(model, dtype, int8_activations)
+    elif device.type == "cpu":
+        attach_expert_kernels(model, int8_activations)  # an AWQ / GPTQ checkpoint's packed experts
     if device.type == "cpu":
         attach_decode_layers(model)  # batch-1 decode steps through the layers in C++ where they qualify

@@ -7,9 +7,15 @@ module dequantized to a dense weight as it is read (`iter_dequantized`).
 The files decide what is quantized: a module with a `qweight` (AWQ, GPTQ) or a float8
 `weight` (FP8) is, any other stays dense — modules_to_not_convert / ignore lists
 included, which are checked against the files. A quantized module whose layer cannot
-keep it packed (a mixture-of-experts expert, the embedding, a fused projection mixing
-it with a dense part, the LM head split by tensor parallelism) is refused by name.
-Packed layers run on the CPU (C++ kernels) and on CUDA (Triton kernels)."""
+keep it packed (the embedding, a fused projection mixing it with a dense part, the LM
+head split by tensor parallelism) is refused by name. Packed layers run on the CPU (C++
+kernels) and on CUDA (Triton kernels).
+
+A mixture of experts' AWQ / GPTQ experts (`plan_quantized_experts`) are held as a GGUF's
+are (mlp.ExpertWeights): each expert's codes transcoded into GGUF blocks as it is read
+(`quantized_weights`; int_groups: Q4_0 for symmetric 4-bit GPTQ, Q5_0 for other 4-bit,
+Q8_0 for 8-bit), on CPU, on one rank, without act-order; FP8 experts, and experts
+elsewhere, are refused by name."""
 from __future__ import annotations
 
 import contextlib
@@ -23,10 +29,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from llmd.gpu.layers.gguf_quant import PackedSource
 from llmd.gpu.layers.linear import LinearBase, ParallelLMHead, Shard
 from llmd.gpu.layers.mlp import ExpertWeights
 from llmd.gpu.layers.quant.fp8 import fp8_rows
-from llmd.gpu.layers.quant.int_groups import awq_groups, gptq_groups
+from llmd.gpu.layers.quant.int_groups import BLOCK, IntGroups, awq_groups, gptq_groups
 from llmd.gpu.layers.quant.quant_linear import finalize, quantized_matmul, use_quantized
 from llmd.gpu.layers.quant.scheme import FP8Scheme, QuantScheme
 
@@ -84,6 +91,8 @@ def plan_quantized(model: nn.Module, scheme: QuantScheme, index: dict[str, tuple
             continue  # a tensor the model does not keep (a tied LM head)
         param, shard = target
         name = param.rpartition(".")[0]
+        if isinstance(modules.get(name), ExpertWeights):
+            continue  # plan_quantized_experts'
         _check_packable(modules.get(name), prefix, scheme)
         plan.setdefault(name, {})[shard] = prefix
     for name, shards in plan.items():
@@ -97,9 +106,6 @@ def plan_quantized(model: nn.Module, scheme: QuantScheme, index: dict[str, tuple
 
 
 def _check_packable(layer: nn.Module | None, prefix: str, scheme: QuantScheme) -> None:
-    if isinstance(layer, ExpertWeights):
-        raise ValueError(f"{prefix} is quantized ({scheme.label}): quantized mixture-of-experts experts are not "
-                         f"implemented packed by llmd; {DEQUANTIZE_HINT}")
     if isinstance(layer, ParallelLMHead) and layer.world_size > 1:
         raise ValueError(f"{prefix} is quantized ({scheme.label}): a quantized LM head is not split across "
                          f"ranks (tensor_parallel_size > 1); {DEQUANTIZE_HINT}")
@@ -119,6 +125,47 @@ def _check_not_converted(scheme: QuantScheme, prefix: str) -> None:
         if hit:
             raise ValueError(f"{prefix} is quantized in the checkpoint, but its quantization_config keeps "
                              f"{entry!r} dense: the checkpoint contradicts its config")
+
+
+def plan_quantized_experts(model: nn.Module, scheme: QuantScheme, index: dict[str, tuple[str, tuple[int, ...], str]],
+                           checkpoint_target: Any, device_type: str) -> dict[str, str]:
+    """Checkpoint module -> the GGUF type it is held in, for every quantized expert, each
+    MoE layer told to keep its experts packed in that type (module doc); ValueError
+    naming an expert that cannot be."""
+    modules = dict(model.named_modules())
+    found: dict[str, tuple[ExpertWeights, str]] = {}
+    for prefix in quantized_prefixes(scheme, index):
+        target = checkpoint_target(model, prefix + ".weight")
+        module, _, attr = target[0].rpartition(".") if target is not None else ("", "", "")
+        if isinstance(modules.get(module), ExpertWeights):
+            found[prefix] = (modules[module], attr)
+    if not found:
+        return {}
+    where = next(iter(found))
+    why = _experts_not_packed(scheme, device_type, [layer for layer, _ in found.values()])
+    if why is not None:
+        raise ValueError(f"{where} is quantized ({scheme.label}): {why}; {DEQUANTIZE_HINT}")
+    quant = "Q8_0" if scheme.bits == 8 else "Q4_0" if scheme.symmetric else "Q5_0"
+    for prefix, (layer, attr) in found.items():
+        if layer.packed_columns(attr) % BLOCK:
+            raise ValueError(f"{prefix} is quantized ({scheme.label}): its rows of {layer.packed_columns(attr)} "
+                             f"weights are not a whole number of {BLOCK}-weight blocks; {DEQUANTIZE_HINT}")
+        if attr not in layer.packed_types:
+            layer.use_packed(quant, attr)
+            layer.quant = scheme.label
+    return {prefix: quant for prefix in found}
+
+
+def _experts_not_packed(scheme: QuantScheme, device_type: str, layers: list[ExpertWeights]) -> str | None:
+    if isinstance(scheme, FP8Scheme):
+        return "FP8 mixture-of-experts experts are not implemented packed by llmd"
+    if scheme.act_order:
+        return "GPTQ act-order (desc_act) experts are not implemented packed by llmd"
+    if device_type != "cpu":
+        return f"llmd keeps quantized experts packed on CPU only (no packed MoE kernel for {device_type} yet)"
+    if any(layer.world_size > 1 for layer in layers):
+        return "quantized experts are not split across ranks (tensor_parallel_size > 1)"
+    return None
 
 
 def apply_plan(model: nn.Module, scheme: QuantScheme, plan: dict[str, dict[Shard, str]]) -> None:
@@ -169,12 +216,33 @@ def dequantized_module(scheme: QuantScheme, prefix: str, get: Any, has: Any, col
     if isinstance(scheme, FP8Scheme):
         return fp8_rows(get(f"{prefix}.weight"), get(f"{prefix}.{scheme.scale_name}"), scheme.block, 0, 0,
                         prefix).dequantize()
+    return _int_groups(scheme, prefix, get, has, columns).dequantize()
+
+
+def _int_groups(scheme: QuantScheme, prefix: str, get: Any, has: Any, columns: int) -> IntGroups:
+    """An AWQ / GPTQ checkpoint module's codes, zero points and scales (int_groups)."""
     parts = (get(f"{prefix}.qweight"), get(f"{prefix}.qzeros"), get(f"{prefix}.scales"))
     group = scheme.group_size if scheme.group_size > 0 else columns
     if scheme.method == "awq":
-        return awq_groups(*parts, group).dequantize()
+        return awq_groups(*parts, group)
     g_idx = get(f"{prefix}.g_idx") if has(f"{prefix}.g_idx") else None
-    return gptq_groups(*parts, g_idx, scheme.bits, group, scheme.zeros_minus_one).dequantize()
+    return gptq_groups(*parts, g_idx, scheme.bits, group, scheme.zeros_minus_one)
+
+
+def expert_blocks(scheme: QuantScheme, prefix: str, get: Any, has: Any, columns: int, quant: str) -> PackedSource:
+    """A quantized expert's weight as the GGUF blocks of type `quant` its layer keeps
+    (plan_quantized_experts), exactly; ValueError naming the module if it cannot be."""
+    groups = _int_groups(scheme, prefix, get, has, columns)
+    groups.check_shape(groups.codes.shape[0], columns, prefix)
+    groups, order = groups.sorted_by_group()
+    if order is not None:
+        raise ValueError(f"{prefix}: its g_idx orders the input columns (act-order), which packed experts do not "
+                         f"implement; {DEQUANTIZE_HINT}")
+    held, rows = groups.gguf_rows(prefix, q5=quant == "Q5_0")
+    if held != quant:
+        raise ValueError(f"{prefix}: its zero points make its blocks {held}, not {quant} (quantization_config's sym "
+                         f"says every zero point is {1 << (scheme.bits - 1)}); {DEQUANTIZE_HINT}")
+    return PackedSource(quant, rows.numpy(), (rows.shape[0], columns))
 
 
 def without_empty_biases(weights: Iterator[tuple[str, Any]], model: nn.Module, scheme: QuantScheme,
@@ -191,6 +259,27 @@ def without_empty_biases(weights: Iterator[tuple[str, Any]], model: nn.Module, s
             if target is not None and target[0] not in params and not bool(source[...].any()):
                 continue
         yield name, source
+
+
+def quantized_weights(weights: Iterator[tuple[str, Any]], model: nn.Module, scheme: QuantScheme,
+                      index: dict[str, tuple[str, tuple[int, ...], str]], checkpoint_target: Any, dequantize: bool,
+                      experts: dict[str, str]) -> Iterator[tuple[str, Any]]:
+    """A quantized checkpoint's tensors as the loader takes them: all-zero biases of
+    quantized modules left out (without_empty_biases); with `dequantize` every quantized
+    module dense (iter_dequantized); else each quantized expert (`experts`, from
+    plan_quantized_experts) as its GGUF blocks, read one expert at a time."""
+    weights = without_empty_biases(weights, model, scheme, index, checkpoint_target)
+    if dequantize:
+        yield from iter_dequantized(weights, scheme, index)
+        return
+    names = {f"{p}.{n}" for p in experts for n in scheme.checkpoint_names}
+    for name, source in weights:
+        if name not in names:
+            yield name, source
+    with _tensors(index) as get:
+        for prefix, quant in experts.items():
+            yield f"{prefix}.weight", expert_blocks(scheme, prefix, get, index.__contains__,
+                                                    _input_columns(scheme, index, prefix), quant)
 
 
 def iter_dequantized(weights: Iterator[tuple[str, Any]], scheme: QuantScheme,

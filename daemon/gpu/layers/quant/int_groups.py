@@ -80,10 +80,11 @@ class IntGroups:
             return self, None
         return IntGroups(self.codes[:, order], self.zeros, self.scales, self.group_of[order], self.bits), order
 
-    def gguf_rows(self, where: str) -> tuple[str, torch.Tensor]:
+    def gguf_rows(self, where: str, q5: bool = False) -> tuple[str, torch.Tensor]:
         """(GGUF type, packed rows uint8 [out, blocks * bytes]) holding this weight
-        exactly (module doc); columns must already be sorted by group. ValueError
-        naming `where` (the checkpoint module) if it cannot be."""
+        exactly (module doc); columns must already be sorted by group. `q5`: 4-bit codes
+        as Q5_0 even where every zero point is 8 (a type chosen before the zero points
+        were read). ValueError naming `where` (the checkpoint module) if it cannot be."""
         out, cols = self.codes.shape
         if cols % BLOCK:
             raise ValueError(f"{where}: {cols} input columns are not a whole number of {BLOCK}-column blocks")
@@ -101,7 +102,7 @@ class IntGroups:
                 raise ValueError(f"{where}: 8-bit zero points other than 128 need 9-bit codes: not implemented "
                                  "packed (dequantize=True loads it dense)")
             return "Q8_0", _blocks(d, (q.to(torch.int16) - 128).to(torch.int8).view(torch.uint8))
-        if bool((zeros == 8).all()):
+        if not q5 and bool((zeros == 8).all()):
             return "Q4_0", _blocks(d, _nibbles(q))
         shifted = q.to(torch.int32) - zeros.unsqueeze(-1) + 16  # 0..31
         if bool(((shifted < 0) | (shifted > 31)).any()):

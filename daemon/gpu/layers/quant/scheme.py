@@ -27,6 +27,7 @@ class IntGroupScheme:
     zeros_minus_one: bool  # GPTQ's v1 checkpoints store each zero point minus one
     act_order: bool  # GPTQ desc_act: g_idx gives each input column's group
     not_converted: tuple[str, ...]  # modules the config keeps dense (the file decides; checked against it)
+    symmetric: bool = False  # GPTQ sym: every zero point 2^(bits - 1)
 
     @property
     def label(self) -> str:
@@ -173,7 +174,8 @@ def _gptq(qc: Mapping[str, Any]) -> IntGroupScheme:
         _refuse("desc_act", desc_act, "must be true or false")
     return IntGroupScheme("gptq", bits, _group_size(qc, "group_size", per_channel_ok=True),
                           zeros_minus_one=fmt == "gptq", act_order=desc_act,
-                          not_converted=_names(qc.get("modules_to_not_convert"), "modules_to_not_convert"))
+                          not_converted=_names(qc.get("modules_to_not_convert"), "modules_to_not_convert"),
+                          symmetric=sym is True)
 
 
 def _hf_fp8(qc: Mapping[str, Any]) -> FP8Scheme:

@@ -1,0 +1,84 @@
+"""AWQ and GPTQ mixture-of-experts experts kept packed on CPU (quant_plan.plan_quantized_experts:
+each expert's codes transcoded into GGUF blocks as it is read, held in mlp.ExpertWeights
+as a GGUF's experts are): greedy tokens and logprobs equal transformers' on the
+dequantized weights (tests/quant_reference.py, written from the formats' layouts), for
+AWQ (Q5_0 blocks), symmetric 4-bit GPTQ (Q4_0) and 8-bit GPTQ (Q8_0), a Qwen3-MoE fixture
+whose layer 1 is a dense MLP (quantized too). What cannot stay packed is refused naming the expert (act-order,
+FP8, CUDA), and dequantize=True loads it dense.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmd import LLM
+from llmd.gpu.layers.mlp import ExpertWeights
+from llmd.gpu.models.loader import load_model
+from llmd.gpu.worker.memory_profile import weight_storage
+from quant_reference import write_dequantized
+from test_quantized_checkpoints import SETTINGS, _compare, _quantized_layers, checkpoints  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("float32_products")
+CPU = torch.device("cpu")
+CASES = {
+    "awq-g32": (dict(method="awq", group_size=32), "Q5_0", "awq-int4"),
+    "gptq4-sym": (dict(method="gptq", group_size=32), "Q4_0", "gptq-int4"),
+    "gptq8-g64": (dict(method="gptq", bits=8, group_size=64), "Q8_0", "gptq-int8"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_quantized_experts_stay_packed_and_compute_what_their_weights_do(checkpoints, tmp_path, case):  # noqa: F811
+    options, held, label = CASES[case]
+    path = checkpoints("qwen3-moe", **options)
+    llm = LLM(model=str(path), **SETTINGS)
+    try:
+        model = llm.engine.executor.runner.model
+        experts = [m for m in model.modules() if isinstance(m, ExpertWeights)]
+        assert len(experts) == 2  # layers 0 and 2 (layer 1 is a dense MLP)
+        for e in experts:
+            assert e.quant == label and e.packed_types == {"w13": (held, held), "w2": (held,)}
+            assert e.w13.dtype == torch.uint8 and e.products is not None
+        layers = _quantized_layers(llm)
+        assert layers["layers.1.mlp.down_proj"] == label and layers["layers.0.mlp.experts"] == label
+        storage = weight_storage(model)
+        assert storage[label] >= sum(e.w13.nbytes + e.w2.nbytes for e in experts)
+        _compare(str(write_dequantized(path, tmp_path / "dense")), llm, f"{case} moe")
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("what,options,message", [
+    ("act-order", dict(method="gptq", group_size=32, sym=False, gptq_v2=True, act_order=True, order_per_module=True),
+     r"GPTQ act-order \(desc_act\) experts are not implemented packed by llmd"),
+    ("fp8", dict(method="fp8", fp8_style="channel"), r"FP8 mixture-of-experts experts are not implemented packed by llmd"),
+])
+def test_experts_that_cannot_stay_packed_are_refused_by_name(checkpoints, tmp_path, what, options,  # noqa: F811
+                                                             message):
+    path = checkpoints("qwen3-moe", **options)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.\d+\.\w+_proj is quantized \([\w-]+\): "
+                                         + message + r"; dequantize=True \(--dequantize\) loads it dense"):
+        LLM(model=str(path), **SETTINGS)
+    llm = LLM(model=str(path), dequantize=True, **SETTINGS)
+    try:
+        assert _quantized_layers(llm) == {}
+        _compare(str(write_dequantized(path, tmp_path / "dense")), llm, f"{what} moe, dequantized")
+    finally:
+        llm.engine.shutdown()
+
+
+def test_quantized_experts_on_cuda_are_refused_by_name(checkpoints):  # noqa: F811
+    from llmd.gpu.layers.quant.scheme import quant_scheme
+    from llmd.gpu.models.decoder import CausalLM
+    from llmd.gpu.models.loader import checkpoint_target, load_hf_config
+    from llmd.gpu.models.quant_plan import plan_quantized_experts, resolve_scheme, safetensors_index
+
+    path = checkpoints("qwen3-moe", method="awq", group_size=32)
+    config = load_hf_config(path)
+    index = safetensors_index(path)
+    scheme = resolve_scheme(quant_scheme(config), index)
+    with torch.device("meta"):
+        model = CausalLM(config, 128, 0, 1, device=CPU)
+    with pytest.raises(ValueError, match=r"llmd keeps quantized experts packed on CPU only \(no packed MoE kernel "
+                                         r"for cuda yet\)"):
+        plan_quantized_experts(model, scheme, index, checkpoint_target, "cuda")
