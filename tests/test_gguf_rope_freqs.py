@@ -13,7 +13,8 @@ tokens and logprobs, dense and packed (through the C++ batch-1 decode layers whe
 CPU has them), and not the unscaled model's. llama.cpp itself, on the same file, picks
 llmd's tokens and not the unscaled ones. For the real Llama 3.2 1B's parameters, the
 factors the converter writes, read by llmd, give transformers' llama3 frequencies.
-Skipped without llama-cpp-python (the optional `llamacpp` extra)."""
+Skipped without llama-cpp-python (the optional `llamacpp` extra) or its converter
+(LLMD_CONVERT_HF_TO_GGUF names the one in its sdist where its wheel has none)."""
 from __future__ import annotations
 
 import numpy as np
@@ -35,6 +36,11 @@ from llmd.gpu.layers.rotary import RotaryEmbedding, inv_freqs, rope_parameters  
 from llmd.gpu.models.loader import load_hf_config  # noqa: E402
 from llmd_tools import make_gguf, make_model  # noqa: E402
 from test_cpu_decode_layers import Spy  # noqa: E402
+
+try:
+    make_gguf.converter_path()
+except make_gguf.LlamaCppUnavailable as exc:  # a wheel without the converter, no LLMD_CONVERT_HF_TO_GGUF
+    pytest.skip(str(exc), allow_module_level=True)
 
 NAME = "tiny-llama3-rope"
 MAX_TOKENS = 24

@@ -82,3 +82,19 @@ def test_quantized_experts_on_cuda_are_refused_by_name(checkpoints):  # noqa: F8
     with pytest.raises(ValueError, match=r"llmd keeps quantized experts packed on CPU only \(no packed MoE kernel "
                                          r"for cuda yet\)"):
         plan_quantized_experts(model, scheme, index, checkpoint_target, "cuda")
+
+
+def test_an_expert_whose_zero_points_contradict_sym_is_refused_by_name(checkpoints, tmp_path):  # noqa: F811
+    """The experts' type is chosen from `sym` before any zero point is read (Q4_0): an
+    expert with one zero point other than 8 cannot be held so, and is named."""
+    from test_quantized_checkpoints import _edited
+
+    def one_zero_point_off(tensors: dict) -> None:
+        name = "model.layers.2.mlp.experts.1.up_proj.qzeros"
+        tensors[name] = tensors[name] ^ 1  # v1 stores zero - 1 = 7 in every nibble: one becomes 6 (zero 7)
+
+    path = _edited(checkpoints("qwen3-moe", method="gptq", group_size=32), tmp_path / "off", tensor_edit=one_zero_point_off)
+    with pytest.raises(ValueError, match=r"model\.layers\.2\.mlp\.experts\.1\.up_proj: its zero points make its "
+                                         r"blocks Q5_0, not Q4_0 \(quantization_config's sym says every zero point "
+                                         r"is 8\)"):
+        LLM(model=str(path), **SETTINGS)
