@@ -6,7 +6,8 @@ state and the K/V written to the cache), for Llama (tied Q4_1; every K-quant), Q
 (q/k/v biases), Qwen3 (q/k norms), in float32 and bfloat16, and for Gemma 3 270M (sandwich
 norms, two rotary tables, sliding windows, GELU-tanh), and for mixtures of experts
 (Qwen2-MoE with its shared expert and its gate, Qwen3-MoE, Mixtral: packed experts, F32
-routers; a Q8_0 router of 8 rows, which no x16 group fits, keeps the Python layers); a batch-1 generation agrees with transformers
+routers; a Q8_0 router of 8 rows, which no x16 group fits, keeps the Python layers), and
+for AWQ and GPTQ checkpoints without act-order (their experts too); a batch-1 generation agrees with transformers
 reading the same GGUF (the independent reference), token for token. Steps
 they do not take (two requests, a prefill) and models they cannot run (the fused ops or
 x16 switched off, dense weights) keep the Python layers.
@@ -31,6 +32,7 @@ from llmd.gpu.models.loader import load_model
 from real_ggufs import RealModelUnavailable, gemma3_270m_gguf
 from test_gguf import K_QUANTS, hf_dirs  # noqa: F401
 from test_gguf_moe import hf_moe  # noqa: F401
+from test_quantized_checkpoints import checkpoints  # noqa: F401
 
 CPU = torch.device("cpu")
 BLOCK = 16
@@ -161,6 +163,27 @@ def test_a_batch_1_moe_generation_matches_transformers_through_the_c_layers(vnni
     (out,) = llm.generate([prompt], params)
     assert spy.calls == steps - 1
     assert check_logprobs_close(hf_greedy(path, prompt, steps), engine_result(out), path) == steps
+
+
+QUANTIZED = {"awq": ("awq-llama-g32", {}), "gptq4": ("gptq4-sym-v1", {}),
+             "gptq8": ("gptq4-sym-v1", dict(bits=8, group_size=64)),
+             "awq-moe": ("qwen3-moe", dict(method="awq", group_size=32))}
+
+
+@pytest.mark.usefixtures("float32_products")
+@pytest.mark.parametrize("which", list(QUANTIZED))
+def test_an_awq_or_gptq_decode_step_through_the_c_layers_is_the_python_layers_step(vnni, checkpoints, which):
+    """AWQ (Q5_0 blocks) and GPTQ (Q4_0, Q8_0) layers without act-order, and a Qwen3-MoE
+    checkpoint's AWQ experts: the C++ layers take their packed parts as a GGUF's."""
+    case, extra = QUANTIZED[which]
+    path = checkpoints(case, **extra)
+    assert_same_steps(load_model(str(path), torch.float32, CPU, 128), [1, 7, 42, 99, 3, 250, 17], 4, torch.float32)
+
+
+def test_an_act_order_layer_keeps_the_python_layers(vnni, checkpoints):
+    """GPTQ act-order reorders x before its product: not the C++ layers' projection."""
+    model = load_model(str(checkpoints("gptq4-asym-v2-act-order")), torch.float32, CPU, 128)
+    assert model.decode_layers is None and "x16" in why_not(model)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])

@@ -7,7 +7,8 @@ much time as the operators themselves for a 135M model; docs/benchmarks.md).
 
 `attach_decode_layers` builds it once the kernels are attached, only when every layer
 runs exactly those operators: a decoder layer on one rank, with the C++ fused ops, the
-paged decode kernel, RMSNorms, and every projection packed in the x16 layout; its
+paged decode kernel, RMSNorms, and every projection packed in the x16 layout (a GGUF's,
+or an AWQ / GPTQ checkpoint's without act-order); its
 feed-forward a gated MLP, or a mixture of experts whose experts are packed (a GGUF's:
 mlp.ExpertWeights), its router and shared-expert gate x16 or dense (F.linear: cpu_linear
 leaves them so). Anything else keeps the Python layers; and every step it does not take (more
@@ -28,6 +29,7 @@ from llmd.gpu.layers.gguf_quant import GGUFMatmul
 from llmd.gpu.layers.kv_quant import narrower_float
 from llmd.gpu.layers.mlp import GatedMLP, SparseMoeBlock
 from llmd.gpu.layers.norms import RMSNorm
+from llmd.gpu.layers.quant.quant_linear import IntGroupMatmul
 
 logger = logging.getLogger("llmd.cpu_decode_layers")
 
@@ -92,7 +94,23 @@ def why_not(model: nn.Module) -> str | None:
 
 def _x16(kernel: Any) -> bool:
     """Whether a product is a packed weight's, every part in the x16 layout."""
-    return isinstance(kernel, GGUFMatmul) and all(passes for *_, passes in kernel.parts)
+    return _x16_parts(kernel) is not None
+
+
+def _x16_parts(kernel: Any) -> list[tuple[Any, int, torch.Tensor, int]] | None:
+    """A packed product's parts (gguf_quant.GGUFMatmul.parts: part, type code, rows,
+    passes) in output order, every one in the x16 layout; None if it is not such a
+    product. An AWQ / GPTQ layer's (quant_linear.IntGroupMatmul) qualifies when no unit
+    reorders x (no act-order): its units' parts side by side are its output."""
+    if isinstance(kernel, IntGroupMatmul):
+        units = [mm for order, mm in kernel.units if order is None]
+        if len(units) != len(kernel.units):
+            return None
+        parts = [_x16_parts(mm) for mm in units]
+        return None if any(p is None for p in parts) else [part for unit in parts for part in unit]
+    if isinstance(kernel, GGUFMatmul) and all(passes for *_, passes in kernel.parts):
+        return list(kernel.parts)
+    return None
 
 
 def _why_not_experts(mlp: SparseMoeBlock) -> str | None:
@@ -152,7 +170,7 @@ def _add_projection(layers: Any, name: str, proj: nn.Module) -> None:
         layers.set_dense(name, proj.weight, proj.bias)
         return
     bias = proj.bias if kernel.with_bias else None
-    for part, code, weight, passes in kernel.parts:
+    for part, code, weight, passes in _x16_parts(kernel):
         layers.add_part(name, weight, code, proj.in_features, passes)
     if bias is not None:
         layers.set_bias(name, bias)
