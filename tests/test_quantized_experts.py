@@ -2,9 +2,10 @@
 each expert's codes transcoded into GGUF blocks as it is read, held in mlp.ExpertWeights
 as a GGUF's experts are): greedy tokens and logprobs equal transformers' on the
 dequantized weights (tests/quant_reference.py, written from the formats' layouts), for
-AWQ (Q5_0 blocks), symmetric 4-bit GPTQ (Q4_0) and 8-bit GPTQ (Q8_0), a Qwen3-MoE fixture
-whose layer 1 is a dense MLP (quantized too). What cannot stay packed is refused naming the expert (act-order,
-FP8, CUDA), and dequantize=True loads it dense.
+AWQ (Q5_0 blocks), symmetric 4-bit GPTQ (Q4_0), 8-bit GPTQ (Q8_0) and asymmetric 4-bit
+GPTQ with act-order (an input order per module: gate and up of an expert in different
+orders), a Qwen3-MoE fixture whose layer 1 is a dense MLP (quantized too). What cannot
+stay packed is refused naming the expert (FP8, CUDA), and dequantize=True loads it dense.
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ CASES = {
     "awq-g32": (dict(method="awq", group_size=32), "Q5_0", "awq-int4"),
     "gptq4-sym": (dict(method="gptq", group_size=32), "Q4_0", "gptq-int4"),
     "gptq8-g64": (dict(method="gptq", bits=8, group_size=64), "Q8_0", "gptq-int8"),
+    "gptq4-act-order": (dict(method="gptq", group_size=32, sym=False, gptq_v2=True, act_order=True,
+                             order_per_module=True), "Q5_0", "gptq-int4"),
 }
 
 
@@ -39,6 +42,9 @@ def test_quantized_experts_stay_packed_and_compute_what_their_weights_do(checkpo
         for e in experts:
             assert e.quant == label and e.packed_types == {"w13": (held, held), "w2": (held,)}
             assert e.w13.dtype == torch.uint8 and e.products is not None
+            assert e.ordered == ("act-order" in case)
+        if "act-order" in case:  # gate and up of an expert in their own orders: two units of one product
+            assert len(experts[0].products.gate_up[0].units) == 2 and experts[0].products.gate_up[0].units[0][0]
         layers = _quantized_layers(llm)
         assert layers["layers.1.mlp.down_proj"] == label and layers["layers.0.mlp.experts"] == label
         storage = weight_storage(model)
@@ -49,8 +55,6 @@ def test_quantized_experts_stay_packed_and_compute_what_their_weights_do(checkpo
 
 
 @pytest.mark.parametrize("what,options,message", [
-    ("act-order", dict(method="gptq", group_size=32, sym=False, gptq_v2=True, act_order=True, order_per_module=True),
-     r"GPTQ act-order \(desc_act\) experts are not implemented packed by llmd"),
     ("fp8", dict(method="fp8", fp8_style="channel"), r"FP8 mixture-of-experts experts are not implemented packed by llmd"),
 ])
 def test_experts_that_cannot_stay_packed_are_refused_by_name(checkpoints, tmp_path, what, options,  # noqa: F811

@@ -27,6 +27,10 @@ is then uint8 [experts, bytes], each expert's gate rows then its up rows in thei
 GGUF types (the two may differ: llama.cpp's mixes), `w2` uint8 [experts, bytes] its
 down rows; each expert's projections multiply through gguf_quant.GGUFMatmul over its
 rows (`use_kernels`, cpu_kernels.attach_gguf_kernels) inside the reference MoE loop.
+GPTQ act-order experts (`use_input_orders`) also keep each part's input column order
+(`w13_order` [experts, 2, hidden], `w2_order` [experts, 1, inter]): a part whose columns
+were sorted by group multiplies x's columns taken in that order, gate and up as one
+product where their orders agree (quant_linear.IntGroupMatmul's units).
 """
 from __future__ import annotations
 
@@ -44,6 +48,7 @@ from llmd.gpu.layers.fused_ops import UNFUSED, LayerOps
 from llmd.gpu.layers.gguf_quant import GGUFMatmul, PackedPart, packed_parts, row_bytes
 from llmd.gpu.layers.linear import (MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear, Shard,
                                     WeightLoading, copy_checked, read)
+from llmd.gpu.layers.quant.quant_linear import IntGroupMatmul
 from llmd.gpu.layers.tp import TPShape
 
 # On CPU, bytes of gate/up output a GatedMLP computes at a time: a prefill's rows go
@@ -115,7 +120,8 @@ class ExpertWeights(WeightLoading, nn.Module):
         self.packed_types: dict[str, tuple[str, ...]] = {}
         self.quant_tensors: tuple[str, ...] = ()  # the packed ones (memory_profile.weight_storage)
         self.products: ExpertProducts | None = None  # packed: each expert's matmuls (use_kernels)
-        self._views: dict[str, list[_PackedExpert]] = {}
+        self._views: dict[str, list[Any]] = {}
+        self.ordered = False  # act-order: w13_order / w2_order hold each part's input order
 
     def shards(self, name: str) -> Sequence[Shard]:
         experts = range(self.w13.shape[0])
@@ -149,6 +155,17 @@ class ExpertWeights(WeightLoading, nn.Module):
         self.quant_tensors = tuple(self.packed_types)
         self.quant = "+".join(dict.fromkeys(q for t in self.packed_types.values() for q in t))
 
+    def use_input_orders(self) -> None:
+        """Keep each expert part's input column order (module doc); after use_packed,
+        before loading."""
+        experts = self.w13.shape[0]
+        self.register_buffer("w13_order", torch.empty(experts, 2, self.hidden, dtype=torch.int32,
+                                                      device=self.w13.device))
+        self.register_buffer("w2_order", torch.empty(experts, 1, self.inter, dtype=torch.int32,
+                                                     device=self.w13.device))
+        self.ordered = True
+        self.quant_tensors = (*self.packed_types, "w13_order", "w2_order")
+
     def packed_quant(self, shard: Shard, name: str = "weight") -> str | None:
         types = self.packed_types.get(name)
         if types is None:
@@ -180,6 +197,12 @@ class ExpertWeights(WeightLoading, nn.Module):
             expert, part, rows, start = shard, 0, self.hidden, 0
         width = row_bytes(types[part], cols)
         copy_checked(param.data[expert, start:start + rows * width].view(rows, width), read(source))
+        order = getattr(source, "input_order", None)
+        if self.ordered:
+            with torch.no_grad():
+                getattr(self, f"{name}_order")[expert, part] = torch.arange(cols) if order is None else order
+        elif order is not None:
+            raise ValueError("orders its input columns (act-order), which this layer was not told to keep")
 
     def packed_parts_of(self, name: str) -> tuple[PackedPart, ...]:
         """Where each type's rows lie in one expert's packed `name` (gguf_quant.PackedPart)."""
@@ -194,21 +217,50 @@ class ExpertWeights(WeightLoading, nn.Module):
             if name not in self.packed_types:
                 return [lambda x, w=param[e]: F.linear(x, w) for e in range(param.shape[0])]
             if name not in self._views:  # made once: an x16 repack is recorded on its view (use_x16)
-                parts, cols = self.packed_parts_of(name), self.packed_columns(name)
-                self._views[name] = [_PackedExpert(param[e], parts, cols) for e in range(param.shape[0])]
+                self._views[name] = [self._expert_view(name, e) for e in range(param.shape[0])]
+            if self.ordered:
+                return [IntGroupMatmul(view, lambda unit: GGUFMatmul(unit, ops, x16_passes))
+                        for view in self._views[name]]
             return [GGUFMatmul(view, ops, x16_passes) for view in self._views[name]]
 
         self.products = ExpertProducts(products("w13"), products("w2"))
 
 
+    def _expert_view(self, name: str, expert: int) -> _PackedExpert:
+        """Expert `expert`'s packed `name` as its products read it: with input orders, its
+        parts grouped into units of one order each (None: the columns as they come)."""
+        view = _PackedExpert(getattr(self, name)[expert], self.packed_parts_of(name), self.packed_columns(name))
+        if not self.ordered:
+            return view
+        orders = [o if not torch.equal(o, torch.arange(o.numel(), dtype=o.dtype)) else None
+                  for o in getattr(self, f"{name}_order")[expert]]
+        if name == "w2" or _same(orders[0], orders[1]):
+            view.order_0 = orders[0]
+            view.int_units = [("order_0" if orders[0] is not None else None, view.packed_parts)]
+            return view
+        types, cols = self.packed_types[name], self.packed_columns(name)
+        gate = PackedPart(types[0], 0, self.inter, 0)
+        up = PackedPart(types[1], self.inter, 2 * self.inter, self.inter * row_bytes(types[0], cols))
+        view.order_0, view.order_1 = orders
+        view.int_units = [("order_0" if orders[0] is not None else None, (gate,)),
+                          ("order_1" if orders[1] is not None else None, (up,))]
+        return view
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+
+
 class _PackedExpert:
-    """One expert's packed projection, as GGUFMatmul reads a layer: its rows, their parts."""
+    """One expert's packed projection, as GGUFMatmul reads a layer (its rows, their parts)
+    and, with input orders, as IntGroupMatmul does (`int_units`, the orders by name)."""
 
     bias = None
     reduce = False
 
     def __init__(self, weight: torch.Tensor, parts: tuple[PackedPart, ...], in_features: int) -> None:
         self.weight, self.packed_parts, self.in_features = weight, parts, in_features
+        self.int_units: list[tuple[str | None, tuple[PackedPart, ...]]] = []
 
 
 class SparseMoeBlock(nn.Module):

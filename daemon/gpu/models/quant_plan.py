@@ -14,8 +14,8 @@ kernels) and on CUDA (Triton kernels).
 A mixture of experts' AWQ / GPTQ experts (`plan_quantized_experts`) are held as a GGUF's
 are (mlp.ExpertWeights): each expert's codes transcoded into GGUF blocks as it is read
 (`quantized_weights`; int_groups: Q4_0 for symmetric 4-bit GPTQ, Q5_0 for other 4-bit,
-Q8_0 for 8-bit), on CPU, on one rank, without act-order; FP8 experts, and experts
-elsewhere, are refused by name."""
+Q8_0 for 8-bit; act-order columns sorted by group, the order kept beside), on CPU, on one
+rank; FP8 experts, and experts elsewhere, are refused by name."""
 from __future__ import annotations
 
 import contextlib
@@ -153,14 +153,15 @@ def plan_quantized_experts(model: nn.Module, scheme: QuantScheme, index: dict[st
         if attr not in layer.packed_types:
             layer.use_packed(quant, attr)
             layer.quant = scheme.label
+    for layer, _ in found.values():
+        if scheme.act_order and not layer.ordered:
+            layer.use_input_orders()
     return {prefix: quant for prefix in found}
 
 
 def _experts_not_packed(scheme: QuantScheme, device_type: str, layers: list[ExpertWeights]) -> str | None:
     if isinstance(scheme, FP8Scheme):
         return "FP8 mixture-of-experts experts are not implemented packed by llmd"
-    if scheme.act_order:
-        return "GPTQ act-order (desc_act) experts are not implemented packed by llmd"
     if device_type != "cpu":
         return f"llmd keeps quantized experts packed on CPU only (no packed MoE kernel for {device_type} yet)"
     if any(layer.world_size > 1 for layer in layers):
@@ -235,14 +236,19 @@ def expert_blocks(scheme: QuantScheme, prefix: str, get: Any, has: Any, columns:
     groups = _int_groups(scheme, prefix, get, has, columns)
     groups.check_shape(groups.codes.shape[0], columns, prefix)
     groups, order = groups.sorted_by_group()
-    if order is not None:
-        raise ValueError(f"{prefix}: its g_idx orders the input columns (act-order), which packed experts do not "
-                         f"implement; {DEQUANTIZE_HINT}")
     held, rows = groups.gguf_rows(prefix, q5=quant == "Q5_0")
     if held != quant:
         raise ValueError(f"{prefix}: its zero points make its blocks {held}, not {quant} (quantization_config's sym "
                          f"says every zero point is {1 << (scheme.bits - 1)}); {DEQUANTIZE_HINT}")
-    return PackedSource(quant, rows.numpy(), (rows.shape[0], columns))
+    return OrderedPackedSource(quant, rows.numpy(), (rows.shape[0], columns), order)
+
+
+@dataclasses.dataclass
+class OrderedPackedSource(PackedSource):
+    """An expert's packed rows whose columns were sorted by group (act-order): x's columns
+    go in `input_order` (None: as they come)."""
+
+    input_order: torch.Tensor | None = None
 
 
 def without_empty_biases(weights: Iterator[tuple[str, Any]], model: nn.Module, scheme: QuantScheme,
