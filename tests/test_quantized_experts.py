@@ -2,10 +2,11 @@
 each expert's codes transcoded into GGUF blocks as it is read, held in mlp.ExpertWeights
 as a GGUF's experts are): greedy tokens and logprobs equal transformers' on the
 dequantized weights (tests/quant_reference.py, written from the formats' layouts), for
-AWQ (Q5_0 blocks), symmetric 4-bit GPTQ (Q4_0), 8-bit GPTQ (Q8_0) and asymmetric 4-bit
-GPTQ with act-order (an input order per module: gate and up of an expert in different
-orders), a Qwen3-MoE fixture whose layer 1 is a dense MLP (quantized too). What cannot
-stay packed is refused naming the expert (FP8, CUDA), and dequantize=True loads it dense.
+AWQ (Q5_0 blocks), symmetric 4-bit GPTQ (Q4_0), 8-bit GPTQ (Q8_0), asymmetric 4-bit GPTQ
+with act-order (an input order per module: gate and up of an expert in different
+orders), and FP8 experts (their e4m3 bytes, scales per channel and per 32x32 block), a
+Qwen3-MoE fixture whose layer 1 is a dense MLP (quantized too). Quantized experts on CUDA
+are refused naming the expert; dequantize=True loads them dense.
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ CASES = {
     "gptq8-g64": (dict(method="gptq", bits=8, group_size=64), "Q8_0", "gptq-int8"),
     "gptq4-act-order": (dict(method="gptq", group_size=32, sym=False, gptq_v2=True, act_order=True,
                              order_per_module=True), "Q5_0", "gptq-int4"),
+    "fp8-channel": (dict(method="fp8", fp8_style="channel"), "FP8", "fp8-e4m3"),
+    "fp8-block": (dict(method="fp8", fp8_style="block", block=(32, 32)), "FP8", "fp8-e4m3"),
 }
 
 
@@ -42,6 +45,8 @@ def test_quantized_experts_stay_packed_and_compute_what_their_weights_do(checkpo
         for e in experts:
             assert e.quant == label and e.packed_types == {"w13": (held, held), "w2": (held,)}
             assert e.w13.dtype == torch.uint8 and e.products is not None
+            if held == "FP8":  # e4m3 bytes [experts, rows, cols], a scale a row (channel) or a block of 32 columns
+                assert e.w13.shape == (4, 128, 64) and e.w13_scales.shape[2] == (2 if "block" in case else 1)
             assert e.ordered == ("act-order" in case)
         if "act-order" in case:  # gate and up of an expert in their own orders: two units of one product
             assert len(experts[0].products.gate_up[0].units) == 2 and experts[0].products.gate_up[0].units[0][0]
@@ -54,19 +59,12 @@ def test_quantized_experts_stay_packed_and_compute_what_their_weights_do(checkpo
         llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("what,options,message", [
-    ("fp8", dict(method="fp8", fp8_style="channel"), r"FP8 mixture-of-experts experts are not implemented packed by llmd"),
-])
-def test_experts_that_cannot_stay_packed_are_refused_by_name(checkpoints, tmp_path, what, options,  # noqa: F811
-                                                             message):
-    path = checkpoints("qwen3-moe", **options)
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.\d+\.\w+_proj is quantized \([\w-]+\): "
-                                         + message + r"; dequantize=True \(--dequantize\) loads it dense"):
-        LLM(model=str(path), **SETTINGS)
+def test_dequantize_loads_quantized_experts_dense(checkpoints, tmp_path):  # noqa: F811
+    path = checkpoints("qwen3-moe", method="gptq", group_size=32)
     llm = LLM(model=str(path), dequantize=True, **SETTINGS)
     try:
         assert _quantized_layers(llm) == {}
-        _compare(str(write_dequantized(path, tmp_path / "dense")), llm, f"{what} moe, dequantized")
+        _compare(str(write_dequantized(path, tmp_path / "dense")), llm, "gptq moe, dequantized")
     finally:
         llm.engine.shutdown()
 

@@ -30,7 +30,10 @@ rows (`use_kernels`, cpu_kernels.attach_gguf_kernels) inside the reference MoE l
 GPTQ act-order experts (`use_input_orders`) also keep each part's input column order
 (`w13_order` [experts, 2, hidden], `w2_order` [experts, 1, inter]): a part whose columns
 were sorted by group multiplies x's columns taken in that order, gate and up as one
-product where their orders agree (quant_linear.IntGroupMatmul's units).
+product where their orders agree (quant_linear.IntGroupMatmul's units). FP8 experts
+(`use_fp8`) are kept as quant/fp8's rows instead: `w13` / `w2` the e4m3 bytes [experts,
+rows, cols], `w13_scales` / `w2_scales` float32 [experts, rows, groups], each expert
+multiplied by fp8.FP8Matmul.
 """
 from __future__ import annotations
 
@@ -48,7 +51,10 @@ from llmd.gpu.layers.fused_ops import UNFUSED, LayerOps
 from llmd.gpu.layers.gguf_quant import GGUFMatmul, PackedPart, packed_parts, row_bytes
 from llmd.gpu.layers.linear import (MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear, Shard,
                                     WeightLoading, copy_checked, read)
+from llmd.gpu.layers.quant.fp8 import FP8Matmul
 from llmd.gpu.layers.quant.quant_linear import IntGroupMatmul
+
+FP8 = "FP8"  # packed_types' name for FP8 experts (module doc)
 from llmd.gpu.layers.tp import TPShape
 
 # On CPU, bytes of gate/up output a GatedMLP computes at a time: a prefill's rows go
@@ -166,6 +172,17 @@ class ExpertWeights(WeightLoading, nn.Module):
         self.ordered = True
         self.quant_tensors = (*self.packed_types, "w13_order", "w2_order")
 
+    def use_fp8(self, name: str, groups: int) -> None:
+        """Keep `name`'s experts as FP8 (module doc), `groups` scales a row; before loading."""
+        experts, rows = self.w13.shape[0], 2 * self.inter if name == "w13" else self.hidden
+        device = self.w13.device
+        setattr(self, name, nn.Parameter(torch.empty(experts, rows, self.packed_columns(name), dtype=torch.uint8,
+                                                     device=device), requires_grad=False))
+        self.register_buffer(f"{name}_scales", torch.empty(experts, rows, groups, dtype=torch.float32, device=device))
+        self.packed_types[name] = (FP8,) * (2 if name == "w13" else 1)
+        self.quant_tensors = (*self.packed_types, *(f"{n}_scales" for n, t in self.packed_types.items() if t[0] == FP8))
+        self.quant = "fp8-e4m3"
+
     def packed_quant(self, shard: Shard, name: str = "weight") -> str | None:
         types = self.packed_types.get(name)
         if types is None:
@@ -190,6 +207,9 @@ class ExpertWeights(WeightLoading, nn.Module):
     def _load_packed(self, name: str, param: nn.Parameter, source: Any, shard: Shard) -> None:
         """An expert's packed rows of one part, copied in as they are (one rank)."""
         types, cols = self.packed_types[name], self.packed_columns(name)
+        if types[0] == FP8:
+            self._load_fp8(name, param, source, shard)
+            return
         if name == "w13":
             (expert, part), rows = shard, self.inter
             start = part * rows * row_bytes(types[0], cols)
@@ -204,18 +224,34 @@ class ExpertWeights(WeightLoading, nn.Module):
         elif order is not None:
             raise ValueError("orders its input columns (act-order), which this layer was not told to keep")
 
+    def _load_fp8(self, name: str, param: nn.Parameter, source: Any, shard: Shard) -> None:
+        """An FP8 expert part's bytes and scales (its scales repeated to the layer's groups)."""
+        (expert, part), rows = (shard, self.inter) if name == "w13" else ((shard, 0), self.hidden)
+        start = part * rows
+        copy_checked(param.data[expert, start:start + rows], read(source))
+        target = getattr(self, f"{name}_scales")[expert, start:start + rows]
+        scales = source.scales
+        if target.shape[1] % scales.shape[1]:
+            raise ValueError(f"has {scales.shape[1]} scales a row, which do not divide the layer's {target.shape[1]}")
+        copy_checked(target, scales.repeat_interleave(target.shape[1] // scales.shape[1], dim=1))
+
     def packed_parts_of(self, name: str) -> tuple[PackedPart, ...]:
         """Where each type's rows lie in one expert's packed `name` (gguf_quant.PackedPart)."""
         rows = (self.inter,) * 2 if name == "w13" else (self.hidden,)
         return packed_parts(self.packed_types[name], rows, self.packed_columns(name))
 
-    def use_kernels(self, ops: Any, x16_passes: int) -> None:
+    def use_kernels(self, ops: Any, x16_passes: int, fp8_ops: Any = None) -> None:
         """Each expert's products (`products`): a packed projection through GGUFMatmul over
-        its rows (`ops`, `x16_passes`: as a packed linear layer's), a dense one F.linear."""
+        its rows (`ops`, `x16_passes`: as a packed linear layer's), an FP8 one through
+        FP8Matmul (`fp8_ops`), a dense one F.linear."""
         def products(name: str) -> list[Any]:
             param = getattr(self, name)
             if name not in self.packed_types:
                 return [lambda x, w=param[e]: F.linear(x, w) for e in range(param.shape[0])]
+            if self.packed_types[name][0] == FP8:
+                scales = getattr(self, f"{name}_scales")
+                return [FP8Matmul(_PackedExpert(param[e], (), param.shape[2], scales[e]), fp8_ops)
+                        for e in range(param.shape[0])]
             if name not in self._views:  # made once: an x16 repack is recorded on its view (use_x16)
                 self._views[name] = [self._expert_view(name, e) for e in range(param.shape[0])]
             if self.ordered:
@@ -258,8 +294,10 @@ class _PackedExpert:
     bias = None
     reduce = False
 
-    def __init__(self, weight: torch.Tensor, parts: tuple[PackedPart, ...], in_features: int) -> None:
+    def __init__(self, weight: torch.Tensor, parts: tuple[PackedPart, ...], in_features: int,
+                 weight_scales: torch.Tensor | None = None) -> None:
         self.weight, self.packed_parts, self.in_features = weight, parts, in_features
+        self.weight_scales = weight_scales  # an FP8 expert's (fp8.FP8Matmul)
         self.int_units: list[tuple[str | None, tuple[PackedPart, ...]]] = []
 
 

@@ -14,8 +14,9 @@ kernels) and on CUDA (Triton kernels).
 A mixture of experts' AWQ / GPTQ experts (`plan_quantized_experts`) are held as a GGUF's
 are (mlp.ExpertWeights): each expert's codes transcoded into GGUF blocks as it is read
 (`quantized_weights`; int_groups: Q4_0 for symmetric 4-bit GPTQ, Q5_0 for other 4-bit,
-Q8_0 for 8-bit; act-order columns sorted by group, the order kept beside), on CPU, on one
-rank; FP8 experts, and experts elsewhere, are refused by name."""
+Q8_0 for 8-bit; act-order columns sorted by group, the order kept beside), FP8 experts
+as their e4m3 bytes and scales (quant/fp8), on CPU, on one rank; experts elsewhere are
+refused by name."""
 from __future__ import annotations
 
 import contextlib
@@ -31,7 +32,7 @@ from torch import nn
 
 from llmd.gpu.layers.gguf_quant import PackedSource
 from llmd.gpu.layers.linear import LinearBase, ParallelLMHead, Shard
-from llmd.gpu.layers.mlp import ExpertWeights
+from llmd.gpu.layers.mlp import FP8, ExpertWeights
 from llmd.gpu.layers.quant.fp8 import fp8_rows
 from llmd.gpu.layers.quant.int_groups import BLOCK, IntGroups, awq_groups, gptq_groups
 from llmd.gpu.layers.quant.quant_linear import finalize, quantized_matmul, use_quantized
@@ -145,6 +146,8 @@ def plan_quantized_experts(model: nn.Module, scheme: QuantScheme, index: dict[st
     why = _experts_not_packed(scheme, device_type, [layer for layer, _ in found.values()])
     if why is not None:
         raise ValueError(f"{where} is quantized ({scheme.label}): {why}; {DEQUANTIZE_HINT}")
+    if isinstance(scheme, FP8Scheme):
+        return _plan_fp8_experts(scheme, found)
     quant = "Q8_0" if scheme.bits == 8 else "Q4_0" if scheme.symmetric else "Q5_0"
     for prefix, (layer, attr) in found.items():
         if layer.packed_columns(attr) % BLOCK:
@@ -159,9 +162,20 @@ def plan_quantized_experts(model: nn.Module, scheme: QuantScheme, index: dict[st
     return {prefix: quant for prefix in found}
 
 
+def _plan_fp8_experts(scheme: FP8Scheme, found: dict[str, tuple[ExpertWeights, str]]) -> dict[str, str]:
+    """FP8 experts kept as e4m3 bytes and a scale per row and block of columns (one group
+    a row for a tensor's or a row's scale)."""
+    for prefix, (layer, attr) in found.items():
+        cols = layer.packed_columns(attr)
+        if scheme.block is not None and cols % scheme.block[1]:
+            raise ValueError(f"{prefix} is quantized ({scheme.label}): its rows of {cols} weights are not whole "
+                             f"{scheme.block[1]}-column blocks; {DEQUANTIZE_HINT}")
+        if attr not in layer.packed_types:
+            layer.use_fp8(attr, 1 if scheme.block is None else cols // scheme.block[1])
+    return {prefix: FP8 for prefix in found}
+
+
 def _experts_not_packed(scheme: QuantScheme, device_type: str, layers: list[ExpertWeights]) -> str | None:
-    if isinstance(scheme, FP8Scheme):
-        return "FP8 mixture-of-experts experts are not implemented packed by llmd"
     if device_type != "cpu":
         return f"llmd keeps quantized experts packed on CPU only (no packed MoE kernel for {device_type} yet)"
     if any(layer.world_size > 1 for layer in layers):
@@ -232,7 +246,11 @@ def _int_groups(scheme: QuantScheme, prefix: str, get: Any, has: Any, columns: i
 
 def expert_blocks(scheme: QuantScheme, prefix: str, get: Any, has: Any, columns: int, quant: str) -> PackedSource:
     """A quantized expert's weight as the GGUF blocks of type `quant` its layer keeps
-    (plan_quantized_experts), exactly; ValueError naming the module if it cannot be."""
+    (plan_quantized_experts), exactly, or (FP8) its bytes and scales; ValueError naming
+    the module if it cannot be."""
+    if isinstance(scheme, FP8Scheme):
+        rows = fp8_rows(get(f"{prefix}.weight"), get(f"{prefix}.{scheme.scale_name}"), scheme.block, 0, 0, prefix)
+        return FP8Source(FP8, rows.bytes.numpy(), tuple(rows.bytes.shape), rows.scales)
     groups = _int_groups(scheme, prefix, get, has, columns)
     groups.check_shape(groups.codes.shape[0], columns, prefix)
     groups, order = groups.sorted_by_group()
@@ -249,6 +267,13 @@ class OrderedPackedSource(PackedSource):
     go in `input_order` (None: as they come)."""
 
     input_order: torch.Tensor | None = None
+
+
+@dataclasses.dataclass
+class FP8Source(PackedSource):
+    """An FP8 expert's e4m3 bytes (`data`) and its `scales` [rows, groups] (quant/fp8)."""
+
+    scales: torch.Tensor | None = None
 
 
 def without_empty_biases(weights: Iterator[tuple[str, Any]], model: nn.Module, scheme: QuantScheme,

@@ -274,14 +274,14 @@ def attach_gguf_kernels(model: torch.nn.Module, dtype: torch.dtype, int8_activat
 
 def attach_expert_kernels(model: torch.nn.Module, int8_activations: bool = False) -> int:
     """Give the packed experts of a CPU model whose other layers are not a GGUF's (an AWQ
-    or GPTQ checkpoint's, held as GGUF blocks: quant_plan.plan_quantized_experts) their
-    products, as attach_gguf_kernels does; returns how many MoE layers have them."""
+    or GPTQ checkpoint's, held as GGUF blocks, or an FP8 one's: quant_plan.plan_quantized_experts)
+    their products, as attach_gguf_kernels does; returns how many MoE layers have them."""
     experts = [m for m in model.modules() if hasattr(m, "use_kernels") and getattr(m, "quant", None)]
     if experts:
         ops = gguf_ops()
         passes = x16_passes(ops, int8_activations) if ops is not None and ops.x16 else 0
         for module in experts:
-            module.use_kernels(ops, passes)
+            module.use_kernels(ops, passes, fp8_ops())
     return len(experts)
 
 
