@@ -12,8 +12,9 @@ Two implementations of `fused_experts`, the same contract:
   rows at once; the weighted rows go back to their tokens with one gather and a sum. The
   loop is over experts, never over tokens, but it reads the per-expert counts on the
   host, so its shapes follow the routing (fine on CPU, not capturable in a CUDA graph).
-  Experts kept packed (a GGUF's, mlp.ExpertWeights) run through it with their own
-  products (`ExpertProducts`: each expert's packed matmuls) in place of the two matmuls.
+  Experts kept packed (a GGUF's, an AWQ / GPTQ / FP8 checkpoint's: mlp.ExpertWeights)
+  run through it with their own products (`ExpertProducts`: each expert's packed
+  matmuls) in place of the two matmuls.
 - `fused_moe_triton.triton_fused_experts` (CUDA): vLLM's fused-MoE layout. The pairs are
   sorted by expert and each expert's run padded to a multiple of the kernel's row block
   (moe_align.moe_align_block_size, all on the device), so every row block belongs to one

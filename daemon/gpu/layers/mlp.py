@@ -261,7 +261,6 @@ class ExpertWeights(WeightLoading, nn.Module):
 
         self.products = ExpertProducts(products("w13"), products("w2"))
 
-
     def _expert_view(self, name: str, expert: int) -> _PackedExpert:
         """Expert `expert`'s packed `name` as its products read it: with input orders, its
         parts grouped into units of one order each (None: the columns as they come)."""

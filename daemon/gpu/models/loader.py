@@ -238,7 +238,7 @@ def _unpackable(layer: Any, attr: str, quant: str, shards: dict[Shard, str], dev
     """Why a weight part of type `quant` (its parameter's parts: `shards`) cannot be kept
     packed, or None."""
     experts = hasattr(layer, "packed_columns")  # mlp.ExpertWeights: w13, w2
-    if not hasattr(layer, "use_packed") or attr != "weight" and not (experts and attr in ("w13", "w2")):
+    if not hasattr(layer, "use_packed") or (attr != "weight" and not (experts and attr in ("w13", "w2"))):
         return "its parameter takes no packed weight"
     if experts and device_type != "cpu":
         return f"llmd keeps a GGUF's experts packed on CPU only (no packed MoE kernel for {device_type} yet)"

@@ -8,10 +8,10 @@ much time as the operators themselves for a 135M model; docs/benchmarks.md).
 `attach_decode_layers` builds it once the kernels are attached, only when every layer
 runs exactly those operators: a decoder layer on one rank, with the C++ fused ops, the
 paged decode kernel, RMSNorms, and every projection packed in the x16 layout (a GGUF's,
-or an AWQ / GPTQ checkpoint's without act-order); its
-feed-forward a gated MLP, or a mixture of experts whose experts are packed (a GGUF's:
-mlp.ExpertWeights), its router and shared-expert gate x16 or dense (F.linear: cpu_linear
-leaves them so). Anything else keeps the Python layers; and every step it does not take (more
+or an AWQ / GPTQ checkpoint's without act-order); its feed-forward a gated MLP, or a
+mixture of experts whose experts are packed so too (mlp.ExpertWeights), its router and
+shared-expert gate x16 or dense (F.linear: cpu_linear leaves them so). Anything else
+keeps the Python layers; and every step it does not take (more
 than one token or request, prefill, a quantized KV cache) runs them too
 (`DecodeLayers.takes`).
 """
@@ -185,7 +185,7 @@ def _add_experts(layers: Any, mlp: SparseMoeBlock) -> list[tuple[str, nn.Module]
     for name, kernels in (("gate_up", products.gate_up), ("down", products.down)):
         cols = experts.packed_columns("w13" if name == "gate_up" else "w2")
         for expert, kernel in enumerate(kernels):
-            for part, code, weight, passes in kernel.parts:
+            for part, code, weight, passes in _x16_parts(kernel):
                 layers.add_expert_part(name, expert, weight, code, cols, passes)
     if shared is None:
         return [("router", mlp.gate)]
