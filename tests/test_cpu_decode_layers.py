@@ -154,15 +154,7 @@ def test_a_router_the_c_layers_cannot_read_keeps_the_python_layers(vnni, hf_moe,
 
 @pytest.mark.usefixtures("float32_products")
 def test_a_batch_1_moe_generation_matches_transformers_through_the_c_layers(vnni, hf_moe, tmp_path):
-    path = str(write_gguf(hf_moe("qwen2-moe"), tmp_path / "qwen2-moe.gguf", T.Q8_0))
-    llm = LLM(model=path, dtype="float32", max_num_seqs=1, num_gpu_blocks_override=16, max_model_len=128,
-              enable_prefix_caching=False)
-    spy = Spy(llm.engine.executor.runner.model)
-    prompt, steps = [1, 17, 300, 5, 77, 901, 12], 12
-    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=5)
-    (out,) = llm.generate([prompt], params)
-    assert spy.calls == steps - 1
-    assert check_logprobs_close(hf_greedy(path, prompt, steps), engine_result(out), path) == steps
+    assert_batch_1_generation_matches_transformers(str(write_gguf(hf_moe("qwen2-moe"), tmp_path / "q.gguf", T.Q8_0)))
 
 
 QUANTIZED = {"awq": ("awq-llama-g32", {}), "gptq4": ("gptq4-sym-v1", {}),
@@ -211,7 +203,10 @@ def test_gemma3_270m_decode_steps_through_the_c_layers(vnni):
 def test_batch_1_generation_matches_transformers_through_the_c_layers(vnni, ggufs):
     """One request at a time: every decode step runs the C++ layers, and the greedy
     tokens and logprobs are transformers' on the same GGUF."""
-    path = ggufs("llama-tied", T.Q4_1)
+    assert_batch_1_generation_matches_transformers(ggufs("llama-tied", T.Q4_1))
+
+
+def assert_batch_1_generation_matches_transformers(path: str) -> None:
     llm = LLM(model=path, dtype="float32", max_num_seqs=1, num_gpu_blocks_override=16, max_model_len=128,
               enable_prefix_caching=False)
     spy = Spy(llm.engine.executor.runner.model)

@@ -27,7 +27,7 @@ from llmd.gpu.layers.linear import LinearBase
 from llmd.gpu.models.gguf_arch import gemma3_config_fields
 from llmd.gpu.models.gguf_summary import gguf_summary
 from llmd.gpu.models.loader import load_hf_config, load_model, load_tokenizer
-from llmd_tools.make_model import build_model
+from tiny_models import tiny_models
 from test_engine_vs_hf import TEXTS
 
 MAX_TOKENS = 24
@@ -58,14 +58,7 @@ K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K)
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gguf-hf")
-
-    @functools.cache
-    def get(name: str) -> Path:
-        recipe = dict(HF_FIXTURES[name])
-        return build_model(root / name, recipe.pop("arch"), "tiny", **recipe)
-
-    return get
+    return tiny_models(tmp_path_factory.mktemp("gguf-hf"), HF_FIXTURES)
 
 
 @pytest.fixture(scope="module")

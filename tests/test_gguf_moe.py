@@ -17,7 +17,6 @@ refused naming the tensor or key.
 """
 from __future__ import annotations
 
-import functools
 import shutil
 from pathlib import Path
 
@@ -37,6 +36,7 @@ from llmd.gpu.models.decoder import CausalLM
 from llmd.gpu.models.gguf_loader import gguf_tensor_types
 from llmd.gpu.models.loader import load_hf_config, load_model, packed_params
 from llmd_tools.make_model import build_model
+from tiny_models import tiny_models
 
 CPU = torch.device("cpu")
 MAX_TOKENS = 16
@@ -60,14 +60,7 @@ FIXTURES = {
 
 @pytest.fixture(scope="module")
 def hf_moe(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gguf-moe-hf")
-
-    @functools.cache
-    def get(name: str) -> Path:
-        recipe = dict(FIXTURES[name])
-        return build_model(root / name, recipe.pop("arch"), "tiny", **recipe)
-
-    return get
+    return tiny_models(tmp_path_factory.mktemp("gguf-moe-hf"), FIXTURES)
 
 
 def _packed(model) -> dict[str, str]:

@@ -32,7 +32,7 @@ from llmd.gpu.layers.quant.scheme import quant_scheme
 from llmd.gpu.models.decoder import CausalLM
 from llmd.gpu.models.loader import checkpoint_target, iter_safetensors, load_hf_config, load_weights
 from llmd.gpu.models.quant_plan import apply_plan, plan_quantized, resolve_scheme, safetensors_index
-from llmd_tools.make_model import build_model
+from tiny_models import tiny_models
 from llmd_tools.quantize_checkpoint import options, quantize_checkpoint
 from quant_reference import write_dequantized
 from test_engine_vs_hf import TEXTS
@@ -70,11 +70,7 @@ LABELS = {"awq": "awq-int4", "fp8": "fp8-e4m3"}
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("quantized")
-
-    @functools.cache
-    def dense(name: str) -> Path:
-        recipe = dict(DENSE[name])
-        return build_model(root / f"dense-{name}", recipe.pop("arch"), "tiny", **recipe)
+    dense = tiny_models(root, DENSE, prefix="dense-")
 
     @functools.cache
     def get(case: str, **extra) -> Path:
