@@ -11,6 +11,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from safetensors.torch import load_file
 
 pytest.importorskip("llama_cpp")
@@ -91,6 +92,40 @@ def test_llama_cpp_tokenizes_the_file_as_the_hf_tokenizer_does(built):
 @pytest.mark.parametrize("quant", ["Q8_0", "Q4_K_M"])
 def test_llmd_runs_the_file_as_transformers_does(built, quant):
     path = str(built[0][quant])
+    _, tokenizer = hf_model(path)
+    llm = LLM(model=path, device="cpu", dtype="float32", num_gpu_blocks_override=64, max_model_len=128)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    for text in TEXTS:
+        prompt = tokenizer(text).input_ids
+        out = llm.generate([prompt], params)[0]
+        assert check_logprobs_close(hf_greedy(path, prompt, 16), engine_result(out), f"{quant} {text!r}") >= 8
+
+
+MOE = "tiny-qwen3-moe-256"
+
+
+@pytest.fixture(scope="module")
+def moe_files(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("gguf-moe-cache")
+    return {q: make_gguf.gguf_fixture(MOE, q, cache_dir=cache, threads=1) for q in make_gguf.GGUF_FIXTURES[MOE]["types"]}
+
+
+@pytest.mark.usefixtures("float32_products")
+@pytest.mark.parametrize("quant", ["Q8_0", "Q4_K_M"])
+def test_llmd_runs_llama_cpps_moe_file_as_transformers_does(moe_files, quant):
+    """llama.cpp's converter stacks the experts (ffn_*_exps) and its quantizer gives them
+    its mix's types; llmd keeps them packed, and its tokens and logprobs are transformers'
+    reading the same file."""
+    from llmd.gpu.layers.mlp import ExpertWeights
+    from llmd.gpu.models.loader import load_model
+
+    path = str(moe_files[quant])
+    reader = gguf.GGUFReader(path)
+    exps = {t.tensor_type for t in reader.tensors if t.name.endswith("_exps.weight")}
+    assert exps == ({T.Q8_0} if quant == "Q8_0" else {T.Q4_K, T.Q6_K})
+    model = load_model(path, torch.float32, torch.device("cpu"), 128)
+    experts = [m for m in model.modules() if isinstance(m, ExpertWeights)]
+    assert len(experts) == 2 and all(e.w13.dtype == torch.uint8 for e in experts)
     _, tokenizer = hf_model(path)
     llm = LLM(model=path, device="cpu", dtype="float32", num_gpu_blocks_override=64, max_model_len=128)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)

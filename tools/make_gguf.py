@@ -75,6 +75,12 @@ GGUF_FIXTURES: dict[str, dict[str, Any]] = {
     # (tests/test_gguf_rope_freqs.py); Q8_0's blocks fit rows of 64 and 192
     "tiny-llama3-rope": dict(arch="llama", preset="tiny", intermediate_size=192, dtype="bfloat16",
                              types=("BF16", "Q8_0")),
+    # a mixture of experts through the same pipeline in seconds (tests/test_make_gguf.py):
+    # experts of 768 (transformers' GGUF reader, the test's reference, takes Qwen3MoeConfig's
+    # default: it ignores expert_feed_forward_length), rows of 256 and 768 for the K-quants
+    "tiny-qwen3-moe-256": dict(arch="qwen3_moe", preset="tiny", hidden_size=256, num_hidden_layers=2, head_dim=64,
+                               num_experts=8, num_experts_per_tok=2, moe_intermediate_size=768,
+                               norm_topk_prob=True, dtype="bfloat16", types=("Q4_K_M", "Q8_0")),
     # a mixture of experts of real shapes (Qwen3-30B-A3B's layout scaled down: 32 experts of
     # 512, 4 per token, hidden 1024, 8 layers; ~440M weights, ~80M active per token):
     # llama.cpp's converter stacks the experts (ffn_*_exps) and its Q4_K_M mix gives them
