@@ -159,7 +159,7 @@ class ExpertWeights(WeightLoading, nn.Module):
                                          requires_grad=False))
         self.packed_types[name] = types
         self.quant_tensors = tuple(self.packed_types)
-        self.quant = "+".join(dict.fromkeys(q for t in self.packed_types.values() for q in t))
+        self.quant = "+".join(dict.fromkeys(q for n in ("w13", "w2") for q in self.packed_types.get(n, ())))
 
     def use_input_orders(self) -> None:
         """Keep each expert part's input column order (module doc); after use_packed,
