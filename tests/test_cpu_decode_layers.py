@@ -137,6 +137,44 @@ def test_a_moe_decode_step_through_the_c_layers_is_the_python_layers_step(vnni, 
     assert_same_steps(load_model(str(path), dtype, CPU, 128), [1, 7, 42, 99, 3, 250, 17], 5, dtype)
 
 
+@pytest.mark.parametrize("name,qtype", MOE_CASES, ids=[c[0] for c in MOE_CASES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_the_experts_loop_in_c_is_the_python_loop(vnni, hf_moe, tmp_path, name, qtype, dtype):
+    """A prefill's rows (and 3 rows, and 1) through the C++ experts (CppExperts) give the
+    Python loop's logits bit for bit; the C++ loop really ran."""
+    from test_gguf_packed import _logits
+
+    model = load_model(str(write_gguf(hf_moe(name), tmp_path / f"{name}.gguf", qtype)), dtype, CPU, 128)
+    blocks = [m for m in model.modules() if getattr(m, "cpp_experts", None) is not None]
+    assert len(blocks) == sum(1 for m in model.modules() if hasattr(m, "cpp_experts")) > 0
+    calls = []
+    for block in blocks:
+        inner = block.cpp_experts.experts
+        block.cpp_experts.experts = _Counting(inner, calls)
+    tokens = [1, 7, 42, 99, 3, 250, 17, 8, 8, 64, 500, 12, 13, 900, 4, 4, 33]
+    for n in (len(tokens), 3, 1):
+        c = _logits(model, tokens[:n])
+        saved = [b.cpp_experts for b in blocks]
+        for b in blocks:
+            b.cpp_experts = None
+        try:
+            py = _logits(model, tokens[:n])
+        finally:
+            for b, cpp in zip(blocks, saved):
+                b.cpp_experts = cpp
+        assert torch.equal(c, py), f"{n} rows: max difference {(c.float() - py.float()).abs().max()}"
+    assert len(calls) == 3 * len(blocks)
+
+
+class _Counting:
+    def __init__(self, inner, calls: list) -> None:
+        self.inner, self.calls = inner, calls
+
+    def forward(self, *args):
+        self.calls.append(1)
+        return self.inner.forward(*args)
+
+
 def test_a_router_the_c_layers_cannot_read_keeps_the_python_layers(vnni, hf_moe, tmp_path):
     """A router quantized in the file, 8 experts: 8 rows, no x16 group of 16 (its kernel is
     the float32 one), so the model keeps the Python layers, which still match its

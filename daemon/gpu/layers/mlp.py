@@ -315,6 +315,7 @@ class SparseMoeBlock(nn.Module):
         self.activation = activation
         self.ops = ops
         self.use_triton: bool | None = None
+        self.cpp_experts: Any = None  # packed experts on CPU: their loop in C++ (cpu_decode_layers.CppExperts)
         self.gate = ReplicatedLinear(hidden_size, spec.num_experts)
         self.gate.plain_matmul = True  # few outputs: F.linear, not oneDNN (cpu_linear.pack_linears)
         self.experts = ExpertWeights(spec.num_experts, hidden_size, spec.expert_size, tp)
@@ -331,7 +332,12 @@ class SparseMoeBlock(nn.Module):
         if experts.packed_types:
             if experts.products is None:
                 raise RuntimeError(f"experts packed as {experts.quant} have no kernels (cpu_kernels.attach_gguf_kernels)")
-            out = moe_reference(x, experts.w13, experts.w2, weights, ids, self.activation, experts.products, self.ops)
+            cpp = self.cpp_experts
+            if cpp is not None and ids.numel() <= cpp.max_rows:
+                out = cpp(x, weights, ids)
+            else:
+                out = moe_reference(x, experts.w13, experts.w2, weights, ids, self.activation, experts.products,
+                                    self.ops)
         else:
             out = fused_experts(x, experts.w13, experts.w2, weights, ids, self.activation, self.use_triton, self.ops)
         if self.shared_expert is not None:

@@ -26,11 +26,22 @@
 //   A router or shared gate is an x16 projection or a dense weight (at::linear, as
 //   F.linear: cpu_linear leaves such layers unpacked).
 // forward returns (hidden, residual) after the last layer; the final norm is the model's.
+//
+// MoeExperts: a MoE layer's packed experts for any number of rows (a prefill's, a batch's),
+// fused_moe.moe_reference's packed branch in C++ — the (row, expert) pairs sorted by expert
+// (stable), each expert that got rows running its products over them, the rows scaled by
+// their routing weights and summed back per row — the same operators in the same order, so
+// its output is the Python loop's bit for bit, without the Python per expert. Every
+// expert's rows must be few enough for the x16 product (mlp.SparseMoeBlock checks).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
+#include <ATen/ops/argsort.h>
+#include <ATen/ops/bincount.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/floor_divide.h>
+#include <ATen/ops/index_select.h>
 #include <ATen/ops/div.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
@@ -329,9 +340,62 @@ class DecoderLayers : public torch::CustomClassHolder {
   }
 };
 
+class MoeExperts : public torch::CustomClassHolder {
+ public:
+  explicit MoeExperts(int64_t experts) : gate_up_(experts), down_(experts) {
+    TORCH_CHECK(experts > 0, "MoeExperts: experts > 0 expected");
+  }
+
+  // which: gate_up, down, of expert `expert`; parts in row order.
+  void add_part(const std::string& which, int64_t expert, const at::Tensor& weight, int64_t quant, int64_t cols,
+                int64_t passes) {
+    TORCH_CHECK(expert >= 0 && expert < static_cast<int64_t>(gate_up_.size()), "MoeExperts.add_part: no expert ",
+                expert);
+    TORCH_CHECK(which == "gate_up" || which == "down", "MoeExperts.add_part: no projection named ", which);
+    TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.is_contiguous(),
+                "MoeExperts.add_part: packed rows (contiguous uint8 [N, row bytes]) expected");
+    TORCH_CHECK(passes >= 1 && passes <= 3, "MoeExperts.add_part: passes 1..3 expected, got ", passes);
+    (which == "gate_up" ? gate_up_ : down_)[expert].parts.push_back(Part{weight, quant, cols, passes});
+  }
+
+  // x [M, N]; topk_weights float32 [M, k], topk_ids int64 [M, k]; act an ACT_CODES code.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                     int64_t act) const {
+    TORCH_CHECK(x.dim() == 2 && topk_ids.dim() == 2 && topk_ids.size(0) == x.size(0) &&
+                    topk_weights.sizes() == topk_ids.sizes() && topk_ids.scalar_type() == at::kLong,
+                "MoeExperts.forward: x [M, N], topk_weights and int64 topk_ids [M, k] expected");
+    const Ops& ops = Ops::get();
+    const int64_t k = topk_ids.size(1), n = x.size(1), experts = static_cast<int64_t>(gate_up_.size());
+    const at::Tensor flat = topk_ids.reshape({-1});
+    const at::Tensor order = at::argsort(flat, /*stable=*/true);
+    const at::Tensor counts = at::bincount(flat, {}, experts);
+    TORCH_CHECK(counts.size(0) == experts, "MoeExperts.forward: an expert id past the ", experts, " experts");
+    const at::Tensor rows = x.index_select(0, at::floor_divide(order, k));  // x[order // k]: the same gather
+    at::Tensor out_rows = at::empty({rows.size(0), n}, x.options());
+    const int64_t* count = counts.data_ptr<int64_t>();
+    int64_t start = 0;
+    for (int64_t e = 0; e < experts; ++e) {
+      if (count[e] == 0) continue;
+      const int64_t end = start + count[e];
+      const at::Tensor hidden = ops.act_and_mul.call(gate_up_[e](ops, rows.slice(0, start, end)), act);
+      out_rows.slice(0, start, end).copy_(down_[e](ops, hidden));
+      start = end;
+    }
+    out_rows.mul_(topk_weights.reshape({-1}).index_select(0, order).unsqueeze(-1).to(x.scalar_type()));
+    return at::sum(out_rows.index_select(0, at::argsort(order)).view({-1, k, n}), {1});
+  }
+
+ private:
+  std::vector<Projection> gate_up_, down_;
+};
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llmd_cpu, m) {
+  m.class_<MoeExperts>("MoeExperts")
+      .def(torch::init<int64_t>())
+      .def("add_part", &MoeExperts::add_part)
+      .def("forward", &MoeExperts::forward);
   m.class_<DecoderLayers>("DecoderLayers")
       .def(torch::init<>())
       .def("add_layer", &DecoderLayers::add_layer)

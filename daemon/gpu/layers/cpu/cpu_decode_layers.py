@@ -14,6 +14,11 @@ shared-expert gate x16 or dense (F.linear: cpu_linear leaves them so). Anything 
 keeps the Python layers; and every step it does not take (more
 than one token or request, prefill, a quantized KV cache) runs them too
 (`DecodeLayers.takes`).
+
+`CppExperts` does the same for a MoE layer's packed experts at any number of rows (a
+prefill's, a batch's): the .cpp's MoeExperts runs fused_moe.moe_reference's loop over the
+experts with no Python between them; each SparseMoeBlock whose experts qualify gets one
+(`cpp_experts`) and uses it for the steps whose rows the x16 product takes.
 """
 from __future__ import annotations
 
@@ -113,6 +118,13 @@ def _x16_parts(kernel: Any) -> list[tuple[Any, int, torch.Tensor, int]] | None:
     return None
 
 
+def _x16_max_rows(kernel: Any) -> int:
+    """The most rows an x16 product (one that _x16 takes) multiplies through its kernel."""
+    if isinstance(kernel, IntGroupMatmul):
+        return min(_x16_max_rows(mm) for _, mm in kernel.units)
+    return min(kernel.max_rows[passes] for *_, passes in kernel.parts)
+
+
 def _why_not_experts(mlp: SparseMoeBlock) -> str | None:
     products = mlp.experts.products
     if mlp.reduce or products is None:
@@ -195,6 +207,39 @@ def _add_experts(layers: Any, mlp: SparseMoeBlock) -> list[tuple[str, nn.Module]
 
 def attach_decode_layers(model: nn.Module) -> bool:
     """Give a CPU model whose layers qualify (why_not) its DecodeLayers (`decode_layers`,
-    which its forward uses for the steps they take); whether it got them."""
+    which its forward uses for the steps they take), and each MoE layer whose experts
+    qualify its CppExperts; whether it got the DecodeLayers."""
+    for module in model.modules():
+        if isinstance(module, SparseMoeBlock):
+            module.cpp_experts = CppExperts.build(module)
     model.decode_layers = build_decode_layers(model)
     return model.decode_layers is not None
+
+
+class CppExperts:
+    """A MoE layer's packed experts run from C++ (module doc): `max_rows` the most
+    (row, expert) pairs a step may route for the x16 product to take every expert's."""
+
+    def __init__(self, experts: Any, max_rows: int, act: int) -> None:
+        self.experts, self.max_rows, self.act = experts, max_rows, act
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.experts.forward(x, weights, ids, self.act)
+
+    @staticmethod
+    def build(mlp: SparseMoeBlock) -> CppExperts | None:
+        """The layer's CppExperts, or None where its experts are not packed x16 on one
+        rank or it does not run the C++ fused ops."""
+        products = mlp.experts.products
+        if mlp.reduce or products is None or mlp.ops is not CPU_FUSED or mlp.activation not in ACT_CODES:
+            return None
+        kernels = (*products.gate_up, *products.down)
+        if not all(_x16(k) for k in kernels):
+            return None
+        experts = torch.classes.llmd_cpu.MoeExperts(len(products.gate_up))
+        for name, attr, group in (("gate_up", "w13", products.gate_up), ("down", "w2", products.down)):
+            cols = mlp.experts.packed_columns(attr)
+            for expert, kernel in enumerate(group):
+                for part, code, weight, passes in _x16_parts(kernel):
+                    experts.add_part(name, expert, weight, code, cols, passes)
+        return CppExperts(experts, min(_x16_max_rows(k) for k in kernels), ACT_CODES[mlp.activation])
