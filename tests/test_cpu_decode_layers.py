@@ -298,6 +298,19 @@ def test_the_c_layers_refuse_what_they_cannot_run(vnni):
         layers.add_part("qkv", torch.zeros(16, 32), 0, 32, 3)
     with pytest.raises(RuntimeError, match="passes 1..3"):
         layers.add_part("qkv", torch.zeros(16, 34, dtype=torch.uint8), 0, 32, 4)
+    with pytest.raises(RuntimeError, match="set_moe first"):
+        layers.add_expert_part("gate_up", 0, torch.zeros(16, 34, dtype=torch.uint8), 0, 32, 2)
+    with pytest.raises(RuntimeError, match="experts > 0"):
+        torch.classes.llmd_cpu.MoeExperts(0)
+    experts = torch.classes.llmd_cpu.MoeExperts(2)
+    with pytest.raises(RuntimeError, match="no expert 2"):
+        experts.add_part("down", 2, torch.zeros(16, 34, dtype=torch.uint8), 0, 32, 2)
+    with pytest.raises(RuntimeError, match="no projection named up"):
+        experts.add_part("up", 0, torch.zeros(16, 34, dtype=torch.uint8), 0, 32, 2)
+    with pytest.raises(RuntimeError, match="MoeExperts.add_part: passes 1..3"):
+        experts.add_part("down", 0, torch.zeros(16, 34, dtype=torch.uint8), 0, 32, 0)
+    with pytest.raises(RuntimeError, match="int64 topk_ids"):
+        experts.forward(torch.zeros(2, 32), torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.int32), 0)
     with pytest.raises(RuntimeError, match="1 kv caches expected, got 0"):
         layers.forward(torch.zeros(1, 64), [], [], [], torch.zeros(1, 1, dtype=torch.long),
                        torch.ones(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))

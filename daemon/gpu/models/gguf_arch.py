@@ -14,8 +14,9 @@ does; `ffn_norm` is Gemma's pre-feed-forward norm.
 Mixtures of experts, as llama.cpp's converter writes them: every expert's gate, up and
 down projections stacked in one 3-D tensor each (`ffn_gate_exps` [experts, inter,
 hidden], `ffn_down_exps` [experts, hidden, inter]), the router `ffn_gate_inp`; every
-layer sparse (a dense `ffn_gate` has no counterpart). An expert tensor's HF name holds `{e}`: it stands for each expert's
-checkpoint tensor (`mlp.experts.{e}.gate_proj`), as an HF checkpoint stores them.
+layer sparse (a dense `ffn_gate` has no counterpart). An expert tensor's HF name holds
+`{e}`: it stands for each expert's checkpoint tensor (`mlp.experts.{e}.gate_proj`), as an
+HF checkpoint stores them.
 - qwen2moe: Qwen2-MoE, with its shared expert (`ffn_*_shexp`, its sigmoid gate
   `ffn_gate_inp_shexp`); the top-k weights not renormalised (llama.cpp's
   llm_build_qwen2moe passes norm_w false);

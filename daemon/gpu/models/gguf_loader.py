@@ -131,7 +131,10 @@ def load_gguf_config(path: str | Path):
             raise ValueError(f"{where}: GGUF metadata {a}.attention.key_length={head_dim} differs from "
                              f"embedding_length / head_count = {hidden // heads}: not implemented for qwen2")
     if spec.config_fields is not None:
-        fields.update(spec.config_fields(g.get, a, fields))
+        try:
+            fields.update(spec.config_fields(g.get, a, fields))
+        except ValueError as exc:  # a key the architecture needs is missing
+            raise ValueError(f"{where}: {exc}") from None
     if spec.config_class is not None:
         config = spec.config_class(**fields)
     else:

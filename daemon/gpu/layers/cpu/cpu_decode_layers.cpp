@@ -121,6 +121,13 @@ struct Projection {
   }
 };
 
+// What add_part takes: packed rows in the x16 layout and 1..3 passes over x.
+void check_part(const char* method, const at::Tensor& weight, int64_t passes) {
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.is_contiguous(), method,
+              ": packed rows (contiguous uint8 [N, row bytes]) expected");
+  TORCH_CHECK(passes >= 1 && passes <= 3, method, ": passes 1..3 expected, got ", passes);
+}
+
 // A linear that is either an x16 projection or a dense weight (F.linear's at::linear).
 struct Linear {
   Projection packed;
@@ -176,7 +183,7 @@ class DecoderLayers : public torch::CustomClassHolder {
 
   // which: qkv, o, gate_up, down; parts in row order.
   void add_part(const std::string& which, const at::Tensor& weight, int64_t quant, int64_t cols, int64_t passes) {
-    check_part(weight, passes);
+    check_part("DecoderLayers.add_part", weight, passes);
     projection_of(last("add_part"), which)->parts.push_back(Part{weight, quant, cols, passes});
   }
 
@@ -205,7 +212,7 @@ class DecoderLayers : public torch::CustomClassHolder {
     TORCH_CHECK(expert >= 0 && expert < static_cast<int64_t>(m.gate_up.size()),
                 "DecoderLayers.add_expert_part: no expert ", expert, " (set_moe first)");
     TORCH_CHECK(which == "gate_up" || which == "down", "DecoderLayers.add_expert_part: no projection named ", which);
-    check_part(weight, passes);
+    check_part("DecoderLayers.add_expert_part", weight, passes);
     (which == "gate_up" ? m.gate_up : m.down)[expert].parts.push_back(Part{weight, quant, cols, passes});
   }
 
@@ -295,12 +302,6 @@ class DecoderLayers : public torch::CustomClassHolder {
     TORCH_CHECK(false, "DecoderLayers: no router or gate named ", which);
   }
 
-  static void check_part(const at::Tensor& weight, int64_t passes) {
-    TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.is_contiguous(),
-                "DecoderLayers.add_part: packed rows (contiguous uint8 [N, row bytes]) expected");
-    TORCH_CHECK(passes >= 1 && passes <= 3, "DecoderLayers.add_part: passes 1..3 expected, got ", passes);
-  }
-
   // The experts of one row h [1, N] (module doc), as fused_moe.moe_reference and
   // mlp.SparseMoeBlock compute them for it.
   static at::Tensor moe(const Ops& ops, const Layer& l, const at::Tensor& h) {
@@ -352,9 +353,7 @@ class MoeExperts : public torch::CustomClassHolder {
     TORCH_CHECK(expert >= 0 && expert < static_cast<int64_t>(gate_up_.size()), "MoeExperts.add_part: no expert ",
                 expert);
     TORCH_CHECK(which == "gate_up" || which == "down", "MoeExperts.add_part: no projection named ", which);
-    TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.is_contiguous(),
-                "MoeExperts.add_part: packed rows (contiguous uint8 [N, row bytes]) expected");
-    TORCH_CHECK(passes >= 1 && passes <= 3, "MoeExperts.add_part: passes 1..3 expected, got ", passes);
+    check_part("MoeExperts.add_part", weight, passes);
     (which == "gate_up" ? gate_up_ : down_)[expert].parts.push_back(Part{weight, quant, cols, passes});
   }
 
