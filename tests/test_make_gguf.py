@@ -91,7 +91,12 @@ def test_llama_cpp_tokenizes_the_file_as_the_hf_tokenizer_does(built):
 @pytest.mark.usefixtures("float32_products")
 @pytest.mark.parametrize("quant", ["Q8_0", "Q4_K_M"])
 def test_llmd_runs_the_file_as_transformers_does(built, quant):
-    path = str(built[0][quant])
+    assert_runs_as_transformers_does(str(built[0][quant]), quant)
+
+
+def assert_runs_as_transformers_does(path: str, quant: str) -> None:
+    """llmd's greedy tokens and logprobs on the file are transformers' reading it, for 8 of
+    16 tokens at least, on each of TEXTS."""
     _, tokenizer = hf_model(path)
     llm = LLM(model=path, device="cpu", dtype="float32", num_gpu_blocks_override=64, max_model_len=128)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
@@ -126,13 +131,7 @@ def test_llmd_runs_llama_cpps_moe_file_as_transformers_does(moe_files, quant):
     model = load_model(path, torch.float32, torch.device("cpu"), 128)
     experts = [m for m in model.modules() if isinstance(m, ExpertWeights)]
     assert len(experts) == 2 and all(e.w13.dtype == torch.uint8 for e in experts)
-    _, tokenizer = hf_model(path)
-    llm = LLM(model=path, device="cpu", dtype="float32", num_gpu_blocks_override=64, max_model_len=128)
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
-    for text in TEXTS:
-        prompt = tokenizer(text).input_ids
-        out = llm.generate([prompt], params)[0]
-        assert check_logprobs_close(hf_greedy(path, prompt, 16), engine_result(out), f"{quant} {text!r}") >= 8
+    assert_runs_as_transformers_does(path, quant)
 
 
 def test_the_cache_builds_once(built, monkeypatch):
