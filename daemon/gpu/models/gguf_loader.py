@@ -43,8 +43,7 @@ _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Rotary inverse frequencies some old converters stored; derived from the config instead,
 # as the HF loader skips `rotary_emb.inv_freq`.
 _SKIPPED_BLOCK_TENSORS = {"attn_rot_embd"}
-# Qwen2-MoE's shared-expert gate: llama.cpp keeps it as a vector, HF as a [1, hidden] weight.
-SHARED_EXPERT_GATE = "mlp.shared_expert_gate.weight"
+SHARED_EXPERT_GATE = "mlp.shared_expert_gate.weight"  # Qwen2-MoE's: a vector in llama.cpp, [1, hidden] in HF
 
 
 def is_gguf_path(path: str | Path) -> bool:
@@ -152,8 +151,7 @@ def _supported_architecture(g: GGUFFile, where: str) -> GGUFArchitecture:
         raise ValueError(f"{where}: GGUF architecture {g.architecture!r} is not implemented by llmd "
                          f"(supported: {', '.join(sorted(ARCHITECTURES))})")
     a = g.architecture
-    unknown = sorted(k for k in g.metadata
-                     if k.startswith(a + ".") and k[len(a) + 1:] not in spec.known_keys)
+    unknown = sorted(k for k in g.metadata if k.startswith(a + ".") and k[len(a) + 1:] not in spec.known_keys)
     if unknown:
         raise ValueError(f"{where}: GGUF metadata {', '.join(unknown)} is not implemented by llmd for "
                          f"architecture {a!r}; refusing rather than running the model differently")
