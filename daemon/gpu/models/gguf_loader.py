@@ -7,8 +7,9 @@ is read by llmd's own reader (gguf_file), its tokenizer built by gguf_tokenizer.
 What llmd cannot run as llama.cpp would is refused naming the metadata key or tensor:
 an architecture other than llama (with experts: Mixtral), qwen2, qwen3, gemma3, qwen2moe
 and qwen3moe (gguf_arch.py says what each means), experts in another, partial rotary, an
-unknown rope scaling type, per-frequency rope factors (`rope_freqs.weight`, Llama 3.x's rope scaling) that llama.cpp would not
-apply (gguf_rope.py reads them), or any `{arch}.*` key this module does not know.
+unknown rope scaling type, per-frequency rope factors (`rope_freqs.weight`, Llama 3.x's
+rope scaling) that llama.cpp would not apply (gguf_rope.py reads them), or any `{arch}.*`
+key this module does not know.
 
 llama.cpp's converter reorders the rows of every llama q/k projection head so that its
 rotary embedding can rotate adjacent pairs; llmd (like transformers) rotates halves, so
