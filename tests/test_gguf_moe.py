@@ -186,7 +186,8 @@ def test_experts_that_cannot_stay_packed_are_refused_by_name(hf_moe, tmp_path):
     V = gguf.GGUFValueType
     dense_hf = build_model(tmp_path / "qwen3", "qwen3", "tiny", head_dim=128, intermediate_size=192)
     for key in ("expert_count", "expert_used_count"):
-        bad = write_gguf(dense_hf, tmp_path / f"qwen3-{key}.gguf", T.Q8_0, extra_metadata={f"qwen3.{key}": (8, V.UINT32)})
+        bad = write_gguf(dense_hf, tmp_path / f"qwen3-{key}.gguf", T.Q8_0,
+                         extra_metadata={f"qwen3.{key}": (8, V.UINT32)})
         with pytest.raises(ValueError, match=rf"GGUF metadata qwen3.{key}=8: mixture-of-experts models of "
                                              r"architecture 'qwen3' are not implemented"):
             load_hf_config(bad)

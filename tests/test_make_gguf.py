@@ -112,7 +112,8 @@ MOE = "tiny-qwen3-moe-256"
 @pytest.fixture(scope="module")
 def moe_files(tmp_path_factory):
     cache = tmp_path_factory.mktemp("gguf-moe-cache")
-    return {q: make_gguf.gguf_fixture(MOE, q, cache_dir=cache, threads=1) for q in make_gguf.GGUF_FIXTURES[MOE]["types"]}
+    return {q: make_gguf.gguf_fixture(MOE, q, cache_dir=cache, threads=1)
+            for q in make_gguf.GGUF_FIXTURES[MOE]["types"]}
 
 
 @pytest.mark.usefixtures("float32_products")

@@ -95,7 +95,8 @@ def test_an_expert_whose_zero_points_contradict_sym_is_refused_by_name(checkpoin
         name = "model.layers.2.mlp.experts.1.up_proj.qzeros"
         tensors[name] = tensors[name] ^ 1  # v1 stores zero - 1 = 7 in every nibble: one becomes 6 (zero 7)
 
-    path = _edited(checkpoints("qwen3-moe", method="gptq", group_size=32), tmp_path / "off", tensor_edit=one_zero_point_off)
+    path = _edited(checkpoints("qwen3-moe", method="gptq", group_size=32), tmp_path / "off",
+                   tensor_edit=one_zero_point_off)
     with pytest.raises(ValueError, match=r"model\.layers\.2\.mlp\.experts\.1\.up_proj: its zero points make its "
                                          r"blocks Q5_0, not Q4_0 \(quantization_config's sym says every zero point "
                                          r"is 8\)"):

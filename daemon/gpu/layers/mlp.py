@@ -331,7 +331,8 @@ class SparseMoeBlock(nn.Module):
         experts = self.experts
         if experts.packed_types:
             if experts.products is None:
-                raise RuntimeError(f"experts packed as {experts.quant} have no kernels (cpu_kernels.attach_gguf_kernels)")
+                raise RuntimeError(f"experts packed as {experts.quant} have no kernels "
+                                   "(cpu_kernels.attach_gguf_kernels)")
             cpp = self.cpp_experts
             if cpp is not None and ids.numel() <= cpp.max_rows:
                 out = cpp(x, weights, ids)
