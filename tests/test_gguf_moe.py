@@ -36,6 +36,7 @@ from llmd.gpu.models.decoder import CausalLM
 from llmd.gpu.models.gguf_loader import gguf_tensor_types
 from llmd.gpu.models.loader import load_hf_config, load_model, packed_params
 from llmd_tools.make_model import build_model
+from test_gguf_packed import _logits, _packed, _weight_bytes
 from tiny_models import tiny_models
 
 CPU = torch.device("cpu")
@@ -61,10 +62,6 @@ FIXTURES = {
 @pytest.fixture(scope="module")
 def hf_moe(tmp_path_factory):
     return tiny_models(tmp_path_factory.mktemp("gguf-moe-hf"), FIXTURES)
-
-
-def _packed(model) -> dict[str, str]:
-    return {name: m.quant for name, m in model.named_modules() if getattr(m, "quant", None)}
 
 
 def _experts(model) -> list[ExpertWeights]:
@@ -122,18 +119,6 @@ def test_a_mixtral_gguf_matches_transformers_on_the_weights_it_holds(hf_moe, tmp
     assert config.architectures == ["MixtralForCausalLM"] and config.num_local_experts == 8
     assert _experts(load_model(path, torch.float32, CPU, 128))[0].quant == "Q4_0"
     _compare(str(_requantized_hf_dir(hf_dir, tmp_path / "mixtral-q4_0", T.Q4_0)), path)
-
-
-def _logits(model, tokens: list[int]) -> torch.Tensor:
-    from test_gguf_packed import _logits as logits
-
-    return logits(model, tokens)
-
-
-def _weight_bytes(model) -> int:
-    from llmd.gpu.worker.memory_profile import weight_storage
-
-    return sum(weight_storage(model).values())
 
 
 @pytest.mark.usefixtures("float32_products")

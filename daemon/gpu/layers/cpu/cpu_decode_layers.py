@@ -23,6 +23,7 @@ experts with no Python between them; each SparseMoeBlock whose experts qualify g
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -118,6 +119,17 @@ def _x16_parts(kernel: Any) -> list[tuple[Any, int, torch.Tensor, int]] | None:
     return None
 
 
+def _expert_parts(mlp: SparseMoeBlock) -> Iterator[tuple[str, int, torch.Tensor, int, int, int]]:
+    """(projection, expert, packed rows, type code, columns, passes) of every x16 part of
+    the layer's experts, as DecoderLayers.add_expert_part and MoeExperts.add_part take them."""
+    products = mlp.experts.products
+    for name, attr, kernels in (("gate_up", "w13", products.gate_up), ("down", "w2", products.down)):
+        cols = mlp.experts.packed_columns(attr)
+        for expert, kernel in enumerate(kernels):
+            for part, code, weight, passes in _x16_parts(kernel):
+                yield name, expert, weight, code, cols, passes
+
+
 def _x16_max_rows(kernel: Any) -> int:
     """The most rows an x16 product (one that _x16 takes) multiplies through its kernel."""
     if isinstance(kernel, IntGroupMatmul):
@@ -191,14 +203,10 @@ def _add_projection(layers: Any, name: str, proj: nn.Module) -> None:
 def _add_experts(layers: Any, mlp: SparseMoeBlock) -> list[tuple[str, nn.Module]]:
     """The last layer's experts set (their parts); the projections of its router and
     shared expert, for _add_projection."""
-    experts, products = mlp.experts, mlp.experts.products
     shared = mlp.shared_expert
-    layers.set_moe(len(products.gate_up), mlp.top_k, mlp.renormalize, shared is not None)
-    for name, kernels in (("gate_up", products.gate_up), ("down", products.down)):
-        cols = experts.packed_columns("w13" if name == "gate_up" else "w2")
-        for expert, kernel in enumerate(kernels):
-            for part, code, weight, passes in _x16_parts(kernel):
-                layers.add_expert_part(name, expert, weight, code, cols, passes)
+    layers.set_moe(len(mlp.experts.products.gate_up), mlp.top_k, mlp.renormalize, shared is not None)
+    for part in _expert_parts(mlp):
+        layers.add_expert_part(*part)
     if shared is None:
         return [("router", mlp.gate)]
     return [("router", mlp.gate), ("shared_gate", mlp.shared_expert_gate), ("shared_gate_up", shared.gate_up_proj),
@@ -237,9 +245,6 @@ class CppExperts:
         if not all(_x16(k) for k in kernels):
             return None
         experts = torch.classes.llmd_cpu.MoeExperts(len(products.gate_up))
-        for name, attr, group in (("gate_up", "w13", products.gate_up), ("down", "w2", products.down)):
-            cols = mlp.experts.packed_columns(attr)
-            for expert, kernel in enumerate(group):
-                for part, code, weight, passes in _x16_parts(kernel):
-                    experts.add_part(name, expert, weight, code, cols, passes)
+        for part in _expert_parts(mlp):
+            experts.add_part(*part)
         return CppExperts(experts, min(_x16_max_rows(k) for k in kernels), ACT_CODES[mlp.activation])

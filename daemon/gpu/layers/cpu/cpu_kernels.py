@@ -250,8 +250,7 @@ def attach_gguf_kernels(model: torch.nn.Module, dtype: torch.dtype, int8_activat
     table tied to the LM head is read through the same layout), and multiplied in
     x16_passes(int8_activations) passes over x; the LM head's logits into a buffer it
     reuses (gguf_quant.REUSED_OUTPUT_BYTES)."""
-    ops = gguf_ops()
-    passes = x16_passes(ops, int8_activations) if ops is not None and ops.x16 else 0
+    ops, passes = _gguf_ops_and_passes(int8_activations)
     count = 0
     for module in model.modules():
         if getattr(module, "quant", None) is None:
@@ -272,14 +271,19 @@ def attach_gguf_kernels(model: torch.nn.Module, dtype: torch.dtype, int8_activat
     return count
 
 
+def _gguf_ops_and_passes(int8_activations: bool) -> tuple[GGUFOps | None, int]:
+    """The packed kernels and the x16 passes over x their products take (0: no x16)."""
+    ops = gguf_ops()
+    return ops, x16_passes(ops, int8_activations) if ops is not None and ops.x16 else 0
+
+
 def attach_expert_kernels(model: torch.nn.Module, int8_activations: bool = False) -> int:
     """Give the packed experts of a CPU model whose other layers are not a GGUF's (an AWQ
     or GPTQ checkpoint's, held as GGUF blocks, or an FP8 one's: quant_plan.plan_quantized_experts)
     their products, as attach_gguf_kernels does; returns how many MoE layers have them."""
     experts = [m for m in model.modules() if hasattr(m, "use_kernels") and getattr(m, "quant", None)]
     if experts:
-        ops = gguf_ops()
-        passes = x16_passes(ops, int8_activations) if ops is not None and ops.x16 else 0
+        ops, passes = _gguf_ops_and_passes(int8_activations)
         for module in experts:
             module.use_kernels(ops, passes, fp8_ops())
     return len(experts)
