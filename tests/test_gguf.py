@@ -2,7 +2,7 @@
 transformers loading the same file (`gguf_file=`, fp32), for llama (q/k rows in
 llama.cpp's rotary order), tied embeddings, qwen2 (qkv bias) and qwen3 (q/k norm), in F32
 and quantized types; K-quant tensors load as an independent dequantizer reads them; TP=2
-shards after dequantizing; bad files and what llmd does not implement are clear errors;
+ranks keep their shares packed; bad files and what llmd does not implement are clear errors;
 Gemma 3's metadata read as llama.cpp reads it. The real files against transformers:
 test_gguf_real_models.py."""
 from __future__ import annotations
@@ -49,10 +49,15 @@ HF_FIXTURES = {
     # rows of 256 and 512: every K-quant block fits
     "llama-256": dict(arch="llama", llama3_rope=False, hidden_size=256, intermediate_size=512,
                       num_hidden_layers=2, head_dim=64),
+    "llama-512": dict(arch="llama", llama3_rope=False, hidden_size=512, intermediate_size=1024,
+                      num_hidden_layers=2, head_dim=64, num_attention_heads=8, num_key_value_heads=2),
     "llama-256-tied": dict(arch="llama", llama3_rope=False, hidden_size=256, intermediate_size=512,
                            num_hidden_layers=2, head_dim=64, tie_word_embeddings=True),
 }
 CASES = [("llama", T.F32), ("llama", T.Q8_0), ("llama-tied", T.Q4_1), ("qwen2", T.F16), ("qwen3", T.BF16)]
+# TP=2 packed: 32-weight blocks with a tied table; K-quants, whose 256-weight blocks every
+# row-parallel share of hidden 512 / intermediate 1024 holds whole
+TP_CASES = [("llama-tied", T.Q4_1, ()), ("llama-512", T.F32, (T.Q4_K, T.Q6_K))]
 K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K)
 
 
@@ -282,24 +287,41 @@ def test_rope_freqs_llama_cpp_would_not_apply_are_refused(hf_dirs, tmp_path):
             LLM(model=str(write_gguf(hf_dirs(name), tmp_path / f"refused-{i}.gguf", **extra)), device="cpu")
 
 
-def test_tp2_shards_after_dequantizing(ggufs):
-    """TP=2 over a GGUF: each rank dequantizes whole tensors and keeps its shard (packed
-    weights are one rank's only); greedy tokens equal TP=1 dequantized, logprobs within
-    1e-4."""
-    path = ggufs("llama", T.Q8_0)
-    _, tokenizer = hf_model(path)
-    prompts = [tokenizer(t).input_ids for t in TEXTS[:2]]
-    ref = LLM(model=path, dequantize=True, **SETTINGS).generate(prompts, GREEDY)
+@pytest.mark.usefixtures("float32_products")
+@pytest.mark.parametrize("name,qtype,k_quants", TP_CASES, ids=[f"{n}-{q.name}" for n, q, _ in TP_CASES])
+def test_tp2_ranks_keep_their_packed_shares(ggufs, name, qtype, k_quants):
+    """TP=2 over a GGUF: each rank keeps its share of every quantized weight packed (q/k/v
+    and gate/up rows, o_proj and down_proj columns as whole blocks, the vocabulary's rows,
+    a table tied to the LM head) and computes what transformers does reading the file;
+    the ranks together hold each packed type's bytes of one rank's model, no more (the
+    vocabulary padded to a whole share of rows on the last rank aside)."""
+    path = ggufs(name, qtype, k_quants)
+    one = LLM(model=path, **SETTINGS)
+    whole = one.engine.executor.weight_bytes()
+    one.engine.shutdown()
     tp = LLM(model=path, tensor_parallel_size=2, **SETTINGS)
     try:
-        got = tp.generate(prompts, GREEDY)
+        _compare_with_transformers(path, tp, TEXTS[:2])
+        shares = tp.engine.executor.weight_bytes()
     finally:
         tp.engine.shutdown()
-    for a, b in zip(ref, got):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for pa, pb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert pa.keys() == pb.keys()
-            assert all(abs(pa[t].logprob - pb[t].logprob) < 1e-4 for t in pa)
+    packed = {kind for kind in whole if kind[:1] in "QI"}
+    assert packed and packed == {kind for kind in shares if kind[:1] in "QI"}, (whole, shares)
+    config = load_hf_config(path)
+    for kind in packed:
+        padding = config.hidden_size * 4 * (config.vocab_size % 2)  # one zero row a table, at most 4 bytes a weight
+        assert whole[kind] <= shares[kind] <= whole[kind] + 2 * padding, (kind, whole, shares)
+
+
+def test_tp2_refuses_a_share_that_cuts_blocks(ggufs):
+    """A row-parallel share narrower than a K-quant's 256-weight blocks cannot stay packed:
+    refused naming the tensor and the share, with the way to load it anyway."""
+    path = ggufs("llama-256", T.F32, (T.Q4_K,))
+    with pytest.raises(Exception, match=r"GGUF tensor 'blk\.0\.attn_output\.weight' of type Q4_K cannot stay "
+                                        r"packed: its rows of 128 weights \(this rank's share of "
+                                        r"tensor_parallel_size 2\) are not a whole number of Q4_K's 256-weight "
+                                        r"blocks; dequantize=True \(--dequantize\)"):
+        LLM(model=path, tensor_parallel_size=2, **SETTINGS)
 
 
 # -- bad input: clear errors naming the problem ---------------------------------------------

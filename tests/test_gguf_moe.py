@@ -35,6 +35,7 @@ from llmd.gpu.layers.mlp import ExpertWeights
 from llmd.gpu.models.decoder import CausalLM
 from llmd.gpu.models.gguf_loader import gguf_tensor_types
 from llmd.gpu.models.loader import load_hf_config, load_model, packed_params
+from llmd.gpu.worker.memory_profile import weight_storage
 from llmd_tools.make_model import build_model
 from test_gguf_packed import _logits, _packed, _weight_bytes
 from tiny_models import tiny_models
@@ -95,6 +96,26 @@ def test_a_moe_gguf_stays_packed_and_matches_transformers_reading_it(hf_moe, tmp
     _compare(str(path), path)
 
 
+@pytest.mark.usefixtures("float32_products")
+def test_tp2_ranks_keep_their_experts_shares_packed(hf_moe, tmp_path):
+    """TP=2 over a MoE GGUF: each rank keeps its share of every expert packed (gate/up
+    rows, down's columns as whole blocks; the shared expert as a dense MLP's) and computes
+    what transformers does reading the file; the ranks' packed bytes add up to one rank's
+    model's."""
+    path = write_gguf(hf_moe("qwen2-moe"), tmp_path / "qwen2-moe.gguf", T.Q8_0)
+    whole = weight_storage(load_model(path, torch.float32, CPU, 128))
+    llm = LLM(model=str(path), tensor_parallel_size=2, **SETTINGS)
+    try:
+        for i, (prompt, out) in enumerate(zip(PROMPTS, llm.generate([list(p) for p in PROMPTS], GREEDY))):
+            compared = check_logprobs_close(hf_greedy(str(path), list(prompt), MAX_TOKENS), engine_result(out),
+                                            f"tp=2 #{i}")
+            assert compared >= MAX_TOKENS // 2, f"tp=2 #{i}: diverged at token {compared}"
+        shares = llm.engine.executor.weight_bytes()
+    finally:
+        llm.engine.shutdown()
+    assert whole["Q8_0"] == shares["Q8_0"], (whole, shares)
+
+
 def _requantized_hf_dir(hf_dir: Path, out: Path, qtype: T) -> Path:
     """A copy of the HF fixture whose weights are what a GGUF of type `qtype` holds
     (gguf_fixtures.write_gguf's choices: 2-D weights whose rows its blocks fit, routers
@@ -128,8 +149,6 @@ def test_packed_experts_compute_what_the_dequantized_file_does(hf_moe, tmp_path,
     packed = load_model(path, torch.float32, CPU, 128)
     dense = load_model(path, torch.float32, CPU, 128, dequantize=True)
     assert _packed(dense) == {} and all(e.quant == qtype.name for e in _experts(packed))
-    from llmd.gpu.worker.memory_profile import weight_storage
-
     storage = weight_storage(packed)
     experts = sum(e.w13.nbytes + e.w2.nbytes for e in _experts(packed))
     assert storage[qtype.name] >= experts  # counted as the packed type, not as uint8

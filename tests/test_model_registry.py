@@ -294,7 +294,7 @@ def test_a_gguf_estimate_reads_its_header(tmp_path, tiny_llama):
     assert dequantized["cpu"] == packed.num_params * 4 + 1000  # untied: every weight once
     assert estimate_need(engine, packed, "cuda", available_ram=0) == {"cuda:0": q8_bytes + 2 * f32 + 1000}
     tp2 = estimate_need(msgspec.structs.replace(engine, tensor_parallel_size=2), packed, "cuda", available_ram=0)
-    assert tp2 == {f"cuda:{r}": packed.num_params * 2 // 2 + 500 for r in (0, 1)}  # bf16, each rank half
+    assert tp2 == {f"cuda:{r}": (q8_bytes + 2 * f32) // 2 + 500 for r in (0, 1)}  # packed shares, each rank half
 
 
 def test_a_packed_checkpoints_estimate_counts_its_weights_not_its_words(tmp_path):

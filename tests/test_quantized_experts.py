@@ -59,6 +59,41 @@ def test_quantized_experts_stay_packed_and_compute_what_their_weights_do(checkpo
         llm.engine.shutdown()
 
 
+@pytest.mark.parametrize("case", ["awq-g32", "fp8-block"])
+def test_tensor_parallel_ranks_keep_their_experts_shares(checkpoints, tmp_path, case):  # noqa: F811
+    """TP=2: each rank keeps its share of every quantized expert packed (w13's rows; w2's
+    columns as whole blocks, an FP8 expert's with their scale groups) and computes what
+    transformers does on the dequantized weights; the ranks' packed bytes add up to one
+    rank's model's."""
+    options, _, label = CASES[case]
+    path = checkpoints("qwen3-moe", **options)
+    whole = weight_storage(load_model(path, torch.float32, CPU, 128))
+    llm = LLM(model=str(path), tensor_parallel_size=2, **SETTINGS)
+    try:
+        _compare(str(write_dequantized(path, tmp_path / "dense")), llm, f"{case} moe tp=2")
+        shares = llm.engine.executor.weight_bytes()
+    finally:
+        llm.engine.shutdown()
+    assert whole[label] == shares[label], (whole, shares)
+
+
+def test_act_order_experts_are_not_split_across_ranks(checkpoints):  # noqa: F811
+    from llmd.gpu.layers.quant.scheme import quant_scheme
+    from llmd.gpu.models.decoder import CausalLM
+    from llmd.gpu.models.loader import checkpoint_target, load_hf_config
+    from llmd.gpu.models.quant_plan import plan_quantized_experts, resolve_scheme, safetensors_index
+
+    path = checkpoints("qwen3-moe", **CASES["gptq4-act-order"][0])
+    config, index = load_hf_config(path), safetensors_index(path)
+    scheme = resolve_scheme(quant_scheme(config), index)
+    with torch.device("meta"):
+        rank0 = CausalLM(config, 128, 0, 2, device=CPU)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.\d+\.\w+_proj is quantized "
+                                         r"\(gptq-int4\): GPTQ act-order \(desc_act\) experts cannot be split by "
+                                         r"input columns \(tensor_parallel_size > 1\); "):
+        plan_quantized_experts(rank0, scheme, index, checkpoint_target, "cpu")
+
+
 def test_dequantize_loads_quantized_experts_dense(checkpoints, tmp_path):  # noqa: F811
     path = checkpoints("qwen3-moe", method="gptq", group_size=32)
     llm = LLM(model=str(path), dequantize=True, **SETTINGS)

@@ -163,9 +163,10 @@ def estimate_need(engine: EngineConfig, shape: ModelShape, device_type: str, *, 
     memory (a CUDA KV pool with no size setting takes gpu_memory_utilization of it)."""
     dtype = run_dtype(engine, device_type, shape.checkpoint_dtype)
     element = _DTYPE_BYTES[dtype]
-    # A GGUF's (on one rank) or an AWQ/GPTQ/FP8 checkpoint's quantized weights stay packed
-    # on CPU and CUDA (unless dequantize); every other weight is held at the run dtype.
-    packed = ((shape.quantized or (shape.gguf and engine.tensor_parallel_size == 1))
+    # A GGUF's or an AWQ/GPTQ/FP8 checkpoint's quantized weights stay packed on CPU and CUDA
+    # (unless dequantize; with TP each rank its share); every other weight is held at the
+    # run dtype.
+    packed = ((shape.quantized or shape.gguf)
               and device_type in ("cpu", "cuda") and not engine.dequantize and shape.packed_bytes is not None)
     if packed:
         weights = shape.packed_bytes[device_type] + shape.dense_elements * element

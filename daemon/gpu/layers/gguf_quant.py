@@ -22,6 +22,7 @@ embedding's lookups read rows back in the GGUF layout (`unpack_x16`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,9 +138,28 @@ class PackedSource:
     shape: tuple[int, int]
 
     def __getitem__(self, index) -> torch.Tensor:
+        """Rows `[a:b]`, or (a row-parallel layer's share) columns `[:, a:b]`: whole blocks."""
+        if isinstance(index, tuple) and len(index) == 2 and index[0] == slice(None) and isinstance(index[1], slice):
+            return self.columns(index[1].start, index[1].stop)[:]
         if not isinstance(index, slice):
-            raise ValueError(f"a packed {self.quant} tensor is sliced by whole rows only")
+            raise ValueError(f"a packed {self.quant} tensor is sliced by whole rows or columns only")
         return torch.from_numpy(np.array(self.data[index]))  # a copy: the file map is read-only
+
+    def rows(self, start: int, end: int) -> PackedSource:
+        """Its rows [start, end) as a source of their own (tensor parallelism's share)."""
+        return dataclasses.replace(self, data=self.data[start:end], shape=(end - start, self.shape[1]))
+
+    def columns(self, start: int, end: int) -> PackedSource:
+        """Its columns [start, end) as a source of their own: the bytes of those whole
+        blocks of each row (tensor parallelism's share of a row-parallel weight); a
+        ValueError where a bound falls inside a block."""
+        block = FORMATS[self.quant].block
+        if start % block or end % block:
+            raise ValueError(f"cannot be split at columns {start}:{end}: its {self.quant} blocks are {block} "
+                             f"weights wide")
+        size = FORMATS[self.quant].block_bytes
+        data = self.data[:, start // block * size:end // block * size]
+        return dataclasses.replace(self, data=data, shape=(self.shape[0], end - start))
 
     def get_shape(self) -> tuple[int, int]:
         return self.shape

@@ -310,9 +310,8 @@ class VocabRows(WeightLoading, nn.Module):
         self.weight = nn.Parameter(torch.empty(rows, hidden_size))
 
     def use_packed(self, quant: str) -> None:
-        """Keep the table packed in GGUF format `quant` (module doc); before loading."""
-        if self.world_size > 1:
-            raise ValueError("a packed vocabulary table is not split across ranks")
+        """Keep the table packed in GGUF format `quant` (module doc; with TP this rank's
+        rows, the padding rows zero blocks: zero weights); before loading."""
         self.weight = packed_weight(self.weight.shape[0], self.in_features, quant, self.weight.device)
         self.quant = quant
 
@@ -339,20 +338,24 @@ class VocabParallelEmbedding(VocabRows):
     dequantize_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.quant is not None:
-            flat = ids.reshape(-1)
-            rows = self.read_rows(flat) if self.read_rows is not None else self.weight.index_select(0, flat)
-            dense = (self.dequantize_rows(rows) if self.dequantize_rows is not None
-                     else dequantize(rows, self.quant, self.in_features))
-            return dense.to(self.compute_dtype).reshape(*ids.shape, -1)
         if self.world_size == 1:
-            return F.embedding(ids, self.weight)
+            return self._rows(ids)
         outside = (ids < self.start) | (ids >= self.end)
         local = (ids - self.start).masked_fill_(outside, 0)
-        out = F.embedding(local, self.weight)
+        out = self._rows(local)
         out.masked_fill_(outside.unsqueeze(-1), 0)
         dist.all_reduce(out)
         return out
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The table's rows at `ids` (this rank's numbering), dequantized from a packed table."""
+        if self.quant is None:
+            return F.embedding(ids, self.weight)
+        flat = ids.reshape(-1)
+        rows = self.read_rows(flat) if self.read_rows is not None else self.weight.index_select(0, flat)
+        dense = (self.dequantize_rows(rows) if self.dequantize_rows is not None
+                 else dequantize(rows, self.quant, self.in_features))
+        return dense.to(self.compute_dtype).reshape(*ids.shape, -1)
 
 
 class ParallelLMHead(VocabRows):

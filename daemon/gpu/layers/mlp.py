@@ -205,7 +205,11 @@ class ExpertWeights(WeightLoading, nn.Module):
             copy_checked(param.data[shard], read(source) if whole else read(source, cols=mine))
 
     def _load_packed(self, name: str, param: nn.Parameter, source: Any, shard: Shard) -> None:
-        """An expert's packed rows of one part, copied in as they are (one rank)."""
+        """An expert's packed rows of one part, copied in as they are; with TP this rank's
+        share of them (w13's rows, w2's columns: whole blocks, gguf_quant.PackedSource)."""
+        if self.world_size > 1:
+            a, b = self.rank * self.inter, (self.rank + 1) * self.inter
+            source = source.rows(a, b) if name == "w13" else source.columns(a, b)
         types, cols = self.packed_types[name], self.packed_columns(name)
         if types[0] == FP8:
             self._load_fp8(name, param, source, shard)

@@ -295,7 +295,7 @@ def iter_gguf_weights(path: str | Path, config: Any,
     """(HF name, float32 tensor) for every weight of the GGUF, dequantized one tensor at
     a time (with tensor parallelism each rank dequantizes the whole tensor and its layer
     keeps its piece); a weight named in `packed` ({HF name: the type it is held in})
-    comes as its packed rows instead (PackedSource: the model keeps it quantized; re-encoded
+    comes as its packed rows instead (PackedSource, a layer taking its share; re-encoded
     where it is held in another type than the file's, gguf_formats.HELD_AS), q and k rows
     unpermuted the same way."""
     from gguf.quants import dequantize
@@ -357,8 +357,8 @@ class MappedPackedSource(PackedSource):
     file: GGUFFile | None = None
 
     def __getitem__(self, index) -> torch.Tensor:
-        if not isinstance(index, slice):
-            return super().__getitem__(index)  # its error
+        if not isinstance(index, slice) or not self.data.flags.c_contiguous:
+            return super().__getitem__(index)  # its error, its columns, or a copy of a share of them
         with warnings.catch_warnings():  # torch warns that it cannot write to the view: it won't
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             view = torch.from_numpy(self.data[index])

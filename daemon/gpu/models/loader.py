@@ -249,7 +249,8 @@ def _unpackable(layer: Any, attr: str, quant: str, shards: dict[Shard, str], dev
         return f"llmd has no kernel for {quant} (packed types: {', '.join(PACKED_TYPES)})"
     block, cols = FORMATS[held].block, layer.packed_columns(attr) if experts else layer.in_features
     if cols % block:
-        return f"its rows of {cols} weights are not a whole number of {quant}'s {block}-weight blocks"
+        share = f" (this rank's share of tensor_parallel_size {layer.world_size})" if layer.world_size > 1 else ""
+        return f"its rows of {cols} weights{share} are not a whole number of {quant}'s {block}-weight blocks"
     if set(shards) != set(layer.shards(attr)) and set(shards) != {None}:
         return f"its projection has parts {tuple(layer.shards(attr))}, the file gives {tuple(shards)}"
     return None
@@ -277,13 +278,12 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                dequantize: bool = False, int8_activations: bool = False) -> nn.Module:
     """The model, or with tp_size > 1 this rank's tensor-parallel shard of it; its layers
     attend with `attention_backend` (a name resolve_attention_backend returned). From a
-    GGUF file on CPU or CUDA on one rank, every quantized weight stays packed (gguf_quant;
-    on CUDA laid out for the Triton kernels, quant/cuda_matmul) or the load is refused
-    naming the tensor (packed_params); from an AWQ, GPTQ or FP8 safetensors checkpoint
-    every quantized module stays packed, on any number of ranks, on CPU or CUDA
-    (quant_plan). `dequantize`: every weight is dequantized instead, as a GGUF's are
-    with tensor parallelism (each rank dequantizes a tensor whole and its layers keep
-    their share). Then its kernels are attached (_attach_kernels); `int8_activations`:
+    GGUF file on CPU or CUDA, every quantized weight stays packed (gguf_quant; on CUDA
+    laid out for the Triton kernels, quant/cuda_matmul; with TP each rank its share) or
+    the load is refused naming the tensor (packed_params); from an AWQ, GPTQ or FP8
+    safetensors checkpoint every quantized module stays packed, on any number of ranks,
+    on CPU or CUDA (quant_plan). `dequantize`: every weight is dequantized instead (each
+    rank dequantizes a tensor whole and its layers keep their share). Then its kernels are attached (_attach_kernels); `int8_activations`:
     packed weights on CPU meet activations rounded to int8 once (gguf_quant.x16_passes).
     A checkpoint's own K/V cache scales are kept as `model.kv_amax` (checkpoint_kv_scales;
     None without them)."""
@@ -297,7 +297,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     model = model.to(dtype=dtype)  # before any packed weight is placed: those keep their own dtypes
     plan: dict[str, str] = {}
     packed: dict[str, str] = {}  # the file's tensors read as packed rows: the type each is held in
-    if gguf and device.type in PACKED_DEVICES and tp_size == 1 and not dequantize:
+    if gguf and device.type in PACKED_DEVICES and not dequantize:
         types = gguf_tensor_types(model_dir)
         plan = packed_params(model, types, device.type)
         _use_packed(model, plan)

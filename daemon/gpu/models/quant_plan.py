@@ -178,8 +178,8 @@ def _plan_fp8_experts(scheme: FP8Scheme, found: dict[str, tuple[ExpertWeights, s
 def _experts_not_packed(scheme: QuantScheme, device_type: str, layers: list[ExpertWeights]) -> str | None:
     if device_type != "cpu":
         return f"llmd keeps quantized experts packed on CPU only (no packed MoE kernel for {device_type} yet)"
-    if any(layer.world_size > 1 for layer in layers):
-        return "quantized experts are not split across ranks (tensor_parallel_size > 1)"
+    if getattr(scheme, "act_order", False) and any(layer.world_size > 1 for layer in layers):
+        return "GPTQ act-order (desc_act) experts cannot be split by input columns (tensor_parallel_size > 1)"
     return None
 
 
@@ -268,12 +268,29 @@ class OrderedPackedSource(PackedSource):
 
     input_order: torch.Tensor | None = None
 
+    def columns(self, start: int, end: int) -> PackedSource:
+        if self.input_order is not None:  # its blocks hold columns from anywhere in the row
+            raise ValueError("is GPTQ act-order (desc_act): its weights cannot be split by input columns")
+        return super().columns(start, end)
+
 
 @dataclasses.dataclass
 class FP8Source(PackedSource):
     """An FP8 expert's e4m3 bytes (`data`) and its `scales` [rows, groups] (quant/fp8)."""
 
     scales: torch.Tensor | None = None
+
+    def rows(self, start: int, end: int) -> PackedSource:
+        return dataclasses.replace(super().rows(start, end), scales=self.scales[start:end])
+
+    def columns(self, start: int, end: int) -> PackedSource:
+        """Its columns [start, end): the bytes, and the scales of whole groups of them."""
+        groups = self.scales.shape[1]
+        width = self.shape[1] // groups
+        if groups > 1 and (start % width or end % width):
+            raise ValueError(f"cannot be split at columns {start}:{end}: its scales are per {width} columns")
+        scales = self.scales if groups == 1 else self.scales[:, start // width:end // width]
+        return FP8Source(self.quant, self.data[:, start:end], (self.shape[0], end - start), scales)
 
 
 def without_empty_biases(weights: Iterator[tuple[str, Any]], model: nn.Module, scheme: QuantScheme,
