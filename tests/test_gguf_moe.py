@@ -12,8 +12,9 @@ converter writes them (gguf_fixtures: each layer's experts stacked into 3-D
   holds them;
 - the same file loaded dequantized (dequantize=True): the packed model computes the same
   logits in a fraction of the memory.
-A GGUF whose experts cannot stay packed (on CUDA; experts in a dense architecture) is
-refused naming the tensor or key.
+A GGUF whose experts cannot stay packed (a device with no packed MoE kernel; experts in
+a dense architecture) is refused naming the tensor or key; TP=2 keeps each rank's share
+packed. On CUDA the experts run through the grouped kernel (test_triton_quant_moe.py).
 """
 from __future__ import annotations
 
@@ -168,20 +169,22 @@ def test_packed_experts_compute_what_the_dequantized_file_does(hf_moe, tmp_path,
 
 
 def test_experts_that_cannot_stay_packed_are_refused_by_name(hf_moe, tmp_path):
-    """On CUDA (no packed MoE kernel there yet) the plan names the expert tensor and the
-    way out; an old converter's tensor per expert is refused naming it; a dense
-    architecture's file with an expert count is refused naming the key."""
+    """On CUDA the plan keeps the experts packed as on CPU (the grouped kernel:
+    test_triton_quant_moe.py); on a device with no packed MoE kernel it names the expert
+    tensor and the way out; an old converter's tensor per expert is refused naming it; a
+    dense architecture's file with an expert count is refused naming the key."""
     path = write_gguf(hf_moe("qwen3-moe"), tmp_path / "qwen3-moe.gguf", T.Q8_0)
     config = load_hf_config(path)
     with torch.device("meta"):
         model = CausalLM(config, 128, 0, 1, device=CPU)
     types = gguf_tensor_types(path)
     assert types["model.layers.0.mlp.experts.7.up_proj.weight"] == ("blk.0.ffn_up_exps.weight", "Q8_0")
-    assert packed_params(model, types, "cpu")["layers.0.mlp.experts.w13"] == "Q8_0"
+    for device in ("cpu", "cuda"):
+        assert packed_params(model, types, device)["layers.0.mlp.experts.w13"] == "Q8_0"
     with pytest.raises(ValueError, match=r"GGUF tensor 'blk.0.ffn_(gate|up|down)_exps.weight' of type Q8_0 cannot "
-                                         r"stay packed: llmd keeps a GGUF's experts packed on CPU only .*"
-                                         r"dequantize=True \(--dequantize\)"):
-        packed_params(model, types, "cuda")
+                                         r"stay packed: llmd keeps a GGUF's experts packed on CPU and CUDA only "
+                                         r"\(no packed MoE kernel for mps\); dequantize=True \(--dequantize\)"):
+        packed_params(model, types, "mps")
     old = write_gguf(hf_moe("mixtral"), tmp_path / "old-mixtral.gguf", T.Q8_0,
                      extra_tensors={"blk.0.ffn_gate.0.weight": np.zeros((32, 64), np.float32)})
     with pytest.raises(ValueError, match=r"GGUF tensor 'blk.0.ffn_gate.0.weight' has no counterpart in llmd's "

@@ -2,7 +2,8 @@
 Triton kernels, quant/cuda_matmul.py) compute what the same files dequantized at load
 compute on CUDA — GGUF files of every GPU type (a tied vocabulary read back through its
 planes, a projection mixing K-quants), AWQ and GPTQ checkpoints (on one rank), FP8 per
-channel (W8A8 on Hopper in bf16, W8A16 in fp32) — and a packed GGUF served by the engine
+channel (W8A8 on Hopper in bf16, W8A16 in fp32), packed experts (MoE GGUFs, AWQ and FP8
+experts: the grouped kernel) — and a packed GGUF, dense or MoE, served by the engine
 generates the dequantized run's greedy tokens. The kernels themselves are checked
 against independent dequantizers in test_triton_quant.py (interpreted everywhere,
 compiled here).
@@ -17,11 +18,13 @@ from gguf_fixtures import write_gguf
 from llmd import LLM, SamplingParams
 from llmd.gpu.layers.attention import AttentionMetadata, new_model_kv_caches
 from llmd.gpu.layers.attention_backends import metadata_builder
-from llmd.gpu.layers.quant.cuda_matmul import TritonFP8Matmul, TritonGGUFMatmul
+from llmd.gpu.layers.mlp import ExpertWeights
+from llmd.gpu.layers.quant.cuda_matmul import TritonFP8Matmul, TritonGGUFMatmul, TritonPackedExperts
 from llmd.gpu.layers.quant.fp8_scaled_mm import quantize_rows
 from llmd.gpu.layers.quant.quant_linear import IntGroupMatmul
 from llmd.gpu.models.loader import load_model
 from test_gguf import hf_dirs  # noqa: F401
+from test_gguf_moe import hf_moe  # noqa: F401
 from test_quantized_checkpoints import checkpoints  # noqa: F401
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -134,12 +137,37 @@ def test_fp8_in_bf16_runs_w8a8_on_hopper_within_activation_rounding(checkpoints)
             _close(out.float(), twins[name]((codes.float() * scale).to(x.dtype).view(x.shape)).float(), 2e-2)
 
 
-def test_a_packed_gguf_served_on_cuda_generates_the_dequantized_runs_tokens(hf_dirs, tmp_path):  # noqa: F811
-    """The engine (CUDA graphs, the Triton attention backend) on a packed Q4_0 file:
-    greedy tokens of the dequantized run, in fp32."""
-    path = write_gguf(hf_dirs("llama-tied"), tmp_path / "tied.gguf", T.Q4_0)
+@pytest.mark.parametrize("case", ["gguf-qwen3-moe-q4_0", "gguf-qwen3-moe-kquants", "awq-g32", "fp8-block"])
+def test_packed_experts_on_cuda_compute_what_their_dequantized_weights_do(hf_moe, checkpoints, tmp_path,  # noqa: F811
+                                                                         case):
+    """A MoE GGUF's experts (Q4_0; Q4_K / Q5_K / Q6_K parts) and a Qwen3-MoE checkpoint's
+    AWQ and FP8 experts through the grouped kernel (TritonPackedExperts), in float32 and
+    bfloat16, against the same files dequantized at load."""
+    if case.startswith("gguf"):
+        k_quants = (T.Q4_K, T.Q6_K, T.Q5_K) if case.endswith("kquants") else ()
+        name = "qwen3-moe-256" if k_quants else "qwen3-moe"
+        path = write_gguf(hf_moe(name), tmp_path / f"{case}.gguf", T.Q4_0, k_quant_types=k_quants)
+    else:
+        options = {"awq-g32": dict(method="awq", group_size=32),
+                   "fp8-block": dict(method="fp8", fp8_style="block", block=(32, 32))}[case]
+        path = checkpoints("qwen3-moe", **options)
+    for dtype, rel in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
+        packed = load_model(path, dtype, CUDA, 128)
+        experts = [m for m in packed.modules() if isinstance(m, ExpertWeights)]
+        assert experts and all(isinstance(e.fused, TritonPackedExperts) for e in experts)
+        dense = load_model(path, dtype, CUDA, 128, dequantize=True)
+        _close(_logits(packed, TOKENS, dtype), _logits(dense, TOKENS, dtype), rel)
+
+
+def test_a_packed_moe_gguf_served_on_cuda_generates_the_dequantized_runs_tokens(hf_moe, tmp_path):  # noqa: F811
+    """The engine (CUDA graphs over the grouped kernel) on a MoE GGUF whose experts stay
+    packed: the dequantized run's greedy tokens, in fp32, one and four sequences a step."""
+    path = write_gguf(hf_moe("qwen3-moe"), tmp_path / "moe.gguf", T.Q8_0)
+    _assert_served_as_dequantized(path, [TOKENS[:5], TOKENS[3:14], TOKENS[1:4], TOKENS[6:16]])
+
+
+def _assert_served_as_dequantized(path, prompts: list[list[int]]) -> None:
     settings = dict(device="cuda", dtype="float32", num_gpu_blocks_override=64, max_model_len=256)
-    prompts = [TOKENS[:5], TOKENS[3:14]]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     outputs = {}
     for dequantize in (False, True):
@@ -151,3 +179,10 @@ def test_a_packed_gguf_served_on_cuda_generates_the_dequantized_runs_tokens(hf_d
         finally:
             llm.engine.shutdown()
     assert outputs[False] == outputs[True]
+
+
+def test_a_packed_gguf_served_on_cuda_generates_the_dequantized_runs_tokens(hf_dirs, tmp_path):  # noqa: F811
+    """The engine (CUDA graphs, the Triton attention backend) on a packed Q4_0 file:
+    greedy tokens of the dequantized run, in fp32."""
+    path = write_gguf(hf_dirs("llama-tied"), tmp_path / "tied.gguf", T.Q4_0)
+    _assert_served_as_dequantized(path, [TOKENS[:5], TOKENS[3:14]])

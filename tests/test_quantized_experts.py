@@ -5,8 +5,9 @@ dequantized weights (tests/quant_reference.py, written from the formats' layouts
 AWQ (Q5_0 blocks), symmetric 4-bit GPTQ (Q4_0), 8-bit GPTQ (Q8_0), asymmetric 4-bit GPTQ
 with act-order (an input order per module: gate and up of an expert in different
 orders), and FP8 experts (their e4m3 bytes, scales per channel and per 32x32 block), a
-Qwen3-MoE fixture whose layer 1 is a dense MLP (quantized too). Quantized experts on CUDA
-are refused naming the expert; dequantize=True loads them dense.
+Qwen3-MoE fixture whose layer 1 is a dense MLP (quantized too); TP=2 ranks keep their
+shares. On CUDA the plan keeps them packed (the grouped kernel: test_triton_quant_moe.py)
+but refuses act-order experts, naming the expert; dequantize=True loads them dense.
 """
 from __future__ import annotations
 
@@ -104,21 +105,33 @@ def test_dequantize_loads_quantized_experts_dense(checkpoints, tmp_path):  # noq
         llm.engine.shutdown()
 
 
-def test_quantized_experts_on_cuda_are_refused_by_name(checkpoints):  # noqa: F811
+def test_quantized_experts_are_planned_packed_on_cuda_act_order_refused(checkpoints):  # noqa: F811
+    """On CUDA the plan keeps AWQ / GPTQ / FP8 experts packed as on CPU (the grouped
+    kernel: test_triton_quant_moe.py), refuses act-order experts (no CUDA kernel takes
+    their input orders) and any device without a packed MoE kernel, naming the expert."""
     from llmd.gpu.layers.quant.scheme import quant_scheme
     from llmd.gpu.models.decoder import CausalLM
     from llmd.gpu.models.loader import checkpoint_target, load_hf_config
     from llmd.gpu.models.quant_plan import plan_quantized_experts, resolve_scheme, safetensors_index
 
-    path = checkpoints("qwen3-moe", method="awq", group_size=32)
-    config = load_hf_config(path)
-    index = safetensors_index(path)
-    scheme = resolve_scheme(quant_scheme(config), index)
-    with torch.device("meta"):
-        model = CausalLM(config, 128, 0, 1, device=CPU)
-    with pytest.raises(ValueError, match=r"llmd keeps quantized experts packed on CPU only \(no packed MoE kernel "
-                                         r"for cuda yet\)"):
-        plan_quantized_experts(model, scheme, index, checkpoint_target, "cuda")
+    def plan(options: dict, device: str) -> dict[str, str]:
+        path = checkpoints("qwen3-moe", **options)
+        config, index = load_hf_config(path), safetensors_index(path)
+        with torch.device("meta"):
+            model = CausalLM(config, 128, 0, 1, device=CPU)
+        return plan_quantized_experts(model, resolve_scheme(quant_scheme(config), index), index, checkpoint_target,
+                                      device)
+
+    awq = CASES["awq-g32"][0]
+    assert set(plan(awq, "cuda").values()) == {"Q5_0"} and plan(awq, "cuda") == plan(awq, "cpu")
+    assert set(plan(CASES["fp8-block"][0], "cuda").values()) == {"FP8"}
+    with pytest.raises(ValueError, match=r"\.experts\.\d+\.\w+_proj is quantized \(gptq-int4\): GPTQ act-order "
+                                         r"\(desc_act\) experts run packed on CPU only \(no CUDA kernel takes their "
+                                         r"input orders\); "):
+        plan(CASES["gptq4-act-order"][0], "cuda")
+    with pytest.raises(ValueError, match=r"llmd keeps quantized experts packed on CPU and CUDA only \(no packed MoE "
+                                         r"kernel for mps\)"):
+        plan(awq, "mps")
 
 
 def test_an_expert_whose_zero_points_contradict_sym_is_refused_by_name(checkpoints, tmp_path):  # noqa: F811

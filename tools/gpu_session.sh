@@ -98,7 +98,8 @@ tests() {
     local graphs=${TESTS_GRAPHS:-tests/test_cuda_graphs.py tests/test_graph_sampling.py tests/test_spec_graphs.py
         tests/test_flash_attention.py tests/test_quant_cuda_models.py}
     local kernels=${TESTS_KERNELS:-tests/test_fused_ops.py tests/test_triton_attention.py tests/test_moe.py
-        tests/test_triton_quant.py tests/test_sampler.py tests/test_engine_vs_hf.py tests/test_sleep_mode.py}
+        tests/test_triton_quant.py tests/test_triton_quant_moe.py tests/test_sampler.py tests/test_engine_vs_hf.py
+        tests/test_sleep_mode.py}
     local sizing=${TESTS_SIZING:-tests/test_memory_sizing.py tests/test_profile_step.py}
     # shellcheck disable=SC2086
     if [ "$graphs" != - ]; then
@@ -211,6 +212,9 @@ quant() {
     # decode matmuls as a fraction of the packed bytes' roofline beside bf16 dense.
     step bench-quant 90 $PY -m llmd_tools.bench_quant_gpu --types Q4_0 Q3_K Q4_K Q6_K Q8_0 IQ4_NL FP8 --rows 1 16 \
         --shapes 4096x4096 14336x4096
+    # A MoE layer's packed experts (Qwen3-30B-A3B's shapes, Q4_K_M and Q8_0) through the
+    # grouped kernel against the touched experts' bytes, beside the bf16 fused-MoE kernel.
+    step bench-quant-moe 60 $PY -m llmd_tools.bench_quant_moe_gpu --tokens 1 4 16 64
     # The same defaults as the device's own Triton compiles them (registers, K loop
     # instructions, the offline estimate), beside the times above: does the model that
     # chose the tiles (on this machine's Triton 3.9) hold for the device's compiler?

@@ -73,25 +73,63 @@ def compile_tile(quant: str, tiles, shape: tuple[int, int] = SHAPE, rows: int | 
     BM — times a `shape` weight of `quant` with `tiles` on an H200, compiled for sm_90;
     its grid)."""
     import torch
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import create_function_from_signature
 
-    from llmd.gpu.layers.quant.triton_quant_mm import _quant_mm_kernel as fn
-    from llmd.gpu.layers.quant.triton_quant_mm import kernel_launch
+    from llmd.gpu.layers.quant.triton_quant_mm import _quant_mm_kernel, kernel_launch
 
     n, k = shape
     rows = rows or tiles.bm
     x = torch.zeros(rows, k, dtype=torch.bfloat16)
     grid, args, meta, _ = kernel_launch(x, cpu_weight(quant, n, k), torch.empty(rows, n, dtype=x.dtype), None, tiles,
                                         SMS)
+    return compile_for_hopper(_quant_mm_kernel, args, meta), grid
+
+
+def compile_experts_tile(quants: tuple[str, str], experts: int, shape: tuple[int, int], tokens: int, top_k: int):
+    """The grouped kernel over packed experts (triton_quant_moe) as a MoE layer of
+    `experts` experts of `shape` (hidden, inter) launches it for `tokens` tokens of bf16
+    routed to `top_k` each on an H200, for gate (w13 in `quants[0]`) and down (`quants[1]`),
+    compiled for sm_90: [(part, tiles, kernel, grid)]."""
+    import torch
+
+    from llmd.gpu.layers.mlp import ExpertWeights
+    from llmd.gpu.layers.moe_align import moe_align_block_size
+    from llmd.gpu.layers.quant.cuda_matmul import TritonPackedExperts
+    from llmd.gpu.layers.quant.triton_quant_moe import _quant_moe_kernel, experts_launch, moe_tiles
+
+    hidden, inter = shape
+    layer = ExpertWeights(experts, hidden, inter, None)
+    for name, quant in zip(("w13", "w2"), quants):
+        layer.use_packed(quant, name)
+        getattr(layer, name).data.zero_()
+    packed = TritonPackedExperts(layer)
+    pairs = tokens * top_k
+    ids = torch.arange(pairs).remainder(experts).reshape(tokens, top_k)
+    found = []
+    for name, part, x, k in (("gate", packed.gate_up[0], torch.zeros(tokens, hidden), top_k),
+                             ("down", packed.down, torch.zeros(pairs, inter), 1)):
+        tiles = moe_tiles(pairs, experts, part.first.quant)
+        out = torch.empty(pairs, part.first.n, dtype=torch.bfloat16)
+        grid, args, meta, _ = experts_launch(x.to(torch.bfloat16), part, out,
+                                             moe_align_block_size(ids, tiles.bm, experts), k,
+                                             torch.ones(pairs) if name == "down" else None, tiles, None, SMS)
+        found.append((name, tiles, compile_for_hopper(_quant_moe_kernel, args, meta), grid))
+    return found
+
+
+def compile_for_hopper(fn, args: tuple, meta: dict):
+    """A Triton kernel compiled for sm_90 from CPU arguments, specialized as its launcher
+    specializes them."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
     bound, specialization, options = create_function_from_signature(fn.signature, fn.params, backend)(*args, **meta)
     options, signature, constexprs, attrs = fn._pack_args(backend, meta, bound, specialization, options)
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(source, target=target, options=options.__dict__), grid
+    return triton.compile(source, target=target, options=options.__dict__)
 
 
 def resources(kernel) -> dict[str, int]:

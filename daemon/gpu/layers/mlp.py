@@ -22,11 +22,13 @@ parameters the fused kernel reads, `w13 [experts, 2 * inter, hidden]` (expert e'
 rows, then its up rows) and `w2 [experts, hidden, inter]`: shard (e, 0) / (e, 1) is
 expert e's gate / up projection, shard e its down projection.
 
-A GGUF's experts stay packed on CPU (`use_packed`, the loader's plan, one rank): `w13`
-is then uint8 [experts, bytes], each expert's gate rows then its up rows in their
-GGUF types (the two may differ: llama.cpp's mixes), `w2` uint8 [experts, bytes] its
-down rows; each expert's projections multiply through gguf_quant.GGUFMatmul over its
-rows (`use_kernels`, cpu_kernels.attach_gguf_kernels) inside the reference MoE loop.
+A GGUF's experts stay packed (`use_packed`, the loader's plan; with TP each rank its
+share): `w13` is then uint8 [experts, bytes], each expert's gate rows then its up rows
+in their GGUF types (the two may differ: llama.cpp's mixes), `w2` uint8 [experts,
+bytes] its down rows. On CPU each expert's projections multiply through
+gguf_quant.GGUFMatmul over its rows (`use_kernels`, cpu_kernels.attach_gguf_kernels)
+inside the reference MoE loop; on CUDA every expert's at once through the grouped
+kernel over packed experts (`fused`, quant/cuda_matmul.TritonPackedExperts).
 GPTQ act-order experts (`use_input_orders`) also keep each part's input column order
 (`w13_order` [experts, 2, hidden], `w2_order` [experts, 1, inter]): a part whose columns
 were sorted by group multiplies x's columns taken in that order, gate and up as one
@@ -126,6 +128,7 @@ class ExpertWeights(WeightLoading, nn.Module):
         self.packed_types: dict[str, tuple[str, ...]] = {}
         self.quant_tensors: tuple[str, ...] = ()  # the packed ones (memory_profile.weight_storage)
         self.products: ExpertProducts | None = None  # packed: each expert's matmuls (use_kernels)
+        self.fused: Any = None  # packed on CUDA: (x, weights, ids, activation, ops) -> out (cuda_matmul)
         self._views: dict[str, list[Any]] = {}
         self.ordered = False  # act-order: w13_order / w2_order hold each part's input order
 
@@ -334,11 +337,13 @@ class SparseMoeBlock(nn.Module):
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
         experts = self.experts
         if experts.packed_types:
-            if experts.products is None:
+            if experts.products is None and experts.fused is None:
                 raise RuntimeError(f"experts packed as {experts.quant} have no kernels "
                                    "(cpu_kernels.attach_gguf_kernels)")
             cpp = self.cpp_experts
-            if cpp is not None and ids.numel() <= cpp.max_rows:
+            if experts.fused is not None:
+                out = experts.fused(x, weights, ids, self.activation, self.ops)
+            elif cpp is not None and ids.numel() <= cpp.max_rows:
                 out = cpp(x, weights, ids)
             else:
                 out = moe_reference(x, experts.w13, experts.w2, weights, ids, self.activation, experts.products,

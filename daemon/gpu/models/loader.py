@@ -240,8 +240,8 @@ def _unpackable(layer: Any, attr: str, quant: str, shards: dict[Shard, str], dev
     experts = hasattr(layer, "packed_columns")  # mlp.ExpertWeights: w13, w2
     if not hasattr(layer, "use_packed") or (attr != "weight" and not (experts and attr in ("w13", "w2"))):
         return "its parameter takes no packed weight"
-    if experts and device_type != "cpu":
-        return f"llmd keeps a GGUF's experts packed on CPU only (no packed MoE kernel for {device_type} yet)"
+    if experts and device_type not in PACKED_DEVICES:
+        return f"llmd keeps a GGUF's experts packed on CPU and CUDA only (no packed MoE kernel for {device_type})"
     if any(q in DENSE_TYPES for q in shards.values()):
         return "its fused projection mixes dense and quantized parts"
     held = held_type(quant, kernel_types(device_type))
@@ -283,8 +283,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     the load is refused naming the tensor (packed_params); from an AWQ, GPTQ or FP8
     safetensors checkpoint every quantized module stays packed, on any number of ranks,
     on CPU or CUDA (quant_plan). `dequantize`: every weight is dequantized instead (each
-    rank dequantizes a tensor whole and its layers keep their share). Then its kernels are attached (_attach_kernels); `int8_activations`:
-    packed weights on CPU meet activations rounded to int8 once (gguf_quant.x16_passes).
+    rank dequantizes a tensor whole and its layers keep their share). Then its kernels
+    are attached (_attach_kernels); `int8_activations`: packed weights on CPU meet
+    activations rounded to int8 once (gguf_quant.x16_passes).
     A checkpoint's own K/V cache scales are kept as `model.kv_amax` (checkpoint_kv_scales;
     None without them)."""
     config = load_hf_config(model_dir)
@@ -359,6 +360,10 @@ def _attach_kernels(model: nn.Module, dtype: torch.dtype, device: torch.device, 
     elif packed_gguf:
         attach_gguf_kernels(model, dtype, int8_activations)
     elif device.type == "cpu":
-        attach_expert_kernels(model, int8_activations)  # an AWQ / GPTQ checkpoint's packed experts
+        attach_expert_kernels(model, int8_activations)  # an AWQ / GPTQ / FP8 checkpoint's packed experts
+    elif device.type == "cuda":
+        from llmd.gpu.layers.quant.cuda_matmul import attach_cuda_expert_kernels
+
+        attach_cuda_expert_kernels(model)
     if device.type == "cpu":
         attach_decode_layers(model)  # batch-1 decode steps through the layers in C++ where they qualify

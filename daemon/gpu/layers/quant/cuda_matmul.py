@@ -8,6 +8,8 @@ per-channel weights through the FP8 tensor cores where they run W8A8 (fp8_scaled
   back through them (gguf_planes.from_planes) and dequantize those (gguf_quant).
 - An FP8 layer (`TritonFP8Matmul`): W8A8 through torch._scaled_mm where
   fp8_scaled_mm.w8a8_applies, else W8A16 through the Triton kernel.
+- A MoE layer's packed experts (`TritonPackedExperts`: GGUF, AWQ / GPTQ transcoded, FP8,
+  W8A16) through the grouped kernel over every expert (triton_quant_moe).
 """
 from __future__ import annotations
 
@@ -16,11 +18,15 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from llmd.gpu.layers.fused_ops import LayerOps
+from llmd.gpu.layers.mlp import FP8
 from llmd.gpu.layers.quant.fp8_scaled_mm import w8a8_applies, w8a8_matmul
 from llmd.gpu.layers.quant.gguf_planes import from_planes, plane_views, repack_part
 from llmd.gpu.layers.quant.quant_linear import IntGroupMatmul
 from llmd.gpu.layers.quant.scheme import FP8Scheme
 from llmd.gpu.layers.quant.triton_quant_mm import QuantWeight, quant_matmul
+from llmd.gpu.layers.quant.triton_quant_moe import (ExpertsWeight, fp8_experts_part, gguf_experts_part,
+                                                     quant_fused_experts)
 
 
 def gguf_quant_weight(planes: torch.Tensor, quant: str, cols: int) -> QuantWeight:
@@ -85,12 +91,49 @@ def cuda_quantized_matmul(layer: nn.Module) -> Callable[[torch.Tensor], torch.Te
     return IntGroupMatmul(layer, TritonGGUFMatmul)
 
 
+class TritonPackedExperts:
+    """A MoE layer's packed experts (mlp.ExpertWeights: a GGUF's, an AWQ / GPTQ
+    checkpoint's transcoded, FP8) through the grouped kernel (triton_quant_moe), each
+    part laid out as planes in place now; its `fused`."""
+
+    def __init__(self, experts: nn.Module) -> None:
+        missing = [name for name in ("w13", "w2") if name not in experts.packed_types]
+        if missing or experts.ordered:
+            why = f"its {missing[0]} is dense" if missing else "their input columns are reordered (act-order)"
+            raise ValueError(f"packed experts whose {why} have no CUDA kernel; --dequantize loads them dense")
+        self.num_experts = experts.w13.shape[0]
+        self.gate_up, (self.down,) = self._parts(experts, "w13"), self._parts(experts, "w2")
+
+    @staticmethod
+    def _parts(experts: nn.Module, name: str) -> list[ExpertsWeight]:
+        param, types = getattr(experts, name), experts.packed_types[name]
+        if types[0] == FP8:
+            rows = experts.inter if name == "w13" else experts.hidden
+            scales = getattr(experts, f"{name}_scales")
+            return [fp8_experts_part(param, scales, i * rows, (i + 1) * rows) for i in range(len(types))]
+        cols = experts.packed_columns(name)
+        return [gguf_experts_part(param, part, cols) for part in experts.packed_parts_of(name)]
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, activation: str,
+                 ops: LayerOps) -> torch.Tensor:
+        return quant_fused_experts(x, self.gate_up, self.down, self.num_experts, weights, ids, activation, ops)
+
+
+def attach_cuda_expert_kernels(model: nn.Module) -> int:
+    """Give every MoE layer's packed experts their CUDA kernel; returns how many."""
+    experts = [m for m in model.modules() if getattr(m, "packed_types", None)]
+    for module in experts:
+        module.fused = TritonPackedExperts(module)
+    return len(experts)
+
+
 def attach_cuda_gguf_kernels(model: nn.Module, dtype: torch.dtype) -> int:
     """Give every GGUF-packed layer of a CUDA model its Triton matmul and every packed
     table the dtype its rows are dequantized to (read through the planes when the LM
     head laid them out); returns how many modules are packed."""
+    attach_cuda_expert_kernels(model)
     packed = [m for m in model.modules() if getattr(m, "quant", None) is not None
-              and getattr(m, "quant_method", None) is None]
+              and getattr(m, "quant_method", None) is None and not hasattr(m, "packed_types")]
     for module in packed:
         if hasattr(module, "kernel"):
             module.kernel = TritonGGUFMatmul(module)

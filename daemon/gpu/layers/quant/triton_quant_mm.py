@@ -255,25 +255,16 @@ def _accumulate(acc, x, w, DOT: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.co
 
 
 @triton.jit
-def _quant_mm_kernel(X, OUT, QS, QH, SC, D, MN, M, N, K, stride_xm, stride_om, stride_os,
-                     stride_qs, stride_qh, stride_sc, stride_d, stride_m, fp8_group, tiles_per_split,
-                     QUANT: tl.constexpr, STREAMS: tl.constexpr, PAIR: tl.constexpr, ZERO: tl.constexpr,
-                     GP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, H: tl.constexpr,
-                     DOT: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr, PARTIAL: tl.constexpr,
-                     STAGES: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
-    pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    mmask = rm < M
-    nmask = tl.full([BN], True, tl.int1) if EVEN_N else rn < N  # a constant mask: no per-element test
+def _k_tiles(acc, X, x_rows, mmask, QS, QH, SC, D, MN, rn, nmask, K, first, last, stride_qs, stride_qh, stride_sc,
+             stride_d, stride_m, fp8_group, QUANT: tl.constexpr, STREAMS: tl.constexpr, PAIR: tl.constexpr,
+             ZERO: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, H: tl.constexpr,
+             DOT: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr, STAGES: tl.constexpr,
+             EVEN_K: tl.constexpr):
+    """acc plus the products of K tiles [first, last) of the weight's rows rn with the
+    rows of x starting at offsets x_rows (where mmask): the matmul's K loop, shared by
+    the dense kernel and the experts' (triton_quant_moe)."""
     j = tl.arange(0, H)
     jg = tl.arange(0, H // GP) * GP  # the first byte of each scale group of a stream
-    if DOT:
-        acc = tl.zeros([BM, BN], tl.float32)
-    else:  # one row: the products summed over the tiles, reduced once after
-        acc = tl.zeros([BN, H], tl.float32)
-    first = pid_s * tiles_per_split
-    last = tl.minimum(first + tiles_per_split, tl.cdiv(K, BK))
     for t in tl.range(first, last, num_stages=STAGES):  # STAGES > 1: the next tiles' loads issued ahead
         k0 = tl.cast(t * BK, tl.uint32)  # unsigned: the columns' divisions below are shifts
         if STREAMS > 1:  # byte j holds the values of columns klo(j) + s PAIR, s < STREAMS
@@ -299,8 +290,32 @@ def _quant_mm_kernel(X, OUT, QS, QH, SC, D, MN, M, N, K, stride_xm, stride_om, s
             q = _with_high_bits(q, k, rn, nmask, kmask, QH, stride_qh, QUANT)
             w = _dequantized(q, kg + s * PAIR, rn, nmask, gmask, SC, D, MN, stride_sc, stride_d, stride_m,
                              fp8_group, QUANT, ZERO, BN, H, GP)
-            x = tl.load(X + rm[:, None] * stride_xm + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+            x = tl.load(X + x_rows[:, None] + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
             acc = _accumulate(acc, x, w, DOT, IEEE, DOT_F32)
+    return acc
+
+
+@triton.jit
+def _quant_mm_kernel(X, OUT, QS, QH, SC, D, MN, M, N, K, stride_xm, stride_om, stride_os,
+                     stride_qs, stride_qh, stride_sc, stride_d, stride_m, fp8_group, tiles_per_split,
+                     QUANT: tl.constexpr, STREAMS: tl.constexpr, PAIR: tl.constexpr, ZERO: tl.constexpr,
+                     GP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, H: tl.constexpr,
+                     DOT: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr, PARTIAL: tl.constexpr,
+                     STAGES: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+    pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    mmask = rm < M
+    nmask = tl.full([BN], True, tl.int1) if EVEN_N else rn < N  # a constant mask: no per-element test
+    if DOT:
+        acc = tl.zeros([BM, BN], tl.float32)
+    else:  # one row: the products summed over the tiles, reduced once after
+        acc = tl.zeros([BN, H], tl.float32)
+    first = pid_s * tiles_per_split
+    last = tl.minimum(first + tiles_per_split, tl.cdiv(K, BK))
+    acc = _k_tiles(acc, X, rm * stride_xm, mmask, QS, QH, SC, D, MN, rn, nmask, K, first, last, stride_qs,
+                   stride_qh, stride_sc, stride_d, stride_m, fp8_group, QUANT, STREAMS, PAIR, ZERO, GP, BN, BK, H,
+                   DOT, IEEE, DOT_F32, STAGES, EVEN_K)
     if not DOT:
         acc = tl.sum(acc, axis=1)[None, :]  # [1, BN]
     out = OUT + pid_s * stride_os + rm[:, None] * stride_om + rn[None, :]
@@ -337,23 +352,41 @@ def kernel_launch(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, split
     launches it; tools/quant_kernel_resources.py compiles it for sm_90 from CPU tensors,
     specialized as Triton's launcher specializes these arguments."""
     rows = x.shape[0]
-    layout, tiles = LAYOUTS[weight.quant], tiles or tiles_for(rows, weight.quant)
+    tiles = tiles or tiles_for(rows, weight.quant)
     if not tiles.dot and rows > 1:
         raise ValueError(f"a GEMV tile takes one row of x, not {rows}")
     grid_m, grid_n = triton.cdiv(rows, tiles.bm), triton.cdiv(weight.n, tiles.bn)
-    k_tiles = triton.cdiv(weight.k, tiles.bk)
-    splits = split_k if split_k is not None else split_count(grid_m * grid_n, k_tiles, sms)
-    per_split = triton.cdiv(k_tiles, max(1, min(splits, k_tiles)))
-    splits = triton.cdiv(k_tiles, per_split)  # no empty split
+    splits, per_split = split_plan(grid_m * grid_n, weight, tiles, split_k, sms)
     target = out if splits == 1 else torch.empty(splits, rows, weight.n, dtype=torch.float32, device=x.device)
+    planes, strides = weight_planes(weight)
+    args = (x, target, *planes, rows, weight.n, weight.k, x.stride(0), target.stride(-2),
+            target.stride(0) if splits > 1 else 0, *strides, max(1, weight.fp8_group), per_split)
+    meta = kernel_meta(weight, tiles, x.dtype, splits)
+    return (grid_m, grid_n, splits), args, meta, target
+
+
+def split_plan(programs: int, weight: QuantWeight, tiles: Tiles, split_k: int | None, sms: int) -> tuple[int, int]:
+    """(K splits, K tiles a split) for a launch of `programs` tiles: `split_k` or
+    split_count's choice, no split empty."""
+    k_tiles = triton.cdiv(weight.k, tiles.bk)
+    splits = split_k if split_k is not None else split_count(programs, k_tiles, sms)
+    per_split = triton.cdiv(k_tiles, max(1, min(splits, k_tiles)))
+    return triton.cdiv(k_tiles, per_split), per_split
+
+
+def weight_planes(weight: QuantWeight) -> tuple[list[torch.Tensor], list[int]]:
+    """The kernel's weight pointers (QS, QH, SC, D, MN: qs in place of a plane the type
+    lacks) and their row strides."""
     qs = weight.qs
-    planes = [p if p is not None else qs for p in (weight.qh, weight.sc, weight.d, weight.m)]
-    strides = [p.stride(0) if p.dim() == 2 else 0 for p in planes]
-    args = (x, target, qs, *planes, rows, weight.n, weight.k, x.stride(0), target.stride(-2),
-            target.stride(0) if splits > 1 else 0, qs.stride(0), *strides, max(1, weight.fp8_group), per_split)
-    meta = dict(QUANT=layout.code, STREAMS=layout.streams, PAIR=layout.pair, ZERO=layout.zero, GP=layout.gp,
+    planes = [qs, *(p if p is not None else qs for p in (weight.qh, weight.sc, weight.d, weight.m))]
+    return planes, [qs.stride(0), *(p.stride(0) if p.dim() == 2 else 0 for p in planes[1:])]
+
+
+def kernel_meta(weight: QuantWeight, tiles: Tiles, dtype: torch.dtype, splits: int) -> dict:
+    """The kernels' compile-time arguments for `weight` times x of `dtype` in `tiles`."""
+    layout = LAYOUTS[weight.quant]
+    return dict(QUANT=layout.code, STREAMS=layout.streams, PAIR=layout.pair, ZERO=layout.zero, GP=layout.gp,
                 BM=tiles.bm, BN=tiles.bn, BK=tiles.bk, H=tiles.bk // layout.streams,
-                DOT=tiles.dot, IEEE=x.dtype == torch.float32, DOT_F32=INTERPRETED and x.dtype == torch.bfloat16,
+                DOT=tiles.dot, IEEE=dtype == torch.float32, DOT_F32=INTERPRETED and dtype == torch.bfloat16,
                 PARTIAL=splits > 1, STAGES=tiles.stages, EVEN_N=weight.n % tiles.bn == 0,
                 EVEN_K=weight.k % tiles.bk == 0, num_warps=tiles.warps)
-    return (grid_m, grid_n, splits), args, meta, target
