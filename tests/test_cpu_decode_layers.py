@@ -175,6 +175,39 @@ class _Counting:
         return self.inner.forward(*args)
 
 
+@pytest.mark.parametrize("passes", [1, 2])
+def test_the_grouped_product_is_each_jobs_own_product(vnni, passes):
+    """gguf_mm_x16_grouped (what MoeExperts multiplies a layer's experts with): each job's
+    rows into its columns of out bit for bit what gguf_mm_x16 gives them alone — jobs of
+    1 to 9 rows and one of none, weights of different heights, a column offset into a
+    wider out (untouched elsewhere), Q4_K (super-blocks) and Q8_0; refusals name the op."""
+    from llmd.gpu.layers.gguf_formats import FORMATS
+    from llmd_tools.gguf_blocks import random_blocks
+
+    mm = torch.ops.llmd_cpu
+    cols, rows, heights = 512, (3, 0, 9, 1, 4), (32, 64, 32, 48, 16)
+    starts = np.concatenate([[0], np.cumsum(rows)]).tolist()
+    for quant in ("Q4_K", "Q8_0"):
+        code = FORMATS[quant].code
+        ws = []
+        for j, n in enumerate(heights):
+            w = random_blocks(quant, n, cols, seed=j).contiguous()
+            mm.gguf_repack_x16_(w, code, cols)
+            ws.append(w)
+        x = torch.randn(starts[-1], cols, generator=torch.Generator().manual_seed(passes))
+        out = torch.full((starts[-1], 80), 7.0)
+        mm.gguf_mm_x16_grouped(x, ws, starts, code, cols, passes, "", out, 8)
+        for j, w in enumerate(ws):
+            part = out[starts[j]:starts[j + 1]]
+            alone = mm.gguf_mm_x16(x[starts[j]:starts[j + 1]], w, code, cols, passes, "")
+            assert torch.equal(part[:, 8:8 + w.shape[0]], alone), (quant, j)
+            assert (part[:, :8] == 7).all() and (part[:, 8 + w.shape[0]:] == 7).all()
+    with pytest.raises(RuntimeError, match="gguf_mm_x16_grouped: starts must hold one more entry than ws"):
+        mm.gguf_mm_x16_grouped(x, ws, starts[:-1], code, cols, passes, "", out, 0)
+    with pytest.raises(RuntimeError, match="gguf_mm_x16_grouped: job 1 has rows or columns outside out"):
+        mm.gguf_mm_x16_grouped(x, ws, starts, code, cols, passes, "", out, 40)
+
+
 def test_a_router_the_c_layers_cannot_read_keeps_the_python_layers(vnni, hf_moe, tmp_path):
     """A router quantized in the file, 8 experts: 8 rows, no x16 group of 16 (its kernel is
     the float32 one), so the model keeps the Python layers, which still match its

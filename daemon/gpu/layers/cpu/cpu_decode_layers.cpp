@@ -30,9 +30,12 @@
 // MoeExperts: a MoE layer's packed experts for any number of rows (a prefill's, a batch's),
 // fused_moe.moe_reference's packed branch in C++ — the (row, expert) pairs sorted by expert
 // (stable), each expert that got rows running its products over them, the rows scaled by
-// their routing weights and summed back per row — the same operators in the same order, so
-// its output is the Python loop's bit for bit, without the Python per expert. Every
-// expert's rows must be few enough for the x16 product (mlp.SparseMoeBlock checks).
+// their routing weights and summed back per row — the same products of each row, so its
+// output is the Python loop's bit for bit, without the Python per expert; every expert's
+// gate/up part in one gguf_mm_x16_grouped call (one parallel region, the threads streaming
+// from one expert's weight into the next), act * up once over all the rows, then down
+// alike. Every expert's rows must be few enough for the x16 product (mlp.SparseMoeBlock
+// checks).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -50,6 +53,7 @@
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/sum.h>
 #include <ATen/ops/topk.h>
+#include <ATen/ops/zeros_like.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -62,6 +66,8 @@ namespace {
 
 // The operators a layer calls, found once (all registered by this library's other files).
 using MmX16 = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t, c10::string_view);
+using MmX16Grouped = void(const at::Tensor&, at::TensorList, at::IntArrayRef, int64_t, int64_t, int64_t,
+                          c10::string_view, at::Tensor&, int64_t);
 using RmsNorm = at::Tensor(const at::Tensor&, const at::Tensor&, double, bool);
 using AddRmsNorm = at::Tensor(at::Tensor&, const at::Tensor&, const at::Tensor&, double, bool);
 using ActAndMul = at::Tensor(const at::Tensor&, int64_t);
@@ -82,6 +88,7 @@ c10::TypedOperatorHandle<F> find_op(const char* name) {
 
 struct Ops {
   c10::TypedOperatorHandle<MmX16> mm_x16 = find_op<MmX16>("llmd_cpu::gguf_mm_x16");
+  c10::TypedOperatorHandle<MmX16Grouped> mm_x16_grouped = find_op<MmX16Grouped>("llmd_cpu::gguf_mm_x16_grouped");
   c10::TypedOperatorHandle<RmsNorm> rms_norm = find_op<RmsNorm>("llmd_cpu::rms_norm");
   c10::TypedOperatorHandle<AddRmsNorm> add_rms_norm = find_op<AddRmsNorm>("llmd_cpu::add_rms_norm_");
   c10::TypedOperatorHandle<ActAndMul> act_and_mul = find_op<ActAndMul>("llmd_cpu::act_and_mul");
@@ -370,21 +377,48 @@ class MoeExperts : public torch::CustomClassHolder {
     const at::Tensor counts = at::bincount(flat, {}, experts);
     TORCH_CHECK(counts.size(0) == experts, "MoeExperts.forward: an expert id past the ", experts, " experts");
     const at::Tensor rows = x.index_select(0, at::floor_divide(order, k));  // x[order // k]: the same gather
-    at::Tensor out_rows = at::empty({rows.size(0), n}, x.options());
     const int64_t* count = counts.data_ptr<int64_t>();
-    int64_t start = 0;
+    std::vector<int64_t> used, starts{0};  // the experts that got rows; where their rows start
     for (int64_t e = 0; e < experts; ++e) {
       if (count[e] == 0) continue;
-      const int64_t end = start + count[e];
-      const at::Tensor hidden = ops.act_and_mul.call(gate_up_[e](ops, rows.slice(0, start, end)), act);
-      out_rows.slice(0, start, end).copy_(down_[e](ops, hidden));
-      start = end;
+      used.push_back(e);
+      starts.push_back(starts.back() + count[e]);
     }
+    if (used.empty()) return at::zeros_like(x);  // no rows
+    const at::Tensor hidden = ops.act_and_mul.call(grouped(ops, gate_up_, used, starts, rows), act);
+    at::Tensor out_rows = grouped(ops, down_, used, starts, hidden);
     out_rows.mul_(topk_weights.reshape({-1}).index_select(0, order).unsqueeze(-1).to(x.scalar_type()));
     return at::sum(out_rows.index_select(0, at::argsort(order)).view({-1, k, n}), {1});
   }
 
  private:
+  // Each used expert's rows [starts[i], starts[i + 1]) of x times its projection, every
+  // expert in one gguf_mm_x16_grouped call a part (the parts side by side: a
+  // Projection's cat), in x's dtype: each row what the expert's own product gives it.
+  static at::Tensor grouped(const Ops& ops, const std::vector<Projection>& projections,
+                            const std::vector<int64_t>& used, const std::vector<int64_t>& starts, const at::Tensor& x) {
+    const std::vector<Part>& first = projections[used[0]].parts;
+    int64_t width = 0;
+    for (const Part& p : first) width += p.weight.size(0);
+    at::Tensor out = at::empty({x.size(0), width}, x.options().dtype(at::kFloat));
+    const at::Tensor xc = x.contiguous();
+    int64_t col0 = 0;
+    for (size_t i = 0; i < first.size(); ++i) {
+      std::vector<at::Tensor> ws;
+      ws.reserve(used.size());
+      for (int64_t e : used) {
+        const std::vector<Part>& parts = projections[e].parts;
+        TORCH_CHECK(parts.size() == first.size() && parts[i].quant == first[i].quant && parts[i].cols == first[i].cols &&
+                        parts[i].passes == first[i].passes && parts[i].weight.size(0) == first[i].weight.size(0),
+                    "MoeExperts: expert ", e, "'s parts differ from expert ", used[0], "'s");
+        ws.push_back(parts[i].weight);
+      }
+      ops.mm_x16_grouped.call(xc, ws, starts, first[i].quant, first[i].cols, first[i].passes, kChosenIsa, out, col0);
+      col0 += first[i].weight.size(0);
+    }
+    return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  }
+
   std::vector<Projection> gate_up_, down_;
 };
 

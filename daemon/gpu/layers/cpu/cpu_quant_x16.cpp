@@ -37,6 +37,9 @@
 // gguf_mm_x16_into(x, w, quant, cols, passes, isa, out) -> out: the same into a float32
 //   [M, N] (x float32): a buffer its caller keeps from step to step (gguf_quant: an LM
 //   head's logits, which a new tensor each step would fault in page by page).
+// gguf_mm_x16_grouped(x, ws, starts, quant, cols, passes, isa, out, col0): rows [starts[j],
+//   starts[j + 1]) of x times ws[j], for every j, into those rows of a float32 out at
+//   column col0, in one parallel region (a MoE layer's experts at once).
 // gguf_dequantize_x16(w, quant, cols) -> float32 [N, cols] (for a GEMM over many rows),
 //   equal to gguf_dequantize of the GGUF rows (any CPU).
 // gguf_x16_supported(): whether this CPU runs gguf_mm_x16 (with the ISA "" picks).
@@ -253,17 +256,53 @@ void mm_on(Isa isa, int64_t quant, int passes, const std::vector<QuantizedRow>& 
   TORCH_CHECK(false, "gguf_mm_x16: this build has no ", isa_name(isa), " product");
 }
 
+// x's rows quantized for the product: the codes, scales and sums they point into.
+struct QuantizedX {
+  std::vector<int8_t> codes;
+  std::vector<float> scales;
+  std::vector<int32_t> sums, pairs;
+  std::vector<QuantizedRow> rows;
+
+  QuantizedX(Isa isa, const float* x, int64_t count, int64_t cols, int64_t quant, int p)
+      : codes(count * p * cols), scales(3 * count * (cols / kBlock)), sums(count * p * 2 * (cols / kBlock)),
+        rows(count) {
+    const int64_t blocks = cols / kBlock;
+    const bool super = llmd_x16::super_blocks(static_cast<int>(quant), p);  // (K-quants: blocks a multiple of 8)
+    pairs.resize(super ? count * blocks / 2 : 0);
+    for (int64_t r = 0; r < count; ++r) {
+      int8_t* q = codes.data() + r * p * cols;
+      float* d = scales.data() + 3 * r * blocks;
+      int32_t* sum = sums.data() + r * p * 2 * blocks;
+      quantize_on(isa, x + r * cols, cols, p, super ? llmd_x16::kSuperBlock : 1, q, d, d + blocks, sum);
+      rows[r] = {q, d, d + blocks, sum, cols, blocks};
+      if (super) {  // each two blocks' code sums as int16 pairs (within +-32 * 128)
+        int32_t* pair = pairs.data() + r * blocks / 2;
+        for (int64_t i = 0; i < blocks / 2; ++i) {
+          const int32_t even = sum[4 * i] + sum[4 * i + 1], odd = sum[4 * i + 2] + sum[4 * i + 3];
+          pair[i] = static_cast<int32_t>((static_cast<uint32_t>(even) & 0xFFFFu) | (static_cast<uint32_t>(odd) << 16));
+        }
+        rows[r].pairs = pair;
+      }
+    }
+  }
+};
+
+Isa checked_isa(c10::string_view isa_choice, int64_t passes, const char* op) {
+  TORCH_CHECK(passes >= 1 && passes <= 3, op, ": passes 1, 2 or 3 expected, got ", passes);
+  const Isa isa = isa_named(std::string(isa_choice), "gguf_mm_x16's isa");
+  TORCH_CHECK(isa != Isa::kNone, op, ": this CPU has neither AVX-512 VNNI nor AVX2 with FMA and F16C",
+              " (or the kernels are the portable build)");
+  return isa;
+}
+
 // The product into `out` (float32 [M, N], contiguous; x float32), or a new tensor when
 // `out` is undefined.
 at::Tensor mm_x16_into(const at::Tensor& x, const at::Tensor& w, int64_t quant, int64_t cols, int64_t passes,
                        c10::string_view isa_choice, at::Tensor out) {
   const int64_t records = check_layout(w, quant, cols, "gguf_mm_x16");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == cols && x.is_contiguous(), "gguf_mm_x16: contiguous x [M, cols] expected");
-  TORCH_CHECK(passes >= 1 && passes <= 3, "gguf_mm_x16: passes 1, 2 or 3 expected, got ", passes);
-  const Isa isa = isa_named(std::string(isa_choice), "gguf_mm_x16's isa");
-  TORCH_CHECK(isa != Isa::kNone, "gguf_mm_x16: this CPU has neither AVX-512 VNNI nor AVX2 with FMA and F16C",
-              " (or the kernels are the portable build)");
-  const int64_t rows = x.size(0), n = w.size(0), blocks = cols / kBlock;
+  const Isa isa = checked_isa(isa_choice, passes, "gguf_mm_x16");
+  const int64_t rows = x.size(0), n = w.size(0);
   if (out.defined()) {
     TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && out.is_contiguous() &&
                     out.dim() == 2 && out.size(0) == rows && out.size(1) == n,
@@ -273,31 +312,67 @@ at::Tensor mm_x16_into(const at::Tensor& x, const at::Tensor& w, int64_t quant, 
   }
   if (rows == 0) return out.to(x.scalar_type());
   const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
-  std::vector<int8_t> codes(rows * passes * cols);
-  std::vector<float> scales(3 * rows * blocks);
-  std::vector<int32_t> sums(rows * passes * 2 * blocks);
-  std::vector<QuantizedRow> quantized(rows);
-  const float* xp = xf.const_data_ptr<float>();
   const int p = static_cast<int>(passes);
-  const bool super = llmd_x16::super_blocks(static_cast<int>(quant), p);  // (K-quants: blocks a multiple of 8)
-  std::vector<int32_t> pairs(super ? rows * blocks / 2 : 0);
-  for (int64_t r = 0; r < rows; ++r) {
-    int8_t* q = codes.data() + r * passes * cols;
-    float* d = scales.data() + 3 * r * blocks;
-    int32_t* sum = sums.data() + r * passes * 2 * blocks;
-    quantize_on(isa, xp + r * cols, cols, p, super ? llmd_x16::kSuperBlock : 1, q, d, d + blocks, sum);
-    quantized[r] = {q, d, d + blocks, sum, cols, blocks};
-    if (super) {  // each two blocks' code sums as int16 pairs (within +-32 * 128)
-      int32_t* pair = pairs.data() + r * blocks / 2;
-      for (int64_t i = 0; i < blocks / 2; ++i) {
-        const int32_t even = sum[4 * i] + sum[4 * i + 1], odd = sum[4 * i + 2] + sum[4 * i + 3];
-        pair[i] = static_cast<int32_t>((static_cast<uint32_t>(even) & 0xFFFFu) | (static_cast<uint32_t>(odd) << 16));
-      }
-      quantized[r].pairs = pair;
-    }
-  }
-  mm_on(isa, quant, p, quantized, w.const_data_ptr<uint8_t>(), n, records, out.data_ptr<float>());
+  const QuantizedX quantized(isa, xf.const_data_ptr<float>(), rows, cols, quant, p);
+  mm_on(isa, quant, p, quantized.rows, w.const_data_ptr<uint8_t>(), n, records, out.data_ptr<float>());
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+// Weight bytes' worth of one 16-row group, in rows of x: what a group costs beside its
+// rows' dot products when the grouped product shares the work out (a 1,024 x 1,024 Q4_K
+// expert on Zen 4: ~26 us to stream its weight, ~2.6 us more a row of x).
+constexpr int64_t kGroupCost = 10;
+
+// Jobs j = 0..J-1: rows [starts[j], starts[j + 1]) of x times ws[j] (each an x16 weight of
+// `quant` with `cols` columns) into those rows of out (float32 [R, ld]), columns [col0,
+// col0 + N_j). One parallel region for them all, the threads splitting the jobs' 16-row
+// groups by cost (kGroupCost + rows), x quantized once: a MoE layer's experts in one call
+// (cpu_decode_layers' MoeExperts), each row's product the one gguf_mm_x16 gives it.
+void gguf_mm_x16_grouped(const at::Tensor& x, at::TensorList ws, at::IntArrayRef starts, int64_t quant, int64_t cols,
+                         int64_t passes, c10::string_view isa_choice, at::Tensor& out, int64_t col0) {
+  const char* op = "gguf_mm_x16_grouped";
+  const int64_t jobs = static_cast<int64_t>(ws.size());
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == cols && x.is_contiguous(), op, ": contiguous x [R, cols] expected");
+  TORCH_CHECK(static_cast<int64_t>(starts.size()) == jobs + 1 && starts[0] >= 0 && starts[jobs] <= x.size(0), op,
+              ": starts must hold one more entry than ws, within x's rows");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous() && out.size(0) == x.size(0),
+              op, ": a contiguous float32 out [R, ld] expected");
+  const Isa isa = checked_isa(isa_choice, passes, op);
+  std::vector<int64_t> records(jobs), first_cost(jobs + 1, 0);
+  for (int64_t j = 0; j < jobs; ++j) {
+    records[j] = check_layout(ws[j], quant, cols, op);
+    const int64_t rows = starts[j + 1] - starts[j];
+    TORCH_CHECK(rows >= 0 && col0 >= 0 && col0 + ws[j].size(0) <= out.size(1), op, ": job ", j,
+                " has rows or columns outside out");
+    first_cost[j + 1] = first_cost[j] + (rows > 0 ? ws[j].size(0) / kGroup * (kGroupCost + rows) : 0);
+  }
+  if (first_cost[jobs] == 0) return;
+  const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+  const int p = static_cast<int>(passes);
+  const QuantizedX quantized(isa, xf.const_data_ptr<float>(), x.size(0), cols, quant, p);
+  const int64_t shares = std::max<int64_t>(1, at::get_num_threads()), total = first_cost[jobs], ld = out.size(1);
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, shares, 1, [&](int64_t s0, int64_t s1) {
+    const int64_t c0 = total * s0 / shares, c1 = total * s1 / shares;  // this thread's cost range
+    std::vector<float> tmp;
+    for (int64_t j = 0; j < jobs; ++j) {
+      const int64_t rows = starts[j + 1] - starts[j], per_group = kGroupCost + rows;
+      if (rows == 0 || first_cost[j + 1] <= c0 || first_cost[j] >= c1) continue;
+      // the groups whose cost starts in [c0, c1): each group goes to exactly one thread
+      const int64_t g0 = std::max<int64_t>(0, (c0 - first_cost[j] + per_group - 1) / per_group);
+      const int64_t g1 = std::min(ws[j].size(0) / kGroup, (c1 - first_cost[j] + per_group - 1) / per_group);
+      if (g0 >= g1) continue;
+      const int64_t n = (g1 - g0) * kGroup;
+      const std::vector<QuantizedRow> xr(quantized.rows.begin() + starts[j], quantized.rows.begin() + starts[j + 1]);
+      tmp.resize(rows * n);
+      // in this parallel region the product's own parallel_for runs on this thread alone
+      mm_on(isa, quant, p, xr, ws[j].const_data_ptr<uint8_t>() + g0 * kGroup * ws[j].size(1), n, records[j],
+            tmp.data());
+      for (int64_t r = 0; r < rows; ++r) {
+        std::memcpy(o + (starts[j] + r) * ld + col0 + g0 * kGroup, tmp.data() + r * n, n * sizeof(float));
+      }
+    }
+  });
 }
 
 at::Tensor gguf_mm_x16(const at::Tensor& x, const at::Tensor& w, int64_t quant, int64_t cols, int64_t passes,
@@ -336,6 +411,8 @@ TORCH_LIBRARY_FRAGMENT(llmd_cpu, m) {
   m.def("gguf_unpack_x16(Tensor w, Tensor rows, int quant, int cols) -> Tensor");
   m.def("gguf_mm_x16(Tensor x, Tensor w, int quant, int cols, int passes=3, str isa=\"\") -> Tensor");
   m.def("gguf_mm_x16_into(Tensor x, Tensor w, int quant, int cols, int passes, str isa, Tensor(a!) out) -> Tensor(a!)");
+  m.def("gguf_mm_x16_grouped(Tensor x, Tensor[] ws, int[] starts, int quant, int cols, int passes, str isa, "
+        "Tensor(a!) out, int col0) -> ()");
   m.def("gguf_dequantize_x16(Tensor w, int quant, int cols) -> Tensor");
   m.def("gguf_x16_supported() -> bool");
   m.def("gguf_x16_isas() -> str[]");
@@ -347,6 +424,7 @@ TORCH_LIBRARY_IMPL(llmd_cpu, CPU, m) {
   m.impl("gguf_unpack_x16", &gguf_unpack_x16);
   m.impl("gguf_mm_x16", &gguf_mm_x16);
   m.impl("gguf_mm_x16_into", &gguf_mm_x16_into);
+  m.impl("gguf_mm_x16_grouped", &gguf_mm_x16_grouped);
   m.impl("gguf_dequantize_x16", &gguf_dequantize_x16);
 }
 
