@@ -145,6 +145,33 @@ struct Linear {
   }
 };
 
+// Rows [starts[i], starts[i + 1]) of x times the projection of expert used[i], for every
+// i, each part in one gguf_mm_x16_grouped call over all of them (the parts side by side:
+// a Projection's cat), in x's dtype: each row what the expert's own product gives it.
+at::Tensor experts_product(const Ops& ops, const std::vector<Projection>& projections,
+                           const std::vector<int64_t>& used, const std::vector<int64_t>& starts, const at::Tensor& x) {
+  const std::vector<Part>& first = projections[used[0]].parts;
+  int64_t width = 0;
+  for (const Part& p : first) width += p.weight.size(0);
+  at::Tensor out = at::empty({x.size(0), width}, x.options().dtype(at::kFloat));
+  const at::Tensor xc = x.contiguous();
+  int64_t col0 = 0;
+  for (size_t i = 0; i < first.size(); ++i) {
+    std::vector<at::Tensor> ws;
+    ws.reserve(used.size());
+    for (int64_t e : used) {
+      const std::vector<Part>& parts = projections[e].parts;
+      TORCH_CHECK(parts.size() == first.size() && parts[i].quant == first[i].quant && parts[i].cols == first[i].cols &&
+                      parts[i].passes == first[i].passes && parts[i].weight.size(0) == first[i].weight.size(0),
+                  "experts_product: expert ", e, "'s parts differ from expert ", used[0], "'s");
+      ws.push_back(parts[i].weight);
+    }
+    ops.mm_x16_grouped.call(xc, ws, starts, first[i].quant, first[i].cols, first[i].passes, kChosenIsa, out, col0);
+    col0 += first[i].weight.size(0);
+  }
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
 // A mixture-of-experts feed-forward (module doc); top_k 0: the layer's is a gated MLP.
 struct Moe {
   int64_t top_k = 0;
@@ -316,14 +343,16 @@ class DecoderLayers : public torch::CustomClassHolder {
     auto [weights, ids] = at::topk(at::softmax(m.router(ops, h), -1, at::kFloat), m.top_k, -1);
     if (m.renormalize) weights = at::div(weights, at::sum(weights, {-1}, true));
     const int64_t n = h.size(1), experts = static_cast<int64_t>(m.gate_up.size());
-    at::Tensor rows = at::empty({m.top_k, n}, h.options());
     const at::Tensor chosen = ids.contiguous();
     const int64_t* id = chosen.data_ptr<int64_t>();
+    std::vector<int64_t> used(id, id + m.top_k), starts(m.top_k + 1);
     for (int64_t i = 0; i < m.top_k; ++i) {
       TORCH_CHECK(id[i] >= 0 && id[i] < experts, "DecoderLayers.forward: the router chose expert ", id[i]);
-      const at::Tensor act = ops.act_and_mul.call(m.gate_up[id[i]](ops, h), l.act);
-      rows.select(0, i).copy_(m.down[id[i]](ops, act).view({n}));
+      starts[i + 1] = i + 1;  // row i: h, through the i-th chosen expert
     }
+    const at::Tensor hs = h.expand({m.top_k, n});
+    at::Tensor rows = experts_product(ops, m.down, used, starts,
+                                      ops.act_and_mul.call(experts_product(ops, m.gate_up, used, starts, hs), l.act));
     rows.mul_(weights.view({m.top_k, 1}).to(h.scalar_type()));
     at::Tensor out = at::sum(rows.view({1, m.top_k, n}), {1});
     if (!m.shared) return out;
@@ -385,40 +414,13 @@ class MoeExperts : public torch::CustomClassHolder {
       starts.push_back(starts.back() + count[e]);
     }
     if (used.empty()) return at::zeros_like(x);  // no rows
-    const at::Tensor hidden = ops.act_and_mul.call(grouped(ops, gate_up_, used, starts, rows), act);
-    at::Tensor out_rows = grouped(ops, down_, used, starts, hidden);
+    const at::Tensor hidden = ops.act_and_mul.call(experts_product(ops, gate_up_, used, starts, rows), act);
+    at::Tensor out_rows = experts_product(ops, down_, used, starts, hidden);
     out_rows.mul_(topk_weights.reshape({-1}).index_select(0, order).unsqueeze(-1).to(x.scalar_type()));
     return at::sum(out_rows.index_select(0, at::argsort(order)).view({-1, k, n}), {1});
   }
 
  private:
-  // Each used expert's rows [starts[i], starts[i + 1]) of x times its projection, every
-  // expert in one gguf_mm_x16_grouped call a part (the parts side by side: a
-  // Projection's cat), in x's dtype: each row what the expert's own product gives it.
-  static at::Tensor grouped(const Ops& ops, const std::vector<Projection>& projections,
-                            const std::vector<int64_t>& used, const std::vector<int64_t>& starts, const at::Tensor& x) {
-    const std::vector<Part>& first = projections[used[0]].parts;
-    int64_t width = 0;
-    for (const Part& p : first) width += p.weight.size(0);
-    at::Tensor out = at::empty({x.size(0), width}, x.options().dtype(at::kFloat));
-    const at::Tensor xc = x.contiguous();
-    int64_t col0 = 0;
-    for (size_t i = 0; i < first.size(); ++i) {
-      std::vector<at::Tensor> ws;
-      ws.reserve(used.size());
-      for (int64_t e : used) {
-        const std::vector<Part>& parts = projections[e].parts;
-        TORCH_CHECK(parts.size() == first.size() && parts[i].quant == first[i].quant && parts[i].cols == first[i].cols &&
-                        parts[i].passes == first[i].passes && parts[i].weight.size(0) == first[i].weight.size(0),
-                    "MoeExperts: expert ", e, "'s parts differ from expert ", used[0], "'s");
-        ws.push_back(parts[i].weight);
-      }
-      ops.mm_x16_grouped.call(xc, ws, starts, first[i].quant, first[i].cols, first[i].passes, kChosenIsa, out, col0);
-      col0 += first[i].weight.size(0);
-    }
-    return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
-  }
-
   std::vector<Projection> gate_up_, down_;
 };
 
