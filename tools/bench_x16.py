@@ -16,6 +16,13 @@ and the weight bytes a second, beside torch.sum over as many bytes (the memory's
 which on a shared VM moves by 2x over an hour). `--layers` takes fewer layers.
 
     python -m llmd_tools.bench_x16 --stream [--layers 16] [--rows 1] [--passes 1 2] [--rounds 5]
+
+`--experts E` times a MoE layer's experts instead (E weights of each `--shapes` shape and
+`--types` type, `--rows` rows of x each): one gguf_mm_x16 call per expert against one
+gguf_mm_x16_grouped call for them all (what cpu_decode_layers' MoeExperts runs), rounds
+alternated, min (median) µs a layer.
+
+    python -m llmd_tools.bench_x16 --experts 32 --types Q4_K --shapes 1024x1024 --rows 1 4 --passes 2
 """
 from __future__ import annotations
 
@@ -39,10 +46,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream", action="store_true", help="the 1B's layer set streamed from memory, every ISA")
     parser.add_argument("--layers", type=int, default=16, help="--stream: decoder layers (the LM head besides)")
     parser.add_argument("--rounds", type=int, default=5, help="--stream: alternated rounds")
+    parser.add_argument("--experts", type=int, default=0, help="a MoE layer of this many experts, per call or grouped")
     args = parser.parse_args(argv)
     if args.stream:
         args.rows = args.rows or [1]
         return stream(args)
+    if args.experts:
+        args.rows = args.rows or [1, 4]
+        return experts(args)
     args.rows = args.rows or [1, 4, 32]
 
     import torch
@@ -82,6 +93,42 @@ def main(argv: list[str] | None = None) -> int:
                             times[key].append(time.perf_counter() - start)
                 cells = [f"{min(t) * 1e6:.1f} ({statistics.median(t) * 1e6:.1f})" for t in times.values()]
                 print(f"{quant:<5} {shape:>10} {rows:>4} " + " ".join(f"{c:>20}" for c in cells), flush=True)
+    print(f"load average {os.getloadavg()[0]:.2f} at the end (every tenant)")
+    return 0
+
+
+def experts(args: argparse.Namespace) -> int:
+    import torch
+
+    from llmd.gpu.layers.gguf_quant import FORMATS
+    from llmd_tools.gguf_blocks import random_blocks
+
+    ops = x16_ops(args.threads)
+    mm = torch.ops.llmd_cpu
+    print(f"{args.threads} threads, {args.experts} experts, load average {os.getloadavg()[0]:.2f} at the start")
+    for quant in args.types:
+        code = FORMATS[quant].code
+        for shape in args.shapes:
+            n, k = map(int, shape.split("x"))
+            ws = [ops.repack_x16_(random_blocks(quant, n, k, seed=e), code, k) for e in range(args.experts)]
+            for rows, p in ((r, p) for r in args.rows for p in args.passes):
+                x = torch.randn(args.experts * rows, k)
+                starts = [e * rows for e in range(args.experts + 1)]
+                out = torch.empty(args.experts * rows, n)
+                runs = {"per expert": lambda x=x, rows=rows, p=p: [
+                            mm.gguf_mm_x16(x[e * rows:(e + 1) * rows], w, code, k, p, args.isa) for e, w in enumerate(ws)],
+                        "grouped": lambda x=x, starts=starts, out=out, p=p: mm.gguf_mm_x16_grouped(
+                            x, ws, starts, code, k, p, args.isa, out, 0)}
+                times: dict[str, list[float]] = {key: [] for key in runs}
+                for i in range(args.calls + 2):
+                    for key, run in runs.items():
+                        start = time.perf_counter()
+                        run()
+                        if i >= 2:
+                            times[key].append(time.perf_counter() - start)
+                cells = " ".join(f"{key} {min(t) * 1e6:.1f} ({statistics.median(t) * 1e6:.1f})"
+                                 for key, t in times.items())
+                print(f"{quant:<5} {shape:>10} x {args.experts} rows {rows} passes {p}: {cells} µs", flush=True)
     print(f"load average {os.getloadavg()[0]:.2f} at the end (every tenant)")
     return 0
 
