@@ -5,7 +5,8 @@ transformers does on the same weights; generating while asleep is refused. (In a
 process, with its resident memory: test_multi_model.py and test_model_sleep.py.) The CUDA
 path moves weights to pinned host memory with HostWeights: its in-place move is checked
 here on a transformers model on the CPU (each weight emptied, tied weights still one
-storage after the restore, the same logits)."""
+storage after the restore, the same logits), and on a packed GGUF given its CUDA
+kernels (their views of the planes moved with the weights)."""
 from __future__ import annotations
 
 import pytest
@@ -15,6 +16,7 @@ from hf_ref import hf_greedy, hf_model
 from llmd import LLM, SamplingParams
 from llmd.gpu.worker.sleep_mode import HostWeights, module_tensors
 from llmd_tools.make_model import fixture_path
+from test_gguf_moe import hf_moe  # noqa: F401
 
 PROMPT = "def fibonacci(n):"
 MAX_TOKENS = 12
@@ -47,6 +49,34 @@ def test_host_weights_empty_every_weight_and_restore_it_in_place():
     assert embed.untyped_storage().data_ptr() == head.untyped_storage().data_ptr() and embed.shape[0] > 0
     with torch.inference_mode():
         assert torch.equal(model(ids).logits, before)
+
+
+def test_host_weights_move_the_packed_cuda_kernels_views_too(hf_moe, tmp_path, monkeypatch):  # noqa: F811
+    """A packed GGUF's CUDA kernels (quant/cuda_matmul: the dense layers' TritonGGUFMatmul,
+    the experts' TritonPackedExperts) keep views of their layers' planes: a level-1 sleep
+    empties those too (else they would hold the device memory the sleep gives back), and
+    the restore points them at the weights' new storage with the same bytes. Checked on
+    the CPU (the kernels attached, not run; HostWeights moves the same way there)."""
+    from gguf import GGMLQuantizationType as T
+    from gguf_fixtures import write_gguf
+
+    from llmd.gpu.layers.quant.cuda_matmul import attach_cuda_gguf_kernels
+    from llmd.gpu.models.loader import load_model
+
+    monkeypatch.setenv("LLMD_CPU_KERNELS", "0")  # the file's layout, which the planes are made from
+    model = load_model(write_gguf(hf_moe("qwen3-moe"), tmp_path / "moe.gguf", T.Q8_0), torch.float32,
+                       torch.device("cpu"), 128)
+    attach_cuda_gguf_kernels(model, torch.float32)
+    kernels = [v for m in model.modules() for v in vars(m).values() if hasattr(v, "held_tensors")]
+    assert {type(k).__name__ for k in kernels} == {"TritonGGUFMatmul", "TritonPackedExperts"}
+    views = [t for k in kernels for t in k.held_tensors()]
+    before = [t.clone() for t in views]
+    moved = HostWeights([model], pin=False)
+    assert all(t.numel() == 0 for t in views)
+    moved.restore(torch.device("cpu"))
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert all(t.untyped_storage().data_ptr() in storages for t in views)
+    assert all(torch.equal(a, b) for a, b in zip(views, before))
 
 
 @pytest.mark.parametrize("level", [1, 2])
@@ -123,13 +153,21 @@ def test_a_quantized_kv_cache_keeps_its_scales_through_a_deep_sleep():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed-gguf"])
 @pytest.mark.parametrize("level", [1, 2])
-def test_on_cuda_a_sleep_gives_the_device_memory_back_and_the_wake_answers_as_before(level):
+def test_on_cuda_a_sleep_gives_the_device_memory_back_and_the_wake_answers_as_before(level, packed, tmp_path):
     """The CUDA path itself: the KV cache and the weights (level 1: into pinned host
     memory; level 2: the whole model) leave the device and torch's cache is emptied, so
     another process could take the memory; after the wake (weights copied back or loaded
-    again, decode graphs captured over the new cache) the tokens are those of before."""
-    llm = LLM(model=str(fixture_path("tiny-llama")), device="cuda", dtype="float32", max_model_len=128,
+    again, decode graphs captured over the new cache) the tokens are those of before.
+    Also for a GGUF kept packed (its Triton kernels' views of the planes move too)."""
+    model = str(fixture_path("tiny-llama"))
+    if packed:
+        from gguf import GGMLQuantizationType as T
+        from gguf_fixtures import write_gguf
+
+        model = str(write_gguf(fixture_path("tiny-llama"), tmp_path / "tiny-llama.gguf", T.Q8_0))
+    llm = LLM(model=model, device="cuda", dtype="float32", max_model_len=128,
               num_gpu_blocks_override=4096)  # a KV cache of its own segments (50 MB), which empty_cache returns
     runner = llm.engine.executor.runner
     before = tokens(llm)

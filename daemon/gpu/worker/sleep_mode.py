@@ -29,14 +29,17 @@ class _Storage:
 
 
 def module_tensors(roots: Iterable[torch.nn.Module]) -> list[torch.Tensor]:
-    """Every tensor the modules hold: parameters, buffers and plain tensor attributes
-    (each tensor once)."""
+    """Every tensor the modules hold: parameters, buffers, plain tensor attributes, and
+    the views an attribute's kernel keeps of them (`held_tensors()`: the CUDA packed
+    kernels' planes, quant/cuda_matmul), each tensor once."""
     seen: set[int] = set()
     out: list[torch.Tensor] = []
     for root in roots:
         for module in root.modules():
+            attrs = vars(module).values()
             held = (*module._parameters.values(), *module._buffers.values(),
-                    *(v for v in vars(module).values() if isinstance(v, torch.Tensor)))
+                    *(v for v in attrs if isinstance(v, torch.Tensor)),
+                    *(t for v in attrs if hasattr(v, "held_tensors") for t in v.held_tensors()))
             for t in held:
                 if t is not None and id(t) not in seen:
                     seen.add(id(t))

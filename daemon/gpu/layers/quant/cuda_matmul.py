@@ -36,6 +36,11 @@ def gguf_quant_weight(planes: torch.Tensor, quant: str, cols: int) -> QuantWeigh
                        views.get("m"))
 
 
+def weight_tensors(weights: list[QuantWeight]) -> list[torch.Tensor]:
+    """The tensors the kernel's weights view (what sleep_mode moves with their layer)."""
+    return [t for w in weights for t in (w.qs, w.d, w.qh, w.sc, w.m) if t is not None]
+
+
 def _with_bias(layer: nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out [rows, N] with the layer's bias (unless the layer reduces: added after), as x's leading shape."""
     bias = None if getattr(layer, "reduce", False) else layer.bias
@@ -54,6 +59,9 @@ class TritonGGUFMatmul:
         cols = layer.in_features
         self.parts = [gguf_quant_weight(repack_part(layer.weight, part, cols), part.quant, cols)
                       for part in layer.packed_parts]
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        return weight_tensors(self.parts)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.layer.in_features)
@@ -113,6 +121,9 @@ class TritonPackedExperts:
             return [fp8_experts_part(param, scales, i * rows, (i + 1) * rows) for i in range(len(types))]
         cols = experts.packed_columns(name)
         return [gguf_experts_part(param, part, cols) for part in experts.packed_parts_of(name)]
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        return weight_tensors([part.first for part in (*self.gate_up, self.down)])
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, activation: str,
                  ops: LayerOps) -> torch.Tensor:

@@ -277,6 +277,10 @@ class IntGroupMatmul:
         self.units = [(order, unit_matmul(PackedUnit(layer.in_features, layer.weight, parts)))
                       for order, parts in layer.int_units]
 
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The views its units' matmuls keep of the layer's weight (sleep_mode moves them)."""
+        return [t for _, mm in self.units if hasattr(mm, "held_tensors") for t in mm.held_tensors()]
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         outs = [mm(x if order is None else x.index_select(-1, getattr(self.layer, order))) for order, mm in self.units]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
