@@ -137,18 +137,22 @@ def test_fp8_in_bf16_runs_w8a8_on_hopper_within_activation_rounding(checkpoints)
             _close(out.float(), twins[name]((codes.float() * scale).to(x.dtype).view(x.shape)).float(), 2e-2)
 
 
-@pytest.mark.parametrize("case", ["gguf-qwen3-moe-q4_0", "gguf-qwen3-moe-kquants", "awq-g32", "fp8-block"])
+@pytest.mark.parametrize("case", ["gguf-qwen3-moe-q4_0", "gguf-qwen3-moe-kquants", "awq-g32", "gptq4-act-order",
+                                  "fp8-block"])
 def test_packed_experts_on_cuda_compute_what_their_dequantized_weights_do(hf_moe, checkpoints, tmp_path,  # noqa: F811
                                                                          case):
     """A MoE GGUF's experts (Q4_0; Q4_K / Q5_K / Q6_K parts) and a Qwen3-MoE checkpoint's
-    AWQ and FP8 experts through the grouped kernel (TritonPackedExperts), in float32 and
-    bfloat16, against the same files dequantized at load."""
+    AWQ, GPTQ act-order (gate and up in their own orders) and FP8 experts through the
+    grouped kernel (TritonPackedExperts), in float32 and bfloat16, against the same files
+    dequantized at load."""
     if case.startswith("gguf"):
         k_quants = (T.Q4_K, T.Q6_K, T.Q5_K) if case.endswith("kquants") else ()
         name = "qwen3-moe-256" if k_quants else "qwen3-moe"
         path = write_gguf(hf_moe(name), tmp_path / f"{case}.gguf", T.Q4_0, k_quant_types=k_quants)
     else:
         options = {"awq-g32": dict(method="awq", group_size=32),
+                   "gptq4-act-order": dict(method="gptq", group_size=32, sym=False, gptq_v2=True, act_order=True,
+                                           order_per_module=True),
                    "fp8-block": dict(method="fp8", fp8_style="block", block=(32, 32))}[case]
         path = checkpoints("qwen3-moe", **options)
     for dtype, rel in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):

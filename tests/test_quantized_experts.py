@@ -6,8 +6,8 @@ AWQ (Q5_0 blocks), symmetric 4-bit GPTQ (Q4_0), 8-bit GPTQ (Q8_0), asymmetric 4-
 with act-order (an input order per module: gate and up of an expert in different
 orders), and FP8 experts (their e4m3 bytes, scales per channel and per 32x32 block), a
 Qwen3-MoE fixture whose layer 1 is a dense MLP (quantized too); TP=2 ranks keep their
-shares. On CUDA the plan keeps them packed (the grouped kernel: test_triton_quant_moe.py)
-but refuses act-order experts, naming the expert; dequantize=True loads them dense.
+shares. On CUDA the plan keeps them packed (the grouped kernel: test_triton_quant_moe.py);
+dequantize=True loads them dense.
 """
 from __future__ import annotations
 
@@ -105,10 +105,10 @@ def test_dequantize_loads_quantized_experts_dense(checkpoints, tmp_path):  # noq
         llm.engine.shutdown()
 
 
-def test_quantized_experts_are_planned_packed_on_cuda_act_order_refused(checkpoints):  # noqa: F811
-    """On CUDA the plan keeps AWQ / GPTQ / FP8 experts packed as on CPU (the grouped
-    kernel: test_triton_quant_moe.py), refuses act-order experts (no CUDA kernel takes
-    their input orders) and any device without a packed MoE kernel, naming the expert."""
+def test_quantized_experts_are_planned_packed_on_cuda(checkpoints):  # noqa: F811
+    """On CUDA the plan keeps AWQ / GPTQ (act-order too) / FP8 experts packed as on CPU
+    (the grouped kernel: test_triton_quant_moe.py) and refuses a device without a packed
+    MoE kernel, naming the expert."""
     from llmd.gpu.layers.quant.scheme import quant_scheme
     from llmd.gpu.models.decoder import CausalLM
     from llmd.gpu.models.loader import checkpoint_target, load_hf_config
@@ -125,10 +125,8 @@ def test_quantized_experts_are_planned_packed_on_cuda_act_order_refused(checkpoi
     awq = CASES["awq-g32"][0]
     assert set(plan(awq, "cuda").values()) == {"Q5_0"} and plan(awq, "cuda") == plan(awq, "cpu")
     assert set(plan(CASES["fp8-block"][0], "cuda").values()) == {"FP8"}
-    with pytest.raises(ValueError, match=r"\.experts\.\d+\.\w+_proj is quantized \(gptq-int4\): GPTQ act-order "
-                                         r"\(desc_act\) experts run packed on CPU only \(no CUDA kernel takes their "
-                                         r"input orders\); "):
-        plan(CASES["gptq4-act-order"][0], "cuda")
+    act_order = CASES["gptq4-act-order"][0]
+    assert plan(act_order, "cuda") == plan(act_order, "cpu")
     with pytest.raises(ValueError, match=r"llmd keeps quantized experts packed on CPU and CUDA only \(no packed MoE "
                                          r"kernel for mps\)"):
         plan(awq, "mps")

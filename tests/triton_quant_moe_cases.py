@@ -4,7 +4,8 @@ dequantized by an independent reference (the gguf package's numpy dequantizer; t
 float8 conversion times the scales, tests/quant_reference.py), with ragged routing
 (experts that get no token, one with several row blocks), a decode token (the GEMV
 tile: BM 1, a program per pair), gate, up and down in three different K-quant types,
-K with a tail tile, split-K, bf16 (the reference in bf16 on the weights rounded to it,
+GPTQ act-order experts (each part its own input column order), K with a tail tile,
+split-K, bf16 (the reference in bf16 on the weights rounded to it,
 as the kernel's tl.dot rounds them), and a whole MoE GGUF model given its CUDA kernels
 after a CPU load (the planes laid out in place, every layer's experts through the
 kernel). Run as a script in a fresh process (Triton's interpreter is chosen when triton
@@ -47,6 +48,7 @@ class Case:
     dtype: str = "float32"
     load: tuple[float, ...] | None = None
     split_k: int | None = None
+    ordered: bool = False  # GPTQ act-order: every part its own input column order
 
 
 CASES = {
@@ -59,6 +61,8 @@ CASES = {
                            load=(6.0, 1.0, 0.0, 2.0)),
     "fp8-block-ragged": Case(13, ("FP8", "FP8", "FP8"), hidden=64, inter=96, load=SKEWED),
     "fp8-channel-decode": Case(1, ("FP8", "FP8", "FP8"), hidden=64, inter=96),
+    "act-order-q5_0-ragged": Case(37, ("Q5_0", "Q5_0", "Q5_0"), hidden=64, inter=96, load=SKEWED, ordered=True),
+    "act-order-q4_0-decode": Case(1, ("Q4_0", "Q4_0", "Q4_0"), hidden=64, inter=96, ordered=True),
 }
 
 
@@ -85,20 +89,33 @@ def _gguf_experts(case: Case, seed: int):
     w13 [experts, 2 inter, hidden], w2 [experts, hidden, inter]."""
     from llmd.gpu.layers.mlp import ExpertWeights
 
+    from llmd.gpu.models.quant_plan import OrderedPackedSource
+
     layer = ExpertWeights(case.experts, case.hidden, case.inter, None)
     gate, up, down = case.types
     layer.use_packed({(e, p): q for e in range(case.experts) for p, q in ((0, gate), (1, up))}, "w13")
     layer.use_packed(down, "w2")
+    if case.ordered:
+        layer.use_input_orders()
+    gen = torch.Generator().manual_seed(seed)
     w13 = torch.empty(case.experts, 2 * case.inter, case.hidden)
     w2 = torch.empty(case.experts, case.hidden, case.inter)
+
+    def load(name: str, shard, quant: str, rows: int, cols: int, target: torch.Tensor, part_seed: int) -> None:
+        blocks, dense = _gguf_part(quant, rows, cols, part_seed)
+        if case.ordered:  # the blocks hold x's columns in `order`: weight column k is x's column order[k]
+            order = torch.randperm(cols, generator=gen).to(torch.int32)
+            blocks = OrderedPackedSource(quant, blocks.numpy(), (rows, cols), order)
+            target[:, order.long()] = dense
+        else:
+            target.copy_(dense)
+        layer.load(name, getattr(layer, name), blocks, shard)
+
     for e in range(case.experts):
         for part, quant in ((0, gate), (1, up)):
-            blocks, dense = _gguf_part(quant, case.inter, case.hidden, seed + 10 * e + part)
-            layer.load("w13", layer.w13, blocks, (e, part))
-            w13[e, part * case.inter:(part + 1) * case.inter] = dense
-        blocks, dense = _gguf_part(down, case.hidden, case.inter, seed + 10 * e + 2)
-        layer.load("w2", layer.w2, blocks, e)
-        w2[e] = dense
+            load("w13", (e, part), quant, case.inter, case.hidden, w13[e, part * case.inter:(part + 1) * case.inter],
+                 seed + 10 * e + part)
+        load("w2", e, down, case.hidden, case.inter, w2[e], seed + 10 * e + 2)
     return layer, w13, w2
 
 

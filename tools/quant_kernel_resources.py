@@ -84,11 +84,13 @@ def compile_tile(quant: str, tiles, shape: tuple[int, int] = SHAPE, rows: int | 
     return compile_for_hopper(_quant_mm_kernel, args, meta), grid
 
 
-def compile_experts_tile(quants: tuple[str, str], experts: int, shape: tuple[int, int], tokens: int, top_k: int):
+def compile_experts_tile(quants: tuple[str, str], experts: int, shape: tuple[int, int], tokens: int, top_k: int,
+                         ordered: bool = False):
     """The grouped kernel over packed experts (triton_quant_moe) as a MoE layer of
     `experts` experts of `shape` (hidden, inter) launches it for `tokens` tokens of bf16
     routed to `top_k` each on an H200, for gate (w13 in `quants[0]`) and down (`quants[1]`),
-    compiled for sm_90: [(part, tiles, kernel, grid)]."""
+    `ordered`: GPTQ act-order experts (x's columns in an order per part), compiled for
+    sm_90: [(part, tiles, kernel, grid)]."""
     import torch
 
     from llmd.gpu.layers.mlp import ExpertWeights
@@ -101,6 +103,10 @@ def compile_experts_tile(quants: tuple[str, str], experts: int, shape: tuple[int
     for name, quant in zip(("w13", "w2"), quants):
         layer.use_packed(quant, name)
         getattr(layer, name).data.zero_()
+    if ordered:
+        layer.use_input_orders()
+        for name in ("w13_order", "w2_order"):
+            getattr(layer, name).zero_()
     packed = TritonPackedExperts(layer)
     pairs = tokens * top_k
     ids = torch.arange(pairs).remainder(experts).reshape(tokens, top_k)

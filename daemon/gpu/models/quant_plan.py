@@ -178,8 +178,6 @@ def _plan_fp8_experts(scheme: FP8Scheme, found: dict[str, tuple[ExpertWeights, s
 def _experts_not_packed(scheme: QuantScheme, device_type: str, layers: list[ExpertWeights]) -> str | None:
     if device_type not in ("cpu", "cuda"):
         return f"llmd keeps quantized experts packed on CPU and CUDA only (no packed MoE kernel for {device_type})"
-    if device_type == "cuda" and getattr(scheme, "act_order", False):
-        return "GPTQ act-order (desc_act) experts run packed on CPU only (no CUDA kernel takes their input orders)"
     if getattr(scheme, "act_order", False) and any(layer.world_size > 1 for layer in layers):
         return "GPTQ act-order (desc_act) experts cannot be split by input columns (tensor_parallel_size > 1)"
     return None

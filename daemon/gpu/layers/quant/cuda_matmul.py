@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from llmd.gpu.layers.fused_ops import LayerOps
+from llmd.gpu.layers.gguf_quant import PackedPart, row_bytes
 from llmd.gpu.layers.mlp import FP8
 from llmd.gpu.layers.quant.fp8_scaled_mm import w8a8_applies, w8a8_matmul
 from llmd.gpu.layers.quant.gguf_planes import from_planes, plane_views, repack_part
@@ -106,9 +107,9 @@ class TritonPackedExperts:
 
     def __init__(self, experts: nn.Module) -> None:
         missing = [name for name in ("w13", "w2") if name not in experts.packed_types]
-        if missing or experts.ordered:
-            why = f"its {missing[0]} is dense" if missing else "their input columns are reordered (act-order)"
-            raise ValueError(f"packed experts whose {why} have no CUDA kernel; --dequantize loads them dense")
+        if missing:
+            raise ValueError(f"packed experts whose {missing[0]} is dense have no CUDA kernel; --dequantize loads "
+                             "them dense")
         self.num_experts = experts.w13.shape[0]
         self.gate_up, (self.down,) = self._parts(experts, "w13"), self._parts(experts, "w2")
 
@@ -120,7 +121,16 @@ class TritonPackedExperts:
             scales = getattr(experts, f"{name}_scales")
             return [fp8_experts_part(param, scales, i * rows, (i + 1) * rows) for i in range(len(types))]
         cols = experts.packed_columns(name)
-        return [gguf_experts_part(param, part, cols) for part in experts.packed_parts_of(name)]
+        if not experts.ordered:
+            return [gguf_experts_part(param, part, cols) for part in experts.packed_parts_of(name)]
+        # act-order: a part per input order (gate's and up's may differ), each with its own
+        orders, offset, parts = getattr(experts, f"{name}_order"), 0, []
+        rows = experts.inter if name == "w13" else experts.hidden
+        for i, quant in enumerate(types):
+            parts.append(gguf_experts_part(param, PackedPart(quant, i * rows, (i + 1) * rows, offset), cols,
+                                           orders[:, i]))
+            offset += rows * row_bytes(quant, cols)
+        return parts
 
     def held_tensors(self) -> list[torch.Tensor]:
         return weight_tensors([part.first for part in (*self.gate_up, self.down)])

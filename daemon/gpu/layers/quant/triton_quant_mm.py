@@ -256,13 +256,14 @@ def _accumulate(acc, x, w, DOT: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.co
 
 @triton.jit
 def _k_tiles(acc, X, x_rows, mmask, QS, QH, SC, D, MN, rn, nmask, K, first, last, stride_qs, stride_qh, stride_sc,
-             stride_d, stride_m, fp8_group, QUANT: tl.constexpr, STREAMS: tl.constexpr, PAIR: tl.constexpr,
+             stride_d, stride_m, fp8_group, ORDER, QUANT: tl.constexpr, STREAMS: tl.constexpr, PAIR: tl.constexpr,
              ZERO: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, H: tl.constexpr,
              DOT: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr, STAGES: tl.constexpr,
-             EVEN_K: tl.constexpr):
+             EVEN_K: tl.constexpr, ORDERED: tl.constexpr):
     """acc plus the products of K tiles [first, last) of the weight's rows rn with the
     rows of x starting at offsets x_rows (where mmask): the matmul's K loop, shared by
-    the dense kernel and the experts' (triton_quant_moe)."""
+    the dense kernel and the experts' (triton_quant_moe). ORDERED: the weight's column k
+    multiplies x's column ORDER[k] (GPTQ act-order columns sorted by group at load)."""
     j = tl.arange(0, H)
     jg = tl.arange(0, H // GP) * GP  # the first byte of each scale group of a stream
     for t in tl.range(first, last, num_stages=STAGES):  # STAGES > 1: the next tiles' loads issued ahead
@@ -290,7 +291,8 @@ def _k_tiles(acc, X, x_rows, mmask, QS, QH, SC, D, MN, rn, nmask, K, first, last
             q = _with_high_bits(q, k, rn, nmask, kmask, QH, stride_qh, QUANT)
             w = _dequantized(q, kg + s * PAIR, rn, nmask, gmask, SC, D, MN, stride_sc, stride_d, stride_m,
                              fp8_group, QUANT, ZERO, BN, H, GP)
-            x = tl.load(X + x_rows[:, None] + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+            kx = tl.load(ORDER + k, mask=kmask, other=0) if ORDERED else k
+            x = tl.load(X + x_rows[:, None] + kx[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
             acc = _accumulate(acc, x, w, DOT, IEEE, DOT_F32)
     return acc
 
@@ -314,8 +316,8 @@ def _quant_mm_kernel(X, OUT, QS, QH, SC, D, MN, M, N, K, stride_xm, stride_om, s
     first = pid_s * tiles_per_split
     last = tl.minimum(first + tiles_per_split, tl.cdiv(K, BK))
     acc = _k_tiles(acc, X, rm * stride_xm, mmask, QS, QH, SC, D, MN, rn, nmask, K, first, last, stride_qs,
-                   stride_qh, stride_sc, stride_d, stride_m, fp8_group, QUANT, STREAMS, PAIR, ZERO, GP, BN, BK, H,
-                   DOT, IEEE, DOT_F32, STAGES, EVEN_K)
+                   stride_qh, stride_sc, stride_d, stride_m, fp8_group, X, QUANT, STREAMS, PAIR, ZERO, GP, BN, BK, H,
+                   DOT, IEEE, DOT_F32, STAGES, EVEN_K, False)
     if not DOT:
         acc = tl.sum(acc, axis=1)[None, :]  # [1, BN]
     out = OUT + pid_s * stride_os + rm[:, None] * stride_om + rn[None, :]

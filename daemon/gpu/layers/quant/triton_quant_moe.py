@@ -4,7 +4,8 @@ layers' kernel does (triton_quant_mm: its K loop, `_k_tiles`, is this kernel's).
 
 A MoE layer's experts are held stacked (mlp.ExpertWeights): w13 uint8 [experts, bytes],
 each expert's gate rows then its up rows, each part in its own GGUF type (an AWQ / GPTQ
-checkpoint's transcoded into Q4_0 / Q5_0 / Q8_0 at load), and w2 its down rows; or FP8
+checkpoint's transcoded into Q4_0 / Q5_0 / Q8_0 at load; GPTQ act-order experts with an
+input column order per part, which the kernel takes x's columns in), and w2 its down rows; or FP8
 e4m3 bytes [experts, rows, cols] with float32 scales per row and group of columns. Each
 part of every expert is laid out as planes in place (gguf_planes, once; the same bytes),
 so one part's planes lie at the same offsets in every expert's row of bytes: the kernel
@@ -42,15 +43,21 @@ from llmd.gpu.layers.quant.triton_quant_mm import (QuantWeight, _k_tiles, kernel
 class ExpertsWeight:
     """One projection part of every expert: `first` the kernel's view of expert 0's rows,
     each of its five pointers (qs, qh, sc, d, m: weight_planes' order) `strides[i]`
+    elements further per expert; `order` (GPTQ act-order) expert 0's input column order
+    (int32 [cols]: weight column k multiplies x's column order[k]), `order_stride`
     elements further per expert."""
 
     first: QuantWeight
     strides: tuple[int, ...]
+    order: torch.Tensor | None = None
+    order_stride: int = 0
 
 
-def gguf_experts_part(param: torch.Tensor, part: PackedPart, cols: int) -> ExpertsWeight:
+def gguf_experts_part(param: torch.Tensor, part: PackedPart, cols: int,
+                      orders: torch.Tensor | None = None) -> ExpertsWeight:
     """Part `part` of every expert's packed rows (`param` uint8 [experts, bytes]), laid
-    out as planes in place now if it is not yet (the parameter records which parts are)."""
+    out as planes in place now if it is not yet (the parameter records which parts are);
+    `orders` int32 [experts, cols]: each expert's input column order for the part."""
     done = getattr(param, "plane_parts", frozenset())
     if part.offset not in done:
         with torch.no_grad():
@@ -61,7 +68,9 @@ def gguf_experts_part(param: torch.Tensor, part: PackedPart, cols: int) -> Exper
     views = plane_views(part_weight(param[0], part, cols).reshape(-1), part.quant, cols)
     first = QuantWeight(part.quant, part.end - part.start, cols, views["qs"], views["d"], views.get("qh"),
                         views.get("sc"), views.get("m"))
-    return ExpertsWeight(first, _expert_strides(first, param.stride(0)))
+    if orders is None:
+        return ExpertsWeight(first, _expert_strides(first, param.stride(0)))
+    return ExpertsWeight(first, _expert_strides(first, param.stride(0)), orders[0], orders.stride(0))
 
 
 def fp8_experts_part(param: torch.Tensor, scales: torch.Tensor, start: int, end: int) -> ExpertsWeight:
@@ -84,8 +93,8 @@ def _expert_strides(first: QuantWeight, expert_bytes: int) -> tuple[int, ...]:
 @triton.jit
 def _quant_moe_kernel(X, OUT, WEIGHTS, SORTED, EXPERT_IDS, NUM_PADDED, QS, QH, SC, D, MN, N, K, num_pairs,
                       stride_xm, stride_om, stride_os, stride_qs, stride_qh, stride_sc, stride_d, stride_m,
-                      e_qs, e_qh, e_sc, e_d, e_m, fp8_group, tiles_per_split,
-                      TOP_K: tl.constexpr, MUL_WEIGHT: tl.constexpr, QUANT: tl.constexpr, STREAMS: tl.constexpr,
+                      e_qs, e_qh, e_sc, e_d, e_m, fp8_group, tiles_per_split, ORDER, e_order,
+                      ORDERED: tl.constexpr, TOP_K: tl.constexpr, MUL_WEIGHT: tl.constexpr, QUANT: tl.constexpr, STREAMS: tl.constexpr,
                       PAIR: tl.constexpr, ZERO: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr,
                       BN: tl.constexpr, BK: tl.constexpr, H: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
                       DOT_F32: tl.constexpr, PARTIAL: tl.constexpr, STAGES: tl.constexpr, EVEN_N: tl.constexpr,
@@ -107,8 +116,8 @@ def _quant_moe_kernel(X, OUT, WEIGHTS, SORTED, EXPERT_IDS, NUM_PADDED, QS, QH, S
     last = tl.minimum(first + tiles_per_split, tl.cdiv(K, BK))
     acc = _k_tiles(acc, X, (pairs // TOP_K) * stride_xm, mmask, QS + expert * e_qs, QH + expert * e_qh,
                    SC + expert * e_sc, D + expert * e_d, MN + expert * e_m, rn, nmask, K, first, last, stride_qs,
-                   stride_qh, stride_sc, stride_d, stride_m, fp8_group, QUANT, STREAMS, PAIR, ZERO, GP, BN, BK, H,
-                   DOT, IEEE, DOT_F32, STAGES, EVEN_K)
+                   stride_qh, stride_sc, stride_d, stride_m, fp8_group, ORDER + expert * e_order, QUANT, STREAMS,
+                   PAIR, ZERO, GP, BN, BK, H, DOT, IEEE, DOT_F32, STAGES, EVEN_K, ORDERED)
     if not DOT:
         acc = tl.sum(acc, axis=1)[None, :]  # [1, BN]
     if MUL_WEIGHT:
@@ -158,8 +167,10 @@ def experts_launch(x: torch.Tensor, weight: ExpertsWeight, out: torch.Tensor,
     planes, strides = weight_planes(w)
     args = (x, target, route_weights if route_weights is not None else target, sorted_ids, expert_ids, num_padded,
             *planes, w.n, w.k, pairs, x.stride(0), target.stride(-2), target.stride(0) if splits > 1 else 0,
-            *strides, *weight.strides, max(1, w.fp8_group), per_split)
-    meta = dict(TOP_K=top_k, MUL_WEIGHT=route_weights is not None, **kernel_meta(w, tiles, x.dtype, splits))
+            *strides, *weight.strides, max(1, w.fp8_group), per_split,
+            weight.order if weight.order is not None else x, weight.order_stride)
+    meta = dict(ORDERED=weight.order is not None, TOP_K=top_k, MUL_WEIGHT=route_weights is not None,
+                **kernel_meta(w, tiles, x.dtype, splits))
     return (grid_m, grid_n, splits), args, meta, target
 
 
