@@ -133,7 +133,8 @@ class TritonPackedExperts:
         return parts
 
     def held_tensors(self) -> list[torch.Tensor]:
-        return weight_tensors([part.first for part in (*self.gate_up, self.down)])
+        parts = (*self.gate_up, self.down)
+        return weight_tensors([p.first for p in parts]) + [p.order for p in parts if p.order is not None]
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, activation: str,
                  ops: LayerOps) -> torch.Tensor:
