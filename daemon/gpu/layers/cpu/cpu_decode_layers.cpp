@@ -162,8 +162,9 @@ at::Tensor experts_product(const Ops& ops, const std::vector<Projection>& projec
     for (int64_t e : used) {
       const std::vector<Part>& parts = projections[e].parts;
       TORCH_CHECK(parts.size() == first.size() && parts[i].quant == first[i].quant && parts[i].cols == first[i].cols &&
-                      parts[i].passes == first[i].passes && parts[i].weight.size(0) == first[i].weight.size(0),
-                  "experts_product: expert ", e, "'s parts differ from expert ", used[0], "'s");
+                      parts[i].passes == first[i].passes && parts[i].weight.size(0) == first[i].weight.size(0) &&
+                      !projections[e].bias,
+                  "experts_product: expert ", e, "'s parts differ from expert ", used[0], "'s (or it has a bias)");
       ws.push_back(parts[i].weight);
     }
     ops.mm_x16_grouped.call(xc, ws, starts, first[i].quant, first[i].cols, first[i].passes, kChosenIsa, out, col0);
