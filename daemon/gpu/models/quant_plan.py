@@ -15,8 +15,9 @@ A mixture of experts' AWQ / GPTQ experts (`plan_quantized_experts`) are held as 
 are (mlp.ExpertWeights): each expert's codes transcoded into GGUF blocks as it is read
 (`quantized_weights`; int_groups: Q4_0 for symmetric 4-bit GPTQ, Q5_0 for other 4-bit,
 Q8_0 for 8-bit; act-order columns sorted by group, the order kept beside), FP8 experts
-as their e4m3 bytes and scales (quant/fp8), on CPU, on one rank; experts elsewhere are
-refused by name."""
+as their e4m3 bytes and scales (quant/fp8), on CPU and CUDA, each rank its share with
+tensor parallelism (act-order experts, whose columns cannot be split, refused there);
+experts on another device are refused by name."""
 from __future__ import annotations
 
 import contextlib
