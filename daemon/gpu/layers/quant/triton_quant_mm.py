@@ -320,12 +320,18 @@ def _quant_mm_kernel(X, OUT, QS, QH, SC, D, MN, M, N, K, stride_xm, stride_om, s
                    DOT, IEEE, DOT_F32, STAGES, EVEN_K, False)
     if not DOT:
         acc = tl.sum(acc, axis=1)[None, :]  # [1, BN]
-    out = OUT + pid_s * stride_os + rm[:, None] * stride_om + rn[None, :]
-    mask = mmask[:, None] & nmask[None, :]
+    _store_tile(OUT + pid_s * stride_os + rm[:, None] * stride_om + rn[None, :], acc, mmask[:, None] & nmask[None, :],
+                PARTIAL)
+
+
+@triton.jit
+def _store_tile(out, acc, mask, PARTIAL: tl.constexpr):
+    """A tile's fp32 sums into `out` (pointers): as they are into split-K's partial sums,
+    else in the output's dtype."""
     if PARTIAL:
         tl.store(out, acc, mask=mask)
     else:
-        tl.store(out, acc.to(OUT.dtype.element_ty), mask=mask)
+        tl.store(out, acc.to(out.dtype.element_ty), mask=mask)
 
 
 def quant_matmul(x: torch.Tensor, weight: QuantWeight, split_k: int | None = None,

@@ -35,7 +35,7 @@ from llmd.gpu.layers.gguf_quant import PackedPart, part_weight
 from llmd.gpu.layers.moe_align import moe_align_block_size
 from llmd.gpu.layers.quant.gguf_planes import plane_views, to_planes
 from llmd.gpu.layers.quant.quant_tiles import Tiles, sm_count, tiles_for
-from llmd.gpu.layers.quant.triton_quant_mm import (QuantWeight, _k_tiles, kernel_meta, split_plan,
+from llmd.gpu.layers.quant.triton_quant_mm import (QuantWeight, _k_tiles, _store_tile, kernel_meta, split_plan,
                                                     weight_planes)
 
 
@@ -122,12 +122,8 @@ def _quant_moe_kernel(X, OUT, WEIGHTS, SORTED, EXPERT_IDS, NUM_PADDED, QS, QH, S
         acc = tl.sum(acc, axis=1)[None, :]  # [1, BN]
     if MUL_WEIGHT:
         acc = acc * tl.load(WEIGHTS + pairs, mask=mmask, other=0.0)[:, None]
-    out = OUT + pid_s * stride_os + pairs[:, None] * stride_om + rn[None, :]
-    mask = mmask[:, None] & nmask[None, :]
-    if PARTIAL:
-        tl.store(out, acc, mask=mask)
-    else:
-        tl.store(out, acc.to(OUT.dtype.element_ty), mask=mask)
+    _store_tile(OUT + pid_s * stride_os + pairs[:, None] * stride_om + rn[None, :], acc,
+                mmask[:, None] & nmask[None, :], PARTIAL)
 
 
 def moe_tiles(num_pairs: int, num_experts: int, quant: str) -> Tiles:
