@@ -84,8 +84,8 @@ def bench(mix: str, experts: int, hidden: int, inter: int, top_k: int, tokens: l
                                  return_mode="median") * 1e3
             row["dense_us"] = do_bench(lambda: triton_fused_experts(x, w13, w2, weights, ids, "silu", UNFUSED),
                                        warmup=25, rep=200, return_mode="median") * 1e3
-            row.update(of_roofline=row["floor_us"] / row["us"], dense_of_roofline=row["dense_floor_us"] / row["dense_us"],
-                       vs_dense=row["dense_us"] / row["us"])
+            row.update(of_roofline=row["floor_us"] / row["us"], vs_dense=row["dense_us"] / row["us"],
+                       dense_of_roofline=row["dense_floor_us"] / row["dense_us"])
         results.append(row)
     return results
 

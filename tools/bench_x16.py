@@ -116,7 +116,8 @@ def experts(args: argparse.Namespace) -> int:
                 starts = [e * rows for e in range(args.experts + 1)]
                 out = torch.empty(args.experts * rows, n)
                 runs = {"per expert": lambda x=x, rows=rows, p=p: [
-                            mm.gguf_mm_x16(x[e * rows:(e + 1) * rows], w, code, k, p, args.isa) for e, w in enumerate(ws)],
+                            mm.gguf_mm_x16(x[e * rows:(e + 1) * rows], w, code, k, p, args.isa)
+                            for e, w in enumerate(ws)],
                         "grouped": lambda x=x, starts=starts, out=out, p=p: mm.gguf_mm_x16_grouped(
                             x, ws, starts, code, k, p, args.isa, out, 0)}
                 times: dict[str, list[float]] = {key: [] for key in runs}

@@ -94,8 +94,8 @@ def _expert_strides(first: QuantWeight, expert_bytes: int) -> tuple[int, ...]:
 def _quant_moe_kernel(X, OUT, WEIGHTS, SORTED, EXPERT_IDS, NUM_PADDED, QS, QH, SC, D, MN, N, K, num_pairs,
                       stride_xm, stride_om, stride_os, stride_qs, stride_qh, stride_sc, stride_d, stride_m,
                       e_qs, e_qh, e_sc, e_d, e_m, fp8_group, tiles_per_split, ORDER, e_order,
-                      ORDERED: tl.constexpr, TOP_K: tl.constexpr, MUL_WEIGHT: tl.constexpr, QUANT: tl.constexpr, STREAMS: tl.constexpr,
-                      PAIR: tl.constexpr, ZERO: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr,
+                      ORDERED: tl.constexpr, TOP_K: tl.constexpr, MUL_WEIGHT: tl.constexpr, QUANT: tl.constexpr,
+                      STREAMS: tl.constexpr, PAIR: tl.constexpr, ZERO: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr,
                       BN: tl.constexpr, BK: tl.constexpr, H: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
                       DOT_F32: tl.constexpr, PARTIAL: tl.constexpr, STAGES: tl.constexpr, EVEN_N: tl.constexpr,
                       EVEN_K: tl.constexpr):
