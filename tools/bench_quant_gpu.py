@@ -7,10 +7,14 @@ roofline (2 bytes a weight).
     python -m llmd_tools.bench_quant_gpu [--types Q4_0 Q4_K Q6_K Q8_0 FP8] [--rows 1 4 16]
         [--shapes 4096x4096 14336x4096 4096x14336] [--json]
 
-Timing: triton.testing.do_bench's median (its warm-up first: the kernel's compilation
-stays out), over `--copies` copies of each weight taken in turn so that the weight is
-read from device memory, not from the L2 cache (50 MB on an H100: the copies together
-exceed it). Before timing, each product is checked against x times the weight
+Timing: the calls over `--copies` copies of each weight, taken in turn so that the
+weight is read from device memory, not from the L2 cache (50 MB on an H100: the copies
+together exceed it), captured in one CUDA graph after a warm-up (the kernel's
+compilation stays out) and its replays timed by triton.testing.do_bench's median, a
+call's share: the kernel as a decode step's graph runs it. A Triton launch from Python
+costs ~100 us of host time, more than these kernels take, so eager timings measure the
+host (an H200, 2026-11-30: 4096 x 4096 Q4_0 at 127 us eager); they are printed beside
+(`eager us`). Before timing, each product is checked against x times the weight
 dequantized by gguf_quant.dequantize (torch; FP8: torch's float8 conversion): a wrong
 kernel prints its error instead of a time. FP8 rows also time W8A8 (torch._scaled_mm)
 where fp8_scaled_mm.w8a8_applies. Random blocks (llmd_tools.gguf_blocks), never zeros.
@@ -63,6 +67,30 @@ def _weights(quant: str, n: int, k: int, copies: int, device: torch.device):
     return weights, dense, blocks.numel()
 
 
+def graph_us(fns: list) -> float | None:
+    """Median us of one call of `fns` (each once, in turn) replayed from one CUDA graph;
+    None where the capture fails (the row then has eager times only)."""
+    from triton.testing import do_bench
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up off the capture: compilation, allocations
+        for _ in range(2):
+            for fn in fns:
+                fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for fn in fns:
+                fn()
+    except RuntimeError as exc:
+        print(f"bench: CUDA graph capture failed ({exc}); eager times only", file=sys.stderr)
+        return None
+    return do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3 / len(fns)
+
+
 def _rotating(fns: list) -> object:
     state = {"i": 0}
 
@@ -94,15 +122,15 @@ def bench(quant: str, n: int, k: int, rows: list[int], copies: int, bandwidth: f
         if err > 2e-2:
             row["status"] = "WRONG"
         else:
-            us = do_bench(_rotating([lambda w=w: quant_matmul(x, w) for w in weights]), warmup=25, rep=200,
-                          return_mode="median") * 1e3
-            dense_us = do_bench(_rotating([lambda w=w: F.linear(x, w) for w in dense_bf16]), warmup=25, rep=200,
-                                return_mode="median") * 1e3
-            row.update(us=us, floor_us=floor_us, of_roofline=floor_us / us, dense_us=dense_us,
+            packed = [lambda w=w: quant_matmul(x, w) for w in weights]
+            bf16 = [lambda w=w: F.linear(x, w) for w in dense_bf16]
+            eager_us = do_bench(_rotating(packed), warmup=25, rep=200, return_mode="median") * 1e3
+            us = graph_us(packed) or eager_us
+            dense_us = graph_us(bf16) or do_bench(_rotating(bf16), warmup=25, rep=200, return_mode="median") * 1e3
+            row.update(us=us, eager_us=eager_us, floor_us=floor_us, of_roofline=floor_us / us, dense_us=dense_us,
                        dense_of_roofline=dense_floor_us / dense_us, vs_dense=dense_us / us)
             if quant == "FP8" and w8a8_applies(device, torch.bfloat16, weights[0].qs, weights[0].d):
-                row["w8a8_us"] = do_bench(_rotating([lambda w=w: w8a8_matmul(x, w.qs, w.d) for w in weights]),
-                                          warmup=25, rep=200, return_mode="median") * 1e3
+                row["w8a8_us"] = graph_us([lambda w=w: w8a8_matmul(x, w.qs, w.d) for w in weights])
         results.append(row)
     return results
 
@@ -132,15 +160,15 @@ def main(argv: list[str] | None = None) -> int:
                 if args.json:
                     print(json.dumps(row), flush=True)
     print(f"{'type':5} {'N x K':>12} {'rows':>4} {'MB':>6} {'err':>8} {'us':>8} {'floor':>7} {'of roof':>7} "
-          f"{'bf16 us':>8} {'of roof':>7} {'speedup':>7} {'w8a8 us':>8}")
+          f"{'bf16 us':>8} {'of roof':>7} {'speedup':>7} {'w8a8 us':>8} {'eager us':>8}   (us: graph replays)")
     for r in results:
         if "us" not in r:
             print(f"{r['type']:5} {r['n']:>5}x{r['k']:<6} {r['rows']:>4} {r['packed_mb']:6.1f} {r['err']:8.1e} WRONG")
             continue
-        w8a8 = f"{r['w8a8_us']:8.1f}" if "w8a8_us" in r else f"{'-':>8}"
+        w8a8 = f"{r['w8a8_us']:8.1f}" if r.get("w8a8_us") else f"{'-':>8}"
         print(f"{r['type']:5} {r['n']:>5}x{r['k']:<6} {r['rows']:>4} {r['packed_mb']:6.1f} {r['err']:8.1e} "
               f"{r['us']:8.1f} {r['floor_us']:7.1f} {r['of_roofline']:7.0%} {r['dense_us']:8.1f} "
-              f"{r['dense_of_roofline']:7.0%} {r['vs_dense']:6.2f}x {w8a8}")
+              f"{r['dense_of_roofline']:7.0%} {r['vs_dense']:6.2f}x {w8a8} {r['eager_us']:8.1f}")
     return 1 if any("us" not in r for r in results) else 0
 
 

@@ -119,8 +119,14 @@ def _f16(b: torch.Tensor, at: int) -> torch.Tensor:
 
 
 def _shifted(b: torch.Tensor, shifts: Sequence[int]) -> torch.Tensor:
-    """[..., len(shifts), n]: the bytes [..., n] shifted right by each of `shifts`."""
-    return b.unsqueeze(-2) >> torch.tensor(shifts, dtype=torch.uint8, device=b.device).unsqueeze(-1)
+    """[..., len(shifts), n]: the bytes [..., n] shifted right by each of `shifts` (0, s,
+    2s, ...: made on b's device by arange, not copied from the host, so a CUDA graph can
+    capture it: a packed table's lookups run in the decode step)."""
+    step = shifts[1] if len(shifts) > 1 else 0
+    if tuple(shifts) != tuple(step * i for i in range(len(shifts))):
+        raise ValueError(f"shifts {tuple(shifts)} are not 0, s, 2s, ...")
+    by = torch.arange(len(shifts), dtype=torch.uint8, device=b.device) * step
+    return b.unsqueeze(-2) >> by.unsqueeze(-1)
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
@@ -217,7 +223,7 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
 
 
 def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
-    table = torch.from_numpy(IQ4_NL_VALUES).to(b.device).float()
+    table = _iq4_nl_table(b.device)
     return _f16(b, 0) * table[_nibbles(b[..., 2:]).long()]
 
 
@@ -232,3 +238,15 @@ def dequantize(blocks: torch.Tensor, quant: str, cols: int) -> torch.Tensor:
     f = FORMATS[quant]
     rows = blocks.shape[0]
     return _DEQUANTIZE[quant](blocks.reshape(rows, cols // f.block, f.block_bytes)).reshape(rows, cols)
+
+
+_IQ4_NL_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _iq4_nl_table(device: torch.device) -> torch.Tensor:
+    """IQ4_NL_VALUES as float32 on `device`, copied there once (a decode graph's warm-up
+    makes it before the capture, which could not copy from the host)."""
+    table = _IQ4_NL_TABLES.get(device)
+    if table is None:
+        table = _IQ4_NL_TABLES[device] = torch.from_numpy(IQ4_NL_VALUES).to(device).float()
+    return table

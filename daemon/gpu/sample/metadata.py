@@ -144,10 +144,10 @@ def unpack_bitmask(words: torch.Tensor, vocab: int, *, as_bias: bool = False) ->
         raise ValueError(f"grammar bitmask covers {words.shape[1] * 32} tokens, fewer than {vocab}")
     key = (words.device, as_bias)
     table = _BYTE_BITS.get(key)
-    if table is None:
-        allowed = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool()
-        table = torch.where(allowed, 0.0, float("-inf")) if as_bias else allowed
-        table = _BYTE_BITS[key] = table.to(words.device)
+    if table is None:  # made on the device (arange), not copied from the host: no sync
+        byte = torch.arange(256, device=words.device).unsqueeze(1)
+        allowed = ((byte >> torch.arange(8, device=words.device)) & 1).bool()
+        table = _BYTE_BITS[key] = torch.where(allowed, 0.0, float("-inf")) if as_bias else allowed
     data = words.contiguous().view(torch.uint8).view(-1)
     return table.index_select(0, data.int()).view(words.shape[0], -1)[:, :vocab]
 
