@@ -23,10 +23,14 @@
 # Call 1 of that session, `LATENCY="b1 b32" ROUNDS=1 bash tools/gpu_session.sh tests
 # latency quant throughput guided spec moe`, took 423 s; the confirming call (tests again,
 # latency, spec, guided, throughput) 333 s: together 14 of the 15 minutes.
-# A plan for the next lease, from those times (each call ~35 s more to start and copy):
-#   call 1 (~500 s): LATENCY="b1 b32 b256 b32-guided" bash tools/gpu_session.sh tests latency quant sweep moe
-#   call 2 (~260 s): ROUNDS=1 bash tools/gpu_session.sh async serve throughput spec guided
-# with TESTS_* naming only what failed in call 1 when a rerun must join call 2.
+# The third lease (2026-11-30, later): `TESTS_LIMIT=240 LATENCY="b1 b32" bash
+# tools/gpu_session.sh tests quant moe latency` took 446 s (tests-graphs 188 s now, with
+# the packed MoE models; tests-kernels 109 s; bench-quant 39 s, bench-quant-moe 25 s), a
+# confirming `pytests quant` 142 s; the machine's start ~35 s each.
+# A plan for the next lease (each call ~35 s more to start and copy):
+#   call 1 (~480 s): LATENCY="b1 b32 b256 b32-guided" bash tools/gpu_session.sh sweep quant latency moe async
+#   call 2 (~300 s): TESTS_LIMIT=240 ROUNDS=1 bash tools/gpu_session.sh tests serve throughput spec guided
+# with PYTEST_ARGS naming only what failed when a rerun must join call 2.
 #
 # Each step runs under its own time limit (`step NAME SECONDS CMD`), so one that hangs or
 # runs long costs its limit and the later ones still run. Every step's output goes to
