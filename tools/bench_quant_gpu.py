@@ -67,9 +67,10 @@ def _weights(quant: str, n: int, k: int, copies: int, device: torch.device):
     return weights, dense, blocks.numel()
 
 
-def graph_us(fns: list) -> float | None:
-    """Median us of one call of `fns` (each once, in turn) replayed from one CUDA graph;
-    None where the capture fails (the row then has eager times only)."""
+def graph_us(fns: list, warmup: int = 25, rep: int = 200) -> float | None:
+    """Median us of one call of `fns` (each once, in turn) replayed from one CUDA graph
+    (do_bench's `warmup` and `rep` ms); None where the capture fails (the row then has
+    eager times only)."""
     from triton.testing import do_bench
 
     stream = torch.cuda.Stream()
@@ -88,7 +89,7 @@ def graph_us(fns: list) -> float | None:
     except RuntimeError as exc:
         print(f"bench: CUDA graph capture failed ({exc}); eager times only", file=sys.stderr)
         return None
-    return do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3 / len(fns)
+    return do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median") * 1e3 / len(fns)
 
 
 def _rotating(fns: list) -> object:

@@ -11,9 +11,10 @@ at every split of K that leaves each split a K tile, each checked first against 
 the dequantized weight (a wrong one is dropped, and said), and prints the `--top`
 fastest beside the default choice (tiles_for and split_count), each as a fraction of
 the roofline of the packed bytes over the measured copy bandwidth. Timing as
-bench_quant_gpu's (triton.testing.do_bench's median over weight copies taken in turn
-past the L2 cache), with shorter runs: a grid holds a hundred points or more, and each
-tile compiles once per kind of split (one K tile a split, a multiple of 16, other).
+bench_quant_gpu's (the calls over weight copies taken in turn past the L2 cache, replayed
+from a CUDA graph: eager launches time the host), with shorter runs: a grid holds a
+hundred points or more, and each tile compiles once per kind of split (one K tile a
+split, a multiple of 16, other).
 The default tile goes first, then the pipelined tiles (stages 3: what the offline
 estimate ranks first, tools/quant_kernel_resources.py), and no tile starts after
 `--budget-s` seconds, so that a device call ends in its time with what it has.
@@ -29,7 +30,7 @@ import time
 import torch
 
 from llmd.gpu.layers.quant.quant_tiles import GEMV_MAX_ROWS, Tiles, sm_count, split_count, tiles_for
-from llmd_tools.bench_quant_gpu import _rotating, _weights, copy_bandwidth
+from llmd_tools.bench_quant_gpu import _rotating, _weights, copy_bandwidth, graph_us
 
 GEMV_GRID = {"stages": (3, 1), "bn": (8, 16, 32), "bk": (128, 256, 512), "warps": (4, 8)}
 DOT_GRID = {"stages": (3, 1), "bn": (16, 32, 64), "bk": (128, 256), "warps": (4, 8)}
@@ -76,8 +77,9 @@ def sweep(quant: str, n: int, k: int, rows: int, copies: int, bandwidth: float, 
             if not err <= 2e-2:
                 points.append({**point, "error": f"wrong: relative error {err:.1e}"})
                 continue
-            us = do_bench(_rotating([lambda w=w: quant_matmul(x, w, split_k=split, tiles=tiles) for w in weights]),
-                          warmup=10, rep=40, return_mode="median") * 1e3
+            calls = [lambda w=w: quant_matmul(x, w, split_k=split, tiles=tiles) for w in weights]
+            us = graph_us(calls, warmup=10, rep=40) or do_bench(_rotating(calls), warmup=10, rep=40,
+                                                                 return_mode="median") * 1e3
             points.append({**point, "us": us, "of_roofline": floor_us / us})
     return points
 
