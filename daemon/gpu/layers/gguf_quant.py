@@ -106,13 +106,15 @@ class PackedPart:
     offset: int
 
 
-def packed_parts(quants: Sequence[str], sizes: Sequence[int], cols: int) -> tuple[PackedPart, ...]:
+def packed_parts(quants: Sequence[str], sizes: Sequence[int], cols: int, merged: bool = True
+                 ) -> tuple[PackedPart, ...]:
     """The parts of a weight whose consecutive row groups (`sizes` rows each) have types
-    `quants`: neighbours of one type merged (one kernel call covers them)."""
+    `quants`: neighbours of one type merged (one kernel call covers them) unless not
+    `merged` (a part per row group)."""
     parts: list[PackedPart] = []
     start = offset = 0
     for quant, size in zip(quants, sizes):
-        if parts and parts[-1].quant == quant:
+        if merged and parts and parts[-1].quant == quant:
             parts[-1] = PackedPart(quant, parts[-1].start, start + size, parts[-1].offset)
         else:
             parts.append(PackedPart(quant, start, start + size, offset))

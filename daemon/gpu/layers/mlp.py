@@ -242,10 +242,11 @@ class ExpertWeights(WeightLoading, nn.Module):
             raise ValueError(f"has {scales.shape[1]} scales a row, which do not divide the layer's {target.shape[1]}")
         copy_checked(target, scales.repeat_interleave(target.shape[1] // scales.shape[1], dim=1))
 
-    def packed_parts_of(self, name: str) -> tuple[PackedPart, ...]:
-        """Where each type's rows lie in one expert's packed `name` (gguf_quant.PackedPart)."""
+    def packed_parts_of(self, name: str, merged: bool = True) -> tuple[PackedPart, ...]:
+        """Where each type's rows lie in one expert's packed `name` (gguf_quant.PackedPart);
+        not `merged`: a part per projection (gate, up) whatever their types."""
         rows = (self.inter,) * 2 if name == "w13" else (self.hidden,)
-        return packed_parts(self.packed_types[name], rows, self.packed_columns(name))
+        return packed_parts(self.packed_types[name], rows, self.packed_columns(name), merged)
 
     def use_kernels(self, ops: Any, x16_passes: int, fp8_ops: Any = None) -> None:
         """Each expert's products (`products`): a packed projection through GGUFMatmul over
@@ -280,9 +281,7 @@ class ExpertWeights(WeightLoading, nn.Module):
             view.order_0 = orders[0]
             view.int_units = [("order_0" if orders[0] is not None else None, view.packed_parts)]
             return view
-        types, cols = self.packed_types[name], self.packed_columns(name)
-        gate = PackedPart(types[0], 0, self.inter, 0)
-        up = PackedPart(types[1], self.inter, 2 * self.inter, self.inter * row_bytes(types[0], cols))
+        gate, up = self.packed_parts_of(name, merged=False)
         view.order_0, view.order_1 = orders
         view.int_units = [("order_0" if orders[0] is not None else None, (gate,)),
                           ("order_1" if orders[1] is not None else None, (up,))]

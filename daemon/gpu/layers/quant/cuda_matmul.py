@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from llmd.gpu.layers.fused_ops import LayerOps
-from llmd.gpu.layers.gguf_quant import PackedPart, row_bytes
 from llmd.gpu.layers.mlp import FP8
 from llmd.gpu.layers.quant.fp8_scaled_mm import w8a8_applies, w8a8_matmul
 from llmd.gpu.layers.quant.gguf_planes import from_planes, plane_views, repack_part
@@ -123,14 +122,10 @@ class TritonPackedExperts:
         cols = experts.packed_columns(name)
         if not experts.ordered:
             return [gguf_experts_part(param, part, cols) for part in experts.packed_parts_of(name)]
-        # act-order: a part per input order (gate's and up's may differ), each with its own
-        orders, offset, parts = getattr(experts, f"{name}_order"), 0, []
-        rows = experts.inter if name == "w13" else experts.hidden
-        for i, quant in enumerate(types):
-            parts.append(gguf_experts_part(param, PackedPart(quant, i * rows, (i + 1) * rows, offset), cols,
-                                           orders[:, i]))
-            offset += rows * row_bytes(quant, cols)
-        return parts
+        # act-order: a part per projection, each with its own input order (gate's and up's may differ)
+        orders = getattr(experts, f"{name}_order")
+        return [gguf_experts_part(param, part, cols, orders[:, i])
+                for i, part in enumerate(experts.packed_parts_of(name, merged=False))]
 
     def held_tensors(self) -> list[torch.Tensor]:
         parts = (*self.gate_up, self.down)
