@@ -51,13 +51,18 @@ HF_FIXTURES = {
                       num_hidden_layers=2, head_dim=64),
     "llama-512": dict(arch="llama", llama3_rope=False, hidden_size=512, intermediate_size=1024,
                       num_hidden_layers=2, head_dim=64, num_attention_heads=8, num_key_value_heads=2),
+    # intermediate 768: a K-quant's equal share (384) cuts a block; rank shares 512 / 256
+    "llama-512-768": dict(arch="llama", llama3_rope=False, hidden_size=512, intermediate_size=768,
+                          num_hidden_layers=2, head_dim=64, num_attention_heads=8, num_key_value_heads=2),
     "llama-256-tied": dict(arch="llama", llama3_rope=False, hidden_size=256, intermediate_size=512,
                            num_hidden_layers=2, head_dim=64, tie_word_embeddings=True),
 }
 CASES = [("llama", T.F32), ("llama", T.Q8_0), ("llama-tied", T.Q4_1), ("qwen2", T.F16), ("qwen3", T.BF16)]
 # TP=2 packed: 32-weight blocks with a tied table; K-quants, whose 256-weight blocks every
-# row-parallel share of hidden 512 / intermediate 1024 holds whole
-TP_CASES = [("llama-tied", T.Q4_1, ()), ("llama-512", T.F32, (T.Q4_K, T.Q6_K))]
+# row-parallel share of hidden 512 / intermediate 1024 holds whole; intermediate 768 split
+# in whole blocks (512 / 256: tp.split_share)
+TP_CASES = [("llama-tied", T.Q4_1, ()), ("llama-512", T.F32, (T.Q4_K, T.Q6_K)),
+            ("llama-512-768", T.F32, (T.Q6_K, T.Q4_K))]
 K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K)
 
 

@@ -32,6 +32,7 @@ from safetensors.numpy import load_file, save_file
 from gguf_fixtures import write_gguf
 from hf_ref import check_logprobs_close, engine_result, hf_greedy
 from llmd import LLM, SamplingParams
+from llmd.gpu.layers.linear import ReplicatedLinear
 from llmd.gpu.layers.mlp import ExpertWeights
 from llmd.gpu.models.decoder import CausalLM
 from llmd.gpu.models.gguf_loader import gguf_tensor_types
@@ -78,6 +79,7 @@ def _compare(reference_path: str, gguf_path: Path) -> None:
         assert compared >= MAX_TOKENS // 2, f"{gguf_path.name} #{i}: diverged at token {compared}"
 
 
+TP_CASES = [("qwen2-moe", T.Q8_0, ()), ("qwen3-moe-256", T.F32, (T.Q4_K, T.Q6_K))]
 CASES = [("qwen2-moe", T.Q8_0, ()), ("qwen3-moe", T.Q4_0, ()), ("qwen3-moe-256", T.F32, (T.Q4_K, T.Q6_K, T.Q5_K))]
 
 
@@ -98,13 +100,28 @@ def test_a_moe_gguf_stays_packed_and_matches_transformers_reading_it(hf_moe, tmp
 
 
 @pytest.mark.usefixtures("float32_products")
-def test_tp2_ranks_keep_their_experts_shares_packed(hf_moe, tmp_path):
+@pytest.mark.parametrize("name,qtype,k_quants", TP_CASES, ids=[c[0] for c in TP_CASES])
+def test_tp2_ranks_keep_their_experts_shares_packed(hf_moe, tmp_path, name, qtype, k_quants):
     """TP=2 over a MoE GGUF: each rank keeps its share of every expert packed (gate/up
     rows, down's columns as whole blocks; the shared expert as a dense MLP's) and computes
     what transformers does reading the file; the ranks' packed bytes add up to one rank's
-    model's."""
-    path = write_gguf(hf_moe("qwen2-moe"), tmp_path / "qwen2-moe.gguf", T.Q8_0)
-    whole = weight_storage(load_model(path, torch.float32, CPU, 128))
+    model's. Experts 768 wide in K-quants (Qwen3-30B-A3B's): shares of whole 256-weight
+    blocks, 512 and 256 (tp.split_share), where equal ones would cut a block."""
+    path = write_gguf(hf_moe(name), tmp_path / f"{name}.gguf", qtype, k_quant_types=k_quants)
+    model = load_model(path, torch.float32, CPU, 128)
+    whole = weight_storage(model)
+    replicated: dict[str, int] = {}  # a router the fixture's K-quants packed: whole on each rank
+    for m in model.modules():
+        if isinstance(m, ReplicatedLinear) and m.quant is not None:
+            replicated[m.quant] = replicated.get(m.quant, 0) + m.weight.numel()
+    if k_quants:
+        ranks = [load_model(path, torch.float32, CPU, 128, tp_rank=r, tp_size=2) for r in range(2)]
+        assert [_experts(m)[0].share for m in ranks] == [(0, 512), (512, 768)]
+        from llmd.pool.estimate import read_shape
+
+        shape = read_shape(str(path))  # the pool's estimate counts the first rank's larger share
+        assert shape.split_widths == ((768, 256),) and shape.largest_share(2) == 512 / 768
+        assert shape.largest_share(4) == 1 / 4  # refused at load (a rank with no block): no share counted
     llm = LLM(model=str(path), tensor_parallel_size=2, **SETTINGS)
     try:
         for i, (prompt, out) in enumerate(zip(PROMPTS, llm.generate([list(p) for p in PROMPTS], GREEDY))):
@@ -114,7 +131,8 @@ def test_tp2_ranks_keep_their_experts_shares_packed(hf_moe, tmp_path):
         shares = llm.engine.executor.weight_bytes()
     finally:
         llm.engine.shutdown()
-    assert whole["Q8_0"] == shares["Q8_0"], (whole, shares)
+    packed = {kind for kind in whole if kind[:1] == "Q"}
+    assert packed and all(whole[kind] + replicated.get(kind, 0) == shares[kind] for kind in packed), (whole, shares)
 
 
 def _requantized_hf_dir(hf_dir: Path, out: Path, qtype: T) -> Path:

@@ -41,7 +41,7 @@ from llmd.gpu.layers.cpu.cpu_linear import checkpoint_weight
 from llmd.gpu.layers.mlp import GatedMLP, SparseMoeBlock
 from llmd.gpu.layers import moe_align
 from llmd.gpu.layers.moe_align import moe_align_block_size, padded_capacity
-from llmd.gpu.layers.tp import check_tp_config
+from llmd.gpu.layers.tp import check_tp_config, split_share
 from llmd_tools.make_model import fixture_path
 
 QWEN3_MOE, QWEN2_MOE, MIXTRAL = "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral"
@@ -232,6 +232,19 @@ def test_tp_size_must_divide_the_expert_size() -> None:
     with pytest.raises(ValueError, match=r"tensor_parallel_size 4 must divide the model's moe_intermediate_size"):
         check_tp_config(config, 4)
     check_tp_config(config, 2)
+
+
+def test_intermediate_shares_hold_whole_blocks_as_even_as_they_go() -> None:
+    """split_share: equal shares where they hold whole units; else whole units, the
+    first ranks one more, covering the dimension once; refused where a rank gets none."""
+    assert [split_share(1024, r, 2, 256) for r in range(2)] == [(0, 512), (512, 1024)]
+    assert [split_share(768, r, 2) for r in range(2)] == [(0, 384), (384, 768)]  # no unit: equal
+    assert [split_share(768, r, 2, 256) for r in range(2)] == [(0, 512), (512, 768)]  # Qwen3-30B-A3B's experts
+    assert [split_share(18944, r, 4, 256) for r in range(4)] == [(0, 4864), (4864, 9728), (9728, 14336),
+                                                                 (14336, 18944)]  # Qwen2.5-7B's MLP, 19/19/18/18
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 4 cannot split the experts dimension \(768\) in "
+                                         r"whole blocks of 256 weights.*--dequantize"):
+        split_share(768, 0, 4, 256, "experts")
 
 
 # --- routing and the experts ----------------------------------------------------------------------

@@ -23,7 +23,8 @@ from pathlib import Path
 
 from llmd.config import KV_CACHE_FLOATS, EngineConfig
 from llmd.gpu.layers.cpu.cpu_info import cpuinfo_field
-from llmd.gpu.layers.gguf_types import DENSE_TYPES, held_bytes
+from llmd.gpu.layers.gguf_types import DENSE_TYPES, held_block, held_bytes
+from llmd.gpu.layers.tp import split_share
 from llmd.gpu.layers.quant.scheme import config_scheme, weights_per_element
 
 CPU_KV_DEFAULT_CAP = 4 << 30  # as llmd.engine_setup sizes a CPU KV pool with no setting
@@ -51,6 +52,16 @@ class ModelShape:
     # table: where quantized weights stay packed, only if the embedding is dense.
     tied_dense_elements: int = 0
     tied_elements: int = 0
+    # (columns, block) of each packed down projection: with TP its intermediate dimension
+    # is split in whole blocks (layers/tp.py), the first rank's share the largest
+    split_widths: tuple[tuple[int, int], ...] = ()
+
+    def largest_share(self, tp: int) -> float:
+        """The largest fraction of a split weight a rank holds at tensor_parallel_size `tp`."""
+        shares = [1 / tp] + [(end - start) / size for size, unit in self.split_widths
+                             if size % unit == 0 and size // unit >= tp
+                             for start, end in [split_share(size, 0, tp, unit)]]
+        return max(shares)
 
 
 def read_shape(path: str) -> ModelShape:
@@ -132,7 +143,9 @@ def _gguf_shape(p: Path) -> ModelShape:
                                     for device in ("cpu", "cuda")},
                       dense_elements=sum(t.n_elements for t in dense),
                       tied_dense_elements=sum(t.n_elements for t in tied if t.tensor_type.name in DENSE_TYPES),
-                      tied_elements=sum(t.n_elements for t in tied))
+                      tied_elements=sum(t.n_elements for t in tied),
+                      split_widths=tuple(sorted({(t.shape[0], held_block(t.tensor_type.name, "cuda"))
+                                                 for t in packed if ".ffn_down" in t.name})))
 
 
 def run_dtype(engine: EngineConfig, device_type: str, checkpoint_dtype: str | None) -> str:
@@ -176,13 +189,14 @@ def estimate_need(engine: EngineConfig, shape: ModelShape, device_type: str, *, 
     if device_type == "cpu" and onednn_copies(dtype):
         weights += copied * element
     tp = engine.tensor_parallel_size
+    per_rank = weights // tp if not packed else int(weights * shape.largest_share(tp))
     kv = kv_pool_bytes(engine, shape, device_type, kv_element_bytes(engine.kv_cache_dtype, element), available_ram)
     if device_type == "cpu":
         return {"cpu": weights + kv}
     if kv is None:  # the pool takes what gpu_memory_utilization leaves: that share is the model's
         total = device_total or 0
-        return {f"cuda:{rank}": max(int(engine.gpu_memory_utilization * total), weights // tp) for rank in range(tp)}
-    return {f"cuda:{rank}": weights // tp + kv // tp for rank in range(tp)}
+        return {f"cuda:{rank}": max(int(engine.gpu_memory_utilization * total), per_rank) for rank in range(tp)}
+    return {f"cuda:{rank}": per_rank + kv // tp for rank in range(tp)}
 
 
 def kv_element_bytes(kv_cache_dtype: str, element: int) -> int:

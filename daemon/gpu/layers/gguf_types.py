@@ -38,6 +38,15 @@ def held_type(quant: str, kernel_types: Collection[str] = CPU_TYPES) -> str:
     return quant
 
 
+def held_block(quant: str, device_type: str) -> int:
+    """The weights a block holds of a tensor of packed type `quant` as a device holds it
+    (ValueError for a type gguf does not know)."""
+    try:
+        return GGML_QUANT_SIZES[GGMLQuantizationType[held_type(quant, kernel_types(device_type))]][0]
+    except KeyError:
+        raise ValueError(f"GGUF type {quant!r} is unknown") from None
+
+
 def held_bytes(quant: str, elements: int, device_type: str) -> int:
     """Bytes of a packed tensor of type `quant` and `elements` weights as a device holds
     it: its own blocks, or those of the type it is held as (ValueError for a type that

@@ -243,13 +243,24 @@ class ColumnSplitLinear(LinearBase):
 
 
 class MergedColumnParallelLinear(ColumnSplitLinear):
-    """[gate | up] of a gated MLP: `size` rows each (whole), split by rank."""
+    """[gate | up] of a gated MLP: `size` rows each (whole); a rank keeps rows
+    tp.share(role, size) of each (tp.py: equal shares unless a packed down projection's
+    blocks need whole ones)."""
 
     parts = (0, 1)
 
-    def __init__(self, in_features: int, size: int, bias: bool, tp: TPShape | None = None) -> None:
-        local = size // _rank_world(tp)[1]
+    def __init__(self, in_features: int, size: int, bias: bool, tp: TPShape | None = None,
+                 role: str | None = None) -> None:
+        self.size = size
+        self.share = (0, size) if tp is None else tp.share(role, size)
+        local = self.share[1] - self.share[0]
         super().__init__(in_features, (local, local), bias, tp)
+
+    def source_rows(self, shard: Shard) -> tuple[int, int]:
+        return self.share
+
+    def full_sizes(self) -> list[int]:
+        return [self.size, self.size]
 
 
 class QKVParallelLinear(ColumnSplitLinear):
@@ -278,20 +289,24 @@ class QKVParallelLinear(ColumnSplitLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """W split along its input columns; partial sums all-reduced unless `reduce=False`
-    (the caller reduces); the bias whole on every rank, added once."""
+    """W split along its input columns: a rank keeps `columns` = tp.share(role,
+    in_features) of them (an MLP's down projection: `role` its intermediate dimension's,
+    tp.py; None: equal shares, as o_proj's heads); partial sums all-reduced unless
+    `reduce=False` (the caller reduces); the bias whole on every rank, added once."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPShape | None = None,
-                 reduce: bool = True) -> None:
+                 reduce: bool = True, role: str | None = None) -> None:
         world = _rank_world(tp)[1]
         if bias and not reduce and world > 1:
             raise ValueError("a row-parallel linear whose caller reduces cannot add a bias on every rank")
-        super().__init__(in_features // world, out_features, bias, tp, reduce=reduce)
+        self.columns = (0, in_features) if tp is None else tp.share(role, in_features)
+        self.full_in_features = in_features
+        self.split_role = role  # the loader's plan finds the packed blocks a share must hold (tp.py)
+        super().__init__(self.columns[1] - self.columns[0], out_features, bias, tp, reduce=reduce)
 
     def load(self, name: str, param: nn.Parameter, source: Any, shard: Shard = None) -> None:
         if name == "weight" and self.world_size > 1:
-            n = self.in_features
-            copy_checked(param.data, read(source, cols=(self.rank * n, (self.rank + 1) * n)))
+            copy_checked(param.data, read(source, cols=self.columns))
         else:
             copy_checked(param.data, read(source))
 

@@ -73,15 +73,16 @@ MLP_CHUNK_BYTES = 16 << 20
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)), gate and up fused; `size` the whole intermediate
-    size (split by rank under TP); `activation` an ACTIVATIONS name, act * up run by
-    `ops`; `reduce=False` leaves down's partial sums to the caller (a shared expert).
-    On CPU, rows in chunks of at most MLP_CHUNK_BYTES of gate/up output."""
+    size (split by rank under TP: tp.share(`role`, size), tp.py); `activation` an
+    ACTIVATIONS name, act * up run by `ops`; `reduce=False` leaves down's partial sums to
+    the caller (a shared expert). On CPU, rows in chunks of at most MLP_CHUNK_BYTES of
+    gate/up output."""
 
     def __init__(self, hidden_size: int, size: int, bias: bool, activation: str, tp: TPShape | None = None,
-                 ops: LayerOps = UNFUSED, reduce: bool = True) -> None:
+                 ops: LayerOps = UNFUSED, reduce: bool = True, role: str = "mlp") -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, size, bias, tp)
-        self.down_proj = RowParallelLinear(size, hidden_size, bias, tp, reduce=reduce)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, size, bias, tp, role)
+        self.down_proj = RowParallelLinear(size, hidden_size, bias, tp, reduce=reduce, role=role)
         self.activation = activation
         self.ops = ops
 
@@ -114,14 +115,18 @@ class MoeSpec:
 
 
 class ExpertWeights(WeightLoading, nn.Module):
-    """Every expert's weights, stacked (module doc); with TP, inter is this rank's slice.
+    """Every expert's weights, stacked (module doc); with TP, inter is this rank's slice
+    `share` of each expert's intermediate dimension (tp.share("experts"), tp.py).
     Packed (module doc): `packed_types[attr]` the types of w13's parts (gate, up) or
     w2's (down), absent while dense."""
+
+    split_role = "experts"  # the loader's plan finds the packed blocks a share must hold (tp.py)
 
     def __init__(self, num_experts: int, hidden_size: int, expert_size: int, tp: TPShape | None) -> None:
         super().__init__()
         self.rank, self.world_size = (0, 1) if tp is None else (tp.rank, tp.world_size)
-        self.inter = expert_size // self.world_size
+        self.share = (0, expert_size) if tp is None else tp.share(self.split_role, expert_size)
+        self.inter = self.share[1] - self.share[0]
         self.hidden = hidden_size
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter))
@@ -198,8 +203,7 @@ class ExpertWeights(WeightLoading, nn.Module):
         if name in self.packed_types:
             self._load_packed(name, param, source, shard)
             return
-        mine = (self.rank * self.inter, (self.rank + 1) * self.inter)
-        whole = self.world_size == 1
+        mine, whole = self.share, self.world_size == 1
         if name == "w13":
             expert, part = shard
             rows = param.data[expert, part * self.inter:(part + 1) * self.inter]
@@ -211,8 +215,7 @@ class ExpertWeights(WeightLoading, nn.Module):
         """An expert's packed rows of one part, copied in as they are; with TP this rank's
         share of them (w13's rows, w2's columns: whole blocks, gguf_quant.PackedSource)."""
         if self.world_size > 1:
-            a, b = self.rank * self.inter, (self.rank + 1) * self.inter
-            source = source.rows(a, b) if name == "w13" else source.columns(a, b)
+            source = source.rows(*self.share) if name == "w13" else source.columns(*self.share)
         types, cols = self.packed_types[name], self.packed_columns(name)
         if types[0] == FP8:
             self._load_fp8(name, param, source, shard)
@@ -328,7 +331,7 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = self.shared_expert_gate = None
         if spec.shared_expert_size is not None:
             self.shared_expert = GatedMLP(hidden_size, spec.shared_expert_size, False, activation, tp, ops,
-                                          reduce=False)
+                                          reduce=False, role="shared_expert")
             self.shared_expert_gate = ReplicatedLinear(hidden_size, 1)
             self.shared_expert_gate.plain_matmul = True
 

@@ -14,6 +14,15 @@ one rank they make no distributed call at all.
 KV heads are split like q heads when num_kv_heads >= world_size; when there are fewer
 KV heads than ranks they are replicated: rank r uses kv head r * num_kv_heads // world_size
 (which is the kv head of all of rank r's q heads, since world_size % num_kv_heads == 0).
+
+An intermediate dimension (a dense MLP's, the experts', the shared expert's: each a
+`role`) is split in equal shares unless its down projection is kept packed in blocks
+the equal share would cut (`units`: a GGUF's K-quants are 256 weights wide; Qwen3-30B-A3B's
+experts are 768 wide, 384 a rank at TP=2): then each rank takes whole blocks, as even as
+they go (768 over 2 ranks: 512 and 256). Every rank computes the same shares; the gate /
+up rows and the down columns of a rank are the same range, so the all-reduce of down's
+partial sums is the layer's output whatever the split. A rank that would get no block is
+refused.
 """
 from __future__ import annotations
 
@@ -30,10 +39,31 @@ class TPShape:
     num_heads: int  # this rank's q heads
     num_kv_heads: int  # this rank's kv heads
     kv_head_start: int  # the first global kv head this rank holds
-    intermediate_size: int  # this rank's slice of the MLP
     vocab_per_rank: int  # rows of this rank's embedding / LM head (the last may be padding)
     vocab_start: int
     vocab_end: int  # exclusive, <= vocab_size
+    units: tuple[tuple[str, int], ...] = ()  # (role, columns) a share of that role must be a multiple of
+
+    def share(self, role: str | None, size: int) -> tuple[int, int]:
+        """This rank's [start, end) of an intermediate dimension of `size` whose role is
+        `role` (module doc; None: equal shares)."""
+        return split_share(size, self.rank, self.world_size, dict(self.units).get(role, 1) if role else 1, role)
+
+
+def split_share(size: int, rank: int, world_size: int, unit: int = 1, role: str | None = None) -> tuple[int, int]:
+    """Rank `rank`'s [start, end) of `size` columns split over `world_size` ranks in whole
+    `unit`s: equal shares where they hold whole units, else the units as even as they go
+    (the first ranks one more); a ValueError if a rank would get none."""
+    if size % (world_size * unit) == 0:
+        per = size // world_size
+        return rank * per, (rank + 1) * per
+    units, extra = divmod(size // unit, world_size)
+    if size % unit or units == 0:
+        raise ValueError(f"tensor_parallel_size {world_size} cannot split the {role or 'intermediate'} dimension "
+                         f"({size}) in whole blocks of {unit} weights, the width of its packed down projection's "
+                         "blocks (dequantize=True (--dequantize) loads it dense)")
+    start = (rank * units + min(rank, extra)) * unit
+    return start, start + (units + (rank < extra)) * unit
 
 
 def check_tp_config(config: Any, world_size: int) -> None:
@@ -58,7 +88,9 @@ def check_tp_config(config: Any, world_size: int) -> None:
             raise ValueError(f"tensor_parallel_size {world_size} must divide the model's {field} ({size})")
 
 
-def tp_shape(config: Any, rank: int, world_size: int) -> TPShape:
+def tp_shape(config: Any, rank: int, world_size: int, units: dict[str, int] | None = None) -> TPShape:
+    """Rank `rank`'s share; `units`: role -> the columns its intermediate shares must be
+    a multiple of (module doc)."""
     check_tp_config(config, world_size)
     heads = config.num_attention_heads
     kv = config.num_key_value_heads or heads
@@ -70,6 +102,5 @@ def tp_shape(config: Any, rank: int, world_size: int) -> TPShape:
     start = min(rank * per, config.vocab_size)
     return TPShape(rank=rank, world_size=world_size, num_heads=heads // world_size,
                    num_kv_heads=kv_local, kv_head_start=kv_start,
-                   intermediate_size=config.intermediate_size // world_size,
                    vocab_per_rank=per, vocab_start=start,
-                   vocab_end=min(start + per, config.vocab_size))
+                   vocab_end=min(start + per, config.vocab_size), units=tuple(sorted((units or {}).items())))

@@ -112,20 +112,20 @@ class DecoderLayer(nn.Module):
 
 class CausalLM(nn.Module):
     """The decoder of architecture `config.architectures[0]` (or `arch`), this rank's
-    share of it with tp_size > 1. `decode_layers`: on CPU, the layers run from C++ for
-    the one-token steps of one request they take (cpu/cpu_decode_layers; None: always
-    the Python layers)."""
+    share of it with tp_size > 1 (`tp_units`: tp.tp_shape's units, the loader's plan).
+    `decode_layers`: on CPU, the layers run from C++ for the one-token steps of one
+    request they take (cpu/cpu_decode_layers; None: always the Python layers)."""
 
     decode_layers: Any = None
 
     def __init__(self, config: Any, max_positions: int, tp_rank: int = 0, tp_size: int = 1,
                  attention_backend: str = "torch", arch: Architecture | None = None,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, tp_units: dict[str, int] | None = None) -> None:
         super().__init__()
         arch = arch or get_architecture((getattr(config, "architectures", None) or [""])[0])
         arch.check_config(config)
         self.arch, self.config = arch, config
-        tp = tp_shape(config, tp_rank, tp_size) if tp_size > 1 else None  # None: no distributed calls
+        tp = tp_shape(config, tp_rank, tp_size, tp_units) if tp_size > 1 else None  # None: no distributed calls
         self.tp = tp
         self.head_dim = head_dim_of(config)
         self.max_positions = max_positions

@@ -3,8 +3,8 @@ transformers, weights from safetensors through our own name mapping) or from a G
 (gguf_loader: the same three things read from the one file). Nothing is fetched."""
 from __future__ import annotations
 
+import functools
 import json
-import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,10 +16,8 @@ from torch import nn
 from llmd.gpu.layers.cpu.cpu_decode_layers import attach_decode_layers
 from llmd.gpu.layers.cpu.cpu_kernels import attach_cpu_kernels, attach_expert_kernels, attach_gguf_kernels
 from llmd.gpu.layers.cpu.cpu_linear import pack_linears
-from llmd.gpu.layers.gguf_formats import FORMATS, PACKED_TYPES
 from llmd.gpu.layers.gguf_quant import PackedSource
 from llmd.gpu.layers.linear import Shard, WeightLoading
-from llmd.gpu.layers.gguf_types import DENSE_TYPES, held_type, kernel_types
 from llmd.gpu.layers.quant.scheme import quant_scheme
 from llmd.gpu.models.architectures import get_architecture
 from llmd.gpu.models.checkpoint_kv_scales import KVScaleCollector, kv_scale_target
@@ -29,6 +27,7 @@ from llmd.gpu.models.gguf_loader import (gguf_stop_token_ids, gguf_tensor_types,
                                          release_gguf_readers)
 from llmd.gpu.models.quant_plan import (apply_plan, finalize_quantized, plan_quantized, plan_quantized_experts,
                                         quantized_weights, resolve_scheme, safetensors_index)
+from llmd.gpu.models.weight_plan import PACKED_DEVICES, checkpoint_target, packed_gguf, packed_params  # noqa: F401
 from llmd.load_progress import LoadProgress
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -121,34 +120,6 @@ def _count_safetensors(model_dir: str | Path) -> int:
     return total
 
 
-# Checkpoint projections the layers fuse: checkpoint name part -> (fused name part, shard).
-FUSED_SHARDS = {
-    ".q_proj.": (".qkv_proj.", "q"), ".k_proj.": (".qkv_proj.", "k"), ".v_proj.": (".qkv_proj.", "v"),
-    ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1),
-}
-
-
-def checkpoint_target(model: CausalLM, name: str) -> tuple[str, Shard] | None:
-    """(parameter, shard) checkpoint tensor `name` loads into (shard None: all of it);
-    None for a tensor the model does not keep (rotary caches, a tied LM head)."""
-    name = name.removeprefix("model.")
-    for old, new in model.arch.checkpoint_renames:
-        name = name.replace(old, new)
-    if "rotary_emb.inv_freq" in name or (name.startswith("lm_head.") and model.tie_word_embeddings):
-        return None
-    gate, up, down = model.arch.expert_projections
-    m = re.fullmatch(rf"(layers\.\d+\.mlp\.experts)\.(\d+)\.({gate}|{up}|{down})\.weight", name)
-    if m is not None:
-        expert = int(m.group(2))
-        if m.group(3) == down:
-            return f"{m.group(1)}.w2", expert
-        return f"{m.group(1)}.w13", (expert, 0 if m.group(3) == gate else 1)
-    for part, (fused, shard) in FUSED_SHARDS.items():
-        if part in name:
-            return name.replace(part, fused), shard
-    return name, None
-
-
 def load_weights(model: CausalLM, weights: Iterable[tuple[str, Any]]) -> None:
     """Each checkpoint tensor through the layer that holds it (layers/linear.py: the
     layer takes its piece); raise on unexpected, misshapen or missing weights so a wrong
@@ -195,83 +166,6 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, Any]]) -> None:
         raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {where}")
 
 
-# Devices a GGUF's quantized weights stay packed on (C++ kernels on the CPU, Triton on CUDA).
-PACKED_DEVICES = ("cpu", "cuda")
-
-
-def packed_params(model: CausalLM, types: dict[str, tuple[str, str]],
-                  device_type: str = "cpu") -> dict[str, str | dict[Shard, str]]:
-    """Parameter -> GGUF type for every quantized weight of the checkpoint (`types`: HF
-    name -> (GGUF name, type name)), each kept packed: a linear layer's or the
-    vocabulary's weight, rows a whole number of its type's blocks (gguf_formats.FORMATS);
-    a fused projection whose parts differ in type maps to {part: type}; a type held as
-    another on this device (gguf_types.HELD_AS: IQ4_XS as IQ4_NL) maps to that one. A
-    quantized tensor that cannot stay packed (a type without a kernel, rows its blocks do
-    not fit, a parameter that takes no packed weight, a fused projection mixing it with a
-    dense part) is a ValueError naming it: dequantizing it silently would cost memory and
-    speed the user did not ask for (`dequantize=True` loads every weight dense)."""
-    modules = dict(model.named_modules())
-    parts: dict[str, dict[Shard, str]] = {}
-    files: dict[str, dict[Shard, str]] = {}  # the GGUF tensor behind each part
-    for name, (param, shard) in _targets(model, types):
-        gguf_name, quant = types[name]
-        files.setdefault(param, {})[shard] = gguf_name
-        parts.setdefault(param, {})[shard] = quant
-    plan: dict[str, str | dict[Shard, str]] = {}
-    for param, shards in parts.items():
-        if set(shards.values()) <= set(DENSE_TYPES):
-            continue
-        module, _, attr = param.rpartition(".")
-        layer = modules.get(module)
-        for shard, quant in shards.items():
-            reason = None if quant in DENSE_TYPES else _unpackable(layer, attr, quant, shards, device_type)
-            if reason is not None:
-                raise ValueError(f"GGUF tensor {files[param][shard]!r} of type {quant} cannot stay packed: {reason}; "
-                                 f"dequantize=True (--dequantize) loads it dequantized")
-        held = {shard: held_type(quant, kernel_types(device_type)) for shard, quant in shards.items()}
-        quants = set(held.values())
-        plan[param] = quants.pop() if len(quants) == 1 else held
-    return plan
-
-
-def _unpackable(layer: Any, attr: str, quant: str, shards: dict[Shard, str], device_type: str) -> str | None:
-    """Why a weight part of type `quant` (its parameter's parts: `shards`) cannot be kept
-    packed, or None."""
-    experts = hasattr(layer, "packed_columns")  # mlp.ExpertWeights: w13, w2
-    if not hasattr(layer, "use_packed") or (attr != "weight" and not (experts and attr in ("w13", "w2"))):
-        return "its parameter takes no packed weight"
-    if experts and device_type not in PACKED_DEVICES:
-        return f"llmd keeps a GGUF's experts packed on CPU and CUDA only (no packed MoE kernel for {device_type})"
-    if any(q in DENSE_TYPES for q in shards.values()):
-        return "its fused projection mixes dense and quantized parts"
-    held = held_type(quant, kernel_types(device_type))
-    if held not in FORMATS:
-        return f"llmd has no kernel for {quant} (packed types: {', '.join(PACKED_TYPES)})"
-    block, cols = FORMATS[held].block, layer.packed_columns(attr) if experts else layer.in_features
-    if cols % block:
-        share = f" (this rank's share of tensor_parallel_size {layer.world_size})" if layer.world_size > 1 else ""
-        return f"its rows of {cols} weights{share} are not a whole number of {quant}'s {block}-weight blocks"
-    if set(shards) != set(layer.shards(attr)) and set(shards) != {None}:
-        return f"its projection has parts {tuple(layer.shards(attr))}, the file gives {tuple(shards)}"
-    return None
-
-
-def _use_packed(model: CausalLM, plan: dict[str, str | dict[Shard, str]]) -> None:
-    """Each planned parameter's layer keeps it packed (before any weight is placed)."""
-    for param, quant in plan.items():
-        module, _, attr = param.rpartition(".")
-        layer = model.get_submodule(module)
-        if attr == "weight":
-            layer.use_packed(quant)
-        else:  # an ExpertWeights' w13 or w2
-            layer.use_packed(quant, attr)
-
-
-def _targets(model: CausalLM, names: Iterable[str]) -> list[tuple[str, tuple[str, Shard]]]:
-    """(checkpoint name, (parameter, shard)) of each name the model keeps."""
-    return [(name, target) for name in names if (target := checkpoint_target(model, name)) is not None]
-
-
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                max_positions: int, tp_rank: int = 0, tp_size: int = 1,
                attention_backend: str = "torch", progress: LoadProgress | None = None,
@@ -291,19 +185,14 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     config = load_hf_config(model_dir)
     gguf = is_gguf_path(model_dir)
     scheme = None if gguf else quant_scheme(config)
-    # Build on meta (no random init, no memory), then materialize and fill from disk.
-    with torch.device("meta"):
-        model = CausalLM(config, max_positions, tp_rank, tp_size, attention_backend=attention_backend,
-                         device=device)
-    model = model.to(dtype=dtype)  # before any packed weight is placed: those keep their own dtypes
+    # on meta (no random init, no memory), then materialized and filled from disk; the
+    # dtype before any packed weight is placed: those keep their own
+    build = functools.partial(_on_meta, config, max_positions, tp_rank, tp_size, attention_backend, device, dtype)
+    model = build(None)
     plan: dict[str, str] = {}
     packed: dict[str, str] = {}  # the file's tensors read as packed rows: the type each is held in
     if gguf and device.type in PACKED_DEVICES and not dequantize:
-        types = gguf_tensor_types(model_dir)
-        plan = packed_params(model, types, device.type)
-        _use_packed(model, plan)
-        packed = {name: quant if isinstance(quant := plan[param], str) else quant[shard]
-                  for name, (param, shard) in _targets(model, types) if param in plan}
+        model, plan, packed = packed_gguf(model_dir, model, build, device.type)
     index = safetensors_index(model_dir) if scheme is not None else {}
     if scheme is not None:
         scheme = resolve_scheme(scheme, index)
@@ -329,6 +218,13 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     model.requires_grad_(False)
     _attach_kernels(model, dtype, device, packed_gguf=bool(plan), int8_activations=int8_activations)
     return model
+
+
+def _on_meta(config: Any, max_positions: int, tp_rank: int, tp_size: int, attention_backend: str,
+             device: torch.device, dtype: torch.dtype, units: dict[str, int] | None) -> CausalLM:
+    with torch.device("meta"):
+        return CausalLM(config, max_positions, tp_rank, tp_size, attention_backend=attention_backend,
+                        device=device, tp_units=units).to(dtype=dtype)
 
 
 def _materialized(model: nn.Module, device: torch.device) -> nn.Module:

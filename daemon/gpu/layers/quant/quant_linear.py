@@ -50,10 +50,9 @@ class Piece:
 
 def layer_columns(layer: nn.Module) -> tuple[tuple[int, int], int]:
     """(this rank's input columns of the whole weight, the whole weight's columns)."""
-    n = layer.in_features
     if isinstance(layer, RowParallelLinear):
-        return (layer.rank * n, (layer.rank + 1) * n), n * layer.world_size
-    return (0, n), n
+        return layer.columns, layer.full_in_features
+    return (0, layer.in_features), layer.in_features
 
 
 def layer_pieces(layer: nn.Module) -> dict[Shard, list[Piece]]:
