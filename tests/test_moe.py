@@ -313,6 +313,44 @@ def test_align_block_size_groups_pairs_by_expert(block_size: int, rank_by: str, 
     assert total == int(((counts + block_size - 1) // block_size * block_size).sum())
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_one_launch_work_list_is_the_torch_ops(device: str) -> None:
+    """moe_align_triton (what CUDA runs up to TRITON_MAX_PAIRS pairs) gives moe_align's
+    torch ops' three tensors exactly (tests/moe_align_cases.py: empty experts, one
+    expert, odd expert counts, int32 ids, chunk tails, blocks of 64), in Triton's
+    interpreter, or compiled on a GPU."""
+    from moe_align_cases import CASES as ALIGN_CASES
+
+    results = run_case_scripts([(Path(__file__).with_name("moe_align_cases.py"), [])], device, timeout=120)
+    assert sorted(results) == sorted(ALIGN_CASES)
+    for name, result in results.items():
+        assert result.get("equal") is True, (name, result)
+
+
+def test_the_one_launch_work_list_compiles_for_hopper_without_spilling() -> None:
+    """moe_align_triton's kernel compiled for sm_90 as its launcher specializes it
+    (tools/quant_kernel_resources.py): one token at top-8 of Qwen3-30B-A3B's 128 experts,
+    TRITON_MAX_PAIRS pairs at row blocks of 64, 60 experts: within the register file, no
+    local memory."""
+    import os
+
+    import triton
+
+    from llmd.gpu.layers import moe_align_triton as mat
+    from llmd_tools.quant_kernel_resources import compile_for_hopper, resources
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
+        pytest.skip("this Triton ships no CUDA tools")
+    for pairs, experts, block in ((8, 128, 16), (moe_align.TRITON_MAX_PAIRS, 128, 64), (3, 60, 16)):
+        capacity = padded_capacity(pairs, experts, block)
+        tensors = [torch.zeros(n, dtype=torch.int64) for n in (pairs, capacity, capacity // block, 1)]
+        kernel = compile_for_hopper(mat._moe_align_kernel, (*tensors, pairs, capacity, experts),
+                                    dict(BS=block, EP=triton.next_power_of_2(experts), C=mat.CHUNK, FILL=mat.FILL,
+                                         BLOCKS=mat.BLOCKS, num_warps=4))
+        found = resources(kernel)
+        assert 0 < found["registers"] <= 255 and found["local_ops"] == 0, (pairs, experts, block, found)
+
+
 @pytest.fixture(scope="module", params=DEVICES)
 def interpreted(request) -> dict[str, dict]:
     """case name -> its result in Triton's interpreter ("cpu", one fresh process), or

@@ -16,7 +16,9 @@ more host time than these kernels take), its replays by triton.testing.do_bench'
 median, the eager time beside; one layer's experts (~390 MB Q4_K_M, 1.2 GB bf16) exceed
 the L2 cache, so each step reads them from device memory. Before timing, the packed layer is
 checked against the bf16 one on its dequantized weights: a wrong kernel prints its error
-instead of a time.
+instead of a time. Beside each row, the work list alone (moe_align_block_size at row
+blocks of 16) by its one Triton launch and by the torch ops, each graph-timed: where the
+one launch stops paying (moe_align.TRITON_MAX_PAIRS).
 """
 from __future__ import annotations
 
@@ -61,6 +63,7 @@ def bench(mix: str, experts: int, hidden: int, inter: int, top_k: int, tokens: l
 
     from llmd.gpu.layers.fused_moe_triton import triton_fused_experts
     from llmd.gpu.layers.fused_ops import UNFUSED
+    from llmd.gpu.layers.moe_align import moe_align_block_size
     from llmd_tools.bench_quant_gpu import graph_us
 
     layer, packed, w13, w2 = packed_layer(mix, experts, hidden, inter, device)
@@ -91,6 +94,8 @@ def bench(mix: str, experts: int, hidden: int, inter: int, top_k: int, tokens: l
                                                                  return_mode="median") * 1e3
             row.update(of_roofline=row["floor_us"] / row["us"], vs_dense=row["dense_us"] / row["us"],
                        dense_of_roofline=row["dense_floor_us"] / row["dense_us"])
+            for key, triton_align in (("align_us", True), ("align_torch_us", False)):  # the work list alone
+                row[key] = graph_us([lambda t=triton_align: moe_align_block_size(ids, 16, experts, use_triton=t)])
         results.append(row)
     return results
 
@@ -122,14 +127,16 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:
                 print(json.dumps(row), flush=True)
     print(f"{'mix':7} {'tokens':>6} {'experts':>7} {'err':>8} {'us':>8} {'floor':>7} {'of roof':>7} "
-          f"{'bf16 us':>8} {'of roof':>7} {'speedup':>7} {'eager us':>8}   (us: a CUDA graph's replays)")
+          f"{'bf16 us':>8} {'of roof':>7} {'speedup':>7} {'eager us':>8} {'align us':>8} {'torch':>6}"
+          "   (us: a CUDA graph's replays; align: the work list alone, one launch / torch ops)")
     for r in results:
         head = f"{r['mix']:7} {r['tokens']:>6} {r['experts_touched']:>7} {r['err']:8.1e}"
         if "us" not in r:
             print(f"{head} WRONG")
             continue
         print(f"{head} {r['us']:8.1f} {r['floor_us']:7.1f} {r['of_roofline']:7.0%} {r['dense_us']:8.1f} "
-              f"{r['dense_of_roofline']:7.0%} {r['vs_dense']:6.2f}x {r['eager_us']:8.1f}")
+              f"{r['dense_of_roofline']:7.0%} {r['vs_dense']:6.2f}x {r['eager_us']:8.1f} "
+              f"{r['align_us'] or 0:8.1f} {r['align_torch_us'] or 0:6.1f}")
     return 1 if any("us" not in r for r in results) else 0
 
 

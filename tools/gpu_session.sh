@@ -218,7 +218,7 @@ quant() {
         --shapes 4096x4096 14336x4096
     # A MoE layer's packed experts (Qwen3-30B-A3B's shapes, Q4_K_M and Q8_0) through the
     # grouped kernel against the touched experts' bytes, beside the bf16 fused-MoE kernel.
-    step bench-quant-moe 60 $PY -m llmd_tools.bench_quant_moe_gpu --tokens 1 4 16 64
+    step bench-quant-moe 60 $PY -m llmd_tools.bench_quant_moe_gpu --tokens 1 4 16 32 64
     # The same defaults as the device's own Triton compiles them (registers, K loop
     # instructions, the offline estimate), beside the times above: does the model that
     # chose the tiles (on this machine's Triton 3.9) hold for the device's compiler?

@@ -1,6 +1,7 @@
 """The fused MoE kernel's work list: (token, expert) pairs grouped by expert, each
-expert's run padded to the kernel's row block (vLLM's `moe_align_block_size`, here in
-torch ops that need no host sync, so a CUDA graph can capture them)."""
+expert's run padded to the kernel's row block (vLLM's `moe_align_block_size`): on CUDA up
+to TRITON_MAX_PAIRS pairs in one Triton launch (moe_align_triton), else in torch ops;
+neither needs a host sync, so a CUDA graph can capture them."""
 from __future__ import annotations
 
 import torch
@@ -36,8 +37,14 @@ def rank_within_expert(flat: torch.Tensor, counts: torch.Tensor) -> torch.Tensor
     return rank
 
 
-def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: int
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+# Pairs up to which CUDA takes the one-launch kernel: a decode step of 32 tokens at top-8.
+# Its one program loops over the pairs in chunks, twice, so past some size ~12 torch
+# kernels over the whole GPU are faster; where is not yet measured on a GPU.
+TRITON_MAX_PAIRS = 256
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: int,
+                         use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Triton kernel's work list, computed on the device without a host sync:
 
     - sorted_ids [padded_capacity] int64: pair indices (t * top_k + k) grouped by expert,
@@ -45,10 +52,19 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
       padding holds num_pairs (no pair: the kernel masks it);
     - expert_ids [padded_capacity // block_size] int64: the expert of each row block
       (blocks past the last run repeat the last expert; the kernel skips them);
-    - num_padded [1] int64: where the last run's padding ends."""
+    - num_padded [1] int64: where the last run's padding ends.
+
+    `use_triton`: the one-launch kernel (None: on CUDA up to TRITON_MAX_PAIRS pairs)."""
     flat = topk_ids.reshape(-1)
     num_pairs = flat.numel()
     device = flat.device
+    if use_triton is None:
+        use_triton = flat.is_cuda and num_pairs <= TRITON_MAX_PAIRS
+    if use_triton:
+        from llmd.gpu.layers.moe_align_triton import moe_align_triton
+
+        return moe_align_triton(flat.contiguous(), block_size, num_experts,
+                                padded_capacity(num_pairs, num_experts, block_size))
     counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded_counts = (counts + block_size - 1) // block_size * block_size
