@@ -30,7 +30,11 @@
 # A plan for the next lease (each call ~35 s more to start and copy):
 #   call 1 (~480 s): LATENCY="b1 b32 b256 b32-guided" bash tools/gpu_session.sh sweep quant latency moe async
 #   call 2 (~300 s): TESTS_LIMIT=240 ROUNDS=1 bash tools/gpu_session.sh tests serve throughput spec guided
-# with PYTEST_ARGS naming only what failed when a rerun must join call 2.
+# with PYTEST_ARGS naming only what failed when a rerun must join call 2. New since the
+# third lease, first run on a GPU in that plan: the MoE work list's one Triton launch
+# (tests: test_moe.py's one_launch cases compiled; quant: bench_quant_moe_gpu's align
+# columns, one launch vs torch ops at 8-512 pairs: set moe_align.TRITON_MAX_PAIRS from
+# them) and TP shares of whole blocks (CPU-only tests; no GPU TP check here).
 #
 # Each step runs under its own time limit (`step NAME SECONDS CMD`), so one that hangs or
 # runs long costs its limit and the later ones still run. Every step's output goes to
