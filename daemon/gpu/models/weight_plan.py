@@ -1,8 +1,9 @@
 """The load's plan: which parameter (and shard) each checkpoint tensor fills
 (`checkpoint_target`), and which of a GGUF's quantized weights stay packed, in which
 types (`packed_params`), and, under tensor parallelism, in which shares of an
-intermediate dimension (`split_units`, layers/tp.py). Torch-free decisions over a model
-built on meta; the loader (loader.py) builds, plans, then fills."""
+intermediate dimension (`split_units`, layers/tp.py). Decisions over a model built on
+meta (no weights yet) and the file's tensor types; the loader (loader.py) builds, plans,
+then fills."""
 from __future__ import annotations
 
 import re
