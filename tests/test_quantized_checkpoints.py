@@ -49,6 +49,8 @@ DENSE = {
     "qwen2": dict(arch="qwen2", intermediate_size=192),
     "qwen3": dict(arch="qwen3", intermediate_size=192),
     "phi3": dict(arch="phi3", intermediate_size=192),
+    # an odd vocabulary: under TP=2 the last rank's LM head holds a padding row
+    "llama-odd-vocab": dict(arch="llama", intermediate_size=192, vocab_size=1025),
     "qwen3-moe": dict(arch="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                       intermediate_size=192, mlp_only_layers=[1]),
 }
@@ -63,6 +65,7 @@ CASES = {
     "fp8-tensor": ("llama", dict(method="fp8", fp8_style="tensor")),
     "fp8-channel-qwen3": ("qwen3", dict(method="fp8", fp8_style="channel")),
     "fp8-block": ("llama", dict(method="fp8", fp8_style="block", block=(32, 32))),
+    "fp8-channel-lm-head-odd-vocab": ("llama-odd-vocab", dict(method="fp8", fp8_style="channel", lm_head=True)),
 }
 LABELS = {"awq": "awq-int4", "fp8": "fp8-e4m3"}
 
@@ -280,14 +283,16 @@ def test_a_quantized_checkpoint_runs_packed_on_cpu_and_cuda_only(checkpoints, mo
 
 def test_tensor_parallel_ranks_keep_their_packed_shares(checkpoints, tmp_path):
     """TP=2 splits every packed projection as the dense ones (groups of 64 fall whole on
-    each rank) and computes what transformers does on the dequantized weights; act-order
-    weights cannot be split by input columns and are refused by name."""
-    path = checkpoints("awq-llama-g32", group_size=64)
-    llm = LLM(model=str(path), tensor_parallel_size=2, **SETTINGS)
-    try:
-        _compare(str(write_dequantized(path, tmp_path / "dense")), llm, "awq tp=2")
-    finally:
-        llm.engine.shutdown()
+    each rank; a quantized LM head by vocabulary rows, the last rank's padding row zero)
+    and computes what transformers does on the dequantized weights; act-order weights
+    cannot be split by input columns and are refused by name."""
+    for i, path in enumerate((checkpoints("awq-llama-g32", group_size=64),
+                              checkpoints("fp8-channel-lm-head-odd-vocab"))):  # (refused before: packed head)
+        llm = LLM(model=str(path), tensor_parallel_size=2, **SETTINGS)
+        try:
+            _compare(str(write_dequantized(path, tmp_path / f"dense-{i}")), llm, f"{path.name} tp=2")
+        finally:
+            llm.engine.shutdown()
     act_order = checkpoints("gptq4-asym-v2-act-order")
     config = load_hf_config(act_order)
     scheme = quant_scheme(config)
@@ -374,21 +379,23 @@ def _dense_weight(layer) -> torch.Tensor:
 
 SHARD_CASES = [("awq-llama-g32", {}), ("awq-phi3-fused", {}), ("gptq4-sym-v1", {}),
                ("gptq4-sym-v1", dict(bits=8, group_size=64)), ("gptq4-asym-v2-act-order", dict(act_order=False)),
-               ("fp8-tensor", {}), ("fp8-channel-qwen3", {}), ("fp8-block", {})]
+               ("fp8-tensor", {}), ("fp8-channel-qwen3", {}), ("fp8-block", {}),
+               ("gptq4-sym-v1", dict(lm_head=True)), ("fp8-channel-lm-head-odd-vocab", {})]
 
 
 @pytest.mark.parametrize("case,extra", SHARD_CASES, ids=[c + "".join(f"-{k}={v}" for k, v in e.items())
                                                          for c, e in SHARD_CASES])
 def test_each_rank_keeps_the_packed_share_the_dense_layer_keeps(checkpoints, tmp_path, case, extra):
     """Column- and row-parallel projections, checkpoint-fused ones (Phi-3), FP8 blocks
-    that straddle a rank's rows (k and v: 16 rows a rank, blocks of 32): every rank's
-    packed layers hold exactly the share of the dequantized weight that the dense layers
-    of the same rank load."""
+    that straddle a rank's rows (k and v: 16 rows a rank, blocks of 32), a quantized LM
+    head (its padding row under an odd vocabulary zero): every rank's packed layers hold
+    exactly the share of the dequantized weight that the dense layers of the same rank
+    load."""
     path = checkpoints(case, **extra)
     dense = write_dequantized(path, tmp_path / "dense")
     for rank in (0, 1):
         packed, reference = _rank_model(path, rank), _rank_model(dense, rank)
         layers = {name: m for name, m in packed.named_modules() if getattr(m, "quant", None)}
-        assert len(layers) == 12
+        assert len(layers) == 12 + ("lm_head" in extra or "lm-head" in case)
         for name, layer in layers.items():
             assert torch.equal(_dense_weight(layer), reference.get_submodule(name).weight), (rank, name)

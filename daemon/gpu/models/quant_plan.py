@@ -7,8 +7,9 @@ module dequantized to a dense weight as it is read (`iter_dequantized`).
 The files decide what is quantized: a module with a `qweight` (AWQ, GPTQ) or a float8
 `weight` (FP8) is, any other stays dense — modules_to_not_convert / ignore lists
 included, which are checked against the files. A quantized module whose layer cannot
-keep it packed (the embedding, a fused projection mixing it with a dense part, the LM
-head split by tensor parallelism) is refused by name. Packed layers run on the CPU (C++
+keep it packed (the embedding, a fused projection mixing it with a dense part) is
+refused by name; a quantized LM head under tensor parallelism keeps its rank's
+vocabulary rows packed, the last rank's padding rows zero blocks (quant_linear). Packed layers run on the CPU (C++
 kernels) and on CUDA (Triton kernels).
 
 A mixture of experts' AWQ / GPTQ experts (`plan_quantized_experts`) are held as a GGUF's
@@ -108,9 +109,6 @@ def plan_quantized(model: nn.Module, scheme: QuantScheme, index: dict[str, tuple
 
 
 def _check_packable(layer: nn.Module | None, prefix: str, scheme: QuantScheme) -> None:
-    if isinstance(layer, ParallelLMHead) and layer.world_size > 1:
-        raise ValueError(f"{prefix} is quantized ({scheme.label}): a quantized LM head is not split across "
-                         f"ranks (tensor_parallel_size > 1); {DEQUANTIZE_HINT}")
     if not isinstance(layer, (LinearBase, ParallelLMHead)):
         raise ValueError(f"{prefix} is quantized ({scheme.label}), but llmd's {type(layer).__name__} takes no "
                          f"packed weight; {DEQUANTIZE_HINT}")

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from llmd.gpu.layers.gguf_quant import GGUFMatmul, PackedPart, packed_parts
-from llmd.gpu.layers.linear import ColumnSplitLinear, RowParallelLinear, Shard, WeightLoading, shape_of
+from llmd.gpu.layers.linear import ColumnSplitLinear, RowParallelLinear, Shard, VocabRows, WeightLoading, shape_of
 from llmd.gpu.layers.quant.fp8 import FP8Matmul, FP8Rows, fp8_rows, join
 from llmd.gpu.layers.quant.int_groups import BLOCK, IntGroups, awq_groups, gptq_groups
 from llmd.gpu.layers.quant.scheme import FP8Scheme, IntGroupScheme, QuantScheme
@@ -59,6 +59,8 @@ def layer_pieces(layer: nn.Module) -> dict[Shard, list[Piece]]:
     """The pieces of each checkpoint shard a layer keeps (None: the whole projection as
     one tensor, fused in the checkpoint or not)."""
     cols, _ = layer_columns(layer)
+    if isinstance(layer, VocabRows):  # this rank's vocabulary rows (the padding rows: finalize's)
+        return {None: [Piece(0, (layer.start, layer.end), cols)]}
     if not isinstance(layer, ColumnSplitLinear):
         return {None: [Piece(0, (0, layer.out_features), cols)]}
     table: dict[Shard, list[Piece]] = {s: [Piece(i, layer.source_rows(s), cols)] for i, s in enumerate(layer.parts)}
@@ -180,6 +182,7 @@ def finalize(layer: nn.Module) -> None:
     names = method.part_names()
     if isinstance(method.scheme, FP8Scheme):
         rows = join([_fp8_part(method, i, names[i]) for i in range(method.parts)])
+        rows = FP8Rows(_padded(layer, rows.bytes), _padded(layer, rows.scales))
         _set_weight(layer, rows.bytes, device)
         layer.weight_scales = nn.Parameter(rows.scales.to(device), requires_grad=False)
         layer.quant_tensors = ("weight_scales",)
@@ -221,7 +224,7 @@ def _finalize_int(layer: nn.Module, method: QuantizedWeights, names: list[str], 
         groups, order = _int_part(method, i, names[i]).sorted_by_group()
         quant, packed = groups.gguf_rows(names[i])
         quants.append(quant)
-        rows.append(packed)
+        rows.append(_padded(layer, packed))
         orders.append(order)
     _set_weight(layer, torch.cat([r.reshape(-1) for r in rows]), device)
     units, offset = [], 0
@@ -242,6 +245,14 @@ def _finalize_int(layer: nn.Module, method: QuantizedWeights, names: list[str], 
             tensors.append(name)
         layer.int_units.append((name, parts))
     layer.quant_tensors = tuple(tensors)
+
+
+def _padded(layer: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+    """A vocabulary table's rows (a quantized LM head's: one part) with zero rows after
+    them to the layer's rows (the last rank's padding under TP: zero blocks, zero scales,
+    weights 0 in every packed type); any other layer's as they are."""
+    missing = layer.out_features - rows.shape[0] if isinstance(layer, VocabRows) else 0
+    return torch.cat([rows, rows.new_zeros(missing, *rows.shape[1:])]) if missing > 0 else rows
 
 
 def _same_order(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
