@@ -225,3 +225,21 @@ def test_w8a8_applies_only_where_fp8_tensor_cores_run_it(monkeypatch):
     from llmd.gpu.layers.quant.fp8_scaled_mm import w8a8_enabled
     with pytest.raises(ValueError, match="LLMD_FP8_W8A8 must be 0 or 1, got 'yes'"):
         w8a8_enabled()
+
+
+def test_the_gemv_profile_summary_ranks_a_hatchet_trees_lines_by_samples():
+    """tools/profile_quant_gemv.py (run on a GPU lease) reads proton's hatchet tree: every
+    node's numeric metrics, the most sampled lines first, a node without samples left out."""
+    from llmd_tools.profile_quant_gemv import summarize
+
+    def node(name, metrics, *children):
+        return {"frame": {"name": name}, "metrics": metrics, "children": list(children)}
+
+    tree = [node("ROOT", {}, node("_quant_mm_kernel", {"num_samples": 100},
+                                  node("triton_quant_mm.py:280", {"num_samples": 70, "stall_long_scoreboard": 50}),
+                                  node("triton_quant_mm.py:291", {"num_samples": 25, "stall_barrier": 20}),
+                                  node("triton_quant_mm.py:300", {"num_samples": 0, "name_only": "x"})))]
+    rows = summarize(tree, top=3)
+    assert [r["line"] for r in rows] == ["ROOT / _quant_mm_kernel", "_quant_mm_kernel / triton_quant_mm.py:280",
+                                         "_quant_mm_kernel / triton_quant_mm.py:291"]
+    assert rows[1]["metrics"] == {"num_samples": 70, "stall_long_scoreboard": 50}

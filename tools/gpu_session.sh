@@ -28,13 +28,15 @@
 # the packed MoE models; tests-kernels 109 s; bench-quant 39 s, bench-quant-moe 25 s), a
 # confirming `pytests quant` 142 s; the machine's start ~35 s each.
 # A plan for the next lease (each call ~35 s more to start and copy):
-#   call 1 (~480 s): LATENCY="b1 b32 b256 b32-guided" bash tools/gpu_session.sh sweep quant latency moe async
+#   call 1 (~540 s): LATENCY="b1 b32 b256 b32-guided" bash tools/gpu_session.sh sweep quant latency moe async
 #   call 2 (~300 s): TESTS_LIMIT=240 ROUNDS=1 bash tools/gpu_session.sh tests serve throughput spec guided
 # with PYTEST_ARGS naming only what failed when a rerun must join call 2. New since the
 # third lease, first run on a GPU in that plan: the MoE work list's one Triton launch
 # (tests: test_moe.py's one_launch cases compiled; quant: bench_quant_moe_gpu's align
 # columns, one launch vs torch ops at 8-512 pairs: set moe_align.TRITON_MAX_PAIRS from
-# them) and TP shares of whole blocks (CPU-only tests; no GPU TP check here).
+# them), the GEMV's stalls by PC sampling (quant: gemv-stalls, its hatchet files in
+# $OUT: read them here, then restructure the K loop against what stalls), and TP shares
+# of whole blocks (CPU-only tests; no GPU TP check here).
 #
 # Each step runs under its own time limit (`step NAME SECONDS CMD`), so one that hangs or
 # runs long costs its limit and the later ones still run. Every step's output goes to
@@ -223,6 +225,9 @@ quant() {
     # A MoE layer's packed experts (Qwen3-30B-A3B's shapes, Q4_K_M and Q8_0) through the
     # grouped kernel against the touched experts' bytes, beside the bf16 fused-MoE kernel.
     step bench-quant-moe 60 $PY -m llmd_tools.bench_quant_moe_gpu --tokens 1 4 16 32 64
+    # Why the GEMV stalls (21-26 % of its roofline where its instructions allow ~64 %): the
+    # GPU's PC sampling by source line (proton); the raw tree comes back in $OUT.
+    step gemv-stalls 60 $PY -m llmd_tools.profile_quant_gemv --types Q4_K Q4_0 --calls 300 --out "$OUT"
     # The same defaults as the device's own Triton compiles them (registers, K loop
     # instructions, the offline estimate), beside the times above: does the model that
     # chose the tiles (on this machine's Triton 3.9) hold for the device's compiler?
