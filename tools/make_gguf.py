@@ -89,6 +89,12 @@ GGUF_FIXTURES: dict[str, dict[str, Any]] = {
                              num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=32,
                              num_experts_per_tok=4, moe_intermediate_size=512, norm_topk_prob=True,
                              dtype="bfloat16", types=("Q4_K_M", "Q8_0")),
+    # the same with Qwen3-30B-A3B's expert width, 768: three 256-weight blocks a row of the
+    # down projections, which two ranks cannot split equally (tp.split_share: 512 / 256)
+    "qwen3-moe-32x768": dict(arch="qwen3_moe", preset="small", hidden_size=1024, num_hidden_layers=8,
+                             num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=32,
+                             num_experts_per_tok=4, moe_intermediate_size=768, norm_topk_prob=True,
+                             dtype="bfloat16", types=("Q4_K_M",)),
 }
 CONVERTED_TYPE = "BF16"  # the converter's output, kept when a recipe lists it
 
