@@ -65,6 +65,37 @@ def test_act_and_mul_matches_the_reference(dtype, activation, tokens, inter):
     assert_close(CPU_FUSED.act_and_mul(gate_up, activation), UNFUSED.act_and_mul(gate_up, activation), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,experts,hidden,top_k", [(1, 32, 1024, 4), (37, 128, 200, 8), (3, 60, 77, 1)])
+def test_moe_route_matches_the_reference(dtype, tokens, experts, hidden, top_k):
+    """The router's logits (rounded to the dtype, as F.linear's), softmax, top-k and the
+    rescale in one operator: the reference's weights within float32's rounding of the dot
+    products, the same experts in the same order wherever the reference has no tie (ties:
+    the operator takes the lower expert first; torch.topk's order among equals is its own)."""
+    gen = torch.Generator().manual_seed(tokens * experts)
+    dt = getattr(torch, dtype)
+    gate = torch.nn.Linear(hidden, experts, bias=False).to(dt)
+    torch.nn.init.normal_(gate.weight, std=hidden ** -0.5, generator=gen)
+    gate.kernel, gate.quant = None, None  # as a ReplicatedLinear router cpu_linear left dense
+    x = _randn(gen, tokens, hidden, dtype=dt, scale=2.0)
+    for renormalize in (False, True):
+        weights, ids = CPU_FUSED.route(gate, x, top_k, renormalize)
+        ref_weights, ref_ids = UNFUSED.route(gate, x, top_k, renormalize)
+        assert weights.dtype == torch.float32 and ids.dtype == torch.int64
+        probs = torch.softmax(gate(x).float(), -1).sort(-1, descending=True).values[:, :top_k + 1]
+        close = ((probs[:, :-1] - probs[:, 1:]) <= (1e-5 if dt == torch.float32 else 2e-2) * probs[:, :-1]).any(-1)
+        assert not close.all()
+        for row in torch.nonzero(~close).flatten().tolist():  # a near tie may round either way
+            assert torch.equal(ids[row], ref_ids[row]), (row, ids[row], ref_ids[row])
+            torch.testing.assert_close(weights[row], ref_weights[row], atol=2e-6, rtol=1e-5)
+    with torch.no_grad():  # experts 2 and 1 the same router row, x's first row times 8 / |x|^2: logits 8,
+        gate.weight[1] = gate.weight[2] = (x[0].float() * 8 / x[0].float().square().sum()).to(dt)  # above the rest
+    weights, ids = CPU_FUSED.route(gate, x[:1], top_k, False)
+    assert ids[0, 0] == 1 and (top_k == 1 or (ids[0, 1] == 2 and weights[0, 0] == weights[0, 1]))  # lower first
+    gate.bias = torch.nn.Parameter(torch.zeros(experts, dtype=dt))  # a router the operator does not take
+    torch.testing.assert_close(CPU_FUSED.route(gate, x, top_k, True), UNFUSED.route(gate, x, top_k, True))
+
+
 def _qkv_step(gen: torch.Generator, tokens: int, heads: int, kv_heads: int, head_dim: int, rotary_dim: int,
               dt: torch.dtype):
     """qkv, cos, sin (as rotary.cos_sin gives them), a random cache and scattered slots."""

@@ -40,7 +40,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from llmd.gpu.layers.fused_ops import UNFUSED, LayerOps
+from llmd.gpu.layers.fused_ops import UNFUSED, LayerOps, select_experts  # noqa: F401  (re-exported)
 from llmd.gpu.layers.norms import ACTIVATIONS, act_and_mul
 
 
@@ -49,18 +49,6 @@ class ExpertProducts(NamedTuple):
 
     gate_up: Sequence[Callable[[torch.Tensor], torch.Tensor]]
     down: Sequence[Callable[[torch.Tensor], torch.Tensor]]
-
-
-def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights float32 [tokens, top_k], expert ids int64 [tokens, top_k]): softmax over
-    all experts in float32, the top_k largest, optionally rescaled to sum to 1 (Mixtral
-    always, Qwen-MoE when `norm_topk_prob`), as transformers' routers compute them."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

@@ -79,6 +79,18 @@ def attention_inputs_reference(qkv: torch.Tensor, num_heads: int, num_kv_heads: 
     return q
 
 
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights float32 [tokens, top_k], expert ids int64 [tokens, top_k]): softmax over
+    all experts in float32, the top_k largest, optionally rescaled to sum to 1 (Mixtral
+    always, Qwen-MoE when `norm_topk_prob`), as transformers' routers compute them."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
 class LayerOps:
     """The unfused ops (PyTorch, any device): each method is its fused kernel's reference.
     `attend` takes the layer's DecoderAttention (its head sizes, q/k norms and backend
@@ -97,6 +109,12 @@ class LayerOps:
     def act_and_mul(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
         """act(gate) * up of a fused [gate | up] projection; `activation` an ACTIVATIONS name."""
         return act_and_mul(gate_up, ACTIVATIONS[activation])
+
+    def route(self, gate: Any, x: torch.Tensor, top_k: int, renormalize: bool
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A MoE layer's routing of x [T, N] by its router `gate`: fused_moe.select_experts
+        of its logits (weights float32, expert ids int64, [T, top_k])."""
+        return select_experts(gate(x), top_k, renormalize)
 
     def attend(self, attn: Any, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                kv_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:

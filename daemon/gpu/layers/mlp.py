@@ -48,7 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from llmd.gpu.layers.fused_moe import ExpertProducts, fused_experts, moe_reference, select_experts
+from llmd.gpu.layers.fused_moe import ExpertProducts, fused_experts, moe_reference
 from llmd.gpu.layers.fused_ops import UNFUSED, LayerOps
 from llmd.gpu.layers.gguf_quant import GGUFMatmul, PackedPart, packed_parts, row_bytes
 from llmd.gpu.layers.linear import (MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear, Shard,
@@ -336,7 +336,7 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate.plain_matmul = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        weights, ids = self.ops.route(self.gate, x, self.top_k, self.renormalize)
         experts = self.experts
         if experts.packed_types:
             if experts.products is None and experts.fused is None:

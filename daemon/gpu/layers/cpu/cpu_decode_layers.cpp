@@ -21,8 +21,10 @@
 //   mlp(h) = act(gate) * up of h W_gate_up^T (+ b), times W_down^T (+ b)
 //   or a mixture of experts (mlp.SparseMoeBlock with packed experts, fused_moe.moe_reference's
 //   ops for one row): probs = softmax(router(h)) in float32, the top_k (renormalised or
-//   not); each chosen expert's mlp(h), in the top-k order, cast to h's dtype and scaled
-//   by its weight, summed over the k; Qwen2-MoE adds sigmoid(shared_gate(h)) * shared mlp(h).
+//   not; a dense router's through cpu_fused_ops.cpp's moe_route, as the Python layers'
+//   CpuFusedLayerOps.route); each chosen expert's mlp(h), in the top-k order, cast to h's
+//   dtype and scaled by its weight, summed over the k; Qwen2-MoE adds
+//   sigmoid(shared_gate(h)) * shared mlp(h).
 //   A router or shared gate is an x16 projection or a dense weight (at::linear, as
 //   F.linear: cpu_linear leaves such layers unpacked).
 // forward returns (hidden, residual) after the last layer; the final norm is the model's.
@@ -76,6 +78,7 @@ using QkRopeCache = void(at::Tensor&, int64_t, int64_t, const at::Tensor&, const
                          double, bool, double, double);
 using PagedDecode = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
                                double, int64_t, double, double);
+using MoeRoute = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, int64_t, bool);
 // The cache these layers write and read holds floats (DecodeLayers.takes declines a
 // quantized one): the K/V scales of the two operators stay 1.
 constexpr double kUnitScale = 1.0;
@@ -94,6 +97,7 @@ struct Ops {
   c10::TypedOperatorHandle<ActAndMul> act_and_mul = find_op<ActAndMul>("llmd_cpu::act_and_mul");
   c10::TypedOperatorHandle<QkRopeCache> qk_rope_cache = find_op<QkRopeCache>("llmd_cpu::qk_rope_cache_");
   c10::TypedOperatorHandle<PagedDecode> paged_decode = find_op<PagedDecode>("llmd_cpu::paged_decode");
+  c10::TypedOperatorHandle<MoeRoute> moe_route = find_op<MoeRoute>("llmd_cpu::moe_route");
 
   static const Ops& get() {
     static const Ops ops;
@@ -341,8 +345,14 @@ class DecoderLayers : public torch::CustomClassHolder {
   // mlp.SparseMoeBlock compute them for it.
   static at::Tensor moe(const Ops& ops, const Layer& l, const at::Tensor& h) {
     const Moe& m = l.moe;
-    auto [weights, ids] = at::topk(at::softmax(m.router(ops, h), -1, at::kFloat), m.top_k, -1);
-    if (m.renormalize) weights = at::div(weights, at::sum(weights, {-1}, true));
+    at::Tensor weights, ids;
+    if (m.router.dense && !m.router.packed.bias && m.router.dense->scalar_type() == h.scalar_type()) {
+      // as CpuFusedLayerOps.route: one operator
+      std::tie(weights, ids) = ops.moe_route.call(h, *m.router.dense, m.top_k, m.renormalize);
+    } else {
+      std::tie(weights, ids) = at::topk(at::softmax(m.router(ops, h), -1, at::kFloat), m.top_k, -1);
+      if (m.renormalize) weights = at::div(weights, at::sum(weights, {-1}, true));
+    }
     const int64_t n = h.size(1), experts = static_cast<int64_t>(m.gate_up.size());
     const at::Tensor chosen = ids.contiguous();
     const int64_t* id = chosen.data_ptr<int64_t>();

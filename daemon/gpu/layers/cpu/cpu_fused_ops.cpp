@@ -23,6 +23,11 @@
 //   at the token's slot (a negative slot is skipped). A quantized cache (uint8 holding
 //   float8 e4m3fn bytes, or int8: kv_quant.py) stores k * k_inv_scale and v * v_inv_scale
 //   (float32 products) rounded to its format, as kv_quant.quantize does.
+// moe_route(x [T, N], router [E, N], top_k, renormalize) -> (weights float32 [T, top_k],
+//   ids int64 [T, top_k]): fused_moe.select_experts(F.linear(x, router)) — the logits in
+//   float32 rounded to x's dtype (F.linear's output), softmax over the E in float32, the
+//   top_k largest (ties: the lower expert first), rescaled to sum to 1 if renormalize. A
+//   MoE layer's router at decode was six torch operators (docs/benchmarks.md).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -40,6 +45,7 @@
 #include <algorithm>
 
 #include <cmath>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -356,10 +362,84 @@ void qk_rope_cache_(at::Tensor& qkv, int64_t heads, int64_t kv_heads, const at::
   });
 }
 
+inline float dot_row(const float* a, const float* b, int64_t n) {
+  fVec acc(0.f);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) acc = at::vec::fmadd(fVec::loadu(a + i), fVec::loadu(b + i), acc);
+  float dot = llmd_cpu_vec::lane_sum(acc);
+  for (; i < n; ++i) dot += a[i] * b[i];
+  return dot;
+}
+
+// One row's probabilities p [E] (its logits, in float32, as they come in) -> its top_k.
+template <typename T>
+void route_row(float* p, int64_t experts, int64_t top_k, bool renormalize, std::vector<T>& tmp,
+               std::vector<int64_t>& order, float* weights, int64_t* ids) {
+  round_row<T>(p, experts, tmp);  // F.linear's logits are x's dtype
+  const float top = *std::max_element(p, p + experts);
+  float sum = 0.f;
+  for (int64_t e = 0; e < experts; ++e) sum += (p[e] = std::exp(p[e] - top));
+  for (int64_t e = 0; e < experts; ++e) p[e] /= sum;
+  order.resize(experts);
+  for (int64_t e = 0; e < experts; ++e) order[e] = e;
+  std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
+                    [&](int64_t a, int64_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+  float kept = 0.f;
+  for (int64_t j = 0; j < top_k; ++j) kept += p[order[j]];
+  for (int64_t j = 0; j < top_k; ++j) {
+    ids[j] = order[j];
+    weights[j] = renormalize ? p[order[j]] / kept : p[order[j]];
+  }
+}
+
+template <typename T>
+void route_rows(const at::Tensor& x, const at::Tensor& router, int64_t top_k, bool renormalize, float* weights,
+                int64_t* ids) {
+  const int64_t rows = x.size(0), n = x.size(1), experts = router.size(0);
+  const T* xp = x.const_data_ptr<T>();
+  const T* rp = router.const_data_ptr<T>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    const int64_t m = end - begin;
+    std::vector<float> xf(m * n), wrow(kFloat<T> ? 0 : n), p(m * experts);
+    std::vector<T> tmp;
+    std::vector<int64_t> order;
+    for (int64_t r = 0; r < m; ++r) llmd_cpu_vec::widen<T>(xp + (begin + r) * n, &xf[r * n], n);
+    for (int64_t e = 0; e < experts; ++e) {  // an expert's row widened once for the chunk's rows
+      const float* w;
+      if constexpr (kFloat<T>) {
+        w = rp + e * n;
+      } else {
+        llmd_cpu_vec::widen<T>(rp + e * n, wrow.data(), n);
+        w = wrow.data();
+      }
+      for (int64_t r = 0; r < m; ++r) p[r * experts + e] = dot_row(&xf[r * n], w, n);
+    }
+    for (int64_t r = 0; r < m; ++r)
+      route_row<T>(&p[r * experts], experts, top_k, renormalize, tmp, order, weights + (begin + r) * top_k,
+                   ids + (begin + r) * top_k);
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x, const at::Tensor& router, int64_t top_k,
+                                             bool renormalize) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && router.dim() == 2 && router.is_contiguous() &&
+                  router.size(1) == x.size(1),
+              "moe_route: contiguous x [T, N] and router [E, N] expected");
+  TORCH_CHECK(x.scalar_type() == router.scalar_type(), "moe_route: x and router differ in dtype");
+  TORCH_CHECK(top_k >= 1 && top_k <= router.size(0), "moe_route: top_k in 1..", router.size(0), " expected");
+  at::Tensor weights = at::empty({x.size(0), top_k}, x.options().dtype(at::kFloat));
+  at::Tensor ids = at::empty({x.size(0), top_k}, x.options().dtype(at::kLong));
+  dispatch_float_types(x.scalar_type(), "moe_route", [&](auto t) {
+    route_rows<decltype(t)>(x, router, top_k, renormalize, weights.data_ptr<float>(), ids.data_ptr<int64_t>());
+  });
+  return {weights, ids};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llmd_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps, bool gemma) -> Tensor");
+  m.def("moe_route(Tensor x, Tensor router, int top_k, bool renormalize) -> (Tensor, Tensor)");
   m.def("add_rms_norm_(Tensor(a!) x, Tensor residual, Tensor w, float eps, bool gemma) -> Tensor");
   m.def("act_and_mul(Tensor gate_up, int act) -> Tensor");
   m.def("qk_rope_cache_(Tensor(a!) qkv, int heads, int kv_heads, Tensor cos, Tensor sin, Tensor(b!) kv_cache, "
@@ -372,4 +452,5 @@ TORCH_LIBRARY_IMPL(llmd_cpu, CPU, m) {
   m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("act_and_mul", &act_and_mul);
   m.impl("qk_rope_cache_", &qk_rope_cache_);
+  m.impl("moe_route", &moe_route);
 }

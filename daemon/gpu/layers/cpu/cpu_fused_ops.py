@@ -4,7 +4,8 @@
 On CPU the unfused ops cost more in per-operator overhead than in arithmetic at decode
 sizes: an RMSNorm is six torch operators, rotary six per q and k, the K/V write two, ~30
 a layer at 5-15 us each. Fused, a layer runs four: residual add + RMSNorm (twice),
-q/k norm + rotary + K/V write, act(gate) * up. Figures in docs/benchmarks.md ("CPU
+q/k norm + rotary + K/V write, act(gate) * up; a MoE layer's routing one more (its
+router's logits, softmax, top-k and rescale). Figures in docs/benchmarks.md ("CPU
 model step").
 
 Each op computes its LayerOps reference, rounded where the reference rounds (in bfloat16
@@ -68,6 +69,15 @@ class CpuFusedLayerOps(LayerOps):
         if code is None or not gate_up.is_contiguous() or gate_up.dim() != 2:
             return UNFUSED.act_and_mul(gate_up, activation)
         return self.kernels.act_and_mul(gate_up, code)
+
+    def route(self, gate: Any, x: torch.Tensor, top_k: int, renormalize: bool
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A dense router without a bias (llama.cpp keeps routers float; cpu_linear leaves
+        them unpacked) in one operator; any other through the reference."""
+        if not (gate.kernel is None and gate.quant is None and gate.bias is None and x.dim() == 2
+                and x.is_contiguous() and x.dtype == gate.weight.dtype):
+            return UNFUSED.route(gate, x, top_k, renormalize)
+        return self.kernels.moe_route(x, gate.weight, top_k, renormalize)
 
     def attend(self, attn: Any, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                kv_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
