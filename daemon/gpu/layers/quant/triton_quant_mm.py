@@ -14,8 +14,8 @@ range of K tiles:
   dequantized model's weight is) into `tl.dot` on the tensor cores, fp32 accumulate
   (x padded to BM = 16 rows: the tensor cores' work is free beside the weight's bytes);
 - both with split-K: the K tiles spread over enough programs to fill the GPU (N / BN
-  programs alone leave most SMs idle), their fp32 partial sums added by one torch sum
-  after (deterministic, no atomics).
+  programs alone leave most SMs idle), their fp32 partial sums added after in one launch
+  (split_sum: deterministic, no atomics).
 
 On an H200 (2026-11-30) the first form of the GEMV (x broadcast against the tile, padded
 to two rows, a [BM, BN, H] product reduced every tile) ran at 2-8 % of its roofline and
@@ -51,11 +51,11 @@ import triton.language as tl
 from llmd.gpu.layers.gguf_formats import IQ4_NL_VALUES
 from llmd.gpu.layers.gguf_quant import FORMATS
 from llmd.gpu.layers.quant.quant_tiles import Tiles, sm_count, split_count, tiles_for
+from llmd.gpu.layers.quant.split_sum import sum_splits
 
 FP8_CODE = 100  # the kernel's code for FP8 e4m3 rows (GGUF types: gguf_formats.FORMATS' codes)
-# Whether the kernel runs in Triton's interpreter (decided when triton was imported). The
-# interpreter holds bf16 as uint16 bits and its tl.dot multiplies those
-# (triton-lang/triton#11584), so there a bf16 tile is widened to fp32 before the dot.
+# Whether the kernel runs in Triton's interpreter (decided when triton was imported): it holds bf16
+# as uint16 bits and its tl.dot multiplies those (triton-lang/triton#11584), so a bf16 tile is widened.
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 
 # The type codes as the kernels compare them (a jit function reads only constexpr globals).
@@ -348,7 +348,7 @@ def quant_matmul(x: torch.Tensor, weight: QuantWeight, split_k: int | None = Non
     grid, args, meta, target = kernel_launch(x, weight, out, split_k, tiles, sm_count(x.device))
     _quant_mm_kernel[grid](*args, **meta)
     if target is not out:
-        out.copy_(target.sum(0))
+        sum_splits(target, out)
     return out
 
 

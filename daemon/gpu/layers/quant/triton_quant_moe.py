@@ -17,8 +17,8 @@ pairs by expert, each expert's run padded to the tile's BM rows, and a program c
 a BM x BN tile of one row block (one expert) over a range of K tiles. While the experts
 see about one row each (decode: pairs <= experts) the tile is the dense kernel's GEMV
 with BM 1 — each pair its own program, no padding — else a tl.dot tile (BM 16, 32, 64 by
-the rows an expert sees). Split-K as the dense kernel: fp32 partial sums added by one
-torch sum. The grid is sized for the worst case of the batch's pairs, and nothing is
+the rows an expert sees). Split-K as the dense kernel: fp32 partial sums added in one
+launch (split_sum). The grid is sized for the worst case of the batch's pairs, and nothing is
 read back to the host, so the layer can be captured in a CUDA graph.
 """
 from __future__ import annotations
@@ -35,6 +35,7 @@ from llmd.gpu.layers.gguf_quant import PackedPart, part_weight
 from llmd.gpu.layers.moe_align import moe_align_block_size
 from llmd.gpu.layers.quant.gguf_planes import plane_views, to_planes
 from llmd.gpu.layers.quant.quant_tiles import Tiles, sm_count, tiles_for
+from llmd.gpu.layers.quant.split_sum import sum_splits
 from llmd.gpu.layers.quant.triton_quant_mm import (QuantWeight, _k_tiles, _store_tile, kernel_meta, split_plan,
                                                     weight_planes)
 
@@ -143,7 +144,7 @@ def experts_matmul(x: torch.Tensor, weight: ExpertsWeight, out: torch.Tensor,
                                               sm_count(x.device))
     _quant_moe_kernel[grid](*args, **meta)
     if target is not out:
-        out.copy_(target.sum(0))
+        sum_splits(target, out)
 
 
 def experts_launch(x: torch.Tensor, weight: ExpertsWeight, out: torch.Tensor,
