@@ -1,0 +1,126 @@
+"""How the packed-weight kernels (triton_quant_mm, triton_quant_moe) read each type's
+values and scales: the type codes they compare (constexpr globals), a value's float
+without a conversion instruction (_as_float), FP8 e4m3 and IQ4_NL's table by arithmetic,
+a 4-/2-bit value's high bits (_with_high_bits), a group's scale and offset
+(_group_scales) — gguf_quant.dequantize's operands, read from the planes
+(quant/gguf_planes.py)."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from llmd.gpu.layers.gguf_formats import IQ4_NL_VALUES
+from llmd.gpu.layers.gguf_quant import FORMATS
+
+FP8_CODE = 100  # the kernel's code for FP8 e4m3 rows (GGUF types: gguf_formats.FORMATS' codes)
+
+# The type codes as the kernels compare them (a jit function reads only constexpr globals).
+_Q8_0, _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q2_K, _Q3_K, _Q4_K, _Q5_K, _Q6_K, _IQ4_NL = (
+    tl.constexpr(FORMATS[q].code)
+    for q in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL"))
+_FP8 = tl.constexpr(FP8_CODE)
+# IQ4_NL's 16 int8 values four to a little-endian int32 word (_iq4_nl reads them).
+_IQ4_W0, _IQ4_W1, _IQ4_W2, _IQ4_W3 = (
+    tl.constexpr(int.from_bytes(IQ4_NL_VALUES[i:i + 4].tobytes(), "little", signed=True)) for i in range(0, 16, 4))
+
+
+@triton.jit
+def _as_float(q):
+    """float32 of int32 q in [-2^22, 2^22) with no conversion instruction (Hopper runs
+    those at 16 a clock per SM, an eighth of an add's rate: at two a packed byte they
+    alone would hold a 4-bit GEMV to ~2 TB/s): q added to the bits of 1.5 * 2^23, read as
+    a float, less 1.5 * 2^23 — exact."""
+    return (q + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+
+
+@triton.jit
+def _e4m3(b):
+    """float32 of e4m3 bytes (int32 0..255): sign, 4 exponent bits biased by 7, 3
+    mantissa bits; subnormal below exponent 1; 0x7F and 0xFF NaN."""
+    e = (b >> 3) & 0xF
+    mantissa = b & 7
+    normal = (((b & 0x80) << 24) | ((e + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+    sub = _as_float(mantissa) * 0.001953125  # mantissa / 8 * 2^-6
+    sub = tl.where((b & 0x80) != 0, -sub, sub)
+    nan = (b * 0 + 0x7FC00000).to(tl.float32, bitcast=True)
+    return tl.where((b & 0x7F) == 0x7F, nan, tl.where(e == 0, sub, normal))
+
+
+@triton.jit
+def _iq4_nl(q):
+    """IQ4_NL's table values (gguf_formats.IQ4_NL_VALUES) at indices q (int32 0..15): the
+    word of four values q's high two bits pick, its byte q's low two bits pick, shifted
+    to the top and back (sign-extended). Arithmetic, not a load: no table to keep on
+    the device, and the same in the interpreter."""
+    word = tl.where(q < 8, tl.where(q < 4, _IQ4_W0, _IQ4_W1), tl.where(q < 12, _IQ4_W2, _IQ4_W3))
+    return (word << (24 - 8 * (q & 3))) >> 24
+
+
+@triton.jit
+def _with_high_bits(q, k, rn, nmask, kmask, QH, stride_qh, QUANT: tl.constexpr):
+    """4-bit values q [BN, H] of columns k [H] with their high bits (Q5_x: one, Q6_K: two)."""
+    mask = nmask[:, None] & kmask[None, :]
+    row = QH + rn[:, None] * stride_qh
+    if QUANT == _Q5_0 or QUANT == _Q5_1:  # a little-endian bit field per row: bit k % 8 of byte k / 8
+        h = tl.load(row + (k // 8)[None, :], mask=mask, other=0).to(tl.int32)
+        q = q | (((h >> (k % 8)[None, :]) & 1) << 4)
+    elif QUANT == _Q5_K or QUANT == _Q3_K:  # per 256: bit (k % 256) / 32 of byte k % 32, over 4 or 2 bits
+        h = tl.load(row + ((k // 256) * 32 + k % 32)[None, :], mask=mask, other=0).to(tl.int32)
+        q = q | (((h >> ((k % 256) // 32)[None, :]) & 1) << (4 if QUANT == _Q5_K else 2))
+    elif QUANT == _Q6_K:  # per 256: bits 2 ((k % 128) / 32) of byte 32 ((k % 256) / 128) + k % 32
+        h = tl.load(row + ((k // 256) * 64 + ((k % 256) // 128) * 32 + k % 32)[None, :], mask=mask,
+                    other=0).to(tl.int32)
+        q = q | (((h >> (2 * ((k % 128) // 32)))[None, :] & 3) << 4)
+    return q
+
+
+@triton.jit
+def _group_scales(kg, rn, nmask, gmask, SC, D, MN, stride_sc, stride_d, stride_m, fp8_group,
+                  QUANT: tl.constexpr):
+    """(scale, offset) fp32 [BN, NG] of the groups starting at columns kg [NG] (in K
+    where gmask)."""
+    mask = nmask[:, None] & gmask[None, :]
+    rows_d = D + rn[:, None] * stride_d
+    offset = tl.zeros(mask.shape, tl.float32)
+    if QUANT == _FP8:
+        scale = tl.load(rows_d + (kg.to(tl.int32) // fp8_group)[None, :], mask=mask, other=0.0)
+    elif QUANT == _Q4_K or QUANT == _Q5_K:
+        s = kg // 256
+        j = (kg % 256) // 32  # the sub-block: 6-bit scale and min packed in 12 bytes (gguf_quant._scale_min_k4)
+        d = tl.load(rows_d + s[None, :], mask=mask, other=0.0).to(tl.float32)
+        dmin = tl.load(MN + rn[:, None] * stride_m + s[None, :], mask=mask, other=0.0).to(tl.float32)
+        packed = SC + rn[:, None] * stride_sc + (s * 12)[None, :]
+        low = j < 4
+        b0 = tl.load(packed + tl.where(low, j, j - 4)[None, :], mask=mask, other=0).to(tl.int32)
+        b1 = tl.load(packed + tl.where(low, j + 4, j)[None, :], mask=mask, other=0).to(tl.int32)
+        b2 = tl.load(packed + tl.where(low, j, j + 4)[None, :], mask=mask, other=0).to(tl.int32)
+        sc = tl.where(low[None, :], b0 & 63, (b2 & 0xF) | ((b0 >> 6) << 4))
+        mn = tl.where(low[None, :], b1 & 63, (b2 >> 4) | ((b1 >> 6) << 4))
+        scale = d * _as_float(sc)
+        offset = -(dmin * _as_float(mn))
+    elif QUANT == _Q2_K:  # per 16: the scale in a byte's low nibble, the min in its high one
+        s = kg // 256
+        d = tl.load(rows_d + s[None, :], mask=mask, other=0.0).to(tl.float32)
+        dmin = tl.load(MN + rn[:, None] * stride_m + s[None, :], mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(SC + rn[:, None] * stride_sc + (kg // 16)[None, :], mask=mask, other=0).to(tl.int32)
+        scale = d * _as_float(b & 0xF)
+        offset = -(dmin * _as_float(b >> 4))
+    elif QUANT == _Q3_K:  # per 16, 6 bits: the low four in byte i % 8 (nibble i / 8), the high two in
+        # byte 8 + i % 4 (bits 2 (i / 4)); less 32
+        s = kg // 256
+        i = (kg % 256) // 16
+        d = tl.load(rows_d + s[None, :], mask=mask, other=0.0).to(tl.float32)
+        packed = SC + rn[:, None] * stride_sc + (s * 12)[None, :]
+        low = tl.load(packed + (i % 8)[None, :], mask=mask, other=0).to(tl.int32)
+        high = tl.load(packed + (8 + i % 4)[None, :], mask=mask, other=0).to(tl.int32)
+        sc = ((low >> (4 * (i // 8))[None, :]) & 0xF) | (((high >> (2 * (i // 4))[None, :]) & 3) << 4)
+        scale = d * _as_float(sc - 32)
+    elif QUANT == _Q6_K:
+        d = tl.load(rows_d + (kg // 256)[None, :], mask=mask, other=0.0).to(tl.float32)
+        sc = tl.load(SC + rn[:, None] * stride_sc + (kg // 16)[None, :], mask=mask, other=0)
+        scale = d * _as_float(sc.to(tl.int32))
+    else:  # 32-weight blocks
+        scale = tl.load(rows_d + (kg // 32)[None, :], mask=mask, other=0.0).to(tl.float32)
+        if QUANT == _Q4_1 or QUANT == _Q5_1:
+            offset = tl.load(MN + rn[:, None] * stride_m + (kg // 32)[None, :], mask=mask, other=0.0).to(tl.float32)
+    return scale, offset
