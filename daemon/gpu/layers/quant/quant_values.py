@@ -1,7 +1,8 @@
 """How the packed-weight kernels (triton_quant_mm, triton_quant_moe) read each type's
 values and scales: the type codes they compare (constexpr globals), a value's float
 without a conversion instruction (_as_float), FP8 e4m3 and IQ4_NL's table by arithmetic,
-a 4-/2-bit value's high bits (_with_high_bits), a group's scale and offset
+a 4-/2-bit value's high bits (_tile_high_bits and _stream_high_bits; _with_high_bits
+for Q6_K), a group's scale and offset
 (_group_scales) — gguf_quant.dequantize's operands, read from the planes
 (quant/gguf_planes.py)."""
 from __future__ import annotations
@@ -72,6 +73,52 @@ def _with_high_bits(q, k, rn, nmask, kmask, QH, stride_qh, QUANT: tl.constexpr):
                     other=0).to(tl.int32)
         q = q | (((h >> (2 * ((k % 128) // 32)))[None, :] & 3) << 4)
     return q
+
+
+@triton.jit
+def _tile_high_bits(QH, rn, nmask, k0, K, stride_qh, QUANT: tl.constexpr, STREAMS: tl.constexpr,
+                    PAIR: tl.constexpr, BK: tl.constexpr, H: tl.constexpr):
+    """A tile's high bits of the types that keep one a value in a plane of its own (0
+    for the others), loaded once for all its streams as whole words and bytes — each
+    stream's bits are then shifts (_stream_high_bits). Gathered byte by byte per value
+    (_with_high_bits' way, which Q6_K keeps: its loads stream through shared memory) they
+    were synchronous global loads inside the K loop, 19 a tile for Q3_K and 24 for Q5_K
+    in the sm_90 code, and Q3_K's GEMV ran at 3 % of its roofline on an H200.
+    Q5_0 / Q5_1: [BN, BK / 32] int32, each 32-column block's bits as a little-endian word
+    (bit t: column 32 b + t). Q3_K / Q5_K: [BN, H / 32, 32], for each run of 32 bytes of
+    the tile its super-block's 32 hmask bytes (bit (c % 256) / 32 of byte c % 32)."""
+    if QUANT == _Q5_0 or QUANT == _Q5_1:
+        g = tl.arange(0, BK // 32)
+        words = (QH + rn[:, None] * stride_qh + (k0 // 8 + 4 * g)[None, :]).to(tl.pointer_type(tl.int32))
+        return tl.load(words, mask=nmask[:, None] & ((k0 + 32 * g) < K)[None, :], other=0)
+    elif QUANT == _Q3_K or QUANT == _Q5_K:
+        a = tl.arange(0, H // 32)
+        i = tl.arange(0, 32)
+        start = k0 + a * (STREAMS * PAIR)  # the first column of run a's bytes
+        row = QH + rn[:, None, None] * stride_qh
+        mask = nmask[:, None, None] & (start < K)[None, :, None] & (i < 32)[None, None, :]
+        return tl.load(row + ((start // 256) * 32)[None, :, None] + i[None, None, :], mask=mask,
+                       other=0).to(tl.int32)
+    else:
+        return 0
+
+
+@triton.jit
+def _stream_high_bits(q, bits, s: tl.constexpr, k0, QUANT: tl.constexpr, STREAMS: tl.constexpr,
+                      PAIR: tl.constexpr, BN: tl.constexpr, H: tl.constexpr):
+    """Stream s's values q [BN, H] of a tile with their high bit from the tile's `bits`
+    (_tile_high_bits). Q5_0 / Q5_1: byte j holds column 32 (j / 16) + j % 16 + 16 s, bit
+    j % 16 + 16 s of block j / 16's word; Q3_K / Q5_K: byte j = 32 a + i holds column
+    k0 + a STREAMS PAIR + 32 s + i, bit ((k0 + a STREAMS PAIR) % 256) / 32 + s of byte i."""
+    if QUANT == _Q5_0 or QUANT == _Q5_1:
+        t = tl.arange(0, 16) + 16 * s
+        high = (bits[:, :, None] >> t[None, None, :]) & 1
+        return q | (tl.reshape(high, [BN, H]) << 4)
+    else:
+        a = tl.arange(0, H // 32)
+        shift = (((k0 + a * (STREAMS * PAIR)) % 256) // 32 + s).to(tl.int32)
+        high = (bits >> shift[None, :, None]) & 1
+        return q | (tl.reshape(high, [BN, H]) << (4 if QUANT == _Q5_K else 2))
 
 
 @triton.jit

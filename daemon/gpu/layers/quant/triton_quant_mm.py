@@ -50,7 +50,7 @@ import triton.language as tl
 
 from llmd.gpu.layers.quant.quant_values import (_FP8, _IQ4_NL, _Q2_K, _Q3_K, _Q4_0, _Q4_1, _Q4_K, _Q5_0, _Q5_1, _Q5_K,
                                                 _Q6_K, _Q8_0, FP8_CODE, _as_float, _e4m3, _group_scales, _iq4_nl,
-                                                _with_high_bits)
+                                                _stream_high_bits, _tile_high_bits, _with_high_bits)
 from llmd.gpu.layers.quant.quant_tiles import Tiles, sm_count, split_count, tiles_for
 from llmd.gpu.layers.quant.split_sum import sum_splits
 
@@ -169,6 +169,7 @@ def _k_tiles(acc, X, x_rows, mmask, QS, QH, SC, D, MN, rn, nmask, K, first, last
         gmask = tl.full([H // GP], True, tl.int1) if EVEN_K else kg < K
         raw = tl.load(QS + rn[:, None] * stride_qs + byte[None, :], mask=nmask[:, None] & kmask[None, :],
                       other=0).to(tl.int32)
+        bits = _tile_high_bits(QH, rn, nmask, k0, K, stride_qh, QUANT, STREAMS, PAIR, BK, H)
         for s in tl.static_range(STREAMS):
             q = raw
             if STREAMS > 1:
@@ -176,7 +177,10 @@ def _k_tiles(acc, X, x_rows, mmask, QS, QH, SC, D, MN, rn, nmask, K, first, last
                 if s < STREAMS - 1:  # the last stream's bits are the byte's top: nothing above them
                     q = q & ((1 << (8 // STREAMS)) - 1)
             k = klo + s * PAIR
-            q = _with_high_bits(q, k, rn, nmask, kmask, QH, stride_qh, QUANT)
+            if QUANT == _Q5_0 or QUANT == _Q5_1 or QUANT == _Q3_K or QUANT == _Q5_K:
+                q = _stream_high_bits(q, bits, s, k0, QUANT, STREAMS, PAIR, BN, H)
+            else:
+                q = _with_high_bits(q, k, rn, nmask, kmask, QH, stride_qh, QUANT)
             w = _dequantized(q, kg + s * PAIR, rn, nmask, gmask, SC, D, MN, stride_sc, stride_d, stride_m,
                              fp8_group, QUANT, ZERO, BN, H, GP)
             kx = tl.load(ORDER + k, mask=kmask, other=0) if ORDERED else k
