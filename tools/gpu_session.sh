@@ -220,7 +220,7 @@ moe() {
 quant() {
     # Packed weights on CUDA (issue 27; their tests are in the tests phase): W4A16 / FP8
     # decode matmuls as a fraction of the packed bytes' roofline beside bf16 dense.
-    step bench-quant 90 $PY -m llmd_tools.bench_quant_gpu --types Q4_0 Q3_K Q4_K Q6_K Q8_0 IQ4_NL FP8 --rows 1 16 \
+    step bench-quant 100 $PY -m llmd_tools.bench_quant_gpu --types Q4_0 Q5_0 Q3_K Q4_K Q5_K Q6_K Q8_0 IQ4_NL FP8 --rows 1 16 \
         --shapes 4096x4096 14336x4096
     # A MoE layer's packed experts (Qwen3-30B-A3B's shapes, Q4_K_M and Q8_0) through the
     # grouped kernel against the touched experts' bytes, beside the bf16 fused-MoE kernel.
