@@ -1,10 +1,9 @@
 """How the packed-weight kernels (triton_quant_mm, triton_quant_moe) read each type's
 values and scales: the type codes they compare (constexpr globals), a value's float
 without a conversion instruction (_as_float), FP8 e4m3 and IQ4_NL's table by arithmetic,
-a 4-/2-bit value's high bits (_tile_high_bits and _stream_high_bits; _with_high_bits
-for Q6_K), a group's scale and offset
-(_group_scales) — gguf_quant.dequantize's operands, read from the planes
-(quant/gguf_planes.py)."""
+a 4-/2-bit value's high bits (_tile_high_bits and _stream_high_bits; Q6_K's two:
+_with_high_bits), a group's scale and offset (_group_scales) — gguf_quant.dequantize's
+operands, read from the planes (quant/gguf_planes.py)."""
 from __future__ import annotations
 
 import triton
@@ -59,18 +58,12 @@ def _iq4_nl(q):
 
 @triton.jit
 def _with_high_bits(q, k, rn, nmask, kmask, QH, stride_qh, QUANT: tl.constexpr):
-    """4-bit values q [BN, H] of columns k [H] with their high bits (Q5_x: one, Q6_K: two)."""
-    mask = nmask[:, None] & kmask[None, :]
-    row = QH + rn[:, None] * stride_qh
-    if QUANT == _Q5_0 or QUANT == _Q5_1:  # a little-endian bit field per row: bit k % 8 of byte k / 8
-        h = tl.load(row + (k // 8)[None, :], mask=mask, other=0).to(tl.int32)
-        q = q | (((h >> (k % 8)[None, :]) & 1) << 4)
-    elif QUANT == _Q5_K or QUANT == _Q3_K:  # per 256: bit (k % 256) / 32 of byte k % 32, over 4 or 2 bits
-        h = tl.load(row + ((k // 256) * 32 + k % 32)[None, :], mask=mask, other=0).to(tl.int32)
-        q = q | (((h >> ((k % 256) // 32)[None, :]) & 1) << (4 if QUANT == _Q5_K else 2))
-    elif QUANT == _Q6_K:  # per 256: bits 2 ((k % 128) / 32) of byte 32 ((k % 256) / 128) + k % 32
-        h = tl.load(row + ((k // 256) * 64 + ((k % 256) // 128) * 32 + k % 32)[None, :], mask=mask,
-                    other=0).to(tl.int32)
+    """Q6_K's 4-bit values q [BN, H] of columns k [H] with their two high bits, read per
+    value (these loads stream through shared memory in the sm_90 code; the one-bit types'
+    come a tile at a time: _tile_high_bits); q as it is for the types without."""
+    if QUANT == _Q6_K:  # per 256: bits 2 ((k % 128) / 32) of byte 32 ((k % 256) / 128) + k % 32
+        h = tl.load(QH + rn[:, None] * stride_qh + ((k // 256) * 64 + ((k % 256) // 128) * 32 + k % 32)[None, :],
+                    mask=nmask[:, None] & kmask[None, :], other=0).to(tl.int32)
         q = q | (((h >> (2 * ((k % 128) // 32)))[None, :] & 3) << 4)
     return q
 

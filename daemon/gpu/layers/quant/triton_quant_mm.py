@@ -179,7 +179,7 @@ def _k_tiles(acc, X, x_rows, mmask, QS, QH, SC, D, MN, rn, nmask, K, first, last
             k = klo + s * PAIR
             if QUANT == _Q5_0 or QUANT == _Q5_1 or QUANT == _Q3_K or QUANT == _Q5_K:
                 q = _stream_high_bits(q, bits, s, k0, QUANT, STREAMS, PAIR, BN, H)
-            else:
+            else:  # Q6_K's two high bits (nothing for the types without)
                 q = _with_high_bits(q, k, rn, nmask, kmask, QH, stride_qh, QUANT)
             w = _dequantized(q, kg + s * PAIR, rn, nmask, gmask, SC, D, MN, stride_sc, stride_d, stride_m,
                              fp8_group, QUANT, ZERO, BN, H, GP)
