@@ -92,6 +92,11 @@ def test_moe_route_matches_the_reference(dtype, tokens, experts, hidden, top_k):
         gate.weight[1] = gate.weight[2] = (x[0].float() * 8 / x[0].float().square().sum()).to(dt)  # above the rest
     weights, ids = CPU_FUSED.route(gate, x[:1], top_k, False)
     assert ids[0, 0] == 1 and (top_k == 1 or (ids[0, 1] == 2 and weights[0, 0] == weights[0, 1]))  # lower first
+    broken = x.clone()
+    broken[0, 0] = float("nan")  # a broken row: NaN weights, still top_k distinct experts (a strict order)
+    weights, ids = CPU_FUSED.route(gate, broken, top_k, True)
+    assert weights[0].isnan().all() and len(set(ids[0].tolist())) == top_k
+    assert (0 <= ids).all() and (ids < experts).all()
     gate.bias = torch.nn.Parameter(torch.zeros(experts, dtype=dt))  # a router the operator does not take
     torch.testing.assert_close(CPU_FUSED.route(gate, x, top_k, True), UNFUSED.route(gate, x, top_k, True))
 

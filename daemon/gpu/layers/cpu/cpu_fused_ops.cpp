@@ -382,8 +382,14 @@ void route_row(float* p, int64_t experts, int64_t top_k, bool renormalize, std::
   for (int64_t e = 0; e < experts; ++e) p[e] /= sum;
   order.resize(experts);
   for (int64_t e = 0; e < experts; ++e) order[e] = e;
-  std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
-                    [&](int64_t a, int64_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+  // larger first, ties by the lower expert; a NaN (a broken row's) first, as torch.topk puts it:
+  // a strict weak order whatever the values, which std::partial_sort needs
+  std::partial_sort(order.begin(), order.begin() + top_k, order.end(), [&](int64_t a, int64_t b) {
+    const bool na = std::isnan(p[a]), nb = std::isnan(p[b]);
+    if (na != nb) return na;
+    if (!na && p[a] != p[b]) return p[a] > p[b];
+    return a < b;
+  });
   float kept = 0.f;
   for (int64_t j = 0; j < top_k; ++j) kept += p[order[j]];
   for (int64_t j = 0; j < top_k; ++j) {
