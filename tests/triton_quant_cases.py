@@ -102,8 +102,9 @@ def fp16_case() -> list[dict]:
 
 def tiles_case() -> list[dict]:
     """The tiles bench_quant_gpu's sweep may pick (narrow and wide BN, BK 256, 2 and 8
-    warps, a 32-row dot tile over 17 rows, three stages in flight) compute the same
-    product: Q4_K over two super-blocks, one and 17 rows."""
+    warps, a 32-row dot tile over 17 rows, three stages in flight, the scale fields
+    loaded a tile at a time) compute the same product: Q4_K over two super-blocks, one
+    and 17 rows."""
     import gguf
 
     from llmd.gpu.layers.quant.cuda_matmul import gguf_quant_weight
@@ -117,7 +118,8 @@ def tiles_case() -> list[dict]:
     weight = gguf_quant_weight(to_planes(blocks, "Q4_K", 512).to(DEVICE), "Q4_K", 512)
     results = []
     for tiles in (Tiles(1, 16, 256, False, 2), Tiles(1, 64, 128, False, 8), Tiles(32, 32, 256, True, 8),
-                  Tiles(1, 8, 128, False, 4, 3), Tiles(16, 32, 128, True, 4, 3)):
+                  Tiles(1, 8, 128, False, 4, 3), Tiles(16, 32, 128, True, 4, 3),
+                  Tiles(1, 32, 128, False, 4, 3, True), Tiles(16, 32, 128, True, 4, 3, True)):  # scale words
         runs = ((17, torch.float32, None), (17, torch.bfloat16, 2)) if tiles.dot else ((1, torch.float32, 2),)
         for r in _runs(lambda x, split: quant_matmul(x, weight, split_k=split, tiles=tiles), ref, seed=12,
                        runs=runs):

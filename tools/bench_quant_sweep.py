@@ -15,6 +15,8 @@ bench_quant_gpu's (the calls over weight copies taken in turn past the L2 cache,
 from a CUDA graph: eager launches time the host), with shorter runs: a grid holds a
 hundred points or more, and each tile compiles once per kind of split (one K tile a
 split, a multiple of 16, other).
+Q4_K and Q5_K also time each BK 128 tile with its scale fields loaded a tile at a time
+(Tiles.scale_words, off by default: fewer synchronous loads, more registers).
 The default tile goes first, then the pipelined tiles (stages 3: what the offline
 estimate ranks first, tools/quant_kernel_resources.py), and no tile starts after
 `--budget-s` seconds, so that a device call ends in its time with what it has.
@@ -22,6 +24,7 @@ estimate ranks first, tools/quant_kernel_resources.py), and no tile starts after
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import sys
@@ -35,14 +38,20 @@ from llmd_tools.bench_quant_gpu import _rotating, _weights, copy_bandwidth, grap
 GEMV_GRID = {"stages": (3, 1), "bn": (8, 16, 32), "bk": (128, 256, 512), "warps": (4, 8)}
 DOT_GRID = {"stages": (3, 1), "bn": (16, 32, 64), "bk": (128, 256), "warps": (4, 8)}
 SPLITS = (1, 2, 4, 8, 16, 32)
+SCALE_WORDS_TYPES = ("Q4_K", "Q5_K")
 
 
-def grid(rows: int) -> list:
-    """Every tile of the grid for `rows` rows of x."""
+def grid(rows: int, quant: str = "") -> list:
+    """Every tile of the grid for `rows` rows of x; for Q4_K / Q5_K each BK 128 tile also
+    with its scale fields loaded a tile at a time (Tiles.scale_words)."""
     if rows <= GEMV_MAX_ROWS:
-        return [Tiles(1, bn, bk, False, w, st) for st, bn, bk, w in itertools.product(*GEMV_GRID.values())]
-    bm = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    return [Tiles(bm, bn, bk, True, w, st) for st, bn, bk, w in itertools.product(*DOT_GRID.values())]
+        tiles = [Tiles(1, bn, bk, False, w, st) for st, bn, bk, w in itertools.product(*GEMV_GRID.values())]
+    else:
+        bm = 16 if rows <= 16 else 32 if rows <= 32 else 64
+        tiles = [Tiles(bm, bn, bk, True, w, st) for st, bn, bk, w in itertools.product(*DOT_GRID.values())]
+    if quant in SCALE_WORDS_TYPES:
+        tiles += [dataclasses.replace(t, scale_words=True) for t in tiles if t.bk == 128]
+    return tiles
 
 
 def sweep(quant: str, n: int, k: int, rows: int, copies: int, bandwidth: float, device: torch.device,
@@ -60,13 +69,13 @@ def sweep(quant: str, n: int, k: int, rows: int, copies: int, bandwidth: float, 
     default = tiles_for(rows, quant)
     default_split = split_count(-(-rows // default.bm) * -(-n // default.bn), -(-k // default.bk), sm_count(device))
     points = []
-    for tiles in [default] + [t for t in grid(rows) if t != default]:
+    for tiles in [default] + [t for t in grid(rows, quant) if t != default]:
         if time.monotonic() > deadline:
             break
         k_tiles = -(-k // tiles.bk)
         for split in (s for s in SPLITS if s <= k_tiles):
             point = {"type": quant, "n": n, "k": k, "rows": rows, "tiles": [tiles.bm, tiles.bn, tiles.bk],
-                     "warps": tiles.warps, "stages": tiles.stages, "split": split,
+                     "warps": tiles.warps, "stages": tiles.stages, "scale_words": tiles.scale_words, "split": split,
                      "default": tiles == default and split == default_split}
             try:
                 out = quant_matmul(x, weights[0], split_k=split, tiles=tiles)
@@ -112,13 +121,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(p), flush=True)
         timed = sorted((p for p in points if "us" in p), key=lambda p: p["us"])
         shown = timed[:args.top] + [p for p in timed[args.top:] if p["default"]]
-        reached = len({(tuple(p["tiles"]), p["warps"], p["stages"]) for p in points})
-        total = len({*grid(rows), tiles_for(rows, quant)})
+        reached = len({(tuple(p["tiles"]), p["warps"], p["stages"], p["scale_words"]) for p in points})
+        total = len({*grid(rows, quant), tiles_for(rows, quant)})
         print(f"-- {quant} {n}x{k}, {rows} rows: {reached} of {total} tiles (the budget), "
               f"{len(timed)} points timed, {len(points) - len(timed)} dropped")
         for p in shown:
             bm, bn, bk = p["tiles"]
-            mark = "  (default)" if p["default"] else ""
+            mark = ("  scale words" if p["scale_words"] else "") + ("  (default)" if p["default"] else "")
             print(f"   BM {bm:>2} BN {bn:>3} BK {bk:>3} warps {p['warps']} stages {p['stages']} split {p['split']:>2}: "
                   f"{p['us']:8.1f} us  {100 * p['of_roofline']:5.1f}% of roofline{mark}")
         for p in [p for p in points if "error" in p][:3]:  # the first few: a refused tile repeats per split

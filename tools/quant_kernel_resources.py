@@ -211,7 +211,7 @@ def tiles_to_check(grid: bool, quant: str, rows: tuple[int, ...] = (1, 16, 32, 6
         return [dataclasses.replace(t, stages=s) for t in defaults for s in stages] if stages else defaults
     from llmd_tools.bench_quant_sweep import grid as sweep_grid
 
-    return [tiles for r in rows for tiles in sweep_grid(r)]
+    return [tiles for r in rows for tiles in sweep_grid(r, quant)]
 
 
 def measure(quant: str, tiles, shape: tuple[int, int] = SHAPE) -> dict:
@@ -219,7 +219,7 @@ def measure(quant: str, tiles, shape: tuple[int, int] = SHAPE) -> dict:
     kernel, grid = compile_tile(quant, tiles, shape)
     found = resources(kernel)
     return {"type": quant, "bm": tiles.bm, "bn": tiles.bn, "bk": tiles.bk, "warps": tiles.warps,
-            "stages": tiles.stages, "split": grid[2], **found, **occupancy(found, tiles, grid, shape[1], quant)}
+            "stages": tiles.stages, "scale_words": tiles.scale_words, "split": grid[2], **found, **occupancy(found, tiles, grid, shape[1], quant)}
 
 
 def estimate(row: dict) -> float:
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:
                 print(json.dumps(row), flush=True)
                 continue
-            mark = "  spills" if row["local_ops"] else ""
+            mark = ("  spills" if row["local_ops"] else "") + ("  scale words" if tiles.scale_words else "")
             print(f"{quant:6} {'dot ' if tiles.dot else 'GEMV'} BM {tiles.bm:>2} BN {tiles.bn:>2} BK {tiles.bk:>4} "
                   f"warps {tiles.warps} stages {tiles.stages} split {row['split']:>2}: {row['registers']:>3} "
                   f"registers, {row['local_ops']:>3} LDL/STL, shared {row['shared']:>6} B, "

@@ -25,7 +25,9 @@ class Tiles:
     the K loop: the loads of the next stages - 1 tiles go to shared memory by cp.async
     while this one is multiplied; 1: each tile loaded, then used). BK must hold a whole
     number of every type's value pairs (2 PAIR <= 128: a multiple of 128) and of FP8's
-    groups of 16."""
+    groups of 16. `scale_words` (BK 128): Q4_K / Q5_K's scale fields loaded once a tile
+    as words by cp.async instead of gathered per group (quant_values._tile_scales: fewer
+    synchronous loads, more registers; off by default until a GPU's sweep says)."""
 
     bm: int
     bn: int
@@ -33,10 +35,11 @@ class Tiles:
     dot: bool
     warps: int = 4
     stages: int = 1
+    scale_words: bool = False
 
     def __post_init__(self) -> None:
         if (self.bk % 128 or (self.dot and self.bm < 16) or (not self.dot and self.bm != 1)
-                or not 1 <= self.stages <= 6):
+                or not 1 <= self.stages <= 6 or (self.scale_words and self.bk != 128)):
             raise ValueError(f"no such tile: {self}")
 
 

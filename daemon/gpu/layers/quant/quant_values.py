@@ -115,27 +115,56 @@ def _stream_high_bits(q, bits, s: tl.constexpr, k0, QUANT: tl.constexpr, STREAMS
 
 
 @triton.jit
-def _group_scales(kg, rn, nmask, gmask, SC, D, MN, stride_sc, stride_d, stride_m, fp8_group,
-                  QUANT: tl.constexpr):
+def _tile_scales(SC, D, MN, rn, nmask, k0, stride_sc, stride_d, stride_m, QUANT: tl.constexpr,
+                 SCALE_WORDS: tl.constexpr):
+    """With SCALE_WORDS (a BK 128 tile: one super-block), a Q4_K / Q5_K tile's scale fields
+    loaded once for all its streams and groups — the super-block's 12 packed bytes as three
+    little-endian words, d and dmin, each [BN] — else zeros. Gathered per group and stream
+    (three bytes, d and dmin) they are 10 synchronous global loads in the sm_90 code of a
+    Q4_K GEMV's K loop; as words they come by cp.async, but the GEMV's registers go 64 ->
+    95 (programs per SM 8 -> 5): which costs more, a GPU's sweep says (bench_quant_sweep)."""
+    if (QUANT == _Q4_K or QUANT == _Q5_K) and SCALE_WORDS:
+        words = (SC + rn * stride_sc + (k0 // 256) * 12).to(tl.pointer_type(tl.int32))
+        return (tl.load(words, mask=nmask, other=0), tl.load(words + 1, mask=nmask, other=0),
+                tl.load(words + 2, mask=nmask, other=0),
+                tl.load(D + rn * stride_d + k0 // 256, mask=nmask, other=0.0).to(tl.float32),
+                tl.load(MN + rn * stride_m + k0 // 256, mask=nmask, other=0.0).to(tl.float32))
+    else:
+        return 0, 0, 0, 0.0, 0.0
+
+
+@triton.jit
+def _group_scales(kg, rn, nmask, gmask, SC, D, MN, stride_sc, stride_d, stride_m, fp8_group, tile,
+                  QUANT: tl.constexpr, SCALE_WORDS: tl.constexpr):
     """(scale, offset) fp32 [BN, NG] of the groups starting at columns kg [NG] (in K
-    where gmask)."""
+    where gmask); `tile` the tile's scale fields (_tile_scales)."""
     mask = nmask[:, None] & gmask[None, :]
     rows_d = D + rn[:, None] * stride_d
     offset = tl.zeros(mask.shape, tl.float32)
     if QUANT == _FP8:
         scale = tl.load(rows_d + (kg.to(tl.int32) // fp8_group)[None, :], mask=mask, other=0.0)
     elif QUANT == _Q4_K or QUANT == _Q5_K:
-        s = kg // 256
-        j = (kg % 256) // 32  # the sub-block: 6-bit scale and min packed in 12 bytes (gguf_quant._scale_min_k4)
-        d = tl.load(rows_d + s[None, :], mask=mask, other=0.0).to(tl.float32)
-        dmin = tl.load(MN + rn[:, None] * stride_m + s[None, :], mask=mask, other=0.0).to(tl.float32)
-        packed = SC + rn[:, None] * stride_sc + (s * 12)[None, :]
-        low = j < 4
-        b0 = tl.load(packed + tl.where(low, j, j - 4)[None, :], mask=mask, other=0).to(tl.int32)
-        b1 = tl.load(packed + tl.where(low, j + 4, j)[None, :], mask=mask, other=0).to(tl.int32)
-        b2 = tl.load(packed + tl.where(low, j, j + 4)[None, :], mask=mask, other=0).to(tl.int32)
-        sc = tl.where(low[None, :], b0 & 63, (b2 & 0xF) | ((b0 >> 6) << 4))
-        mn = tl.where(low[None, :], b1 & 63, (b2 >> 4) | ((b1 >> 6) << 4))
+        # sub-block j's 6-bit scale and min (gguf_quant._scale_min_k4): bytes j and j + 4 (j < 4), else
+        # j + 4's nibbles with bytes j - 4's and j's top two bits
+        j = (kg % 256) // 32
+        low = (j < 4)[None, :]
+        if SCALE_WORDS:  # from the tile's words: each of those bytes is byte j % 4 of a word
+            w0, w1, w2, d, dmin = tile
+            shift = ((j % 4) * 8).to(tl.int32)[None, :]
+            b0 = (w0[:, None] >> shift) & 0xFF
+            b1 = (w1[:, None] >> shift) & 0xFF
+            b2 = (w2[:, None] >> shift) & 0xFF
+            d, dmin = d[:, None], dmin[:, None]
+        else:
+            s = kg // 256
+            d = tl.load(rows_d + s[None, :], mask=mask, other=0.0).to(tl.float32)
+            dmin = tl.load(MN + rn[:, None] * stride_m + s[None, :], mask=mask, other=0.0).to(tl.float32)
+            packed = SC + rn[:, None] * stride_sc + (s * 12)[None, :]
+            b0 = tl.load(packed + tl.where(j < 4, j, j - 4)[None, :], mask=mask, other=0).to(tl.int32)
+            b1 = tl.load(packed + tl.where(j < 4, j + 4, j)[None, :], mask=mask, other=0).to(tl.int32)
+            b2 = tl.load(packed + tl.where(j < 4, j, j + 4)[None, :], mask=mask, other=0).to(tl.int32)
+        sc = tl.where(low, b0 & 63, (b2 & 0xF) | ((b0 >> 6) << 4))
+        mn = tl.where(low, b1 & 63, (b2 >> 4) | ((b1 >> 6) << 4))
         scale = d * _as_float(sc)
         offset = -(dmin * _as_float(mn))
     elif QUANT == _Q2_K:  # per 16: the scale in a byte's low nibble, the min in its high one

@@ -50,7 +50,8 @@ import triton.language as tl
 
 from llmd.gpu.layers.quant.quant_values import (_FP8, _IQ4_NL, _Q2_K, _Q3_K, _Q4_0, _Q4_1, _Q4_K, _Q5_0, _Q5_1, _Q5_K,
                                                 _Q6_K, _Q8_0, FP8_CODE, _as_float, _e4m3, _group_scales, _iq4_nl,
-                                                _stream_high_bits, _tile_high_bits, _with_high_bits)
+                                                _stream_high_bits, _tile_high_bits, _tile_scales,
+                                                _with_high_bits)
 from llmd.gpu.layers.quant.quant_tiles import Tiles, sm_count, split_count, tiles_for
 from llmd.gpu.layers.quant.split_sum import sum_splits
 
@@ -108,11 +109,13 @@ class QuantWeight:
 
 
 @triton.jit
-def _dequantized(q, kg, rn, nmask, gmask, SC, D, MN, stride_sc, stride_d, stride_m, fp8_group,
-                 QUANT: tl.constexpr, ZERO: tl.constexpr, BN: tl.constexpr, H: tl.constexpr, GP: tl.constexpr):
+def _dequantized(q, kg, rn, nmask, gmask, SC, D, MN, stride_sc, stride_d, stride_m, fp8_group, tile,
+                 QUANT: tl.constexpr, ZERO: tl.constexpr, BN: tl.constexpr, H: tl.constexpr, GP: tl.constexpr,
+                 SCALE_WORDS: tl.constexpr):
     """fp32 weights [BN, H] of one stream's values q (int32 [BN, H]); kg [H / GP] the
-    first column of each group of GP."""
-    scale, offset = _group_scales(kg, rn, nmask, gmask, SC, D, MN, stride_sc, stride_d, stride_m, fp8_group, QUANT)
+    first column of each group of GP; `tile` the tile's scale fields (_tile_scales)."""
+    scale, offset = _group_scales(kg, rn, nmask, gmask, SC, D, MN, stride_sc, stride_d, stride_m, fp8_group, tile,
+                                  QUANT, SCALE_WORDS)
     q3 = tl.reshape(q, [BN, H // GP, GP])
     if QUANT == _FP8:
         v = _e4m3(q3)
@@ -147,7 +150,7 @@ def _k_tiles(acc, X, x_rows, mmask, QS, QH, SC, D, MN, rn, nmask, K, first, last
              stride_d, stride_m, fp8_group, ORDER, QUANT: tl.constexpr, STREAMS: tl.constexpr, PAIR: tl.constexpr,
              ZERO: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, H: tl.constexpr,
              DOT: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr, STAGES: tl.constexpr,
-             EVEN_K: tl.constexpr, ORDERED: tl.constexpr):
+             EVEN_K: tl.constexpr, ORDERED: tl.constexpr, SCALE_WORDS: tl.constexpr):
     """acc plus the products of K tiles [first, last) of the weight's rows rn with the
     rows of x starting at offsets x_rows (where mmask): the matmul's K loop, shared by
     the dense kernel and the experts' (triton_quant_moe). ORDERED: the weight's column k
@@ -170,6 +173,7 @@ def _k_tiles(acc, X, x_rows, mmask, QS, QH, SC, D, MN, rn, nmask, K, first, last
         raw = tl.load(QS + rn[:, None] * stride_qs + byte[None, :], mask=nmask[:, None] & kmask[None, :],
                       other=0).to(tl.int32)
         bits = _tile_high_bits(QH, rn, nmask, k0, K, stride_qh, QUANT, STREAMS, PAIR, BK, H)
+        tile = _tile_scales(SC, D, MN, rn, nmask, k0, stride_sc, stride_d, stride_m, QUANT, SCALE_WORDS)
         for s in tl.static_range(STREAMS):
             q = raw
             if STREAMS > 1:
@@ -182,7 +186,7 @@ def _k_tiles(acc, X, x_rows, mmask, QS, QH, SC, D, MN, rn, nmask, K, first, last
             else:  # Q6_K's two high bits (nothing for the types without)
                 q = _with_high_bits(q, k, rn, nmask, kmask, QH, stride_qh, QUANT)
             w = _dequantized(q, kg + s * PAIR, rn, nmask, gmask, SC, D, MN, stride_sc, stride_d, stride_m,
-                             fp8_group, QUANT, ZERO, BN, H, GP)
+                             fp8_group, tile, QUANT, ZERO, BN, H, GP, SCALE_WORDS)
             kx = tl.load(ORDER + k, mask=kmask, other=0) if ORDERED else k
             x = tl.load(X + x_rows[:, None] + kx[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
             acc = _accumulate(acc, x, w, DOT, IEEE, DOT_F32)
@@ -195,7 +199,7 @@ def _quant_mm_kernel(X, OUT, QS, QH, SC, D, MN, M, N, K, stride_xm, stride_om, s
                      QUANT: tl.constexpr, STREAMS: tl.constexpr, PAIR: tl.constexpr, ZERO: tl.constexpr,
                      GP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, H: tl.constexpr,
                      DOT: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr, PARTIAL: tl.constexpr,
-                     STAGES: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+                     STAGES: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, SCALE_WORDS: tl.constexpr):
     pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -209,7 +213,7 @@ def _quant_mm_kernel(X, OUT, QS, QH, SC, D, MN, M, N, K, stride_xm, stride_om, s
     last = tl.minimum(first + tiles_per_split, tl.cdiv(K, BK))
     acc = _k_tiles(acc, X, rm * stride_xm, mmask, QS, QH, SC, D, MN, rn, nmask, K, first, last, stride_qs,
                    stride_qh, stride_sc, stride_d, stride_m, fp8_group, X, QUANT, STREAMS, PAIR, ZERO, GP, BN, BK, H,
-                   DOT, IEEE, DOT_F32, STAGES, EVEN_K, False)
+                   DOT, IEEE, DOT_F32, STAGES, EVEN_K, False, SCALE_WORDS)
     if not DOT:
         acc = tl.sum(acc, axis=1)[None, :]  # [1, BN]
     _store_tile(OUT + pid_s * stride_os + rm[:, None] * stride_om + rn[None, :], acc, mmask[:, None] & nmask[None, :],
@@ -289,4 +293,4 @@ def kernel_meta(weight: QuantWeight, tiles: Tiles, dtype: torch.dtype, splits: i
                 BM=tiles.bm, BN=tiles.bn, BK=tiles.bk, H=tiles.bk // layout.streams,
                 DOT=tiles.dot, IEEE=dtype == torch.float32, DOT_F32=INTERPRETED and dtype == torch.bfloat16,
                 PARTIAL=splits > 1, STAGES=tiles.stages, EVEN_N=weight.n % tiles.bn == 0,
-                EVEN_K=weight.k % tiles.bk == 0, num_warps=tiles.warps)
+                EVEN_K=weight.k % tiles.bk == 0, SCALE_WORDS=tiles.scale_words, num_warps=tiles.warps)

@@ -99,7 +99,7 @@ def _quant_moe_kernel(X, OUT, WEIGHTS, SORTED, EXPERT_IDS, NUM_PADDED, QS, QH, S
                       STREAMS: tl.constexpr, PAIR: tl.constexpr, ZERO: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr,
                       BN: tl.constexpr, BK: tl.constexpr, H: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
                       DOT_F32: tl.constexpr, PARTIAL: tl.constexpr, STAGES: tl.constexpr, EVEN_N: tl.constexpr,
-                      EVEN_K: tl.constexpr):
+                      EVEN_K: tl.constexpr, SCALE_WORDS: tl.constexpr):
     """out[pair, n] = sum_k x[pair // TOP_K, k] * w[expert(pair), n, k] (x weight[pair])."""
     pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if pid_m * BM >= tl.load(NUM_PADDED):
@@ -118,7 +118,7 @@ def _quant_moe_kernel(X, OUT, WEIGHTS, SORTED, EXPERT_IDS, NUM_PADDED, QS, QH, S
     acc = _k_tiles(acc, X, (pairs // TOP_K) * stride_xm, mmask, QS + expert * e_qs, QH + expert * e_qh,
                    SC + expert * e_sc, D + expert * e_d, MN + expert * e_m, rn, nmask, K, first, last, stride_qs,
                    stride_qh, stride_sc, stride_d, stride_m, fp8_group, ORDER + expert * e_order, QUANT, STREAMS,
-                   PAIR, ZERO, GP, BN, BK, H, DOT, IEEE, DOT_F32, STAGES, EVEN_K, ORDERED)
+                   PAIR, ZERO, GP, BN, BK, H, DOT, IEEE, DOT_F32, STAGES, EVEN_K, ORDERED, SCALE_WORDS)
     if not DOT:
         acc = tl.sum(acc, axis=1)[None, :]  # [1, BN]
     if MUL_WEIGHT:
