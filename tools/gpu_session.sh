@@ -35,8 +35,10 @@
 # (tests: test_moe.py's one_launch cases compiled; quant: bench_quant_moe_gpu's align
 # columns, one launch vs torch ops at 8-512 pairs: set moe_align.TRITON_MAX_PAIRS from
 # them), the GEMV's stalls by PC sampling (quant: gemv-stalls, its hatchet files in
-# $OUT: read them here, then restructure the K loop against what stalls), and TP shares
-# of whole blocks (CPU-only tests; no GPU TP check here).
+# $OUT: read them here, then restructure the K loop against what stalls), the high bits
+# loaded a tile at a time (bench-quant's Q3_K / Q5_K / Q5_0 rows against the last lease's),
+# Q4_K / Q5_K's scale words (sweep: the "scale words" rows; make them the default where
+# they win), and TP shares of whole blocks (CPU-only tests; no GPU TP check here).
 #
 # Each step runs under its own time limit (`step NAME SECONDS CMD`), so one that hangs or
 # runs long costs its limit and the later ones still run. Every step's output goes to
