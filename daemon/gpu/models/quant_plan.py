@@ -9,8 +9,8 @@ The files decide what is quantized: a module with a `qweight` (AWQ, GPTQ) or a f
 included, which are checked against the files. A quantized module whose layer cannot
 keep it packed (the embedding, a fused projection mixing it with a dense part) is
 refused by name; a quantized LM head under tensor parallelism keeps its rank's
-vocabulary rows packed, the last rank's padding rows zero blocks (quant_linear). Packed layers run on the CPU (C++
-kernels) and on CUDA (Triton kernels).
+vocabulary rows packed, the last rank's padding rows zero blocks (quant_linear). Packed
+layers run on the CPU (C++ kernels) and on CUDA (Triton kernels).
 
 A mixture of experts' AWQ / GPTQ experts (`plan_quantized_experts`) are held as a GGUF's
 are (mlp.ExpertWeights): each expert's codes transcoded into GGUF blocks as it is read

@@ -21,19 +21,12 @@ from torch import nn
 from llmd.gpu.layers.fused_ops import LayerOps
 from llmd.gpu.layers.mlp import FP8
 from llmd.gpu.layers.quant.fp8_scaled_mm import w8a8_applies, w8a8_matmul
-from llmd.gpu.layers.quant.gguf_planes import from_planes, plane_views, repack_part
+from llmd.gpu.layers.quant.gguf_planes import from_planes, repack_part
 from llmd.gpu.layers.quant.quant_linear import IntGroupMatmul
 from llmd.gpu.layers.quant.scheme import FP8Scheme
-from llmd.gpu.layers.quant.triton_quant_mm import QuantWeight, quant_matmul
+from llmd.gpu.layers.quant.triton_quant_mm import QuantWeight, gguf_quant_weight, quant_matmul
 from llmd.gpu.layers.quant.triton_quant_moe import (ExpertsWeight, fp8_experts_part, gguf_experts_part,
                                                      quant_fused_experts)
-
-
-def gguf_quant_weight(planes: torch.Tensor, quant: str, cols: int) -> QuantWeight:
-    """The kernel's view of packed rows laid out as planes (flat uint8)."""
-    views = plane_views(planes, quant, cols)
-    return QuantWeight(quant, views["qs"].shape[0], cols, views["qs"], views["d"], views.get("qh"), views.get("sc"),
-                       views.get("m"))
 
 
 def weight_tensors(weights: list[QuantWeight]) -> list[torch.Tensor]:

@@ -52,6 +52,7 @@ from llmd.gpu.layers.quant.quant_values import (_FP8, _IQ4_NL, _Q2_K, _Q3_K, _Q4
                                                 _Q6_K, _Q8_0, FP8_CODE, _as_float, _e4m3, _group_scales, _iq4_nl,
                                                 _stream_high_bits, _tile_high_bits, _tile_scales,
                                                 _with_high_bits)
+from llmd.gpu.layers.quant.gguf_planes import plane_views
 from llmd.gpu.layers.quant.quant_tiles import Tiles, sm_count, split_count, tiles_for
 from llmd.gpu.layers.quant.split_sum import sum_splits
 
@@ -106,6 +107,13 @@ class QuantWeight:
     sc: torch.Tensor | None = None
     m: torch.Tensor | None = None
     fp8_group: int = 0
+
+
+def gguf_quant_weight(planes: torch.Tensor, quant: str, cols: int) -> QuantWeight:
+    """The kernel's view of packed rows laid out as planes (flat uint8)."""
+    views = plane_views(planes, quant, cols)
+    return QuantWeight(quant, views["qs"].shape[0], cols, views["qs"], views["d"], views.get("qh"), views.get("sc"),
+                       views.get("m"))
 
 
 @triton.jit

@@ -33,11 +33,11 @@ import triton.language as tl
 from llmd.gpu.layers.fused_ops import LayerOps
 from llmd.gpu.layers.gguf_quant import PackedPart, part_weight
 from llmd.gpu.layers.moe_align import moe_align_block_size
-from llmd.gpu.layers.quant.gguf_planes import plane_views, to_planes
+from llmd.gpu.layers.quant.gguf_planes import to_planes
 from llmd.gpu.layers.quant.quant_tiles import Tiles, sm_count, tiles_for
 from llmd.gpu.layers.quant.split_sum import sum_splits
-from llmd.gpu.layers.quant.triton_quant_mm import (QuantWeight, _k_tiles, _store_tile, kernel_meta, split_plan,
-                                                    weight_planes)
+from llmd.gpu.layers.quant.triton_quant_mm import (QuantWeight, _k_tiles, _store_tile, gguf_quant_weight,
+                                                    kernel_meta, split_plan, weight_planes)
 
 
 @dataclass(frozen=True)
@@ -66,9 +66,7 @@ def gguf_experts_part(param: torch.Tensor, part: PackedPart, cols: int,
                 rows = part_weight(expert, part, cols)
                 rows.reshape(-1).copy_(to_planes(rows, part.quant, cols))
         param.plane_parts = done | {part.offset}
-    views = plane_views(part_weight(param[0], part, cols).reshape(-1), part.quant, cols)
-    first = QuantWeight(part.quant, part.end - part.start, cols, views["qs"], views["d"], views.get("qh"),
-                        views.get("sc"), views.get("m"))
+    first = gguf_quant_weight(part_weight(param[0], part, cols).reshape(-1), part.quant, cols)
     if orders is None:
         return ExpertsWeight(first, _expert_strides(first, param.stride(0)))
     return ExpertsWeight(first, _expert_strides(first, param.stride(0)), orders[0], orders.stride(0))
