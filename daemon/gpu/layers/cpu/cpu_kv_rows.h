@@ -182,7 +182,11 @@ struct ItemRows {
 // int8 rows) ends before the prefetcher has caught up. Measured on 30 layers' caches in
 // turn (32 x 100 tokens, SmolLM2's heads): 13% off a float32 call, 25% off an int8 or
 // e4m3 one, against asking for the first two lines only; ~10% more on a float32 cache
-// small enough to stay in L2 (the lines are there already).
+// small enough to stay in L2 (the lines are there already). The lines are asked into the
+// L2, not the L1: two tiles of float32 rows (8 KiB at 64 columns) are more misses than the
+// L1 tracks at once, and its prefetches past that wait or are dropped. Zen 4, a cache that
+// weights streamed through since (docs/benchmarks.md, "Paged decode: the KV rows into the
+// L2"): blocks scattered over the cache 1.4-1.6x faster, in order ~1.0-1.2x.
 // `rows(item)` is item's ItemRows.
 template <typename C, typename Rows>
 class TilePrefetcher {
@@ -215,9 +219,9 @@ class TilePrefetcher {
  private:
   static void prefetch(const char* p) {
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-    _mm_prefetch(p, _MM_HINT_T0);
+    _mm_prefetch(p, _MM_HINT_T1);
 #else
-    __builtin_prefetch(p);
+    __builtin_prefetch(p, 0, 2);
 #endif
   }
 
