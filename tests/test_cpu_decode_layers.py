@@ -180,7 +180,8 @@ def test_the_grouped_product_is_each_jobs_own_product(vnni, passes):
     """gguf_mm_x16_grouped (what MoeExperts multiplies a layer's experts with): each job's
     rows into its columns of out bit for bit what gguf_mm_x16 gives them alone — jobs of
     1 to 9 rows and one of none, weights of different heights, a column offset into a
-    wider out (untouched elsewhere), Q4_K (super-blocks) and Q8_0; refusals name the op."""
+    wider out (untouched elsewhere), Q4_K (super-blocks) and Q8_0; x of one row for every
+    job's rows (the C++ layers' batch-1 experts); refusals name the op."""
     from llmd.gpu.layers.gguf_formats import FORMATS
     from llmd_tools.gguf_blocks import random_blocks
 
@@ -202,8 +203,18 @@ def test_the_grouped_product_is_each_jobs_own_product(vnni, passes):
             alone = mm.gguf_mm_x16(x[starts[j]:starts[j + 1]], w, code, cols, passes, "")
             assert torch.equal(part[:, 8:8 + w.shape[0]], alone), (quant, j)
             assert (part[:, :8] == 7).all() and (part[:, 8 + w.shape[0]:] == 7).all()
+        # one row of x for every job's rows (a token's chosen experts): each row that row's product
+        one = x[:1].clone()
+        out = torch.full((starts[-1], 80), 7.0)
+        mm.gguf_mm_x16_grouped(one, ws, starts, code, cols, passes, "", out, 8)
+        for j, w in enumerate(ws):
+            alone = mm.gguf_mm_x16(one, w, code, cols, passes, "")
+            part = out[starts[j]:starts[j + 1], 8:8 + w.shape[0]]
+            assert torch.equal(part, alone.expand_as(part)), (quant, j, "one row")
     with pytest.raises(RuntimeError, match="gguf_mm_x16_grouped: starts must hold one more entry than ws"):
         mm.gguf_mm_x16_grouped(x, ws, starts[:-1], code, cols, passes, "", out, 0)
+    with pytest.raises(RuntimeError, match=r"gguf_mm_x16_grouped: a contiguous float32 out \[R, ld\] expected"):
+        mm.gguf_mm_x16_grouped(x[:2], ws, starts, code, cols, passes, "", out, 0)
     with pytest.raises(RuntimeError, match="gguf_mm_x16_grouped: job 1 has rows or columns outside out"):
         mm.gguf_mm_x16_grouped(x, ws, starts, code, cols, passes, "", out, 40)
 

@@ -39,6 +39,7 @@
 // alike. Every expert's rows must be few enough for the x16 product (mlp.SparseMoeBlock
 // checks).
 
+#include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
@@ -151,13 +152,14 @@ struct Linear {
 
 // Rows [starts[i], starts[i + 1]) of x times the projection of expert used[i], for every
 // i, each part in one gguf_mm_x16_grouped call over all of them (the parts side by side:
-// a Projection's cat), in x's dtype: each row what the expert's own product gives it.
+// a Projection's cat), in x's dtype: each row what the expert's own product gives it. x of
+// one row: every job's rows are that row (gguf_mm_x16_grouped quantizes it once).
 at::Tensor experts_product(const Ops& ops, const std::vector<Projection>& projections,
                            const std::vector<int64_t>& used, const std::vector<int64_t>& starts, const at::Tensor& x) {
   const std::vector<Part>& first = projections[used[0]].parts;
   int64_t width = 0;
   for (const Part& p : first) width += p.weight.size(0);
-  at::Tensor out = at::empty({x.size(0), width}, x.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({starts.back(), width}, x.options().dtype(at::kFloat));
   const at::Tensor xc = x.contiguous();
   int64_t col0 = 0;
   for (size_t i = 0; i < first.size(); ++i) {
@@ -176,6 +178,35 @@ at::Tensor experts_product(const Ops& ops, const std::vector<Projection>& projec
   }
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
+
+// out[i] = sum over j < k of rows[j][i] * weights[j], as fused_moe.moe_reference takes it
+// (the rows times their weights rounded to T, in T; then summed over the k in order in
+// torch.sum's accumulator, float32 for every T) in one pass instead of three operators.
+// No multiply-add may be fused across a product's rounding: GCC fuses `p = a * b; s += p`
+// at -O3 with FMA whatever the -std, hence fp-contract off here (clang: off by the pragma).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#endif
+template <typename T>
+void weighted_sum(const T* rows, const float* weights, int64_t k, int64_t n, T* out) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+  std::vector<float> acc(n, 0.f);
+  for (int64_t j = 0; j < k; ++j) {
+    const T w = static_cast<T>(weights[j]);
+    const T* row = rows + j * n;
+    for (int64_t i = 0; i < n; ++i) {
+      const T product = static_cast<T>(row[i] * w);
+      acc[i] += static_cast<float>(product);
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(acc[i]);
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
 
 // A mixture-of-experts feed-forward (module doc); top_k 0: the layer's is a gated MLP.
 struct Moe {
@@ -361,11 +392,13 @@ class DecoderLayers : public torch::CustomClassHolder {
       TORCH_CHECK(id[i] >= 0 && id[i] < experts, "DecoderLayers.forward: the router chose expert ", id[i]);
       starts[i + 1] = i + 1;  // row i: h, through the i-th chosen expert
     }
-    const at::Tensor hs = h.expand({m.top_k, n});
-    at::Tensor rows = experts_product(ops, m.down, used, starts,
-                                      ops.act_and_mul.call(experts_product(ops, m.gate_up, used, starts, hs), l.act));
-    rows.mul_(weights.view({m.top_k, 1}).to(h.scalar_type()));
-    at::Tensor out = at::sum(rows.view({1, m.top_k, n}), {1});
+    const at::Tensor rows = experts_product(
+        ops, m.down, used, starts, ops.act_and_mul.call(experts_product(ops, m.gate_up, used, starts, h), l.act));
+    at::Tensor out = at::empty({1, n}, h.options());
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, h.scalar_type(), "DecoderLayers.moe", [&] {
+      weighted_sum<scalar_t>(rows.const_data_ptr<scalar_t>(), weights.contiguous().const_data_ptr<float>(), m.top_k, n,
+                             out.data_ptr<scalar_t>());
+    });
     if (!m.shared) return out;
     const at::Tensor shared = m.shared_down(ops, ops.act_and_mul.call(m.shared_gate_up(ops, h), l.act));
     return at::add(out, at::mul(at::sigmoid(m.shared_gate(ops, h)), shared));

@@ -39,7 +39,9 @@
 //   head's logits, which a new tensor each step would fault in page by page).
 // gguf_mm_x16_grouped(x, ws, starts, quant, cols, passes, isa, out, col0): rows [starts[j],
 //   starts[j + 1]) of x times ws[j], for every j, into those rows of a float32 out at
-//   column col0, in one parallel region (a MoE layer's experts at once).
+//   column col0, in one parallel region (a MoE layer's experts at once). x of one row
+//   where out has more: every job's rows are that row (one token's chosen experts: the
+//   row quantized once, not once a job).
 // gguf_dequantize_x16(w, quant, cols) -> float32 [N, cols] (for a GEMM over many rows),
 //   equal to gguf_dequantize of the GGUF rows (any CPU).
 // gguf_x16_supported(): whether this CPU runs gguf_mm_x16 (with the ISA "" picks).
@@ -327,16 +329,20 @@ constexpr int64_t kGroupCost = 10;
 // `quant` with `cols` columns) into those rows of out (float32 [R, ld]), columns [col0,
 // col0 + N_j). One parallel region for them all, the threads splitting the jobs' 16-row
 // groups by cost (kGroupCost + rows), x quantized once: a MoE layer's experts in one call
-// (cpu_decode_layers' MoeExperts), each row's product the one gguf_mm_x16 gives it.
+// (cpu_decode_layers' MoeExperts), each row's product the one gguf_mm_x16 gives it. x of
+// one row where out has R > 1: every row of every job is x's row (DecoderLayers' batch-1
+// experts).
 void gguf_mm_x16_grouped(const at::Tensor& x, at::TensorList ws, at::IntArrayRef starts, int64_t quant, int64_t cols,
                          int64_t passes, c10::string_view isa_choice, at::Tensor& out, int64_t col0) {
   const char* op = "gguf_mm_x16_grouped";
   const int64_t jobs = static_cast<int64_t>(ws.size());
   TORCH_CHECK(x.dim() == 2 && x.size(1) == cols && x.is_contiguous(), op, ": contiguous x [R, cols] expected");
-  TORCH_CHECK(static_cast<int64_t>(starts.size()) == jobs + 1 && starts[0] >= 0 && starts[jobs] <= x.size(0), op,
-              ": starts must hold one more entry than ws, within x's rows");
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous() && out.size(0) == x.size(0),
-              op, ": a contiguous float32 out [R, ld] expected");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous() &&
+                  (out.size(0) == x.size(0) || x.size(0) == 1),
+              op, ": a contiguous float32 out [R, ld] expected, R x's rows (or x one row)");
+  TORCH_CHECK(static_cast<int64_t>(starts.size()) == jobs + 1 && starts[0] >= 0 && starts[jobs] <= out.size(0), op,
+              ": starts must hold one more entry than ws, within out's rows");
+  const bool shared = x.size(0) == 1 && out.size(0) > 1;  // every job's rows are x's one row
   const Isa isa = checked_isa(isa_choice, passes, op);
   std::vector<int64_t> records(jobs), first_cost(jobs + 1, 0);
   for (int64_t j = 0; j < jobs; ++j) {
@@ -363,7 +369,9 @@ void gguf_mm_x16_grouped(const at::Tensor& x, at::TensorList ws, at::IntArrayRef
       const int64_t g1 = std::min(ws[j].size(0) / kGroup, (c1 - first_cost[j] + per_group - 1) / per_group);
       if (g0 >= g1) continue;
       const int64_t n = (g1 - g0) * kGroup;
-      const std::vector<QuantizedRow> xr(quantized.rows.begin() + starts[j], quantized.rows.begin() + starts[j + 1]);
+      const std::vector<QuantizedRow> xr =
+          shared ? std::vector<QuantizedRow>(rows, quantized.rows[0])
+                 : std::vector<QuantizedRow>(quantized.rows.begin() + starts[j], quantized.rows.begin() + starts[j + 1]);
       tmp.resize(rows * n);
       // in this parallel region the product's own parallel_for runs on this thread alone
       mm_on(isa, quant, p, xr, ws[j].const_data_ptr<uint8_t>() + g0 * kGroup * ws[j].size(1), n, records[j],
