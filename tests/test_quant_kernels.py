@@ -83,6 +83,32 @@ def test_groups_become_gguf_blocks_exactly(name, opts, rows, cols):
     assert torch.equal(got, dense if order is None else dense[:, order])
 
 
+@pytest.mark.parametrize("name", ["gptq4-asym-v2-act-order", "gptq8-sym-act-order"])
+def test_a_share_of_act_order_columns_is_padded_to_whole_blocks(name):
+    """A rank's share of act-order input columns (tensor parallelism) holds any number of
+    each group's columns: sorted by group, each group's run is padded to whole 32-column
+    blocks with weights exactly 0, and the blocks dequantize to the share's columns in
+    the order x is taken — so x[:, share][:, order] @ blocks^T = x[:, share] @ W[:, share]^T."""
+    opts, rows, cols = next((o, r, c) for n, o, r, c in INT_CASES if n == name)
+    scheme, t, dense = _int_checkpoint(opts, rows, cols)
+    pack = 32 // scheme.bits
+    for c, d in ((0, cols // 2), (cols // 2, cols)):
+        share = gptq_groups(t["qweight"][c // pack:d // pack], t["qzeros"], t["scales"], t["g_idx"][c:d],
+                            scheme.bits, scheme.group_size, scheme.zeros_minus_one, all_groups=True)
+        share.check_shape(rows, d - c, name)
+        assert torch.equal(share.dequantize(), dense[:, c:d])
+        padded, order = share.sorted_by_group()
+        assert order is not None and order.numel() > d - c and order.numel() % 32 == 0  # padding happened
+        quant, blocks = padded.gguf_rows(name)
+        got = gguf_dequantize(blocks, quant, order.numel())
+        first = torch.tensor([int(order[p]) not in order[:p].tolist() for p in range(order.numel())])
+        assert sorted(order[first].tolist()) == list(range(d - c))  # every column once, then copies
+        assert torch.equal(got[:, first], dense[:, c:d][:, order[first]])
+        assert bool((got[:, ~first] == 0).all())
+        x = torch.randn(3, d - c, dtype=torch.float64)
+        torch.testing.assert_close(x[:, order] @ got.double().t(), x @ dense[:, c:d].double().t())
+
+
 def _layer(scheme, tensors: dict, rows: int, cols: int, bias: bool = True) -> ReplicatedLinear:
     layer = ReplicatedLinear(cols, rows, bias=bias)
     if bias:

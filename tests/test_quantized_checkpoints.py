@@ -283,24 +283,18 @@ def test_a_quantized_checkpoint_runs_packed_on_cpu_and_cuda_only(checkpoints, mo
 
 def test_tensor_parallel_ranks_keep_their_packed_shares(checkpoints, tmp_path):
     """TP=2 splits every packed projection as the dense ones (groups of 64 fall whole on
-    each rank; a quantized LM head by vocabulary rows, the last rank's padding row zero)
-    and computes what transformers does on the dequantized weights; act-order weights
-    cannot be split by input columns and are refused by name."""
+    each rank; a quantized LM head by vocabulary rows, the last rank's padding row zero;
+    GPTQ act-order's o/down columns, any number of each group's a rank, sorted by group
+    and padded to whole blocks with every group's scales) and computes what transformers
+    does on the dequantized weights."""
     for i, path in enumerate((checkpoints("awq-llama-g32", group_size=64),
-                              checkpoints("fp8-channel-lm-head-odd-vocab"))):  # (refused before: packed head)
+                              checkpoints("fp8-channel-lm-head-odd-vocab"),  # (refused before: packed head)
+                              checkpoints("gptq4-asym-v2-act-order"))):  # (refused before: act-order columns)
         llm = LLM(model=str(path), tensor_parallel_size=2, **SETTINGS)
         try:
             _compare(str(write_dequantized(path, tmp_path / f"dense-{i}")), llm, f"{path.name} tp=2")
         finally:
             llm.engine.shutdown()
-    act_order = checkpoints("gptq4-asym-v2-act-order")
-    config = load_hf_config(act_order)
-    scheme = quant_scheme(config)
-    with torch.device("meta"):
-        rank0 = CausalLM(config, 64, tp_rank=0, tp_size=2)
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.\w+\.\w+_proj: GPTQ act-order \(desc_act\) "
-                                         r"weights cannot be split by input columns"):
-        apply_plan(rank0, scheme, plan_quantized(rank0, scheme, safetensors_index(act_order), checkpoint_target))
 
 
 def test_the_http_faces_describe_a_quantized_checkpoint(checkpoints):
@@ -369,16 +363,19 @@ def _dense_weight(layer) -> torch.Tensor:
         return fp8_dequantize(layer.weight, layer.weight_scales)
     parts = []
     for order, unit in layer.int_units:
-        rows = torch.cat([gguf_dequantize(part_weight(layer.weight, p, layer.in_features), p.quant, layer.in_features)
-                          for p in unit])
-        if order is not None:
-            rows = rows[:, torch.argsort(getattr(layer, order))]
+        cols = layer.in_features if order is None else getattr(layer, order).numel()  # act-order: padded groups
+        rows = torch.cat([gguf_dequantize(part_weight(layer.weight, p, cols), p.quant, cols) for p in unit])
+        if order is not None:  # each input column where the order first takes it (the padding's weights: 0)
+            taken = getattr(layer, order).tolist()
+            first = {column: position for position, column in reversed(list(enumerate(taken)))}
+            rows = rows[:, [first[column] for column in range(layer.in_features)]]
         parts.append(rows)
     return torch.cat(parts)
 
 
 SHARD_CASES = [("awq-llama-g32", {}), ("awq-phi3-fused", {}), ("gptq4-sym-v1", {}),
                ("gptq4-sym-v1", dict(bits=8, group_size=64)), ("gptq4-asym-v2-act-order", dict(act_order=False)),
+               ("gptq4-asym-v2-act-order", {}),
                ("fp8-tensor", {}), ("fp8-channel-qwen3", {}), ("fp8-block", {}),
                ("gptq4-sym-v1", dict(lm_head=True)), ("fp8-channel-lm-head-odd-vocab", {})]
 
@@ -388,7 +385,8 @@ SHARD_CASES = [("awq-llama-g32", {}), ("awq-phi3-fused", {}), ("gptq4-sym-v1", {
 def test_each_rank_keeps_the_packed_share_the_dense_layer_keeps(checkpoints, tmp_path, case, extra):
     """Column- and row-parallel projections, checkpoint-fused ones (Phi-3), FP8 blocks
     that straddle a rank's rows (k and v: 16 rows a rank, blocks of 32), a quantized LM
-    head (its padding row under an odd vocabulary zero): every rank's packed layers hold
+    head (its padding row under an odd vocabulary zero), GPTQ act-order columns split
+    between the ranks (each group's share padded to whole blocks): every rank's packed layers hold
     exactly the share of the dequantized weight that the dense layers of the same rank
     load."""
     path = checkpoints(case, **extra)
@@ -399,3 +397,6 @@ def test_each_rank_keeps_the_packed_share_the_dense_layer_keeps(checkpoints, tmp
         assert len(layers) == 12 + ("lm_head" in extra or "lm-head" in case)
         for name, layer in layers.items():
             assert torch.equal(_dense_weight(layer), reference.get_submodule(name).weight), (rank, name)
+        padded = [name for name, layer in layers.items() for order, _ in getattr(layer, "int_units", ())
+                  if order is not None and getattr(layer, order).numel() > layer.in_features]
+        assert bool(padded) == (case == "gptq4-asym-v2-act-order" and not extra), padded  # o/down's shares

@@ -17,7 +17,8 @@ formats of 32 columns with an fp16 scale, into which these weights go exactly �
 
 d the group's scale as fp16 (the file's own, so exact). Each block of 32 columns must
 lie in one group: act-order columns are sorted by group first (`sorted_by_group`, the
-layer permutes x the same way). Other 8-bit zero points would need 9-bit codes and
+layer permutes x the same way; a group's columns that are not whole blocks — a rank's
+share under tensor parallelism — padded with zero weights). Other 8-bit zero points would need 9-bit codes and
 are refused. Pure torch: unpacking and transcoding run once, at load.
 """
 from __future__ import annotations
@@ -47,13 +48,16 @@ def _awq_columns(packed: torch.Tensor) -> torch.Tensor:
 @dataclass
 class IntGroups:
     """A weight [out, in] as `codes` (uint8), and per row and group its `zeros` (int32)
-    and `scales` (float32); `group_of[k]`: the group of input column k."""
+    and `scales` (float32); `group_of[k]`: the group of input column k; `all_groups`: the
+    zero points and scales of every group of the whole weight (act-order), not only those
+    its columns use."""
 
     codes: torch.Tensor
     zeros: torch.Tensor
     scales: torch.Tensor
     group_of: torch.Tensor
     bits: int
+    all_groups: bool = False
 
     def dequantize(self) -> torch.Tensor:
         """float32 [out, in]: scale * (code - zero) of each column's group."""
@@ -62,23 +66,44 @@ class IntGroups:
 
     def check_shape(self, rows: int, cols: int, where: str) -> None:
         """ValueError naming `where` unless the codes are [rows, cols] and every row has
-        one zero point and scale per group its columns use."""
+        one zero point and scale per group its columns use (act-order: every group's,
+        read whole; a rank's columns may use fewer)."""
         if tuple(self.codes.shape) != (rows, cols):
             raise ValueError(f"{where}: qweight holds codes of shape {tuple(self.codes.shape)} [out, in], "
                              f"expected {(rows, cols)}")
         groups = int(self.group_of.max()) + 1 if cols else 0
         for name, t in (("qzeros", self.zeros), ("scales", self.scales)):
-            if tuple(t.shape) != (rows, groups):
+            if t.shape[0] != rows or t.shape[1] < groups or (t.shape[1] > groups and not self.all_groups):
                 raise ValueError(f"{where}: {name} gives {tuple(t.shape)} [out, groups], expected {(rows, groups)} "
                                  "(is quantization_config.group_size the checkpoint's?)")
 
     def sorted_by_group(self) -> tuple[IntGroups, torch.Tensor | None]:
-        """The same weight with its columns sorted by group (stable), and the order
-        (None: already sorted), so that x[:, order] @ sorted^T = x @ self^T."""
+        """The same weight with its columns sorted by group (stable), and the order of
+        x's columns it multiplies (None: already sorted), so that x[:, order] @ sorted^T =
+        x @ self^T. A group whose columns are not whole BLOCKs (a rank's share of act-order
+        columns under tensor parallelism: any number of each group's) is padded to them
+        with columns of weight 0 — codes its row's zero point, 0 in every packed type —
+        that take x's column of the group's first (any column: times 0)."""
         order = torch.argsort(self.group_of, stable=True)
-        if torch.equal(order, torch.arange(order.numel(), device=order.device)):
-            return self, None
-        return IntGroups(self.codes[:, order], self.zeros, self.scales, self.group_of[order], self.bits), order
+        groups = self.group_of[order]
+        counts = torch.bincount(groups).tolist() if order.numel() else []
+        if all(c % BLOCK == 0 for c in counts):
+            if torch.equal(order, torch.arange(order.numel(), device=order.device)):
+                return self, None
+            return IntGroups(self.codes[:, order], self.zeros, self.scales, groups, self.bits, self.all_groups), order
+        runs, padding, start = [], [], 0
+        for g, c in enumerate(counts):
+            if c:
+                pad = -c % BLOCK
+                runs += [order[start:start + c], order[start:start + 1].expand(pad)]
+                padding += [torch.zeros(c, dtype=torch.bool), torch.ones(pad, dtype=torch.bool)]
+                start += c
+        padded_order = torch.cat(runs)
+        pad = torch.cat(padding).to(order.device)
+        padded_groups = self.group_of[padded_order]
+        codes = self.codes[:, padded_order]
+        codes[:, pad] = self.zeros[:, padded_groups[pad]].to(codes.dtype)
+        return IntGroups(codes, self.zeros, self.scales, padded_groups, self.bits, self.all_groups), padded_order
 
     def gguf_rows(self, where: str, q5: bool = False) -> tuple[str, torch.Tensor]:
         """(GGUF type, packed rows uint8 [out, blocks * bytes]) holding this weight
@@ -141,9 +166,11 @@ def awq_groups(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
 
 
 def gptq_groups(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
-                bits: int, group: int, zeros_minus_one: bool, col_offset: int = 0) -> IntGroups:
+                bits: int, group: int, zeros_minus_one: bool, col_offset: int = 0, all_groups: bool = False
+                ) -> IntGroups:
     """A GPTQ weight's slice; `g_idx` None: column // group (a checkpoint without act-order
-    may leave it out)."""
+    may leave it out). `all_groups`: qzeros and scales hold every group of the whole
+    weight (act-order: `col_offset` 0, g_idx numbers them)."""
     codes = unpack_codes(qweight.t(), bits).contiguous()
     zeros = unpack_codes(qzeros, bits).t().to(torch.int32) + int(zeros_minus_one)
     if g_idx is None:
@@ -152,5 +179,5 @@ def gptq_groups(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
         group_of = g_idx.to(torch.int64) - col_offset // group
         if bool(((group_of < 0) | (group_of >= zeros.shape[1])).any()):
             raise ValueError(f"g_idx names groups outside 0..{zeros.shape[1] - 1}")
-    return IntGroups(codes, zeros.contiguous(), scales.t().float().contiguous(), group_of, bits)
+    return IntGroups(codes, zeros.contiguous(), scales.t().float().contiguous(), group_of, bits, all_groups)
 

@@ -80,9 +80,6 @@ def check_alignment(layer: nn.Module, scheme: QuantScheme, modules: dict[Shard, 
     where = next(iter(modules.values()))
     if isinstance(scheme, IntGroupScheme):
         out_step, col_step = (8 if scheme.method == "awq" else 32 // scheme.bits), BLOCK
-        if scheme.act_order and (c, d) != (0, full):
-            raise ValueError(f"{where}: GPTQ act-order (desc_act) weights cannot be split by input columns "
-                             "(tensor parallelism): every rank would need every group")
     else:
         out_step, col_step = 1, scheme.block[1] if scheme.block else 1
     pieces = layer_pieces(layer)
@@ -125,7 +122,9 @@ class QuantizedWeights(WeightLoading):
         if isinstance(self.scheme, FP8Scheme):
             return _read_fp8(name, source, piece, self.scheme)
         group = self.scheme.group_size if self.scheme.group_size > 0 else self.full_columns
-        groups = (c // group, -(-d // group))
+        # act-order: a share of the input columns holds columns of any group (g_idx), so
+        # every group's zero points and scales (int_groups pads each group's run)
+        groups = (0, -(-self.full_columns // group)) if self.scheme.act_order else (c // group, -(-d // group))
         pack = 8 if self.scheme.method == "awq" else 32 // self.scheme.bits
         if name == "g_idx":
             return source[c:d]
@@ -211,7 +210,7 @@ def _int_part(method: QuantizedWeights, i: int, where: str) -> IntGroups:
     else:
         group = s.group_size if s.group_size > 0 else method.full_columns
         groups = gptq_groups(p[("qweight", i)], p[("qzeros", i)], p[("scales", i)], p.get(("g_idx", i)), s.bits,
-                             group, s.zeros_minus_one, c)
+                             group, s.zeros_minus_one, 0 if s.act_order else c, all_groups=s.act_order)
     groups.check_shape(piece.out[1] - piece.out[0], piece.cols[1] - piece.cols[0], where)
     return groups
 
@@ -235,7 +234,8 @@ def _finalize_int(layer: nn.Module, method: QuantizedWeights, names: list[str], 
     layer.int_units = []
     tensors = []
     for u, (members, order) in enumerate(units):
-        parts = packed_parts([quants[i] for i in members], [rows[i].shape[0] for i in members], layer.in_features)
+        cols = layer.in_features if order is None else order.numel()  # (a padded order: more)
+        parts = packed_parts([quants[i] for i in members], [rows[i].shape[0] for i in members], cols)
         parts = tuple(PackedPart(q.quant, q.start, q.end, q.offset + offset) for q in parts)
         offset += sum(rows[i].numel() for i in members)
         name = None
@@ -284,7 +284,7 @@ class IntGroupMatmul:
                  unit_matmul: Callable[[PackedUnit], Callable[[torch.Tensor], torch.Tensor]]) -> None:
         self.layer = layer
         self.with_bias = not getattr(layer, "reduce", False)
-        self.units = [(order, unit_matmul(PackedUnit(layer.in_features, layer.weight, parts)))
+        self.units = [(order, unit_matmul(PackedUnit(_unit_columns(layer, order), layer.weight, parts)))
                       for order, parts in layer.int_units]
 
     def held_tensors(self) -> list[torch.Tensor]:
@@ -296,6 +296,12 @@ class IntGroupMatmul:
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         bias = self.layer.bias if self.with_bias else None
         return out if bias is None else out + bias
+
+
+def _unit_columns(layer: nn.Module, order: str | None) -> int:
+    """The columns a unit's packed rows hold: the layer's, or its input order's (act-order
+    groups padded to whole blocks may take more)."""
+    return layer.in_features if order is None else getattr(layer, order).numel()
 
 
 def quantized_matmul(layer: nn.Module, gguf_ops: Any, x16_passes: int, fp8_ops: Any) -> Any:
