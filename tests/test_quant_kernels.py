@@ -163,6 +163,32 @@ def test_the_int_group_matmul_equals_the_dequantized_reference(name, opts, rows,
     _check_products(layer, dense, layer.bias.data.clone())
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernels", "torch"])
+def test_act_order_groups_of_any_size_are_padded_to_whole_blocks(kernel):
+    """A GPTQ checkpoint whose g_idx gives a group 31 columns and the next 33 (not whole
+    32-column blocks; refused before): the layer pads each group's run with zero weights
+    and computes the dequantized reference; an expert (whose rows must all be as wide)
+    refuses it by name."""
+    from llmd.gpu.models.quant_plan import expert_blocks
+
+    gguf, fp8 = _ops(kernel)
+    opts, rows, cols = next((o, r, c) for n, o, r, c in INT_CASES if n == "gptq4-asym-v2-act-order")
+    scheme, tensors, _ = _int_checkpoint(opts, rows, cols)
+    g_idx = tensors["g_idx"].clone()
+    g_idx[int(torch.nonzero(g_idx == 0)[0])] = 1  # group 0: 31 columns, group 1: 33
+    tensors = {**tensors, "g_idx": g_idx}
+    dense = gptq_dense(tensors["qweight"], tensors["qzeros"], tensors["scales"], g_idx, scheme.bits,
+                       scheme.zeros_minus_one, scheme.group_size)
+    layer = _layer(scheme, tensors, rows, cols)
+    (order, _), = layer.int_units
+    assert getattr(layer, order).numel() == cols + 32  # one padding column for group 0, 31 for group 1
+    layer.kernel = quantized_matmul(layer, gguf, 3 if gguf is not None and gguf.x16 else 0, fp8)
+    _check_products(layer, dense, layer.bias.data.clone())
+    with pytest.raises(ValueError, match=r"experts\.0\.down_proj: its g_idx groups are not whole 32-column blocks"):
+        expert_blocks(scheme, "experts.0.down_proj", lambda name: tensors[name.rsplit(".", 1)[1]],
+                      lambda name: True, cols, "Q5_0")
+
+
 def test_fused_parts_with_their_own_orders_and_types():
     """gate and up of one projection quantized apart (GPTQ act-order with an order each,
     one symmetric, one not): each part keeps its own blocks, scales and column order."""

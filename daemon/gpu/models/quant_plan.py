@@ -253,6 +253,8 @@ def expert_blocks(scheme: QuantScheme, prefix: str, get: Any, has: Any, columns:
     groups = _int_groups(scheme, prefix, get, has, columns)
     groups.check_shape(groups.codes.shape[0], columns, prefix)
     groups, order = groups.sorted_by_group()
+    if order is not None and order.numel() != columns:  # an expert's rows are as wide as every other's
+        raise ValueError(f"{prefix}: its g_idx groups are not whole {BLOCK}-column blocks; {DEQUANTIZE_HINT}")
     held, rows = groups.gguf_rows(prefix, q5=quant == "Q5_0")
     if held != quant:
         raise ValueError(f"{prefix}: its zero points make its blocks {held}, not {quant} (quantization_config's sym "
