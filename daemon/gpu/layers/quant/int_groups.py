@@ -18,8 +18,9 @@ formats of 32 columns with an fp16 scale, into which these weights go exactly �
 d the group's scale as fp16 (the file's own, so exact). Each block of 32 columns must
 lie in one group: act-order columns are sorted by group first (`sorted_by_group`, the
 layer permutes x the same way; a group's columns that are not whole blocks — a rank's
-share under tensor parallelism — padded with zero weights). Other 8-bit zero points would need 9-bit codes and
-are refused. Pure torch: unpacking and transcoding run once, at load.
+share under tensor parallelism — padded with zero weights). Other 8-bit zero points
+would need 9-bit codes and are refused. Pure torch: unpacking and transcoding run once,
+at load.
 """
 from __future__ import annotations
 
@@ -92,7 +93,7 @@ class IntGroups:
                 return self, None
             return IntGroups(self.codes[:, order], self.zeros, self.scales, groups, self.bits, self.all_groups), order
         runs, padding, start = [], [], 0
-        for g, c in enumerate(counts):
+        for c in counts:
             if c:
                 pad = -c % BLOCK
                 runs += [order[start:start + c], order[start:start + 1].expand(pad)]

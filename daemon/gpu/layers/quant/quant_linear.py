@@ -76,7 +76,7 @@ def layer_pieces(layer: nn.Module) -> dict[Shard, list[Piece]]:
 def check_alignment(layer: nn.Module, scheme: QuantScheme, modules: dict[Shard, str]) -> None:
     """ValueError naming the checkpoint module if this rank's share of the layer does not
     fall on the packing's boundaries (or tensor parallelism cuts it elsewhere)."""
-    (c, d), full = layer_columns(layer)
+    (c, d), _ = layer_columns(layer)
     where = next(iter(modules.values()))
     if isinstance(scheme, IntGroupScheme):
         out_step, col_step = (8 if scheme.method == "awq" else 32 // scheme.bits), BLOCK
