@@ -102,6 +102,18 @@ def test_quantized_checkpoints_on_cuda_compute_what_their_dequantized_weights_do
     _close(_logits(packed, TOKENS, torch.float32), _logits(dense, TOKENS, torch.float32), 1e-4)
 
 
+def test_act_order_groups_padded_to_whole_blocks_on_cuda(checkpoints, tmp_path):  # noqa: F811
+    """GPTQ act-order groups of 31 and 33 columns, each group's run padded with zero
+    weights (quant/int_groups.py): x's columns gathered in the padded order on CUDA too."""
+    from test_quantized_checkpoints import _edited, uneven_groups
+
+    path = _edited(checkpoints("gptq4-asym-v2-act-order"), tmp_path / "uneven", None, uneven_groups)
+    packed = load_model(path, torch.float32, CUDA, 128)
+    dense = load_model(path, torch.float32, CUDA, 128, dequantize=True)
+    assert _kernels(packed) == {IntGroupMatmul}
+    _close(_logits(packed, TOKENS, torch.float32), _logits(dense, TOKENS, torch.float32), 1e-4)
+
+
 def test_fp8_in_bf16_runs_w8a8_on_hopper_within_activation_rounding(checkpoints):  # noqa: F811
     """bf16 on compute capability 9.0: activations quantized to e4m3 per token
     (fp8_scaled_mm). Each W8A8 layer, on the inputs the model gave it, computes what its

@@ -210,6 +210,26 @@ def test_modules_the_config_keeps_dense_stay_dense(checkpoints, tmp_path):
         llm.engine.shutdown()
 
 
+def uneven_groups(tensors: dict) -> None:
+    """Every g_idx's first column of group 0 moved to group 1: groups of 31 and 33 columns
+    (the codes read through another group's scale and zero point: a valid checkpoint)."""
+    for name in [n for n in tensors if n.endswith(".g_idx")]:
+        g_idx = tensors[name].clone()
+        g_idx[int(torch.nonzero(g_idx == 0)[0])] = 1
+        tensors[name] = g_idx
+
+
+def test_act_order_groups_that_are_not_whole_blocks_compute_their_dequantized_weights(checkpoints, tmp_path):
+    """GPTQ act-order groups of 31 and 33 columns (refused before): each group's run padded
+    with zero weights computes what transformers does on the dequantized weights."""
+    path = _edited(checkpoints("gptq4-asym-v2-act-order"), tmp_path / "uneven", None, uneven_groups)
+    llm = LLM(model=str(path), **SETTINGS)
+    try:
+        _compare(str(write_dequantized(path, tmp_path / "dense")), llm, "uneven act-order groups")
+    finally:
+        llm.engine.shutdown()
+
+
 def _e5m2(tensors: dict) -> None:
     name = "model.layers.0.mlp.up_proj.weight"
     tensors[name] = tensors[name].float().to(torch.float8_e5m2)
