@@ -406,9 +406,9 @@ def test_each_rank_keeps_the_packed_share_the_dense_layer_keeps(checkpoints, tmp
     """Column- and row-parallel projections, checkpoint-fused ones (Phi-3), FP8 blocks
     that straddle a rank's rows (k and v: 16 rows a rank, blocks of 32), a quantized LM
     head (its padding row under an odd vocabulary zero), GPTQ act-order columns split
-    between the ranks (each group's share padded to whole blocks): every rank's packed layers hold
-    exactly the share of the dequantized weight that the dense layers of the same rank
-    load."""
+    between the ranks (each group's share padded to whole blocks): every rank's packed
+    layers hold exactly the share of the dequantized weight that the dense layers of the
+    same rank load."""
     path = checkpoints(case, **extra)
     dense = write_dequantized(path, tmp_path / "dense")
     for rank in (0, 1):
