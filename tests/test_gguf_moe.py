@@ -36,7 +36,8 @@ from llmd.gpu.layers.linear import ReplicatedLinear
 from llmd.gpu.layers.mlp import ExpertWeights
 from llmd.gpu.models.decoder import CausalLM
 from llmd.gpu.models.gguf_loader import gguf_tensor_types
-from llmd.gpu.models.loader import load_hf_config, load_model, packed_params
+from llmd.gpu.models.loader import load_hf_config, load_model
+from llmd.gpu.models.weight_plan import packed_params
 from llmd.gpu.worker.memory_profile import weight_storage
 from llmd_tools.make_model import build_model
 from test_gguf_packed import _logits, _packed, _weight_bytes

@@ -36,7 +36,8 @@ from llmd.gpu.layers.linear import ReplicatedLinear
 from llmd.gpu.layers.quant.gguf_planes import GPU_TYPES
 from llmd.gpu.models.decoder import CausalLM
 from llmd.gpu.models.gguf_loader import gguf_tensor_types, iter_gguf_weights
-from llmd.gpu.models.loader import load_hf_config, load_model, packed_params
+from llmd.gpu.models.loader import load_hf_config, load_model
+from llmd.gpu.models.weight_plan import packed_params
 from llmd_tools.gguf_blocks import random_blocks
 from test_gguf import SETTINGS, hf_dirs  # noqa: F401
 

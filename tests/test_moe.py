@@ -35,7 +35,8 @@ from safetensors.torch import load_file, save_file
 from transformers import MixtralConfig, Qwen3MoeConfig
 
 from llmd import LLM, SamplingParams
-from llmd.gpu.layers.fused_moe import moe_reference, select_experts
+from llmd.gpu.layers.fused_moe import moe_reference
+from llmd.gpu.layers.fused_ops import select_experts
 from llmd.gpu.models.loader import load_hf_config, load_model
 from llmd.gpu.layers.cpu.cpu_linear import checkpoint_weight
 from llmd.gpu.layers.mlp import GatedMLP, SparseMoeBlock

@@ -132,7 +132,8 @@ def test_every_k_quant_is_planned_packed_on_cuda(hf_dirs, tmp_path):  # noqa: F8
 
     from llmd.gpu.models.decoder import CausalLM
     from llmd.gpu.models.gguf_loader import gguf_tensor_types
-    from llmd.gpu.models.loader import load_hf_config, packed_params
+    from llmd.gpu.models.loader import load_hf_config
+    from llmd.gpu.models.weight_plan import packed_params
 
     T = gguf.GGMLQuantizationType
     path = write_gguf(hf_dirs("llama-256"), tmp_path / "k.gguf",

@@ -219,7 +219,8 @@ def measure(quant: str, tiles, shape: tuple[int, int] = SHAPE) -> dict:
     kernel, grid = compile_tile(quant, tiles, shape)
     found = resources(kernel)
     return {"type": quant, "bm": tiles.bm, "bn": tiles.bn, "bk": tiles.bk, "warps": tiles.warps,
-            "stages": tiles.stages, "scale_words": tiles.scale_words, "split": grid[2], **found, **occupancy(found, tiles, grid, shape[1], quant)}
+            "stages": tiles.stages, "scale_words": tiles.scale_words, "split": grid[2], **found,
+            **occupancy(found, tiles, grid, shape[1], quant)}
 
 
 def estimate(row: dict) -> float:

@@ -40,7 +40,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from llmd.gpu.layers.fused_ops import UNFUSED, LayerOps, select_experts  # noqa: F401  (re-exported)
+from llmd.gpu.layers.fused_ops import UNFUSED, LayerOps
 from llmd.gpu.layers.norms import ACTIVATIONS, act_and_mul
 
 

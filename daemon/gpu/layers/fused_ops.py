@@ -112,8 +112,8 @@ class LayerOps:
 
     def route(self, gate: Any, x: torch.Tensor, top_k: int, renormalize: bool
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A MoE layer's routing of x [T, N] by its router `gate`: fused_moe.select_experts
-        of its logits (weights float32, expert ids int64, [T, top_k])."""
+        """A MoE layer's routing of x [T, N] by its router `gate`: select_experts of its
+        logits (weights float32, expert ids int64, [T, top_k])."""
         return select_experts(gate(x), top_k, renormalize)
 
     def attend(self, attn: Any, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

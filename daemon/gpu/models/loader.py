@@ -27,7 +27,7 @@ from llmd.gpu.models.gguf_loader import (gguf_stop_token_ids, gguf_tensor_types,
                                          release_gguf_readers)
 from llmd.gpu.models.quant_plan import (apply_plan, finalize_quantized, plan_quantized, plan_quantized_experts,
                                         quantized_weights, resolve_scheme, safetensors_index)
-from llmd.gpu.models.weight_plan import PACKED_DEVICES, checkpoint_target, packed_gguf, packed_params  # noqa: F401
+from llmd.gpu.models.weight_plan import PACKED_DEVICES, checkpoint_target, packed_gguf
 from llmd.load_progress import LoadProgress
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

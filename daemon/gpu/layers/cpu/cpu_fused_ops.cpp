@@ -24,7 +24,7 @@
 //   float8 e4m3fn bytes, or int8: kv_quant.py) stores k * k_inv_scale and v * v_inv_scale
 //   (float32 products) rounded to its format, as kv_quant.quantize does.
 // moe_route(x [T, N], router [E, N], top_k, renormalize) -> (weights float32 [T, top_k],
-//   ids int64 [T, top_k]): fused_moe.select_experts(F.linear(x, router)) — the logits in
+//   ids int64 [T, top_k]): fused_ops.select_experts(F.linear(x, router)) — the logits in
 //   float32 rounded to x's dtype (F.linear's output), softmax over the E in float32, the
 //   top_k largest (ties: the lower expert first), rescaled to sum to 1 if renormalize. A
 //   MoE layer's router at decode was six torch operators (docs/benchmarks.md).
