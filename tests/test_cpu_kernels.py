@@ -164,6 +164,34 @@ def test_paged_decode_kernel_splits_a_lopsided_batch_between_threads(decode_kern
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("dtype,window", [(torch.float32, 0), (torch.float32, 601), (torch.bfloat16, 0)])
+def test_paged_decode_kernel_gives_a_long_context_the_same_bits_in_any_split(decode_kernel, dtype, window):
+    """Contexts longer than a chunk (256 rows) are softmaxed in chunks joined in order: a
+    request alone (one kv head, its chunks shared by the threads), at 1, 2 and 4 threads,
+    and the same request in a batch beside others, gets the same bits, and the torch
+    decode's values (a window that starts mid-block: chunks from its first row)."""
+    seq_lens = [3, 1000, 40, 700, 257]
+    q, cache, md = _decode_case(13, dtype, len(seq_lens), 4, 1, 64, 16, 1000, True, seq_lens)
+    attn = TorchAttention(4, 1, 64, 0.125, window or None)
+    TorchAttention.metadata_builder([attn], 16, CPU).build(md)
+    expected = attn._decode(q.float(), cache.float(), md)
+    table, lens = md.decode_block_table, md.decode_seq_lens
+    threads = torch.get_num_threads()
+    try:
+        outs = {}
+        for n in (1, 2, 4):
+            torch.set_num_threads(n)
+            outs[n] = decode_kernel(q, cache, table, lens, 0.125, 0.0, window)
+            for i in (1, 3, 4):  # alone: the threads share its chunks
+                alone = decode_kernel(q[i:i + 1], cache, table[i:i + 1], lens[i:i + 1], 0.125, 0.0, window)
+                assert torch.equal(alone[0], outs[n][i]), (n, i)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[1], outs[2]) and torch.equal(outs[1], outs[4])
+    tol = 2e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(outs[1].float(), expected, atol=tol, rtol=tol * 5)
+
+
 def test_torch_attention_decodes_through_the_kernel_it_was_given(decode_kernel):
     """The layer's own call (cache write, decode rows through the kernel) equals its
     torch path for the same step."""

@@ -29,7 +29,10 @@
 // one register). A thread asks for the lines of the tile it reads two tiles from now
 // (TilePrefetcher), across blocks, passes and items: the hardware prefetcher cannot guess
 // where the next block lies. No allocation per call once a thread's buffers have grown;
-// the items are split between the threads by their rows; small calls run on one thread.
+// the items' rows are softmaxed in chunks of 256, joined in order (the same bits however
+// the call is split), and the chunks split between the threads by their rows, an item
+// shared by several where the batch has fewer items than threads; small calls run on
+// one thread.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -187,8 +190,9 @@ inline TileMath tile_math(int64_t chunks) {
   }
 }
 
-// In place: s[i] = exp(s[i] - max) for i < n (n a multiple of kLanes); returns the sum.
-inline float exp_and_sum(float* s, int64_t n) {
+// In place: s[i] = exp(s[i] - max) for i < n (n a multiple of kLanes); the max to *max,
+// the sum to *sum.
+inline void exp_and_sum(float* s, int64_t n, float* max, float* sum) {
   fVec mxv(-std::numeric_limits<float>::infinity());
   for (int64_t i = 0; i < n; i += kLanes) mxv = at::vec::maximum(mxv, fVec::loadu(s + i));
   const fVec mx(lane_max(mxv));
@@ -198,19 +202,22 @@ inline float exp_and_sum(float* s, int64_t n) {
     e.store(s + i);
     sumv = sumv + e;
   }
-  return lane_sum(sumv);
+  *max = lane_max(mxv);
+  *sum = lane_sum(sumv);
 }
 
 struct Shape {
   int64_t heads, kv_heads, group, dim, num_blocks, block_size, max_blocks;
 };
 
-// One thread's buffers, kept between calls (no allocation per call once they have grown).
+// One thread's buffers, kept between calls (no allocation per call once they have grown),
+// from a cache line's start.
 struct Workspace {
   std::vector<float> values;
   float* take(int64_t n) {
-    if (static_cast<int64_t>(values.size()) < n) values.resize(n);
-    return values.data();
+    if (static_cast<int64_t>(values.size()) < n + kLanes) values.resize(n + kLanes);
+    const auto at = reinterpret_cast<uintptr_t>(values.data());
+    return values.data() + (64 - at % 64) % 64 / sizeof(float);
   }
 };
 
@@ -220,31 +227,45 @@ constexpr int64_t kPrefetchTiles = 2;
 // Multiply-adds of the scores (as many again for the values) below which one thread
 // does the call.
 constexpr int64_t kMinParallelMacs = 1 << 16;
-// Runs of items a call is split into at most (one per thread).
+// Runs of chunks a call is split into at most (one per thread).
 constexpr int64_t kMaxThreads = 256;
 
-// One (request, kv head): its `group` query heads over the request's cached rows (of
-// type C: T, or a quantized cache's bytes). `scale` includes k_scale; v_scale
-// multiplies the output. `ahead` steps once per tile read.
+// An item's rows are softmaxed in chunks of kChunkRows from its first: each chunk's part
+// (per query head its largest score, the sum of exp(score - that) and the V rows weighed
+// by them) is computed apart, and the parts are joined in order (join_chunks) — whether
+// one thread reads the whole item or several threads read its chunks. So an item's
+// output is the same bits alone or in any batch and at any thread count, and a long
+// context can be shared by threads its batch would leave idle (at batch 1 Gemma 3's one
+// kv head read on one of two threads; docs/benchmarks.md, "Long contexts at batch 1").
+constexpr int64_t kChunkRows = 256;
+
+inline int64_t chunks_in(int64_t rows) { return (rows + kChunkRows - 1) / kChunkRows; }
+
+// Floats of one chunk's part: `group` x dp weighed rows, then `group` maxima and `group`
+// sums, in whole vectors (the rows of every part start a vector).
+inline int64_t part_floats(int64_t group, int64_t dp) { return group * dp + (2 * group + kLanes - 1) / kLanes * kLanes; }
+
+// One (request, kv head)'s rows [piece.first, piece.len), whole chunks of the item but
+// for its last: the chunks' parts (part_floats each) of its `group` query heads into
+// `parts`. Rows are of type C (T, or a quantized cache's bytes); `scale` includes
+// k_scale. `ahead` steps once per tile read.
 template <typename T, typename C, typename Ahead>
-void attend_one(const Shape& s, const TileMath& math, const T* q, const ItemRows<C>& item, float scale,
-                float softcap, float v_scale, T* out, Workspace& work, Ahead& ahead) {
+void attend_chunks(const Shape& s, const TileMath& math, const T* q, const ItemRows<C>& piece, float scale,
+                   float softcap, float* parts, Workspace& work, Ahead& ahead) {
   const int64_t g_n = s.group, d = s.dim, dp = padded_width(d), chunks = dp / kLanes;
-  const int64_t n = item.len - item.first;
+  const int64_t n = piece.len - piece.first;
   // Each tile stores a whole vector of scores from its offset (the lanes past its rows
   // are overwritten by the next tile's, or masked): room for one vector past the last row.
   const int64_t n_pad = (n + 2 * kLanes - 1) / kLanes * kLanes;
-  float* qf = work.take(2 * g_n * dp + kLanes * dp + g_n * n_pad + g_n);
-  float* acc = qf + g_n * dp;
-  float* tile_buf = acc + g_n * dp;
+  float* qf = work.take(g_n * dp + kLanes * dp + g_n * n_pad);
+  float* tile_buf = qf + g_n * dp;
   float* scores = tile_buf + kLanes * dp;  // [g_n, n_pad]
-  float* sums = scores + g_n * n_pad;
   for (int64_t g = 0; g < g_n; ++g) {  // zero-padded like the rows: the padding adds 0 * 0
     widen(q + g * d, qf + g * dp, d);
     std::fill(qf + g * dp + d, qf + (g + 1) * dp, 0.f);
   }
-  RowTiles<C> keys(item.k, item.table, s.block_size, d, tile_buf);
-  keys.seek(item.first);
+  RowTiles<C> keys(piece.k, piece.table, s.block_size, d, tile_buf);
+  keys.seek(piece.first);
   for (int64_t i = 0; i < n;) {
     const Tile tile = keys.next(n - i);
     ahead.step();
@@ -252,24 +273,73 @@ void attend_one(const Shape& s, const TileMath& math, const T* q, const ItemRows
     i += tile.n;
   }
   const int64_t vec_end = (n + kLanes - 1) / kLanes * kLanes;
-  for (int64_t g = 0; g < g_n; ++g) {  // lanes past n: -inf, whose exp is 0
+  for (int64_t g = 0; g < g_n; ++g)  // lanes past n: -inf, whose exp is 0
     std::fill(scores + g * n_pad + n, scores + g * n_pad + vec_end, -std::numeric_limits<float>::infinity());
-    sums[g] = exp_and_sum(scores + g * n_pad, vec_end);
+  RowTiles<C> values(piece.v, piece.table, s.block_size, d, tile_buf);
+  values.seek(piece.first);
+  const int64_t stride = part_floats(g_n, dp);
+  for (int64_t c0 = 0, c = 0; c0 < n; c0 += kChunkRows, ++c) {
+    float* maxima = parts + c * stride + g_n * dp;
+    for (int64_t g = 0; g < g_n; ++g)
+      exp_and_sum(scores + g * n_pad + c0, std::min(c0 + kChunkRows, vec_end) - c0, maxima + g, maxima + g_n + g);
+    std::fill(parts + c * stride, parts + c * stride + g_n * dp, 0.f);
   }
-  std::fill(acc, acc + g_n * dp, 0.f);
-  RowTiles<C> values(item.v, item.table, s.block_size, d, tile_buf);
-  values.seek(item.first);
-  for (int64_t i = 0; i < n;) {
-    const Tile tile = values.next(n - i);
-    ahead.step();
-    math.weigh(tile, scores + i, n_pad, acc, g_n, chunks);
-    i += tile.n;
-  }
-  for (int64_t g = 0; g < g_n; ++g) {
-    const float factor = v_scale / sums[g];
-    for (int64_t j = 0; j < d; ++j) out[g * d + j] = static_cast<T>(acc[g * dp + j] * factor);
+  for (int64_t c0 = 0; c0 < n; c0 += kChunkRows, parts += stride) {
+    const int64_t c1 = std::min(n, c0 + kChunkRows);
+    float* acc = parts;
+    for (int64_t i = c0; i < c1;) {
+      const Tile tile = values.next(c1 - i);
+      ahead.step();
+      math.weigh(tile, scores + i, n_pad, acc, g_n, chunks);
+      i += tile.n;
+    }
   }
 }
+
+// An item's output (`group` query heads x d, in T) from its `count` chunk parts, joined in
+// order: each part weighed by exp(its max - the largest), v_scale over the weighed sums.
+// One part: the part's rows times v_scale / its sum (its weight exp(0) = 1).
+template <typename T>
+void join_chunks(const float* parts, int64_t count, int64_t g_n, int64_t d, float v_scale, float* acc, T* out) {
+  const int64_t dp = padded_width(d), stride = part_floats(g_n, dp);
+  for (int64_t g = 0; g < g_n; ++g) {
+    const float* maxima = parts + g_n * dp;  // then the sums
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t c = 0; c < count; ++c) mx = std::max(mx, maxima[c * stride + g]);
+    float sum = 0.f;
+    std::fill(acc, acc + dp, 0.f);
+    for (int64_t c = 0; c < count; ++c) {
+      const float w = std::exp(maxima[c * stride + g] - mx);
+      sum += w * maxima[c * stride + g_n + g];
+      const fVec wv(w);
+      const float* rows = parts + c * stride + g * dp;
+      for (int64_t j = 0; j < dp; j += kLanes) (fVec::loadu(acc + j) + wv * fVec::loadu(rows + j)).store(acc + j);
+    }
+    const float factor = v_scale / sum;
+    for (int64_t j = 0; j < d; ++j) out[g * d + j] = static_cast<T>(acc[j] * factor);
+  }
+}
+
+// A call's items cut in chunks: item i's chunks are [start[i], start[i + 1]) of the
+// call's; a run of the call's chunks covers whole items and, at its ends, pieces.
+struct ChunkRuns {
+  std::vector<int64_t> start;  // [items + 1]
+  int64_t bounds[kMaxThreads + 1];  // thread t reads chunks [bounds[t], bounds[t + 1])
+  // The items a run cuts (read by two or more threads), each with its parts' offset in a
+  // buffer the caller keeps: (item, offset).
+  std::vector<std::pair<int64_t, int64_t>> cut;
+  int64_t cut_floats = 0;
+
+  int64_t item_of(int64_t chunk) const {  // the item holding the call's chunk
+    return std::upper_bound(start.begin(), start.end(), chunk) - start.begin() - 1;
+  }
+  // Where item's parts go when it is cut: their offset, or -1 (one thread reads it all).
+  int64_t cut_offset(int64_t item) const {
+    for (const auto& [i, offset] : cut)
+      if (i == item) return offset;
+    return -1;
+  }
+};
 
 template <typename T, typename C>
 void paged_decode_typed(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& table,
@@ -277,7 +347,7 @@ void paged_decode_typed(const at::Tensor& q, const at::Tensor& kv_cache, const a
                         at::Tensor& out) {
   const Shape s{q.size(1), kv_cache.size(1), q.size(1) / kv_cache.size(1), q.size(2),
                 kv_cache.size(2), kv_cache.size(3), table.size(1)};
-  const int64_t batch = q.size(0);
+  const int64_t batch = q.size(0), dp = padded_width(s.dim), stride = part_floats(s.group, dp);
   const int64_t head_stride = s.num_blocks * s.block_size * s.dim;
   const T* qp = q.const_data_ptr<T>();
   const C* kp = static_cast<const C*>(kv_cache.const_data_ptr());
@@ -285,43 +355,93 @@ void paged_decode_typed(const at::Tensor& q, const at::Tensor& kv_cache, const a
   const int64_t* tp = table.const_data_ptr<int64_t>();
   const int64_t* lp = seq_lens.const_data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
-  const TileMath math = tile_math(padded_width(s.dim) / kLanes);
+  const TileMath math = tile_math(dp / kLanes);
   // Item b * kv_heads + h: request b's kv head h.
   const auto rows_of = [&](int64_t item) {
     const int64_t b = item / s.kv_heads, h = item % s.kv_heads, len = lp[b];
     return ItemRows<C>{kp + h * head_stride, vp + h * head_stride, tp + b * s.max_blocks,
                        window > 0 ? std::max<int64_t>(0, len - window) : 0, len};
   };
-  // Each thread takes a run of items of about equal work (rows read, and a tile's worth
-  // per item): split by count, a batch of mixed lengths leaves one thread waiting. One
-  // thread for a call too small to pay for waking the others (~a few microseconds).
+  const auto offset_of = [&](int64_t item) { return (item / s.kv_heads * s.heads + item % s.kv_heads * s.group) * s.dim; };
+  // The caller's (no allocation per call once grown), by reference: a thread_local named in
+  // the threads' lambda would be each thread's own.
+  thread_local ChunkRuns caller_runs;
+  ChunkRuns& runs = caller_runs;
   const int64_t items = batch * s.kv_heads;
-  const auto work_of = [&](int64_t item) {
-    const ItemRows<C> r = rows_of(item);
-    return r.len - r.first + kLanes;
-  };
+  runs.start.resize(items + 1);
+  runs.start[0] = 0;
   int64_t total = 0;
-  for (int64_t item = 0; item < items; ++item) total += work_of(item);
+  for (int64_t item = 0; item < items; ++item) {
+    const ItemRows<C> r = rows_of(item);
+    const int64_t count = chunks_in(r.len - r.first);
+    runs.start[item + 1] = runs.start[item] + count;
+    total += r.len - r.first + count * kLanes;
+  }
+  const int64_t num_chunks = runs.start[items];
+  // Each thread takes a run of chunks of about equal work (rows read, and a tile's worth
+  // per chunk): a batch of mixed lengths, or fewer items than threads, leaves none
+  // waiting. One thread for a call too small to pay for waking the others (~a few µs).
   const int64_t threads = total * s.group * s.dim < kMinParallelMacs
                               ? 1
-                              : std::min<int64_t>({at::get_num_threads(), items, kMaxThreads});
-  int64_t bounds[kMaxThreads + 1];
-  bounds[0] = 0;
-  for (int64_t t = 1, item = 0, done = 0; t <= threads; ++t) {  // the first item past t / threads of the work
-    for (; item < items && done * threads < total * t; ++item) done += work_of(item);
-    bounds[t] = t == threads ? items : item;
+                              : std::min<int64_t>({at::get_num_threads(), num_chunks, kMaxThreads});
+  const auto chunk_work = [&](int64_t chunk) {
+    const int64_t item = runs.item_of(chunk), c = chunk - runs.start[item];
+    const ItemRows<C> r = rows_of(item);
+    return std::min(kChunkRows, r.len - r.first - c * kChunkRows) + kLanes;
+  };
+  runs.bounds[0] = 0;
+  runs.cut.clear();
+  runs.cut_floats = 0;
+  for (int64_t t = 1, chunk = 0, done = 0; t <= threads; ++t) {  // the first chunk past t / threads of the work
+    for (; chunk < num_chunks && done * threads < total * t; ++chunk) done += chunk_work(chunk);
+    runs.bounds[t] = t == threads ? num_chunks : chunk;
+    const int64_t item = runs.item_of(runs.bounds[t]);
+    if (t < threads && runs.bounds[t] > runs.start[item] && runs.cut_offset(item) < 0) {
+      runs.cut.emplace_back(item, runs.cut_floats);
+      runs.cut_floats += (runs.start[item + 1] - runs.start[item]) * stride;
+    }
   }
+  thread_local Workspace cut_parts;
+  float* shared = cut_parts.take(runs.cut_floats + dp);
   at::parallel_for(0, threads, 1, [&](int64_t first_run, int64_t end_run) {
-    thread_local Workspace work;
+    thread_local Workspace work, whole;
+    thread_local std::vector<ItemRows<C>> pieces;
     for (int64_t run = first_run; run < end_run; ++run) {
-      TilePrefetcher<C, decltype(rows_of)> ahead(rows_of, bounds[run], bounds[run + 1], s.block_size, s.dim,
-                                                 kPrefetchTiles);
-      for (int64_t item = bounds[run]; item < bounds[run + 1]; ++item) {
-        const int64_t offset = (item / s.kv_heads * s.heads + item % s.kv_heads * s.group) * s.dim;
-        attend_one<T, C>(s, math, qp + offset, rows_of(item), scale, softcap, v_scale, op + offset, work, ahead);
+      const int64_t c_begin = runs.bounds[run], c_end = runs.bounds[run + 1];
+      if (c_begin == c_end) continue;
+      // This run's rows of each item it reads: the item's chunks in [c_begin, c_end).
+      const int64_t i_begin = runs.item_of(c_begin), i_end = runs.item_of(c_end - 1) + 1;
+      pieces.resize(i_end - i_begin);
+      for (int64_t item = i_begin; item < i_end; ++item) {
+        ItemRows<C> r = rows_of(item);
+        const int64_t lo = std::max(c_begin, runs.start[item]) - runs.start[item];
+        const int64_t hi = std::min(c_end, runs.start[item + 1]) - runs.start[item];
+        r.len = std::min(r.len, r.first + hi * kChunkRows);
+        r.first += lo * kChunkRows;
+        pieces[item - i_begin] = r;
+      }
+      // (from a table: the prefetcher computing them in its walk made a 32 x 2,048 call
+      // 5-15% slower on one thread)
+      const auto piece_of = [&](int64_t item) { return pieces[item - i_begin]; };
+      TilePrefetcher<C, decltype(piece_of)> ahead(piece_of, i_begin, i_end, s.block_size, s.dim, kPrefetchTiles);
+      for (int64_t item = i_begin; item < i_end; ++item) {
+        const int64_t offset = offset_of(item), cut = runs.cut_offset(item);
+        if (cut >= 0) {  // its parts beside the other runs', joined after
+          const int64_t first_chunk = std::max(c_begin, runs.start[item]) - runs.start[item];
+          attend_chunks<T, C>(s, math, qp + offset, piece_of(item), scale, softcap,
+                              shared + cut + first_chunk * stride, work, ahead);
+          continue;
+        }
+        const int64_t count = runs.start[item + 1] - runs.start[item];
+        float* parts = whole.take(count * stride + dp);
+        attend_chunks<T, C>(s, math, qp + offset, piece_of(item), scale, softcap, parts, work, ahead);
+        join_chunks<T>(parts, count, s.group, s.dim, v_scale, parts + count * stride, op + offset);
       }
     }
   });
+  for (const auto& [item, cut] : runs.cut)
+    join_chunks<T>(shared + cut, runs.start[item + 1] - runs.start[item], s.group, s.dim, v_scale,
+                   shared + runs.cut_floats, op + offset_of(item));
 }
 
 // The cache's element type C for queries of type T: T itself, a quantized cache's, or a
