@@ -317,6 +317,42 @@ def test_tensor_parallel_ranks_keep_their_packed_shares(checkpoints, tmp_path):
             llm.engine.shutdown()
 
 
+def test_the_pool_estimate_counts_act_order_padding_under_tensor_parallelism(checkpoints):
+    """Each rank's run of an act-order group's columns (o_proj's, down_proj's share) is
+    padded to whole blocks with zero weights: the pool's estimate at TP=2..4 adds what the
+    loader's own padding (IntGroups.sorted_by_group on each rank's share, then its blocks)
+    adds over the whole layers, and the most one rank adds to a GPU's share."""
+    from safetensors.torch import load_file
+
+    from llmd.config import EngineConfig
+    from llmd.gpu.layers.quant.int_groups import IntGroups, gptq_groups
+    from llmd.gpu.layers.tp import split_share
+    from llmd.pool.estimate import estimate_need, read_shape
+
+    path = checkpoints("gptq4-asym-v2-act-order")
+    tensors = load_file(str(path / "model.safetensors"))
+    shape = read_shape(str(path))
+    single = estimate_need(EngineConfig(model=str(path), kv_cache_memory_bytes=1), shape, "cpu", available_ram=0)
+    for tp in (2, 3, 4):
+        ranks = [0] * tp
+        for name in (n for n in tensors if n.endswith(("o_proj.g_idx", "down_proj.g_idx"))):
+            prefix = name.removesuffix("g_idx")
+            whole = gptq_groups(*(tensors[prefix + t] for t in ("qweight", "qzeros", "scales", "g_idx")), 4, 32, False)
+            size = _held_bytes(whole)
+            for rank in range(tp):
+                a, b = split_share(whole.codes.shape[1], rank, tp, 32 if "down_proj" in name else 1)
+                share = IntGroups(whole.codes[:, a:b], whole.zeros, whole.scales, whole.group_of[a:b], 4, True)
+                ranks[rank] += _held_bytes(share) - size * (b - a) // whole.codes.shape[1]
+        assert shape.padding(tp) == (sum(ranks), max(ranks)) and sum(ranks) > 0, tp
+        engine = EngineConfig(model=str(path), tensor_parallel_size=tp, kv_cache_memory_bytes=1)
+        assert estimate_need(engine, shape, "cpu", available_ram=0) == {"cpu": single["cpu"] + sum(ranks)}
+
+
+def _held_bytes(groups) -> int:
+    """The packed bytes a GPTQ layer's columns are held in, sorted by group and padded."""
+    return groups.sorted_by_group()[0].gguf_rows("layer")[1].numel()
+
+
 def test_the_http_faces_describe_a_quantized_checkpoint(checkpoints):
     """Ollama's quantization_level names the scheme, and the parameter count counts every
     packed weight once (eight per AWQ word), not the words, zero points and scales."""

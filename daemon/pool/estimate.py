@@ -21,14 +21,19 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from llmd.config import KV_CACHE_FLOATS, EngineConfig
 from llmd.gpu.layers.cpu.cpu_info import cpuinfo_field
 from llmd.gpu.layers.gguf_types import DENSE_TYPES, held_block, held_bytes
 from llmd.gpu.layers.tp import split_share
-from llmd.gpu.layers.quant.scheme import config_scheme, weights_per_element
+from llmd.gpu.layers.quant.scheme import IntGroupScheme, config_scheme, weights_per_element
 
 CPU_KV_DEFAULT_CAP = 4 << 30  # as llmd.engine_setup sizes a CPU KV pool with no setting
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+MAX_PADDED_TP = 8  # the act-order padding is counted for 2..8 ranks
+_ROW_PARALLEL = (".o_proj.g_idx", ".down_proj.g_idx")  # the projections TP splits by input columns
+_INDEX_DTYPES = {"I32": "<i4", "I64": "<i8"}
 _FLOAT_TENSORS = ("F32", "F16", "BF16")  # safetensors dtypes held at the run dtype
 
 
@@ -55,6 +60,11 @@ class ModelShape:
     # (columns, block) of each packed down projection: with TP its intermediate dimension
     # is split in whole blocks (layers/tp.py), the first rank's share the largest
     split_widths: tuple[tuple[int, int], ...] = ()
+    # GPTQ act-order projections split by their input columns under TP (o_proj, down_proj):
+    # each rank's run of each group's columns is padded to whole blocks with zero weights
+    # (int_groups.sorted_by_group). (tensor_parallel_size, the bytes the ranks add
+    # together, the most one rank adds), for 2..MAX_PADDED_TP ranks.
+    act_order_padding: tuple[tuple[int, int, int], ...] = ()
 
     def largest_share(self, tp: int) -> float:
         """The largest fraction of a split weight a rank holds at tensor_parallel_size `tp`."""
@@ -62,6 +72,12 @@ class ModelShape:
                              if size % unit == 0 and size // unit >= tp
                              for start, end in [split_share(size, 0, tp, unit)]]
         return max(shares)
+
+    def padding(self, tp: int) -> tuple[int, int]:
+        """(bytes every rank's act-order padding adds together, the most one rank adds) at
+        tensor_parallel_size `tp`; past MAX_PADDED_TP, the most MAX_PADDED_TP ranks add."""
+        rows = [(total, most) for n, total, most in self.act_order_padding if n == min(tp, MAX_PADDED_TP)]
+        return rows[0] if rows else (0, 0)
 
 
 def read_shape(path: str) -> ModelShape:
@@ -88,8 +104,8 @@ def _read_shape(path: str, mtime_ns: int, size: int) -> ModelShape:
     size = sum(f.stat().st_size for f in weights)
     dtype = str(config.get("torch_dtype") or config.get("dtype") or "") or None
     scheme = config_scheme(config)
-    tensors = {name: info for file in weights for name, info in _safetensors_header(file).items()
-               if name != "__metadata__"}
+    headers = {file: _safetensors_header(file) for file in weights}
+    tensors = {name: info for header in headers.values() for name, info in header.items() if name != "__metadata__"}
     # packed words stand for several weights, scales and zero points for none
     elements = {name: math.prod(info["shape"]) * weights_per_element(name, scheme) for name, info in tensors.items()}
     quantized = {name for name, info in tensors.items() if scheme is not None and info["dtype"] not in _FLOAT_TENSORS}
@@ -104,7 +120,42 @@ def _read_shape(path: str, mtime_ns: int, size: int) -> ModelShape:
                           tensors[n]["data_offsets"][1] - tensors[n]["data_offsets"][0] for n in quantized)),
                       dense_elements=sum(math.prod(info["shape"]) for n, info in tensors.items() if n not in quantized),
                       tied_dense_elements=sum(elements[n] for n in tied if n not in quantized),
-                      tied_elements=sum(elements[n] for n in tied))
+                      tied_elements=sum(elements[n] for n in tied),
+                      act_order_padding=_act_order_padding(scheme, headers) if getattr(scheme, "act_order", False)
+                      else ())
+
+
+def _act_order_padding(scheme: IntGroupScheme, headers: dict[Path, dict]) -> tuple[tuple[int, int, int], ...]:
+    """ModelShape.act_order_padding from the g_idx of the projections TP splits by input
+    columns (experts' are not split: quant_plan refuses act-order experts under TP): a
+    rank's share of o_proj's columns is equal, of down_proj's equal or whole blocks
+    (tp.split_share); its padded columns are held in the scheme's blocks."""
+    layers = []  # (output rows, each input column's group, whether down_proj's)
+    for file, header in headers.items():
+        with file.open("rb") as f:
+            start = 8 + int.from_bytes(f.read(8), "little")  # the data after the header
+            for name, info in header.items():
+                qweight = header.get(name.removesuffix("g_idx") + "qweight")
+                if not name.endswith(_ROW_PARALLEL) or ".experts." in name or qweight is None \
+                        or info["dtype"] not in _INDEX_DTYPES:
+                    continue
+                a, b = info["data_offsets"]
+                f.seek(start + a)
+                groups = np.frombuffer(f.read(b - a), dtype=_INDEX_DTYPES[info["dtype"]])
+                layers.append((qweight["shape"][1], groups, name.endswith(".down_proj.g_idx")))
+    rows, block = [], held_block(scheme.block_type, "cpu")
+    for tp in range(2, MAX_PADDED_TP + 1):
+        ranks = [0] * tp
+        for out, groups, down in layers:
+            for rank in range(tp):
+                try:
+                    a, b = split_share(groups.size, rank, tp, block if down else 1)
+                except ValueError:  # no whole share: the load refuses this TP size
+                    continue
+                counts = np.bincount(groups[a:b])
+                ranks[rank] += held_bytes(scheme.block_type, int((-counts[counts > 0] % block).sum()) * out, "cpu")
+        rows.append((tp, sum(ranks), max(ranks)))
+    return tuple(rows)
 
 
 def _safetensors_header(path: Path) -> dict:
@@ -190,6 +241,9 @@ def estimate_need(engine: EngineConfig, shape: ModelShape, device_type: str, *, 
         weights += copied * element
     tp = engine.tensor_parallel_size
     per_rank = weights // tp if not packed else int(weights * shape.largest_share(tp))
+    if packed and tp > 1:  # act-order columns padded to whole blocks on every rank
+        padding, most = shape.padding(tp)
+        weights, per_rank = weights + padding, per_rank + most
     kv = kv_pool_bytes(engine, shape, device_type, kv_element_bytes(engine.kv_cache_dtype, element), available_ram)
     if device_type == "cpu":
         return {"cpu": weights + kv}

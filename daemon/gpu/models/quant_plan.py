@@ -147,7 +147,7 @@ def plan_quantized_experts(model: nn.Module, scheme: QuantScheme, index: dict[st
         raise ValueError(f"{where} is quantized ({scheme.label}): {why}; {DEQUANTIZE_HINT}")
     if isinstance(scheme, FP8Scheme):
         return _plan_fp8_experts(scheme, found)
-    quant = "Q8_0" if scheme.bits == 8 else "Q4_0" if scheme.symmetric else "Q5_0"
+    quant = scheme.block_type
     for prefix, (layer, attr) in found.items():
         if layer.packed_columns(attr) % BLOCK:
             raise ValueError(f"{prefix} is quantized ({scheme.label}): its rows of {layer.packed_columns(attr)} "

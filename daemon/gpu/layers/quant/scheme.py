@@ -39,6 +39,13 @@ class IntGroupScheme:
         return ("qweight", "qzeros", "scales", "g_idx") if self.method == "gptq" else ("qweight", "qzeros", "scales")
 
     @property
+    def block_type(self) -> str:
+        """The GGUF blocks its weights are held as where the file cannot say otherwise (a
+        MoE layer's experts, the pool's estimate): Q8_0 for 8 bits, else Q4_0 where every
+        zero point is 2^(bits - 1) (sym), Q5_0 where they vary."""
+        return "Q8_0" if self.bits == 8 else "Q4_0" if self.symmetric else "Q5_0"
+
+    @property
     def required_names(self) -> tuple[str, ...]:
         return ("qweight", "qzeros", "scales", "g_idx") if self.act_order else ("qweight", "qzeros", "scales")
 
