@@ -164,31 +164,44 @@ def test_paged_decode_kernel_splits_a_lopsided_batch_between_threads(decode_kern
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("dtype,window", [(torch.float32, 0), (torch.float32, 601), (torch.bfloat16, 0)])
-def test_paged_decode_kernel_gives_a_long_context_the_same_bits_in_any_split(decode_kernel, dtype, window):
+@pytest.mark.parametrize("dtype,window,block_size,cache_format", [
+    (torch.float32, 0, 16, None), (torch.float32, 601, 16, None), (torch.bfloat16, 0, 16, None),
+    (torch.float32, 0, 1, None),  # rows gathered a block of one at a time
+    (torch.float32, 300, 16, "int8"),  # a quantized cache, rows widened
+])
+def test_paged_decode_kernel_gives_a_long_context_the_same_bits_in_any_split(decode_kernel, dtype, window,
+                                                                            block_size, cache_format):
     """Contexts longer than a chunk (256 rows) are softmaxed in chunks joined in order: a
     request alone (one kv head, its chunks shared by the threads), at 1, 2 and 4 threads,
     and the same request in a batch beside others, gets the same bits, and the torch
     decode's values (a window that starts mid-block: chunks from its first row)."""
     seq_lens = [3, 1000, 40, 700, 257]
-    q, cache, md = _decode_case(13, dtype, len(seq_lens), 4, 1, 64, 16, 1000, True, seq_lens)
+    q, cache, md = _decode_case(13, dtype, len(seq_lens), 4, 1, 64, block_size, 1000, True, seq_lens)
     attn = TorchAttention(4, 1, 64, 0.125, window or None)
-    TorchAttention.metadata_builder([attn], 16, CPU).build(md)
-    expected = attn._decode(q.float(), cache.float(), md)
+    TorchAttention.metadata_builder([attn], block_size, CPU).build(md)
+    scales = ()
+    if cache_format is not None:
+        attn.kv_scales = KVScales(0.03, 0.02)
+        cache = torch.stack([quantize(cache[0], kv_cache_format(cache_format), attn.kv_scales.k_inv),
+                             quantize(cache[1], kv_cache_format(cache_format), attn.kv_scales.v_inv)])
+        scales = (attn.kv_scales.k, attn.kv_scales.v)
+        expected = attn._decode(q, cache, md)
+    else:
+        expected = attn._decode(q.float(), cache.float(), md)
     table, lens = md.decode_block_table, md.decode_seq_lens
     threads = torch.get_num_threads()
     try:
         outs = {}
         for n in (1, 2, 4):
             torch.set_num_threads(n)
-            outs[n] = decode_kernel(q, cache, table, lens, 0.125, 0.0, window)
+            outs[n] = decode_kernel(q, cache, table, lens, 0.125, 0.0, window, *scales)
             for i in (1, 3, 4):  # alone: the threads share its chunks
-                alone = decode_kernel(q[i:i + 1], cache, table[i:i + 1], lens[i:i + 1], 0.125, 0.0, window)
+                alone = decode_kernel(q[i:i + 1], cache, table[i:i + 1], lens[i:i + 1], 0.125, 0.0, window, *scales)
                 assert torch.equal(alone[0], outs[n][i]), (n, i)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(outs[1], outs[2]) and torch.equal(outs[1], outs[4])
-    tol = 2e-6 if dtype == torch.float32 else 1e-2
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5 if cache_format else 2e-6
     torch.testing.assert_close(outs[1].float(), expected, atol=tol, rtol=tol * 5)
 
 
