@@ -16,7 +16,8 @@ from llmd.cli import main
 from llmd_tools.bench import roofline as rl
 from llmd_tools.bench import workloads
 from llmd_tools.bench.report import Stats
-from llmd_tools.make_model import fixture_path, param_count
+from llmd_tools.fixture_config import param_count
+from llmd_tools.make_model import fixture_path
 
 TINY = str(fixture_path("tiny-llama"))
 TINY_VOCAB = 1024

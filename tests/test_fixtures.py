@@ -15,6 +15,7 @@ from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from conftest import TINY_MODELS
+from llmd_tools import fixture_config
 from llmd_tools import make_model as mm
 
 ROUND_TRIP_TEXTS = [
@@ -103,7 +104,7 @@ def test_qwen2_padded_vocab_and_bias(tiny_qwen2: Path) -> None:
     cfg = _cfg(tiny_qwen2)
     n_tok = len(_tok(tiny_qwen2))
     assert n_tok == 1024
-    assert cfg.vocab_size == mm.padded_vocab_size(n_tok) == 1088 > n_tok
+    assert cfg.vocab_size == fixture_config.padded_vocab_size(n_tok) == 1088 > n_tok
     st = load_file(str(tiny_qwen2 / "model.safetensors"))
     assert st["model.embed_tokens.weight"].shape[0] == 1088
     assert st["lm_head.weight"].shape[0] == 1088
@@ -321,7 +322,7 @@ def test_cli_prints_path(model_dirs, capsys) -> None:
 @pytest.mark.parametrize("arch", mm.ARCHS)
 @pytest.mark.parametrize("tied", [False, True])
 def test_small_preset_param_count(arch: str, tied: bool) -> None:
-    n = mm.param_count(arch, "small", tie_word_embeddings=tied)
+    n = fixture_config.param_count(arch, "small", tie_word_embeddings=tied)
     assert 30e6 <= n <= 60e6, n
 
 
@@ -329,7 +330,7 @@ def test_small_llama_demo_model(model_dirs) -> None:
     # builds in a few seconds the first time (cached afterwards)
     path = model_dirs("small-llama")
     meta = json.loads((path / "llmd_fixture.json").read_text())
-    assert meta["param_count"] == mm.param_count("llama", "small")
+    assert meta["param_count"] == fixture_config.param_count("llama", "small")
     assert 30e6 <= meta["param_count"] <= 60e6
     cfg = _cfg(path)
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (512, 12, 8, 4)

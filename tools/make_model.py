@@ -9,8 +9,9 @@ These random-weight models are fixtures with known, reproducible properties:
   (tools/fixture_tokenizer.py; the cache they are built into: tools/fixture_cache.py);
 * **random-weight models** built from transformers' own config / ``*ForCausalLM``
   classes (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text, Phi-3, and the
-  mixture-of-experts Qwen3-MoE, Qwen2-MoE and Mixtral), saved as float32 safetensors
-  next to the tokenizer.
+  mixture-of-experts Qwen3-MoE, Qwen2-MoE and Mixtral; their presets and configs:
+  tools/fixture_config.py, their weights' init: tools/fixture_init.py), saved as float32
+  safetensors next to the tokenizer.
 
 Public API::
 
@@ -18,7 +19,7 @@ Public API::
     build_model(out_dir, arch, preset, *, tie_word_embeddings=False, seed=0, **overrides) -> Path
     fixture_path(name, cache_dir=None) -> Path      # named, cached, built once
     demo_model_path() -> Path                       # the small llama fixture (CPU benchmarks)
-    param_count(arch, preset, **overrides) -> int   # exact, without building (meta device)
+    fixture_config.param_count(arch, preset, **overrides) -> int   # exact, without building
     greedy_stats(model_dir, prompts=..., steps=64)  # peakedness / diversity check
 
 CLI::
@@ -73,7 +74,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import re
 import shutil
 import sys
@@ -81,116 +81,14 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from llmd_tools import fixture_cache, fixture_tokenizer
+from llmd_tools import fixture_cache, fixture_config, fixture_init, fixture_tokenizer
 from llmd_tools.fixture_cache import (RECIPE_VERSION, _build_atomically, _hash, _versions,  # noqa: F401
                                       default_cache_dir, source_hash)
+from llmd_tools.fixture_config import ARCHS, PRESETS, SAVE_DTYPES, resolve_config
+from llmd_tools.fixture_init import TARGET_LOGIT_STD, _peaked_init_
 from llmd_tools.fixture_tokenizer import (ARCH_TOKENIZER_FLAVOUR, BOS, EOS, IM_END, IM_START, PAD,  # noqa: F401
                                           SPECIAL_TOKENS, TOKENIZER_FLAVOURS, _corpus_hash, build_tokenizer,
                                           special_token_ids)
-
-# ---------------------------------------------------------------------------------------
-# presets
-# ---------------------------------------------------------------------------------------
-
-PRESETS: dict[str, dict[str, Any]] = {
-    # unit tests: builds in ~1 s, a forward step takes well under a millisecond
-    "tiny": dict(
-        tokenizer_vocab=1024,
-        hidden_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=172,
-        max_position_embeddings=1024,
-        rope_theta=10000.0,
-        llama3_original_max_position_embeddings=64,
-    ),
-    # CPU benchmarks / demo: ~44M parameters (untied llama), fp32 ~175 MB
-    "small": dict(
-        tokenizer_vocab=8192,
-        hidden_size=512,
-        num_hidden_layers=12,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=64,
-        intermediate_size=1408,
-        max_position_embeddings=2048,
-        rope_theta=10000.0,
-        llama3_original_max_position_embeddings=256,
-    ),
-    # GPU benchmarks: TinyLlama-1.1B's shape (22 layers, hidden 2048, 32 heads, 4 KV heads,
-    # intermediate 5632, vocab 32000: the tokenizer's 8192 tokens, the rest padding), so
-    # the weights read per decode step match the real model's. Not a named fixture (4.4 GB
-    # in fp32): `python -m llmd_tools.make_model --arch llama --preset tinyllama --out DIR`.
-    "tinyllama": dict(
-        tokenizer_vocab=8192,
-        vocab_size=32000,
-        hidden_size=2048,
-        num_hidden_layers=22,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        head_dim=64,
-        intermediate_size=5632,
-        max_position_embeddings=2048,
-        rope_theta=10000.0,
-        llama3_original_max_position_embeddings=2048,
-    ),
-    # CPU GGUF benchmarks (llmd_tools.make_gguf): Llama 3.2 1B's shape (16 layers, hidden
-    # 2048, 32 heads, 8 KV heads, intermediate 8192, vocab 128256: the tokenizer's 8192
-    # tokens, the rest padding; use it tied, as the real model is), so a decode step reads
-    # and computes what the real model's does. Not a named fixture (5 GB in fp32).
-    "llama3.2-1b": dict(
-        tokenizer_vocab=8192,
-        vocab_size=128256,
-        hidden_size=2048,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=64,
-        intermediate_size=8192,
-        max_position_embeddings=131072,
-        rope_theta=500000.0,
-        llama3_original_max_position_embeddings=8192,
-    ),
-}
-
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3_moe", "qwen2_moe", "mixtral")
-
-# Weight init ("peaked"). transformers' default init (std 0.02 everywhere, norm weights
-# 1, zero biases) gives logits with std ~0.02*sqrt(hidden) (0.16 at hidden 64): near
-# uniform, so greedy decoding is decided by gaps of ~0.01 that any change in accumulation
-# order can flip. Attention is near uniform too (scores ~0.03), so outputs collapse into
-# short loops; with tied embeddings the residual stream is dominated by the current
-# token's embedding and the model repeats its input token forever (measured: 1-3
-# distinct tokens in 64 steps). Zero biases and unit norm weights would also let an
-# engine that ignores them pass its tests. So build_model re-initialises (seeded):
-#   * every projection with std 1/sqrt(fan_in), so activations stay O(1) in every layer;
-#     q/k scaled so attention scores have std ~sqrt(ATTN_SCORE_VAR) = 4: peaky,
-#     position-dependent attention that keeps outputs from looping (for qwen3, whose q/k
-#     are RMS-normalised per head, through the q_norm/k_norm weights instead);
-#   * embeddings with std EMBED_STD = 0.1, small next to the O(1) layer outputs, so the
-#     next token depends on the context, not only on the current token (this is what
-#     keeps the tied variant from repeating one token);
-#   * qwen2 q/k/v biases with std BIAS_STD (x the q/k gain); RMSNorm weights uniform in
-#     [1 - NORM_JITTER, 1 + NORM_JITTER];
-#   * the final norm weight times a factor giving logits of std ~TARGET_LOGIT_STD. A
-#     common positive factor on all logits leaves the greedy path unchanged and widens
-#     every top1-top2 gap; in units of the logit std ~2% of greedy steps have a gap
-#     below ~0.007 (measured over archs, presets, tied/untied, several seeds), so std 8
-#     puts the gap above 0.05 at ~98% of steps, while sampling stays non-trivial (median
-#     top-1 probability ~0.7).
-# Measured with greedy_stats() (4 prompts x 64 greedy steps, fp32, HF), every arch and
-# preset, tied and untied: gap > 0.05 at 96-99% of steps, ~40-60 distinct tokens per
-# 64-step sequence (tiny, 6 seeds x 6 variants: min 38, median 53; small, 2 seeds x 6
-# variants: min 36, median 59).
-# tests/test_fixtures.py checks this for the tiny fixtures.
-TARGET_LOGIT_STD = 8.0
-ATTN_SCORE_VAR = 16.0
-EMBED_STD = 0.1
-BIAS_STD = 0.2
-NORM_JITTER = 0.25
-ROUTER_GAIN = 2.0  # MoE router weights: std ROUTER_GAIN / sqrt(hidden)
 
 DEFAULT_PROMPTS = (
     "Hello, world! This is a test of the inference engine.",
@@ -245,202 +143,6 @@ DEMO_FIXTURE = "small-llama"
 # ---------------------------------------------------------------------------------------
 # models
 # ---------------------------------------------------------------------------------------
-
-
-def padded_vocab_size(tokenizer_vocab: int) -> int:
-    """Round up to a multiple of 64, plus 64 (real Qwen2 checkpoints pad like this)."""
-    return int(math.ceil(tokenizer_vocab / 64) * 64 + 64)
-
-
-_BUILD_ONLY_KEYS = ("init", "logit_std", "tokenizer_flavour", "dtype")
-# The dtypes build_model can save the weights in (initialised in float32 either way).
-SAVE_DTYPES = ("float32", "bfloat16")
-MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
-
-
-def moe_defaults(arch: str, intermediate_size: int) -> dict[str, Any]:
-    """A preset's mixture-of-experts variant (overrides still win): 8 experts, 2 per
-    token, each expert 1/8 of the preset's dense intermediate size, so the model holds
-    about as many parameters as the dense preset and runs about a quarter of its MLP per
-    token; Qwen2-MoE adds a shared expert of 1/4."""
-    expert = intermediate_size // 8
-    if arch == "mixtral":  # Mixtral's intermediate_size is each expert's
-        return dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=expert)
-    fields = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=expert)
-    if arch == "qwen2_moe":
-        fields["shared_expert_intermediate_size"] = intermediate_size // 4
-    return fields
-
-
-def resolve_config(arch: str, preset: str, *, tie_word_embeddings: bool = False, **overrides: Any):
-    """``(config, tokenizer_vocab)`` for (arch, preset, overrides).
-
-    Override keys besides any config field (``num_hidden_layers=...`` etc.):
-      ``tokenizer_vocab``: int, tokenizer vocab size (default: the preset's);
-      ``pad_vocab``: bool, model vocab = padded_vocab_size(tokenizer vocab) (default:
-      True for qwen2, False otherwise); ``vocab_size``: int, set it outright (>= tokenizer);
-      ``llama3_rope``: bool, or a dict updating the llama3 rope params (default: True
-      for llama; llama only); ``rope_parameters``: dict, set outright; ``rope_theta``;
-      build_model only: ``init`` ("peaked" (default) or "hf": transformers' own init),
-      ``logit_std`` (default TARGET_LOGIT_STD), ``tokenizer_flavour`` (default
-      ARCH_TOKENIZER_FLAVOUR[arch]), ``dtype`` (one of SAVE_DTYPES: the safetensors'
-      dtype, default float32; bfloat16 halves a big fixture's files)."""
-    from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config,
-                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
-
-    if arch not in ARCHS:
-        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; expected one of {tuple(PRESETS)}")
-    p = dict(PRESETS[preset])
-    ov = {k: v for k, v in overrides.items() if k not in _BUILD_ONLY_KEYS}
-    tok_vocab = int(ov.pop("tokenizer_vocab", p.pop("tokenizer_vocab")))
-    p.pop("tokenizer_vocab", None)
-    pad_vocab = bool(ov.pop("pad_vocab", arch == "qwen2"))
-    llama3 = ov.pop("llama3_rope", arch == "llama")
-    orig_max = p.pop("llama3_original_max_position_embeddings")
-    rope_theta = float(ov.pop("rope_theta", p.pop("rope_theta")))
-    preset_vocab = p.pop("vocab_size", None)  # a preset may fix the model vocab outright
-    if preset_vocab is None:
-        preset_vocab = padded_vocab_size(tok_vocab) if pad_vocab else tok_vocab
-    vocab = int(ov.pop("vocab_size", preset_vocab))
-    if vocab < tok_vocab:
-        raise ValueError(f"model vocab_size {vocab} < tokenizer vocab {tok_vocab}")
-
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": rope_theta}
-    if llama3:
-        if arch != "llama":
-            raise ValueError("llama3_rope is only supported for arch='llama'")
-        rope = {
-            "rope_type": "llama3",
-            "rope_theta": rope_theta,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": orig_max,
-        }
-        if isinstance(llama3, dict):
-            rope.update(llama3)
-    if "rope_parameters" in ov:
-        rope = dict(ov.pop("rope_parameters"))
-
-    ids = special_token_ids()
-    fields: dict[str, Any] = dict(
-        vocab_size=vocab,
-        tie_word_embeddings=tie_word_embeddings,
-        rope_parameters=rope,
-        bos_token_id=ids[BOS],
-        eos_token_id=ids[EOS],
-        pad_token_id=ids[PAD],
-        rms_norm_eps=1e-6,
-        initializer_range=0.02,
-        **p,
-    )
-    if arch in MOE_ARCHS:
-        fields.update(moe_defaults(arch, fields["intermediate_size"]))
-    fields.update(ov)
-    if arch in ("qwen2", "phi3"):
-        # Qwen2Config and Phi3Config have no head_dim: it is hidden_size // num_attention_heads.
-        hd = fields.pop("head_dim", None)
-        if hd is not None and hd != fields["hidden_size"] // fields["num_attention_heads"]:
-            raise ValueError(f"{arch} requires head_dim == hidden_size // num_attention_heads")
-    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-           "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig, "phi3": Phi3Config, "qwen3_moe": Qwen3MoeConfig,
-           "qwen2_moe": Qwen2MoeConfig, "mixtral": MixtralConfig}[arch]
-    cfg = cls(**fields)
-    cfg.dtype = "float32"
-    return cfg, tok_vocab
-
-
-def param_count(arch: str, preset: str, *, tie_word_embeddings: bool = False, **overrides: Any) -> int:
-    """Exact parameter count (tied weights counted once), without allocating weights."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    cfg, _ = resolve_config(arch, preset, tie_word_embeddings=tie_word_embeddings, **overrides)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
-    return sum(p.numel() for p in model.parameters())  # parameters() dedups tied tensors
-
-
-def _peaked_init_(model, cfg, *, logit_std: float) -> float:
-    """Re-initialise ``model`` in place as described at TARGET_LOGIT_STD (uses the torch
-    RNG; the caller seeds it). Returns the factor applied to the final norm weight."""
-    import torch
-
-    inner = model.model
-    tied = bool(cfg.tie_word_embeddings)
-    qk_norm = hasattr(inner.layers[0].self_attn, "q_norm")
-    qk_gain = 1.0 if qk_norm else math.sqrt(math.sqrt(ATTN_SCORE_VAR))  # on q and on k
-    # Gemma's norms scale by (1 + w): the same effective scales, stored minus one.
-    gemma = hasattr(inner.layers[0], "pre_feedforward_layernorm")
-
-    def norm_(w: torch.Tensor, mul: float = 1.0) -> None:
-        w.uniform_(1.0 - NORM_JITTER, 1.0 + NORM_JITTER).mul_(mul)
-        if gemma:
-            w.sub_(1.0)
-
-    def linear_(weight: torch.Tensor, bias: torch.Tensor | None, gain: float) -> None:
-        weight.normal_(0.0, gain / math.sqrt(weight.shape[1]))
-        if bias is not None:
-            bias.normal_(0.0, BIAS_STD * gain)
-
-    # Gemma multiplies its embeddings by sqrt(hidden_size): the same EMBED_STD after that.
-    embed_std = EMBED_STD / math.sqrt(cfg.hidden_size) if gemma else EMBED_STD
-    emb = model.get_input_embeddings().weight
-    emb.normal_(0.0, embed_std)
-    head = model.get_output_embeddings().weight
-    if not tied:
-        head.normal_(0.0, 1.0 / math.sqrt(cfg.hidden_size))
-    for layer in inner.layers:
-        at, mlp = layer.self_attn, layer.mlp
-        if hasattr(at, "qkv_proj"):  # Phi-3: [q | k | v] rows in one projection
-            q_rows = cfg.num_attention_heads * at.head_dim
-            kv_rows = cfg.num_key_value_heads * at.head_dim
-            parts = at.qkv_proj.weight.split([q_rows, kv_rows, kv_rows])
-            for part, gain in zip(parts, (qk_gain, qk_gain, 1.0)):
-                linear_(part, None, gain)
-            linear_(mlp.gate_up_proj.weight, None, 1.0)
-            projections = [at.o_proj, mlp.down_proj]
-        else:
-            for lin, gain in ((at.q_proj, qk_gain), (at.k_proj, qk_gain), (at.v_proj, 1.0)):
-                linear_(lin.weight, lin.bias, gain)
-            projections = [at.o_proj]
-            if hasattr(mlp, "experts"):  # a mixture-of-experts block
-                projections += _moe_init_(mlp, linear_)
-            else:
-                projections += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-        for lin in projections:
-            linear_(lin.weight, lin.bias, 1.0)
-        norm_(layer.input_layernorm.weight)
-        norm_(layer.post_attention_layernorm.weight)
-        if gemma:
-            norm_(layer.pre_feedforward_layernorm.weight)
-            norm_(layer.post_feedforward_layernorm.weight)
-        if qk_norm:
-            # q/k are RMS-normalised per head, so scores have std ~ w_q * w_k
-            norm_(at.q_norm.weight, math.sqrt(math.sqrt(ATTN_SCORE_VAR)))
-            norm_(at.k_norm.weight, math.sqrt(math.sqrt(ATTN_SCORE_VAR)))
-    # normed final hidden state has RMS ~1, so logits have std ~ row_std * sqrt(hidden)
-    row_std = embed_std if tied else 1.0 / math.sqrt(cfg.hidden_size)
-    scale = logit_std / (row_std * math.sqrt(cfg.hidden_size))
-    norm_(inner.norm.weight, scale)
-    return scale
-
-
-def _moe_init_(mlp, linear_) -> list:
-    """Initialise a sparse MoE block's stacked experts like dense projections (std
-    1/sqrt(fan_in): gate_up_proj [experts, 2 * inter, hidden], down_proj [experts, hidden,
-    inter]) and its router with std ROUTER_GAIN/sqrt(hidden); returns the shared expert's
-    projections and gate (Qwen2-MoE), for the caller to initialise as it does others."""
-    experts = mlp.experts
-    experts.gate_up_proj.normal_(0.0, 1.0 / math.sqrt(experts.gate_up_proj.shape[2]))
-    experts.down_proj.normal_(0.0, 1.0 / math.sqrt(experts.down_proj.shape[2]))
-    linear_(mlp.gate.weight, None, ROUTER_GAIN)
-    shared = getattr(mlp, "shared_expert", None)
-    if shared is None:
-        return []
-    return [shared.gate_proj, shared.up_proj, shared.down_proj, mlp.shared_expert_gate]
 
 
 @contextlib.contextmanager
@@ -544,9 +246,10 @@ def build_model(
 
 
 def builder_sources() -> tuple[Path, ...]:
-    """The modules whose code makes a fixture's files: this one, the tokenizer's and the
-    cache's (their bytes are part of every fixture's key)."""
-    return (Path(__file__), Path(fixture_tokenizer.__file__), Path(fixture_cache.__file__))
+    """The modules whose code makes a fixture's files: this one, the configs', the
+    init's, the tokenizer's and the cache's (their bytes are part of every fixture's key)."""
+    return tuple(Path(m.__file__) for m in (sys.modules[__name__], fixture_config, fixture_init, fixture_tokenizer,
+                                             fixture_cache))
 
 
 def recipe_key(name: str) -> str:
