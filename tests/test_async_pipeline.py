@@ -16,7 +16,7 @@ from llmd.core.request import Request, RequestStatus
 from llmd.core.scheduler import Scheduler
 from llmd.core.step_pipeline import StepPipeline, output_of, run_now
 from llmd_client.protocol import SamplingParams
-from test_scheduler import BS, FakeRunner, hash_sample, reference_decode
+from scheduler_harness import BS, FakeRunner, hash_sample, reference_decode
 
 EOS = 7
 

@@ -243,7 +243,9 @@ inline int64_t chunks_in(int64_t rows) { return (rows + kChunkRows - 1) / kChunk
 
 // Floats of one chunk's part: `group` x dp weighed rows, then `group` maxima and `group`
 // sums, in whole vectors (the rows of every part start a vector).
-inline int64_t part_floats(int64_t group, int64_t dp) { return group * dp + (2 * group + kLanes - 1) / kLanes * kLanes; }
+inline int64_t part_floats(int64_t group, int64_t dp) {
+  return group * dp + (2 * group + kLanes - 1) / kLanes * kLanes;
+}
 
 // One (request, kv head)'s rows [piece.first, piece.len), whole chunks of the item but
 // for its last: the chunks' parts (part_floats each) of its `group` query heads into
@@ -362,7 +364,9 @@ void paged_decode_typed(const at::Tensor& q, const at::Tensor& kv_cache, const a
     return ItemRows<C>{kp + h * head_stride, vp + h * head_stride, tp + b * s.max_blocks,
                        window > 0 ? std::max<int64_t>(0, len - window) : 0, len};
   };
-  const auto offset_of = [&](int64_t item) { return (item / s.kv_heads * s.heads + item % s.kv_heads * s.group) * s.dim; };
+  const auto offset_of = [&](int64_t item) {  // where item's query heads (and output rows) start
+    return (item / s.kv_heads * s.heads + item % s.kv_heads * s.group) * s.dim;
+  };
   // The caller's (no allocation per call once grown), by reference: a thread_local named in
   // the threads' lambda would be each thread's own.
   thread_local ChunkRuns caller_runs;
