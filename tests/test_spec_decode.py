@@ -13,7 +13,7 @@ from llmd.gpu.sample.rejection_sampler import verify
 from llmd.gpu.sample.sampler import Sampler, SamplingMetadata
 from llmd.core.spec_decode import NgramProposer, SpecDecodeStats
 from llmd_tools.make_model import fixture_path
-from test_sampler import chi_square_pvalue, reference_probs
+from sampler_refs import chi_square_pvalue, reference_probs
 
 CODE = "def parse(path):\n    with open(path) as f:\n        return [line.split(',') for line in f]\n"
 PROMPTS = [CODE * 3, "hello world " * 8, "abc", CODE + "# edited\n" + CODE.replace("parse", "load")]

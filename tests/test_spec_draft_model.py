@@ -21,7 +21,7 @@ from llmd import LLM, GuidedDecodingParams, SamplingParams
 from llmd.gpu.sample.rejection_sampler import verify
 from llmd.gpu.sample.sampler import Sampler, SamplingMetadata
 from llmd_tools.make_model import fixture_path
-from test_sampler import chi_square_pvalue, reference_probs
+from sampler_refs import chi_square_pvalue, reference_probs
 from test_spec_decode import PROMPTS, ROW0, ROW1, greedy, outputs
 
 BASE = dict(dtype="float32", max_model_len=512)
