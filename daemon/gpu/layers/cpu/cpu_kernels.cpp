@@ -388,19 +388,18 @@ void paged_decode_typed(const at::Tensor& q, const at::Tensor& kv_cache, const a
   const int64_t threads = total * s.group * s.dim < kMinParallelMacs
                               ? 1
                               : std::min<int64_t>({at::get_num_threads(), num_chunks, kMaxThreads});
-  const auto chunk_work = [&](int64_t chunk) {
-    const int64_t item = runs.item_of(chunk), c = chunk - runs.start[item];
-    const ItemRows<C> r = rows_of(item);
-    return std::min(kChunkRows, r.len - r.first - c * kChunkRows) + kLanes;
-  };
   runs.bounds[0] = 0;
   runs.cut.clear();
   runs.cut_floats = 0;
-  for (int64_t t = 1, chunk = 0, done = 0; t <= threads; ++t) {  // the first chunk past t / threads of the work
-    for (; chunk < num_chunks && done * threads < total * t; ++chunk) done += chunk_work(chunk);
+  // The first chunk past t / threads of the work, the chunks walked in order (item's c-th).
+  for (int64_t t = 1, chunk = 0, done = 0, item = 0, c = 0; t <= threads; ++t) {
+    for (; chunk < num_chunks && done * threads < total * t; ++chunk) {
+      const ItemRows<C> r = rows_of(item);
+      done += std::min(kChunkRows, r.len - r.first - c * kChunkRows) + kLanes;
+      if (++c == runs.start[item + 1] - runs.start[item]) ++item, c = 0;
+    }
     runs.bounds[t] = t == threads ? num_chunks : chunk;
-    const int64_t item = runs.item_of(runs.bounds[t]);
-    if (t < threads && runs.bounds[t] > runs.start[item] && runs.cut_offset(item) < 0) {
+    if (t < threads && c > 0 && runs.cut_offset(item) < 0) {  // the bound falls inside item
       runs.cut.emplace_back(item, runs.cut_floats);
       runs.cut_floats += (runs.start[item + 1] - runs.start[item]) * stride;
     }
