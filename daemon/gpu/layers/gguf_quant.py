@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from llmd.gpu.layers.cpu.cpu_info import cpuinfo_field
 from llmd.gpu.layers.gguf_formats import FORMATS, PACKED_TYPES, dequantize, row_bytes
+from llmd.gpu.layers.greedy_head import GreedyHead
 
 
 # Rows up to which a product runs through the kernel; above, dequantized slices and a GEMM
@@ -264,6 +265,11 @@ class GGUFMatmul:
         # an LM head's large outputs (REUSED_OUTPUT_BYTES), where one x16 part writes them all
         single = len(self.parts) == 1 and self.parts[0][3] and ops.mm_x16_into is not None
         self.reused = ReusedOutput() if reuse_output and single else None
+        # its greedy rows at one pass, refined (greedy_head): where x16 takes two or more
+        self.greedy = None
+        if self.reused is not None and self.parts[0][3] >= 2 and getattr(ops, "argmax_refine_", None):
+            _, code, weight, passes = self.parts[0]
+            self.greedy = GreedyHead(ops, weight, code, cols, passes, self.reused, self.max_rows)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         layer = self.layer

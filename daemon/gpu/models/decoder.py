@@ -10,6 +10,7 @@ hidden state so each residual add is fused with the next norm (`ops.add_rms_norm
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -191,10 +192,14 @@ class CausalLM(nn.Module):
         hidden, _ = self.ops.add_rms_norm(self.norm, hidden, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Full-vocab logits (with tensor parallelism a collective: every rank must call it)."""
-        logits = self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, argmax_rows: Sequence[int] | None = None,
+                       vocab_limit: int | None = None) -> torch.Tensor:
+        """Full-vocab logits (with tensor parallelism a collective: every rank must call it);
+        of `argmax_rows` only their argmax over [0, vocab_limit) is good (layers/greedy_head)."""
         cap = getattr(self.config, "final_logit_softcapping", None) if self.arch.final_softcap else None
+        if cap is not None:  # tanh's roundings could tie a logit taken at one pass with the best
+            argmax_rows = None
+        logits = self.lm_head(hidden, argmax_rows, vocab_limit).float()
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits

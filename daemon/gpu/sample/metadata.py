@@ -18,6 +18,13 @@ from llmd_client.protocol import SamplingParams
 SAMPLING_EPS = 1e-5
 
 
+def argmax_only(p: SamplingParams) -> bool:
+    """Whether a request's token is the argmax of its raw logits and nothing else of them
+    is read: greedy, no penalties, grammar or min_tokens to change them, no logprobs."""
+    return (p.temperature < SAMPLING_EPS and p.logprobs is None and p.guided is None and p.min_tokens == 0
+            and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
+
+
 @dataclass
 class SamplingMetadata:
     """Per-row sampling parameters of one batch, on the logits' device.

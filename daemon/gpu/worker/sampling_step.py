@@ -20,6 +20,7 @@ from llmd.gpu.worker.draft_model import DraftModel
 from llmd.gpu.sample.graph_sampler import GraphSampler
 from llmd.gpu.sample.rejection_sampler import verify
 from llmd.gpu.worker.runner_types import RunnerRequest, RunnerSettings, StepHandle, collect_logprobs
+from llmd.gpu.sample.metadata import argmax_only
 from llmd.gpu.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs
 from llmd.core.step_messages import GrammarRows, Logprobs, PromptLogprobs, RunnerOutput, SchedulerOutput
 
@@ -47,12 +48,20 @@ class SamplingStep:
     world_size: int = 1
     _last: _LastMetadata | None = None
 
-    def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """The LM head on `rows` of `hidden` only (distinct and ascending)."""
-        if len(rows) == hidden.shape[0]:  # every row samples
-            return self.model.compute_logits(hidden)
-        idx = _to_device(rows, hidden.device)
-        return self.model.compute_logits(hidden.index_select(0, idx))
+    def logits(self, hidden: torch.Tensor, rows: list[int], argmax_rows: list[int] | None = None) -> torch.Tensor:
+        """The LM head on `rows` of `hidden` only (distinct and ascending); of the logits'
+        rows `argmax_rows` (see argmax_rows) only the argmax is good."""
+        if len(rows) != hidden.shape[0]:  # not every row samples
+            hidden = hidden.index_select(0, _to_device(rows, hidden.device))
+        return self.model.compute_logits(hidden, argmax_rows, self.settings.valid_vocab_size)
+
+    def argmax_rows(self, so: SchedulerOutput, reqs: list[RunnerRequest]) -> list[int] | None:
+        """The rows of a step's logits (one per request of `reqs`) whose sampled token is
+        their argmax and nothing else of them is read (metadata.argmax_only); None when
+        drafts are verified (their rows are others) or ranks share the vocabulary."""
+        if so.scheduled_spec_decode_tokens or self.world_size > 1:
+            return None
+        return [i for i, r in enumerate(reqs) if argmax_only(r.sampling_params)] or None
 
     def sample(self, so: SchedulerOutput, grammar: GrammarRows | None, logits: torch.Tensor,
                reqs: list[RunnerRequest], drafts: list[list[int]], out: RunnerOutput) -> list[list[int]]:

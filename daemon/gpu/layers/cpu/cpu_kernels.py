@@ -176,6 +176,8 @@ class GGUFOps:
     x16_isas: tuple[str, ...] = ()
     x16_isa: str = ""
     mm_x16_into: Callable[..., torch.Tensor] | None = None  # (x, w, code, cols, passes, isa, out) -> out
+    # (x, w, code, cols, passes, isa, logits, norms, limit) -> groups: greedy_head.GreedyHead
+    argmax_refine_: Callable[..., int] | None = None
 
 
 def gguf_ops() -> GGUFOps | None:
@@ -194,7 +196,8 @@ def gguf_ops() -> GGUFOps | None:
     isa = (os.environ.get("LLMD_GGUF_X16_ISA") or isas[0]) if x16 else ""  # what mm_x16's isa="" runs with
     return GGUFOps(ops.gguf_mm, ops.gguf_dequantize, ops.gguf_repack_x16, ops.gguf_repack_x16_, ops.gguf_unpack_x16,
                    ops.gguf_mm_x16, ops.gguf_dequantize_x16, x16=x16, x16_passes=int(value) if value else None,
-                   x16_isas=isas, x16_isa=isa, mm_x16_into=ops.gguf_mm_x16_into if x16 else None)
+                   x16_isas=isas, x16_isa=isa, mm_x16_into=ops.gguf_mm_x16_into if x16 else None,
+                   argmax_refine_=ops.gguf_x16_argmax_refine_ if x16 else None)
 
 
 @dataclass(frozen=True)

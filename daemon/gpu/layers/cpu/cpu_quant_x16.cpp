@@ -42,6 +42,14 @@
 //   column col0, in one parallel region (a MoE layer's experts at once). x of one row
 //   where out has more: every job's rows are that row (one token's chosen experts: the
 //   row quantized once, not once a job).
+// gguf_x16_argmax_refine_(x, w, quant, cols, passes, isa, logits, norms, limit) -> int:
+//   rows of x whose logits (float32 [R, N]) the caller took at one pass over x, and that
+//   need only their argmax over [0, limit) (a greedy LM head: gguf_quant.GreedyHead):
+//   each logit's distance from its `passes`-pass value is bounded (norms [N]: the
+//   weight's rows' L2 norms), and the 16-row groups holding any logit that bound does not
+//   rule out as the argmax are multiplied again at `passes` passes, in place — the same
+//   bits the full product gives them, so the row's argmax is the full product's. Returns
+//   the groups multiplied again.
 // gguf_dequantize_x16(w, quant, cols) -> float32 [N, cols] (for a GEMM over many rows),
 //   equal to gguf_dequantize of the GGUF rows (any CPU).
 // gguf_x16_supported(): whether this CPU runs gguf_mm_x16 (with the ISA "" picks).
@@ -61,8 +69,10 @@
 #include "cpu_quant_x16_vnni.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -383,6 +393,133 @@ void gguf_mm_x16_grouped(const at::Tensor& x, at::TensorList ws, at::IntArrayRef
   });
 }
 
+// How far a logit taken at one pass over x may lie from its value at `fine`'s passes,
+// per unit of its weight row's L2 norm: ||x_fine - x_one||_2 (Cauchy-Schwarz: |w . (x_fine
+// - x_one)| <= ||w|| ||x_fine - x_one||, the two x's as their codes and scales give them),
+// plus 1e-3 ||x_fine|| for the float32 roundings of both products (each at most ~(blocks +
+// 16) * 2^-24 of the sum of its terms' magnitudes, ~1e-5 of ||w|| ||x|| at 8,192 columns).
+// Infinite where x is not finite (the whole row is then multiplied again: a NaN is read as
+// a code, and the AVX2 product reads Q8_0's code -128 as +128 against negative weights).
+double refine_reach(const float* x, const QuantizedRow& fine, int passes, const QuantizedRow& one, bool super) {
+  double diff = 0.0, size = 0.0;
+  for (int64_t j = 0; j < fine.cols; ++j) {
+    if (!std::isfinite(x[j])) return std::numeric_limits<double>::infinity();
+    const int64_t b = j / kBlock;
+    double xf = 0.0;
+    for (int p = 0; p < passes; ++p) {
+      xf += static_cast<double>(fine.codes[p * fine.cols + j]) * static_cast<double>(fine.d[b] * llmd_x16::kPassScale[p]);
+    }
+    const double x1 = static_cast<double>(one.codes[j]) * static_cast<double>(one.d[super ? b / llmd_x16::kSuperBlock : b]);
+    diff += (xf - x1) * (xf - x1);
+    size += xf * xf;
+  }
+  return (std::sqrt(diff) + 1e-3 * std::sqrt(size)) * (1.0 + 1e-6);
+}
+
+#if defined(LLMD_X16_VNNI)
+// refine_floor's and refine_reaches' loops over whole 16-logit groups (AVX-512).
+LLMD_X16_TARGET float floor_avx512(const float* l, const float* norms, float reach, int64_t end, bool& nan) {
+  const __m512 r = _mm512_set1_ps(reach);
+  __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __mmask16 unordered = 0;
+  for (int64_t i = 0; i < end; i += 16) {
+    const __m512 v = _mm512_loadu_ps(l + i);
+    unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    m = _mm512_max_ps(m, _mm512_fnmadd_ps(_mm512_loadu_ps(norms + i), r, v));
+  }
+  nan = unordered != 0;
+  return _mm512_reduce_max_ps(m);
+}
+
+LLMD_X16_TARGET bool reaches_avx512(const float* l, const float* norms, float reach, float floor) {
+  const __m512 v = _mm512_fmadd_ps(_mm512_loadu_ps(norms), _mm512_set1_ps(reach), _mm512_loadu_ps(l));
+  return _mm512_cmp_ps_mask(v, _mm512_set1_ps(floor), _CMP_GE_OQ) != 0;
+}
+#endif
+
+// The largest l[i] - norms[i] * reach over [0, limit) (a lower bound of the row's largest
+// refined logit), or NaN where a logit is NaN.
+float refine_floor(const float* l, const float* norms, float reach, int64_t limit, Isa isa) {
+  int64_t i = 0;
+  float best = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+#if defined(LLMD_X16_VNNI)
+  if (isa == Isa::kAvx512Vnni) {
+    i = limit / kGroup * kGroup;
+    best = floor_avx512(l, norms, reach, i, nan);
+  }
+#endif
+  for (; i < limit; ++i) {
+    nan = nan || std::isnan(l[i]);
+    best = std::max(best, l[i] - norms[i] * reach);
+  }
+  return nan ? std::numeric_limits<float>::quiet_NaN() : best;
+}
+
+// Whether any logit of group g (within [0, limit)) reaches `floor` once `reach` is added.
+bool refine_reaches(const float* l, const float* norms, float reach, float floor, int64_t g, int64_t limit, Isa isa) {
+  const int64_t i0 = g * kGroup, i1 = std::min(limit, i0 + kGroup);
+#if defined(LLMD_X16_VNNI)
+  if (isa == Isa::kAvx512Vnni && i1 - i0 == kGroup) return reaches_avx512(l + i0, norms + i0, reach, floor);
+#endif
+  for (int64_t i = i0; i < i1; ++i) {
+    if (l[i] + norms[i] * reach >= floor) return true;
+  }
+  return false;
+}
+
+int64_t gguf_x16_argmax_refine_(const at::Tensor& x, const at::Tensor& w, int64_t quant, int64_t cols, int64_t passes,
+                                c10::string_view isa_choice, at::Tensor& logits, const at::Tensor& norms,
+                                int64_t limit) {
+  const char* op = "gguf_x16_argmax_refine_";
+  const int64_t records = check_layout(w, quant, cols, op);
+  const int64_t rows = x.size(0), n = w.size(0);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == cols && x.is_contiguous(), op,
+              ": contiguous float32 x [R, cols] expected");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.is_contiguous() &&
+                  logits.size(0) == rows && logits.size(1) == n,
+              op, ": contiguous float32 logits [", rows, ", ", n, "] expected");
+  TORCH_CHECK(norms.scalar_type() == at::kFloat && norms.dim() == 1 && norms.is_contiguous() && norms.size(0) == n, op,
+              ": contiguous float32 norms [", n, "] expected");
+  TORCH_CHECK(limit > 0 && limit <= n, op, ": limit must be in [1, ", n, "], got ", limit);
+  TORCH_CHECK(passes >= 2, op, ": the refined logits take 2 or 3 passes, got ", passes);
+  const Isa isa = checked_isa(isa_choice, passes, op);
+  if (rows == 0) return 0;
+  const int p = static_cast<int>(passes);
+  const float* xp = x.const_data_ptr<float>();
+  const QuantizedX fine(isa, xp, rows, cols, quant, p), one(isa, xp, rows, cols, quant, 1);
+  const bool super = llmd_x16::super_blocks(static_cast<int>(quant), 1);
+  const uint8_t* wp = w.const_data_ptr<uint8_t>();
+  const float* np = norms.const_data_ptr<float>();
+  float* lp = logits.data_ptr<float>();
+  const int64_t group_bytes = kGroup * w.size(1), groups = (limit + kGroup - 1) / kGroup;
+  std::vector<int64_t> refined(rows, 0);
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const std::vector<QuantizedRow> xr(1, fine.rows[r]);
+      float* l = lp + r * n;
+      const float reach = static_cast<float>(refine_reach(xp + r * cols, fine.rows[r], p, one.rows[r], super));
+      const float floor = std::isfinite(reach) ? refine_floor(l, np, reach, limit, isa) : NAN;
+      const bool whole = !std::isfinite(floor);  // NaN or inf: the whole row again
+      for (int64_t g = 0; g < groups;) {
+        if (!whole && !refine_reaches(l, np, reach, floor, g, limit, isa)) {
+          ++g;
+          continue;
+        }
+        int64_t g1 = g + 1;  // a run of groups in one call
+        while (g1 < groups && (whole || refine_reaches(l, np, reach, floor, g1, limit, isa))) ++g1;
+        // in this parallel region the product's own parallel_for runs on this thread alone
+        mm_on(isa, quant, p, xr, wp + g * group_bytes, (g1 - g) * kGroup, records, l + g * kGroup);
+        refined[r] += g1 - g;
+        g = g1;
+      }
+    }
+  });
+  int64_t total = 0;
+  for (int64_t count : refined) total += count;
+  return total;
+}
+
 at::Tensor gguf_mm_x16(const at::Tensor& x, const at::Tensor& w, int64_t quant, int64_t cols, int64_t passes,
                        c10::string_view isa) {
   return mm_x16_into(x, w, quant, cols, passes, isa, at::Tensor());
@@ -421,6 +558,8 @@ TORCH_LIBRARY_FRAGMENT(llmd_cpu, m) {
   m.def("gguf_mm_x16_into(Tensor x, Tensor w, int quant, int cols, int passes, str isa, Tensor(a!) out) -> Tensor(a!)");
   m.def("gguf_mm_x16_grouped(Tensor x, Tensor[] ws, int[] starts, int quant, int cols, int passes, str isa, "
         "Tensor(a!) out, int col0) -> ()");
+  m.def("gguf_x16_argmax_refine_(Tensor x, Tensor w, int quant, int cols, int passes, str isa, Tensor(a!) logits, "
+        "Tensor norms, int limit) -> int");
   m.def("gguf_dequantize_x16(Tensor w, int quant, int cols) -> Tensor");
   m.def("gguf_x16_supported() -> bool");
   m.def("gguf_x16_isas() -> str[]");
@@ -433,6 +572,7 @@ TORCH_LIBRARY_IMPL(llmd_cpu, CPU, m) {
   m.impl("gguf_mm_x16", &gguf_mm_x16);
   m.impl("gguf_mm_x16_into", &gguf_mm_x16_into);
   m.impl("gguf_mm_x16_grouped", &gguf_mm_x16_grouped);
+  m.impl("gguf_x16_argmax_refine_", &gguf_x16_argmax_refine_);
   m.impl("gguf_dequantize_x16", &gguf_dequantize_x16);
 }
 

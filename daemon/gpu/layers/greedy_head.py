@@ -1,0 +1,79 @@
+"""A packed LM head's logits for rows that need only their argmax (greedy requests with
+nothing that changes their logits: sample/metadata.argmax_only), at a third less work.
+
+At a batch's rows the x16 product is compute-bound, and its two passes over x are twice
+one pass's int8 dot products (gguf_quant.x16_passes). A greedy row's token is the argmax
+of its logits, so those rows go through one pass; then, per row, a bound on how far each
+logit can lie from its two-pass value (Cauchy-Schwarz: its weight row's L2 norm times
+||x_two - x_one||, plus the float32 roundings; cpu/cpu_quant_x16.cpp's
+gguf_x16_argmax_refine_) rules out every logit that cannot be the argmax, and the
+16-row groups holding the rest are multiplied again at two passes — the same bits the full
+product gives them. The row's argmax is then the two-pass product's, proven, ties
+included (a ruled-out logit lies strictly below the refined maximum). On Gemma 3 270M's
+262,144-row head a row refines 1-13 groups of 16,384 (docs/benchmarks.md).
+
+The logits of a greedy row are then not all its two-pass logits: only callers that take
+their argmax alone may ask for it (`argmax_rows`); everything else gets the full product.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+# Greedy rows from which one pass and the refinement beat two passes: below, the product
+# streams the weight from memory at either pass count (docs/benchmarks.md).
+GREEDY_MIN_ROWS = 8
+# Weight rows dequantized at a time for their norms (a slice in the L2; 8,192 rows took
+# 1.3-2x as long: the 1B's 128,256 x 2,048 Q6_K head 0.27 s against 0.35, Gemma 3's 0.06 / 0.13).
+NORM_SLICE_ROWS = 512
+
+
+class GreedyHead:
+    """The greedy rows' logits of an LM head whose one x16 part (`weight`, type `code`,
+    `cols` columns) is multiplied in `passes` passes over x; the other rows' at `passes`.
+    `reused`: the head's output buffer (gguf_quant.ReusedOutput); `max_rows`: rows up to
+    which the head's product is the x16 kernel at each pass count."""
+
+    def __init__(self, ops: Any, weight: torch.Tensor, code: int, cols: int, passes: int, reused: Any,
+                 max_rows: dict[int, int]) -> None:
+        self.ops, self.weight, self.code, self.cols, self.passes = ops, weight, code, cols, passes
+        self.reused = reused
+        self.max_rows = min(max_rows[1], max_rows[passes])
+        self.norms = self._norms()  # [N] float32, the weight rows' L2 norms
+        self.refined_groups = 0  # groups multiplied again, in all (what the benchmarks report)
+
+    def logits(self, x: torch.Tensor, argmax_rows: Sequence[int], vocab_limit: int) -> torch.Tensor | None:
+        """Logits of x's rows [R, cols], those in `argmax_rows` good for their argmax over
+        [0, vocab_limit) alone; None where this path does not apply (too few greedy rows,
+        or more rows than the x16 kernel takes), and the caller's full product does."""
+        rows, n = x.shape[0], self.weight.shape[0]
+        if len(argmax_rows) < GREEDY_MIN_ROWS or rows > self.max_rows or not 0 < vocab_limit <= n:
+            return None
+        x = x.float().contiguous()
+        ops, w, code, cols = self.ops, self.weight, self.code, self.cols
+        norms = self.norms
+        out = self.reused.get(rows, n)
+        if len(argmax_rows) == rows:
+            ops.mm_x16_into(x, w, code, cols, 1, "", out)
+            self.refined_groups += ops.argmax_refine_(x, w, code, cols, self.passes, "", out, norms, vocab_limit)
+            return out
+        greedy = torch.tensor(argmax_rows, dtype=torch.int64)
+        other = torch.ones(rows, dtype=torch.bool)
+        other[greedy] = False
+        full = other.nonzero().squeeze(1)
+        xg = x.index_select(0, greedy)
+        first = ops.mm_x16(xg, w, code, cols, 1)
+        self.refined_groups += ops.argmax_refine_(xg, w, code, cols, self.passes, "", first, norms, vocab_limit)
+        out.index_copy_(0, greedy, first)
+        out.index_copy_(0, full, ops.mm_x16(x.index_select(0, full), w, code, cols, self.passes))
+        return out
+
+    def _norms(self) -> torch.Tensor:
+        """Each weight row's L2 norm from its dequantized values, rounded up (a float32 sum
+        of n squares errs by at most n * 2^-24 of itself: 5e-4 at 8,192 columns)."""
+        w, step = self.weight, NORM_SLICE_ROWS
+        parts = [torch.linalg.vector_norm(self.ops.dequantize_x16(w[i:i + step], self.code, self.cols), dim=1)
+                 for i in range(0, w.shape[0], step)]
+        return torch.cat(parts).mul_(1.0 + 1e-3).contiguous()
