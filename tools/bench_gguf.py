@@ -3,7 +3,8 @@ token and peak memory of llmd running the file packed (gguf_quant; float32 activ
 meeting the packed weights in two int8 passes, or bfloat16 with `llmd-packed-bf16`;
 `llmd-3p`: three passes, float32's precision; `llmd-int8`: the engine setting
 cpu_int8_activations, one int8 pass over x, as llama.cpp; `-kv16`: a float16 KV cache, as
-llama.cpp's default; `llmd-no-x16`: the float32 kernel), llmd with every weight dequantized at load
+llama.cpp's default; `llmd-no-x16`: the float32 kernel; `llmd-no-greedy-head`: greedy rows'
+logits at two passes, as before layers/greedy_head), llmd with every weight dequantized at load
 (float32 and bfloat16), and llama.cpp through
 llama-cpp-python when it is installed (the optional peer: `pip install -e '.[llamacpp]'`,
 best with CMAKE_ARGS="-DGGML_NATIVE=ON" so it is built for this CPU).
@@ -68,8 +69,8 @@ FIGURES = ("decode_tok_s", "ttft_s", "peak_rss_mib", "load_peak_rss_mib", "loade
 BATCH_FIGURES = ("throughput_tok_s", "batch_ttft_s", "batch_decode_tok_s", "peak_rss_mib", "load_peak_rss_mib",
                  "loaded_rss_mib")
 NORMAL_TOKEN = 1  # llama.cpp's LLAMA_TOKEN_TYPE_NORMAL (tokenizer.ggml.token_type)
-ENGINES = ("llmd", "llmd-kv16", "llmd-packed-bf16", "llmd-int8", "llmd-int8-kv16", "llmd-no-x16", "llmd-3p", "llmd-f32",
-           "llmd-bf16", "llama.cpp")
+ENGINES = ("llmd", "llmd-kv16", "llmd-packed-bf16", "llmd-int8", "llmd-int8-kv16", "llmd-no-x16", "llmd-3p",
+           "llmd-no-greedy-head", "llmd-f32", "llmd-bf16", "llama.cpp")
 # Packed engines with another x16 setting (gguf_quant, cpu_kernels.X16_ENV): the float32
 # kernel over the GGUF layout; three passes over x (float32's precision).
 ENGINE_ENV = {"llmd-no-x16": {"LLMD_GGUF_X16": "0"}, "llmd-3p": {"LLMD_GGUF_X16": "3"}}

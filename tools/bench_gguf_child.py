@@ -29,7 +29,7 @@ from typing import Any
 LLMD_SETTINGS: dict[str, dict[str, Any]] = {
     "llmd": dict(dtype="auto"), "llmd-packed-bf16": dict(dtype="bfloat16"),
     "llmd-int8": dict(dtype="auto", cpu_int8_activations=True), "llmd-no-x16": dict(dtype="auto"),
-    "llmd-3p": dict(dtype="auto"),
+    "llmd-3p": dict(dtype="auto"), "llmd-no-greedy-head": dict(dtype="auto"),
     "llmd-kv16": dict(dtype="auto", kv_cache_dtype="float16"),
     "llmd-int8-kv16": dict(dtype="auto", cpu_int8_activations=True, kv_cache_dtype="float16"),
     "llmd-f32": dict(dtype="float32", dequantize=True), "llmd-bf16": dict(dtype="bfloat16", dequantize=True),
@@ -146,6 +146,11 @@ def llamacpp_batched(model: str, prompts: list[list[int]], tokens: int, threads:
 
 def _llmd(engine: str, model: str, n: int, longest: int, tokens: int, threads: int) -> Any:
     from llmd import LLM
+
+    if engine == "llmd-no-greedy-head":  # every greedy row's logits at two passes (greedy_head)
+        from llmd.gpu.layers import greedy_head
+
+        greedy_head.GREEDY_MIN_ROWS = 1 << 30
 
     blocks_per_seq = -(-(longest + tokens + WARMUP_TOKENS) // BLOCK_SIZE) + 1
     return LLM(model, device="cpu", max_model_len=longest + tokens + 8, max_num_seqs=n, cpu_threads=threads,

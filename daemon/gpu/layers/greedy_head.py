@@ -23,13 +23,10 @@ from typing import Any
 import torch
 
 # Greedy rows from which one pass and the refinement beat two passes: below, the product
-# streams the weight from memory at either pass count (docs/benchmarks.md).
-GREEDY_MIN_ROWS = 8
-# Weight rows dequantized at a time for their norms (a slice in the L2; 8,192 rows took
-# 1.3-2x as long: the 1B's 128,256 x 2,048 Q6_K head 0.27 s against 0.35, Gemma 3's 0.06 / 0.13).
-NORM_SLICE_ROWS = 512
-
-
+# streams the weight from memory at either pass count (Zen 4, 2 threads, the head alone:
+# Gemma 3 270M 0.97-0.98x at 1-2 rows, 1.11x at 4, 1.62x at 32; the 1B's Q6_K head 1.31x at
+# 4, 1.85x at 32; docs/benchmarks.md).
+GREEDY_MIN_ROWS = 4
 class GreedyHead:
     """The greedy rows' logits of an LM head whose one x16 part (`weight`, type `code`,
     `cols` columns) is multiplied in `passes` passes over x; the other rows' at `passes`.
@@ -41,7 +38,8 @@ class GreedyHead:
         self.ops, self.weight, self.code, self.cols, self.passes = ops, weight, code, cols, passes
         self.reused = reused
         self.max_rows = min(max_rows[1], max_rows[passes])
-        self.norms = self._norms()  # [N] float32, the weight rows' L2 norms
+        # [N] float32: the weight rows' L2 norms (Gemma 3's 262,144 x 640: ~0.05 s)
+        self.norms = ops.row_norms(weight, code, cols)
         self.refined_groups = 0  # groups multiplied again, in all (what the benchmarks report)
 
     def logits(self, x: torch.Tensor, argmax_rows: Sequence[int], vocab_limit: int) -> torch.Tensor | None:
@@ -70,10 +68,3 @@ class GreedyHead:
         out.index_copy_(0, full, ops.mm_x16(x.index_select(0, full), w, code, cols, self.passes))
         return out
 
-    def _norms(self) -> torch.Tensor:
-        """Each weight row's L2 norm from its dequantized values, rounded up (a float32 sum
-        of n squares errs by at most n * 2^-24 of itself: 5e-4 at 8,192 columns)."""
-        w, step = self.weight, NORM_SLICE_ROWS
-        parts = [torch.linalg.vector_norm(self.ops.dequantize_x16(w[i:i + step], self.code, self.cols), dim=1)
-                 for i in range(0, w.shape[0], step)]
-        return torch.cat(parts).mul_(1.0 + 1e-3).contiguous()

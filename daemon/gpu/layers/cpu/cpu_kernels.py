@@ -176,8 +176,10 @@ class GGUFOps:
     x16_isas: tuple[str, ...] = ()
     x16_isa: str = ""
     mm_x16_into: Callable[..., torch.Tensor] | None = None  # (x, w, code, cols, passes, isa, out) -> out
-    # (x, w, code, cols, passes, isa, logits, norms, limit) -> groups: greedy_head.GreedyHead
+    # (x, w, code, cols, passes, isa, logits, norms, limit) -> groups, and (w, code, cols) ->
+    # each row's L2 norm: greedy_head.GreedyHead
     argmax_refine_: Callable[..., int] | None = None
+    row_norms: Callable[..., torch.Tensor] | None = None
 
 
 def gguf_ops() -> GGUFOps | None:
@@ -197,7 +199,8 @@ def gguf_ops() -> GGUFOps | None:
     return GGUFOps(ops.gguf_mm, ops.gguf_dequantize, ops.gguf_repack_x16, ops.gguf_repack_x16_, ops.gguf_unpack_x16,
                    ops.gguf_mm_x16, ops.gguf_dequantize_x16, x16=x16, x16_passes=int(value) if value else None,
                    x16_isas=isas, x16_isa=isa, mm_x16_into=ops.gguf_mm_x16_into if x16 else None,
-                   argmax_refine_=ops.gguf_x16_argmax_refine_ if x16 else None)
+                   argmax_refine_=ops.gguf_x16_argmax_refine_ if x16 else None,
+                   row_norms=ops.gguf_x16_row_norms if x16 else None)
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@
 //   rule out as the argmax are multiplied again at `passes` passes, in place — the same
 //   bits the full product gives them, so the row's argmax is the full product's. Returns
 //   the groups multiplied again.
+// gguf_x16_row_norms(w, quant, cols) -> float32 [N]: each row's L2 norm, rounded up.
 // gguf_dequantize_x16(w, quant, cols) -> float32 [N, cols] (for a GEMM over many rows),
 //   equal to gguf_dequantize of the GGUF rows (any CPU).
 // gguf_x16_supported(): whether this CPU runs gguf_mm_x16 (with the ISA "" picks).
@@ -531,6 +532,32 @@ at::Tensor& gguf_mm_x16_into(const at::Tensor& x, const at::Tensor& w, int64_t q
   return out;
 }
 
+// Each row's L2 norm: its dequantized values (as gguf_dequantize_x16's) squared and summed
+// in float64, rounded up to a float32 (so never below the norm: gguf_x16_argmax_refine_'s
+// bound), 16 rows at a time in a scratch of the thread's (no allocation a row).
+at::Tensor gguf_x16_row_norms(const at::Tensor& w, int64_t quant, int64_t cols) {
+  const int64_t blocks = check_layout(w, quant, cols, "gguf_x16_row_norms");
+  const int64_t n = w.size(0);
+  at::Tensor out = at::empty({n}, w.options().dtype(at::kFloat));
+  const uint8_t* wp = w.const_data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  dispatch(quant, [&](auto q) {
+    constexpr int Q = decltype(q)::value;
+    at::parallel_for(0, n / kGroup, 16, [&](int64_t g0, int64_t g1) {
+      std::vector<float> rows(kGroup * cols);
+      for (int64_t g = g0; g < g1; ++g) {
+        dequantize_group<Q>(wp + g * blocks * record_bytes(Q), blocks, cols, rows.data());
+        for (int64_t lane = 0; lane < kGroup; ++lane) {
+          double sum = 0.0;
+          for (int64_t j = 0; j < cols; ++j) sum += static_cast<double>(rows[lane * cols + j]) * rows[lane * cols + j];
+          op[g * kGroup + lane] = std::nextafter(static_cast<float>(std::sqrt(sum)), std::numeric_limits<float>::infinity());
+        }
+      }
+    });
+  });
+  return out;
+}
+
 at::Tensor gguf_dequantize_x16(const at::Tensor& w, int64_t quant, int64_t cols) {
   const int64_t blocks = check_layout(w, quant, cols, "gguf_dequantize_x16");
   const int64_t n = w.size(0);
@@ -561,6 +588,7 @@ TORCH_LIBRARY_FRAGMENT(llmd_cpu, m) {
   m.def("gguf_x16_argmax_refine_(Tensor x, Tensor w, int quant, int cols, int passes, str isa, Tensor(a!) logits, "
         "Tensor norms, int limit) -> int");
   m.def("gguf_dequantize_x16(Tensor w, int quant, int cols) -> Tensor");
+  m.def("gguf_x16_row_norms(Tensor w, int quant, int cols) -> Tensor");
   m.def("gguf_x16_supported() -> bool");
   m.def("gguf_x16_isas() -> str[]");
 }
@@ -574,6 +602,7 @@ TORCH_LIBRARY_IMPL(llmd_cpu, CPU, m) {
   m.impl("gguf_mm_x16_grouped", &gguf_mm_x16_grouped);
   m.impl("gguf_x16_argmax_refine_", &gguf_x16_argmax_refine_);
   m.impl("gguf_dequantize_x16", &gguf_dequantize_x16);
+  m.impl("gguf_x16_row_norms", &gguf_x16_row_norms);
 }
 
 TORCH_LIBRARY_IMPL(llmd_cpu, CatchAll, m) {
