@@ -38,7 +38,7 @@ class GreedyHead:
         self.ops, self.weight, self.code, self.cols, self.passes = ops, weight, code, cols, passes
         self.reused = reused
         self.max_rows = min(max_rows[1], max_rows[passes])
-        # [N] float32: the weight rows' L2 norms (Gemma 3's 262,144 x 640: ~0.05 s)
+        # [N] float32: the weight rows' L2 norms (Gemma 3's 262,144 x 640: ~0.1 s at load)
         self.norms = ops.row_norms(weight, code, cols)
         self.refined_groups = 0  # groups multiplied again, in all (what the benchmarks report)
 
