@@ -418,55 +418,48 @@ double refine_reach(const float* x, const QuantizedRow& fine, int passes, const 
 }
 
 #if defined(LLMD_X16_VNNI)
-// refine_floor's and refine_reaches' loops over whole 16-logit groups (AVX-512).
-LLMD_X16_TARGET float floor_avx512(const float* l, const float* norms, float reach, int64_t end, bool& nan) {
+// refine_scan's loop over whole 16-logit groups (AVX-512).
+LLMD_X16_TARGET float scan_avx512(const float* l, const float* norms, float reach, int64_t groups, float* peak,
+                                  bool& nan) {
   const __m512 r = _mm512_set1_ps(reach);
   __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __mmask16 unordered = 0;
-  for (int64_t i = 0; i < end; i += 16) {
-    const __m512 v = _mm512_loadu_ps(l + i);
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m512 v = _mm512_loadu_ps(l + g * kGroup), n = _mm512_loadu_ps(norms + g * kGroup);
     unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    m = _mm512_max_ps(m, _mm512_fnmadd_ps(_mm512_loadu_ps(norms + i), r, v));
+    m = _mm512_max_ps(m, _mm512_fnmadd_ps(n, r, v));
+    peak[g] = _mm512_reduce_max_ps(_mm512_fmadd_ps(n, r, v));
   }
   nan = unordered != 0;
   return _mm512_reduce_max_ps(m);
 }
-
-LLMD_X16_TARGET bool reaches_avx512(const float* l, const float* norms, float reach, float floor) {
-  const __m512 v = _mm512_fmadd_ps(_mm512_loadu_ps(norms), _mm512_set1_ps(reach), _mm512_loadu_ps(l));
-  return _mm512_cmp_ps_mask(v, _mm512_set1_ps(floor), _CMP_GE_OQ) != 0;
-}
 #endif
 
-// The largest l[i] - norms[i] * reach over [0, limit) (a lower bound of the row's largest
-// refined logit), or NaN where a logit is NaN.
-float refine_floor(const float* l, const float* norms, float reach, int64_t limit, Isa isa) {
-  int64_t i = 0;
-  float best = -std::numeric_limits<float>::infinity();
+// One pass over a row's logits l[0, limit): returns its floor, the largest l[i] - norms[i] *
+// reach (no logit's refined value lies below it: the row's argmax refined is at least
+// that), or NaN where a logit is NaN; and peak[g], group g's largest l[i] + norms[i] *
+// reach (above any of its refined values): group g may hold the argmax only if its peak
+// reaches the floor. (One pass over the logits and norms, not one for the floor and one
+// for the groups: 2.2 -> 1.3 ms for Gemma 3's 32 rows of 262,144, Zen 4, 2 threads.)
+float refine_scan(const float* l, const float* norms, float reach, int64_t limit, Isa isa, float* peak) {
+  int64_t g = 0;
+  float floor = -std::numeric_limits<float>::infinity();
   bool nan = false;
 #if defined(LLMD_X16_VNNI)
   if (isa == Isa::kAvx512Vnni) {
-    i = limit / kGroup * kGroup;
-    best = floor_avx512(l, norms, reach, i, nan);
+    g = limit / kGroup;
+    floor = scan_avx512(l, norms, reach, g, peak, nan);
   }
 #endif
-  for (; i < limit; ++i) {
-    nan = nan || std::isnan(l[i]);
-    best = std::max(best, l[i] - norms[i] * reach);
+  for (; g * kGroup < limit; ++g) {
+    peak[g] = -std::numeric_limits<float>::infinity();
+    for (int64_t i = g * kGroup; i < std::min(limit, (g + 1) * kGroup); ++i) {
+      nan = nan || std::isnan(l[i]);
+      floor = std::max(floor, l[i] - norms[i] * reach);
+      peak[g] = std::max(peak[g], l[i] + norms[i] * reach);
+    }
   }
-  return nan ? std::numeric_limits<float>::quiet_NaN() : best;
-}
-
-// Whether any logit of group g (within [0, limit)) reaches `floor` once `reach` is added.
-bool refine_reaches(const float* l, const float* norms, float reach, float floor, int64_t g, int64_t limit, Isa isa) {
-  const int64_t i0 = g * kGroup, i1 = std::min(limit, i0 + kGroup);
-#if defined(LLMD_X16_VNNI)
-  if (isa == Isa::kAvx512Vnni && i1 - i0 == kGroup) return reaches_avx512(l + i0, norms + i0, reach, floor);
-#endif
-  for (int64_t i = i0; i < i1; ++i) {
-    if (l[i] + norms[i] * reach >= floor) return true;
-  }
-  return false;
+  return nan ? std::numeric_limits<float>::quiet_NaN() : floor;
 }
 
 int64_t gguf_x16_argmax_refine_(const at::Tensor& x, const at::Tensor& w, int64_t quant, int64_t cols, int64_t passes,
@@ -496,19 +489,20 @@ int64_t gguf_x16_argmax_refine_(const at::Tensor& x, const at::Tensor& w, int64_
   const int64_t group_bytes = kGroup * w.size(1), groups = (limit + kGroup - 1) / kGroup;
   std::vector<int64_t> refined(rows, 0);
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> peak(groups);
     for (int64_t r = r0; r < r1; ++r) {
       const std::vector<QuantizedRow> xr(1, fine.rows[r]);
       float* l = lp + r * n;
       const float reach = static_cast<float>(refine_reach(xp + r * cols, fine.rows[r], p, one.rows[r], super));
-      const float floor = std::isfinite(reach) ? refine_floor(l, np, reach, limit, isa) : NAN;
+      const float floor = std::isfinite(reach) ? refine_scan(l, np, reach, limit, isa, peak.data()) : NAN;
       const bool whole = !std::isfinite(floor);  // NaN or inf: the whole row again
       for (int64_t g = 0; g < groups;) {
-        if (!whole && !refine_reaches(l, np, reach, floor, g, limit, isa)) {
+        if (!whole && !(peak[g] >= floor)) {
           ++g;
           continue;
         }
         int64_t g1 = g + 1;  // a run of groups in one call
-        while (g1 < groups && (whole || refine_reaches(l, np, reach, floor, g1, limit, isa))) ++g1;
+        while (g1 < groups && (whole || peak[g1] >= floor)) ++g1;
         // in this parallel region the product's own parallel_for runs on this thread alone
         mm_on(isa, quant, p, xr, wp + g * group_bytes, (g1 - g) * kGroup, records, l + g * kGroup);
         refined[r] += g1 - g;
