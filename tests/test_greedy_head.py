@@ -114,6 +114,7 @@ def test_the_head_gives_greedy_rows_the_argmax_and_the_others_every_logit(x16, g
     assert not torch.equal(one[greedy_rows, :VOCAB - 3].argmax(1), two[greedy_rows, :VOCAB - 3].argmax(1))
     assert head.logits(x[:3], [0, 1, 2], VOCAB) is None  # too few greedy rows: the full product
     assert head.logits(x, greedy_rows, VOCAB + 1) is None
+    assert head.logits(x.bfloat16(), greedy_rows, VOCAB) is None  # its full product's logits are bfloat16
 
 
 def test_argmax_only_is_plain_greedy_without_anything_reading_the_logits():

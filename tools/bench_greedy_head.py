@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -84,9 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     results = measure(args.model, args.rows, args.rounds, args.threads)
+    load = os.getloadavg()[0]  # every tenant's, this benchmark's own threads included
     if args.json:
-        print(json.dumps(results))
+        print(json.dumps({"load_average_1min_end": load, "figures": results}))
         return 0
+    print(f"{args.threads} thread(s), best of {args.rounds} alternated calls; load average {load:.2f} at the end")
     print(f"{'rows':>5} {'two passes ms':>14} {'one + refine ms':>16} {'speed-up':>9} {'groups a row':>13}")
     for r in results:
         print(f"{r['rows']:>5} {r['two_passes_ms']:>14.2f} {r['greedy_ms']:>16.2f} {r['speedup']:>8.2f}x "

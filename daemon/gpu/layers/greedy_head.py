@@ -1,5 +1,6 @@
 """A packed LM head's logits for rows that need only their argmax (greedy requests with
-nothing that changes their logits: sample/metadata.argmax_only), at a third less work.
+nothing that changes their logits: sample/metadata.argmax_only), at about half the int8
+dot products of the full product.
 
 At a batch's rows the x16 product is compute-bound, and its two passes over x are twice
 one pass's int8 dot products (gguf_quant.x16_passes). A greedy row's token is the argmax
@@ -27,6 +28,8 @@ import torch
 # Gemma 3 270M 0.97-0.98x at 1-2 rows, 1.11x at 4, 1.62x at 32; the 1B's Q6_K head 1.31x at
 # 4, 1.85x at 32; docs/benchmarks.md).
 GREEDY_MIN_ROWS = 4
+
+
 class GreedyHead:
     """The greedy rows' logits of an LM head whose one x16 part (`weight`, type `code`,
     `cols` columns) is multiplied in `passes` passes over x; the other rows' at `passes`.
@@ -44,12 +47,15 @@ class GreedyHead:
 
     def logits(self, x: torch.Tensor, argmax_rows: Sequence[int], vocab_limit: int) -> torch.Tensor | None:
         """Logits of x's rows [R, cols], those in `argmax_rows` good for their argmax over
-        [0, vocab_limit) alone; None where this path does not apply (too few greedy rows,
-        or more rows than the x16 kernel takes), and the caller's full product does."""
+        [0, vocab_limit) alone; None where this path does not apply, and the caller's full
+        product does: too few greedy rows, more rows than the x16 kernel takes, or x not
+        float32 (a bfloat16 model's full product rounds its logits to bfloat16, whose ties
+        pick the lowest id: the float32 logits here could pick another)."""
         rows, n = x.shape[0], self.weight.shape[0]
-        if len(argmax_rows) < GREEDY_MIN_ROWS or rows > self.max_rows or not 0 < vocab_limit <= n:
+        if len(argmax_rows) < GREEDY_MIN_ROWS or rows > self.max_rows or not 0 < vocab_limit <= n \
+                or x.dtype != torch.float32:
             return None
-        x = x.float().contiguous()
+        x = x.contiguous()
         ops, w, code, cols = self.ops, self.weight, self.code, self.cols
         norms = self.norms
         out = self.reused.get(rows, n)
@@ -67,4 +73,3 @@ class GreedyHead:
         out.index_copy_(0, greedy, first)
         out.index_copy_(0, full, ops.mm_x16(x.index_select(0, full), w, code, cols, self.passes))
         return out
-

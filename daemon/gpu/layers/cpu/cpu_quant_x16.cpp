@@ -44,7 +44,7 @@
 //   row quantized once, not once a job).
 // gguf_x16_argmax_refine_(x, w, quant, cols, passes, isa, logits, norms, limit) -> int:
 //   rows of x whose logits (float32 [R, N]) the caller took at one pass over x, and that
-//   need only their argmax over [0, limit) (a greedy LM head: gguf_quant.GreedyHead):
+//   need only their argmax over [0, limit) (a greedy LM head: greedy_head.GreedyHead):
 //   each logit's distance from its `passes`-pass value is bounded (norms [N]: the
 //   weight's rows' L2 norms), and the 16-row groups holding any logit that bound does not
 //   rule out as the argmax are multiplied again at `passes` passes, in place — the same
