@@ -147,3 +147,20 @@ def test_the_engine_gives_greedy_rows_the_two_pass_tokens(builtin_gguf, x16, mon
     groups = head.refined_groups
     assert run() == with_head
     assert head.refined_groups == groups  # off: the full product served every row
+
+
+def test_verified_drafts_of_greedy_rows_take_the_two_pass_tokens(builtin_gguf, x16, monkeypatch):  # noqa: F811
+    """n-gram drafts verified on greedy rows (each position's row needs only its argmax):
+    the same tokens with the head as without it and as without drafts."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = LLM(dtype="float32", num_gpu_blocks_override=96, max_model_len=256, enable_prefix_caching=False,
+              speculative_config=spec)
+    head = llm.engine.executor.runner.model.lm_head.kernel.greedy
+    prompts = [f"Count with me: one two three four, one two three four, one two three {i}" for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with_head = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert head.refined_groups > 0
+    monkeypatch.setattr(greedy_head, "GREEDY_MIN_ROWS", 1 << 30)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == with_head
+    plain = LLM(dtype="float32", num_gpu_blocks_override=96, max_model_len=256, enable_prefix_caching=False)
+    assert [o.outputs[0].token_ids for o in plain.generate(prompts, params)] == with_head

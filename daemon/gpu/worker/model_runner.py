@@ -368,7 +368,7 @@ class ModelRunner:
         ordered = [r for r, _ in rows.ordered]
         sampled: list[list[int]] = []
         if plan.reqs:
-            logits = self.sampling.logits(hidden, plan.rows, self.sampling.argmax_rows(so, plan.reqs))
+            logits = self.sampling.logits(hidden, plan.rows, self.sampling.argmax_rows(plan.reqs, plan.drafts))
             if defer:
                 return self.sampling.sample_deferred(so, grammar, logits, plan.reqs, ordered, out, chain)
             sampled = self.sampling.sample(so, grammar, logits, plan.reqs, plan.drafts, out)

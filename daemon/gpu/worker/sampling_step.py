@@ -55,13 +55,21 @@ class SamplingStep:
             hidden = hidden.index_select(0, _to_device(rows, hidden.device))
         return self.model.compute_logits(hidden, argmax_rows, self.settings.valid_vocab_size)
 
-    def argmax_rows(self, so: SchedulerOutput, reqs: list[RunnerRequest]) -> list[int] | None:
-        """The rows of a step's logits (one per request of `reqs`) whose sampled token is
-        their argmax and nothing else of them is read (metadata.argmax_only); None when
-        drafts are verified (their rows are others) or ranks share the vocabulary."""
-        if so.scheduled_spec_decode_tokens or self.world_size > 1:
+    def argmax_rows(self, reqs: list[RunnerRequest], drafts: list[list[int]]) -> list[int] | None:
+        """The rows of a step's logits whose token is their argmax and nothing else of them
+        is read: every row of the requests of `reqs` that metadata.argmax_only admits (a
+        request has one row, or len(drafts[i]) + 1 while its drafts are verified: a greedy
+        row accepts while a draft is its argmax, then emits the argmax); None when none
+        or ranks share the vocabulary."""
+        if self.world_size > 1:
             return None
-        return [i for i, r in enumerate(reqs) if argmax_only(r.sampling_params)] or None
+        rows, row = [], 0
+        for i, req in enumerate(reqs):
+            n = len(drafts[i]) + 1 if drafts else 1
+            if argmax_only(req.sampling_params):
+                rows += range(row, row + n)
+            row += n
+        return rows or None
 
     def sample(self, so: SchedulerOutput, grammar: GrammarRows | None, logits: torch.Tensor,
                reqs: list[RunnerRequest], drafts: list[list[int]], out: RunnerOutput) -> list[list[int]]:
