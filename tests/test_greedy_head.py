@@ -56,8 +56,9 @@ def test_refined_rows_take_the_two_pass_argmax_and_bits(x16, isa, quant):  # noq
     norms = x16.row_norms(w, code, cols)
     exact = x16.dequantize_x16(w, code, cols).double().norm(dim=1)
     assert (norms.double() >= exact).all() and (norms.double() <= exact * (1 + 2 ** -22)).all()  # rounded up
-    refined = one.clone()
-    groups = x16.argmax_refine_(x, w, code, cols, 2, isa, refined, norms, limit)
+    refined, tokens = one.clone(), torch.empty(ROWS, dtype=torch.int64)
+    groups = x16.argmax_refine_(x, w, code, cols, 2, isa, refined, norms, limit, tokens)
+    assert torch.equal(tokens, two[:, :limit].argmax(1))
     changed = refined != one
     assert torch.equal(refined[changed], two[changed])
     kept = ~changed & (refined != two)  # not refined: the one-pass bits
@@ -67,7 +68,7 @@ def test_refined_rows_take_the_two_pass_argmax_and_bits(x16, isa, quant):  # noq
     # another token somewhere
     assert not torch.equal(one[:, :limit].argmax(1), two[:, :limit].argmax(1)), quant
     blind = one.clone()
-    x16.argmax_refine_(x, w, code, cols, 2, isa, blind, torch.zeros_like(norms), limit)
+    x16.argmax_refine_(x, w, code, cols, 2, isa, blind, torch.zeros_like(norms), limit, tokens)
     assert not torch.equal(blind[:, :limit].argmax(1), two[:, :limit].argmax(1)), quant
     assert 0 < groups < ROWS * VOCAB // 16 / 2  # and most groups are ruled out
 
@@ -83,21 +84,25 @@ def test_a_row_with_inf_or_nan_is_refined_whole(x16, isa, bad):  # noqa: F811
     two = x16.mm_x16(x, w, code, cols, 2, isa)
     refined = x16.mm_x16(x, w, code, cols, 1, isa)
     norms = x16.row_norms(w, code, cols)
-    groups = x16.argmax_refine_(x[1:2].contiguous(), w, code, cols, 2, isa, refined[1:2], norms, VOCAB)
+    tokens = torch.empty(1, dtype=torch.int64)
+    groups = x16.argmax_refine_(x[1:2].contiguous(), w, code, cols, 2, isa, refined[1:2], norms, VOCAB, tokens)
     assert groups == VOCAB // 16
     torch.testing.assert_close(refined[1], two[1], rtol=0, atol=0, equal_nan=True)
+    assert int(tokens[0]) == int(np.argmax(two[1].numpy()))  # numpy's rule: the first NaN, else the first max
 
 
 def test_the_operator_refuses_what_it_cannot_refine(x16):  # noqa: F811
     code = FORMATS["Q8_0"].code
     x, w, cols = near_ties(x16, "Q8_0", seed=4)
-    logits, norms = x16.mm_x16(x, w, code, cols, 1), torch.ones(VOCAB)
+    logits, norms, tokens = x16.mm_x16(x, w, code, cols, 1), torch.ones(VOCAB), torch.empty(ROWS, dtype=torch.int64)
     with pytest.raises(RuntimeError, match="limit must be in"):
-        x16.argmax_refine_(x, w, code, cols, 2, "", logits, norms, VOCAB + 1)
+        x16.argmax_refine_(x, w, code, cols, 2, "", logits, norms, VOCAB + 1, tokens)
     with pytest.raises(RuntimeError, match="take 2 or 3 passes"):
-        x16.argmax_refine_(x, w, code, cols, 1, "", logits, norms, VOCAB)
+        x16.argmax_refine_(x, w, code, cols, 1, "", logits, norms, VOCAB, tokens)
     with pytest.raises(RuntimeError, match="norms"):
-        x16.argmax_refine_(x, w, code, cols, 2, "", logits, norms[:-1], VOCAB)
+        x16.argmax_refine_(x, w, code, cols, 2, "", logits, norms[:-1], VOCAB, tokens)
+    with pytest.raises(RuntimeError, match="tokens"):
+        x16.argmax_refine_(x, w, code, cols, 2, "", logits, norms, VOCAB, tokens[:-1])
 
 
 @pytest.mark.parametrize("greedy_rows", [list(range(ROWS)), list(range(1, ROWS, 2)), [0, 3, 4, 9, 10, 11, 20, 23]])
@@ -107,6 +112,10 @@ def test_the_head_gives_greedy_rows_the_argmax_and_the_others_every_logit(x16, g
     head = GreedyHead(x16, w, code, cols, 2, ReusedOutput(), {1: 1 << 20, 2: 1024})
     two = x16.mm_x16(x, w, code, cols, 2)
     got = head.logits(x, greedy_rows, VOCAB - 3)
+    if len(greedy_rows) == ROWS:  # every row greedy: the head has their tokens too
+        assert torch.equal(head.argmax, two[:, :VOCAB - 3].argmax(1))
+    else:
+        assert head.argmax is None
     others = [r for r in range(ROWS) if r not in greedy_rows]
     assert torch.equal(got[others], two[others])
     assert torch.equal(got[greedy_rows, :VOCAB - 3].argmax(1), two[greedy_rows, :VOCAB - 3].argmax(1))
@@ -139,7 +148,8 @@ def test_the_engine_gives_greedy_rows_the_two_pass_tokens(builtin_gguf, x16, mon
         [SamplingParams(temperature=0, logprobs=2, max_tokens=12, ignore_eos=True)] * 2
 
     def run() -> list:
-        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+        mixed = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+        return mixed + [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]  # all greedy: the head's tokens
 
     with_head = run()
     assert head.refined_groups > 0

@@ -44,6 +44,9 @@ class GreedyHead:
         # [N] float32: the weight rows' L2 norms (Gemma 3's 262,144 x 640: ~0.1 s at load)
         self.norms = ops.row_norms(weight, code, cols)
         self.refined_groups = 0  # groups multiplied again, in all (what the benchmarks report)
+        # [R] int64: every row's argmax, where the last call's rows were all greedy (the
+        # refinement knows them: the sampler need not read the logits again); else None
+        self.argmax: torch.Tensor | None = None
 
     def logits(self, x: torch.Tensor, argmax_rows: Sequence[int], vocab_limit: int) -> torch.Tensor | None:
         """Logits of x's rows [R, cols], those in `argmax_rows` good for their argmax over
@@ -52,6 +55,7 @@ class GreedyHead:
         float32 (a bfloat16 model's full product rounds its logits to bfloat16, whose ties
         pick the lowest id: the float32 logits here could pick another)."""
         rows, n = x.shape[0], self.weight.shape[0]
+        self.argmax = None
         if len(argmax_rows) < GREEDY_MIN_ROWS or rows > self.max_rows or not 0 < vocab_limit <= n \
                 or x.dtype != torch.float32:
             return None
@@ -61,7 +65,9 @@ class GreedyHead:
         out = self.reused.get(rows, n)
         if len(argmax_rows) == rows:
             ops.mm_x16_into(x, w, code, cols, 1, "", out)
-            self.refined_groups += ops.argmax_refine_(x, w, code, cols, self.passes, "", out, norms, vocab_limit)
+            self.argmax = torch.empty(rows, dtype=torch.int64)
+            self.refined_groups += ops.argmax_refine_(x, w, code, cols, self.passes, "", out, norms, vocab_limit,
+                                                      self.argmax)
             return out
         greedy = torch.tensor(argmax_rows, dtype=torch.int64)
         other = torch.ones(rows, dtype=torch.bool)
@@ -69,7 +75,13 @@ class GreedyHead:
         full = other.nonzero().squeeze(1)
         xg = x.index_select(0, greedy)
         first = ops.mm_x16(xg, w, code, cols, 1)
-        self.refined_groups += ops.argmax_refine_(xg, w, code, cols, self.passes, "", first, norms, vocab_limit)
+        self.refined_groups += ops.argmax_refine_(xg, w, code, cols, self.passes, "", first, norms, vocab_limit,
+                                                  torch.empty(len(argmax_rows), dtype=torch.int64))
         out.index_copy_(0, greedy, first)
         out.index_copy_(0, full, ops.mm_x16(x.index_select(0, full), w, code, cols, self.passes))
         return out
+
+
+def greedy_head_of(model: torch.nn.Module) -> GreedyHead | None:
+    """The model's LM head's greedy path, if it has one (a packed head on the x16 kernel)."""
+    return getattr(getattr(getattr(model, "lm_head", None), "kernel", None), "greedy", None)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmd.gpu.layers.greedy_head import greedy_head_of
 from llmd.gpu.worker.draft_model import DraftModel
 from llmd.gpu.sample.graph_sampler import GraphSampler
 from llmd.gpu.sample.rejection_sampler import verify
@@ -47,13 +48,25 @@ class SamplingStep:
     rank: int = 0  # tensor-parallel rank: rank 0 samples
     world_size: int = 1
     _last: _LastMetadata | None = None
+    _argmax: torch.Tensor | None = None  # the LM head's tokens for this step's rows, all greedy
 
     def logits(self, hidden: torch.Tensor, rows: list[int], argmax_rows: list[int] | None = None) -> torch.Tensor:
         """The LM head on `rows` of `hidden` only (distinct and ascending); of the logits'
         rows `argmax_rows` (see argmax_rows) only the argmax is good."""
         if len(rows) != hidden.shape[0]:  # not every row samples
             hidden = hidden.index_select(0, _to_device(rows, hidden.device))
-        return self.model.compute_logits(hidden, argmax_rows, self.settings.valid_vocab_size)
+        head = greedy_head_of(self.model) if argmax_rows and len(argmax_rows) == len(rows) else None
+        if head is not None:
+            head.argmax = None  # (set again only by this call)
+        logits = self.model.compute_logits(hidden, argmax_rows, self.settings.valid_vocab_size)
+        self._argmax = head.argmax if head is not None else None
+        return logits
+
+    def _sampled(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        """The sampler's tokens, or the LM head's where it found every row's argmax (every
+        row greedy with nothing else to read: the sampler would take the same argmax)."""
+        tokens, self._argmax = self._argmax, None
+        return SamplerOutput(sampled_token_ids=tokens) if tokens is not None else self.sampler(logits, md)
 
     def argmax_rows(self, reqs: list[RunnerRequest], drafts: list[list[int]]) -> list[int] | None:
         """The rows of a step's logits whose token is their argmax and nothing else of them
@@ -92,7 +105,7 @@ class SamplingStep:
         one more. Logprobs go into `out`."""
         if so.scheduled_spec_decode_tokens:
             return self._verify(so, grammar, logits, reqs, drafts, out)
-        result = self.sampler(logits, self._metadata(so, reqs, logits.device, grammar=grammar))
+        result = self._sampled(logits, self._metadata(so, reqs, logits.device, grammar=grammar))
         self._last.sampled = result.sampled_token_ids
         tokens = [[t] for t in result.sampled_token_ids.tolist()]
         if result.logprobs_token_ids is not None:
@@ -181,7 +194,7 @@ class SamplingStep:
         """Sample without reading the tokens back: start their copy to the host and
         return the step's handle, its tokens pending."""
         dev = logits.device
-        result = self.sampler(logits, self._metadata(so, reqs, dev, chain, grammar))
+        result = self._sampled(logits, self._metadata(so, reqs, dev, chain, grammar))
         self._last.sampled = result.sampled_token_ids
         host, ready = result, None
         if dev.type == "cuda":

@@ -42,14 +42,15 @@
 //   column col0, in one parallel region (a MoE layer's experts at once). x of one row
 //   where out has more: every job's rows are that row (one token's chosen experts: the
 //   row quantized once, not once a job).
-// gguf_x16_argmax_refine_(x, w, quant, cols, passes, isa, logits, norms, limit) -> int:
+// gguf_x16_argmax_refine_(x, w, quant, cols, passes, isa, logits, norms, limit, tokens) -> int:
 //   rows of x whose logits (float32 [R, N]) the caller took at one pass over x, and that
 //   need only their argmax over [0, limit) (a greedy LM head: greedy_head.GreedyHead):
 //   each logit's distance from its `passes`-pass value is bounded (norms [N]: the
 //   weight's rows' L2 norms), and the 16-row groups holding any logit that bound does not
 //   rule out as the argmax are multiplied again at `passes` passes, in place — the same
-//   bits the full product gives them, so the row's argmax is the full product's. Returns
-//   the groups multiplied again.
+//   bits the full product gives them, so the row's argmax is the full product's: into
+//   tokens (int64 [R]; the first of equal maxima, as numpy's argmax). Returns the groups
+//   multiplied again.
 // gguf_x16_row_norms(w, quant, cols) -> float32 [N]: each row's L2 norm, rounded up.
 // gguf_dequantize_x16(w, quant, cols) -> float32 [N, cols] (for a GEMM over many rows),
 //   equal to gguf_dequantize of the GGUF rows (any CPU).
@@ -462,9 +463,20 @@ float refine_scan(const float* l, const float* norms, float reach, int64_t limit
   return nan ? std::numeric_limits<float>::quiet_NaN() : floor;
 }
 
+// The first index of a row's largest value over [0, limit), a NaN counting as the largest
+// (numpy's and torch's argmax).
+int64_t first_argmax(const float* l, int64_t limit) {
+  int64_t best = 0;
+  for (int64_t i = 0; i < limit; ++i) {
+    if (std::isnan(l[i])) return i;
+    if (l[i] > l[best]) best = i;
+  }
+  return best;
+}
+
 int64_t gguf_x16_argmax_refine_(const at::Tensor& x, const at::Tensor& w, int64_t quant, int64_t cols, int64_t passes,
                                 c10::string_view isa_choice, at::Tensor& logits, const at::Tensor& norms,
-                                int64_t limit) {
+                                int64_t limit, at::Tensor& tokens) {
   const char* op = "gguf_x16_argmax_refine_";
   const int64_t records = check_layout(w, quant, cols, op);
   const int64_t rows = x.size(0), n = w.size(0);
@@ -476,6 +488,9 @@ int64_t gguf_x16_argmax_refine_(const at::Tensor& x, const at::Tensor& w, int64_
   TORCH_CHECK(norms.scalar_type() == at::kFloat && norms.dim() == 1 && norms.is_contiguous() && norms.size(0) == n, op,
               ": contiguous float32 norms [", n, "] expected");
   TORCH_CHECK(limit > 0 && limit <= n, op, ": limit must be in [1, ", n, "], got ", limit);
+  TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.dim() == 1 && tokens.is_contiguous() &&
+                  tokens.size(0) == rows,
+              op, ": contiguous int64 tokens [", rows, "] expected");
   TORCH_CHECK(passes >= 2, op, ": the refined logits take 2 or 3 passes, got ", passes);
   const Isa isa = checked_isa(isa_choice, passes, op);
   if (rows == 0) return 0;
@@ -486,6 +501,7 @@ int64_t gguf_x16_argmax_refine_(const at::Tensor& x, const at::Tensor& w, int64_
   const uint8_t* wp = w.const_data_ptr<uint8_t>();
   const float* np = norms.const_data_ptr<float>();
   float* lp = logits.data_ptr<float>();
+  int64_t* tp = tokens.data_ptr<int64_t>();
   const int64_t group_bytes = kGroup * w.size(1), groups = (limit + kGroup - 1) / kGroup;
   std::vector<int64_t> refined(rows, 0);
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
@@ -496,6 +512,7 @@ int64_t gguf_x16_argmax_refine_(const at::Tensor& x, const at::Tensor& w, int64_
       const float reach = static_cast<float>(refine_reach(xp + r * cols, fine.rows[r], p, one.rows[r], super));
       const float floor = std::isfinite(reach) ? refine_scan(l, np, reach, limit, isa, peak.data()) : NAN;
       const bool whole = !std::isfinite(floor);  // NaN or inf: the whole row again
+      int64_t best = -1;  // the first largest refined logit (the others lie below the floor)
       for (int64_t g = 0; g < groups;) {
         if (!whole && !(peak[g] >= floor)) {
           ++g;
@@ -505,9 +522,13 @@ int64_t gguf_x16_argmax_refine_(const at::Tensor& x, const at::Tensor& w, int64_
         while (g1 < groups && (whole || peak[g1] >= floor)) ++g1;
         // in this parallel region the product's own parallel_for runs on this thread alone
         mm_on(isa, quant, p, xr, wp + g * group_bytes, (g1 - g) * kGroup, records, l + g * kGroup);
+        for (int64_t i = g * kGroup; i < std::min(limit, g1 * kGroup); ++i) {
+          if (best < 0 || l[i] > l[best]) best = i;
+        }
         refined[r] += g1 - g;
         g = g1;
       }
+      tp[r] = whole ? first_argmax(l, limit) : best;
     }
   });
   int64_t total = 0;
@@ -580,7 +601,7 @@ TORCH_LIBRARY_FRAGMENT(llmd_cpu, m) {
   m.def("gguf_mm_x16_grouped(Tensor x, Tensor[] ws, int[] starts, int quant, int cols, int passes, str isa, "
         "Tensor(a!) out, int col0) -> ()");
   m.def("gguf_x16_argmax_refine_(Tensor x, Tensor w, int quant, int cols, int passes, str isa, Tensor(a!) logits, "
-        "Tensor norms, int limit) -> int");
+        "Tensor norms, int limit, Tensor(b!) tokens) -> int");
   m.def("gguf_dequantize_x16(Tensor w, int quant, int cols) -> Tensor");
   m.def("gguf_x16_row_norms(Tensor w, int quant, int cols) -> Tensor");
   m.def("gguf_x16_supported() -> bool");
