@@ -195,14 +195,14 @@ inline TileMath tile_math(int64_t chunks) {
 inline void exp_and_sum(float* s, int64_t n, float* max, float* sum) {
   fVec mxv(-std::numeric_limits<float>::infinity());
   for (int64_t i = 0; i < n; i += kLanes) mxv = at::vec::maximum(mxv, fVec::loadu(s + i));
-  const fVec mx(lane_max(mxv));
+  *max = lane_max(mxv);
+  const fVec mx(*max);
   fVec sumv(0.f);
   for (int64_t i = 0; i < n; i += kLanes) {
     const fVec e = (fVec::loadu(s + i) - mx).exp_u20();
     e.store(s + i);
     sumv = sumv + e;
   }
-  *max = lane_max(mxv);
   *sum = lane_sum(sumv);
 }
 
