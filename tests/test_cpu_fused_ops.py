@@ -7,6 +7,7 @@ steps with the ops on against LLMD_FUSED_OPS=0, and which models get them. Skips
 kernels cannot be built here (no C++ compiler or ninja)."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,26 @@ def test_act_and_mul_matches_the_reference(dtype, activation, tokens, inter):
     gen = torch.Generator().manual_seed(tokens + inter)
     gate_up = _randn(gen, tokens, 2 * inter, dtype=getattr(torch, dtype), scale=2.0)
     assert_close(CPU_FUSED.act_and_mul(gate_up, activation), UNFUSED.act_and_mul(gate_up, activation), dtype)
+
+
+def test_gelu_tanh_in_float32_holds_its_relative_precision_where_torch_cancels():
+    """float32 gelu (tanh approximation) is taken as g / (1 + exp(-2u)): within 2e-5 of the
+    float64 function relative to its value over [-12, 12], where torch's 0.5 g (1 +
+    tanh(u)) loses the tail to cancellation (its error there: percents); inf, nan and
+    signed zeros as torch gives them."""
+    g = torch.cat([torch.linspace(-12, 12, 48_001), torch.tensor([float("inf"), float("nan"), 0.0, -0.0, -40.0])])
+    gate_up = torch.cat([g, torch.ones_like(g)]).reshape(1, -1)
+    out = CPU_FUSED.act_and_mul(gate_up, "gelu_pytorch_tanh")[0]
+    x = g[:-5].double()  # the function in float64, as a logistic (float64's tanh form cancels too)
+    ref = x * torch.sigmoid(2 * math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3))
+    normal = ref.abs() > 1e-30  # (below: float32 denormals and zeros, checked absolutely)
+    rel = (out[:-5].double() - ref).abs() / ref.abs()
+    assert rel[normal].max() < 2e-5 and (out[:-5].double() - ref)[~normal].abs().max() < 1e-30
+    torch_rel = (torch.nn.functional.gelu(g[:-5], approximate="tanh").double() - ref).abs() / ref.abs()
+    assert torch_rel[normal].max() > 1e-3  # what the reference formula gives there (this test's teeth)
+    tail = out[-5:]
+    assert tail[0] == float("inf") and tail[1].isnan() and tail[4] == 0
+    assert not tail[2].signbit() and tail[3].signbit() and tail[4].signbit()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

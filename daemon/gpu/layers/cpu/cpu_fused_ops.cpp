@@ -165,18 +165,27 @@ at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& residual, const at::Te
   return out;
 }
 
+// gelu's tanh approximation, 0.5 g (1 + tanh(u)) with u = sqrt(2 / pi) (g + 0.044715 g^3),
+// in float32 taken as g / (1 + exp(-2u)) (the same function: 0.5 (1 + tanh(u)) is the
+// logistic of 2u): an exp in place of a tanh, silu's cost (Gemma 3 270M's 32 rows of 2,048
+// on 2 Zen 4 threads: 58 -> 19 us), within 1e-5 of the float64 value where torch's
+// 1 + tanh(u) cancels (percents off, then 0, as tanh(u) nears -1). `as_torch`: torch's own
+// formula, for 16-bit types, whose rounding to the dtype then gives the reference's bits.
+constexpr float kGeluU = 0.7978845608028654f, kGeluTwoU = 2.0f * kGeluU, kGeluTwoU3 = kGeluTwoU * 0.044715f;
+
 // act(g) for a vector of gates: 0 silu, 1 gelu (erf), 2 gelu (tanh).
-inline fVec activate(const fVec& g, int64_t act) {
+inline fVec activate(const fVec& g, int64_t act, bool as_torch) {
   if (act == 0) return g / (fVec(1.f) + g.neg().exp());
   if (act == 1) return g * fVec(0.5f) * (fVec(1.f) + (g * fVec(static_cast<float>(M_SQRT1_2))).erf());
-  const fVec inner = fVec(0.7978845608028654f) * (g + fVec(0.044715f) * g * g * g);
-  return fVec(0.5f) * g * (fVec(1.f) + inner.tanh());
+  if (as_torch) return fVec(0.5f) * g * (fVec(1.f) + (fVec(kGeluU) * (g + fVec(0.044715f) * g * g * g)).tanh());
+  return g / (fVec(1.f) + (g * (fVec(kGeluTwoU) + fVec(kGeluTwoU3) * g * g)).neg().exp());
 }
 
-inline float activate(float g, int64_t act) {
+inline float activate(float g, int64_t act, bool as_torch) {
   if (act == 0) return g / (1.f + std::exp(-g));
   if (act == 1) return g * 0.5f * (1.f + std::erf(g * static_cast<float>(M_SQRT1_2)));
-  return 0.5f * g * (1.f + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+  if (as_torch) return 0.5f * g * (1.f + std::tanh(kGeluU * (g + 0.044715f * g * g * g)));
+  return g / (1.f + std::exp(-g * (kGeluTwoU + kGeluTwoU3 * g * g)));
 }
 
 // One row: out = act(g) * u, act(g) rounded to T first (the reference materialises it),
@@ -185,18 +194,18 @@ template <typename T>
 inline void act_mul_row(const T* g, const T* u, T* out, int64_t n, int64_t act) {
   int64_t i = 0;
   if constexpr (kFloat<T>) {
-    for (; i + kLanes <= n; i += kLanes) (activate(fVec::loadu(g + i), act) * fVec::loadu(u + i)).store(out + i);
+    for (; i + kLanes <= n; i += kLanes) (activate(fVec::loadu(g + i), act, false) * fVec::loadu(u + i)).store(out + i);
   } else {
     using tVec = Vectorized<T>;
     for (; i + tVec::size() <= n; i += tVec::size()) {
       auto [g0, g1] = at::vec::convert_to_float<T>(tVec::loadu(g + i));
       auto [u0, u1] = at::vec::convert_to_float<T>(tVec::loadu(u + i));
-      auto [a0, a1] = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(activate(g0, act), activate(g1, act)));
+      auto [a0, a1] = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(activate(g0, act, true), activate(g1, act, true)));
       at::vec::convert_from_float<T>(a0 * u0, a1 * u1).store(out + i);
     }
   }
   for (; i < n; ++i) {
-    const float a = static_cast<float>(static_cast<T>(activate(static_cast<float>(g[i]), act)));
+    const float a = static_cast<float>(static_cast<T>(activate(static_cast<float>(g[i]), act, !kFloat<T>)));
     out[i] = static_cast<T>(a * static_cast<float>(u[i]));
   }
 }
