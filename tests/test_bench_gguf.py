@@ -85,3 +85,24 @@ def test_bench_gguf_batched_llama_cpp_decodes_what_llmd_does(hf_dirs, tmp_path, 
     path = write_gguf(hf_dirs("llama"), tmp_path / "q8.gguf", T.Q8_0)
     report = _batched_report(path, ["llmd", "llama.cpp"], capsys)
     assert report["batched"]["llama.cpp"]["same_tokens"] >= 0.6
+
+
+def test_bench_gguf_baseline_runs_a_commit_beside_the_working_tree(hf_dirs, tmp_path, capsys):  # noqa: F811
+    """`--baseline HEAD`: llmd as HEAD has it, imported from a temporary worktree (its
+    engine named llmd@HEAD, first), beside the working tree's: both report their figures
+    and decode the same tokens; the worktree is gone afterwards."""
+    import subprocess
+
+    path = write_gguf(hf_dirs("llama"), tmp_path / "q8.gguf", T.Q8_0)
+    assert bench_gguf.main(["--model", str(path), "--rounds", "1", "--prompt", "16", "--tokens", "4",
+                            "--engines", "llmd", "--baseline", "HEAD", "--json"]) == 0
+    out = capsys.readouterr()
+    report = json.loads(out.out.strip().splitlines()[-1])
+    assert list(report["engines"]) == ["llmd@HEAD", "llmd"]
+    runs = {r["engine"]: r for r in (json.loads(line) for line in out.err.splitlines() if line.startswith('{"round"'))}
+    assert "bench_gguf-baseline-" in runs["llmd@HEAD"]["llmd_from"]  # the worktree's code ran
+    assert "bench_gguf-baseline-" not in runs["llmd"]["llmd_from"]
+    assert report["engines"]["llmd"]["same_tokens"] == 1.0
+    assert all(f["decode_tok_s"] > 0 for f in report["engines"].values())
+    worktrees = subprocess.run(["git", "worktree", "list"], capture_output=True, text=True, check=True).stdout
+    assert "bench_gguf-baseline-" not in worktrees

@@ -11,7 +11,7 @@ best with CMAKE_ARGS="-DGGML_NATIVE=ON" so it is built for this CPU).
 
     python -m llmd_tools.bench_gguf [--model PATH] [--rounds 3] [--prompt 128] [--tokens 128]
         [--threads 2] [--engines llmd llmd-packed-bf16 llmd-f32 llmd-bf16 llama.cpp]
-        [--batch 32 [--batch-prompt N] [--batch-only]] [--json]
+        [--batch 32 [--batch-prompt N] [--batch-only]] [--baseline REV] [--json]
     python -m llmd_tools.bench_gguf --kernels [--model PATH] [--rows 1] [--calls 300] [--threads 2]
         [--passes 1 2 3] [--shape 1536x768 ... [--types Q4_K Q6_K ...]] [--json]
 
@@ -32,6 +32,9 @@ sequence has its first token, decode tokens/s after that, and the same RSS figur
 (bench_gguf_child says exactly what each engine runs). Each run's figures go to stderr as
 one JSON line as soon as it ends. Both modes also report `same
 tokens`: how much of each sequence's greedy output equals the first engine's (same_tokens).
+`--baseline REV`: first of the engines, llmd as commit REV has it (`llmd@REV`: its code
+imported from a temporary worktree, bench_commits.checkouts; its kernels built once per
+version of their sources), so that a change is measured against its parent in one run.
 
 `--kernels`: the packed matmul alone, for each distinct (type, shape) of the file's
 quantized weights: one call on `--rows` rows of float32 x of the float32 kernel over the
@@ -86,15 +89,22 @@ def available(engine: str) -> bool:
     return True
 
 
-def measure(engine: str, model: str, prompts: Path, tokens: int, threads: int) -> dict:
+def measure(engine: str, model: str, prompts: Path, tokens: int, threads: int,
+            trees: dict[str, Path] | None = None) -> dict:
     """One run of bench_gguf_child in a fresh process: `prompts` is a JSON file of token
-    id lists (one: batch 1; several: all at once)."""
+    id lists (one: batch 1; several: all at once). `llmd@REV`: llmd as commit REV has it,
+    imported from `trees[REV]` (bench_commits.checkouts)."""
+    env, name = dict(os.environ, OMP_NUM_THREADS=str(threads), **ENGINE_ENV.get(engine, {})), engine
+    if "@" in engine:
+        from llmd_tools.bench_commits import env_for
+
+        engine, rev = engine.split("@", 1)
+        env = dict(env_for((trees or {})[rev]), OMP_NUM_THREADS=str(threads))
     out = subprocess.run([sys.executable, "-m", "llmd_tools.bench_gguf_child", engine, model, str(prompts),
-                          str(tokens), str(threads)], capture_output=True, text=True,
-                         env=dict(os.environ, OMP_NUM_THREADS=str(threads), **ENGINE_ENV.get(engine, {})))
+                          str(tokens), str(threads)], capture_output=True, text=True, env=env)
     if out.returncode != 0:
-        raise SystemExit(f"{engine} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+        raise SystemExit(f"{name} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]), engine=name)
 
 
 def bench_prompts(model: str, count: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -196,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also N sequences at once (throughput against llama.cpp's batched decoding)")
     parser.add_argument("--batch-prompt", type=int, default=0, help="--batch: each prompt's tokens (default --prompt)")
     parser.add_argument("--batch-only", action="store_true", help="--batch: skip the batch-1 runs")
+    parser.add_argument("--baseline", default="", metavar="REV",
+                        help="also llmd as commit REV has it (engine llmd@REV, a temporary worktree), alternated")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--kernels", action="store_true", help="time the packed matmul alone (module doc)")
     parser.add_argument("--rows", type=int, default=1, help="--kernels: rows of x")
@@ -217,6 +229,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--batch-only needs --batch N")
     engines = [e for e in args.engines if available(e)]
     skipped = sorted(set(args.engines) - set(engines))
+    if args.baseline:
+        from llmd_tools.bench_commits import checkouts
+
+        engines.insert(0, f"llmd@{args.baseline}")
+        with checkouts([args.baseline], "bench_gguf-baseline-") as trees:
+            return _run(args, model, engines, skipped, trees)
+    return _run(args, model, engines, skipped, {})
+
+
+def _run(args: argparse.Namespace, model: str, engines: list[str], skipped: list[str],
+         trees: dict[str, Path]) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_gguf-") as tmp:
         workloads = {}  # mode -> (prompts file, tokens per sequence)
         if not args.batch_only:
@@ -232,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.rounds):
             for mode, prompts in workloads.items():
                 for engine in engines:  # alternated: each round runs every engine once in each mode
-                    run = measure(engine, model, prompts, args.tokens, args.threads)
+                    run = measure(engine, model, prompts, args.tokens, args.threads, trees)
                     runs[mode][engine].append(run)
                     others.append(_other_load())
                     # as it comes (a long run cut short keeps what it measured)

@@ -21,6 +21,7 @@ cannot batch sequences). Every run also gives the greedy tokens of each sequence
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -214,8 +215,11 @@ def measure(engine: str, model: str, prompts: list[list[int]], tokens: int, thre
                    else llmd_batched(engine, model, prompts, tokens, threads))
     else:
         raise SystemExit(f"unknown engine {engine!r}")
+    import llmd
+
     return {"engine": engine, "batch": len(prompts), **figures,
-            "peak_rss_mib": status_mib("VmHWM")}  # the load's peak read from the same counter
+            "peak_rss_mib": status_mib("VmHWM"),  # the load's peak read from the same counter
+            "llmd_from": os.path.dirname(os.path.realpath(llmd.__file__))}  # which tree ran (--baseline)
 
 
 def main(argv: list[str]) -> int:
