@@ -87,12 +87,17 @@ def test_bench_gguf_batched_llama_cpp_decodes_what_llmd_does(hf_dirs, tmp_path, 
     assert report["batched"]["llama.cpp"]["same_tokens"] >= 0.6
 
 
-def test_bench_gguf_baseline_runs_a_commit_beside_the_working_tree(hf_dirs, tmp_path, capsys):  # noqa: F811
+def test_bench_gguf_baseline_runs_a_commit_beside_the_working_tree(hf_dirs, tmp_path, capsys,  # noqa: F811
+                                                                    monkeypatch):
     """`--baseline HEAD`: llmd as HEAD has it, imported from a temporary worktree (its
     engine named llmd@HEAD, first), beside the working tree's: both report their figures
-    and decode the same tokens; the worktree is gone afterwards."""
+    and decode the same tokens; the worktree is gone afterwards. (Without the C++ kernels:
+    the worktree's would be built anew, its paths being part of the build's key.)"""
     import subprocess
 
+    from llmd.gpu.layers.cpu.cpu_kernels import CPU_KERNELS_ENV
+
+    monkeypatch.setenv(CPU_KERNELS_ENV, "0")
     path = write_gguf(hf_dirs("llama"), tmp_path / "q8.gguf", T.Q8_0)
     assert bench_gguf.main(["--model", str(path), "--rounds", "1", "--prompt", "16", "--tokens", "4",
                             "--engines", "llmd", "--baseline", "HEAD", "--json"]) == 0

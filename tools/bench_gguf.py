@@ -33,8 +33,9 @@ sequence has its first token, decode tokens/s after that, and the same RSS figur
 one JSON line as soon as it ends. Both modes also report `same
 tokens`: how much of each sequence's greedy output equals the first engine's (same_tokens).
 `--baseline REV`: first of the engines, llmd as commit REV has it (`llmd@REV`: its code
-imported from a temporary worktree, bench_commits.checkouts; its kernels built once per
-version of their sources), so that a change is measured against its parent in one run.
+imported from a temporary worktree, bench_commits.checkouts; its C++ kernels built there
+at its first start, ~50 s on 2 cores, the worktree's paths being part of their build's
+key), so that a change is measured against its parent in one run.
 
 `--kernels`: the packed matmul alone, for each distinct (type, shape) of the file's
 quantized weights: one call on `--rows` rows of float32 x of the float32 kernel over the
