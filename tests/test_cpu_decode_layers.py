@@ -1,4 +1,4 @@
-"""Batch-1 decode through a decoder's layers in C++ (cpu/cpu_decode_layers).
+"""Decode steps through a decoder's layers in C++ (cpu/cpu_decode_layers).
 
 The C++ layers call the operators the Python layers call at a one-token step, in the same
 order: a decode step through them equals the Python layers' step bit for bit (hidden
@@ -8,9 +8,11 @@ norms, two rotary tables, sliding windows, GELU-tanh), and for mixtures of exper
 (Qwen2-MoE with its shared expert and its gate, Qwen3-MoE, Mixtral: packed experts, F32
 routers; a Q8_0 router of 8 rows, which no x16 group fits, keeps the Python layers), and
 for AWQ and GPTQ checkpoints without act-order (their experts too); a batch-1 generation agrees with transformers
-reading the same GGUF (the independent reference), token for token. Steps
-they do not take (two requests, a prefill) and models they cannot run (the fused ops or
-x16 switched off, dense weights) keep the Python layers.
+reading the same GGUF (the independent reference), token for token. Several requests'
+decode rows together likewise (bit for bit; a batch generation against transformers).
+Steps they do not take (a prefill, more rows than the x16 product takes, two rows where a
+layer is a mixture of experts) and models they cannot run (the fused ops or x16 switched
+off, dense weights) keep the Python layers.
 """
 from __future__ import annotations
 
@@ -58,56 +60,69 @@ def ggufs(hf_dirs, tmp_path_factory):  # noqa: F811
 
 
 class Spy:
-    """Stands in for a model's DecodeLayers and counts the steps they run."""
+    """Stands in for a model's DecodeLayers and counts the steps they run (and each one's rows)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.inner = model.decode_layers
         self.calls = 0
+        self.rows: list[int] = []
         model.decode_layers = self
 
     def takes(self, *args) -> bool:
         return self.inner.takes(*args)
 
-    def __call__(self, *args):
+    def __call__(self, hidden: torch.Tensor, *args):
         self.calls += 1
-        return self.inner(*args)
+        self.rows.append(hidden.shape[0])
+        return self.inner(hidden, *args)
 
 
-def decode_steps(model: torch.nn.Module, prompt: list[int], steps: int, cache_dtype: torch.dtype, c_layers: bool
-                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The prompt prefilled (the Python layers), then `steps` one-token decode steps
-    (greedy) through the C++ layers or the Python ones: each step's hidden state, and the
-    caches (of `cache_dtype`) after the last."""
+def decode_steps(model: torch.nn.Module, prompts: list[int] | list[list[int]], steps: int, cache_dtype: torch.dtype,
+                 c_layers: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each prompt prefilled alone (the Python layers), then `steps` decode steps of them
+    all together, one row each (greedy), through the C++ layers or the Python ones: each
+    step's hidden states, and the caches (of `cache_dtype`) after the last. One prompt
+    (a list of ids): batch 1."""
+    batch = prompts if isinstance(prompts[0], list) else [prompts]
     layers = model.decode_layers
     spy = Spy(model)
-    caches = new_model_kv_caches(model, 8, BLOCK, cache_dtype, CPU)
+    per = 8  # blocks a request
+    caches = new_model_kv_caches(model, per * len(batch), BLOCK, cache_dtype, CPU)
     builder = metadata_builder(model, BLOCK, CPU)
-    table = torch.arange(8)
-    n = len(prompt)
-    md = AttentionMetadata(torch.arange(n), 0, None, None, [(0, n, 0, table)])
-    builder.build(md)
-    hiddens = []
+    tables = torch.arange(per * len(batch)).view(len(batch), per).flip(0)  # not in the requests' order
+
+    def slots(i: int, positions: torch.Tensor) -> torch.Tensor:
+        return tables[i][positions // BLOCK] * BLOCK + positions % BLOCK
+
+    hiddens, tokens = [], []
     with torch.inference_mode():
-        hidden = model(torch.tensor(prompt), torch.arange(n), caches, md)
-        token = int(model.compute_logits(hidden[-1:]).argmax())
+        for i, prompt in enumerate(batch):
+            n = len(prompt)
+            md = AttentionMetadata(slots(i, torch.arange(n)), 0, None, None, [(0, n, 0, tables[i])])
+            builder.build(md)
+            hidden = model(torch.tensor(prompt), torch.arange(n), caches, md)
+            tokens.append(int(model.compute_logits(hidden[-1:]).argmax()))
         model.decode_layers = spy if c_layers else None
         try:
-            for pos in range(n, n + steps):
-                md = AttentionMetadata(torch.tensor([pos]), 1, table[None], torch.tensor([pos + 1]), [])
+            for step in range(steps):
+                pos = torch.tensor([len(p) + step for p in batch])
+                md = AttentionMetadata(torch.cat([slots(i, pos[i:i + 1]) for i in range(len(batch))]), len(batch),
+                                       tables, pos + 1, [])
                 builder.build(md)
-                hidden = model(torch.tensor([token]), torch.tensor([pos]), caches, md)
+                hidden = model(torch.tensor(tokens), pos, caches, md)
                 hiddens.append(hidden)
-                token = int(model.compute_logits(hidden).argmax())
+                tokens = model.compute_logits(hidden).argmax(-1).tolist()
         finally:
             model.decode_layers = layers
     assert spy.calls == (steps if c_layers else 0)
     return hiddens, caches
 
 
-def assert_same_steps(model: torch.nn.Module, prompt: list[int], steps: int, cache_dtype: torch.dtype) -> None:
+def assert_same_steps(model: torch.nn.Module, prompts: list[int] | list[list[int]], steps: int,
+                      cache_dtype: torch.dtype) -> None:
     assert model.decode_layers is not None, why_not(model)
-    c_hidden, c_caches = decode_steps(model, prompt, steps, cache_dtype, c_layers=True)
-    py_hidden, py_caches = decode_steps(model, prompt, steps, cache_dtype, c_layers=False)
+    c_hidden, c_caches = decode_steps(model, prompts, steps, cache_dtype, c_layers=True)
+    py_hidden, py_caches = decode_steps(model, prompts, steps, cache_dtype, c_layers=False)
     for step, (c, py) in enumerate(zip(c_hidden, py_hidden)):
         assert torch.equal(c, py), f"step {step}: max difference {(c.float() - py.float()).abs().max()}"
     for c, py in zip(c_caches, py_caches):
@@ -124,6 +139,21 @@ def test_a_decode_step_through_the_c_layers_is_the_python_layers_step(vnni, gguf
     assert_same_steps(model, [1, 7, 42, 99, 3, 250], 4, dtype)
 
 
+BATCH = [[1, 7, 42, 99, 3, 250], [5, 8], [200, 17, 30, 4, 4, 4, 9, 61, 2, 2, 11, 90, 13, 7, 1, 3, 77], [64]]
+
+
+@pytest.mark.parametrize("name,qtype,k_quants", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_batch_of_decode_rows_through_the_c_layers_is_the_python_layers_step(vnni, ggufs, name, qtype, k_quants,
+                                                                               dtype):
+    """Four requests of different lengths (a block boundary crossed), their blocks in
+    another order than theirs, decoding together: each step's hidden states and the
+    caches are the Python layers' bit for bit."""
+    model = load_model(ggufs(name, qtype, k_quants), dtype, CPU, 128)
+    assert model.decode_layers.max_rows >= len(BATCH)
+    assert_same_steps(model, BATCH, 3, dtype)
+
+
 MOE_CASES = [("qwen2-moe", T.Q8_0), ("qwen3-moe", T.Q4_0), ("mixtral", T.Q8_0)]
 
 
@@ -134,7 +164,15 @@ def test_a_moe_decode_step_through_the_c_layers_is_the_python_layers_step(vnni, 
     """Router (F32, F.linear), top-k and its weights, each chosen expert, the
     shared expert and its gate: the C++ layers' step equals the Python layers' bit for bit."""
     path = write_gguf(hf_moe(name), tmp_path / f"{name}.gguf", qtype)
-    assert_same_steps(load_model(str(path), dtype, CPU, 128), [1, 7, 42, 99, 3, 250, 17], 5, dtype)
+    model = load_model(str(path), dtype, CPU, 128)
+    assert_same_steps(model, [1, 7, 42, 99, 3, 250, 17], 5, dtype)
+    assert model.decode_layers.max_rows == 1  # (the C++ experts of a batch's rows: CppExperts, from Python)
+    two = AttentionMetadata(torch.arange(2), 2, torch.arange(16).view(2, 8), torch.tensor([3, 4]), [])
+    caches = new_model_kv_caches(model, 16, BLOCK, dtype, CPU)
+    assert not model.decode_layers.takes(torch.zeros(2, model.config.hidden_size, dtype=dtype), two, caches)
+    with pytest.raises(RuntimeError, match="mixture of experts takes one row"):
+        model.decode_layers(torch.zeros(2, model.config.hidden_size, dtype=dtype),
+                            {k: t.cos_sin(torch.tensor([2, 3]), dtype) for k, t in model.rotary.items()}, caches, two)
 
 
 @pytest.mark.parametrize("name,qtype", MOE_CASES, ids=[c[0] for c in MOE_CASES])
@@ -279,6 +317,7 @@ def test_gemma3_270m_decode_steps_through_the_c_layers(vnni):
     model = load_model(str(path), torch.float32, CPU, 64)
     assert len({key for key in model.layer_rope_keys}) == 2
     assert_same_steps(model, [2, 818, 5279, 529, 7001, 563], 3, torch.float32)
+    assert_same_steps(model, [[2, 818, 5279, 529, 7001, 563], [2, 106, 1645], [2, 9259]], 2, torch.float32)
 
 
 @pytest.mark.usefixtures("float32_products")
@@ -286,6 +325,22 @@ def test_batch_1_generation_matches_transformers_through_the_c_layers(vnni, gguf
     """One request at a time: every decode step runs the C++ layers, and the greedy
     tokens and logprobs are transformers' on the same GGUF."""
     assert_batch_1_generation_matches_transformers(ggufs("llama-tied", T.Q4_1))
+
+
+@pytest.mark.usefixtures("float32_products")
+def test_a_batch_generation_matches_transformers_through_the_c_layers(vnni, ggufs):
+    """Three requests at once: their decode steps run the C++ layers, several rows a
+    step, and each request's greedy tokens and logprobs are transformers' on the same GGUF."""
+    path = ggufs("llama-tied", T.Q4_1)
+    llm = LLM(model=path, dtype="float32", max_num_seqs=3, num_gpu_blocks_override=32, max_model_len=128,
+              enable_prefix_caching=False)
+    spy = Spy(llm.engine.executor.runner.model)
+    prompts, steps = [[1, 17, 300, 5, 77, 901, 12], [4, 9], [250, 3, 3, 8, 60, 1, 2, 5, 19, 40, 7]], 10
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=5)
+    outs = llm.generate(prompts, params)
+    assert spy.calls >= steps - 1 and max(spy.rows) == 3
+    for prompt, out in zip(prompts, outs):
+        assert check_logprobs_close(hf_greedy(path, prompt, steps), engine_result(out), path) == steps
 
 
 def assert_batch_1_generation_matches_transformers(path: str) -> None:
@@ -306,12 +361,22 @@ def test_steps_and_models_the_c_layers_do_not_take(vnni, ggufs, hf_dirs, monkeyp
     spy = Spy(llm.engine.executor.runner.model)
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     llm.generate([[1, 2, 3], [4, 5, 6, 7]], params)  # both decode together: two rows a step
-    assert spy.calls == 0
+    assert spy.rows.count(2) >= 3  # (the second prompt's prefill may come with the first's decode)
     model, layers = llm.engine.executor.runner.model, spy.inner
     caches = new_model_kv_caches(model, 8, BLOCK, torch.float32, CPU)
     one = AttentionMetadata(torch.tensor([4]), 1, torch.arange(8)[None], torch.tensor([5]), [])
     hidden = torch.zeros(1, model.config.hidden_size)
     assert layers.takes(hidden, one, caches)
+    rows = layers.max_rows  # every projection's x16 limit at two passes, or the MLP's chunk
+    assert 64 <= rows <= 1024
+    many = AttentionMetadata(torch.arange(rows + 1), rows + 1, torch.zeros(rows + 1, 8, dtype=torch.long),
+                             torch.ones(rows + 1, dtype=torch.long), [])
+    assert layers.takes(torch.zeros(rows, hidden.shape[1]), AttentionMetadata(
+        torch.arange(rows), rows, torch.zeros(rows, 8, dtype=torch.long), torch.ones(rows, dtype=torch.long), []), caches)
+    assert not layers.takes(torch.zeros(rows + 1, hidden.shape[1]), many, caches)  # past the x16 product's rows
+    assert not layers.takes(torch.zeros(2, hidden.shape[1]), one, caches)  # rows that are not the decodes'
+    mixed = AttentionMetadata(torch.arange(4), 1, torch.arange(8)[None], torch.tensor([5]), [(1, 3, 0, torch.arange(8))])
+    assert not layers.takes(torch.zeros(4, hidden.shape[1]), mixed, caches)  # a decode row beside a prefill
     assert layers.takes(hidden, one, [c.bfloat16() for c in caches])  # a 16-bit float cache under float32 layers
     assert not layers.takes(hidden, one, [c.to(torch.int8) for c in caches])  # a quantized cache
     assert not layers.takes(hidden.bfloat16(), one, caches)

@@ -114,8 +114,8 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """The decoder of architecture `config.architectures[0]` (or `arch`), this rank's
     share of it with tp_size > 1 (`tp_units`: tp.tp_shape's units, the loader's plan).
-    `decode_layers`: on CPU, the layers run from C++ for the one-token steps of one
-    request they take (cpu/cpu_decode_layers; None: always the Python layers)."""
+    `decode_layers`: on CPU, the layers run from C++ for the decode steps they take
+    (cpu/cpu_decode_layers; None: always the Python layers)."""
 
     decode_layers: Any = None
 

@@ -262,4 +262,4 @@ def _attach_kernels(model: nn.Module, dtype: torch.dtype, device: torch.device, 
 
         attach_cuda_expert_kernels(model)
     if device.type == "cpu":
-        attach_decode_layers(model)  # batch-1 decode steps through the layers in C++ where they qualify
+        attach_decode_layers(model)  # decode steps through the layers in C++ where they qualify

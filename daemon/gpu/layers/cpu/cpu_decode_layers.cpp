@@ -1,15 +1,17 @@
-// A decoder's layers for one decode token (batch 1), run from C++: the same operators
-// the Python layers call at that step (cpu_fused_ops.cpp's norms, rotary + cache write and
+// A decoder's layers for a decode step (one token of each of B requests), run from C++:
+// the same operators the Python layers call at that step (cpu_fused_ops.cpp's norms, rotary + cache write and
 // activation, cpu_kernels.cpp's paged_decode, cpu_quant_x16.cpp's packed products), in the
 // same order on the same tensors, with nothing between them. At batch 1 a small model's
 // step is ~10 operators a layer of a few to a hundred microseconds each, and the Python
 // that chains them (module calls, checks, views, slicing) cost as much again
 // (docs/benchmarks.md, "batch-1 decode"); here a layer costs its operators and a
-// dispatcher call each (~1 us).
+// dispatcher call each (~1 us); at 32 rows the Python cost the same (Gemma 3 270M: ~3 ms
+// of a ~55 ms step).
 //
 // cpu_decode_layers.py builds a DecoderLayers once the model is loaded (only from layers it
 // can run: every projection packed in the x16 layout, the fused CPU ops, the paged decode
-// kernel) and the model's forward hands it the steps it takes: one token, one request.
+// kernel) and the model's forward hands it the steps it takes: decode rows alone, as many
+// as every projection's x16 product takes (one where a layer is a mixture of experts).
 //
 // Layer i, as models/decoder.py's DecoderLayer (residual undefined before layer 0):
 //   h = residual undefined ? (residual = hidden, norm(hidden)) : add_norm(hidden, residual)
@@ -19,9 +21,9 @@
 //   sandwich (Gemma): h, residual = add_norm(post_attention_norm(a), residual);
 //                     hidden = post_feedforward_norm(mlp(h))
 //   mlp(h) = act(gate) * up of h W_gate_up^T (+ b), times W_down^T (+ b)
-//   or a mixture of experts (mlp.SparseMoeBlock with packed experts, fused_moe.moe_reference's
-//   ops for one row): probs = softmax(router(h)) in float32, the top_k (renormalised or
-//   not; a dense router's through cpu_fused_ops.cpp's moe_route, as the Python layers'
+//   or a mixture of experts (batch 1 only: mlp.SparseMoeBlock with packed experts,
+//   fused_moe.moe_reference's ops for one row): probs = softmax(router(h)) in float32, the
+//   top_k (renormalised or not; a dense router's through cpu_fused_ops.cpp's moe_route, as the Python layers'
 //   CpuFusedLayerOps.route); each chosen expert's mlp(h), in the top-k order, cast to h's
 //   dtype and scaled by its weight, summed over the k; Qwen2-MoE adds
 //   sigmoid(shared_gate(h)) * shared mlp(h).
@@ -295,15 +297,17 @@ class DecoderLayers : public torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
-  // hidden [1, N] after the embedding; cos[r], sin[r]: the step's rotary table of rope key r
-  // ([1, 1, R]); kv_caches[i]: layer i's cache; block_table [1, max_blocks], seq_lens [1],
-  // slot_mapping [1] as AttentionMetadata holds them for the one decode row.
+  // hidden [B, N] after the embedding (B decode rows); cos[r], sin[r]: the step's rotary
+  // table of rope key r (a row each); kv_caches[i]: layer i's cache; block_table [B,
+  // max_blocks], seq_lens [B], slot_mapping [B] as AttentionMetadata holds them for the
+  // decode rows. A mixture of experts takes one row (moe).
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& hidden_in, const std::vector<at::Tensor>& cos,
                                              const std::vector<at::Tensor>& sin,
                                              const std::vector<at::Tensor>& kv_caches, const at::Tensor& block_table,
                                              const at::Tensor& seq_lens, const at::Tensor& slot_mapping) const {
-    TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.size(0) == 1 && hidden_in.is_contiguous(),
-                "DecoderLayers.forward: one contiguous row of hidden state [1, N] expected");
+    TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.size(0) >= 1 && hidden_in.is_contiguous(),
+                "DecoderLayers.forward: contiguous rows of hidden state [B, N] expected");
+    const int64_t rows = hidden_in.size(0);
     TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == num_layers(), "DecoderLayers.forward: ", num_layers(),
                 " kv caches expected, got ", kv_caches.size());
     TORCH_CHECK(cos.size() == sin.size(), "DecoderLayers.forward: as many cos as sin tables expected");
@@ -324,13 +328,15 @@ class DecoderLayers : public torch::CustomClassHolder {
       ops.qk_rope_cache.call(qkv, l.heads, l.kv_heads, cos[l.rope], sin[l.rope], kv_cache, slot_mapping,
                              l.q_norm.weight, l.k_norm.weight, l.q_norm.weight ? l.q_norm.eps : 1e-6,
                              l.q_norm.gemma, kUnitScale, kUnitScale);
-      const at::Tensor q = qkv.narrow(1, 0, l.heads * l.head_dim).view({1, l.heads, l.head_dim});
+      // (as TorchAttention: the decode rows' q made contiguous, a copy from B = 2 on)
+      const at::Tensor q = qkv.narrow(1, 0, l.heads * l.head_dim).contiguous().view({rows, l.heads, l.head_dim});
       const at::Tensor attended =
           ops.paged_decode.call(q, kv_cache, block_table, seq_lens, l.scale, l.softcap, l.window, kUnitScale,
                                 kUnitScale);
-      at::Tensor a = l.o(ops, attended.view({1, l.heads * l.head_dim}));
+      at::Tensor a = l.o(ops, attended.view({rows, l.heads * l.head_dim}));
       if (l.sandwich) a = norm(ops, l.post_attention, a);
       h = add_norm(ops, l.sandwich ? l.pre_feedforward : l.post_attention, a, residual);
+      TORCH_CHECK(!l.moe.top_k || rows == 1, "DecoderLayers.forward: a mixture of experts takes one row, got ", rows);
       hidden = l.moe.top_k ? moe(ops, l, h) : l.down(ops, ops.act_and_mul.call(l.gate_up(ops, h), l.act));
       if (l.sandwich) hidden = norm(ops, l.post_feedforward, hidden);
     }

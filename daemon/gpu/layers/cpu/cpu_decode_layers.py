@@ -1,9 +1,10 @@
-"""A decoder's layers run from C++ for a one-token, one-request step (batch-1 decode on
-CPU): cpu_decode_layers.cpp's DecoderLayers calls, layer after layer, the operators the
+"""A decoder's layers run from C++ for a decode step on CPU (one new token of each of its
+requests): cpu_decode_layers.cpp's DecoderLayers calls, layer after layer, the operators the
 Python layers call at that step (the C++ fused ops, paged decode, packed x16 products),
 in the same order on the same tensors, so its result is the Python path's bit for bit,
 without the Python between the operators (module calls, checks, views: at batch 1 as
-much time as the operators themselves for a 135M model; docs/benchmarks.md).
+much time as the operators themselves for a 135M model, at 32 rows ~3 ms of Gemma 3
+270M's ~55 ms step; docs/benchmarks.md).
 
 `attach_decode_layers` builds it once the kernels are attached, only when every layer
 runs exactly those operators: a decoder layer on one rank, with the C++ fused ops, the
@@ -11,8 +12,9 @@ paged decode kernel, RMSNorms, and every projection packed in the x16 layout (a 
 or an AWQ / GPTQ checkpoint's without act-order); its feed-forward a gated MLP, or a
 mixture of experts whose experts are packed so too (mlp.ExpertWeights), its router and
 shared-expert gate x16 or dense (F.linear: cpu_linear leaves them so). Anything else
-keeps the Python layers; and every step it does not take (more
-than one token or request, prefill, a quantized KV cache) runs them too
+keeps the Python layers; and every step it does not take (a prefill, more decode rows
+than every projection's x16 product takes or than the MLP multiplies at once, more than
+one where a layer is a mixture of experts, a quantized KV cache) runs them too
 (`DecodeLayers.takes`).
 
 `CppExperts` does the same for a MoE layer's packed experts at any number of rows (a
@@ -33,7 +35,7 @@ from llmd.gpu.layers.attention import AttentionMetadata, TorchAttention
 from llmd.gpu.layers.cpu.cpu_fused_ops import ACT_CODES, CPU_FUSED
 from llmd.gpu.layers.gguf_quant import GGUFMatmul
 from llmd.gpu.layers.kv_quant import narrower_float
-from llmd.gpu.layers.mlp import GatedMLP, SparseMoeBlock
+from llmd.gpu.layers.mlp import MLP_CHUNK_BYTES, GatedMLP, SparseMoeBlock
 from llmd.gpu.layers.norms import RMSNorm
 from llmd.gpu.layers.quant.quant_linear import IntGroupMatmul
 
@@ -43,23 +45,26 @@ logger = logging.getLogger("llmd.cpu_decode_layers")
 class DecodeLayers:
     """The C++ layers of a model (module doc) and what a step must be for them."""
 
-    def __init__(self, layers: Any, rope_keys: list[str], dtype: torch.dtype) -> None:
+    def __init__(self, layers: Any, rope_keys: list[str], dtype: torch.dtype, max_rows: int = 1) -> None:
         self.layers = layers  # torch.classes.llmd_cpu.DecoderLayers
         self.rope_keys = rope_keys  # the rotary tables' keys, in the order the layers index them
         self.dtype = dtype
+        self.max_rows = max_rows  # the most decode rows a step may have (module doc: max_decode_rows)
 
     def takes(self, hidden: torch.Tensor, md: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
-        """Whether this step is one decode token of one request, its hidden state of the
-        layers' dtype and its caches of floats (the layers' dtype, or float16 / bfloat16
-        under float32 ones: the operators read and write those as they do for the Python
-        layers; a quantized cache's scales are not passed)."""
-        return (hidden.dim() == 2 and hidden.shape[0] == 1 and hidden.is_contiguous() and md.num_decodes == 1
+        """Whether this step is decode rows alone (one new token of each of up to
+        `max_rows` requests), its hidden state of the layers' dtype and its caches of
+        floats (the layers' dtype, or float16 / bfloat16 under float32 ones: the operators
+        read and write those as they do for the Python layers; a quantized cache's scales
+        are not passed)."""
+        rows = hidden.shape[0] if hidden.dim() == 2 else 0
+        return (1 <= rows <= self.max_rows and hidden.is_contiguous() and md.num_decodes == rows
                 and not md.prefills and hidden.dtype == self.dtype and bool(kv_caches)
                 and (kv_caches[0].dtype == self.dtype or narrower_float(kv_caches[0].dtype, self.dtype)))
 
     def __call__(self, hidden: torch.Tensor, tables: dict[str, tuple[torch.Tensor, torch.Tensor]],
                  kv_caches: list[torch.Tensor], md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the last layer's output, the residual before it is added) for the step's one row."""
+        """(the last layer's output, the residual before it is added) for the step's rows."""
         cos = [tables[key][0] for key in self.rope_keys]
         sin = [tables[key][1] for key in self.rope_keys]
         return self.layers.forward(hidden, cos, sin, kv_caches, md.decode_block_table, md.decode_seq_lens,
@@ -157,7 +162,7 @@ def build_decode_layers(model: nn.Module) -> DecodeLayers | None:
     """The model's DecodeLayers, or None (logged at debug level) when why_not says no."""
     reason = why_not(model)
     if reason is not None:
-        logger.debug("batch-1 decode keeps the Python layers: %s", reason)
+        logger.debug("decode steps keep the Python layers: %s", reason)
         return None
     rope_keys = list(dict.fromkeys(model.layer_rope_keys))
     layers = torch.classes.llmd_cpu.DecoderLayers()
@@ -183,7 +188,23 @@ def build_decode_layers(model: nn.Module) -> DecodeLayers | None:
             projections += _add_experts(layers, mlp)
         for name, proj in projections:
             _add_projection(layers, name, proj)
-    return DecodeLayers(layers, rope_keys, model.layers[0].input_layernorm.weight.dtype)
+    return DecodeLayers(layers, rope_keys, model.layers[0].input_layernorm.weight.dtype, max_decode_rows(model))
+
+
+def max_decode_rows(model: nn.Module) -> int:
+    """The most decode rows DecoderLayers may run for the model (as the Python layers do
+    them): one where any layer is a mixture of experts (its C++ path is one row's); else
+    as many as every projection's x16 product takes (more go through a dequantized GEMM)
+    and every MLP multiplies at once (more are split into chunks)."""
+    if any(isinstance(layer.mlp, SparseMoeBlock) for layer in model.layers):
+        return 1
+    rows = []
+    for layer in model.layers:
+        mlp = layer.mlp
+        for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            rows.append(_x16_max_rows(proj.kernel))
+        rows.append(max(1, MLP_CHUNK_BYTES // (mlp.gate_up_proj.out_features * 4)))  # as GatedMLP.forward
+    return max(1, min(rows))
 
 
 def _add_projection(layers: Any, name: str, proj: nn.Module) -> None:
