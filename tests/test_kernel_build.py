@@ -137,8 +137,19 @@ def test_a_build_killed_midway_does_not_hang_the_next(tmp_path, tiny, slow_cxx, 
     # Mid-compile: torch's FileBaton is there (before, every later load waited on it forever).
     assert (directory / TORCH_LOCK_FILE).exists()
     sid = int((directory / SID_FILE).read_text())
-    comms = {Path(f"/proc/{pid}/comm").read_text().strip() for pid in build_processes(directory, sid)}
-    assert {"ninja", "sleep"} <= comms  # the build's child, ninja, the compiles (asleep)
+
+    def comms() -> set[str]:
+        names = set()
+        for pid in build_processes(directory, sid):
+            try:
+                names.add(Path(f"/proc/{pid}/comm").read_text().strip())
+            except OSError:  # gone between the listing and the read
+                pass
+        return names
+
+    # the build's child, ninja, the compiles (asleep: the wrapper touches the marker, then
+    # starts sleep, which a loaded machine may not have done yet)
+    _wait_for(lambda: {"ninja", "sleep"} <= comms(), 30, f"no ninja and sleep among the build's processes: {comms()}")
     os.killpg(loader.pid, signal.SIGKILL)
     loader.wait()
 
