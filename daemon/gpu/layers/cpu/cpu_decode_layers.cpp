@@ -1,12 +1,12 @@
 // A decoder's layers for a decode step (one token of each of B requests), run from C++:
-// the same operators the Python layers call at that step (cpu_fused_ops.cpp's norms, rotary + cache write and
-// activation, cpu_kernels.cpp's paged_decode, cpu_quant_x16.cpp's packed products), in the
-// same order on the same tensors, with nothing between them. At batch 1 a small model's
-// step is ~10 operators a layer of a few to a hundred microseconds each, and the Python
-// that chains them (module calls, checks, views, slicing) cost as much again
-// (docs/benchmarks.md, "batch-1 decode"); here a layer costs its operators and a
-// dispatcher call each (~1 us); at 32 rows the Python cost the same (Gemma 3 270M: ~3 ms
-// of a ~55 ms step).
+// the same operators the Python layers call at that step (cpu_fused_ops.cpp's norms,
+// rotary + cache write and activation, cpu_kernels.cpp's paged_decode, cpu_quant_x16.cpp's
+// packed products), in the same order on the same tensors, with nothing between them. At
+// batch 1 a small model's step is ~10 operators a layer of a few to a hundred microseconds
+// each, and the Python that chains them (module calls, checks, views, slicing) cost as
+// much again (docs/benchmarks.md, "batch-1 decode"); here a layer costs its operators and
+// a dispatcher call each (~1 us). At 32 rows the Python cost about the same time (Gemma 3
+// 270M: ~3 ms of a ~50 ms step).
 //
 // cpu_decode_layers.py builds a DecoderLayers once the model is loaded (only from layers it
 // can run: every projection packed in the x16 layout, the fused CPU ops, the paged decode
@@ -23,9 +23,9 @@
 //   mlp(h) = act(gate) * up of h W_gate_up^T (+ b), times W_down^T (+ b)
 //   or a mixture of experts (batch 1 only: mlp.SparseMoeBlock with packed experts,
 //   fused_moe.moe_reference's ops for one row): probs = softmax(router(h)) in float32, the
-//   top_k (renormalised or not; a dense router's through cpu_fused_ops.cpp's moe_route, as the Python layers'
-//   CpuFusedLayerOps.route); each chosen expert's mlp(h), in the top-k order, cast to h's
-//   dtype and scaled by its weight, summed over the k; Qwen2-MoE adds
+//   top_k (renormalised or not; a dense router's through cpu_fused_ops.cpp's moe_route, as
+//   the Python layers' CpuFusedLayerOps.route); each chosen expert's mlp(h), in the top-k
+//   order, cast to h's dtype and scaled by its weight, summed over the k; Qwen2-MoE adds
 //   sigmoid(shared_gate(h)) * shared mlp(h).
 //   A router or shared gate is an x16 projection or a dense weight (at::linear, as
 //   F.linear: cpu_linear leaves such layers unpacked).
