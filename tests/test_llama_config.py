@@ -1,8 +1,8 @@
-"""llmd reads a llama GGUF's metadata into its own LeanLlamaConfig (llama_config.py), which
-must be transformers' LlamaConfig in all but its imports: the same fields, defaults, dict
-and refusals from the same arguments, and a llama GGUF loaded with none of the ~700
-modules LlamaConfig's module pulls in (nor sympy, which torch's meta-tensor reference
-imports for `empty_like`)."""
+"""llmd reads a llama GGUF's metadata, and an HF llama directory's config.json, into its own
+LeanLlamaConfig (llama_config.py), which must be transformers' LlamaConfig in all but its
+imports: the same fields, defaults, dict and refusals from the same arguments, and a llama
+model loaded with none of the ~700 modules LlamaConfig's module pulls in (nor sympy, which
+torch's meta-tensor reference imports for `empty_like`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -81,13 +81,33 @@ def test_a_llama_gguf_config_is_the_llamaconfig_of_its_fields(hf_dirs, tmp_path)
     assert AutoConfig.for_model("llama", **fields).to_dict() == ours.to_dict()
 
 
+def test_an_hf_llama_directory_gives_autoconfigs_config_and_autotokenizers_tokenizer(hf_dirs):  # noqa: F811
+    """A llama directory's config is read into LeanLlamaConfig: the same dict as
+    AutoConfig's (the directory's name included); its tokenizer, handed that config, is
+    AutoTokenizer's own: the same class, vocabulary, special tokens and encodings."""
+    from transformers import AutoTokenizer
+
+    from llmd.gpu.models.loader import load_tokenizer
+
+    for name in ("llama", "llama3-rope"):
+        path = str(hf_dirs(name))
+        ours, reference = load_hf_config(path), AutoConfig.from_pretrained(path, local_files_only=True)
+        assert isinstance(ours, LeanLlamaConfig) and isinstance(reference, LlamaConfig)
+        assert ours.to_dict() == reference.to_dict()
+        ours, reference = load_tokenizer(path), AutoTokenizer.from_pretrained(path, local_files_only=True)
+        assert type(ours) is type(reference) and ours.get_vocab() == reference.get_vocab()
+        assert ours.all_special_tokens == reference.all_special_tokens
+        text = "Hello, world: a test of 12 tokens <|eos|>"
+        assert ours(text).input_ids == reference(text).input_ids
+
+
 def test_a_llama_model_loads_without_what_llamaconfigs_module_imports(hf_dirs, tmp_path):  # noqa: F811
     """In a fresh interpreter, as the daemon starts: llama GGUFs (packed Q8_0, and F32 with
-    llama 3's rope scaling) load with their tokenizers, and none of HEAVY_MODULES is
-    imported; importing LlamaConfig itself there imports them (the check can fail). An HF
-    llama directory's AutoConfig and AutoTokenizer still import them."""
+    llama 3's rope scaling) and an HF llama directory load with their tokenizers, and none
+    of HEAVY_MODULES is imported; importing LlamaConfig itself there imports them (the
+    check can fail)."""
     models = [str(write_gguf(hf_dirs("llama"), tmp_path / "llama-q8.gguf", T.Q8_0)),
-              str(write_gguf(hf_dirs("llama3-rope"), tmp_path / "llama3-f32.gguf"))]
+              str(write_gguf(hf_dirs("llama3-rope"), tmp_path / "llama3-f32.gguf")), str(hf_dirs("llama3-rope"))]
     code = ("import json, sys, torch\n"
             "from llmd.gpu.models.loader import load_model, load_tokenizer\n"
             f"for path in {models!r}:\n"

@@ -6,8 +6,9 @@ range check of `initializer_range`; it imports `transformers.activations`, whose
 hub-kernel integration imports transformers' model loading and with it
 `torch.distributed.tensor`, torch.fx's symbolic shapes, sympy and accelerate: 700
 modules. The Qwen, Gemma, Phi and Mistral configs do not import it. An HF llama
-directory keeps AutoConfig's LlamaConfig: transformers' AutoTokenizer reads that
-directory's config itself (and picks the tokenizer class by the config's class).
+directory's config.json is read into it too (loader.load_hf_config), and handed to
+AutoTokenizer, which would otherwise read the directory's config itself through
+AutoConfig (it uses only the config's model_type and names).
 
 No `from __future__ import annotations` here: the strict dataclass checks each field
 against its annotation as a type (as a string it would check the validator first, and
