@@ -93,7 +93,9 @@ def test_killed_worker_fails_requests_then_a_new_worker_serves(async_scheduling)
         failed = []
         while not failed:
             failed = [out for out in engine.step() if out.finished]
-        assert time.monotonic() - start < 10
+        # (the offline engine starts the new worker before it returns the failures: that
+        # start is within the bound too, 2-3 s on a quiet machine, 10 s beside a busy one)
+        assert time.monotonic() - start < 30
         assert {o.request_id for o in failed} == running
         assert all(o.outputs[0].finish_reason == "error" for o in failed)
         assert all(o.outputs[0].error == f"worker process 0 (pid {old_pid}) exited with signal SIGKILL; "
