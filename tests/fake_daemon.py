@@ -109,7 +109,7 @@ class FakeDaemon:
     def aborted(self) -> set[tuple[int, str]]:
         return {(c, m.id) for c, m in list(self.received) if isinstance(m, Abort)}
 
-    def wait_for(self, predicate: Callable[[], bool], timeout: float = 3.0) -> None:
+    def wait_for(self, predicate: Callable[[], bool], timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
         while not predicate():
             assert time.monotonic() < deadline, "the fake daemon never saw what the test waited for"
