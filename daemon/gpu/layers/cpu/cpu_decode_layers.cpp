@@ -11,7 +11,8 @@
 // cpu_decode_layers.py builds a DecoderLayers once the model is loaded (only from layers it
 // can run: every projection packed in the x16 layout, the fused CPU ops, the paged decode
 // kernel) and the model's forward hands it the steps it takes: decode rows alone, as many
-// as every projection's x16 product takes (one where a layer is a mixture of experts).
+// as every projection's x16 product takes (with a mixture of experts, as many as its
+// MoeExperts take: every (row, expert) pair within the x16 product's rows).
 //
 // Layer i, as models/decoder.py's DecoderLayer (residual undefined before layer 0):
 //   h = residual undefined ? (residual = hidden, norm(hidden)) : add_norm(hidden, residual)
@@ -21,12 +22,12 @@
 //   sandwich (Gemma): h, residual = add_norm(post_attention_norm(a), residual);
 //                     hidden = post_feedforward_norm(mlp(h))
 //   mlp(h) = act(gate) * up of h W_gate_up^T (+ b), times W_down^T (+ b)
-//   or a mixture of experts (batch 1 only: mlp.SparseMoeBlock with packed experts,
-//   fused_moe.moe_reference's ops for one row): probs = softmax(router(h)) in float32, the
-//   top_k (renormalised or not; a dense router's through cpu_fused_ops.cpp's moe_route, as
-//   the Python layers' CpuFusedLayerOps.route); each chosen expert's mlp(h), in the top-k
-//   order, cast to h's dtype and scaled by its weight, summed over the k; Qwen2-MoE adds
-//   sigmoid(shared_gate(h)) * shared mlp(h).
+//   or a mixture of experts (mlp.SparseMoeBlock with packed experts): probs =
+//   softmax(router(h)) in float32, the top_k (renormalised or not; a dense router's
+//   through cpu_fused_ops.cpp's moe_route, as the Python layers' CpuFusedLayerOps.route);
+//   each row's chosen experts' mlp(h), in the top-k order, cast to h's dtype and scaled by
+//   its weight, summed over the k (MoeExperts below; one row as fused_moe.moe_reference
+//   does it, the same result); Qwen2-MoE adds sigmoid(shared_gate(h)) * shared mlp(h).
 //   A router or shared gate is an x16 projection or a dense weight (at::linear, as
 //   F.linear: cpu_linear leaves such layers unpacked).
 // forward returns (hidden, residual) after the last layer; the final norm is the model's.
@@ -210,6 +211,33 @@ void weighted_sum(const T* rows, const float* weights, int64_t k, int64_t n, T* 
 #pragma GCC pop_options
 #endif
 
+// The experts' output for rows x [M, N] routed to topk_ids with topk_weights [M, k]
+// (MoeExperts.forward; module doc): the (row, expert) pairs sorted by expert (stable), each
+// used expert's products over its rows, the rows scaled by their weights in x's dtype and
+// summed over the k per row.
+at::Tensor experts_forward(const Ops& ops, const std::vector<Projection>& gate_up, const std::vector<Projection>& down,
+                         const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                         int64_t act) {
+  const int64_t k = topk_ids.size(1), n = x.size(1), experts = static_cast<int64_t>(gate_up.size());
+  const at::Tensor flat = topk_ids.reshape({-1});
+  const at::Tensor order = at::argsort(flat, /*stable=*/true);
+  const at::Tensor counts = at::bincount(flat, {}, experts);
+  TORCH_CHECK(counts.size(0) == experts, "MoeExperts.forward: an expert id past the ", experts, " experts");
+  const at::Tensor rows = x.index_select(0, at::floor_divide(order, k));  // x[order // k]: the same gather
+  const int64_t* count = counts.data_ptr<int64_t>();
+  std::vector<int64_t> used, starts{0};  // the experts that got rows; where their rows start
+  for (int64_t e = 0; e < experts; ++e) {
+    if (count[e] == 0) continue;
+    used.push_back(e);
+    starts.push_back(starts.back() + count[e]);
+  }
+  if (used.empty()) return at::zeros_like(x);  // no rows
+  const at::Tensor hidden = ops.act_and_mul.call(experts_product(ops, gate_up, used, starts, rows), act);
+  at::Tensor out_rows = experts_product(ops, down, used, starts, hidden);
+  out_rows.mul_(topk_weights.reshape({-1}).index_select(0, order).unsqueeze(-1).to(x.scalar_type()));
+  return at::sum(out_rows.index_select(0, at::argsort(order)).view({-1, k, n}), {1});
+}
+
 // A mixture-of-experts feed-forward (module doc); top_k 0: the layer's is a gated MLP.
 struct Moe {
   int64_t top_k = 0;
@@ -300,7 +328,7 @@ class DecoderLayers : public torch::CustomClassHolder {
   // hidden [B, N] after the embedding (B decode rows); cos[r], sin[r]: the step's rotary
   // table of rope key r (a row each); kv_caches[i]: layer i's cache; block_table [B,
   // max_blocks], seq_lens [B], slot_mapping [B] as AttentionMetadata holds them for the
-  // decode rows. A mixture of experts takes one row (moe).
+  // decode rows.
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& hidden_in, const std::vector<at::Tensor>& cos,
                                              const std::vector<at::Tensor>& sin,
                                              const std::vector<at::Tensor>& kv_caches, const at::Tensor& block_table,
@@ -336,7 +364,6 @@ class DecoderLayers : public torch::CustomClassHolder {
       at::Tensor a = l.o(ops, attended.view({rows, l.heads * l.head_dim}));
       if (l.sandwich) a = norm(ops, l.post_attention, a);
       h = add_norm(ops, l.sandwich ? l.pre_feedforward : l.post_attention, a, residual);
-      TORCH_CHECK(!l.moe.top_k || rows == 1, "DecoderLayers.forward: a mixture of experts takes one row, got ", rows);
       hidden = l.moe.top_k ? moe(ops, l, h) : l.down(ops, ops.act_and_mul.call(l.gate_up(ops, h), l.act));
       if (l.sandwich) hidden = norm(ops, l.post_feedforward, hidden);
     }
@@ -378,8 +405,9 @@ class DecoderLayers : public torch::CustomClassHolder {
     TORCH_CHECK(false, "DecoderLayers: no router or gate named ", which);
   }
 
-  // The experts of one row h [1, N] (module doc), as fused_moe.moe_reference and
-  // mlp.SparseMoeBlock compute them for it.
+  // The experts of rows h [B, N] (module doc), as mlp.SparseMoeBlock computes them: B
+  // rows through its CppExperts (MoeExperts.forward's experts_forward), one row as
+  // fused_moe.moe_reference does (the same result: weighted_sum).
   static at::Tensor moe(const Ops& ops, const Layer& l, const at::Tensor& h) {
     const Moe& m = l.moe;
     at::Tensor weights, ids;
@@ -390,6 +418,18 @@ class DecoderLayers : public torch::CustomClassHolder {
       std::tie(weights, ids) = at::topk(at::softmax(m.router(ops, h), -1, at::kFloat), m.top_k, -1);
       if (m.renormalize) weights = at::div(weights, at::sum(weights, {-1}, true));
     }
+    at::Tensor out = h.size(0) > 1 ? experts_forward(ops, m.gate_up, m.down, h, weights, ids, l.act)
+                                   : one_row_experts(ops, l, h, weights, ids);
+    if (!m.shared) return out;
+    const at::Tensor shared = m.shared_down(ops, ops.act_and_mul.call(m.shared_gate_up(ops, h), l.act));
+    return at::add(out, at::mul(at::sigmoid(m.shared_gate(ops, h)), shared));
+  }
+
+  // The chosen experts of one row h [1, N]: each expert's product over the one row
+  // (gguf_mm_x16_grouped quantizes it once), the rows summed by weighted_sum.
+  static at::Tensor one_row_experts(const Ops& ops, const Layer& l, const at::Tensor& h, const at::Tensor& weights,
+                                    const at::Tensor& ids) {
+    const Moe& m = l.moe;
     const int64_t n = h.size(1), experts = static_cast<int64_t>(m.gate_up.size());
     const at::Tensor chosen = ids.contiguous();
     const int64_t* id = chosen.data_ptr<int64_t>();
@@ -405,9 +445,7 @@ class DecoderLayers : public torch::CustomClassHolder {
       weighted_sum<scalar_t>(rows.const_data_ptr<scalar_t>(), weights.contiguous().const_data_ptr<float>(), m.top_k, n,
                              out.data_ptr<scalar_t>());
     });
-    if (!m.shared) return out;
-    const at::Tensor shared = m.shared_down(ops, ops.act_and_mul.call(m.shared_gate_up(ops, h), l.act));
-    return at::add(out, at::mul(at::sigmoid(m.shared_gate(ops, h)), shared));
+    return out;
   }
 
   static const at::Tensor& weight_of(const Norm& n) {
@@ -449,25 +487,7 @@ class MoeExperts : public torch::CustomClassHolder {
     TORCH_CHECK(x.dim() == 2 && topk_ids.dim() == 2 && topk_ids.size(0) == x.size(0) &&
                     topk_weights.sizes() == topk_ids.sizes() && topk_ids.scalar_type() == at::kLong,
                 "MoeExperts.forward: x [M, N], topk_weights and int64 topk_ids [M, k] expected");
-    const Ops& ops = Ops::get();
-    const int64_t k = topk_ids.size(1), n = x.size(1), experts = static_cast<int64_t>(gate_up_.size());
-    const at::Tensor flat = topk_ids.reshape({-1});
-    const at::Tensor order = at::argsort(flat, /*stable=*/true);
-    const at::Tensor counts = at::bincount(flat, {}, experts);
-    TORCH_CHECK(counts.size(0) == experts, "MoeExperts.forward: an expert id past the ", experts, " experts");
-    const at::Tensor rows = x.index_select(0, at::floor_divide(order, k));  // x[order // k]: the same gather
-    const int64_t* count = counts.data_ptr<int64_t>();
-    std::vector<int64_t> used, starts{0};  // the experts that got rows; where their rows start
-    for (int64_t e = 0; e < experts; ++e) {
-      if (count[e] == 0) continue;
-      used.push_back(e);
-      starts.push_back(starts.back() + count[e]);
-    }
-    if (used.empty()) return at::zeros_like(x);  // no rows
-    const at::Tensor hidden = ops.act_and_mul.call(experts_product(ops, gate_up_, used, starts, rows), act);
-    at::Tensor out_rows = experts_product(ops, down_, used, starts, hidden);
-    out_rows.mul_(topk_weights.reshape({-1}).index_select(0, order).unsqueeze(-1).to(x.scalar_type()));
-    return at::sum(out_rows.index_select(0, at::argsort(order)).view({-1, k, n}), {1});
+    return experts_forward(Ops::get(), gate_up_, down_, x, topk_weights, topk_ids, act);
   }
 
  private:

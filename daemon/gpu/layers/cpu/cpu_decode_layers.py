@@ -13,8 +13,8 @@ or an AWQ / GPTQ checkpoint's without act-order); its feed-forward a gated MLP, 
 mixture of experts whose experts are packed so too (mlp.ExpertWeights), its router and
 shared-expert gate x16 or dense (F.linear: cpu_linear leaves them so). Anything else
 keeps the Python layers; and every step it does not take (a prefill, more decode rows
-than every projection's x16 product takes or than the MLP multiplies at once, more than
-one where a layer is a mixture of experts, a quantized KV cache) runs them too
+than every projection's x16 product takes or than the MLP multiplies at once, more than a
+mixture of experts' CppExperts take, a quantized KV cache) runs them too
 (`DecodeLayers.takes`).
 
 `CppExperts` does the same for a MoE layer's packed experts at any number of rows (a
@@ -192,18 +192,26 @@ def build_decode_layers(model: nn.Module) -> DecodeLayers | None:
 
 
 def max_decode_rows(model: nn.Module) -> int:
-    """The most decode rows DecoderLayers may run for the model (as the Python layers do
-    them): one where any layer is a mixture of experts (its C++ path is one row's); else
-    as many as every projection's x16 product takes (more go through a dequantized GEMM)
-    and every MLP multiplies at once (more are split into chunks)."""
-    if any(isinstance(layer.mlp, SparseMoeBlock) for layer in model.layers):
-        return 1
+    """The most decode rows DecoderLayers may run for the model as the Python layers run
+    them: as many as every projection's x16 product takes (more go through a dequantized
+    GEMM) and every gated MLP multiplies at once (more are split into chunks); a mixture of
+    experts as many as its CppExperts take (more (row, expert) pairs go through the Python
+    loop), with its router's and shared expert's limits (one row where it has no
+    CppExperts)."""
     rows = []
     for layer in model.layers:
-        mlp = layer.mlp
-        for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            rows.append(_x16_max_rows(proj.kernel))
-        rows.append(max(1, MLP_CHUNK_BYTES // (mlp.gate_up_proj.out_features * 4)))  # as GatedMLP.forward
+        attn, mlp = layer.self_attn, layer.mlp
+        rows += [_x16_max_rows(attn.qkv_proj.kernel), _x16_max_rows(attn.o_proj.kernel)]
+        if isinstance(mlp, SparseMoeBlock):
+            if mlp.cpp_experts is None:
+                return 1
+            rows.append(mlp.cpp_experts.max_rows // mlp.top_k)
+            gates = [mlp.gate] if mlp.shared_expert is None else [mlp.gate, mlp.shared_expert_gate]
+            rows += [_x16_max_rows(g.kernel) for g in gates if g.kernel is not None]
+            mlp = mlp.shared_expert
+        if mlp is not None:
+            rows += [_x16_max_rows(mlp.gate_up_proj.kernel), _x16_max_rows(mlp.down_proj.kernel),
+                     MLP_CHUNK_BYTES // (mlp.gate_up_proj.out_features * 4)]  # as GatedMLP.forward
     return max(1, min(rows))
 
 
