@@ -3,6 +3,7 @@ transformers, weights from safetensors through our own name mapping) or from a G
 (gguf_loader: the same three things read from the one file). Nothing is fetched."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from collections.abc import Iterable, Iterator
@@ -79,9 +80,13 @@ def load_tokenizer(path: str | Path):
         return load_gguf_tokenizer(path)
     from transformers import AutoTokenizer
 
-    # AutoTokenizer reads a directory's config itself unless handed one: only its
-    # model_type and names matter to it
-    config = _lean_llama_config(Path(path)) if (Path(path) / "config.json").is_file() else None
+    # AutoTokenizer reads a directory's config itself unless handed one (only its
+    # model_type and names matter to it); where AutoConfig fails it falls back to the
+    # plain config, and so it does here
+    config = None
+    if (Path(path) / "config.json").is_file():
+        with contextlib.suppress(ValueError, OSError):
+            config = _lean_llama_config(Path(path))
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True, config=config)
 
 

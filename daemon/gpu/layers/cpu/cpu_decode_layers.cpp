@@ -216,8 +216,8 @@ void weighted_sum(const T* rows, const float* weights, int64_t k, int64_t n, T* 
 // used expert's products over its rows, the rows scaled by their weights in x's dtype and
 // summed over the k per row.
 at::Tensor experts_forward(const Ops& ops, const std::vector<Projection>& gate_up, const std::vector<Projection>& down,
-                         const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
-                         int64_t act) {
+                           const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                           int64_t act) {
   const int64_t k = topk_ids.size(1), n = x.size(1), experts = static_cast<int64_t>(gate_up.size());
   const at::Tensor flat = topk_ids.reshape({-1});
   const at::Tensor order = at::argsort(flat, /*stable=*/true);
