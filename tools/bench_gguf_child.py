@@ -20,6 +20,7 @@ cannot batch sequences). Every run also gives the greedy tokens of each sequence
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -215,11 +216,11 @@ def measure(engine: str, model: str, prompts: list[list[int]], tokens: int, thre
                    else llmd_batched(engine, model, prompts, tokens, threads))
     else:
         raise SystemExit(f"unknown engine {engine!r}")
-    import llmd
-
-    return {"engine": engine, "batch": len(prompts), **figures,
-            "peak_rss_mib": status_mib("VmHWM"),  # the load's peak read from the same counter
-            "llmd_from": os.path.dirname(os.path.realpath(llmd.__file__))}  # which tree ran (--baseline)
+    peak = status_mib("VmHWM")  # the load's peak read from the same counter
+    # which tree ran (--baseline), found without importing llmd (a llama.cpp run never
+    # does: its peak RSS would count the import)
+    return {"engine": engine, "batch": len(prompts), **figures, "peak_rss_mib": peak,
+            "llmd_from": os.path.dirname(os.path.realpath(importlib.util.find_spec("llmd").origin))}
 
 
 def main(argv: list[str]) -> int:
