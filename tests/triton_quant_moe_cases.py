@@ -89,7 +89,7 @@ def _gguf_experts(case: Case, seed: int):
     w13 [experts, 2 inter, hidden], w2 [experts, hidden, inter]."""
     from llmd.gpu.layers.mlp import ExpertWeights
 
-    from llmd.gpu.models.quant_plan import OrderedPackedSource
+    from llmd.gpu.models.expert_sources import OrderedPackedSource
 
     layer = ExpertWeights(case.experts, case.hidden, case.inter, None)
     gate, up, down = case.types
@@ -126,7 +126,7 @@ def _fp8_experts(case: Case, seed: int, block: tuple[int, int] | None):
 
     from llmd.gpu.layers.mlp import ExpertWeights
     from llmd.gpu.layers.quant.fp8 import fp8_rows
-    from llmd.gpu.models.quant_plan import FP8Source
+    from llmd.gpu.models.expert_sources import FP8Source
     from llmd_tools.quantize_checkpoint import fp8_tensors
 
     layer = ExpertWeights(case.experts, case.hidden, case.inter, None)

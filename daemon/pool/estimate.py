@@ -127,7 +127,8 @@ def _read_shape(path: str, mtime_ns: int, size: int) -> ModelShape:
 
 def _act_order_padding(scheme: IntGroupScheme, headers: dict[Path, dict]) -> tuple[tuple[int, int, int], ...]:
     """ModelShape.act_order_padding from the g_idx of the projections TP splits by input
-    columns (experts' are not split: quant_plan refuses act-order experts under TP): a
+    columns (experts' need none: their intermediate dimension follows down's group order,
+    models/expert_sources.py): a
     rank's share of o_proj's columns is equal, of down_proj's equal or whole blocks
     (tp.split_share); its padded columns are held in the scheme's blocks."""
     layers = []  # (output rows, each input column's group, whether down_proj's)

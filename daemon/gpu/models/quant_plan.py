@@ -17,8 +17,8 @@ are (mlp.ExpertWeights): each expert's codes transcoded into GGUF blocks as it i
 (`quantized_weights`; int_groups: Q4_0 for symmetric 4-bit GPTQ, Q5_0 for other 4-bit,
 Q8_0 for 8-bit; act-order columns sorted by group, the order kept beside), FP8 experts
 as their e4m3 bytes and scales (quant/fp8), on CPU and CUDA, each rank its share with
-tensor parallelism (act-order experts, whose columns cannot be split, refused there);
-experts on another device are refused by name."""
+tensor parallelism (act-order experts: expert_sources.py); experts on another device are
+refused by name."""
 from __future__ import annotations
 
 import contextlib
@@ -39,6 +39,8 @@ from llmd.gpu.layers.quant.fp8 import fp8_rows
 from llmd.gpu.layers.quant.int_groups import BLOCK, IntGroups, awq_groups, gptq_groups
 from llmd.gpu.layers.quant.quant_linear import finalize, quantized_matmul, use_quantized
 from llmd.gpu.layers.quant.scheme import FP8Scheme, QuantScheme
+from llmd.gpu.models.expert_sources import (FP8Source, OrderedPackedSource, Parts, expert_parts,
+                                            in_intermediate_order, intermediate_orders, split_down_without_its_expert)
 
 DEQUANTIZE_HINT = "dequantize=True (--dequantize) loads it dense"
 
@@ -141,8 +143,9 @@ def plan_quantized_experts(model: nn.Module, scheme: QuantScheme, index: dict[st
             found[prefix] = (modules[module], attr)
     if not found:
         return {}
-    where = next(iter(found))
-    why = _experts_not_packed(scheme, device_type, [layer for layer, _ in found.values()])
+    where, why = _experts_not_packed(scheme, device_type, [layer for layer, _ in found.values()],
+                                     expert_parts(model, found, checkpoint_target))
+    where = where or next(iter(found))
     if why is not None:
         raise ValueError(f"{where} is quantized ({scheme.label}): {why}; {DEQUANTIZE_HINT}")
     if isinstance(scheme, FP8Scheme):
@@ -174,12 +177,18 @@ def _plan_fp8_experts(scheme: FP8Scheme, found: dict[str, tuple[ExpertWeights, s
     return {prefix: FP8 for prefix in found}
 
 
-def _experts_not_packed(scheme: QuantScheme, device_type: str, layers: list[ExpertWeights]) -> str | None:
+def _experts_not_packed(scheme: QuantScheme, device_type: str, layers: list[ExpertWeights],
+                        parts: Parts) -> tuple[str | None, str | None]:
+    """(the checkpoint module, why its experts cannot stay packed), or (None, None)."""
     if device_type not in ("cpu", "cuda"):
-        return f"llmd keeps quantized experts packed on CPU and CUDA only (no packed MoE kernel for {device_type})"
-    if getattr(scheme, "act_order", False) and any(layer.world_size > 1 for layer in layers):
-        return "GPTQ act-order (desc_act) experts cannot be split by input columns (tensor_parallel_size > 1)"
-    return None
+        return None, (f"llmd keeps quantized experts packed on CPU and CUDA only (no packed MoE kernel for "
+                      f"{device_type})")
+    split = any(layer.world_size > 1 for layer in layers)
+    down = split_down_without_its_expert(parts) if getattr(scheme, "act_order", False) and split else None
+    if down is not None:  # (its columns split as whole blocks where its intermediate dimension is reordered)
+        return down, ("a GPTQ act-order (desc_act) down projection is split by input columns (tensor_parallel_size "
+                      "> 1) only beside its expert's quantized gate and up projections (expert_sources.py)")
+    return None, None
 
 
 def apply_plan(model: nn.Module, scheme: QuantScheme, plan: dict[str, dict[Shard, str]]) -> None:
@@ -243,9 +252,11 @@ def _int_groups(scheme: QuantScheme, prefix: str, get: Any, has: Any, columns: i
     return gptq_groups(*parts, g_idx, scheme.bits, group, scheme.zeros_minus_one)
 
 
-def expert_blocks(scheme: QuantScheme, prefix: str, get: Any, has: Any, columns: int, quant: str) -> PackedSource:
+def expert_blocks(scheme: QuantScheme, prefix: str, get: Any, has: Any, columns: int, quant: str,
+                  reorder: tuple[str, torch.Tensor] | None = None) -> PackedSource:
     """A quantized expert's weight as the GGUF blocks of type `quant` its layer keeps
-    (plan_quantized_experts), exactly, or (FP8) its bytes and scales; ValueError naming
+    (plan_quantized_experts), exactly, or (FP8) its bytes and scales; `reorder`: its rows,
+    or its columns, in its expert's intermediate order (expert_sources); ValueError naming
     the module if it cannot be."""
     if isinstance(scheme, FP8Scheme):
         rows = fp8_rows(get(f"{prefix}.weight"), get(f"{prefix}.{scheme.scale_name}"), scheme.block, 0, 0, prefix)
@@ -259,39 +270,8 @@ def expert_blocks(scheme: QuantScheme, prefix: str, get: Any, has: Any, columns:
     if held != quant:
         raise ValueError(f"{prefix}: its zero points make its blocks {held}, not {quant} (quantization_config's sym "
                          f"says every zero point is {1 << (scheme.bits - 1)}); {DEQUANTIZE_HINT}")
+    rows, order = in_intermediate_order(rows, order, reorder, prefix)
     return OrderedPackedSource(quant, rows.numpy(), (rows.shape[0], columns), order)
-
-
-@dataclasses.dataclass
-class OrderedPackedSource(PackedSource):
-    """An expert's packed rows whose columns were sorted by group (act-order): x's columns
-    go in `input_order` (None: as they come)."""
-
-    input_order: torch.Tensor | None = None
-
-    def columns(self, start: int, end: int) -> PackedSource:
-        if self.input_order is not None:  # its blocks hold columns from anywhere in the row
-            raise ValueError("is GPTQ act-order (desc_act): its weights cannot be split by input columns")
-        return super().columns(start, end)
-
-
-@dataclasses.dataclass
-class FP8Source(PackedSource):
-    """An FP8 expert's e4m3 bytes (`data`) and its `scales` [rows, groups] (quant/fp8)."""
-
-    scales: torch.Tensor | None = None
-
-    def rows(self, start: int, end: int) -> PackedSource:
-        return dataclasses.replace(super().rows(start, end), scales=self.scales[start:end])
-
-    def columns(self, start: int, end: int) -> PackedSource:
-        """Its columns [start, end): the bytes, and the scales of whole groups of them."""
-        groups = self.scales.shape[1]
-        width = self.shape[1] // groups
-        if groups > 1 and (start % width or end % width):
-            raise ValueError(f"cannot be split at columns {start}:{end}: its scales are per {width} columns")
-        scales = self.scales if groups == 1 else self.scales[:, start // width:end // width]
-        return FP8Source(self.quant, self.data[:, start:end], (self.shape[0], end - start), scales)
 
 
 def without_empty_biases(weights: Iterator[tuple[str, Any]], model: nn.Module, scheme: QuantScheme,
@@ -326,9 +306,10 @@ def quantized_weights(weights: Iterator[tuple[str, Any]], model: nn.Module, sche
         if name not in names:
             yield name, source
     with _tensors(index) as get:
+        reorder = intermediate_orders(model, scheme, experts, checkpoint_target, get, index.__contains__)
         for prefix, quant in experts.items():
             yield f"{prefix}.weight", expert_blocks(scheme, prefix, get, index.__contains__,
-                                                    _input_columns(scheme, index, prefix), quant)
+                                                    _input_columns(scheme, index, prefix), quant, reorder.get(prefix))
 
 
 def iter_dequantized(weights: Iterator[tuple[str, Any]], scheme: QuantScheme,

@@ -115,9 +115,10 @@ class TritonPackedExperts:
         cols = experts.packed_columns(name)
         if not experts.ordered:
             return [gguf_experts_part(param, part, cols) for part in experts.packed_parts_of(name)]
-        # act-order: a part per projection, each with its own input order (gate's and up's may differ)
+        # act-order: a part per projection, each with its own input order (gate's and up's may differ;
+        # down's is usually its columns' own: models/expert_sources.py)
         orders = getattr(experts, f"{name}_order")
-        return [gguf_experts_part(param, part, cols, orders[:, i])
+        return [gguf_experts_part(param, part, cols, None if _as_they_come(orders[:, i]) else orders[:, i])
                 for i, part in enumerate(experts.packed_parts_of(name, merged=False))]
 
     def held_tensors(self) -> list[torch.Tensor]:
@@ -127,6 +128,12 @@ class TritonPackedExperts:
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, activation: str,
                  ops: LayerOps) -> torch.Tensor:
         return quant_fused_experts(x, self.gate_up, self.down, self.num_experts, weights, ids, activation, ops)
+
+
+def _as_they_come(orders: torch.Tensor) -> bool:
+    """Every expert's input order [experts, cols] the columns' own."""
+    own = torch.arange(orders.shape[-1], dtype=orders.dtype, device=orders.device)
+    return torch.equal(orders, own.expand_as(orders))
 
 
 def attach_cuda_expert_kernels(model: nn.Module) -> int:

@@ -85,7 +85,7 @@ class IntGroups:
         columns under tensor parallelism: any number of each group's) is padded to them
         with columns of weight 0 — codes its row's zero point, 0 in every packed type —
         that take x's column of the group's first (any column: times 0)."""
-        order = torch.argsort(self.group_of, stable=True)
+        order = group_order(self.group_of)
         groups = self.group_of[order]
         counts = torch.bincount(groups).tolist() if order.numel() else []
         if all(c % BLOCK == 0 for c in counts):
@@ -164,6 +164,12 @@ def awq_groups(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
     zeros = _awq_columns(qzeros).t().to(torch.int32)
     return IntGroups(codes, zeros, scales.t().float().contiguous(),
                      _group_of(codes.shape[1], group, col_offset, codes.device), 4)
+
+
+def group_order(group_of: torch.Tensor) -> torch.Tensor:
+    """Columns sorted by their group, stably: the order IntGroups.sorted_by_group gives
+    its columns (before any padding)."""
+    return torch.argsort(group_of, stable=True)
 
 
 def gptq_groups(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
