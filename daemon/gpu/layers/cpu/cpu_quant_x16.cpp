@@ -270,14 +270,31 @@ void mm_on(Isa isa, int64_t quant, int passes, const std::vector<QuantizedRow>& 
   TORCH_CHECK(false, "gguf_mm_x16: this build has no ", isa_name(isa), " product");
 }
 
+// QuantizedRow::offsets from a row's `sums` ([pairs] of them: passes times blocks) for
+// the VNNI product of type `quant`.
+inline void code_offsets(int64_t quant, const int32_t* sums, int64_t pairs, int32_t* out) {
+#if defined(LLMD_X16_VNNI)
+  dispatch(quant, [&](auto q) {
+    using R = llmd_x16::X16Record<decltype(q)::value>;
+    for (int64_t i = 0; i < pairs; ++i) {
+      const int32_t a = sums[2 * i], b = sums[2 * i + 1];
+      out[2 * i] = R::kHalves ? -R::kOffset * a : -R::kOffset * (a + b);
+      out[2 * i + 1] = R::kHalves ? -R::kOffset * b : 0;
+    }
+  });
+#else
+  (void)quant, (void)sums, (void)pairs, (void)out;
+#endif
+}
+
 // Rows of x a thread quantizes at least (fewer: one thread; a decode step's 32 rows split).
 constexpr int64_t kQuantizeGrain = 8;
 
 // x's rows quantized for the product: the codes, scales and sums they point into.
 struct QuantizedX {
   std::vector<int8_t> codes;
-  std::vector<float> scales;
-  std::vector<int32_t> sums, pairs;
+  std::vector<float> scales, pass_scales;
+  std::vector<int32_t> sums, pairs, offsets;
   std::vector<QuantizedRow> rows;
 
   QuantizedX(Isa isa, const float* x, int64_t count, int64_t cols, int64_t quant, int p)
@@ -286,6 +303,8 @@ struct QuantizedX {
     const int64_t blocks = cols / kBlock;
     const bool super = llmd_x16::super_blocks(static_cast<int>(quant), p);  // (K-quants: blocks a multiple of 8)
     pairs.resize(super ? count * blocks / 2 : 0);
+    pass_scales.resize(super ? 0 : count * (p + 1) * blocks);
+    offsets.resize(isa == Isa::kAvx512Vnni ? count * p * 2 * blocks : 0);
     // the rows split between the threads (each row's codes its own): 32 rows of 640 columns
     // at two passes took ~20 us on one thread, a Gemma 3 270M decode step ~3 ms in all
     at::parallel_for(0, count, kQuantizeGrain, [&](int64_t r0, int64_t r1) {
@@ -295,6 +314,18 @@ struct QuantizedX {
         int32_t* sum = sums.data() + r * p * 2 * blocks;
         quantize_on(isa, x + r * cols, cols, p, super ? llmd_x16::kSuperBlock : 1, q, d, d + blocks, sum);
         rows[r] = {q, d, d + blocks, sum, cols, blocks};
+        if (!super) {  // QuantizedRow::dp, ds01
+          float* dp = pass_scales.data() + r * (p + 1) * blocks;
+          for (int pass = 0; pass < p; ++pass)
+            for (int64_t b = 0; b < blocks; ++b) dp[pass * blocks + b] = d[b] * llmd_x16::kPassScale[pass];
+          for (int64_t b = 0; b < blocks; ++b) dp[p * blocks + b] = d[blocks + 2 * b] + d[blocks + 2 * b + 1];
+          rows[r].dp = dp;
+          rows[r].ds01 = dp + p * blocks;
+        }
+        if (!offsets.empty()) {
+          rows[r].offsets = offsets.data() + r * p * 2 * blocks;
+          code_offsets(quant, sum, p * blocks, offsets.data() + r * p * 2 * blocks);
+        }
         if (super) {  // each two blocks' code sums as int16 pairs (within +-32 * 128)
           int32_t* pair = pairs.data() + r * blocks / 2;
           for (int64_t i = 0; i < blocks / 2; ++i) {

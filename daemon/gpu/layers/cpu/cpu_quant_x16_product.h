@@ -66,6 +66,15 @@ struct QuantizedRow {
   // two 32-column blocks as int16 pairs, block 2i's in the low half, 2i + 1's in the high
   // (what vpdpwssd / vpmaddwd multiply a K-quant's pairs of sub-block minimums by); else null.
   const int32_t* pairs = nullptr;
+  // Where x is quantized per 32 columns: [passes][blocks] d[b] * kPassScale[p], and
+  // [blocks] ds[2b] + ds[2b + 1] (what the VNNI product's tiles multiply by, read as
+  // they are instead of computed per row and sub-block: the same floats); else null.
+  const float* dp = nullptr;
+  const float* ds01 = nullptr;
+  // For the VNNI product of the weight's type: [passes][2 * blocks] what its dot products
+  // start from, -kOffset times `sums` (the codes' offset taken off: per 16 columns where
+  // the type has a scale per 16, else both halves' in the first); else null.
+  const int32_t* offsets = nullptr;
 };
 
 // K-quants whose sub-scales are integers with no minimum per 16 columns (Q3_K, Q4_K,

@@ -83,12 +83,12 @@ template <typename R, bool kSplit = false>
 LLMD_X16_TARGET inline void sub_block_dots(const SubBlock& sb, const QuantizedRow& x, int p, int64_t b, __m512i& lo,
                                            __m512i& hi) {
   const int32_t* xq = reinterpret_cast<const int32_t*>(x.codes + p * x.cols + b * kBlock);
-  const int32_t* sum = x.sums + p * 2 * x.blocks + 2 * b;
+  const int32_t* offset = x.offsets + p * 2 * x.blocks + 2 * b;  // (broadcast from memory: no multiply here)
   if constexpr (R::kHalves) {
-    lo = _mm512_set1_epi32(-R::kOffset * sum[0]);
-    hi = _mm512_set1_epi32(-R::kOffset * sum[1]);
+    lo = _mm512_set1_epi32(offset[0]);
+    hi = _mm512_set1_epi32(offset[1]);
   } else {
-    lo = R::kOffset ? _mm512_set1_epi32(-R::kOffset * (sum[0] + sum[1])) : _mm512_setzero_si512();
+    lo = R::kOffset ? _mm512_set1_epi32(offset[0]) : _mm512_setzero_si512();
     hi = _mm512_setzero_si512();
   }
   if constexpr (kSplit) {
@@ -167,7 +167,7 @@ LLMD_X16_TARGET void group_tile(const uint8_t* w, const QuantizedRow* x, float* 
         }
         __m512 t_lo = _mm512_setzero_ps(), t_hi = _mm512_setzero_ps();
         for (int p = first_scaled_pass(Q, P); p < P; ++p) {
-          const __m512 dx = _mm512_set1_ps(x[r].d[b] * kPassScale[p]);
+          const __m512 dx = _mm512_set1_ps(x[r].dp[p * blocks + b]);
           if constexpr (R::kHalves) {  // each half its scale: in float32 (an int32 multiply is two slow uops)
             t_lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[p]), dx, t_lo);
             t_hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[p]), dx, t_hi);
@@ -178,7 +178,7 @@ LLMD_X16_TARGET void group_tile(const uint8_t* w, const QuantizedRow* x, float* 
         acc[r] = _mm512_fmadd_ps(sb.scale[0], t_lo, acc[r]);
         if constexpr (R::kHalves) acc[r] = _mm512_fmadd_ps(sb.scale[1], t_hi, acc[r]);
         const float* ds = x[r].ds + 2 * b;
-        if constexpr (R::kMin == 1) acc[r] = _mm512_fmadd_ps(sb.min[0], _mm512_set1_ps(ds[0] + ds[1]), acc[r]);
+        if constexpr (R::kMin == 1) acc[r] = _mm512_fmadd_ps(sb.min[0], _mm512_set1_ps(x[r].ds01[b]), acc[r]);
         if constexpr (R::kMin == 2) {
           acc[r] = _mm512_fmadd_ps(sb.min[0], _mm512_set1_ps(ds[0]), acc[r]);
           acc[r] = _mm512_fmadd_ps(sb.min[1], _mm512_set1_ps(ds[1]), acc[r]);
