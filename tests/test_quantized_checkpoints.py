@@ -317,28 +317,38 @@ def test_tensor_parallel_ranks_keep_their_packed_shares(checkpoints, tmp_path):
             llm.engine.shutdown()
 
 
-def test_the_pool_estimate_counts_act_order_padding_under_tensor_parallelism(checkpoints):
-    """Each rank's run of an act-order group's columns (o_proj's, down_proj's share) is
-    padded to whole blocks with zero weights: the pool's estimate at TP=2..4 adds what the
-    loader's own padding (IntGroups.sorted_by_group on each rank's share, then its blocks)
-    adds over the whole layers, and the most one rank adds to a GPU's share."""
+@pytest.mark.parametrize("uneven", [False, True], ids=["whole-groups", "uneven-groups"])
+def test_the_pool_estimate_counts_act_order_padding_under_tensor_parallelism(checkpoints, tmp_path, uneven):
+    """Each rank's run of an act-order group's columns (o_proj's share; down_proj's where
+    its groups are not whole blocks, else its MLP follows their order and pads nothing)
+    is padded to whole blocks with zero weights: the pool's estimate at TP=2..4 adds what
+    the loader's own padding (IntGroups.sorted_by_group on each rank's share, then its
+    blocks) adds over those layers, and the most one rank adds to a GPU's share."""
     from safetensors.torch import load_file
 
     from llmd.config import EngineConfig
+    from llmd.gpu.layers.gguf_quant import FORMATS
     from llmd.gpu.layers.quant.int_groups import IntGroups, gptq_groups
     from llmd.gpu.layers.tp import split_share
     from llmd.pool.estimate import estimate_need, read_shape
 
     path = checkpoints("gptq4-asym-v2-act-order")
+    if uneven:
+        path = _edited(path, tmp_path / "uneven", None, uneven_groups)
     tensors = load_file(str(path / "model.safetensors"))
+    padded = [n for n in tensors if n.endswith("o_proj.g_idx")
+              or (n.endswith("down_proj.g_idx") and bool((torch.bincount(tensors[n].long()) % 32).any()))]
+    assert any("down_proj" in n for n in padded) == uneven
     shape = read_shape(str(path))
     single = estimate_need(EngineConfig(model=str(path), kv_cache_memory_bytes=1), shape, "cpu", available_ram=0)
     for tp in (2, 3, 4):
         ranks = [0] * tp
-        for name in (n for n in tensors if n.endswith(("o_proj.g_idx", "down_proj.g_idx"))):
+        for name in padded:
             prefix = name.removesuffix("g_idx")
             whole = gptq_groups(*(tensors[prefix + t] for t in ("qweight", "qzeros", "scales", "g_idx")), 4, 32, False)
-            size = _held_bytes(whole)
+            # uneven groups pad the whole layer too: the estimate counts from its bytes unpadded
+            quant = whole.sorted_by_group()[0].gguf_rows("layer")[0]
+            size = whole.codes.numel() // 32 * FORMATS[quant].block_bytes
             for rank in range(tp):
                 a, b = split_share(whole.codes.shape[1], rank, tp, 32 if "down_proj" in name else 1)
                 share = IntGroups(whole.codes[:, a:b], whole.zeros, whole.scales, whole.group_of[a:b], 4, True)
@@ -404,7 +414,7 @@ def _rank_model(path: Path, rank: int, dequantize: bool = False) -> CausalLM:
     index = safetensors_index(path)
     if scheme is not None:
         scheme = resolve_scheme(scheme, index)
-        apply_plan(model, scheme, plan_quantized(model, scheme, index, checkpoint_target))
+        apply_plan(model, scheme, plan_quantized(model, scheme, index, checkpoint_target), index)
     model = model.to_empty(device="cpu")
     load_weights(model, iter_safetensors(path))
     for layer in model.modules():
@@ -442,17 +452,44 @@ def test_each_rank_keeps_the_packed_share_the_dense_layer_keeps(checkpoints, tmp
     """Column- and row-parallel projections, checkpoint-fused ones (Phi-3), FP8 blocks
     that straddle a rank's rows (k and v: 16 rows a rank, blocks of 32), a quantized LM
     head (its padding row under an odd vocabulary zero), GPTQ act-order columns split
-    between the ranks (each group's share padded to whole blocks): every rank's packed
-    layers hold exactly the share of the dequantized weight that the dense layers of the
-    same rank load."""
+    between the ranks (o_proj's: each group's share padded to whole blocks; an MLP's
+    intermediate dimension in the order down's columns sort into, read from its g_idx
+    here): every rank's packed layers hold exactly the share of the dequantized weight
+    that the dense layers of the same rank load (an MLP's in that order)."""
     path = checkpoints(case, **extra)
     dense = write_dequantized(path, tmp_path / "dense")
+    references = [_rank_model(dense, rank) for rank in (0, 1)]
+    orders = _down_orders(path) if case == "gptq4-asym-v2-act-order" and not extra else {}
     for rank in (0, 1):
-        packed, reference = _rank_model(path, rank), _rank_model(dense, rank)
+        packed = _rank_model(path, rank)
         layers = {name: m for name, m in packed.named_modules() if getattr(m, "quant", None)}
         assert len(layers) == 12 + ("lm_head" in extra or "lm-head" in case)
         for name, layer in layers.items():
-            assert torch.equal(_dense_weight(layer), reference.get_submodule(name).weight), (rank, name)
+            assert torch.equal(_dense_weight(layer), _reference_weight(references, rank, name, orders)), (rank, name)
         padded = [name for name, layer in layers.items() for order, _ in getattr(layer, "int_units", ())
                   if order is not None and getattr(layer, order).numel() > layer.in_features]
-        assert bool(padded) == (case == "gptq4-asym-v2-act-order" and not extra), padded  # o/down's shares
+        assert bool(padded) == bool(orders) and all(".o_proj" in n for n in padded), padded  # o_proj's shares
+
+
+def _down_orders(path: Path) -> dict[str, torch.Tensor]:
+    """MLP -> the order its down projection's columns sort into by group (stably)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    return {n.removeprefix("model.").removesuffix(".down_proj.g_idx"): torch.argsort(t.long(), stable=True)
+            for n, t in tensors.items() if n.endswith(".down_proj.g_idx")}
+
+
+def _reference_weight(references: list, rank: int, name: str, orders: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The dense rank's weight of layer `name`; for an MLP in its intermediate order, that
+    rank's share of the order: gate's and up's rows, down's columns, of the whole."""
+    mlp, _, projection = name.rpartition(".")
+    if mlp not in orders:
+        return references[rank].get_submodule(name).weight
+    a, b = references[rank].get_submodule(f"{mlp}.down_proj").columns
+    mine = orders[mlp][a:b]
+    shares = [r.get_submodule(name).weight for r in references]
+    if projection == "down_proj":
+        return torch.cat(shares, dim=1)[:, mine]
+    gate, up = (torch.cat([s.chunk(2)[i] for s in shares]) for i in (0, 1))
+    return torch.cat([gate[mine], up[mine]])

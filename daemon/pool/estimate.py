@@ -127,11 +127,13 @@ def _read_shape(path: str, mtime_ns: int, size: int) -> ModelShape:
 
 def _act_order_padding(scheme: IntGroupScheme, headers: dict[Path, dict]) -> tuple[tuple[int, int, int], ...]:
     """ModelShape.act_order_padding from the g_idx of the projections TP splits by input
-    columns (experts' need none: their intermediate dimension follows down's group order,
-    models/expert_sources.py): a
-    rank's share of o_proj's columns is equal, of down_proj's equal or whole blocks
-    (tp.split_share); its padded columns are held in the scheme's blocks."""
+    columns: a rank's share of o_proj's columns is equal, of down_proj's equal or whole
+    blocks (tp.split_share); its padded columns are held in the scheme's blocks. A
+    down_proj whose MLP's intermediate dimension follows its group order needs none
+    (_in_intermediate_order), nor do experts' (models/expert_sources.py)."""
     layers = []  # (output rows, each input column's group, whether down_proj's)
+    names = {name for header in headers.values() for name in header}
+    block = held_block(scheme.block_type, "cpu")
     for file, header in headers.items():
         with file.open("rb") as f:
             start = 8 + int.from_bytes(f.read(8), "little")  # the data after the header
@@ -143,8 +145,9 @@ def _act_order_padding(scheme: IntGroupScheme, headers: dict[Path, dict]) -> tup
                 a, b = info["data_offsets"]
                 f.seek(start + a)
                 groups = np.frombuffer(f.read(b - a), dtype=_INDEX_DTYPES[info["dtype"]])
-                layers.append((qweight["shape"][1], groups, name.endswith(".down_proj.g_idx")))
-    rows, block = [], held_block(scheme.block_type, "cpu")
+                if not _in_intermediate_order(name, groups, names, block):
+                    layers.append((qweight["shape"][1], groups, name.endswith(".down_proj.g_idx")))
+    rows = []
     for tp in range(2, MAX_PADDED_TP + 1):
         ranks = [0] * tp
         for out, groups, down in layers:
@@ -157,6 +160,19 @@ def _act_order_padding(scheme: IntGroupScheme, headers: dict[Path, dict]) -> tup
                 ranks[rank] += held_bytes(scheme.block_type, int((-counts[counts > 0] % block).sum()) * out, "cpu")
         rows.append((tp, sum(ranks), max(ranks)))
     return tuple(rows)
+
+
+def _in_intermediate_order(g_idx: str, groups: np.ndarray, names: set[str], block: int) -> bool:
+    """Whether the loader puts the intermediate dimension of the MLP of down_proj `g_idx`
+    in the order its columns sort into (quant_plan._order_intermediate_dims): its gate and
+    up quantized too, no bias on them in the files, its groups whole blocks."""
+    if not g_idx.endswith(".down_proj.g_idx"):
+        return False
+    mlp = g_idx.removesuffix(".down_proj.g_idx")
+    parts = {f"{mlp}.gate_proj.qweight", f"{mlp}.up_proj.qweight"}
+    quantized = parts <= names or f"{mlp}.gate_up_proj.qweight" in names
+    bias = any(f"{mlp}.{p}.bias" in names for p in ("gate_proj", "up_proj", "gate_up_proj"))
+    return quantized and not bias and groups.size > 0 and not (np.bincount(groups) % block).any()
 
 
 def _safetensors_header(path: Path) -> dict:

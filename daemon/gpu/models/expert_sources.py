@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from llmd.gpu.layers.gguf_quant import PackedSource
-from llmd.gpu.layers.quant.int_groups import group_order
+from llmd.gpu.layers.quant.int_groups import intermediate_order
 from llmd.gpu.layers.quant.scheme import QuantScheme
 
 Parts = dict[tuple[str, int], dict[int | None, str]]
@@ -90,7 +90,8 @@ def intermediate_orders(model: nn.Module, scheme: QuantScheme, experts: Any, che
                         has: Any) -> dict[str, tuple[str, torch.Tensor]]:
     """GPTQ act-order experts whose gate, up and down are all packed: checkpoint module
     -> ("rows", order) for gate and up, ("columns", order) for down, `order` the one down's
-    columns sort into by group (module doc); none where it is theirs already. `get(name)`
+    columns sort into by group (module doc, int_groups.intermediate_order); none where it
+    is theirs already. `get(name)`
     reads a checkpoint tensor, `has(name)` says whether there is one."""
     if not getattr(scheme, "act_order", False):
         return {}
@@ -98,8 +99,8 @@ def intermediate_orders(model: nn.Module, scheme: QuantScheme, experts: Any, che
     for parts in expert_parts(model, experts, checkpoint_target).values():
         if len(parts) < 3 or not has(f"{parts[None]}.g_idx"):
             continue
-        order = group_order(get(f"{parts[None]}.g_idx").to(torch.int64))
-        if not torch.equal(order, torch.arange(order.numel())):
+        order = intermediate_order(get(f"{parts[None]}.g_idx"))
+        if order is not None:  # (groups not whole blocks: expert_blocks refuses the expert by name)
             orders.update({parts[0]: ("rows", order), parts[1]: ("rows", order), parts[None]: ("columns", order)})
     return orders
 

@@ -224,7 +224,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
         scheme = resolve_scheme(scheme, index)
     experts: dict[str, str] = {}  # quantized experts: the GGUF type each is held in
     if scheme is not None and not dequantize:
-        apply_plan(model, scheme, plan_quantized(model, scheme, index, checkpoint_target))
+        apply_plan(model, scheme, plan_quantized(model, scheme, index, checkpoint_target), index)
         experts = plan_quantized_experts(model, scheme, index, checkpoint_target, device.type)
     model = _materialized(model, device)
     model.reset_rotary(device)

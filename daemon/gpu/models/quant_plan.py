@@ -34,9 +34,9 @@ from torch import nn
 
 from llmd.gpu.layers.gguf_quant import PackedSource
 from llmd.gpu.layers.linear import LinearBase, ParallelLMHead, Shard
-from llmd.gpu.layers.mlp import FP8, ExpertWeights
+from llmd.gpu.layers.mlp import FP8, ExpertWeights, GatedMLP
 from llmd.gpu.layers.quant.fp8 import fp8_rows
-from llmd.gpu.layers.quant.int_groups import BLOCK, IntGroups, awq_groups, gptq_groups
+from llmd.gpu.layers.quant.int_groups import BLOCK, IntGroups, awq_groups, gptq_groups, intermediate_order
 from llmd.gpu.layers.quant.quant_linear import finalize, quantized_matmul, use_quantized
 from llmd.gpu.layers.quant.scheme import FP8Scheme, QuantScheme
 from llmd.gpu.models.expert_sources import (FP8Source, OrderedPackedSource, Parts, expert_parts,
@@ -191,10 +191,35 @@ def _experts_not_packed(scheme: QuantScheme, device_type: str, layers: list[Expe
     return None, None
 
 
-def apply_plan(model: nn.Module, scheme: QuantScheme, plan: dict[str, dict[Shard, str]]) -> None:
-    """Give every planned layer its quantized weights (quant_linear.use_quantized)."""
+def apply_plan(model: nn.Module, scheme: QuantScheme, plan: dict[str, dict[Shard, str]],
+               index: dict[str, tuple[str, tuple[int, ...], str]] | None = None) -> None:
+    """Give every planned layer its quantized weights (quant_linear.use_quantized); with
+    the files' `index`, GPTQ act-order gated MLPs in their intermediate order."""
     for name, shards in plan.items():
         use_quantized(model.get_submodule(name), scheme, shards)
+    if index is not None and getattr(scheme, "act_order", False):
+        _order_intermediate_dims(model, plan, index)
+
+
+def _order_intermediate_dims(model: nn.Module, plan: dict[str, dict[Shard, str]],
+                             index: dict[str, tuple[str, tuple[int, ...], str]]) -> None:
+    """Each gated MLP whose gate/up and down projections are all GPTQ act-order, with no
+    bias on gate/up, its groups whole blocks and this rank's share of its intermediate
+    dimension whole blocks: that dimension put in the order down's columns sort into by
+    group (expert_sources.py's module doc, for a dense MLP: down then takes x as it
+    comes, and under TP a rank's share of it needs no padding)."""
+    mlps = [(name, m) for name, m in model.named_modules() if isinstance(m, GatedMLP)]
+    with _tensors(index) as get:
+        for name, mlp in mlps:
+            gate_up, down = plan.get(f"{name}.gate_up_proj"), plan.get(f"{name}.down_proj")
+            share = mlp.down_proj.columns
+            if gate_up is None or down is None or mlp.gate_up_proj.bias is not None or share[0] % BLOCK \
+                    or share[1] % BLOCK or f"{down[None]}.g_idx" not in index:
+                continue
+            order = intermediate_order(get(f"{down[None]}.g_idx"))
+            if order is not None:
+                mlp.gate_up_proj.quant_method.follow_intermediate_order(mlp.gate_up_proj, order, share)
+                mlp.down_proj.quant_method.follow_intermediate_order(mlp.down_proj, order, share)
 
 
 def finalize_quantized(model: nn.Module, dtype: torch.dtype, device: torch.device,

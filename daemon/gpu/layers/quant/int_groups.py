@@ -106,6 +106,16 @@ class IntGroups:
         codes[:, pad] = self.zeros[:, padded_groups[pad]].to(codes.dtype)
         return IntGroups(codes, self.zeros, self.scales, padded_groups, self.bits, self.all_groups), padded_order
 
+    def rows(self, index: torch.Tensor) -> IntGroups:
+        """Its rows `index` (output rows in any order), every column."""
+        return IntGroups(self.codes[index], self.zeros[index], self.scales[index], self.group_of, self.bits,
+                         self.all_groups)
+
+    def columns(self, start: int, end: int) -> IntGroups:
+        """Its columns [start, end), every group's zero points and scales kept."""
+        return IntGroups(self.codes[:, start:end], self.zeros, self.scales, self.group_of[start:end], self.bits,
+                         self.all_groups)
+
     def gguf_rows(self, where: str, q5: bool = False) -> tuple[str, torch.Tensor]:
         """(GGUF type, packed rows uint8 [out, blocks * bytes]) holding this weight
         exactly (module doc); columns must already be sorted by group. `q5`: 4-bit codes
@@ -170,6 +180,18 @@ def group_order(group_of: torch.Tensor) -> torch.Tensor:
     """Columns sorted by their group, stably: the order IntGroups.sorted_by_group gives
     its columns (before any padding)."""
     return torch.argsort(group_of, stable=True)
+
+
+def intermediate_order(g_idx: torch.Tensor) -> torch.Tensor | None:
+    """The order a GPTQ act-order down projection's columns sort into by group (its
+    g_idx), where every group is whole BLOCKs of columns and the order is not theirs
+    already (None otherwise): what its gated MLP's or expert's intermediate dimension is
+    put in (models/expert_sources.py)."""
+    group_of = g_idx.to(torch.int64)
+    if group_of.numel() == 0 or bool((torch.bincount(group_of) % BLOCK).any()):
+        return None
+    order = group_order(group_of)
+    return None if torch.equal(order, torch.arange(order.numel())) else order
 
 
 def gptq_groups(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,

@@ -13,7 +13,9 @@ and zero points, and may differ in packed type):
   after the other (a flat uint8 tensor), multiplied through the GGUF kernels
   (gguf_quant.GGUFMatmul on CPU, cuda_matmul.TritonGGUFMatmul on CUDA) by `IntGroupMatmul`; act-order columns sorted by group, with
   x's columns taken in the same order (`input_order_*`, one per run of parts sharing
-  it: q/k/v and gate/up usually do);
+  it: q/k/v and gate/up usually do) — but for a down projection whose gated MLP follows
+  its group order (`follow_intermediate_order`: gate/up's rows in it, down's sorted
+  columns taking x as it comes, no padding under TP);
 * FP8 (fp8): `weight` the e4m3 bytes [out, in] and `weight_scales` [out, groups],
   multiplied by fp8.FP8Matmul (on CUDA cuda_matmul.TritonFP8Matmul).
 
@@ -103,6 +105,25 @@ class QuantizedWeights(WeightLoading):
         self.full_columns = layer_columns(layer)[1]
         self.pending: dict[tuple[str, int], torch.Tensor] = {}
         self.loaded: dict[int, Piece] = {}  # the piece each part was read as
+        self.intermediate: tuple[str, torch.Tensor, tuple[int, int]] | None = None  # follow_intermediate_order's
+
+    def follow_intermediate_order(self, layer: nn.Module, order: torch.Tensor, share: tuple[int, int]) -> None:
+        """A GPTQ act-order gated MLP's intermediate dimension put in `order`, the one its
+        down projection's columns sort into by group (models/expert_sources.py; before
+        loading): the gate/up layer keeps rows order[share] of each part, the down layer
+        the columns [share) of its columns sorted — each reads its parts whole."""
+        if isinstance(layer, RowParallelLinear):
+            self.intermediate = ("columns", order, share)
+            self.pieces = {s: [Piece(p.part, p.out, (0, self.full_columns)) for p in pieces]
+                           for s, pieces in self.pieces.items()}
+            return
+        self.intermediate = ("rows", order, share)
+        fused, offset = [], 0
+        for i, (shard, full) in enumerate(zip(layer.parts, layer.full_sizes())):
+            self.pieces[shard] = [Piece(i, (0, full), self.pieces[shard][0].cols)]
+            fused.append(Piece(i, (offset, offset + full), self.pieces[shard][0].cols))
+            offset += full
+        self.pieces[None] = fused
 
     def shards(self, name: str) -> tuple[Shard, ...]:
         if name not in self.scheme.required_names:
@@ -220,7 +241,7 @@ def _finalize_int(layer: nn.Module, method: QuantizedWeights, names: list[str], 
     column order as one unit of the matmul."""
     quants, rows, orders = [], [], []
     for i in range(method.parts):
-        groups, order = _int_part(method, i, names[i]).sorted_by_group()
+        groups, order = _sorted(method, _int_part(method, i, names[i]), names[i])
         quant, packed = groups.gguf_rows(names[i])
         quants.append(quant)
         rows.append(_padded(layer, packed))
@@ -245,6 +266,21 @@ def _finalize_int(layer: nn.Module, method: QuantizedWeights, names: list[str], 
             tensors.append(name)
         layer.int_units.append((name, parts))
     layer.quant_tensors = tuple(tensors)
+
+
+def _sorted(method: QuantizedWeights, groups: IntGroups, where: str) -> tuple[IntGroups, torch.Tensor | None]:
+    """A part's groups with its columns sorted by group, and x's column order (None: as
+    they come); in its MLP's intermediate order where it follows one (this rank's rows of
+    it, or this rank's columns of the sorted whole, which take x as it comes)."""
+    if method.intermediate is None:
+        return groups.sorted_by_group()
+    side, order, (a, b) = method.intermediate
+    if side == "rows":
+        return groups.rows(order[a:b]).sorted_by_group()
+    whole, own = groups.sorted_by_group()
+    if own is None or not torch.equal(own, order):
+        raise ValueError(f"{where}: its columns do not sort into the order its gate and up rows were given")
+    return whole.columns(a, b), None
 
 
 def _padded(layer: nn.Module, rows: torch.Tensor) -> torch.Tensor:
