@@ -14,8 +14,9 @@ put in the order down's columns sort into by group (`intermediate_orders`): down
 sorted blocks then take x (act(gate) * up) as it comes, with no input order, a rank's
 share of them is whole blocks as for any other expert, and gate's and up's rows come in
 that order (their own input orders, over the hidden size, stay). Each product is the
-one the sorted columns gave with x taken in their order, value for value; a rank keeps
-no padding (a dense act-order down_proj pads its share's groups: quant_linear).
+one the sorted columns gave with x taken in their order, value for value, and a rank
+keeps no padding. A dense gated MLP is put in its down projection's order alike
+(quant_plan._order_intermediate_dims, quant_linear.follow_intermediate_order).
 """
 from __future__ import annotations
 
@@ -81,8 +82,9 @@ def expert_parts(model: nn.Module, prefixes: Any, checkpoint_target: Any) -> Par
 
 
 def split_down_without_its_expert(parts: Parts) -> str | None:
-    """The first act-order down projection whose gate or up is not packed beside it (its
-    intermediate dimension cannot be reordered: under TP its columns cannot be split)."""
+    """The first down projection whose gate or up is not packed beside it (an act-order
+    one's intermediate dimension cannot be reordered then: under TP its columns cannot
+    be split)."""
     return next((p[None] for p in parts.values() if None in p and len(p) < 3), None)
 
 
@@ -91,8 +93,8 @@ def intermediate_orders(model: nn.Module, scheme: QuantScheme, experts: Any, che
     """GPTQ act-order experts whose gate, up and down are all packed: checkpoint module
     -> ("rows", order) for gate and up, ("columns", order) for down, `order` the one down's
     columns sort into by group (module doc, int_groups.intermediate_order); none where it
-    is theirs already. `get(name)`
-    reads a checkpoint tensor, `has(name)` says whether there is one."""
+    is theirs already. `get(name)` reads a checkpoint tensor, `has(name)` says whether
+    there is one."""
     if not getattr(scheme, "act_order", False):
         return {}
     orders: dict[str, tuple[str, torch.Tensor]] = {}
