@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup model demo test bench clean
+.PHONY: setup kernels model demo test bench clean
 
 setup: $(STAMP)
 
@@ -20,14 +20,19 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
 
+# llmd's CPU kernels built for this CPU before anything runs (once per version of their
+# sources; later a load of the built library): the daemon's first start does not compile.
+# Without a C++ compiler the layers keep their torch path (said once), hence the '-'.
+kernels: setup
+	-$(BIN)/python -m llmd.gpu.layers.cpu.cpu_kernels
+
 model: setup
 	$(BIN)/python -m llmd.builtin_model
 
-demo: model
+demo: model kernels
 	$(BIN)/python -m llmd_tools.demo
 
-test: setup
-	-$(BIN)/python -m llmd.gpu.layers.cpu.cpu_kernels
+test: kernels
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 bench: setup

@@ -1,4 +1,6 @@
-"""llmd's C++ CPU kernels (cpu_kernels.cpp), built when first asked for and cached on disk.
+"""llmd's C++ CPU kernels (cpu_kernels.cpp), built by the set-up (`make`, or `python -m
+llmd.gpu.layers.cpu.cpu_kernels` at install: README) or else when first asked for, and
+cached on disk.
 
 Five sets, one extension:
 - decode attention over the paged KV cache read in place (cpu_kernels.cpp). The torch
