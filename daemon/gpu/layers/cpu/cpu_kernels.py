@@ -127,7 +127,7 @@ def kernel_build_timeout() -> float:
 @functools.cache
 def _load() -> bool:
     timeout = kernel_build_timeout()
-    logger.info("loading llmd's CPU kernels for %s (compiled on the first start only)", vector_isa())
+    logger.info("loading llmd's CPU kernels for %s (compiled once per version of their sources)", vector_isa())
     try:
         library = build_library(kernels_build(), timeout)
         torch.ops.load_library(str(library))
