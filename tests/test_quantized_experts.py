@@ -7,7 +7,8 @@ with act-order (an input order per module: gate and up of an expert in different
 orders; the intermediate dimension in the order down's columns sort into by group, so
 that down takes no order of its own: expert_sources.py), and FP8 experts (their e4m3
 bytes, scales per channel and per 32x32 block), a Qwen3-MoE fixture whose layer 1 is a
-dense MLP (quantized too); TP=2 ranks keep their shares, act-order experts' too. On CUDA the plan keeps them packed (the grouped kernel: test_triton_quant_moe.py);
+dense MLP (quantized too); TP=2 ranks keep their shares, act-order experts' too. On CUDA
+the plan keeps them packed (the grouped kernel: test_triton_quant_moe.py);
 dequantize=True loads them dense.
 """
 from __future__ import annotations
@@ -86,8 +87,8 @@ def test_tensor_parallel_ranks_keep_their_experts_shares(checkpoints, tmp_path, 
     """TP=2: each rank keeps its share of every quantized expert packed (w13's rows; w2's
     columns as whole blocks, an FP8 expert's with their scale groups, an act-order one's
     in its intermediate order) and computes what transformers does on the dequantized
-    weights; the ranks' packed bytes add up to one rank's model's (act-order: its dense
-    layers' shares pad their groups, so the experts' bytes alone, which do not)."""
+    weights; the ranks' packed bytes add up to one rank's model's (act-order: o_proj's
+    shares pad their groups, so the experts' bytes alone, which do not)."""
     options, _, label = CASES[case]
     path = checkpoints("qwen3-moe", **options)
     whole_model = load_model(path, torch.float32, CPU, 128)
