@@ -38,7 +38,10 @@
 # $OUT: read them here, then restructure the K loop against what stalls), the high bits
 # loaded a tile at a time (bench-quant's Q3_K / Q5_K / Q5_0 rows against the last lease's),
 # Q4_K / Q5_K's scale words (sweep: the "scale words" rows; make them the default where
-# they win), and TP shares of whole blocks (CPU-only tests; no GPU TP check here).
+# they win), and TP shares of whole blocks (CPU-only tests; no GPU TP check here). New
+# since 2026-12-01: GPTQ act-order MLPs and experts in their down projection's group order
+# (tests: test_quant_cuda_models' gptq4-asym-v2-act-order and gptq4-act-order MoE cases;
+# the grouped kernel then takes down's part with no order, cuda_matmul._as_they_come).
 #
 # Each step runs under its own time limit (`step NAME SECONDS CMD`), so one that hangs or
 # runs long costs its limit and the later ones still run. Every step's output goes to
