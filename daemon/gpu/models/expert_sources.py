@@ -105,19 +105,3 @@ def intermediate_orders(model: nn.Module, scheme: QuantScheme, experts: Any, che
         if order is not None:  # (groups not whole blocks: expert_blocks refuses the expert by name)
             orders.update({parts[0]: ("rows", order), parts[1]: ("rows", order), parts[None]: ("columns", order)})
     return orders
-
-
-def in_intermediate_order(rows: torch.Tensor, order: torch.Tensor | None, reorder: tuple[str, torch.Tensor] | None,
-                          prefix: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(packed rows, input order) of an expert projection whose columns are sorted by
-    group (`order`: x's columns, None as they come), with its expert's intermediate
-    order applied (`reorder`, intermediate_orders'): gate's and up's rows permuted; down's
-    columns, sorted into that very order, then take x as it comes."""
-    if reorder is None:
-        return rows, order
-    side, want = reorder
-    if side == "rows":
-        return rows[want], order
-    if order is None or not torch.equal(order, want):
-        raise ValueError(f"{prefix}: its columns do not sort into the order its gate and up rows were given")
-    return rows, None

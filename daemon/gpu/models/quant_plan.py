@@ -39,8 +39,8 @@ from llmd.gpu.layers.quant.fp8 import fp8_rows
 from llmd.gpu.layers.quant.int_groups import BLOCK, IntGroups, awq_groups, gptq_groups, intermediate_order
 from llmd.gpu.layers.quant.quant_linear import finalize, quantized_matmul, use_quantized
 from llmd.gpu.layers.quant.scheme import FP8Scheme, QuantScheme
-from llmd.gpu.models.expert_sources import (FP8Source, OrderedPackedSource, Parts, expert_parts,
-                                            in_intermediate_order, intermediate_orders, split_down_without_its_expert)
+from llmd.gpu.models.expert_sources import (FP8Source, OrderedPackedSource, Parts, expert_parts, intermediate_orders,
+                                            split_down_without_its_expert)
 
 DEQUANTIZE_HINT = "dequantize=True (--dequantize) loads it dense"
 
@@ -143,8 +143,8 @@ def plan_quantized_experts(model: nn.Module, scheme: QuantScheme, index: dict[st
             found[prefix] = (modules[module], attr)
     if not found:
         return {}
-    where, why = _experts_not_packed(scheme, device_type, [layer for layer, _ in found.values()],
-                                     expert_parts(model, found, checkpoint_target))
+    parts = expert_parts(model, found, checkpoint_target) if getattr(scheme, "act_order", False) else {}
+    where, why = _experts_not_packed(scheme, device_type, [layer for layer, _ in found.values()], parts)
     where = where or next(iter(found))
     if why is not None:
         raise ValueError(f"{where} is quantized ({scheme.label}): {why}; {DEQUANTIZE_HINT}")
@@ -288,14 +288,14 @@ def expert_blocks(scheme: QuantScheme, prefix: str, get: Any, has: Any, columns:
         return FP8Source(FP8, rows.bytes.numpy(), tuple(rows.bytes.shape), rows.scales)
     groups = _int_groups(scheme, prefix, get, has, columns)
     groups.check_shape(groups.codes.shape[0], columns, prefix)
-    groups, order = groups.sorted_by_group()
+    groups, order = (groups.sorted_by_group() if reorder is None  # (expert_sources.intermediate_orders)
+                     else groups.sorted_in(*reorder, (0, reorder[1].numel()), prefix))
     if order is not None and order.numel() != columns:  # an expert's rows are as wide as every other's
         raise ValueError(f"{prefix}: its g_idx groups are not whole {BLOCK}-column blocks; {DEQUANTIZE_HINT}")
     held, rows = groups.gguf_rows(prefix, q5=quant == "Q5_0")
     if held != quant:
         raise ValueError(f"{prefix}: its zero points make its blocks {held}, not {quant} (quantization_config's sym "
                          f"says every zero point is {1 << (scheme.bits - 1)}); {DEQUANTIZE_HINT}")
-    rows, order = in_intermediate_order(rows, order, reorder, prefix)
     return OrderedPackedSource(quant, rows.numpy(), (rows.shape[0], columns), order)
 
 

@@ -106,6 +106,21 @@ class IntGroups:
         codes[:, pad] = self.zeros[:, padded_groups[pad]].to(codes.dtype)
         return IntGroups(codes, self.zeros, self.scales, padded_groups, self.bits, self.all_groups), padded_order
 
+    def sorted_in(self, side: str, order: torch.Tensor, share: tuple[int, int],
+                  where: str) -> tuple[IntGroups, torch.Tensor | None]:
+        """sorted_by_group's result for a projection of a gated MLP (or expert) whose
+        intermediate dimension is put in `order` (intermediate_order): gate's / up's
+        ("rows") this share's rows order[share], then sorted by group over their own input
+        columns; down's ("columns") sorted into `order` itself (checked: ValueError naming
+        `where`), the share's columns of it, which take x as it comes (no order)."""
+        a, b = share
+        if side == "rows":
+            return self.rows(order[a:b]).sorted_by_group()
+        whole, own = self.sorted_by_group()
+        if own is None or not torch.equal(own, order):
+            raise ValueError(f"{where}: its columns do not sort into the order its gate and up rows were given")
+        return whole.columns(a, b), None
+
     def rows(self, index: torch.Tensor) -> IntGroups:
         """Its rows `index` (output rows in any order), every column."""
         return IntGroups(self.codes[index], self.zeros[index], self.scales[index], self.group_of, self.bits,

@@ -241,7 +241,9 @@ def _finalize_int(layer: nn.Module, method: QuantizedWeights, names: list[str], 
     column order as one unit of the matmul."""
     quants, rows, orders = [], [], []
     for i in range(method.parts):
-        groups, order = _sorted(method, _int_part(method, i, names[i]), names[i])
+        groups = _int_part(method, i, names[i])
+        groups, order = (groups.sorted_by_group() if method.intermediate is None  # (follow_intermediate_order)
+                         else groups.sorted_in(*method.intermediate, names[i]))
         quant, packed = groups.gguf_rows(names[i])
         quants.append(quant)
         rows.append(_padded(layer, packed))
@@ -266,21 +268,6 @@ def _finalize_int(layer: nn.Module, method: QuantizedWeights, names: list[str], 
             tensors.append(name)
         layer.int_units.append((name, parts))
     layer.quant_tensors = tuple(tensors)
-
-
-def _sorted(method: QuantizedWeights, groups: IntGroups, where: str) -> tuple[IntGroups, torch.Tensor | None]:
-    """A part's groups with its columns sorted by group, and x's column order (None: as
-    they come); in its MLP's intermediate order where it follows one (this rank's rows of
-    it, or this rank's columns of the sorted whole, which take x as it comes)."""
-    if method.intermediate is None:
-        return groups.sorted_by_group()
-    side, order, (a, b) = method.intermediate
-    if side == "rows":
-        return groups.rows(order[a:b]).sorted_by_group()
-    whole, own = groups.sorted_by_group()
-    if own is None or not torch.equal(own, order):
-        raise ValueError(f"{where}: its columns do not sort into the order its gate and up rows were given")
-    return whole.columns(a, b), None
 
 
 def _padded(layer: nn.Module, rows: torch.Tensor) -> torch.Tensor:
