@@ -303,8 +303,9 @@ struct QuantizedX {
     const int64_t blocks = cols / kBlock;
     const bool super = llmd_x16::super_blocks(static_cast<int>(quant), p);  // (K-quants: blocks a multiple of 8)
     pairs.resize(super ? count * blocks / 2 : 0);
-    pass_scales.resize(super ? 0 : count * (p + 1) * blocks);
-    offsets.resize(isa == Isa::kAvx512Vnni ? count * p * 2 * blocks : 0);
+    const bool vnni = isa == Isa::kAvx512Vnni;  // (QuantizedRow's dp, ds01, offsets: only its product reads them)
+    pass_scales.resize(vnni && !super ? count * (p + 1) * blocks : 0);
+    offsets.resize(vnni ? count * p * 2 * blocks : 0);
     // the rows split between the threads (each row's codes its own): 32 rows of 640 columns
     // at two passes took ~20 us on one thread, a Gemma 3 270M decode step ~3 ms in all
     at::parallel_for(0, count, kQuantizeGrain, [&](int64_t r0, int64_t r1) {
@@ -314,7 +315,7 @@ struct QuantizedX {
         int32_t* sum = sums.data() + r * p * 2 * blocks;
         quantize_on(isa, x + r * cols, cols, p, super ? llmd_x16::kSuperBlock : 1, q, d, d + blocks, sum);
         rows[r] = {q, d, d + blocks, sum, cols, blocks};
-        if (!super) {  // QuantizedRow::dp, ds01
+        if (!pass_scales.empty()) {  // QuantizedRow::dp, ds01
           float* dp = pass_scales.data() + r * (p + 1) * blocks;
           for (int pass = 0; pass < p; ++pass)
             for (int64_t b = 0; b < blocks; ++b) dp[pass * blocks + b] = d[b] * llmd_x16::kPassScale[pass];

@@ -66,8 +66,8 @@ struct QuantizedRow {
   // two 32-column blocks as int16 pairs, block 2i's in the low half, 2i + 1's in the high
   // (what vpdpwssd / vpmaddwd multiply a K-quant's pairs of sub-block minimums by); else null.
   const int32_t* pairs = nullptr;
-  // Where x is quantized per 32 columns: [passes][blocks] d[b] * kPassScale[p], and
-  // [blocks] ds[2b] + ds[2b + 1] (what the VNNI product's tiles multiply by, read as
+  // For the VNNI product, where x is quantized per 32 columns: [passes][blocks] d[b] *
+  // kPassScale[p], and [blocks] ds[2b] + ds[2b + 1] (what its tiles multiply by, read as
   // they are instead of computed per row and sub-block: the same floats); else null.
   const float* dp = nullptr;
   const float* ds01 = nullptr;
