@@ -28,7 +28,7 @@ from llmd.gpu.models.gguf_arch import gemma3_config_fields
 from llmd.gpu.models.gguf_summary import gguf_summary
 from llmd.gpu.models.loader import load_hf_config, load_model, load_tokenizer
 from tiny_models import tiny_models
-from test_engine_vs_hf import TEXTS
+from test_engine_vs_hf import TEXTS, _deviation
 
 MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
@@ -100,6 +100,54 @@ def test_gguf_matches_transformers(ggufs, name, qtype):
     llm = LLM(model=path, **SETTINGS)
     assert llm.engine.tokenizer.chat_template is not None
     _compare_with_transformers(path, llm)
+
+
+def test_a_bf16_file_runs_in_bfloat16_as_the_file_holds_it(ggufs, hf_dirs):
+    """`--dtype auto` on CPU runs a GGUF whose matrices are all BF16 in bfloat16, as it runs
+    an HF bf16 checkpoint: every weight is the file's bf16 value (not a float32 copy at
+    twice the bytes), the pool's estimate counts them so, and its tokens and logprobs part
+    from the float32 reference no more than transformers' bf16 model does. An F16, F32 or
+    quantized file keeps float32."""
+    from llmd.config import EngineConfig
+    from llmd.gpu.models.loader import resolve_dtype
+    from llmd.gpu.worker.memory_profile import weight_storage
+    from llmd.pool.estimate import estimate_need, read_shape
+
+    cpu = torch.device("cpu")
+    for name, qtype, named in (("qwen2", T.F16, "float16"), ("llama", T.F32, "float32"), ("llama", T.Q8_0, None)):
+        assert str(load_hf_config(ggufs(name, qtype)).dtype).removeprefix("torch.") == str(named)  # as engine_setup reads it
+        assert resolve_dtype("auto", cpu, named) == torch.float32
+    path = ggufs("qwen3", T.BF16)
+    assert str(load_hf_config(path).dtype).removeprefix("torch.") == "bfloat16"
+    llm = LLM(model=path, device="cpu", num_gpu_blocks_override=128, max_model_len=256)
+    model = llm.engine.executor.runner.model
+    assert llm.engine.dtype == torch.bfloat16
+    in_file = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    for name, tensor in (("embed_tokens", "token_embd"), ("layers.1.mlp.down_proj", "blk.1.ffn_down"),
+                         ("layers.0.self_attn.o_proj", "blk.0.attn_output")):
+        t = in_file[tensor + ".weight"]
+        expected = torch.from_numpy(np.array(t.data).view(np.int16)).view(torch.bfloat16)
+        got = checkpoint_weight(model.get_submodule(name))
+        assert got.dtype == torch.bfloat16 and torch.equal(got, expected.reshape(got.shape)), name
+    held = sum(weight_storage(model).values()) - sum(b.untyped_storage().nbytes() for b in model.buffers())
+    engine = EngineConfig(model=path, kv_cache_memory_bytes=1)
+    assert estimate_need(engine, read_shape(path), "cpu", available_ram=0) == {"cpu": held + 1}
+    # bf16 keeps ~3 digits: the reference is transformers on the file's weights in float32,
+    # the yardstick how far transformers' own bf16 model of them (the HF directory the file
+    # was written from, rounded alike) is from it (test_engine_vs_hf's bfloat16 test)
+    _, tokenizer = hf_model(path)
+    ours_n = hf_n = 0
+    ours_worst = hf_worst = 0.0
+    for i, text in enumerate(TEXTS[:3]):
+        prompt = tokenizer(text).input_ids
+        ours, ref = engine_result(llm.generate([prompt], GREEDY)[0]), hf_greedy(path, prompt, MAX_TOKENS)
+        check_logprobs_close(ref, ours, f"bf16 #{i}", atol=float("inf"))
+        n, worst = _deviation(ref, ours)
+        ours_n, ours_worst = ours_n + n, max(ours_worst, worst)
+        n, worst = _deviation(ref, hf_greedy(str(hf_dirs("qwen3")), prompt, MAX_TOKENS, dtype=torch.bfloat16))
+        hf_n, hf_worst = hf_n + n, max(hf_worst, worst)
+    assert ours_worst <= 1.5 * hf_worst + 0.05 and ours_n >= 0.6 * hf_n, (ours_n, ours_worst, hf_n, hf_worst)
+    llm.engine.shutdown()
 
 
 @pytest.mark.usefixtures("float32_products")

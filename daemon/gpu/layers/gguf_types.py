@@ -9,7 +9,7 @@ checks at import that its type list is the one named here.
 """
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -23,6 +23,8 @@ DENSE_TYPES = ("F32", "F16", "BF16")
 # it, re-encoded at load (gguf_formats.reencoded): IQ4_XS, on every device, as IQ4_NL
 # blocks (gguf_formats' doc: the one rounding of each sub-block's scale to fp16).
 HELD_AS = {"IQ4_XS": "IQ4_NL"}
+# A dense GGUF type as HF names a checkpoint's dtype (config.dtype).
+_FLOAT_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
 def kernel_types(device_type: str) -> tuple[str, ...]:
@@ -36,6 +38,17 @@ def held_type(quant: str, kernel_types: Collection[str] = CPU_TYPES) -> str:
     while quant not in kernel_types and quant in HELD_AS:
         quant = HELD_AS[quant]
     return quant
+
+
+def matrices_dtype(tensors: Iterable) -> str | None:
+    """The dtype of a GGUF whose matrices (its tensors of two or more dimensions; the
+    norms are vectors, F32 in llama.cpp's files) are all of one dense type, as HF names a
+    checkpoint's (`config.dtype`): "bfloat16" for a BF16 file, which `--dtype auto` then
+    runs in bfloat16 on CPU as it does such an HF checkpoint, its weights as the file holds
+    them (loader.resolve_dtype; float32 would double them); None where a matrix is packed or
+    they differ. `tensors`: the file's tensor records (gguf_file.GGUFTensorInfo)."""
+    types = {t.tensor_type.name for t in tensors if len(t.shape) >= 2}
+    return _FLOAT_DTYPES.get(types.pop()) if len(types) == 1 else None
 
 
 def held_block(quant: str, device_type: str) -> int:

@@ -4,20 +4,19 @@ tokenizer, its tensors the model's weights under HF names: packed rows of the ty
 model keeps packed (gguf_quant), else dequantized at load by the `gguf` package. The file
 is read by llmd's own reader (gguf_file), its tokenizer built by gguf_tokenizer.
 
-What llmd cannot run as llama.cpp would is refused naming the metadata key or tensor:
-an architecture other than llama (with experts: Mixtral), qwen2, qwen3, gemma3, qwen2moe
-and qwen3moe (gguf_arch.py says what each means), experts in another, partial rotary, an
-unknown rope scaling type, per-frequency rope factors (`rope_freqs.weight`, Llama 3.x's
-rope scaling) that llama.cpp would not apply (gguf_rope.py reads them), or any `{arch}.*`
-key this module does not know.
+What llmd cannot run as llama.cpp would is refused naming the metadata key or tensor: an
+architecture other than llama (with experts: Mixtral), qwen2, qwen3, gemma3, qwen2moe and
+qwen3moe (gguf_arch.py says what each means), experts in another, partial rotary, an unknown
+rope scaling type, per-frequency rope factors (`rope_freqs.weight`, Llama 3.x's rope
+scaling) that llama.cpp would not apply (gguf_rope.py reads them), or an unknown `{arch}.*`.
+A file whose matrices are all BF16 (or F16, F32) says so as an HF checkpoint's dtype does.
 
 llama.cpp's converter reorders the rows of every llama q/k projection head so that its
 rotary embedding can rotate adjacent pairs; llmd (like transformers) rotates halves, so
 those rows are put back in HF order here (transformers' GGUF loader undoes the same).
 
-A 3-D expert tensor (`ffn_gate_exps`: every expert's projection stacked) comes out as
-one tensor per expert, under the name an HF checkpoint gives that expert's projection.
-"""
+A 3-D expert tensor (`ffn_gate_exps`: every expert's projection stacked) comes out as one
+tensor per expert, under the name an HF checkpoint gives that expert's projection."""
 from __future__ import annotations
 
 import functools
@@ -33,6 +32,7 @@ import torch
 
 from llmd.gpu.layers.gguf_formats import reencoded
 from llmd.gpu.layers.gguf_quant import PackedSource
+from llmd.gpu.layers.gguf_types import matrices_dtype
 from llmd.gpu.models.gguf_arch import (ARCHITECTURES, BLOCK_TENSORS, EXPERT, GLOBAL_TENSORS, GGUFArchitecture,
                                        gguf_architecture)
 from llmd.gpu.models.architectures import get_architecture
@@ -41,8 +41,7 @@ from llmd.gpu.models.gguf_rope import ROPE_FREQS, gguf_rope_parameters
 from llmd.gpu.models.gguf_tokenizer import build_tokenizer, converter_available
 
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-# Rotary inverse frequencies some old converters stored; derived from the config instead,
-# as the HF loader skips `rotary_emb.inv_freq`.
+# Rotary inverse frequencies old converters stored: derived instead, as HF skips inv_freq.
 _SKIPPED_BLOCK_TENSORS = {"attn_rot_embd"}
 SHARED_EXPERT_GATE = "mlp.shared_expert_gate.weight"  # Qwen2-MoE's: a vector in llama.cpp, [1, hidden] in HF
 
@@ -120,7 +119,7 @@ def load_gguf_config(path: str | Path):
         hidden_act="silu",
         bos_token_id=g.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=g.get("tokenizer.ggml.eos_token_id"),
-        pad_token_id=g.get("tokenizer.ggml.padding_token_id"),
+        pad_token_id=g.get("tokenizer.ggml.padding_token_id"), dtype=matrices_dtype(g.tensors.values()),
     )
     if spec.hf_architecture == "LlamaForCausalLM":
         fields["attention_bias"] = "blk.0.attn_q.bias" in g.tensors
@@ -241,10 +240,8 @@ def _check_tensors(g: GGUFFile, where: str, spec: GGUFArchitecture) -> None:
 
 def _is_skipped(name: str) -> bool:
     """Tensors that are not weights: read into the config (rope_freqs) or derived from it."""
-    if name == ROPE_FREQS:
-        return True
     m = _BLOCK_NAME.fullmatch(name)
-    return m is not None and m.group(2) in _SKIPPED_BLOCK_TENSORS
+    return name == ROPE_FREQS or (m is not None and m.group(2) in _SKIPPED_BLOCK_TENSORS)
 
 
 def hf_tensor_name(name: str, block_tensors: dict[str, str] = BLOCK_TENSORS) -> str | None:
@@ -292,12 +289,11 @@ def gguf_tensor_types(path: str | Path) -> dict[str, tuple[str, str]]:
 
 def iter_gguf_weights(path: str | Path, config: Any,
                       packed: Mapping[str, str] | None = None) -> Iterator[tuple[str, torch.Tensor | PackedSource]]:
-    """(HF name, float32 tensor) for every weight of the GGUF, dequantized one tensor at
-    a time (with tensor parallelism each rank dequantizes the whole tensor and its layer
-    keeps its piece); a weight named in `packed` ({HF name: the type it is held in})
+    """(HF name, tensor) for every weight of the GGUF, dequantized one tensor at a time to
+    float32 (BF16 kept; with tensor parallelism each rank reads the whole tensor and its
+    layer keeps its piece); a weight named in `packed` ({HF name: the type it is held in})
     comes as its packed rows instead (PackedSource, a layer taking its share; re-encoded
-    where it is held in another type than the file's, gguf_formats.HELD_AS), q and k rows
-    unpermuted the same way."""
+    where held in another type than the file's, gguf_formats.HELD_AS), q/k rows unpermuted."""
     from gguf.quants import dequantize
 
     g = open_gguf(path)
@@ -325,20 +321,24 @@ def iter_gguf_weights(path: str | Path, config: Any,
                     raise ValueError(f"{str(path)!r}: GGUF tensor {name!r} of type {quant}: {exc}") from None
             g.drop_pages(t)  # the model copied it
             continue
+        offset = spec.norm_offset if name.endswith("norm.weight") else 0
+        # BF16 comes as the file holds it (a bfloat16 model copies it as it is, a float32 one
+        # widens it in its copy): a float32 array would be twice the tensor, its dequantization 4x
+        as_bf16 = t.tensor_type.name == "BF16" and not offset
         try:
-            array = dequantize(g.tensor_data(t), t.tensor_type)
+            array = g.tensor_data(t).view(np.int16) if as_bf16 else dequantize(g.tensor_data(t), t.tensor_type)
         except NotImplementedError as exc:
             raise ValueError(f"{str(path)!r}: GGUF tensor {name!r} of type {t.tensor_type.name}: {exc}") from None
-        array = np.asarray(array, dtype=np.float32).reshape(shape)
-        if spec.norm_offset and name.endswith("norm.weight"):
-            array = array - np.float32(spec.norm_offset)
+        array = (array if as_bf16 else np.asarray(array, dtype=np.float32)).reshape(shape)
+        if offset:
+            array = array - np.float32(offset)
         if hf_name.endswith(SHARED_EXPERT_GATE) and array.ndim == 1:
             array = array[None]  # llama.cpp's [hidden]: the HF layer's one row
         array = _unpermuted(array, name, spec, config)
         if not (array.flags.writeable and array.flags.c_contiguous):
-            array = np.array(array, order="C")  # F32 data is a read-only view of the file's map
+            array = np.array(array, order="C")  # F32 and BF16 data are read-only views of the file's map
         for one, piece in zip(hf_names, array if experts else [array]):
-            yield one, torch.from_numpy(piece)
+            yield one, torch.from_numpy(piece).view(torch.bfloat16) if as_bf16 else torch.from_numpy(piece)
         g.drop_pages(t)
 
 
