@@ -12,7 +12,8 @@ agrees with transformers reading the same GGUF (the independent reference), toke
 token. Several requests' decode rows together likewise (bit for bit, experts too; a batch
 generation against transformers). Steps they do not take (a prefill, more rows than the
 x16 product or a layer's C++ experts take) and models they cannot run (the fused ops or
-x16 switched off, dense weights) keep the Python layers.
+x16 switched off, float16 dense weights) keep the Python layers. Dense projections (F32
+files, in float32 and bfloat16: oneDNN's linear, as cpu_linear runs them) likewise.
 """
 from __future__ import annotations
 
@@ -129,10 +130,13 @@ def assert_same_steps(model: torch.nn.Module, prompts: list[int] | list[list[int
         assert torch.equal(c, py)
 
 
-CASES = [("llama-tied", T.Q4_1, ()), ("qwen2", T.Q8_0, ()), ("qwen3", T.Q8_0, ()), ("llama-256", T.F32, K_QUANTS)]
+# packed (x16) projections; then dense ones (F32 files: oneDNN's linear, cpu_linear)
+CASES = [("llama-tied", T.Q4_1, ()), ("qwen2", T.Q8_0, ()), ("qwen3", T.Q8_0, ()), ("llama-256", T.F32, K_QUANTS),
+         ("qwen2", T.F32, ()), ("qwen3", T.F32, ())]
+IDS = [f"{c[0]}-{c[1].name}" for c in CASES]
 
 
-@pytest.mark.parametrize("name,qtype,k_quants", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("name,qtype,k_quants", CASES, ids=IDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_a_decode_step_through_the_c_layers_is_the_python_layers_step(vnni, ggufs, name, qtype, k_quants, dtype):
     model = load_model(ggufs(name, qtype, k_quants), dtype, CPU, 128)
@@ -142,7 +146,7 @@ def test_a_decode_step_through_the_c_layers_is_the_python_layers_step(vnni, gguf
 BATCH = [[1, 7, 42, 99, 3, 250], [5, 8], [200, 17, 30, 4, 4, 4, 9, 61, 2, 2, 11, 90, 13, 7, 1, 3, 77], [64]]
 
 
-@pytest.mark.parametrize("name,qtype,k_quants", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("name,qtype,k_quants", CASES, ids=IDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_a_batch_of_decode_rows_through_the_c_layers_is_the_python_layers_step(vnni, ggufs, name, qtype, k_quants,
                                                                                dtype):
@@ -385,7 +389,8 @@ def test_steps_and_models_the_c_layers_do_not_take(vnni, ggufs, hf_dirs, monkeyp
     assert not layers.takes(torch.zeros(1, 2 * hidden.shape[1])[:, ::2], one, caches)  # not contiguous
     prefill = AttentionMetadata(torch.arange(3), 0, None, None, [(0, 3, 0, torch.arange(8))])
     assert not layers.takes(torch.zeros(3, hidden.shape[1]), prefill, caches)
-    assert why_not(load_model(str(hf_dirs("llama-tied")), torch.float32, CPU, 128)) is not None  # dense weights
+    assert why_not(load_model(str(hf_dirs("llama-tied")), torch.float32, CPU, 128)) is None  # dense: oneDNN's
+    assert "nor dense" in why_not(load_model(str(hf_dirs("llama-tied")), torch.float16, CPU, 128))  # F.linear's
     monkeypatch.setenv("LLMD_GGUF_X16", "0")
     assert "x16" in why_not(load_model(path, torch.float32, CPU, 128))
     monkeypatch.setenv("LLMD_GGUF_X16", "")
@@ -409,6 +414,11 @@ def test_the_c_layers_refuse_what_they_cannot_run(vnni):
         layers.add_part("qkv", torch.zeros(16, 32), 0, 32, 3)
     with pytest.raises(RuntimeError, match="passes 1..3"):
         layers.add_part("qkv", torch.zeros(16, 34, dtype=torch.uint8), 0, 32, 4)
+    layers.set_onednn("o", torch.zeros(16, 32), None)
+    with pytest.raises(RuntimeError, match="o is a dense weight"):
+        layers.add_part("o", torch.zeros(16, 34, dtype=torch.uint8), 0, 32, 3)
+    with pytest.raises(RuntimeError, match="o is set already"):
+        layers.set_onednn("o", torch.zeros(16, 32), None)
     with pytest.raises(RuntimeError, match="set_moe first"):
         layers.add_expert_part("gate_up", 0, torch.zeros(16, 34, dtype=torch.uint8), 0, 32, 2)
     with pytest.raises(RuntimeError, match="experts > 0"):

@@ -9,10 +9,11 @@
 // 270M: ~3 ms of a ~50 ms step).
 //
 // cpu_decode_layers.py builds a DecoderLayers once the model is loaded (only from layers it
-// can run: every projection packed in the x16 layout, the fused CPU ops, the paged decode
-// kernel) and the model's forward hands it the steps it takes: decode rows alone, as many
-// as every projection's x16 product takes (with a mixture of experts, as many as its
-// MoeExperts take: every (row, expert) pair within the x16 product's rows).
+// can run: every projection packed in the x16 layout or a dense weight in oneDNN's, the
+// fused CPU ops, the paged decode kernel) and the model's forward hands it the steps it
+// takes: decode rows alone, as many as every projection's x16 product takes (with a
+// mixture of experts, as many as its MoeExperts take: every (row, expert) pair within the
+// x16 product's rows) and a gated MLP multiplies at once.
 //
 // Layer i, as models/decoder.py's DecoderLayer (residual undefined before layer 0):
 //   h = residual undefined ? (residual = hidden, norm(hidden)) : add_norm(hidden, residual)
@@ -116,12 +117,25 @@ struct Part {
   int64_t quant, cols, passes;
 };
 
-// A projection: its parts' outputs side by side, then the bias if any.
+// oneDNN's linear (torch.ops.mkldnn._linear_pointwise), as cpu_linear.PackedLinearForward
+// calls it for a dense layer on one rank: x contiguous, the weight in oneDNN's blocked
+// layout, the bias added by oneDNN. Found at the first such call (a torch built without
+// oneDNN has no such layer: cpu_linear packs none).
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  using Linear = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
+                            c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>);
+  static const c10::TypedOperatorHandle<Linear> op = find_op<Linear>("mkldnn::_linear_pointwise");
+  return op.call(x.contiguous(), weight, bias, "none", c10::List<std::optional<at::Scalar>>(), "");
+}
+
+// A projection: its parts' outputs side by side, then the bias if any; or a dense weight
+// in oneDNN's layout (`onednn`), its bias given to oneDNN.
 struct Projection {
   std::vector<Part> parts;
-  std::optional<at::Tensor> bias;
+  std::optional<at::Tensor> bias, onednn;
 
   at::Tensor operator()(const Ops& ops, const at::Tensor& x) const {
+    if (onednn) return onednn_linear(x, *onednn, bias);
     TORCH_CHECK(!parts.empty(), "DecoderLayers: a projection without parts");
     at::Tensor out;
     if (parts.size() == 1) {
@@ -284,11 +298,21 @@ class DecoderLayers : public torch::CustomClassHolder {
   // which: qkv, o, gate_up, down; parts in row order.
   void add_part(const std::string& which, const at::Tensor& weight, int64_t quant, int64_t cols, int64_t passes) {
     check_part("DecoderLayers.add_part", weight, passes);
-    projection_of(last("add_part"), which)->parts.push_back(Part{weight, quant, cols, passes});
+    Projection* p = projection_of(last("add_part"), which);
+    TORCH_CHECK(!p->onednn, "DecoderLayers.add_part: ", which, " is a dense weight");
+    p->parts.push_back(Part{weight, quant, cols, passes});
   }
 
   void set_bias(const std::string& which, const at::Tensor& bias) {
     projection_of(last("set_bias"), which)->bias = bias;
+  }
+
+  // which: qkv, o, gate_up, down: a dense weight in oneDNN's layout (cpu_linear), its bias.
+  void set_onednn(const std::string& which, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+    Projection* p = projection_of(last("set_onednn"), which);
+    TORCH_CHECK(p->parts.empty() && !p->onednn, "DecoderLayers.set_onednn: ", which, " is set already");
+    p->onednn = weight;
+    p->bias = bias;
   }
 
   // The last layer's feed-forward is a mixture of `experts` experts, `top_k` per token;
@@ -507,6 +531,7 @@ TORCH_LIBRARY_FRAGMENT(llmd_cpu, m) {
       .def("set_norm", &DecoderLayers::set_norm)
       .def("add_part", &DecoderLayers::add_part)
       .def("set_bias", &DecoderLayers::set_bias)
+      .def("set_onednn", &DecoderLayers::set_onednn)
       .def("set_moe", &DecoderLayers::set_moe)
       .def("add_expert_part", &DecoderLayers::add_expert_part)
       .def("set_dense", &DecoderLayers::set_dense)

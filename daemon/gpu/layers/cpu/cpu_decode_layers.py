@@ -1,7 +1,7 @@
 """A decoder's layers run from C++ for a decode step on CPU (one new token of each of its
 requests): cpu_decode_layers.cpp's DecoderLayers calls, layer after layer, the operators the
-Python layers call at that step (the C++ fused ops, paged decode, packed x16 products),
-in the same order on the same tensors, so its result is the Python path's bit for bit,
+Python layers call at that step (the C++ fused ops, paged decode, packed x16 products,
+oneDNN's linear), in the same order on the same tensors, so its result is the Python path's bit for bit,
 without the Python between the operators (module calls, checks, views: at batch 1 as
 much time as the operators themselves for a 135M model, at 32 rows ~3 ms of Gemma 3
 270M's ~55 ms step; docs/benchmarks.md).
@@ -9,7 +9,9 @@ much time as the operators themselves for a 135M model, at 32 rows ~3 ms of Gemm
 `attach_decode_layers` builds it once the kernels are attached, only when every layer
 runs exactly those operators: a decoder layer on one rank, with the C++ fused ops, the
 paged decode kernel, RMSNorms, and every projection packed in the x16 layout (a GGUF's,
-or an AWQ / GPTQ checkpoint's without act-order); its feed-forward a gated MLP, or a
+or an AWQ / GPTQ checkpoint's without act-order) or dense in oneDNN's layout (cpu_linear:
+a float32 or bfloat16 model's; the layers hold the weights as packed at load, as the
+Python path does unless one is changed after); its feed-forward a gated MLP, or a
 mixture of experts whose experts are packed so too (mlp.ExpertWeights), its router and
 shared-expert gate x16 or dense (F.linear: cpu_linear leaves them so). Anything else
 keeps the Python layers; and every step it does not take (a prefill, more decode rows
@@ -33,6 +35,7 @@ from torch import nn
 
 from llmd.gpu.layers.attention import AttentionMetadata, TorchAttention
 from llmd.gpu.layers.cpu.cpu_fused_ops import ACT_CODES, CPU_FUSED
+from llmd.gpu.layers.cpu.cpu_linear import PackedLinearForward
 from llmd.gpu.layers.gguf_quant import GGUFMatmul
 from llmd.gpu.layers.kv_quant import narrower_float
 from llmd.gpu.layers.mlp import MLP_CHUNK_BYTES, GatedMLP, SparseMoeBlock
@@ -98,9 +101,15 @@ def why_not(model: nn.Module) -> str | None:
         if isinstance(mlp, SparseMoeBlock) and (reason := _why_not_experts(mlp)) is not None:
             return f"layer {i}'s {reason}"
         projections = (mlp.gate_up_proj, mlp.down_proj) if isinstance(mlp, GatedMLP) else ()
-        if not all(_x16(proj.kernel) for proj in (attn.qkv_proj, attn.o_proj, *projections)):
-            return f"layer {i}'s projections are not all packed in the x16 layout"
+        if not all(_x16(p.kernel) or _onednn(p.kernel) for p in (attn.qkv_proj, attn.o_proj, *projections)):
+            return f"layer {i}'s projections are neither packed in the x16 layout nor dense in oneDNN's"
     return None
+
+
+def _onednn(kernel: Any) -> bool:
+    """Whether a product is a dense weight's in oneDNN's layout, its bias added by oneDNN
+    (cpu_linear: every dense linear of a model on one rank)."""
+    return isinstance(kernel, PackedLinearForward) and kernel.with_bias
 
 
 def _x16(kernel: Any) -> bool:
@@ -136,7 +145,10 @@ def _expert_parts(mlp: SparseMoeBlock) -> Iterator[tuple[str, int, torch.Tensor,
 
 
 def _x16_max_rows(kernel: Any) -> int:
-    """The most rows an x16 product (one that _x16 takes) multiplies through its kernel."""
+    """The most rows an x16 product (one that _x16 takes) multiplies through its kernel;
+    oneDNN's linear takes any."""
+    if _onednn(kernel):
+        return 1 << 30
     if isinstance(kernel, IntGroupMatmul):
         return min(_x16_max_rows(mm) for _, mm in kernel.units)
     return min(kernel.max_rows[passes] for *_, passes in kernel.parts)
@@ -221,6 +233,9 @@ def _add_projection(layers: Any, name: str, proj: nn.Module) -> None:
     kernel = proj.kernel
     if kernel is None:
         layers.set_dense(name, proj.weight, proj.bias)
+        return
+    if _onednn(kernel):
+        layers.set_onednn(name, kernel.packed, proj.bias)
         return
     bias = proj.bias if kernel.with_bias else None
     for part, code, weight, passes in _x16_parts(kernel):
