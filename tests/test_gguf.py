@@ -103,8 +103,8 @@ def test_gguf_matches_transformers(ggufs, name, qtype):
 
 
 def test_a_bf16_file_runs_in_bfloat16_as_the_file_holds_it(ggufs, hf_dirs):
-    """`--dtype auto` on CPU runs a GGUF whose matrices are all BF16 in bfloat16, as it runs
-    an HF bf16 checkpoint: every weight is the file's bf16 value (not a float32 copy at
+    """`--dtype auto` on CPU runs a GGUF whose matrices are all BF16 (F32 ones beside) in
+    bfloat16, as it runs an HF bf16 checkpoint: every weight is the file's bf16 value (not a float32 copy at
     twice the bytes), the pool's estimate counts them so, and its tokens and logprobs part
     from the float32 reference no more than transformers' bf16 model does. An F16, F32 or
     quantized file keeps float32."""
@@ -113,6 +113,15 @@ def test_a_bf16_file_runs_in_bfloat16_as_the_file_holds_it(ggufs, hf_dirs):
     from llmd.gpu.worker.memory_profile import weight_storage
     from llmd.pool.estimate import estimate_need, read_shape
 
+    from llmd.gpu.layers.gguf_types import matrices_dtype
+
+    def record(kind: str, dims: int) -> SimpleNamespace:
+        return SimpleNamespace(tensor_type=SimpleNamespace(name=kind), shape=(64,) * dims)
+
+    # a mixture of experts' routers stay F32 in a BF16 file (llama.cpp's converter)
+    assert matrices_dtype([record("BF16", 3), record("F32", 2), record("F32", 1)]) == "bfloat16"
+    assert matrices_dtype([record("F32", 2), record("F32", 1)]) == "float32"
+    assert all(matrices_dtype([record(a, 2), record(b, 2)]) is None for a, b in (("BF16", "Q8_0"), ("BF16", "F16")))
     cpu = torch.device("cpu")
     for name, qtype, named in (("qwen2", T.F16, "float16"), ("llama", T.F32, "float32"), ("llama", T.Q8_0, None)):
         assert str(load_hf_config(ggufs(name, qtype)).dtype).removeprefix("torch.") == str(named)  # as engine_setup reads it

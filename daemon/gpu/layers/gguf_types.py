@@ -43,12 +43,17 @@ def held_type(quant: str, kernel_types: Collection[str] = CPU_TYPES) -> str:
 def matrices_dtype(tensors: Iterable) -> str | None:
     """The dtype of a GGUF whose matrices (its tensors of two or more dimensions; the
     norms are vectors, F32 in llama.cpp's files) are all of one dense type, as HF names a
-    checkpoint's (`config.dtype`): "bfloat16" for a BF16 file, which `--dtype auto` then
-    runs in bfloat16 on CPU as it does such an HF checkpoint, its weights as the file holds
-    them (loader.resolve_dtype; float32 would double them); None where a matrix is packed or
-    they differ. `tensors`: the file's tensor records (gguf_file.GGUFTensorInfo)."""
+    checkpoint's (`config.dtype`), beside F32 ones (llama.cpp's converter keeps a mixture
+    of experts' routers F32 in a BF16 file): "bfloat16" for a BF16 file, which `--dtype
+    auto` then runs in bfloat16 on CPU as it does such an HF checkpoint, its weights as the
+    file holds them (loader.resolve_dtype; float32 would double them); None where a matrix
+    is packed or two 16-bit types meet. `tensors`: the file's tensor records
+    (gguf_file.GGUFTensorInfo)."""
     types = {t.tensor_type.name for t in tensors if len(t.shape) >= 2}
-    return _FLOAT_DTYPES.get(types.pop()) if len(types) == 1 else None
+    halves = types - {"F32"}
+    if not types or not types <= set(_FLOAT_DTYPES) or len(halves) > 1:
+        return None
+    return _FLOAT_DTYPES[halves.pop() if halves else "F32"]
 
 
 def held_block(quant: str, device_type: str) -> int:
