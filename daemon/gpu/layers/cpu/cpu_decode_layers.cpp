@@ -122,9 +122,10 @@ struct Part {
 // layout, the bias added by oneDNN. Found at the first such call (a torch built without
 // oneDNN has no such layer: cpu_linear packs none).
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  using Linear = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
-                            c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>);
-  static const c10::TypedOperatorHandle<Linear> op = find_op<Linear>("mkldnn::_linear_pointwise");
+  using LinearPointwise = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                     c10::string_view, c10::List<std::optional<at::Scalar>>,
+                                     std::optional<c10::string_view>);
+  static const auto op = find_op<LinearPointwise>("mkldnn::_linear_pointwise");
   return op.call(x.contiguous(), weight, bias, "none", c10::List<std::optional<at::Scalar>>(), "");
 }
 

@@ -1,8 +1,8 @@
 """A decoder's layers run from C++ for a decode step on CPU (one new token of each of its
 requests): cpu_decode_layers.cpp's DecoderLayers calls, layer after layer, the operators the
 Python layers call at that step (the C++ fused ops, paged decode, packed x16 products,
-oneDNN's linear), in the same order on the same tensors, so its result is the Python path's bit for bit,
-without the Python between the operators (module calls, checks, views: at batch 1 as
+oneDNN's linear), in the same order on the same tensors, so its result is the Python
+path's bit for bit, without the Python between the operators (module calls, checks, views: at batch 1 as
 much time as the operators themselves for a 135M model, at 32 rows ~3 ms of Gemma 3
 270M's ~55 ms step; docs/benchmarks.md).
 
@@ -10,8 +10,8 @@ much time as the operators themselves for a 135M model, at 32 rows ~3 ms of Gemm
 runs exactly those operators: a decoder layer on one rank, with the C++ fused ops, the
 paged decode kernel, RMSNorms, and every projection packed in the x16 layout (a GGUF's,
 or an AWQ / GPTQ checkpoint's without act-order) or dense in oneDNN's layout (cpu_linear:
-a float32 or bfloat16 model's; the layers hold the weights as packed at load, as the
-Python path does unless one is changed after); its feed-forward a gated MLP, or a
+a float32 or bfloat16 model's, the weights as packed at load: nothing in llmd changes a
+loaded weight, and a sleep that drops them loads a new model); its feed-forward a gated MLP, or a
 mixture of experts whose experts are packed so too (mlp.ExpertWeights), its router and
 shared-expert gate x16 or dense (F.linear: cpu_linear leaves them so). Anything else
 keeps the Python layers; and every step it does not take (a prefill, more decode rows
