@@ -13,7 +13,8 @@ token. Several requests' decode rows together likewise (bit for bit, experts too
 generation against transformers). Steps they do not take (a prefill, more rows than the
 x16 product or a layer's C++ experts take) and models they cannot run (the fused ops or
 x16 switched off, float16 dense weights) keep the Python layers. Dense projections (F32
-files, in float32 and bfloat16: oneDNN's linear, as cpu_linear runs them) likewise.
+files, and HF checkpoints of Gemma 2, Phi-3 and Mistral, in float32 and bfloat16: oneDNN's
+linear, as cpu_linear runs them) likewise.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from llmd.gpu.layers.attention_backends import metadata_builder
 from llmd.gpu.layers.cpu.cpu_decode_layers import why_not
 from llmd.gpu.layers.cpu.cpu_kernels import gguf_ops
 from llmd.gpu.models.loader import load_model
+from llmd_tools.make_model import fixture_path
 from real_ggufs import RealModelUnavailable, gemma3_270m_gguf
 from test_gguf import K_QUANTS, hf_dirs  # noqa: F401
 from test_gguf_moe import hf_moe  # noqa: F401
@@ -156,6 +158,16 @@ def test_a_batch_of_decode_rows_through_the_c_layers_is_the_python_layers_step(v
     model = load_model(ggufs(name, qtype, k_quants), dtype, CPU, 128)
     assert model.decode_layers.max_rows >= len(BATCH)
     assert_same_steps(model, BATCH, 3, dtype)
+
+
+@pytest.mark.parametrize("name", ["tiny-gemma2-sw16", "tiny-phi3-longrope", "tiny-mistral-sw16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_dense_hf_models_decode_rows_through_the_c_layers_are_the_python_layers_steps(vnni, name, dtype):
+    """HF checkpoints' dense layers (oneDNN's linear) of the architectures no GGUF case
+    has: Gemma 2's soft-capped attention and sandwich norms, Phi-3's partial longrope,
+    Mistral's window (the 17-token request's steps cross its 16 positions)."""
+    model = load_model(str(fixture_path(name)), dtype, CPU, 128)
+    assert_same_steps(model, BATCH, 10, dtype)
 
 
 MOE_CASES = [("qwen2-moe", T.Q8_0), ("qwen3-moe", T.Q4_0), ("mixtral", T.Q8_0)]
