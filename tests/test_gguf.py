@@ -2,7 +2,8 @@
 transformers loading the same file (`gguf_file=`, fp32), for llama (q/k rows in
 llama.cpp's rotary order), tied embeddings, qwen2 (qkv bias) and qwen3 (q/k norm), in F32
 and quantized types; K-quant tensors load as an independent dequantizer reads them; TP=2
-ranks keep their shares packed; bad files and what llmd does not implement are clear errors;
+ranks keep their shares packed; a BF16 file runs in bfloat16 under `--dtype auto`, its
+weights as the file holds them; bad files and what llmd does not implement are clear errors;
 Gemma 3's metadata read as llama.cpp reads it. The real files against transformers:
 test_gguf_real_models.py."""
 from __future__ import annotations
@@ -102,32 +103,38 @@ def test_gguf_matches_transformers(ggufs, name, qtype):
     _compare_with_transformers(path, llm)
 
 
-def test_a_bf16_file_runs_in_bfloat16_as_the_file_holds_it(ggufs, hf_dirs):
-    """`--dtype auto` on CPU runs a GGUF whose matrices are all BF16 (F32 ones beside) in
-    bfloat16, as it runs an HF bf16 checkpoint: every weight is the file's bf16 value (not a float32 copy at
-    twice the bytes), the pool's estimate counts them so, and its tokens and logprobs part
-    from the float32 reference no more than transformers' bf16 model does. An F16, F32 or
-    quantized file keeps float32."""
-    from llmd.config import EngineConfig
-    from llmd.gpu.models.loader import resolve_dtype
-    from llmd.gpu.worker.memory_profile import weight_storage
-    from llmd.pool.estimate import estimate_need, read_shape
-
+def test_a_gguf_names_its_dtype_as_its_matrices_are(ggufs):
+    """A GGUF's config carries the dtype of its matrices as an HF checkpoint's does, F32
+    ones beside (llama.cpp's converter keeps a mixture of experts' routers F32 in a BF16
+    file); none where a matrix is packed or two 16-bit types meet. `--dtype auto` on CPU
+    runs an F16, F32 or quantized file in float32 (a BF16 one: the next test)."""
     from llmd.gpu.layers.gguf_types import matrices_dtype
+    from llmd.gpu.models.loader import resolve_dtype
 
     def record(kind: str, dims: int) -> SimpleNamespace:
         return SimpleNamespace(tensor_type=SimpleNamespace(name=kind), shape=(64,) * dims)
 
-    # a mixture of experts' routers stay F32 in a BF16 file (llama.cpp's converter)
     assert matrices_dtype([record("BF16", 3), record("F32", 2), record("F32", 1)]) == "bfloat16"
     assert matrices_dtype([record("F32", 2), record("F32", 1)]) == "float32"
     assert all(matrices_dtype([record(a, 2), record(b, 2)]) is None for a, b in (("BF16", "Q8_0"), ("BF16", "F16")))
-    cpu = torch.device("cpu")
-    for name, qtype, named in (("qwen2", T.F16, "float16"), ("llama", T.F32, "float32"), ("llama", T.Q8_0, None)):
-        assert str(load_hf_config(ggufs(name, qtype)).dtype).removeprefix("torch.") == str(named)  # as engine_setup reads it
-        assert resolve_dtype("auto", cpu, named) == torch.float32
+    for name, qtype, named in (("qwen2", T.F16, "float16"), ("llama", T.F32, "float32"), ("llama", T.Q8_0, None),
+                               ("qwen3", T.BF16, "bfloat16")):
+        config = load_hf_config(ggufs(name, qtype))
+        assert str(config.dtype).removeprefix("torch.") == str(named)  # as engine_setup reads it
+        expected = torch.bfloat16 if qtype == T.BF16 else torch.float32
+        assert resolve_dtype("auto", torch.device("cpu"), named) == expected
+
+
+def test_a_bf16_file_runs_in_bfloat16_as_the_file_holds_it(ggufs, hf_dirs):
+    """`--dtype auto` on CPU runs a BF16 GGUF in bfloat16, as it runs an HF bf16
+    checkpoint: every weight is the file's bf16 value (not a float32 copy at twice the
+    bytes), the pool's estimate counts them so, and its tokens and logprobs part from the
+    float32 reference no more than transformers' own bf16 model does."""
+    from llmd.config import EngineConfig
+    from llmd.gpu.worker.memory_profile import weight_storage
+    from llmd.pool.estimate import estimate_need, read_shape
+
     path = ggufs("qwen3", T.BF16)
-    assert str(load_hf_config(path).dtype).removeprefix("torch.") == "bfloat16"
     llm = LLM(model=path, device="cpu", num_gpu_blocks_override=128, max_model_len=256)
     model = llm.engine.executor.runner.model
     assert llm.engine.dtype == torch.bfloat16
