@@ -41,8 +41,9 @@ from llmd.gpu.models.gguf_rope import ROPE_FREQS, gguf_rope_parameters
 from llmd.gpu.models.gguf_tokenizer import build_tokenizer, converter_available
 
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-# Rotary inverse frequencies old converters stored: derived instead, as HF skips inv_freq.
-_SKIPPED_BLOCK_TENSORS = {"attn_rot_embd"}
+_SKIPPED_BLOCK_TENSORS = {"attn_rot_embd"}  # old converters' rotary inverse frequencies: derived
+# A dense type's tensor as the file holds it: numpy's view of its bytes, then torch's.
+_AS_HELD = {"F32": (np.float32, torch.float32), "F16": (np.float16, torch.float16), "BF16": (np.int16, torch.bfloat16)}
 SHARED_EXPERT_GATE = "mlp.shared_expert_gate.weight"  # Qwen2-MoE's: a vector in llama.cpp, [1, hidden] in HF
 
 
@@ -289,11 +290,11 @@ def gguf_tensor_types(path: str | Path) -> dict[str, tuple[str, str]]:
 
 def iter_gguf_weights(path: str | Path, config: Any,
                       packed: Mapping[str, str] | None = None) -> Iterator[tuple[str, torch.Tensor | PackedSource]]:
-    """(HF name, tensor) for every weight of the GGUF, dequantized one tensor at a time to
-    float32 (BF16 kept; with tensor parallelism each rank reads the whole tensor and its
-    layer keeps its piece); a weight named in `packed` ({HF name: the type it is held in})
-    comes as its packed rows instead (PackedSource, a layer taking its share; re-encoded
-    where held in another type than the file's, gguf_formats.HELD_AS), q/k rows unpermuted."""
+    """(HF name, tensor) for every weight of the GGUF, one at a time: dense ones as the file
+    holds them, others dequantized to float32 (with TP each rank reads the whole tensor and
+    its layer keeps its piece); one named in `packed` ({HF name: the type it is held in}) as
+    its packed rows (PackedSource, a layer taking its share; re-encoded where held in
+    another type than the file's, gguf_formats.HELD_AS); q/k rows unpermuted."""
     from gguf.quants import dequantize
 
     g = open_gguf(path)
@@ -322,23 +323,22 @@ def iter_gguf_weights(path: str | Path, config: Any,
             g.drop_pages(t)  # the model copied it
             continue
         offset = spec.norm_offset if name.endswith("norm.weight") else 0
-        # BF16 comes as the file holds it (a bfloat16 model copies it as it is, a float32 one
-        # widens it in its copy): a float32 array would be twice the tensor, its dequantization 4x
-        as_bf16 = t.tensor_type.name == "BF16" and not offset
+        # (dequantized, an F16 / BF16 tensor was a float32 array twice it; the model's copy casts)
+        held = None if offset else _AS_HELD.get(t.tensor_type.name)
         try:
-            array = g.tensor_data(t).view(np.int16) if as_bf16 else dequantize(g.tensor_data(t), t.tensor_type)
+            array = g.tensor_data(t).view(held[0]) if held else dequantize(g.tensor_data(t), t.tensor_type)
         except NotImplementedError as exc:
             raise ValueError(f"{str(path)!r}: GGUF tensor {name!r} of type {t.tensor_type.name}: {exc}") from None
-        array = (array if as_bf16 else np.asarray(array, dtype=np.float32)).reshape(shape)
+        array = (array if held else np.asarray(array, dtype=np.float32)).reshape(shape)
         if offset:
             array = array - np.float32(offset)
         if hf_name.endswith(SHARED_EXPERT_GATE) and array.ndim == 1:
             array = array[None]  # llama.cpp's [hidden]: the HF layer's one row
         array = _unpermuted(array, name, spec, config)
         if not (array.flags.writeable and array.flags.c_contiguous):
-            array = np.array(array, order="C")  # F32 and BF16 data are read-only views of the file's map
+            array = np.array(array, order="C")  # a dense tensor is a read-only view of the file's map
         for one, piece in zip(hf_names, array if experts else [array]):
-            yield one, torch.from_numpy(piece).view(torch.bfloat16) if as_bf16 else torch.from_numpy(piece)
+            yield one, torch.from_numpy(piece).view(held[1]) if held else torch.from_numpy(piece)
         g.drop_pages(t)
 
 
