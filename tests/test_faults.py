@@ -307,19 +307,22 @@ def test_watchdog_is_fed_only_while_the_engine_makes_progress(monkeypatch, caplo
 def test_sigterm_under_load_gives_every_request_its_final_message(tmp_path):
     """Twelve clients streaming when SIGTERM comes: each gets a final message (finished
     in the drain, or aborted when it outlasts it), and the daemon exits 0."""
-    d = Daemon(str(fixture_path("tiny-llama")), tmp_path / "s.sock", "--drain-timeout-s", "1",
+    d = Daemon(str(fixture_path("tiny-llama")), tmp_path / "s.sock", "--drain-timeout-s", "0.25",
                "--max-model-len", "1024").wait_ready()
     conns = [RawConn(d.sock) for _ in range(12)]
     try:
+        # All twelve sent before any answer is read, so the long ones start together and
+        # SIGTERM comes right after: the tiny model decodes fast enough (C++ layers, ~1 ms
+        # a step) that a long one sent first and waited on would near 1000 tokens.
         for i, conn in enumerate(conns):
-            tokens = 5 if i % 2 else 900  # half finish within the drain, half outlast it
+            tokens = 5 if i % 2 else 1000  # half finish within the drain, half outlast it
             conn.send({"type": "submit", "id": "q", "prompt": "hi", "sampling": {"max_tokens": tokens,
                                                                                  "ignore_eos": True}})
-            assert conn.recv()["type"] == "accepted"
+        assert [conn.recv()["type"] for conn in conns] == ["accepted"] * 12
         started = time.monotonic()
         d.proc.send_signal(signal.SIGTERM)
         finals = [conn.until_final("q")[-1] for conn in conns]
-        # The long ones cannot finish 900 tokens in the drain; the short ones may or may
+        # The long ones cannot finish 1000 tokens in the drain; the short ones may or may
         # not (a loaded machine), but each has its final message either way.
         assert [f["finish_reason"] for f in finals[::2]] == ["abort"] * 6
         assert {f["finish_reason"] for f in finals[1::2]} <= {"length", "abort"}
