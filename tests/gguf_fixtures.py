@@ -110,13 +110,17 @@ def _written(w: gguf.GGUFWriter, path: Path) -> Path:
 
 def write_gguf(hf_dir: Path, out: Path, qtype: T = T.F32, *, k_quant_types: tuple[T, ...] = (),
                extra_metadata: dict[str, tuple] | None = None, extra_tensors: dict[str, np.ndarray] | None = None,
-               raw_tensors: dict[str, tuple[np.ndarray, T]] | None = None, seed: int = 0) -> Path:
+               raw_tensors: dict[str, tuple[np.ndarray, T]] | None = None, seed: int = 0,
+               split_max_tensors: int = 0, small_first_shard: bool = False) -> Path:
     """A GGUF of the HF fixture at `hf_dir` (llama, qwen2, qwen3 or a mixture of experts:
     module doc). With k_quant_types, the layer weights (an expert tensor as one) cycle
     through those types (random blocks, see random_k_quant)
     instead of quantizing the fixture's weights. `extra_metadata` {key: (value,
     GGUFValueType)} adds keys or replaces the converter's; `extra_tensors` adds tensors;
-    `raw_tensors` {gguf name: (bytes, type)} replaces tensors with raw data."""
+    `raw_tensors` {gguf name: (bytes, type)} replaces tensors with raw data.
+    `split_max_tensors` > 0 writes shards of that many tensors as llama.cpp's converter's
+    `--split-max-tensors` does (gguf-py's writer: `<stem>-00001-of-0000N.gguf`, ...; with
+    `small_first_shard` the first holds the metadata alone) and returns the first's path."""
     cfg = json.loads((hf_dir / "config.json").read_text())
     arch = GGUF_ARCHS.get(cfg["model_type"], cfg["model_type"])
     heads, kv_heads, hidden = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["hidden_size"]
@@ -140,7 +144,7 @@ def write_gguf(hf_dir: Path, out: Path, qtype: T = T.F32, *, k_quant_types: tupl
         metadata[f"{arch}.attention.key_length"] = (head_dim, V.UINT32)
         metadata[f"{arch}.attention.value_length"] = (head_dim, V.UINT32)
     metadata.update(extra_metadata or {})
-    w = gguf.GGUFWriter(str(out), arch)
+    w = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors, small_first_shard=small_first_shard)
     w.add_name(f"llmd test fixture {hf_dir.name}")
     for key, (value, vtype) in metadata.items():
         w.add_key_value(key, value, vtype)
@@ -176,7 +180,9 @@ def write_gguf(hf_dir: Path, out: Path, qtype: T = T.F32, *, k_quant_types: tupl
             w.add_tensor(name, array)
     for name, array in (extra_tensors or {}).items():
         w.add_tensor(name, array)
-    return _written(w, out)
+    first = w.format_shard_names(Path(out))[0]
+    _written(w, out)
+    return first
 
 
 def _kept_f32(hf_name: str) -> bool:

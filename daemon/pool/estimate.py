@@ -83,15 +83,18 @@ class ModelShape:
 def read_shape(path: str) -> ModelShape:
     """A model directory's or GGUF file's shape (raises OSError/ValueError when the
     files cannot say), kept while its files are unchanged (a GGUF's header, with its
-    vocabulary, takes the gguf package a while to read)."""
+    vocabulary, takes the gguf package a while to read; a split GGUF's shards each)."""
+    from llmd.gpu.models.gguf_split import files_stamp
+
     p = Path(path)
-    marker = p if p.is_file() else p / "config.json"
-    st = marker.stat()
-    return _read_shape(str(p), st.st_mtime_ns, st.st_size)
+    if p.is_file():
+        return _read_shape(str(p), files_stamp(p))
+    st = (p / "config.json").stat()
+    return _read_shape(str(p), ((st.st_mtime_ns, st.st_size),))
 
 
 @functools.lru_cache(maxsize=64)
-def _read_shape(path: str, mtime_ns: int, size: int) -> ModelShape:
+def _read_shape(path: str, stamp: tuple[tuple[int, int], ...]) -> ModelShape:
     p = Path(path)
     if p.is_file():
         return _gguf_shape(p)
@@ -204,7 +207,7 @@ def _gguf_shape(p: Path) -> ModelShape:
     tied = []
     if "output.weight" not in tensors and "token_embd.weight" in tensors:  # tied: the LM head's is the embedding
         tied.append(tensors["token_embd.weight"])
-    return ModelShape(weights_bytes=p.stat().st_size, num_params=sum(t.n_elements for t in tensors.values()),
+    return ModelShape(weights_bytes=reader.total_size, num_params=sum(t.n_elements for t in tensors.values()),
                       kv_elements_per_token=2 * layers * kv_heads * head_dim,
                       max_position=get(f"{arch}.context_length", 2048),
                       checkpoint_dtype=matrices_dtype(tensors.values()), gguf=True,

@@ -1,5 +1,6 @@
 """llmd's reader of a GGUF file (llama.cpp's one-file format, little-endian v2 and v3):
-its header, metadata and tensor table parsed once, its tensor data left in the file.
+its header, metadata and tensor table parsed once, its tensor data left in the file. A
+model split in shards is opened by its first shard and read as one file (gguf_split).
 
 The file is memory-mapped read-only. Metadata scalars become Python values; an array of
 numbers is ONE numpy array viewing the file's bytes; an array of strings (a vocabulary, its
@@ -15,6 +16,7 @@ than 2 and 3, tensor types the `gguf` package does not know.
 """
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 import struct
@@ -26,6 +28,8 @@ from typing import Any, overload
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
+from llmd.gpu.models.gguf_split import join_shards
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -65,6 +69,7 @@ class GGUFTensorInfo:
     n_elements: int
     n_bytes: int
     data_offset: int  # from the start of the file
+    shard: int = 0  # the file holding it: GGUFFile.shards[shard]
 
     @property
     def torch_shape(self) -> tuple[int, ...]:
@@ -132,9 +137,11 @@ class GGUFStringArray(Sequence[str]):
 class GGUFFile:
     """An opened GGUF file: `metadata` (key -> value, in file order), `tensors` (name ->
     GGUFTensorInfo, in file order) and each tensor's data as a view of the file
-    (`tensor_data`). Raises GGUFFormatError for a file it cannot read."""
+    (`tensor_data`). Raises GGUFFormatError for a file it cannot read. The first shard of
+    a split model holds every shard's tensors (`shards`); `whole=False` opens one shard
+    alone."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, whole: bool = True) -> None:
         self.path = Path(path)
         self.where = repr(str(path))
         with self.path.open("rb") as f:
@@ -166,6 +173,24 @@ class GGUFFile:
             if name in self.tensors:
                 raise self.error(f"tensor {name!r} appears twice")
             self.tensors[name] = self._placed(name, dims, ttype, offset)
+        # the other shards (not this one: a list holding itself is a cycle, which would keep
+        # the map open until the cyclic collector came)
+        self._others = join_shards(self, lambda p: GGUFFile(p, whole=False))[1:] if whole else []
+        for index, shard in enumerate(self._others, 1):
+            for name, info in shard.tensors.items():
+                if name in self.tensors:
+                    raise shard.error(f"tensor {name!r} is in shard {self.tensors[name].shard + 1} too")
+                self.tensors[name] = dataclasses.replace(info, shard=index)
+
+    @property
+    def shards(self) -> list[GGUFFile]:
+        """The model's files, this one first (itself alone unless it is a split's first)."""
+        return [self, *self._others]
+
+    @property
+    def total_size(self) -> int:
+        """The bytes of the model's files (every shard's)."""
+        return sum(shard.size for shard in self.shards)
 
     def error(self, problem: str) -> GGUFFormatError:
         """The error naming this file: "'path' is truncated: ...", "'path' has ...", else
@@ -195,7 +220,7 @@ class GGUFFile:
         shapes it: typed elements for F32/F16/F64/I8..I64, else raw bytes whose last
         dimension is the bytes of a row."""
         t = self.tensors[info] if isinstance(info, str) else info
-        raw = np.frombuffer(self.buffer, dtype=np.uint8, count=t.n_bytes, offset=t.data_offset)
+        raw = np.frombuffer(self.shards[t.shard].buffer, dtype=np.uint8, count=t.n_bytes, offset=t.data_offset)
         dims = t.torch_shape
         dtype = _ELEMENT_DTYPES.get(t.tensor_type)
         if dtype is not None:
@@ -207,15 +232,16 @@ class GGUFFile:
         """Take the tensor's pages out of this process's resident memory (the page cache
         keeps them; a later read maps them again): called once a loaded model holds its
         own copy, so the file's pages and the copy are not both counted."""
-        self._drop(info.data_offset, info.data_offset + info.n_bytes)
+        self.shards[info.shard]._drop(info.data_offset, info.data_offset + info.n_bytes)
 
     def drop_memory(self, address: int, nbytes: int) -> None:
         """drop_pages for `nbytes` at `address` in this process where they lie in the map
-        (the rows of a tensor viewing it once copied: linear.copy_checked); nothing for
-        memory elsewhere."""
-        start = address - self._address
-        if 0 <= start < self.size:
-            self._drop(start, start + nbytes)
+        (the rows of a tensor viewing it once copied: linear.copy_checked), whichever
+        shard's; nothing for memory elsewhere."""
+        for shard in self.shards:
+            start = address - shard._address
+            if 0 <= start < shard.size:
+                shard._drop(start, start + nbytes)
 
     def _drop(self, start: int, end: int) -> None:
         """Drop the pages of bytes [start, end) (whole pages: one shared with a neighbour

@@ -38,6 +38,7 @@ from llmd.gpu.models.gguf_arch import (ARCHITECTURES, BLOCK_TENSORS, EXPERT, GLO
 from llmd.gpu.models.architectures import get_architecture
 from llmd.gpu.models.gguf_file import GGUFFile
 from llmd.gpu.models.gguf_rope import ROPE_FREQS, gguf_rope_parameters
+from llmd.gpu.models.gguf_split import files_stamp
 from llmd.gpu.models.gguf_tokenizer import build_tokenizer, converter_available
 
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -53,18 +54,17 @@ def is_gguf_path(path: str | Path) -> bool:
 
 
 @functools.lru_cache(maxsize=4)
-def _open_cached(path: str, mtime_ns: int, size: int) -> GGUFFile:
+def _open_cached(path: str, stamp: tuple[tuple[int, int], ...]) -> GGUFFile:
     g = GGUFFile(path)
     _ = g.architecture  # a GGUF without one is not a model: refused at open
     return g
 
 
 def open_gguf(path: str | Path) -> GGUFFile:
-    """The opened file (gguf_file), shared by every reader in this process until the
-    file changes or release_gguf_readers is called."""
+    """The opened file (gguf_file; a split model's shards with its first), shared by
+    every reader in this process until a file changes or release_gguf_readers is called."""
     p = Path(path).resolve()
-    st = p.stat()
-    return _open_cached(str(p), st.st_mtime_ns, st.st_size)
+    return _open_cached(str(p), files_stamp(p))
 
 
 def release_gguf_readers() -> None:

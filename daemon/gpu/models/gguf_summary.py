@@ -10,6 +10,7 @@ from pathlib import Path
 
 from llmd.gpu.models.gguf_file import GGUFFile
 from llmd.gpu.models.gguf_loader import file_architecture, open_gguf
+from llmd.gpu.models.gguf_split import files_stamp
 
 
 @dataclass(frozen=True)
@@ -19,30 +20,32 @@ class GGUFSummary:
     architecture: str  # the HF architecture llmd runs it as, else the GGUF's own name
     num_params: int
     size_bytes: int
-    header_sha256: str  # of the metadata and tensor table: names the model without reading its weights
+    header_sha256: str  # of the metadata and tensor tables: names the model without reading its weights
     quantization: str  # as llama.cpp and Ollama name the file's type: Q4_1, Q4_K_M, F16, ...
 
 
 def gguf_summary(path: str | Path) -> GGUFSummary:
-    """The file's summary, kept (it is small) until the file changes."""
+    """The file's summary (a split model's: every shard's), kept (it is small) until a
+    file changes."""
     p = Path(path).resolve()
-    st = p.stat()
-    return _summary(str(p), st.st_mtime_ns, st.st_size)
+    return _summary(str(p), files_stamp(p))
 
 
 @functools.lru_cache(maxsize=16)
-def _summary(path: str, mtime_ns: int, size: int) -> GGUFSummary:
+def _summary(path: str, stamp: tuple[tuple[int, int], ...]) -> GGUFSummary:
     g = open_gguf(path)
     try:
         spec = file_architecture(g)
     except ValueError:  # an expert count that is not a number: the file's own name
         spec = None
-    data_start = min((t.data_offset for t in g.tensors.values()), default=g.path.stat().st_size)
-    with g.path.open("rb") as f:
-        header_sha256 = hashlib.sha256(f.read(data_start)).hexdigest()
+    digest = hashlib.sha256()
+    for index, shard in enumerate(g.shards):  # each file's header, up to its first tensor's data
+        data_start = min((t.data_offset for t in g.tensors.values() if t.shard == index), default=shard.size)
+        with shard.path.open("rb") as f:
+            digest.update(f.read(data_start))
     return GGUFSummary(architecture=spec.hf_architecture if spec else g.architecture,
                        num_params=sum(int(t.n_elements) for t in g.tensors.values()),
-                       size_bytes=g.path.stat().st_size, header_sha256=header_sha256,
+                       size_bytes=g.total_size, header_sha256=digest.hexdigest(),
                        quantization=_file_type_name(g))
 
 
