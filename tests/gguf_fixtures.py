@@ -6,7 +6,10 @@ the converter's layout: each layer's experts' gate, up and down projections stac
 one 3-D tensor each (`ffn_gate_exps` [experts, inter, hidden]), the router
 `ffn_gate_inp`, Qwen2-MoE's shared expert `ffn_*_shexp` and its gate
 `ffn_gate_inp_shexp` (a vector, [hidden], as llama.cpp reads it); routers and that gate
-stay F32, as llama.cpp's quantizer leaves them.
+stay F32, as llama.cpp's quantizer leaves them. Gemma 2 (gemma2) gets what the converter's
+Gemma2Model writes: the window and both soft-caps, no rope base, each norm stored as
+1 + w under llama.cpp's names (`post_attention_norm`, `ffn_norm` for the pre-feed-forward
+one, `post_ffw_norm`).
 
 `write_gguf(hf_dir, out, qtype)` quantizes every 2-D weight whose rows fit the type's
 block with gguf.quants.quantize (F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0). The gguf
@@ -35,6 +38,11 @@ _BLOCK = {
     "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
 }
+# Gemma 2's four norms per layer (llama.cpp's names for them), stored as 1 + w (module doc)
+_BLOCK_GEMMA = {
+    "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 _BLOCK_MOE = {
     "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
     "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
@@ -55,14 +63,15 @@ K_QUANT_SCALES = {getattr(T, q): SCALE_OFFSETS[q] for q in ("Q2_K", "Q3_K", "Q4_
     T.IQ4_XS: (0,)}  # IQ4_XS has no kernel of its own (not in SCALE_OFFSETS): its d leads the super-block
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
     if hf_name in _GLOBAL:
         return _GLOBAL[hf_name]
     parts = hf_name.split(".")  # model.layers.N.<module...>.weight|bias
     module = ".".join(parts[3:-1])
     if module in _EXPERT_TENSORS.values():  # stacked already (_stacked_experts)
         return f"blk.{parts[2]}.{module}.{parts[-1]}"
-    return f"blk.{parts[2]}.{_BLOCK.get(module) or _BLOCK_MOE[module]}.{parts[-1]}"
+    names = {**_BLOCK, **_BLOCK_GEMMA} if arch == "gemma2" else _BLOCK
+    return f"blk.{parts[2]}.{names.get(module) or _BLOCK_MOE[module]}.{parts[-1]}"
 
 
 def permute_rotary_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -139,6 +148,11 @@ def write_gguf(hf_dir: Path, out: Path, qtype: T = T.F32, *, k_quant_types: tupl
     }
     if arch == "llama":
         metadata[f"{arch}.rope.dimension_count"] = (head_dim, V.UINT32)
+    if arch == "gemma2":  # what the converter's Gemma2Model writes beside the common keys
+        metadata.pop(f"{arch}.rope.freq_base")  # (not written: llama.cpp's default, 10000)
+        metadata[f"{arch}.attention.sliding_window"] = (cfg["sliding_window"], V.UINT32)
+        for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+            metadata[f"{arch}.{cap}"] = (float(cfg[cap]), V.FLOAT32)
     metadata.update(_moe_metadata(cfg, arch))
     if head_dim != hidden // heads:
         metadata[f"{arch}.attention.key_length"] = (head_dim, V.UINT32)
@@ -161,7 +175,9 @@ def write_gguf(hf_dir: Path, out: Path, qtype: T = T.F32, *, k_quant_types: tupl
             array = permute_rotary_rows(array, heads)
         elif arch == "llama" and ".k_proj." in hf_name:
             array = permute_rotary_rows(array, kv_heads)
-        name = gguf_name(hf_name)
+        name = gguf_name(hf_name, arch)
+        if arch == "gemma2" and hf_name.endswith("norm.weight"):
+            array = array + 1  # Gemma's norms multiply by 1 + w; llama.cpp's by the weight
         if hf_name.endswith("shared_expert_gate.weight"):
             array = array.reshape(-1)
         if name in (raw_tensors or {}):

@@ -429,11 +429,11 @@ def test_unsupported_tensor_type(hf_dirs, tmp_path):
 
 def test_unimplemented_architecture_and_features_are_refused(hf_dirs, tmp_path):
     U32 = gguf.GGUFValueType.UINT32
-    gemma = gguf_with(tmp_path / "gemma2.gguf", "gemma2", {"gemma2.block_count": (1, U32)},
-                       {"token_embd.weight": np.zeros((8, 4), np.float32)})
-    with pytest.raises(ValueError, match=r"GGUF architecture 'gemma2' is not implemented by llmd "
-                                         r"\(supported: gemma3, llama, qwen2, qwen2moe, qwen3, qwen3moe\)"):
-        LLM(model=str(gemma))
+    phi = gguf_with(tmp_path / "phi3.gguf", "phi3", {"phi3.block_count": (1, U32)},
+                    {"token_embd.weight": np.zeros((8, 4), np.float32)})
+    with pytest.raises(ValueError, match=r"GGUF architecture 'phi3' is not implemented by llmd "
+                                         r"\(supported: gemma2, gemma3, llama, qwen2, qwen2moe, qwen3, qwen3moe\)"):
+        LLM(model=str(phi))
     llama = hf_dirs("llama")
     refusals = [
         # experts make a llama file Mixtral (tests/test_gguf_moe.py), every layer sparse

@@ -2,6 +2,14 @@
 architecture that runs it, the metadata keys it may carry, the HF names of its tensors,
 and for Gemma 3 the config fields llama.cpp derives rather than stores.
 
+gemma2 follows llama.cpp's reading of the file (llama_load_hparams for LLM_ARCH_GEMMA2,
+and convert_hf_to_gguf.py's Gemma2Model): layers alternate, the first sliding over
+`attention.sliding_window` tokens (swa pattern 2), the next global; attention logits and
+the final logits soft-capped by `attn_logit_softcapping` and `final_logit_softcapping`;
+attention scale 1/sqrt(head_dim), but 1/sqrt(hidden / heads) for the 27B (46 layers); one
+rope base for every layer (`rope.freq_base`, which the converter does not write: 10000);
+norms stored as 1 + w, as gemma3's.
+
 gemma3 follows llama.cpp's reading of the file (llama_load_hparams for LLM_ARCH_GEMMA3,
 and convert_hf_to_gguf.py's Gemma3Model): every sixth layer global and the others
 sliding over `attention.sliding_window` tokens with rope theta 10000; the global layers
@@ -120,9 +128,37 @@ class GGUFArchitecture:
         return COMMON_KEYS | self.extra_keys
 
 
+GEMMA2_SWA_PATTERN = 2  # llama.cpp: hparams.set_swa_pattern(2)
+GEMMA2_27B_LAYERS = 46
 GEMMA3_SWA_PATTERN = 6  # llama.cpp: hparams.set_swa_pattern(6)
 GEMMA3_LOCAL_ROPE_THETA = 10000.0  # llama.cpp: rope_freq_base_train_swa
 GEMMA3_27B_LAYERS = 62
+
+
+def _gemma_layer_types(layers: int, window: Any, pattern: int) -> list[str]:
+    """llama.cpp's set_swa_pattern(pattern): of each `pattern` layers all but the last slide
+    (none without a window)."""
+    return ["sliding_attention" if window and (i + 1) % pattern else "full_attention" for i in range(layers)]
+
+
+def _softcap(get: Callable[..., Any], key: str) -> float | None:
+    cap = get(key)
+    return float(cap) if cap else None
+
+
+def gemma2_config_fields(get: Callable[..., Any], a: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """Gemma2Config fields of a gemma2 GGUF, as llama.cpp derives them (module doc)."""
+    fields.pop("hidden_act", None)
+    layers, window = fields["num_hidden_layers"], get(f"{a}.attention.sliding_window")
+    big = layers == GEMMA2_27B_LAYERS
+    return dict(
+        layer_types=_gemma_layer_types(layers, window, GEMMA2_SWA_PATTERN),
+        sliding_window=int(window) if window else None,
+        query_pre_attn_scalar=fields["hidden_size"] // fields["num_attention_heads"] if big else fields["head_dim"],
+        hidden_activation="gelu_pytorch_tanh",
+        attn_logit_softcapping=_softcap(get, f"{a}.attn_logit_softcapping"),
+        final_logit_softcapping=_softcap(get, f"{a}.final_logit_softcapping"),
+    )
 
 
 def gemma3_config_fields(get: Callable[..., Any], a: str, fields: dict[str, Any]) -> dict[str, Any]:
@@ -131,21 +167,19 @@ def gemma3_config_fields(get: Callable[..., Any], a: str, fields: dict[str, Any]
     fields.pop("hidden_act", None)
     layers = fields["num_hidden_layers"]
     window = get(f"{a}.attention.sliding_window")
-    layer_types = ["sliding_attention" if window and (i + 1) % GEMMA3_SWA_PATTERN else "full_attention"
-                   for i in range(layers)]
+    layer_types = _gemma_layer_types(layers, window, GEMMA3_SWA_PATTERN)
     local = {"rope_type": "default", "rope_theta": float(get(f"{a}.rope.freq_base_swa", GEMMA3_LOCAL_ROPE_THETA))}
     if layers == GEMMA3_27B_LAYERS:
         scalar = fields["hidden_size"] // fields["num_attention_heads"]
     else:
         scalar = fields["head_dim"]
-    cap = get(f"{a}.final_logit_softcapping")
     return dict(
         layer_types=layer_types,
         sliding_window=int(window) if window else None,
         rope_parameters={"full_attention": fields["rope_parameters"], "sliding_attention": local},
         query_pre_attn_scalar=scalar,
         hidden_activation="gelu_pytorch_tanh",
-        final_logit_softcapping=float(cap) if cap else None,
+        final_logit_softcapping=_softcap(get, f"{a}.final_logit_softcapping"),
         attn_logit_softcapping=None,
     )
 
@@ -186,6 +220,10 @@ ARCHITECTURES: dict[str, GGUFArchitecture] = {
                               config_class=LeanLlamaConfig),
     "qwen2": GGUFArchitecture("Qwen2ForCausalLM", "qwen2", permuted_rotary=False),
     "qwen3": GGUFArchitecture("Qwen3ForCausalLM", "qwen3", permuted_rotary=False),
+    "gemma2": GGUFArchitecture(
+        "Gemma2ForCausalLM", "gemma2", permuted_rotary=False, block_tensors=GEMMA_BLOCK_TENSORS,
+        extra_keys=frozenset({"attention.sliding_window", "attn_logit_softcapping", "final_logit_softcapping"}),
+        norm_offset=1.0, config_fields=gemma2_config_fields),
     "gemma3": GGUFArchitecture(
         "Gemma3ForCausalLM", "gemma3_text", permuted_rotary=False, block_tensors=GEMMA_BLOCK_TENSORS,
         extra_keys=frozenset({"attention.sliding_window", "rope.freq_base_swa", "final_logit_softcapping"}),
