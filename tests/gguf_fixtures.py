@@ -20,6 +20,7 @@ loads from them against an independent dequantizer.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -37,6 +38,8 @@ _BLOCK = {
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    # Phi-3's fused projections (gate first in gate_up), as the converter names them
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
 }
 # Gemma 2's four norms per layer (llama.cpp's names for them), stored as 1 + w (module doc)
 _BLOCK_GEMMA = {
@@ -153,6 +156,7 @@ def write_gguf(hf_dir: Path, out: Path, qtype: T = T.F32, *, k_quant_types: tupl
         metadata[f"{arch}.attention.sliding_window"] = (cfg["sliding_window"], V.UINT32)
         for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
             metadata[f"{arch}.{cap}"] = (float(cfg[cap]), V.FLOAT32)
+    rope_tensors = _phi3_rope(cfg, metadata) if arch == "phi3" else {}
     metadata.update(_moe_metadata(cfg, arch))
     if head_dim != hidden // heads:
         metadata[f"{arch}.attention.key_length"] = (head_dim, V.UINT32)
@@ -194,11 +198,30 @@ def write_gguf(hf_dir: Path, out: Path, qtype: T = T.F32, *, k_quant_types: tupl
             w.add_tensor(name, data, raw_dtype=qtype if data.dtype == np.uint8 else None)
         else:  # norms, and rows no block of qtype fits (llama.cpp falls back the same way)
             w.add_tensor(name, array)
-    for name, array in (extra_tensors or {}).items():
+    for name, array in {**rope_tensors, **(extra_tensors or {})}.items():
         w.add_tensor(name, array)
     first = w.format_shard_names(Path(out))[0]
     _written(w, out)
     return first
+
+
+def _phi3_rope(cfg: dict, metadata: dict[str, tuple]) -> dict[str, np.ndarray]:
+    """What the converter's Phi3MiniModel writes of a Phi-3 config's rotation: the rotated
+    dimensions, the original context, the window (0: none) and, for longrope, the factor
+    tensors and the attention factor it computes; returns the tensors."""
+    V, rope = gguf.GGUFValueType, cfg["rope_parameters"]
+    original = rope.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"]
+    rotated = int(rope.get("partial_rotary_factor", 1.0) * cfg["hidden_size"]) // cfg["num_attention_heads"]
+    metadata.update({"phi3.rope.dimension_count": (rotated, V.UINT32),
+                     "phi3.rope.scaling.original_context_length": (original, V.UINT32),
+                     "phi3.attention.sliding_window": (cfg.get("sliding_window") or 0, V.UINT32)})
+    if not rope.get("long_factor"):
+        return {}
+    scale = cfg["max_position_embeddings"] / original
+    metadata["phi3.rope.scaling.attn_factor"] = (
+        math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0, V.FLOAT32)
+    return {"rope_factors_long.weight": np.array(rope["long_factor"], np.float32),
+            "rope_factors_short.weight": np.array(rope["short_factor"], np.float32)}
 
 
 def _kept_f32(hf_name: str) -> bool:

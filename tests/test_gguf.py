@@ -335,8 +335,8 @@ def test_rope_freqs_llama_cpp_would_not_apply_are_refused(hf_dirs, tmp_path):
     ones = np.ones(8, np.float32)
     cases = [
         ("llama", dict(extra_tensors={"rope_freqs.weight": np.ones(7, np.float32)}),
-         r"'rope_freqs.weight' has shape \[7\]; it must hold one factor per rotated frequency: \[8\] for the head "
-         r"size 16"),
+         r"'rope_freqs.weight' has shape \[7\]; it must hold one factor per rotated frequency: \[8\] for the 16 "
+         r"rotated dimensions"),
         ("llama", dict(extra_tensors={"rope_freqs.weight": np.ones(8, np.float16)}),
          "'rope_freqs.weight' has type F16; llama.cpp reads per-frequency rope factors only as F32"),
         ("llama", dict(extra_tensors={"rope_freqs.weight": np.array([1, 1, 0, 1, 1, 1, 1, 1], np.float32)}),
@@ -429,11 +429,11 @@ def test_unsupported_tensor_type(hf_dirs, tmp_path):
 
 def test_unimplemented_architecture_and_features_are_refused(hf_dirs, tmp_path):
     U32 = gguf.GGUFValueType.UINT32
-    phi = gguf_with(tmp_path / "phi3.gguf", "phi3", {"phi3.block_count": (1, U32)},
-                    {"token_embd.weight": np.zeros((8, 4), np.float32)})
-    with pytest.raises(ValueError, match=r"GGUF architecture 'phi3' is not implemented by llmd "
-                                         r"\(supported: gemma2, gemma3, llama, qwen2, qwen2moe, qwen3, qwen3moe\)"):
-        LLM(model=str(phi))
+    other = gguf_with(tmp_path / "starcoder2.gguf", "starcoder2", {"starcoder2.block_count": (1, U32)},
+                      {"token_embd.weight": np.zeros((8, 4), np.float32)})
+    with pytest.raises(ValueError, match=r"GGUF architecture 'starcoder2' is not implemented by llmd "
+                                         r"\(supported: gemma2, gemma3, llama, phi3, qwen2, qwen2moe, qwen3, qwen3moe\)"):
+        LLM(model=str(other))
     llama = hf_dirs("llama")
     refusals = [
         # experts make a llama file Mixtral (tests/test_gguf_moe.py), every layer sparse

@@ -1,6 +1,6 @@
 """Which GGUF tensor types llmd keeps packed on each device, which it holds as another
-packed type there, and what a tensor then takes in memory: names and sizes only, no
-torch, so that the model pool's estimate (llmd.pool.estimate), which runs in the daemon
+packed type there, which the gguf package can dequantize (the others are refused at
+load), and what a tensor then takes in memory: names and sizes only, no torch, so that the model pool's estimate (llmd.pool.estimate), which runs in the daemon
 before any model loads, counts a GGUF's weights as the loader will hold them.
 
 The types' layouts and kernels live elsewhere (gguf_formats: the CPU kernels' table and
@@ -9,7 +9,10 @@ checks at import that its type list is the one named here.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Iterable
+
+import numpy as np
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -54,6 +57,26 @@ def matrices_dtype(tensors: Iterable) -> str | None:
     if not types or not types <= set(_FLOAT_DTYPES) or len(halves) > 1:
         return None
     return _FLOAT_DTYPES[halves.pop() if halves else "F32"]
+
+
+def supported_tensor_types() -> list[str]:
+    """Names of the GGML tensor types the installed gguf package can dequantize."""
+    return [t.name for t in dequantizable_types()]
+
+
+@functools.cache
+def dequantizable_types() -> tuple[GGMLQuantizationType, ...]:
+    from gguf.quants import dequantize
+
+    ok = []
+    for qtype in GGMLQuantizationType:
+        _, type_size = GGML_QUANT_SIZES[qtype]
+        try:  # one block of zeros
+            dequantize(np.zeros((1, type_size), dtype=np.uint8), qtype)
+        except NotImplementedError:
+            continue
+        ok.append(qtype)
+    return tuple(ok)
 
 
 def held_block(quant: str, device_type: str) -> int:

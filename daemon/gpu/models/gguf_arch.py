@@ -19,6 +19,15 @@ converter adds the 1 that Gemma's norms add at run time, since llama.cpp's norm
 multiplies by the weight), so the loader subtracts it, as transformers' GGUF loader
 does; `ffn_norm` is Gemma's pre-feed-forward norm.
 
+phi3 (Phi-3, Phi-3.5, Phi-4, Phi-4-mini) holds q, k and v in one `attn_qkv` tensor and
+the gated MLP's gate and up in one `ffn_up` (gate first), as the HF checkpoint's
+`qkv_proj` and `gate_up_proj`; rotation may cover the first `rope.dimension_count`
+dimensions of each head only (Phi-4-mini); a 128k model's longrope factors are the
+`rope_factors_long` / `rope_factors_short` tensors (gguf_rope); `attention.sliding_window`
+0 means none (Phi-4). It runs as the HF model it was converted from: the window on every
+layer, and the rope factors chosen per position (daemon/gpu/layers/rotary.py), where
+llama.cpp today drops Phi-3's window and picks one set of factors by the context size.
+
 Mixtures of experts, as llama.cpp's converter writes them: every expert's gate, up and
 down projections stacked in one 3-D tensor each (`ffn_gate_exps` [experts, inter,
 hidden], `ffn_down_exps` [experts, hidden, inter]), the router `ffn_gate_inp`; every
@@ -97,6 +106,14 @@ MIXTRAL_BLOCK_TENSORS = {
     "ffn_up_exps": "block_sparse_moe.experts.{e}.w3",
     "ffn_down_exps": "block_sparse_moe.experts.{e}.w2",
 }
+PHI3_BLOCK_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_qkv": "self_attn.qkv_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_up": "mlp.gate_up_proj",
+    "ffn_down": "mlp.down_proj",
+}
 EXPERT = "{e}"  # in an HF name: each expert's index (module doc)
 GEMMA_BLOCK_TENSORS = {
     **BLOCK_TENSORS,
@@ -117,6 +134,10 @@ class GGUFArchitecture:
     # llama.cpp divides the rotary frequencies by a `rope_freqs.weight` tensor's factors
     # (gguf_rope); on the other architectures it refuses a file holding one
     reads_rope_freqs: bool = False
+    # rotation of the first `rope.dimension_count` dimensions of a head only, and longrope
+    # factors as tensors (phi3; gguf_rope); elsewhere refused
+    partial_rotary: bool = False
+    reads_longrope: bool = False
     # (metadata getter, arch, config fields so far) -> the fields this architecture adds
     config_fields: Callable[[Callable[..., Any], str, dict[str, Any]], dict[str, Any]] | None = None
     # the config's class where it is not transformers' for model_type (llama_config.py)
@@ -184,6 +205,14 @@ def gemma3_config_fields(get: Callable[..., Any], a: str, fields: dict[str, Any]
     )
 
 
+def phi3_config_fields(get: Callable[..., Any], a: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """Phi3Config fields of a phi3 GGUF: its window (0: none) on every layer, the context
+    the rope factors were made for."""
+    window = get(f"{a}.attention.sliding_window")
+    original = get(f"{a}.rope.scaling.original_context_length") or fields["max_position_embeddings"]
+    return dict(sliding_window=int(window) if window else None, original_max_position_embeddings=int(original))
+
+
 def _required_int(get: Callable[..., Any], key: str) -> int:
     value = get(key)
     if value is None:
@@ -220,6 +249,10 @@ ARCHITECTURES: dict[str, GGUFArchitecture] = {
                               config_class=LeanLlamaConfig),
     "qwen2": GGUFArchitecture("Qwen2ForCausalLM", "qwen2", permuted_rotary=False),
     "qwen3": GGUFArchitecture("Qwen3ForCausalLM", "qwen3", permuted_rotary=False),
+    "phi3": GGUFArchitecture(
+        "Phi3ForCausalLM", "phi3", permuted_rotary=False, block_tensors=PHI3_BLOCK_TENSORS,
+        extra_keys=frozenset({"attention.sliding_window", "rope.scaling.attn_factor"}),
+        partial_rotary=True, reads_longrope=True, config_fields=phi3_config_fields),
     "gemma2": GGUFArchitecture(
         "Gemma2ForCausalLM", "gemma2", permuted_rotary=False, block_tensors=GEMMA_BLOCK_TENSORS,
         extra_keys=frozenset({"attention.sliding_window", "attn_logit_softcapping", "final_logit_softcapping"}),

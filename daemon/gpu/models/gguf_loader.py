@@ -5,8 +5,9 @@ model keeps packed (gguf_quant), else dequantized at load by the `gguf` package.
 is read by llmd's own reader (gguf_file), its tokenizer built by gguf_tokenizer.
 
 What llmd cannot run as llama.cpp would is refused naming the metadata key or tensor: an
-architecture other than llama (with experts: Mixtral), qwen2, qwen3, gemma2, gemma3, qwen2moe and
-qwen3moe (gguf_arch.py says what each means), experts in another, partial rotary, an unknown
+architecture other than llama (with experts: Mixtral), qwen2, qwen3, gemma2, gemma3, phi3, qwen2moe
+and qwen3moe (gguf_arch.py says what each means), experts in another, partial rotary (but
+phi3's), an unknown
 rope scaling type, per-frequency rope factors (`rope_freqs.weight`, Llama 3.x's rope
 scaling) that llama.cpp would not apply (gguf_rope.py reads them), or an unknown `{arch}.*`.
 A file whose matrices are all BF16 (or F16, F32) says so as an HF checkpoint's dtype does.
@@ -32,12 +33,12 @@ import torch
 
 from llmd.gpu.layers.gguf_formats import reencoded
 from llmd.gpu.layers.gguf_quant import PackedSource
-from llmd.gpu.layers.gguf_types import matrices_dtype
+from llmd.gpu.layers.gguf_types import dequantizable_types, matrices_dtype, supported_tensor_types
 from llmd.gpu.models.gguf_arch import (ARCHITECTURES, BLOCK_TENSORS, EXPERT, GLOBAL_TENSORS, GGUFArchitecture,
                                        gguf_architecture)
 from llmd.gpu.models.architectures import get_architecture
 from llmd.gpu.models.gguf_file import GGUFFile
-from llmd.gpu.models.gguf_rope import ROPE_FREQS, gguf_rope_parameters
+from llmd.gpu.models.gguf_rope import ROPE_TENSORS, gguf_rope_parameters
 from llmd.gpu.models.gguf_split import files_stamp
 from llmd.gpu.models.gguf_tokenizer import build_tokenizer, converter_available
 
@@ -73,27 +74,6 @@ def release_gguf_readers() -> None:
     _open_cached.cache_clear()
 
 
-def supported_tensor_types() -> list[str]:
-    """Names of the GGML tensor types the installed gguf package can dequantize."""
-    return [t.name for t in _dequantizable_types()]
-
-
-@functools.cache
-def _dequantizable_types() -> tuple[Any, ...]:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    ok = []
-    for qtype in GGMLQuantizationType:
-        _, type_size = GGML_QUANT_SIZES[qtype]
-        try:  # one block of zeros
-            dequantize(np.zeros((1, type_size), dtype=np.uint8), qtype)
-        except NotImplementedError:
-            continue
-        ok.append(qtype)
-    return tuple(ok)
-
-
 def load_gguf_config(path: str | Path):
     """The transformers config the GGUF's metadata describes (`architectures` set to the
     llmd model that runs it), or ValueError naming what llmd does not implement."""
@@ -103,7 +83,7 @@ def load_gguf_config(path: str | Path):
     where = repr(str(path))
     spec = _supported_architecture(g, where)
     a = g.architecture
-    heads, kv_heads, hidden, head_dim = _attention_sizes(g, a, where)
+    heads, kv_heads, hidden, head_dim, rotary_dim = _attention_sizes(g, a, where, spec.partial_rotary)
     fields: dict[str, Any] = dict(
         architectures=[spec.hf_architecture],
         vocab_size=_vocab_size(g, a, where),
@@ -115,7 +95,7 @@ def load_gguf_config(path: str | Path):
         head_dim=head_dim,
         max_position_embeddings=_int(g, f"{a}.context_length"),
         rms_norm_eps=float(g.require(f"{a}.attention.layer_norm_rms_epsilon")),
-        rope_parameters=gguf_rope_parameters(g, a, where, head_dim, spec.reads_rope_freqs),
+        rope_parameters=gguf_rope_parameters(g, a, where, head_dim, rotary_dim, spec),
         tie_word_embeddings="output.weight" not in g.tensors,
         hidden_act="silu",
         bos_token_id=g.get("tokenizer.ggml.bos_token_id"),
@@ -175,9 +155,9 @@ def file_architecture(g: GGUFFile) -> GGUFArchitecture | None:
     return gguf_architecture(a, experts)
 
 
-def _attention_sizes(g: GGUFFile, a: str, where: str) -> tuple[int, int, int, int]:
-    """(heads, kv heads, hidden size, head size); refuses value heads of another size and
-    partial rotary, which llmd's attention does not implement."""
+def _attention_sizes(g: GGUFFile, a: str, where: str, partial: bool) -> tuple[int, int, int, int, int]:
+    """(heads, kv heads, hidden size, head size, rotated dimensions); refuses value heads of
+    another size, and partial rotary where the architecture has none (`partial`)."""
     heads = _int(g, f"{a}.attention.head_count")
     kv_heads = _int(g, f"{a}.attention.head_count_kv", heads)
     hidden = _int(g, f"{a}.embedding_length")
@@ -187,10 +167,10 @@ def _attention_sizes(g: GGUFFile, a: str, where: str) -> tuple[int, int, int, in
         raise ValueError(f"{where}: GGUF metadata {a}.attention.value_length={value_dim} differs from the key "
                          f"length {head_dim}: not implemented by llmd")
     rotary_dim = _int(g, f"{a}.rope.dimension_count", head_dim)
-    if rotary_dim != head_dim:
+    if rotary_dim != head_dim and not (partial and 0 < rotary_dim < head_dim and rotary_dim % 2 == 0):
         raise ValueError(f"{where}: GGUF metadata {a}.rope.dimension_count={rotary_dim} differs from the head "
-                         f"size {head_dim} (partial rotary): not implemented by llmd")
-    return heads, kv_heads, hidden, head_dim
+                         f"size {head_dim} (partial rotary): not implemented by llmd for architecture {a!r}")
+    return heads, kv_heads, hidden, head_dim, rotary_dim
 
 
 def _vocab_size(g: GGUFFile, a: str, where: str) -> int:
@@ -222,9 +202,9 @@ def _int(g: GGUFFile, key: str, default: int | None = None) -> int:
 def _check_tensors(g: GGUFFile, where: str, spec: GGUFArchitecture) -> None:
     """Every tensor has an llmd parameter to go to and a type the gguf package can
     dequantize: checked from the header, before any weight is read."""
-    types = _dequantizable_types()
+    types = dequantizable_types()
     for name, t in g.tensors.items():
-        if name == ROPE_FREQS:
+        if name in ROPE_TENSORS:
             continue  # not a weight: the rope parameters (gguf_rope), checked with them
         hf_name = hf_tensor_name(name, spec.block_tensors)
         if hf_name is None and not _is_skipped(name):
@@ -240,9 +220,9 @@ def _check_tensors(g: GGUFFile, where: str, spec: GGUFArchitecture) -> None:
 
 
 def _is_skipped(name: str) -> bool:
-    """Tensors that are not weights: read into the config (rope_freqs) or derived from it."""
+    """Tensors that are not weights: read into the config (rope factors) or derived from it."""
     m = _BLOCK_NAME.fullmatch(name)
-    return name == ROPE_FREQS or (m is not None and m.group(2) in _SKIPPED_BLOCK_TENSORS)
+    return name in ROPE_TENSORS or (m is not None and m.group(2) in _SKIPPED_BLOCK_TENSORS)
 
 
 def hf_tensor_name(name: str, block_tensors: dict[str, str] = BLOCK_TENSORS) -> str | None:
