@@ -18,6 +18,7 @@ from llmd import LLM, SamplingParams
 from llmd.gpu.models.gguf_summary import gguf_summary
 from llmd.gpu.models.loader import load_hf_config
 from llmd.pool.estimate import read_shape
+from llmd_tools.split_gguf import split_gguf
 from tiny_models import tiny_models
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
@@ -28,15 +29,17 @@ U16, I32 = gguf.GGUFValueType.UINT16, gguf.GGUFValueType.INT32
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """The tiny llama in Q8_0 (packed on CPU), whole; split in shards of 8 tensors; and
-    split with a first shard of metadata alone."""
+    """The tiny llama in Q8_0 (packed on CPU), whole; split in shards of 8 tensors; split
+    with a first shard of metadata alone; and the whole file split by tensor bytes
+    (tools/split_gguf.py, as gguf-split --split-max-size)."""
     root = tmp_path_factory.mktemp("split")
     hf = tiny_models(root, {"llama": dict(arch="llama", llama3_rope=False, intermediate_size=192)})("llama")
-    for folder in ("whole", "split", "small"):
+    for folder in ("whole", "split", "small", "sized"):
         (root / folder).mkdir()
-    return (write_gguf(hf, root / "whole" / "m.gguf", T.Q8_0),
-            write_gguf(hf, root / "split" / "m.gguf", T.Q8_0, split_max_tensors=8),
-            write_gguf(hf, root / "small" / "m.gguf", T.Q8_0, split_max_tensors=8, small_first_shard=True))
+    whole = write_gguf(hf, root / "whole" / "m.gguf", T.Q8_0)
+    sized = split_gguf(whole, root / "sized" / "m.gguf", max_size=40_000)
+    return (whole, write_gguf(hf, root / "split" / "m.gguf", T.Q8_0, split_max_tensors=8),
+            write_gguf(hf, root / "small" / "m.gguf", T.Q8_0, split_max_tensors=8, small_first_shard=True), sized[0])
 
 
 def _shards(first: Path) -> list[Path]:
@@ -50,9 +53,9 @@ def _run(path: Path) -> list[tuple[list[int], list[dict[int, float]]]]:
 
 
 def test_a_split_gguf_runs_as_the_one_file_does(files):
-    whole, split, small = files
+    whole, split, small, sized = files
     expected = _run(whole)
-    for first in (split, small):
+    for first in (split, small, sized):
         shards = _shards(first)
         assert first == shards[0] and first.name == f"m-00001-of-{len(shards):05d}.gguf" and len(shards) >= 3
         heads = [gguf.GGUFReader(p) for p in shards]  # the writer's own reader: real shards
@@ -74,7 +77,7 @@ def test_a_split_gguf_runs_as_the_one_file_does(files):
 def test_a_shard_rewritten_is_read_again(files, tmp_path):
     """What is read from a split (the summary, the memory estimate) is kept while its
     files are unchanged: every shard's, not the first's alone."""
-    _, split, _ = files
+    split = files[1]
     copy = tmp_path / "copy"
     shutil.copytree(split.parent, copy)
     first, last = _shards(copy / split.name)[0], _shards(copy / split.name)[-1]
@@ -86,7 +89,7 @@ def test_a_shard_rewritten_is_read_again(files, tmp_path):
 
 
 def test_a_split_that_does_not_hold_together_is_refused(files, tmp_path):
-    _, split, _ = files
+    split = files[1]
     shards = _shards(split)
     count = len(shards)
     with pytest.raises(ValueError, match=rf"'{shards[1]}' is shard 2 of {count} of a split GGUF: load the model "
