@@ -40,7 +40,7 @@ from llmd.gpu.models.architectures import get_architecture
 from llmd.gpu.models.gguf_file import GGUFFile
 from llmd.gpu.models.gguf_rope import ROPE_TENSORS, gguf_rope_parameters
 from llmd.gpu.models.gguf_split import files_stamp
-from llmd.gpu.models.gguf_tokenizer import build_tokenizer, converter_available
+from llmd.gpu.models.gguf_tokenizer import build_tokenizer, converter_available, end_of_generation_ids
 
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _SKIPPED_BLOCK_TENSORS = {"attn_rot_embd"}  # old converters' rotary inverse frequencies: derived
@@ -373,8 +373,6 @@ def load_gguf_tokenizer(path: str | Path):
 
 
 def gguf_stop_token_ids(path: str | Path) -> set[int]:
-    """End-of-generation ids beside EOS that llama.cpp stops on: end of turn and end of
-    message."""
-    g = open_gguf(path)
-    ids = (g.get("tokenizer.ggml.eot_token_id"), g.get("tokenizer.ggml.eom_token_id"))
-    return {int(i) for i in ids if i is not None}
+    """End-of-generation ids beside EOS that llama.cpp stops on (gguf_tokenizer's
+    end_of_generation_ids: end of turn and of message, by id and by text)."""
+    return end_of_generation_ids(open_gguf(path))

@@ -168,3 +168,25 @@ def derived_merges(vocab: Mapping[str, int], vocab_scores: Mapping[str, float] |
     for token, index in vocab.items():
         by_id[index] = token
     return [(by_id[left[k]], by_id[right[k]]) for k in order.tolist()]
+
+
+# Token texts llama.cpp ends generation on wherever a vocabulary has them (llama-vocab.cpp:
+# its end-of-generation set, found by text because converters do not always write the ids),
+# beside the eos / eot / eom ids the metadata names: the end of a turn of the chat formats
+# (Llama 3, ChatML, Phi-3, Gemma, granite, ...), of a message and of a text.
+EOG_TEXTS = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>",
+                       "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>"})
+# ids the metadata names that llama.cpp also ends on (FIM's padding, repository and file
+# separators among them: a completion ends where the next file would begin)
+_EOG_KEYS = ("eot_token_id", "eom_token_id", "fim_pad_token_id", "fim_rep_token_id", "fim_sep_token_id")
+
+
+def end_of_generation_ids(g: GGUFFile) -> set[int]:
+    """The ids llama.cpp stops generating on besides EOS: the metadata's (_EOG_KEYS) and
+    every token whose text is one of EOG_TEXTS. The vocabulary is walked once (Gemma's
+    262k texts: a few tens of ms)."""
+    ids = {int(g.metadata[f"tokenizer.ggml.{key}"]) for key in _EOG_KEYS if f"tokenizer.ggml.{key}" in g.metadata}
+    tokens = g.metadata.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        ids.update(i for i, text in enumerate(tokens) if text in EOG_TEXTS)
+    return ids
