@@ -171,11 +171,13 @@ def derived_merges(vocab: Mapping[str, int], vocab_scores: Mapping[str, float] |
 
 
 # Token texts llama.cpp ends generation on wherever a vocabulary has them (llama-vocab.cpp:
-# its end-of-generation set, found by text because converters do not always write the ids),
-# beside the eos / eot / eom ids the metadata names: the end of a turn of the chat formats
-# (Llama 3, ChatML, Phi-3, Gemma, granite, ...), of a message and of a text.
+# its end-of-generation set, found by text because converters do not always write the ids,
+# and the end-of-turn texts it takes for the eot id), beside the eos / eot / eom ids the
+# metadata names: the end of a turn of the chat formats (Llama 3, ChatML, Phi-3, Gemma,
+# granite, DeepSeek, Kimi, gpt-oss, ...), of a message and of a text.
 EOG_TEXTS = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>",
-                       "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>"})
+                       "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>",
+                       "<\uff5cend\u2581of\u2581sentence\uff5c>", "[EOT]"})
 # ids the metadata names that llama.cpp also ends on (FIM's padding, repository and file
 # separators among them: a completion ends where the next file would begin)
 _EOG_KEYS = ("eot_token_id", "eom_token_id", "fim_pad_token_id", "fim_rep_token_id", "fim_sep_token_id")
