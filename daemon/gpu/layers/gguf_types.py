@@ -1,7 +1,8 @@
 """Which GGUF tensor types llmd keeps packed on each device, which it holds as another
 packed type there, which the gguf package can dequantize (the others are refused at
-load), and what a tensor then takes in memory: names and sizes only, no torch, so that the model pool's estimate (llmd.pool.estimate), which runs in the daemon
-before any model loads, counts a GGUF's weights as the loader will hold them.
+load), and what a tensor then takes in memory: names and sizes only, no torch, so that
+the model pool's estimate (llmd.pool.estimate), which runs in the daemon before any
+model loads, counts a GGUF's weights as the loader will hold them.
 
 The types' layouts and kernels live elsewhere (gguf_formats: the CPU kernels' table and
 the re-encodings; quant/gguf_planes: the CUDA kernels' planes); each of those modules

@@ -5,11 +5,11 @@ model keeps packed (gguf_quant), else dequantized at load by the `gguf` package.
 is read by llmd's own reader (gguf_file), its tokenizer built by gguf_tokenizer.
 
 What llmd cannot run as llama.cpp would is refused naming the metadata key or tensor: an
-architecture other than llama (with experts: Mixtral), qwen2, qwen3, gemma2, gemma3, phi3, qwen2moe
-and qwen3moe (gguf_arch.py says what each means), experts in another, partial rotary (but
-phi3's), an unknown
-rope scaling type, per-frequency rope factors (`rope_freqs.weight`, Llama 3.x's rope
-scaling) that llama.cpp would not apply (gguf_rope.py reads them), or an unknown `{arch}.*`.
+architecture other than llama (with experts: Mixtral), qwen2, qwen3, gemma2, gemma3, phi3,
+qwen2moe and qwen3moe (gguf_arch.py says what each means), experts in another, partial
+rotary (but phi3's), an unknown rope scaling type, per-frequency rope factors
+(`rope_freqs.weight`, Llama 3.x's rope scaling) that llama.cpp would not apply
+(gguf_rope.py reads them), or an unknown `{arch}.*`.
 A file whose matrices are all BF16 (or F16, F32) says so as an HF checkpoint's dtype does.
 
 llama.cpp's converter reorders the rows of every llama q/k projection head so that its

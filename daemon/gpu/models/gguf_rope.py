@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from llmd.gpu.models.gguf_arch import GGUFArchitecture
 from llmd.gpu.models.gguf_file import GGUFFile
 
 ROPE_FREQS = "rope_freqs.weight"
@@ -48,26 +49,27 @@ LONGROPE = ("rope_factors_long.weight", "rope_factors_short.weight")
 ROPE_TENSORS = frozenset({ROPE_FREQS, *LONGROPE})  # rope parameters, not weights
 
 
-def gguf_rope_parameters(g: GGUFFile, a: str, where: str, head_dim: int, rotary_dim: int, spec: Any) -> dict[str, Any]:
+def gguf_rope_parameters(g: GGUFFile, a: str, where: str, head_dim: int, rotary_dim: int,
+                         spec: GGUFArchitecture) -> dict[str, Any]:
     """transformers' rope_parameters from llama.cpp's rope keys (which transformers' own
     GGUF loader ignores; llama.cpp applies them, so llmd does too) and the rope tensors
-    the architecture reads (`spec`: gguf_arch.GGUFArchitecture; others refused naming
-    them), over the first `rotary_dim` dimensions of each head."""
+    the architecture reads (others refused naming them), over the first `rotary_dim`
+    dimensions of each head."""
     params = _parameters(g, a, where, rotary_dim, spec)
     if rotary_dim != head_dim:
         params["partial_rotary_factor"] = rotary_dim / head_dim
     return params
 
 
-def _parameters(g: GGUFFile, a: str, where: str, head_dim: int, spec: Any) -> dict[str, Any]:
+def _parameters(g: GGUFFile, a: str, where: str, rotary_dim: int, spec: GGUFArchitecture) -> dict[str, Any]:
     params = _scaling_parameters(g, a, where)
-    longrope = _longrope_parameters(g, a, where, head_dim, spec.reads_longrope)
+    longrope = _longrope_parameters(g, a, where, rotary_dim, spec.reads_longrope)
     if longrope is not None:
         if params["rope_type"] != "default":
             raise ValueError(f"{where}: GGUF tensors {', '.join(LONGROPE)} together with "
                              f"{a}.rope.scaling.type={params['rope_type']!r} are not implemented by llmd")
         return {**params, **longrope}
-    factors = rope_freq_factors(g, a, where, head_dim, spec.reads_rope_freqs)
+    factors = rope_freq_factors(g, a, where, rotary_dim, spec.reads_rope_freqs)
     if factors is None:
         return params
     if params["rope_type"] == "linear":  # llama.cpp: freq_scale * theta / f_i, one factor
@@ -89,7 +91,7 @@ def _longrope_parameters(g: GGUFFile, a: str, where: str, rotary_dim: int, reads
     if not present:
         return None
     if not reads or len(present) < 2:
-        problem = "are not part of" if reads is False else "come in pairs in"
+        problem = "come in pairs in" if reads else "are not part of"
         raise ValueError(f"{where}: GGUF tensors {', '.join(LONGROPE)} (longrope factors) {problem} a {a!r} model; "
                          f"this file has {', '.join(present)}")
     long, short = (list(map(float, rope_freq_factors(g, a, where, rotary_dim, True, name))) for name in LONGROPE)
