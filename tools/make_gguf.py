@@ -21,7 +21,7 @@ test's reference.
 prints the path of each file (built on first use: the 1B model takes minutes and ~5 GB of
 memory at its peak, 2.5 GB of disk for the intermediates).
 
-Four adaptations of the converter, all from outside it (its file is not changed):
+Five adaptations of the converter, all from outside it (its file is not changed):
 * it imports `mistral_common` at the top, used only for Mistral-format models; the
   package pins numpy<2.4 (so it is not installed beside llmd), so where it is missing
   the converter gets placeholder modules whose names fail if ever called;
@@ -31,6 +31,8 @@ Four adaptations of the converter, all from outside it (its file is not changed)
 * it imports `sentencepiece` before it looks for a `tokenizer.model` (and falls back to
   tokenizer.json on the FileNotFoundError); without the package, a model that has no
   tokenizer.model gets that FileNotFoundError first;
+* Gemma 2's takes a sentencepiece vocabulary only: on that FileNotFoundError it takes the
+  fixture's BPE one as the converter takes any other model's (`_set_vocab_gpt2`);
 * it identifies a BPE pre-tokenizer by hashing a test string's token ids, which only
   knows published tokenizers; the fixtures' tokenizer splits text with GPT-2's byte-level
   regex (make_model's "bytelevel" flavour), llama.cpp's pre-tokenizer "gpt-2".
@@ -95,6 +97,14 @@ GGUF_FIXTURES: dict[str, dict[str, Any]] = {
                              num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=32,
                              num_experts_per_tok=4, moe_intermediate_size=768, norm_topk_prob=True,
                              dtype="bfloat16", types=("Q4_K_M",)),
+    # Gemma 2 2B's shapes (26 layers, hidden 2304, 8 heads of 256, 4 KV heads, intermediate
+    # 9216, vocab 256000 tied: the tokenizer's 8192 tokens, the rest padding), its window of
+    # 4096 on every other layer and soft-caps 50 / 30 (tools/bench_gguf.py; 10 GB in fp32)
+    "gemma2-2b": dict(arch="gemma2", preset="llama3.2-1b", tie_word_embeddings=True, hidden_size=2304,
+                      num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                      intermediate_size=9216, vocab_size=256000, max_position_embeddings=8192, rope_theta=10000.0,
+                      sliding_window=4096, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+                      final_logit_softcapping=30.0, dtype="bfloat16", types=("Q4_K_M",)),
 }
 CONVERTED_TYPE = "BF16"  # the converter's output, kept when a recipe lists it
 
@@ -277,15 +287,22 @@ def convert_hf_to_gguf(hf_dir: Path, out: Path, outtype: str = "bf16", pre_token
         finally:
             log.setLevel(level)
 
-    sentencepiece_vocab = model_class._create_vocab_sentencepiece
+    sentencepiece_vocab, set_vocab = model_class._create_vocab_sentencepiece, model_class.set_vocab
 
     def sentencepiece_vocab_if_any(self: Any) -> Any:
         if not (self.dir_model / "tokenizer.model").is_file():
             raise FileNotFoundError(f"no tokenizer.model in {self.dir_model}")  # as the converter raises it
         return sentencepiece_vocab(self)
 
+    def vocab_of_any_kind(self: Any) -> None:  # Gemma 2's takes a sentencepiece model only
+        try:
+            set_vocab(self)
+        except FileNotFoundError:
+            self._set_vocab_gpt2()
+
     with (torch.inference_mode(), _patched(model_class, "get_vocab_base_pre", vocab_base_pre),
-          _patched(model_class, "_create_vocab_sentencepiece", sentencepiece_vocab_if_any)):
+          _patched(model_class, "_create_vocab_sentencepiece", sentencepiece_vocab_if_any),
+          _patched(model_class, "set_vocab", vocab_of_any_kind)):
         model = model_class(Path(hf_dir), ftypes[outtype], Path(out), model_name=model_name)
         model.write()
     return Path(out)
