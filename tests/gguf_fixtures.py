@@ -108,10 +108,10 @@ def gguf_with(path: Path, arch: str, metadata: dict[str, tuple], tensors: dict[s
         w.add_key_value(key, value, vtype)
     for name, array in tensors.items():
         w.add_tensor(name, array)
-    return _written(w, path)
+    return written(w, path)
 
 
-def _written(w: gguf.GGUFWriter, path: Path) -> Path:
+def written(w: gguf.GGUFWriter, path: Path) -> Path:
     """Header, metadata and tensors of `w` written to its file, closed: `path`."""
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -201,7 +201,7 @@ def write_gguf(hf_dir: Path, out: Path, qtype: T = T.F32, *, k_quant_types: tupl
     for name, array in {**rope_tensors, **(extra_tensors or {})}.items():
         w.add_tensor(name, array)
     first = w.format_shard_names(Path(out))[0]
-    _written(w, out)
+    written(w, out)
     return first
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 import gguf
-from gguf_fixtures import write_gguf
+from gguf_fixtures import write_gguf, written
 from llmd import LLM, SamplingParams
 from llmd.gpu.models.gguf_tokenizer import EOG_TEXTS
 from llmd.gpu.models.loader import stop_token_ids
@@ -31,11 +31,7 @@ def _vocabulary_gguf(path: Path, **ids: int) -> Path:
     for key, value in ids.items():
         w.add_uint32(f"tokenizer.ggml.{key}", value)
     w.add_tensor("token_embd.weight", np.zeros((len(VOCAB), 8), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return written(w, path)
 
 
 def test_end_of_generation_tokens_by_text_and_by_id(tmp_path):

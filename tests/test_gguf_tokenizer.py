@@ -18,6 +18,7 @@ import pytest
 
 import gguf
 from gguf import GGMLQuantizationType as T
+from gguf_fixtures import written
 from llmd.gpu.models.gguf_file import GGUFFile
 from llmd.gpu.models.gguf_loader import load_gguf_tokenizer
 from llmd.gpu.models import gguf_tokenizer
@@ -106,11 +107,7 @@ def _sentencepiece_gguf(path: Path, **token_ids: int) -> Path:
     w.add_eos_token_id(token_ids.get("eos", 2))
     w.add_unk_token_id(0)
     w.add_tensor("token_embd.weight", np.zeros((len(pieces), 8), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return written(w, path)
 
 
 def test_sentencepiece_vocabulary_without_merges_is_transformers(tmp_path):
