@@ -26,6 +26,7 @@ import numpy as np
 from llmd.config import KV_CACHE_FLOATS, EngineConfig
 from llmd.gpu.layers.cpu.cpu_info import cpuinfo_field
 from llmd.gpu.layers.gguf_types import DENSE_TYPES, held_block, held_bytes, matrices_dtype
+from llmd.gpu.models.gguf_split import files_stamp
 from llmd.gpu.layers.tp import split_share
 from llmd.gpu.layers.quant.scheme import IntGroupScheme, config_scheme, weights_per_element
 
@@ -84,8 +85,6 @@ def read_shape(path: str) -> ModelShape:
     """A model directory's or GGUF file's shape (raises OSError/ValueError when the
     files cannot say), kept while its files are unchanged (a GGUF's header, with its
     vocabulary, takes the gguf package a while to read; a split GGUF's shards each)."""
-    from llmd.gpu.models.gguf_split import files_stamp
-
     p = Path(path)
     if p.is_file():
         return _read_shape(str(p), files_stamp(p))

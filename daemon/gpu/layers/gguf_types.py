@@ -67,6 +67,9 @@ def supported_tensor_types() -> list[str]:
 
 @functools.cache
 def dequantizable_types() -> tuple[GGMLQuantizationType, ...]:
+    """The GGML types the installed gguf package can dequantize: each tried on one block
+    of zeros, the package's NotImplementedError saying it cannot (an IQ type in an older
+    release, a type newer than its quants module)."""
     from gguf.quants import dequantize
 
     ok = []

@@ -24,8 +24,9 @@ SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS = "split.no", "split.count", "split.tensors
 _SHARD_NAME = re.compile(r"(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf")
 
 
-class GGUFFile(Protocol):
-    """What is read here of an opened shard (gguf_file.GGUFFile, which imports this)."""
+class Shard(Protocol):
+    """What is read here of an opened shard (a gguf_file.GGUFFile, whose module imports
+    this one)."""
 
     path: Path
     metadata: dict[str, Any]
@@ -56,14 +57,14 @@ def files_stamp(path: Path) -> tuple[tuple[int, int], ...]:
     return tuple((st.st_mtime_ns, st.st_size) for st in stats)
 
 
-def _number(g: GGUFFile, key: str, default: int) -> int:
+def _number(g: Shard, key: str, default: int) -> int:
     value = g.metadata.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise g.error(f"metadata {key}={value!r} is not a count")
     return value
 
 
-def join_shards(first: GGUFFile, open_shard: Callable[[Path], GGUFFile]) -> list[GGUFFile]:
+def join_shards(first: Shard, open_shard: Callable[[Path], Shard]) -> list[Shard]:
     """The shards of the model whose file `first` is, in order, `first` the first of them
     (alone when it is not split), each other one opened with `open_shard`; GGUFFormatError
     for a split that does not hold together (module doc)."""
