@@ -310,9 +310,14 @@ def test_slow_compile_fails_alone_and_others_flow():
                           guided_decoding_compile_timeout_s=0.2)
     engine = LLMEngine(config)
     slow = GuidedDecodingParams(json_schema=SLOW_SCHEMA)
-    start = time.monotonic()
-    parse_guided(slow)  # parses at once; only the compile is slow
-    assert time.monotonic() - start < 0.2
+    # Parses at once (~2 ms here); only the compile is slow. The best of three, so that one
+    # pause of a loaded 2-core machine (0.59 s seen in CI) is not taken for a slow parse.
+    parse_times = []
+    for _ in range(3):
+        start = time.monotonic()
+        parse_guided(slow)
+        parse_times.append(time.monotonic() - start)
+    assert min(parse_times) < 0.2
     engine.add_request("slow", "x", _params(slow, 0.0, None))
     engine.add_request("plain", "hello", SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     results = drain(engine)
