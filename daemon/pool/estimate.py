@@ -25,7 +25,7 @@ import numpy as np
 
 from llmd.config import KV_CACHE_FLOATS, EngineConfig
 from llmd.gpu.layers.cpu.cpu_info import cpuinfo_field
-from llmd.gpu.layers.gguf_types import DENSE_TYPES, held_block, held_bytes, matrices_dtype
+from llmd.gpu.layers.gguf_types import DENSE_TYPES, file_dtype, held_block, held_bytes
 from llmd.gpu.models.gguf_split import files_stamp
 from llmd.gpu.layers.tp import split_share
 from llmd.gpu.layers.quant.scheme import IntGroupScheme, config_scheme, weights_per_element
@@ -209,7 +209,7 @@ def _gguf_shape(p: Path) -> ModelShape:
     return ModelShape(weights_bytes=reader.total_size, num_params=sum(t.n_elements for t in tensors.values()),
                       kv_elements_per_token=2 * layers * kv_heads * head_dim,
                       max_position=get(f"{arch}.context_length", 2048),
-                      checkpoint_dtype=matrices_dtype(tensors.values()), gguf=True,
+                      checkpoint_dtype=file_dtype(reader), gguf=True,
                       packed_bytes={device: sum(held_bytes(t.tensor_type.name, t.n_elements, device) for t in packed)
                                     for device in ("cpu", "cuda")},
                       dense_elements=sum(t.n_elements for t in dense),

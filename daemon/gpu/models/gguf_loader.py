@@ -10,7 +10,8 @@ qwen2moe and qwen3moe (gguf_arch.py says what each means), experts in another, p
 rotary (but phi3's), an unknown rope scaling type, per-frequency rope factors
 (`rope_freqs.weight`, Llama 3.x's rope scaling) that llama.cpp would not apply
 (gguf_rope.py reads them), or an unknown `{arch}.*`.
-A file whose matrices are all BF16 (or F16, F32) says so as an HF checkpoint's dtype does.
+A file whose matrices are all BF16 (or F16, F32) says so as an HF checkpoint's dtype does
+(an F16 file of bf16 values as BF16: gguf_types.file_dtype).
 
 llama.cpp's converter reorders the rows of every llama q/k projection head so that its
 rotary embedding can rotate adjacent pairs; llmd (like transformers) rotates halves, so
@@ -33,7 +34,7 @@ import torch
 
 from llmd.gpu.layers.gguf_formats import reencoded
 from llmd.gpu.layers.gguf_quant import PackedSource
-from llmd.gpu.layers.gguf_types import dequantizable_types, matrices_dtype, supported_tensor_types
+from llmd.gpu.layers.gguf_types import dequantizable_types, file_dtype, supported_tensor_types
 from llmd.gpu.models.gguf_arch import (ARCHITECTURES, BLOCK_TENSORS, EXPERT, GLOBAL_TENSORS, GGUFArchitecture,
                                        gguf_architecture)
 from llmd.gpu.models.architectures import get_architecture
@@ -100,7 +101,7 @@ def load_gguf_config(path: str | Path):
         hidden_act="silu",
         bos_token_id=g.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=g.get("tokenizer.ggml.eos_token_id"),
-        pad_token_id=g.get("tokenizer.ggml.padding_token_id"), dtype=matrices_dtype(g.tensors.values()),
+        pad_token_id=g.get("tokenizer.ggml.padding_token_id"), dtype=file_dtype(g),
     )
     if spec.hf_architecture == "LlamaForCausalLM":
         fields["attention_bias"] = "blk.0.attn_q.bias" in g.tensors
