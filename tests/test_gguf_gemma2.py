@@ -79,3 +79,24 @@ def test_gemma2_metadata_is_read_as_llama_cpp_reads_it():
     bare = fields(4, 64, 4, 16, {})
     assert bare["layer_types"] == ["full_attention"] * 4 and bare["sliding_window"] is None
     assert bare["attn_logit_softcapping"] is None and bare["final_logit_softcapping"] is None
+
+
+def test_greedy_rows_under_the_final_soft_cap_take_the_full_products_tokens(model, monkeypatch):
+    """Gemma 2's logits are soft-capped after the LM head: its greedy rows go through the
+    one-pass head refined with the cap in view (greedy_head) and get the tokens the full
+    two-pass product gives them."""
+    from llmd.gpu.layers import greedy_head
+
+    _, files = model
+    llm = LLM(model=str(files[T.Q8_0]), **SETTINGS)
+    head = greedy_head.greedy_head_of(llm.engine.executor.runner.model)
+    assert head is not None and head.passes == 2
+    prompts = [[5 + i, 9, 200 + 7 * i, 31, 17, 400 - i, 3] for i in range(8)]
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with_head = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    assert head.refined_groups > 0
+    monkeypatch.setattr(greedy_head, "GREEDY_MIN_ROWS", 1 << 30)
+    groups = head.refined_groups
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == with_head
+    assert head.refined_groups == groups
+    llm.engine.shutdown()

@@ -73,6 +73,42 @@ def test_refined_rows_take_the_two_pass_argmax_and_bits(x16, isa, quant):  # noq
     assert 0 < groups < ROWS * VOCAB // 16 / 2  # and most groups are ruled out
 
 
+def _capped(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    return torch.tanh(logits / cap) * cap  # as decoder.compute_logits caps them
+
+
+@pytest.mark.parametrize("quant", ["Q6_K", "Q8_0"])
+def test_a_soft_capped_heads_refinement_keeps_every_group_that_could_tie_the_best(x16, isa, quant):  # noqa: F811
+    """Under a final soft-cap (Gemma 2) float32's tanh rounds many logits near the top to
+    one value, and the lowest id among them wins: every logit left at one pass must lie,
+    capped, strictly below the capped best (its two-pass value too), so that the capped
+    argmax is the full product's — from a mild cap to one that flattens the top of every
+    row. Blind to the cap (the plain bound), some left logit ties the best once capped."""
+    code = FORMATS[quant].code
+    x, w, cols = near_ties(x16, quant, seed=code + 1)
+    limit = VOCAB - 7
+    two = x16.mm_x16(x, w, code, cols, 2, isa)[:, :limit]
+    one = x16.mm_x16(x, w, code, cols, 1, isa)
+    norms = x16.row_norms(w, code, cols)
+    spread = float(two.std())
+    tokens = torch.empty(ROWS, dtype=torch.int64)
+    for cap in (4 * spread, spread / 2, spread / 5):
+        refined = one.clone()
+        x16.argmax_refine_(x, w, code, cols, 2, isa, refined, norms, limit, tokens, cap)
+        refined = refined[:, :limit]
+        assert torch.equal(_capped(refined, cap).argmax(1), _capped(two, cap).argmax(1)), cap
+        best = _capped(refined, cap).max(1, keepdim=True).values
+        left = refined != two  # left at one pass
+        for values in (refined, two):
+            assert (_capped(values, cap) < best)[left].all(), cap
+    assert (_capped(two, cap) == _capped(two, cap).max(1, keepdim=True).values).sum() > 2 * ROWS  # flattened
+    blind = one.clone()
+    x16.argmax_refine_(x, w, code, cols, 2, isa, blind, norms, limit, tokens)
+    blind = blind[:, :limit]
+    left = blind != two
+    assert not (_capped(two, cap) < _capped(blind, cap).max(1, keepdim=True).values)[left].all()
+
+
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
 def test_a_row_with_inf_or_nan_is_refined_whole(x16, isa, bad):  # noqa: F811
     """A bound over x's codes holds only where x is finite (a NaN is read as a code, and

@@ -48,12 +48,16 @@ class GreedyHead:
         # refinement knows them: the sampler need not read the logits again); else None
         self.argmax: torch.Tensor | None = None
 
-    def logits(self, x: torch.Tensor, argmax_rows: Sequence[int], vocab_limit: int) -> torch.Tensor | None:
+    def logits(self, x: torch.Tensor, argmax_rows: Sequence[int], vocab_limit: int,
+               softcap: float | None = None) -> torch.Tensor | None:
         """Logits of x's rows [R, cols], those in `argmax_rows` good for their argmax over
         [0, vocab_limit) alone; None where this path does not apply, and the caller's full
         product does: too few greedy rows, more rows than the x16 kernel takes, or x not
         float32 (a bfloat16 model's full product rounds its logits to bfloat16, whose ties
-        pick the lowest id: the float32 logits here could pick another)."""
+        pick the lowest id: the float32 logits here could pick another). `softcap`: the
+        caller caps the logits after (softcap * tanh(z / softcap), Gemma 2), which can
+        round two of them to one value: the refinement keeps every group that could then
+        tie the best, and `argmax` is not set (the capped logits' argmax is the caller's)."""
         rows, n = x.shape[0], self.weight.shape[0]
         self.argmax = None
         if len(argmax_rows) < GREEDY_MIN_ROWS or rows > self.max_rows or not 0 < vocab_limit <= n \
@@ -61,13 +65,16 @@ class GreedyHead:
             return None
         x = x.contiguous()
         ops, w, code, cols = self.ops, self.weight, self.code, self.cols
+        cap = float(softcap or 0.0)
         norms = self.norms
         out = self.reused.get(rows, n)
         if len(argmax_rows) == rows:
             ops.mm_x16_into(x, w, code, cols, 1, "", out)
             self.argmax = torch.empty(rows, dtype=torch.int64)
             self.refined_groups += ops.argmax_refine_(x, w, code, cols, self.passes, "", out, norms, vocab_limit,
-                                                      self.argmax)
+                                                      self.argmax, cap)
+            if softcap:
+                self.argmax = None
             return out
         greedy = torch.tensor(argmax_rows, dtype=torch.int64)
         other = torch.ones(rows, dtype=torch.bool)
@@ -76,7 +83,7 @@ class GreedyHead:
         xg = x.index_select(0, greedy)
         first = ops.mm_x16(xg, w, code, cols, 1)
         self.refined_groups += ops.argmax_refine_(xg, w, code, cols, self.passes, "", first, norms, vocab_limit,
-                                                  torch.empty(len(argmax_rows), dtype=torch.int64))
+                                                  torch.empty(len(argmax_rows), dtype=torch.int64), cap)
         out.index_copy_(0, greedy, first)
         out.index_copy_(0, full, ops.mm_x16(x.index_select(0, full), w, code, cols, self.passes))
         return out

@@ -197,9 +197,7 @@ class CausalLM(nn.Module):
         """Full-vocab logits (with tensor parallelism a collective: every rank must call it);
         of `argmax_rows` only their argmax over [0, vocab_limit) is good (layers/greedy_head)."""
         cap = getattr(self.config, "final_logit_softcapping", None) if self.arch.final_softcap else None
-        if cap is not None:  # tanh's roundings could tie a logit taken at one pass with the best
-            argmax_rows = None
-        logits = self.lm_head(hidden, argmax_rows, vocab_limit).float()
+        logits = self.lm_head(hidden, argmax_rows, vocab_limit, cap).float()
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits

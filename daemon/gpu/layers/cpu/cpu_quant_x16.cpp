@@ -42,7 +42,7 @@
 //   column col0, in one parallel region (a MoE layer's experts at once). x of one row
 //   where out has more: every job's rows are that row (one token's chosen experts: the
 //   row quantized once, not once a job).
-// gguf_x16_argmax_refine_(x, w, quant, cols, passes, isa, logits, norms, limit, tokens) -> int:
+// gguf_x16_argmax_refine_(x, w, quant, cols, passes, isa, logits, norms, limit, tokens, cap) -> int:
 //   rows of x whose logits (float32 [R, N]) the caller took at one pass over x, and that
 //   need only their argmax over [0, limit) (a greedy LM head: greedy_head.GreedyHead):
 //   each logit's distance from its `passes`-pass value is bounded (norms [N]: the
@@ -50,7 +50,11 @@
 //   rule out as the argmax are multiplied again at `passes` passes, in place — the same
 //   bits the full product gives them, so the row's argmax is the full product's: into
 //   tokens (int64 [R]; the first of equal maxima, as numpy's argmax). Returns the groups
-//   multiplied again.
+//   multiplied again. With `cap` > 0 the caller soft-caps the logits after (Gemma 2:
+//   cap tanh(z / cap) in float32, which can round two logits to one value): a group is
+//   ruled out only where its capped values lie below the best's however each is rounded
+//   (soft_capped_bar), and tokens are then the uncapped argmax (the caller's argmax of the
+//   capped logits is the full product's).
 // gguf_x16_row_norms(w, quant, cols) -> float32 [N]: each row's L2 norm, rounded up.
 // gguf_dequantize_x16(w, quant, cols) -> float32 [N, cols] (for a GEMM over many rows),
 //   equal to gguf_dequantize of the GGUF rows (any CPU).
@@ -502,6 +506,19 @@ float refine_scan(const float* l, const float* norms, float reach, int64_t limit
   return nan ? std::numeric_limits<float>::quiet_NaN() : floor;
 }
 
+// Under a final soft-cap c(z) = cap tanh(z / cap): the bar below which a logit's capped
+// value, rounded in float32 (a division, a tanh within 1 ulp, a product: ~3 ulps of cap),
+// lies below the capped value, rounded alike, of any logit at or above `floor` (the refined
+// best is). c is increasing, so a bar of c^-1(c(floor) - 2 slack), each slack 8 ulps of cap
+// or more, rounded down, will do; -inf where there is none (nothing ruled out).
+float soft_capped_bar(float floor, double cap) {
+  const double slack = 16.0 * cap * std::ldexp(1.0, -24);
+  const double t = std::tanh(static_cast<double>(floor) / cap) - 2.0 * slack / cap;
+  const float inf = std::numeric_limits<float>::infinity();
+  if (!(t > -1.0)) return -inf;
+  return std::nextafter(static_cast<float>(cap * std::atanh(t)), -inf);
+}
+
 // The first index of a row's largest value over [0, limit), a NaN counting as the largest
 // (numpy's and torch's argmax).
 int64_t first_argmax(const float* l, int64_t limit) {
@@ -515,7 +532,7 @@ int64_t first_argmax(const float* l, int64_t limit) {
 
 int64_t gguf_x16_argmax_refine_(const at::Tensor& x, const at::Tensor& w, int64_t quant, int64_t cols, int64_t passes,
                                 c10::string_view isa_choice, at::Tensor& logits, const at::Tensor& norms,
-                                int64_t limit, at::Tensor& tokens) {
+                                int64_t limit, at::Tensor& tokens, double cap) {
   const char* op = "gguf_x16_argmax_refine_";
   const int64_t records = check_layout(w, quant, cols, op);
   const int64_t rows = x.size(0), n = w.size(0);
@@ -531,6 +548,7 @@ int64_t gguf_x16_argmax_refine_(const at::Tensor& x, const at::Tensor& w, int64_
                   tokens.size(0) == rows,
               op, ": contiguous int64 tokens [", rows, "] expected");
   TORCH_CHECK(passes >= 2, op, ": the refined logits take 2 or 3 passes, got ", passes);
+  TORCH_CHECK(cap >= 0.0 && std::isfinite(cap), op, ": cap must be finite and >= 0 (0: none), got ", cap);
   const Isa isa = checked_isa(isa_choice, passes, op);
   if (rows == 0) return 0;
   const int p = static_cast<int>(passes);
@@ -551,14 +569,15 @@ int64_t gguf_x16_argmax_refine_(const at::Tensor& x, const at::Tensor& w, int64_
       const float reach = static_cast<float>(refine_reach(xp + r * cols, fine.rows[r], p, one.rows[r], super));
       const float floor = std::isfinite(reach) ? refine_scan(l, np, reach, limit, isa, peak.data()) : NAN;
       const bool whole = !std::isfinite(floor);  // NaN or inf: the whole row again
+      const float bar = cap > 0.0 && !whole ? soft_capped_bar(floor, cap) : floor;
       int64_t best = -1;  // the first largest refined logit (the others lie below the floor)
       for (int64_t g = 0; g < groups;) {
-        if (!whole && !(peak[g] >= floor)) {
+        if (!whole && !(peak[g] >= bar)) {
           ++g;
           continue;
         }
         int64_t g1 = g + 1;  // a run of groups in one call
-        while (g1 < groups && (whole || peak[g1] >= floor)) ++g1;
+        while (g1 < groups && (whole || peak[g1] >= bar)) ++g1;
         // in this parallel region the product's own parallel_for runs on this thread alone
         mm_on(isa, quant, p, xr, wp + g * group_bytes, (g1 - g) * kGroup, records, l + g * kGroup);
         for (int64_t i = g * kGroup; i < std::min(limit, g1 * kGroup); ++i) {
@@ -640,7 +659,7 @@ TORCH_LIBRARY_FRAGMENT(llmd_cpu, m) {
   m.def("gguf_mm_x16_grouped(Tensor x, Tensor[] ws, int[] starts, int quant, int cols, int passes, str isa, "
         "Tensor(a!) out, int col0) -> ()");
   m.def("gguf_x16_argmax_refine_(Tensor x, Tensor w, int quant, int cols, int passes, str isa, Tensor(a!) logits, "
-        "Tensor norms, int limit, Tensor(b!) tokens) -> int");
+        "Tensor norms, int limit, Tensor(b!) tokens, float cap=0.0) -> int");
   m.def("gguf_dequantize_x16(Tensor w, int quant, int cols) -> Tensor");
   m.def("gguf_x16_row_norms(Tensor w, int quant, int cols) -> Tensor");
   m.def("gguf_x16_supported() -> bool");
