@@ -385,14 +385,12 @@ class ParallelLMHead(VocabRows):
 
     def forward(self, hidden: torch.Tensor, argmax_rows: Sequence[int] | None = None,
                 vocab_limit: int | None = None, softcap: float | None = None) -> torch.Tensor:
-        """Of `argmax_rows` only the argmax over [0, vocab_limit) is good (greedy_head),
-        once soft-capped by the caller at `softcap` if given."""
+        """Of `argmax_rows` only the argmax over [0, vocab_limit) is good (greedy_head; `softcap`: the caller's)."""
         if self.kernel is None and self.quant is not None:
             raise RuntimeError(f"an LM head packed as {self.quant} has no kernel (cpu_kernels.attach_gguf_kernels)")
         greedy = getattr(self.kernel, "greedy", None) if argmax_rows and self.world_size == 1 else None
-        if greedy and (logits := greedy.logits(hidden, argmax_rows, vocab_limit or self.vocab_size,
-                                               softcap)) is not None:
-            return logits
+        if greedy and (out := greedy.logits(hidden, argmax_rows, vocab_limit or self.vocab_size, softcap)) is not None:
+            return out
         local = self.kernel(hidden) if self.kernel is not None else F.linear(hidden, self.weight)
         if self.world_size == 1:
             return local
