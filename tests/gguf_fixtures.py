@@ -149,7 +149,7 @@ def write_gguf(hf_dir: Path, out: Path, qtype: T = T.F32, *, k_quant_types: tupl
         f"{arch}.attention.layer_norm_rms_epsilon": (float(cfg["rms_norm_eps"]), V.FLOAT32),
         f"{arch}.vocab_size": (cfg["vocab_size"], V.UINT32),
     }
-    if arch == "llama":
+    if arch in ("llama", "smollm3"):
         metadata[f"{arch}.rope.dimension_count"] = (head_dim, V.UINT32)
     if arch == "gemma2":  # what the converter's Gemma2Model writes beside the common keys
         metadata.pop(f"{arch}.rope.freq_base")  # (not written: llama.cpp's default, 10000)
@@ -175,9 +175,9 @@ def write_gguf(hf_dir: Path, out: Path, qtype: T = T.F32, *, k_quant_types: tupl
         if cfg.get("tie_word_embeddings") and hf_name == "lm_head.weight":
             continue
         array = np.asarray(array, dtype=np.float32)
-        if arch == "llama" and ".q_proj." in hf_name:
+        if arch in ("llama", "smollm3") and ".q_proj." in hf_name:
             array = permute_rotary_rows(array, heads)
-        elif arch == "llama" and ".k_proj." in hf_name:
+        elif arch in ("llama", "smollm3") and ".k_proj." in hf_name:
             array = permute_rotary_rows(array, kv_heads)
         name = gguf_name(hf_name, arch)
         if arch == "gemma2" and hf_name.endswith("norm.weight"):

@@ -170,6 +170,21 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
+class NoRotary(nn.Module):
+    """The cos/sin of a layer that does not rotate q and k (SmolLM3's NoPE layers): cos 1
+    and sin 0, which every rotary path (apply_rotary, the fused CPU and CUDA kernels)
+    applies as the identity: x * 1 + rotated * 0 is x."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (positions.shape[0], 1, self.dim)
+        return (torch.ones(shape, dtype=dtype, device=positions.device),
+                torch.zeros(shape, dtype=dtype, device=positions.device))
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, D]; rotates its first cos.shape[-1] dimensions, passes the rest."""
     dim = cos.shape[-1]

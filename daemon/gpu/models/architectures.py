@@ -1,6 +1,6 @@
 """The architectures llmd runs, as data: each is the one decoder (models/decoder.py) with
 a set of features, read from the config the way transformers' model of that name reads
-it. What differs between Llama, Mistral, Qwen2/3, Phi-3/4, Gemma 2/3 and the MoE models
+it. What differs between Llama, Mistral, Qwen2/3, Phi-3/4, Gemma 2/3, SmolLM3 and the MoE models
 is a field here, not a subclass:
 
 - `qkv_bias`: where q/k/v's bias comes from (a config field and its default, or always);
@@ -14,6 +14,8 @@ is a field here, not a subclass:
 - `activation_field`: the config field naming the MLP activation;
 - `attention_softcap` / `final_softcap`: scores / logits soft-capped (Gemma 2 / both);
 - `rope_per_layer_type`: one rotary table per layer type (Gemma 3's local and global);
+- `nope_field`: the config's list of which layers rotate q/k (SmolLM3's `no_rope_layers`:
+  1 rotates, 0 does not; its NoPE layers take the NOPE table, cos 1 and sin 0);
 - `windows`: each layer's sliding window from the config (WINDOW_RULES);
 - `moe`: how the config describes its experts (None: dense), and the checkpoint's
   expert projection names and renames.
@@ -37,6 +39,7 @@ from llmd.gpu.models.config_checks import GEMMA_FIELDS, check_activation, check_
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+NOPE = "nope"  # the rotary key of a layer that does not rotate q and k (Architecture.rope_keys)
 
 
 def windows_from_layer_types(architecture: str, config: Any, layer_types: list[str]) -> list[int | None]:
@@ -97,6 +100,15 @@ def qwen2_layer_types(name: str, config: Any) -> list[int | None]:
         layer_types = [SLIDING_ATTENTION if use and i >= first else FULL_ATTENTION
                        for i in range(config.num_hidden_layers)]
     return windows_from_layer_types(name, config, list(layer_types))
+
+
+def smollm3_windows(name: str, config: Any) -> list[int | None]:
+    """SmolLM3: a layer slides over config.sliding_window tokens only where
+    use_sliding_window is set and its `layer_types` entry says so (transformers'
+    SmolLM3Config derives them: the NoPE layers), else attends in full."""
+    if not getattr(config, "use_sliding_window", False):
+        return [None] * config.num_hidden_layers
+    return windows_from_layer_types(name, config, list(getattr(config, "layer_types", None) or []))
 
 
 def declared_layer_types(name: str, config: Any) -> list[int | None]:
@@ -178,6 +190,7 @@ class Architecture:
     attention_softcap: bool = False
     final_softcap: bool = False
     rope_per_layer_type: bool = False
+    nope_field: str | None = None
     windows: Callable[[str, Any], list[int | None]] = full_attention
     moe: Callable[[str, Any], MoeSpec] | None = None
     expert_projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
@@ -205,10 +218,27 @@ class Architecture:
         return getattr(config, self.activation_field, "silu" if self.activation_field == "hidden_act" else None)
 
     def rope_keys(self, config: Any) -> list[str | None]:
-        """Each layer's rope_parameters key (None: the one flat dict)."""
+        """Each layer's rope_parameters key (None: the one flat dict; NOPE: no rotary)."""
         if self.rope_per_layer_type:
-            return list(getattr(config, "layer_types", None) or [])
-        return [None] * config.num_hidden_layers
+            keys = list(getattr(config, "layer_types", None) or [])
+        else:
+            keys = [None] * config.num_hidden_layers
+        if self.nope_field is None:
+            return keys
+        return [key if rotates else NOPE for key, rotates in zip(keys, self._rotating_layers(config))]
+
+    def _rotating_layers(self, config: Any) -> list[bool]:
+        """Which layers rotate q/k: the config's `nope_field` list (1 / 0 per layer), as
+        transformers' SmolLM3Config derives it where absent (every `no_rope_layer_interval`-th
+        layer does not)."""
+        n, field = config.num_hidden_layers, self.nope_field
+        flags = getattr(config, field, None)
+        if flags is None:
+            interval = getattr(config, "no_rope_layer_interval", 4)
+            flags = [int((i + 1) % interval != 0) for i in range(n)]
+        if not isinstance(flags, (list, tuple)) or len(flags) != n or any(f not in (0, 1) for f in flags):
+            refuse(self.name, field, flags, f"must list 1 (rotary) or 0 (none) for each of the {n} layers")
+        return [bool(f) for f in flags]
 
     def check_config(self, config: Any) -> None:
         """ValueError naming the architecture and the field if the config asks for what
@@ -216,7 +246,8 @@ class Architecture:
         name = self.name
         head_dim = check_heads(name, config)
         check_activation(name, self.activation_field, self.activation(config))
-        check_rope(name, config, head_dim, self.partial_rotary, layer_types=self.rope_keys(config))
+        rotating = [key for key in self.rope_keys(config) if key != NOPE]
+        check_rope(name, config, head_dim, self.partial_rotary, layer_types=rotating or [None])
         if self.gemma:
             self._check_gemma(config)
         else:
@@ -263,6 +294,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     # Qwen2-MoE: Qwen2's attention with q/k/v bias from `qkv_bias` (o_proj has none).
     Architecture("Qwen2MoeForCausalLM", qkv_bias_field="qkv_bias", qkv_bias_default=True,
                  windows=qwen2_layer_types, moe=qwen_experts(True)),
+    # SmolLM3: Llama's layers, every fourth without rotary (its config's no_rope_layers).
+    Architecture("SmolLM3ForCausalLM", nope_field="no_rope_layers", windows=smollm3_windows),
     Architecture("MixtralForCausalLM", windows=one_window, moe=mixtral_experts,
                  expert_projections=("w1", "w3", "w2"), checkpoint_renames=((".block_sparse_moe.", ".mlp."),)),
 )}

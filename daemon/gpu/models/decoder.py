@@ -22,9 +22,9 @@ from llmd.gpu.layers.fused_ops import LayerOps, layer_ops
 from llmd.gpu.layers.linear import ParallelLMHead, QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from llmd.gpu.layers.mlp import GatedMLP, SparseMoeBlock
 from llmd.gpu.layers.norms import RMSNorm
-from llmd.gpu.layers.rotary import RotaryEmbedding
+from llmd.gpu.layers.rotary import NoRotary, RotaryEmbedding, rope_parameters, rotary_dim
 from llmd.gpu.layers.tp import TPShape, tp_shape
-from llmd.gpu.models.architectures import Architecture, get_architecture
+from llmd.gpu.models.architectures import NOPE, Architecture, get_architecture
 
 FLAT_ROPE = "all layers"  # rotary key of a model with one set of rope parameters
 
@@ -167,9 +167,12 @@ class CausalLM(nn.Module):
 
     def build_rotary(self) -> nn.ModuleDict:
         """One cos/sin table per rope key, named by it (each layer's key in layer_rope_keys)."""
-        return nn.ModuleDict({key: RotaryEmbedding(self.config, self.head_dim, self.max_positions,
-                                                   None if key == FLAT_ROPE else key)
-                              for key in dict.fromkeys(self.layer_rope_keys)})
+        def table(key: str) -> nn.Module:
+            if key == NOPE:  # as wide as the others (the fused kernels' rotated size)
+                return NoRotary(rotary_dim(rope_parameters(self.config, None), self.head_dim))
+            return RotaryEmbedding(self.config, self.head_dim, self.max_positions, None if key == FLAT_ROPE else key)
+
+        return nn.ModuleDict({key: table(key) for key in dict.fromkeys(self.layer_rope_keys)})
 
     def reset_rotary(self, device: torch.device) -> None:
         """Rebuild the cos/sin caches on `device` (after the model was built on meta)."""

@@ -213,6 +213,17 @@ def phi3_config_fields(get: Callable[..., Any], a: str, fields: dict[str, Any]) 
     return dict(sliding_window=int(window) if window else None, original_max_position_embeddings=int(original))
 
 
+SMOLLM3_NO_ROPE_STEP = 4  # llama.cpp: hparams.n_no_rope_layer_step (no key in the file)
+
+
+def smollm3_config_fields(get: Callable[..., Any], a: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """SmolLM3Config fields of a smollm3 GGUF: llama.cpp leaves rotary out of every fourth
+    layer (the file names none), q/k/v/o and MLP bias where the tensors are."""
+    layers = fields["num_hidden_layers"]
+    return dict(no_rope_layers=[int((i + 1) % SMOLLM3_NO_ROPE_STEP != 0) for i in range(layers)],
+                use_sliding_window=False, sliding_window=None)
+
+
 def _required_int(get: Callable[..., Any], key: str) -> int:
     value = get(key)
     if value is None:
@@ -247,6 +258,8 @@ MIXTRAL = GGUFArchitecture("MixtralForCausalLM", "mixtral", permuted_rotary=True
 ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "llama": GGUFArchitecture("LlamaForCausalLM", "llama", permuted_rotary=True, reads_rope_freqs=True,
                               config_class=LeanLlamaConfig),
+    "smollm3": GGUFArchitecture("SmolLM3ForCausalLM", "smollm3", permuted_rotary=True,
+                                config_fields=smollm3_config_fields),
     "qwen2": GGUFArchitecture("Qwen2ForCausalLM", "qwen2", permuted_rotary=False),
     "qwen3": GGUFArchitecture("Qwen3ForCausalLM", "qwen3", permuted_rotary=False),
     "phi3": GGUFArchitecture(
