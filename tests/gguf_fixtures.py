@@ -58,6 +58,8 @@ _EXPERT_TENSORS = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj
                    "w3": "ffn_up_exps", "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
 # HF model_type -> GGUF architecture, where they differ
 GGUF_ARCHS = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+# the GGUF architectures whose converter (LlamaModel's) writes q/k rows in llama.cpp's rotary order
+LLAMA_ROTARY = ("llama", "smollm3", "granite")
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
 # Byte offsets of the fp16 scales in one block of each K-quant (and of IQ4_NL / IQ4_XS, which the
@@ -149,8 +151,12 @@ def write_gguf(hf_dir: Path, out: Path, qtype: T = T.F32, *, k_quant_types: tupl
         f"{arch}.attention.layer_norm_rms_epsilon": (float(cfg["rms_norm_eps"]), V.FLOAT32),
         f"{arch}.vocab_size": (cfg["vocab_size"], V.UINT32),
     }
-    if arch in ("llama", "smollm3"):
+    if arch in LLAMA_ROTARY:
         metadata[f"{arch}.rope.dimension_count"] = (head_dim, V.UINT32)
+    if arch == "granite":  # what the converter's GraniteModel writes beside llama's keys
+        for key, field in (("attention.scale", "attention_multiplier"), ("embedding_scale", "embedding_multiplier"),
+                           ("residual_scale", "residual_multiplier"), ("logit_scale", "logits_scaling")):
+            metadata[f"{arch}.{key}"] = (float(cfg[field]), V.FLOAT32)
     if arch == "gemma2":  # what the converter's Gemma2Model writes beside the common keys
         metadata.pop(f"{arch}.rope.freq_base")  # (not written: llama.cpp's default, 10000)
         metadata[f"{arch}.attention.sliding_window"] = (cfg["sliding_window"], V.UINT32)
@@ -175,9 +181,9 @@ def write_gguf(hf_dir: Path, out: Path, qtype: T = T.F32, *, k_quant_types: tupl
         if cfg.get("tie_word_embeddings") and hf_name == "lm_head.weight":
             continue
         array = np.asarray(array, dtype=np.float32)
-        if arch in ("llama", "smollm3") and ".q_proj." in hf_name:
+        if arch in LLAMA_ROTARY and ".q_proj." in hf_name:
             array = permute_rotary_rows(array, heads)
-        elif arch in ("llama", "smollm3") and ".k_proj." in hf_name:
+        elif arch in LLAMA_ROTARY and ".k_proj." in hf_name:
             array = permute_rotary_rows(array, kv_heads)
         name = gguf_name(hf_name, arch)
         if arch == "gemma2" and hf_name.endswith("norm.weight"):

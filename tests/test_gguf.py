@@ -432,7 +432,7 @@ def test_unimplemented_architecture_and_features_are_refused(hf_dirs, tmp_path):
     other = gguf_with(tmp_path / "starcoder2.gguf", "starcoder2", {"starcoder2.block_count": (1, U32)},
                       {"token_embd.weight": np.zeros((8, 4), np.float32)})
     with pytest.raises(ValueError, match=r"GGUF architecture 'starcoder2' is not implemented by llmd "
-                                         r"\(supported: gemma2, gemma3, llama, phi3, qwen2, qwen2moe, qwen3, qwen3moe, smollm3\)"):
+                                         r"\(supported: gemma2, gemma3, granite, llama, phi3, qwen2, qwen2moe, qwen3, qwen3moe, smollm3\)"):
         LLM(model=str(other))
     llama = hf_dirs("llama")
     refusals = [

@@ -73,7 +73,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3_moe", "qwen2_moe", "mixtral",
-         "smollm3")
+         "smollm3", "granite")
 
 
 def padded_vocab_size(tokenizer_vocab: int) -> int:
@@ -114,7 +114,8 @@ def resolve_config(arch: str, preset: str, *, tie_word_embeddings: bool = False,
       ``logit_std`` (default TARGET_LOGIT_STD), ``tokenizer_flavour`` (default
       ARCH_TOKENIZER_FLAVOUR[arch]), ``dtype`` (one of SAVE_DTYPES: the safetensors'
       dtype, default float32; bfloat16 halves a big fixture's files)."""
-    from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config,
+    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig,
+                              Phi3Config,
                               Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 
     if arch not in ARCHS:
@@ -175,7 +176,8 @@ def resolve_config(arch: str, preset: str, *, tie_word_embeddings: bool = False,
             raise ValueError(f"{arch} requires head_dim == hidden_size // num_attention_heads")
     cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
            "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig, "phi3": Phi3Config, "qwen3_moe": Qwen3MoeConfig,
-           "qwen2_moe": Qwen2MoeConfig, "mixtral": MixtralConfig, "smollm3": SmolLM3Config}[arch]
+           "qwen2_moe": Qwen2MoeConfig, "mixtral": MixtralConfig, "smollm3": SmolLM3Config,
+           "granite": GraniteConfig}[arch]
     cfg = cls(**fields)
     cfg.dtype = "float32"
     return cfg, tok_vocab

@@ -83,7 +83,8 @@ TOKENIZER_FLAVOURS = ("bytelevel", "qwen2")
 ARCH_TOKENIZER_FLAVOUR = {
     "llama": "bytelevel", "mistral": "bytelevel", "qwen2": "qwen2", "qwen3": "bytelevel",
     "gemma2": "bytelevel", "gemma3": "bytelevel", "phi3": "bytelevel", "qwen3_moe": "bytelevel",
-    "qwen2_moe": "bytelevel", "mixtral": "bytelevel", "smollm3": "bytelevel"}
+    "qwen2_moe": "bytelevel", "mixtral": "bytelevel", "smollm3": "bytelevel",
+    "granite": "bytelevel"}
 _QWEN2_PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )

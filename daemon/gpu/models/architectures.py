@@ -1,6 +1,6 @@
 """The architectures llmd runs, as data: each is the one decoder (models/decoder.py) with
 a set of features, read from the config the way transformers' model of that name reads
-it. What differs between Llama, Mistral, Qwen2/3, Phi-3/4, Gemma 2/3, SmolLM3 and the MoE models
+it. What differs between Llama, Mistral, Qwen2/3, Phi-3/4, Gemma 2/3, Granite, SmolLM3 and the MoE models
 is a field here, not a subclass:
 
 - `qkv_bias`: where q/k/v's bias comes from (a config field and its default, or always);
@@ -14,6 +14,9 @@ is a field here, not a subclass:
 - `activation_field`: the config field naming the MLP activation;
 - `attention_softcap` / `final_softcap`: scores / logits soft-capped (Gemma 2 / both);
 - `rope_per_layer_type`: one rotary table per layer type (Gemma 3's local and global);
+- `multipliers`: Granite's four config floats: embeddings times `embedding_multiplier`,
+  the attention scale `attention_multiplier`, each block's output times
+  `residual_multiplier` before it joins the residual stream, logits over `logits_scaling`;
 - `nope_field`: the config's list of which layers rotate q/k (SmolLM3's `no_rope_layers`:
   1 rotates, 0 does not; its NoPE layers take the NOPE table, cos 1 and sin 0);
 - `windows`: each layer's sliding window from the config (WINDOW_RULES);
@@ -40,6 +43,7 @@ from llmd.gpu.models.config_checks import GEMMA_FIELDS, check_activation, check_
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 NOPE = "nope"  # the rotary key of a layer that does not rotate q and k (Architecture.rope_keys)
+GRANITE_MULTIPLIERS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")
 
 
 def windows_from_layer_types(architecture: str, config: Any, layer_types: list[str]) -> list[int | None]:
@@ -190,6 +194,7 @@ class Architecture:
     attention_softcap: bool = False
     final_softcap: bool = False
     rope_per_layer_type: bool = False
+    multipliers: bool = False
     nope_field: str | None = None
     windows: Callable[[str, Any], list[int | None]] = full_attention
     moe: Callable[[str, Any], MoeSpec] | None = None
@@ -254,6 +259,12 @@ class Architecture:
             check_unread(name, config, GEMMA_FIELDS)
         self.attention_windows(config)
         self.moe_spec(config)
+        if self.multipliers:
+            for field in GRANITE_MULTIPLIERS:
+                _positive(name, field, getattr(config, field, None), required=True)
+            if head_dim != config.hidden_size // config.num_attention_heads:  # transformers' Granite derives it
+                refuse(name, "head_dim", head_dim, "differs from hidden_size / num_attention_heads, which "
+                       "transformers' Granite uses")
 
     def _check_gemma(self, config: Any) -> None:
         name = self.name
@@ -294,6 +305,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     # Qwen2-MoE: Qwen2's attention with q/k/v bias from `qkv_bias` (o_proj has none).
     Architecture("Qwen2MoeForCausalLM", qkv_bias_field="qkv_bias", qkv_bias_default=True,
                  windows=qwen2_layer_types, moe=qwen_experts(True)),
+    # Granite: Llama's layers with four multipliers (module doc).
+    Architecture("GraniteForCausalLM", multipliers=True),
     # SmolLM3: Llama's layers, every fourth without rotary (its config's no_rope_layers).
     Architecture("SmolLM3ForCausalLM", nope_field="no_rope_layers", windows=smollm3_windows),
     Architecture("MixtralForCausalLM", windows=one_window, moe=mixtral_experts,

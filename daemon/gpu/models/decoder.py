@@ -80,12 +80,16 @@ class DecoderLayer(nn.Module):
         scale = softcap = None
         if arch.attention_scale_field is not None:
             scale = float(getattr(config, arch.attention_scale_field)) ** -0.5
+        elif arch.multipliers:
+            scale = float(config.attention_multiplier)
         if arch.attention_softcap:
             softcap = config.attn_logit_softcapping
         self.input_layernorm = norm(hidden, eps)
         self.self_attn = DecoderAttention(config, arch.qkv_bias(config), arch.qk_norm, tp, attention_backend,
                                           sliding_window, scale=scale, softcap=softcap, norm=norm, ops=self.ops)
         self.post_attention_layernorm = norm(hidden, eps)
+        # Granite's: each block's output scaled before it joins the residual stream
+        self.residual_multiplier = float(config.residual_multiplier) if arch.multipliers else 1.0
         self.sandwich = arch.sandwich_norms
         if self.sandwich:
             self.pre_feedforward_layernorm = norm(hidden, eps)
@@ -104,6 +108,10 @@ class DecoderLayer(nn.Module):
             hidden, residual = ops.add_rms_norm(self.input_layernorm, hidden, residual)
         hidden = self.self_attn(hidden, cos, sin, kv_cache, md)
         if not self.sandwich:
+            if self.residual_multiplier != 1.0:
+                hidden = hidden * self.residual_multiplier
+                hidden, residual = ops.add_rms_norm(self.post_attention_layernorm, hidden, residual)
+                return self.mlp(hidden) * self.residual_multiplier, residual
             hidden, residual = ops.add_rms_norm(self.post_attention_layernorm, hidden, residual)
             return self.mlp(hidden), residual
         hidden, residual = ops.add_rms_norm(self.pre_feedforward_layernorm,
@@ -184,6 +192,8 @@ class CausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)
         if self.arch.embed_scale:
             hidden = hidden * _rounded_sqrt(self.config.hidden_size, hidden.dtype)
+        elif self.arch.multipliers:
+            hidden = hidden * float(self.config.embedding_multiplier)
         tables = {key: table.cos_sin(positions, hidden.dtype) for key, table in self.rotary.items()}
         if self.decode_layers is not None and self.decode_layers.takes(hidden, md, kv_caches):
             hidden, residual = self.decode_layers(hidden, tables, kv_caches, md)
@@ -200,7 +210,11 @@ class CausalLM(nn.Module):
         """Full-vocab logits (with tensor parallelism a collective: every rank must call it);
         of `argmax_rows` only their argmax over [0, vocab_limit) is good (layers/greedy_head)."""
         cap = getattr(self.config, "final_logit_softcapping", None) if self.arch.final_softcap else None
-        logits = self.lm_head(hidden, argmax_rows, vocab_limit, cap).float()
+        divisor = float(self.config.logits_scaling) if self.arch.multipliers else 1.0
+        if divisor != 1.0:  # Granite's: the division could round a logit ruled out at one pass to the best
+            argmax_rows = None
+        logits = self.lm_head(hidden, argmax_rows, vocab_limit, cap)
+        logits = (logits / divisor if divisor != 1.0 else logits).float()
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits

@@ -224,6 +224,16 @@ def smollm3_config_fields(get: Callable[..., Any], a: str, fields: dict[str, Any
                 use_sliding_window=False, sliding_window=None)
 
 
+def granite_config_fields(get: Callable[..., Any], a: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """GraniteConfig fields of a granite GGUF (llama.cpp's converter writes the multipliers
+    as `_scale` keys; where one is absent llama.cpp multiplies by 1, and scales attention
+    by 1/sqrt(head_dim))."""
+    scale = get(f"{a}.attention.scale") or fields["head_dim"] ** -0.5
+    return dict(attention_multiplier=float(scale), embedding_multiplier=float(get(f"{a}.embedding_scale") or 1.0),
+                residual_multiplier=float(get(f"{a}.residual_scale") or 1.0),
+                logits_scaling=float(get(f"{a}.logit_scale") or 1.0))
+
+
 def _required_int(get: Callable[..., Any], key: str) -> int:
     value = get(key)
     if value is None:
@@ -258,6 +268,9 @@ MIXTRAL = GGUFArchitecture("MixtralForCausalLM", "mixtral", permuted_rotary=True
 ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "llama": GGUFArchitecture("LlamaForCausalLM", "llama", permuted_rotary=True, reads_rope_freqs=True,
                               config_class=LeanLlamaConfig),
+    "granite": GGUFArchitecture(
+        "GraniteForCausalLM", "granite", permuted_rotary=True, config_fields=granite_config_fields,
+        extra_keys=frozenset({"attention.scale", "embedding_scale", "residual_scale", "logit_scale"})),
     "smollm3": GGUFArchitecture("SmolLM3ForCausalLM", "smollm3", permuted_rotary=True,
                                 config_fields=smollm3_config_fields),
     "qwen2": GGUFArchitecture("Qwen2ForCausalLM", "qwen2", permuted_rotary=False),

@@ -6,7 +6,7 @@ is read by llmd's own reader (gguf_file), its tokenizer built by gguf_tokenizer.
 
 What llmd cannot run as llama.cpp would is refused naming the metadata key or tensor: an
 architecture other than llama (with experts: Mixtral), qwen2, qwen3, gemma2, gemma3, phi3,
-smollm3, qwen2moe and qwen3moe (gguf_arch.py says what each means), experts in another, partial
+smollm3, granite, qwen2moe and qwen3moe (gguf_arch.py says what each means), experts in another, partial
 rotary (but phi3's), an unknown rope scaling type, per-frequency rope factors
 (`rope_freqs.weight`, Llama 3.x's rope scaling) that llama.cpp would not apply
 (gguf_rope.py reads them), or an unknown `{arch}.*`.
@@ -103,7 +103,7 @@ def load_gguf_config(path: str | Path):
         eos_token_id=g.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=g.get("tokenizer.ggml.padding_token_id"), dtype=file_dtype(g),
     )
-    if spec.hf_architecture in ("LlamaForCausalLM", "SmolLM3ForCausalLM"):
+    if spec.hf_architecture in ("LlamaForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM"):
         fields["attention_bias"] = "blk.0.attn_q.bias" in g.tensors
         fields["mlp_bias"] = "blk.0.ffn_up.bias" in g.tensors
     if a in ("qwen2", "qwen2moe"):

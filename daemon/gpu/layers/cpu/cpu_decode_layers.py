@@ -84,6 +84,8 @@ def why_not(model: nn.Module) -> str | None:
         attn, mlp = layer.self_attn, layer.mlp
         if not (layer.ops is CPU_FUSED and attn.ops is CPU_FUSED):
             return f"layer {i} does not run the C++ fused ops"
+        if getattr(layer, "residual_multiplier", 1.0) != 1.0:
+            return f"layer {i} scales its blocks' outputs (Granite's residual_multiplier)"
         if not isinstance(mlp, GatedMLP | SparseMoeBlock) or mlp.ops is not CPU_FUSED or \
                 mlp.activation not in ACT_CODES:
             return f"layer {i}'s feed-forward is not a gated MLP or experts of the C++ fused ops"
