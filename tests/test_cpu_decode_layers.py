@@ -416,8 +416,10 @@ def test_the_c_layers_refuse_what_they_cannot_run(vnni):
     with pytest.raises(RuntimeError, match="add_layer first"):
         layers.set_norm("input", torch.ones(8), 1e-6, False)
     with pytest.raises(RuntimeError, match="heads a multiple of kv_heads"):
-        layers.add_layer(3, 2, 16, 0.25, 0.0, 0, 0, 0, False)
-    layers.add_layer(4, 2, 16, 0.25, 0.0, 0, 0, 0, False)
+        layers.add_layer(3, 2, 16, 0.25, 0.0, 0, 0, 0, False, 1.0)
+    with pytest.raises(RuntimeError, match="a residual scale with sandwich norms"):
+        layers.add_layer(4, 2, 16, 0.25, 0.0, 0, 0, 0, True, 0.5)
+    layers.add_layer(4, 2, 16, 0.25, 0.0, 0, 0, 0, False, 1.0)
     with pytest.raises(RuntimeError, match="no norm named"):
         layers.set_norm("final", torch.ones(8), 1e-6, False)
     with pytest.raises(RuntimeError, match="no projection named"):

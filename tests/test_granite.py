@@ -2,8 +2,8 @@
 `embedding_multiplier`, the attention scale `attention_multiplier`, each block's output
 times `residual_multiplier` before the residual add, logits over `logits_scaling`. llmd's
 greedy tokens and logprobs equal transformers' on the same weights (each multiplier away
-from 1, so each one counts), through prefill and the decode steps (the Python layers: the
-C++ decode layers do not scale a block's output), and a granite GGUF written as llama.cpp's
+from 1, so each one counts), through prefill (the Python layers) and the decode steps
+(the C++ decode layers), and a granite GGUF written as llama.cpp's
 converter writes it (the multipliers as `_scale` keys) gives the HF model's."""
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def hf(tmp_path_factory):
 def _check(path: str, hf_dir) -> None:
     llm = LLM(model=path, **SETTINGS)
     try:
-        assert why_not(llm.engine.executor.runner.model) is not None  # the Python layers decode
+        assert why_not(llm.engine.executor.runner.model) is None  # the C++ decode layers decode
         outs = llm.generate(PROMPTS, GREEDY)
     finally:
         llm.engine.shutdown()

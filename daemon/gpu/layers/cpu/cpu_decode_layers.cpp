@@ -19,7 +19,8 @@
 //   h = residual undefined ? (residual = hidden, norm(hidden)) : add_norm(hidden, residual)
 //   qkv = h W_qkv^T (+ b): q/k normed per head (when given), rotated, k/v written to the cache
 //   a = paged_decode(q) W_o^T (+ b)
-//   Llama: h, residual = add_norm(a, residual); hidden = mlp(h)
+//   Llama: h, residual = add_norm(a, residual); hidden = mlp(h) (Granite: a and mlp(h)
+//          times its residual scale first)
 //   sandwich (Gemma): h, residual = add_norm(post_attention_norm(a), residual);
 //                     hidden = post_feedforward_norm(mlp(h))
 //   mlp(h) = act(gate) * up of h W_gate_up^T (+ b), times W_down^T (+ b)
@@ -272,6 +273,7 @@ struct Layer {
   int64_t heads, kv_heads, head_dim, window, rope, act;
   double scale, softcap;
   bool sandwich;
+  double residual_scale;  // Granite's residual_multiplier: each block's output times it
   Norm input, post_attention, pre_feedforward, post_feedforward, q_norm, k_norm;
   Projection qkv, o, gate_up, down;
   Moe moe;
@@ -281,11 +283,12 @@ class DecoderLayers : public torch::CustomClassHolder {
  public:
   // A layer (module doc); its norms and projections are set next, by name.
   void add_layer(int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, double softcap, int64_t window,
-                 int64_t rope, int64_t act, bool sandwich) {
+                 int64_t rope, int64_t act, bool sandwich, double residual_scale) {
     TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0,
                 "DecoderLayers.add_layer: heads a multiple of kv_heads > 0, head_dim > 0 expected");
     TORCH_CHECK(rope >= 0 && window >= 0 && act >= 0, "DecoderLayers.add_layer: rope, window, act >= 0 expected");
-    layers_.push_back(Layer{heads, kv_heads, head_dim, window, rope, act, scale, softcap, sandwich});
+    TORCH_CHECK(!sandwich || residual_scale == 1.0, "DecoderLayers.add_layer: a residual scale with sandwich norms");
+    layers_.push_back(Layer{heads, kv_heads, head_dim, window, rope, act, scale, softcap, sandwich, residual_scale});
   }
 
   // which: input, post_attention, pre_feedforward, post_feedforward, q_norm, k_norm.
@@ -388,9 +391,11 @@ class DecoderLayers : public torch::CustomClassHolder {
                                 kUnitScale);
       at::Tensor a = l.o(ops, attended.view({rows, l.heads * l.head_dim}));
       if (l.sandwich) a = norm(ops, l.post_attention, a);
+      if (l.residual_scale != 1.0) a = at::mul(a, l.residual_scale);
       h = add_norm(ops, l.sandwich ? l.pre_feedforward : l.post_attention, a, residual);
       hidden = l.moe.top_k ? moe(ops, l, h) : l.down(ops, ops.act_and_mul.call(l.gate_up(ops, h), l.act));
       if (l.sandwich) hidden = norm(ops, l.post_feedforward, hidden);
+      if (l.residual_scale != 1.0) hidden = at::mul(hidden, l.residual_scale);
     }
     return {hidden, residual};
   }

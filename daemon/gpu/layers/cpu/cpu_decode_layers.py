@@ -84,8 +84,6 @@ def why_not(model: nn.Module) -> str | None:
         attn, mlp = layer.self_attn, layer.mlp
         if not (layer.ops is CPU_FUSED and attn.ops is CPU_FUSED):
             return f"layer {i} does not run the C++ fused ops"
-        if getattr(layer, "residual_multiplier", 1.0) != 1.0:
-            return f"layer {i} scales its blocks' outputs (Granite's residual_multiplier)"
         if not isinstance(mlp, GatedMLP | SparseMoeBlock) or mlp.ops is not CPU_FUSED or \
                 mlp.activation not in ACT_CODES:
             return f"layer {i}'s feed-forward is not a gated MLP or experts of the C++ fused ops"
@@ -185,7 +183,7 @@ def build_decode_layers(model: nn.Module) -> DecodeLayers | None:
         kernel = attn.attn
         layers.add_layer(attn.num_heads, attn.num_kv_heads, attn.head_dim, kernel.scale, kernel.softcap or 0.0,
                          kernel.sliding_window or 0, rope_keys.index(key), ACT_CODES[layer.mlp.activation],
-                         layer.sandwich)
+                         layer.sandwich, layer.residual_multiplier)
         norms = {"input": layer.input_layernorm, "post_attention": layer.post_attention_layernorm,
                  "q_norm": attn.q_norm, "k_norm": attn.k_norm}
         if layer.sandwich:
