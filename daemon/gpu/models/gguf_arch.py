@@ -218,7 +218,7 @@ SMOLLM3_NO_ROPE_STEP = 4  # llama.cpp: hparams.n_no_rope_layer_step (no key in t
 
 def smollm3_config_fields(get: Callable[..., Any], a: str, fields: dict[str, Any]) -> dict[str, Any]:
     """SmolLM3Config fields of a smollm3 GGUF: llama.cpp leaves rotary out of every fourth
-    layer (the file names none), q/k/v/o and MLP bias where the tensors are."""
+    layer (the file names none) and slides no window (the loader sets Llama's biases)."""
     layers = fields["num_hidden_layers"]
     return dict(no_rope_layers=[int((i + 1) % SMOLLM3_NO_ROPE_STEP != 0) for i in range(layers)],
                 use_sliding_window=False, sliding_window=None)
