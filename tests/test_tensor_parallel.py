@@ -1,6 +1,7 @@
 """Tensor parallelism (TP=2 over gloo on CPU): greedy tokens equal TP=1 and HF, logprobs
-within 1e-4 of TP=1, for Llama, Qwen2 (qkv bias, padded vocab), Qwen3 (q/k norm) and a
-Qwen3 with fewer KV heads than ranks (replicated KV heads). Each rank's KV cache holds
+within 1e-4 of TP=1, for Llama, Qwen2 (qkv bias, padded vocab), Qwen3 (q/k norm), a
+Qwen3 with fewer KV heads than ranks (replicated KV heads), SmolLM3 (a NoPE layer) and
+Granite (its multipliers, the residual one after o_proj's and down_proj's all-reduce). Each rank's KV cache holds
 only its own kv heads. Bad sizes are clear errors before any worker starts."""
 from __future__ import annotations
 
@@ -20,7 +21,11 @@ MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
 # Small step budget: long prompts are chunked, and decodes mix with prefill chunks.
 SETTINGS = dict(device="cpu", dtype="float32", num_gpu_blocks_override=128, max_model_len=256, max_num_batched_tokens=48)
-CASES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "qwen3-kv1"]
+CASES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "qwen3-kv1", "smollm3", "granite"]
+BUILT = {"qwen3-kv1": dict(arch="qwen3", num_key_value_heads=1),
+         "smollm3": dict(arch="smollm3", num_hidden_layers=4),  # layer 3 without rotary
+         "granite": dict(arch="granite", embedding_multiplier=6.0, attention_multiplier=0.1, residual_multiplier=0.4,
+                         logits_scaling=3.0)}
 PROMPTS = (0, 1, 3, 5)  # of test_engine_vs_hf.TEXTS (its HF references are shared); 3 and 5 are chunked
 
 
@@ -31,9 +36,9 @@ def engines(tmp_path_factory):
 
     def get(name: str) -> tuple[str, LLM, LLM]:
         if name not in built:
-            if name == "qwen3-kv1":
-                path = str(build_model(tmp_path_factory.mktemp("qwen3-kv1"), "qwen3", "tiny",
-                                       num_key_value_heads=1))
+            if name in BUILT:
+                recipe = dict(BUILT[name])
+                path = str(build_model(tmp_path_factory.mktemp(name), recipe.pop("arch"), "tiny", **recipe))
             else:
                 path = str(fixture_path(name))
             built[name] = (path, LLM(model=path, **SETTINGS),

@@ -115,8 +115,7 @@ def resolve_config(arch: str, preset: str, *, tie_word_embeddings: bool = False,
       ARCH_TOKENIZER_FLAVOUR[arch]), ``dtype`` (one of SAVE_DTYPES: the safetensors'
       dtype, default float32; bfloat16 halves a big fixture's files)."""
     from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig,
-                              Phi3Config,
-                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
+                              Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
