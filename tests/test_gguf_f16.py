@@ -6,6 +6,7 @@ hold stays float16 (float32 on CPU), as does one of float32 values (test_gguf's
 qwen2 F16). The bit rule against torch's own conversion, on every float16."""
 from __future__ import annotations
 
+import logging
 import shutil
 
 import numpy as np
@@ -63,12 +64,14 @@ def test_the_bit_rule_is_torchs_round_trip_on_every_float16():
     assert f16_bits_fit_bfloat16(bits[exact & ~nan]) and not f16_bits_fit_bfloat16(bits[~exact & ~nan])
 
 
-def test_an_f16_file_of_bfloat16_values_runs_as_its_bf16_file(files):
+def test_an_f16_file_of_bfloat16_values_runs_as_its_bf16_file(files, caplog):
     assert str(load_hf_config(files["f16"]).dtype).removeprefix("torch.") == "bfloat16"
     assert str(load_hf_config(files["f16-one-off"]).dtype).removeprefix("torch.") == "float16"
     runs = {}
     for kind in ("f16", "bf16"):
-        llm = LLM(model=files[kind], device="cpu", num_gpu_blocks_override=64, max_model_len=256)
+        with caplog.at_level(logging.INFO, logger="llmd.engine"):
+            llm = LLM(model=files[kind], device="cpu", num_gpu_blocks_override=64, max_model_len=256)
+        assert "KV cache" in caplog.text and "float16 weights run in float32" not in caplog.text
         try:
             assert llm.engine.dtype == torch.bfloat16
             model = llm.engine.executor.runner.model
@@ -87,8 +90,11 @@ def test_an_f16_file_of_bfloat16_values_runs_as_its_bf16_file(files):
     assert need["f16"] == need["bf16"] and need["f16-one-off"]["cpu"] > 1.5 * need["f16"]["cpu"]
 
 
-def test_an_f16_file_with_one_value_bfloat16_cannot_hold_runs_in_float32(files):
-    llm = LLM(model=files["f16-one-off"], device="cpu", num_gpu_blocks_override=64, max_model_len=256)
+def test_an_f16_file_with_one_value_bfloat16_cannot_hold_runs_in_float32(files, caplog):
+    """... and says why its weights take twice the file, and what halves them."""
+    with caplog.at_level(logging.INFO, logger="llmd.engine"):
+        llm = LLM(model=files["f16-one-off"], device="cpu", num_gpu_blocks_override=64, max_model_len=256)
+    assert "float16 weights run in float32 on CPU" in caplog.text and "--dtype bfloat16" in caplog.text
     try:
         assert llm.engine.dtype == torch.float32
         down = checkpoint_weight(llm.engine.executor.runner.model.get_submodule("layers.1.mlp.down_proj"))
