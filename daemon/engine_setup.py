@@ -63,9 +63,9 @@ def prepare_model(config: EngineConfig, progress: LoadProgress | None = None) ->
     device = torch.device(device)
     _check_quantized_device(hf_config, model_dir, device, config.dequantize)
     checkpoint_dtype = str(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", "") or "")
-    dtype = resolve_dtype(config.dtype, device, checkpoint_dtype.replace("torch.", ""))
-    if config.dtype == "auto" and device.type == "cpu" and checkpoint_dtype.endswith("float16") \
-            and dtype == torch.float32 and not checkpoint_dtype.endswith("bfloat16"):
+    checkpoint_dtype = checkpoint_dtype.replace("torch.", "")
+    dtype = resolve_dtype(config.dtype, device, checkpoint_dtype)
+    if config.dtype == "auto" and device.type == "cpu" and checkpoint_dtype == "float16":
         logger.info("float16 weights run in float32 on CPU (twice their size: CPU float16 matmuls are slow and "
                     "lossy); --dtype bfloat16 halves them, each weight rounded to bfloat16")
     _check_kv_cache_dtype(config.kv_cache_dtype, dtype)

@@ -108,12 +108,11 @@ class DecoderLayer(nn.Module):
             hidden, residual = ops.add_rms_norm(self.input_layernorm, hidden, residual)
         hidden = self.self_attn(hidden, cos, sin, kv_cache, md)
         if not self.sandwich:
-            if self.residual_multiplier != 1.0:
-                hidden = hidden * self.residual_multiplier
-                hidden, residual = ops.add_rms_norm(self.post_attention_layernorm, hidden, residual)
-                return self.mlp(hidden) * self.residual_multiplier, residual
-            hidden, residual = ops.add_rms_norm(self.post_attention_layernorm, hidden, residual)
-            return self.mlp(hidden), residual
+            scale = self.residual_multiplier
+            hidden, residual = ops.add_rms_norm(self.post_attention_layernorm,
+                                                hidden if scale == 1.0 else hidden * scale, residual)
+            out = self.mlp(hidden)
+            return (out if scale == 1.0 else out * scale), residual
         hidden, residual = ops.add_rms_norm(self.pre_feedforward_layernorm,
                                             ops.rms_norm(self.post_attention_layernorm, hidden), residual)
         return ops.rms_norm(self.post_feedforward_layernorm, self.mlp(hidden)), residual
